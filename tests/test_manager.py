@@ -1,0 +1,306 @@
+"""OffloadingManager: scenario tests (one comment per step) and a hypothesis state machine
+checking the two-phase lifecycle, pins, demotion and events against a simple model."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tiercache.manager import OffloadingManager
+from tiercache.policies import ARCPolicy, LRUPolicy
+from tiercache.tiers.cpu import CPUTier
+
+
+def K(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def chain(a: int, b: int) -> list[bytes]:
+    return [K(i) for i in range(a, b)]
+
+
+def make(*caps: int, policy=LRUPolicy, promote: bool = True) -> OffloadingManager:
+    tiers = [CPUTier(name=f"t{i}", block_bytes=8, capacity_blocks=c) for i, c in enumerate(caps)]
+    return OffloadingManager(tiers, [policy(c) for c in caps], promote=promote)
+
+
+def store(m: OffloadingManager, keys: list[bytes]):
+    out = m.prepare_store(keys)
+    assert out is not None
+    for mv in out.moves:
+        m.complete_store(mv.keys)
+    m.complete_store(out.keys_to_store)
+    return out
+
+
+def test_store_is_invisible_until_complete() -> None:
+    m = make(4)
+    out = m.prepare_store(chain(0, 3))
+    # Reserved but not ready: lookup sees nothing, a second prepare does not store again.
+    assert out.keys_to_store == tuple(chain(0, 3)) and len(out.store_spec.slots) == 3
+    assert m.lookup(chain(0, 3)) == 0
+    assert m.prepare_store(chain(0, 3)).keys_to_store == ()
+    # Completing makes them visible and emits one stored event.
+    m.complete_store(chain(0, 3))
+    assert m.lookup(chain(0, 3)) == 3
+    (ev,) = m.take_events()
+    assert (ev.keys, ev.medium, ev.removed) == (tuple(chain(0, 3)), "t0", False)
+    assert m.take_events() == []
+
+
+def test_failed_store_frees_slots() -> None:
+    m = make(4)
+    m.prepare_store(chain(0, 4))
+    m.complete_store(chain(0, 4), success=False)
+    assert m.lookup(chain(0, 4)) == 0 and m.tiers[0].used_blocks == 0
+    assert m.take_events() == []
+    # The keys can be stored again afterwards.
+    assert m.prepare_store(chain(0, 4)).keys_to_store == tuple(chain(0, 4))
+
+
+def test_lookup_counts_leading_ready_only() -> None:
+    m = make(8)
+    store(m, chain(0, 2))
+    store(m, chain(3, 5))
+    assert m.lookup(chain(0, 5)) == 2
+    assert m.lookup(chain(3, 5)) == 2
+    assert m.lookup([K(99), *chain(0, 2)]) == 0
+    assert m.lookup([]) == 0
+
+
+def test_pinned_blocks_are_not_evicted_and_full_pin_returns_none() -> None:
+    m = make(4)
+    store(m, chain(0, 4))
+    spec = m.prepare_load(chain(0, 4))
+    assert spec.slots and set(spec.tiers) == {0}
+    # Every block is pinned: no room, None, and nothing changed.
+    before = m.stats()
+    assert m.prepare_store(chain(10, 11)) is None
+    assert m.stats() == before and m.lookup(chain(0, 4)) == 4
+    # Unpin two; a store of one block can now evict an unpinned one only.
+    m.complete_load(chain(0, 4))
+    m.prepare_load(chain(0, 3))
+    out = m.prepare_store(chain(10, 11))
+    assert out.evicted_keys == (K(3),)
+    m.complete_store(out.keys_to_store)
+    assert m.lookup(chain(0, 3)) == 3
+
+
+def test_prepare_load_of_missing_key_pins_nothing() -> None:
+    m = make(4)
+    store(m, chain(0, 2))
+    with pytest.raises(KeyError, match="not ready"):
+        m.prepare_load([K(0), K(7)])
+    with pytest.raises(KeyError, match="no outstanding load"):
+        m.complete_load([K(0)])
+    assert m.stats()["t0"]["pinned_blocks"] == 0
+
+
+def test_duplicate_keys_rejected_without_change() -> None:
+    m = make(4)
+    with pytest.raises(ValueError, match="duplicates"):
+        m.prepare_store([K(1), K(1)])
+    assert m.tiers[0].used_blocks == 0
+
+
+def test_store_larger_than_first_tier_returns_none() -> None:
+    m = make(3)
+    assert m.prepare_store(chain(0, 4)) is None
+    assert m.tiers[0].used_blocks == 0
+
+
+def test_chain_is_evicted_tail_first() -> None:
+    m = make(4)
+    store(m, chain(0, 4))
+    m.touch(chain(0, 4))
+    # Two new blocks evict the chain's tail (3, then 2), never its head.
+    out = store(m, chain(10, 12))
+    assert set(out.evicted_keys) == {K(2), K(3)}
+    assert m.lookup(chain(0, 4)) == 2
+
+
+def test_demotion_moves_victims_to_next_tier_in_order() -> None:
+    m = make(2, 4)
+    store(m, chain(0, 2))
+    out = m.prepare_store(chain(2, 4))
+    # Both victims leave t0 and are planned into t1; the store reuses their slots afterwards.
+    assert set(out.evicted_keys) == set(chain(0, 2))
+    (mv,) = out.moves
+    assert set(mv.keys) == set(chain(0, 2)) and mv.src.tier == 0 and mv.dst.tier == 1
+    assert set(mv.src.slots) == set(out.store_spec.slots)
+    # While the move is in flight the chain's head reads as "ask again later".
+    assert m.lookup(chain(0, 4)) is None
+    m.complete_store(mv.keys)
+    m.complete_store(out.keys_to_store)
+    assert m.lookup(chain(0, 4)) == 4
+    assert m.where(K(0)) == [1] and m.where(K(3)) == [0]
+    spec = m.prepare_load(chain(0, 4))
+    assert [g.tier for g in spec.groups()] == [0, 1]
+    m.complete_load(chain(0, 4))
+    events = [(e.medium, e.removed, set(e.keys)) for e in m.take_events()]
+    assert ("t0", True, set(chain(0, 2))) in events and ("t1", False, set(chain(0, 2))) in events
+
+
+def test_cascade_lists_deeper_moves_first() -> None:
+    m = make(1, 1, 1)
+    store(m, [K(0)])
+    store(m, [K(1)])  # K0 -> t1
+    out = m.prepare_store([K(2)])  # K1 -> t1 needs K0 -> t2 first
+    assert [(mv.src.tier, mv.dst.tier) for mv in out.moves] == [(1, 2), (0, 1)]
+    assert out.moves[0].keys == (K(0),) and out.moves[1].keys == (K(1),)
+
+
+def test_last_tier_drops_and_failed_move_loses_block() -> None:
+    m = make(1, 1)
+    store(m, [K(0)])
+    store(m, [K(1)])
+    store(m, [K(2)])  # K0 dropped from t1 (last tier), K1 demoted
+    assert m.lookup([K(0)]) == 0 and m.lookup([K(1)]) == 1
+    assert m.stats()["t1"]["dropped"] == 1
+    out = m.prepare_store([K(3)])
+    m.complete_store(out.moves[0].keys, success=False)  # the demotion of K2 failed
+    m.complete_store(out.keys_to_store)
+    assert m.lookup([K(2)]) == 0 and m.lookup([K(3)]) == 1
+
+
+def test_demotion_skipped_when_lower_tier_holds_copy_and_promotion() -> None:
+    m = make(1, 4)
+    store(m, [K(0)])
+    store(m, [K(1)])  # K0 -> t1
+    assert m.where(K(0)) == [1]
+    # A hit in t1 can be promoted into t0; the t1 copy stays.
+    out = m.prepare_promote([K(0)])
+    assert out.keys_to_store == (K(0),) and out.evicted_keys == (K(1),)
+    for mv in out.moves:
+        m.complete_store(mv.keys)
+    m.complete_store(out.keys_to_store)
+    assert m.where(K(0)) == [0, 1] and m.where(K(1)) == [1]
+    # Evicting K0 from t0 again needs no copy: t1 already holds it.
+    out = m.prepare_store([K(5)])
+    assert out.evicted_keys == (K(0),) and out.moves == ()
+    assert make(1, 4, promote=False).prepare_promote([K(0)]) is None
+
+
+def test_discard_drops_copy_and_emits_removed() -> None:
+    m = make(4)
+    store(m, chain(0, 3))
+    m.take_events()
+    m.prepare_load([K(1)])
+    with pytest.raises(ValueError, match="being loaded"):
+        m.discard([K(1)])
+    m.complete_load([K(1)])
+    assert m.discard([K(1)]) == 1
+    assert m.lookup(chain(0, 3)) == 1
+    (ev,) = m.take_events()
+    assert ev.removed and ev.keys == (K(1),)
+    assert m.tiers[0].used_blocks == 2 and K(1) not in m.policies[0]
+
+
+def test_hit_and_miss_counters_per_tier() -> None:
+    m = make(2, 4)
+    store(m, chain(0, 2))
+    store(m, chain(2, 4))  # 0,1 -> t1
+    m.lookup([*chain(0, 4), K(9)])
+    s = m.stats()
+    # Keys 0,1 served by t1 (miss in t0); 2,3 by t0; K9 missed everywhere.
+    assert (s["t0"]["hits"], s["t0"]["misses"]) == (2, 3)
+    assert (s["t1"]["hits"], s["t1"]["misses"]) == (2, 1)
+
+
+def test_constructor_validation() -> None:
+    t = CPUTier(block_bytes=8, capacity_blocks=2)
+    with pytest.raises(ValueError, match="tiers"):
+        OffloadingManager([], [])
+    with pytest.raises(ValueError, match="policies"):
+        OffloadingManager([t], [])
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """A two-tier manager against a model of what must hold after each step.
+
+    The model tracks per-key intent only (stored, pinned); the invariants check the manager
+    never shows a block that is not complete, never evicts a pinned block, keeps capacity, and
+    that replaying its events reproduces exactly its per-tier ready sets.
+    """
+
+    @initialize(policy=st.sampled_from([LRUPolicy, ARCPolicy]), cap0=st.integers(1, 4),
+                cap1=st.integers(1, 6))
+    def start(self, policy, cap0: int, cap1: int) -> None:
+        self.m = make(cap0, cap1, policy=policy)
+        self.pending: dict[int, tuple] = {}  # id -> PrepareStoreOutput not yet completed
+        self.next_id = 0
+        self.pins: list[list[bytes]] = []
+        self.replayed: dict[str, set[bytes]] = {"t0": set(), "t1": set()}
+
+    keys = st.lists(st.integers(0, 12), min_size=1, max_size=4, unique=True).map(
+        lambda xs: [K(x) for x in xs])
+
+    @rule(keys=keys)
+    def prepare_store(self, keys) -> None:
+        before = self.m.stats()
+        pinned = {k for p in self.pins for k in p}
+        out = self.m.prepare_store(keys)
+        if out is None:
+            assert self.m.stats() == before
+            return
+        assert not set(out.evicted_keys) & pinned
+        assert not set(out.evicted_keys) & set(keys)
+        self.pending[self.next_id] = out
+        self.next_id += 1
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data(), success=st.booleans())
+    def complete(self, data, success: bool) -> None:
+        pid = data.draw(st.sampled_from(sorted(self.pending)))
+        out = self.pending.pop(pid)
+        for mv in out.moves:
+            self.m.complete_store(mv.keys, success=data.draw(st.booleans()))
+        self.m.complete_store(out.keys_to_store, success=success)
+        if success:
+            assert self.m.count_ready(out.keys_to_store) == len(out.keys_to_store)
+
+    @rule(keys=keys)
+    def load(self, keys) -> None:
+        n = self.m.lookup(keys)
+        if n:
+            spec = self.m.prepare_load(keys[:n])
+            assert len(spec.slots) == n
+            self.pins.append(keys[:n])
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def finish_load(self, data) -> None:
+        i = data.draw(st.integers(0, len(self.pins) - 1))
+        self.m.complete_load(self.pins.pop(i))
+
+    @rule(keys=keys)
+    def touch(self, keys) -> None:
+        self.m.touch(keys)
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        for e in self.m.take_events():
+            target = self.replayed[e.medium]
+            if e.removed:
+                assert set(e.keys) <= target
+                target -= set(e.keys)
+            else:
+                assert not set(e.keys) & target
+                target |= set(e.keys)
+        pinned = {k for p in self.pins for k in p}
+        for i, (tier, pol) in enumerate(zip(self.m.tiers, self.m.policies, strict=True)):
+            ready = {k for k in self.replayed[tier.medium]}
+            assert len(pol) == len(ready) and all(k in pol for k in ready)
+            assert tier.used_blocks <= tier.capacity_blocks
+            assert all(i in self.m.where(k) for k in ready)
+        # Every pinned block is still ready somewhere.
+        assert all(self.m.where(k) for k in pinned)
+
+
+ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                            deadline=None)
+TestManagerMachine = ManagerMachine.TestCase

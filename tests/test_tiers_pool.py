@@ -1,0 +1,82 @@
+"""CPU and GPU pool tiers: the shared conformance suite, state machines, and device rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tier_conformance import TierConformance, rand_blocks, tier_state_machine
+from tiercache.errors import ConfigError, TierUnavailableError
+from tiercache.tiers import build_tier, tier_class
+from tiercache.tiers.cpu import CPUTier
+from tiercache.tiers.gpu import GPUTier
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class TestCPUTier(TierConformance):
+    def make_tier(self, capacity_blocks, block_bytes, tmp_path):
+        return CPUTier(block_bytes=block_bytes, capacity_blocks=capacity_blocks)
+
+    def test_pool_is_one_contiguous_tensor(self, tier) -> None:
+        assert tier.pool.shape == (8, self.block_bytes) and tier.pool.is_contiguous()
+        assert tier.pinned == torch.cuda.is_available()
+
+
+class TestGPUTierCPUTwin(TierConformance):
+    """The GPU tier's code on its explicit CPU twin (device = "cpu")."""
+
+    def make_tier(self, capacity_blocks, block_bytes, tmp_path):
+        return GPUTier(block_bytes=block_bytes, capacity_blocks=capacity_blocks, device="cpu")
+
+
+@cuda
+class TestGPUTierCUDA(TierConformance):
+    def make_tier(self, capacity_blocks, block_bytes, tmp_path):
+        return GPUTier(block_bytes=block_bytes, capacity_blocks=capacity_blocks, device="cuda")
+
+    def test_pool_on_device(self, tier) -> None:
+        assert tier.pool.is_cuda
+
+
+TestCPUTierMachine = tier_state_machine(
+    lambda cap, bb: CPUTier(block_bytes=bb, capacity_blocks=cap)).TestCase
+TestCPUTierWideMachine = tier_state_machine(
+    lambda cap, bb: CPUTier(block_bytes=bb, capacity_blocks=cap), block_bytes=64).TestCase
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_gpu_tier_refuses_without_cuda() -> None:
+    with pytest.raises(TierUnavailableError, match="CUDA is not available"):
+        GPUTier(block_bytes=64, capacity_blocks=4)
+    with pytest.raises(TierUnavailableError, match="device = \"cpu\""):
+        GPUTier(block_bytes=64, capacity_blocks=4, device="cuda:0")
+
+
+@pytest.mark.parametrize("device", ["tpu", "mps", "not a device", "cuda:x"])
+def test_gpu_tier_bad_device(device: str) -> None:
+    with pytest.raises((ConfigError, TierUnavailableError), match="device"):
+        GPUTier(block_bytes=64, capacity_blocks=4, device=device)
+
+
+def test_registry_and_build() -> None:
+    from tiercache.config import TierConfig
+
+    assert tier_class("cpu") is CPUTier and tier_class("gpu") is GPUTier
+    with pytest.raises(ConfigError, match="unknown tier kind 'tape'"):
+        tier_class("tape")
+    cfg = TierConfig.from_mapping({"kind": "gpu", "blocks": 3, "device": "cpu"}, 0)
+    t = build_tier(cfg, 16)
+    assert isinstance(t, GPUTier) and t.capacity_blocks == 3 and t.medium == "gpu"
+
+
+def test_large_batch_is_one_copy_not_a_loop() -> None:
+    """A 4096-block scattered batch round-trips (index_copy_/index_select, no Python loop)."""
+    t = CPUTier(block_bytes=256, capacity_blocks=8192)
+    slots = t.allocate([i.to_bytes(16, "big") for i in range(8192)])
+    picked = slots[::2]
+    data = rand_blocks(len(picked), 256, 9)
+    t.write(picked, data)
+    out = torch.empty_like(data)
+    t.read(picked, out)
+    assert torch.equal(out, data)

@@ -1,0 +1,207 @@
+"""The shared conformance suite every `Tier` runs (subclass `TierConformance`, define
+`make_tier`), plus a hypothesis state machine against a dict model of slot -> bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tiercache.tiers import Tier
+
+
+def keys_for(n: int, start: int = 0) -> list[bytes]:
+    return [i.to_bytes(16, "big") for i in range(start, start + n)]
+
+
+def rand_blocks(n: int, block_bytes: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8, generator=g)
+
+
+class TierConformance:
+    """Behaviour every tier must have. Subclasses implement `make_tier`."""
+
+    block_bytes = 64
+
+    def make_tier(self, capacity_blocks: int, block_bytes: int, tmp_path) -> Tier:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def tier(self, tmp_path):
+        t = self.make_tier(8, self.block_bytes, tmp_path)
+        yield t
+        t.close()
+
+    def test_capacity_accounting(self, tier: Tier) -> None:
+        assert (tier.capacity_blocks, tier.used_blocks, tier.free_blocks) == (8, 0, 8)
+        slots = tier.allocate(keys_for(3))
+        assert slots is not None and len(set(slots)) == 3
+        assert all(0 <= s < 8 for s in slots)
+        assert (tier.used_blocks, tier.free_blocks) == (3, 5)
+        tier.free(slots[:2])
+        assert tier.used_blocks == 1
+
+    def test_allocate_too_many_changes_nothing(self, tier: Tier) -> None:
+        tier.allocate(keys_for(6))
+        assert tier.allocate(keys_for(3, 100)) is None
+        assert tier.used_blocks == 6
+        assert tier.allocate(keys_for(2, 100)) is not None
+        assert tier.free_blocks == 0
+
+    def test_allocate_empty(self, tier: Tier) -> None:
+        assert tier.allocate([]) == []
+        assert tier.used_blocks == 0
+
+    def test_round_trip_contiguous_and_scattered(self, tier: Tier) -> None:
+        slots = tier.allocate(keys_for(8))
+        data = rand_blocks(8, self.block_bytes, 1)
+        tier.write(slots, data)
+        out = torch.empty_like(data)
+        assert tier.read(slots, out) == []
+        assert torch.equal(out, data)
+        picked = [slots[6], slots[1], slots[4]]
+        out3 = torch.zeros((3, self.block_bytes), dtype=torch.uint8)
+        assert tier.read(picked, out3) == []
+        assert torch.equal(out3, data[[6, 1, 4]])
+
+    def test_scattered_write(self, tier: Tier) -> None:
+        slots = tier.allocate(keys_for(8))
+        base = rand_blocks(8, self.block_bytes, 2)
+        tier.write(slots, base)
+        patch = rand_blocks(2, self.block_bytes, 3)
+        tier.write([slots[5], slots[2]], patch)
+        out = torch.empty_like(base)
+        tier.read(slots, out)
+        expected = base.clone()
+        expected[5], expected[2] = patch[0], patch[1]
+        assert torch.equal(out, expected)
+
+    def test_read_into_row_view(self, tier: Tier) -> None:
+        slots = tier.allocate(keys_for(2))
+        data = rand_blocks(2, self.block_bytes, 4)
+        tier.write(slots, data)
+        big = torch.zeros((5, self.block_bytes), dtype=torch.uint8)
+        tier.read(slots, big[2:4])
+        assert torch.equal(big[2:4], data)
+        assert not big[0].any() and not big[4].any()
+
+    @pytest.mark.parametrize("bad", [
+        torch.zeros((2, 64), dtype=torch.float32),
+        torch.zeros((2, 64), dtype=torch.int8),
+    ])
+    def test_wrong_dtype(self, tier: Tier, bad: torch.Tensor) -> None:
+        slots = tier.allocate(keys_for(2))
+        with pytest.raises(TypeError, match="uint8"):
+            tier.write(slots, bad[:, : self.block_bytes])
+
+    def test_wrong_shape(self, tier: Tier) -> None:
+        slots = tier.allocate(keys_for(2))
+        with pytest.raises(ValueError, match="shape"):
+            tier.write(slots, torch.zeros((3, self.block_bytes), dtype=torch.uint8))
+        with pytest.raises(ValueError, match="shape"):
+            tier.read(slots, torch.zeros((2, self.block_bytes + 1), dtype=torch.uint8))
+
+    def test_non_contiguous_rejected(self, tier: Tier) -> None:
+        slots = tier.allocate(keys_for(2))
+        t = torch.zeros((self.block_bytes, 2), dtype=torch.uint8).t()
+        with pytest.raises(ValueError, match="contiguous"):
+            tier.write(slots, t)
+
+    def test_not_a_tensor(self, tier: Tier) -> None:
+        slots = tier.allocate(keys_for(1))
+        with pytest.raises(TypeError, match="Tensor"):
+            tier.write(slots, b"\0" * self.block_bytes)  # type: ignore[arg-type]
+
+    def test_odd_block_size(self, tmp_path) -> None:
+        t = self.make_tier(4, 37, tmp_path)
+        try:
+            slots = t.allocate(keys_for(4))
+            data = rand_blocks(4, 37, 5)
+            t.write([slots[3], slots[0], slots[2], slots[1]], data)
+            out = torch.empty_like(data)
+            t.read([slots[3], slots[0], slots[2], slots[1]], out)
+            assert torch.equal(out, data)
+        finally:
+            t.close()
+
+    def test_bad_constructor_arguments(self, tmp_path) -> None:
+        with pytest.raises(ValueError, match="capacity_blocks"):
+            self.make_tier(0, 64, tmp_path)
+        with pytest.raises(ValueError, match="block_bytes"):
+            self.make_tier(4, 0, tmp_path)
+
+    def test_close_idempotent(self, tier: Tier) -> None:
+        tier.close()
+        tier.close()
+
+    def test_capability_flags(self, tier: Tier) -> None:
+        assert isinstance(tier.persistent, bool) and isinstance(tier.shared, bool)
+        assert tier.medium
+
+
+def tier_state_machine(make_tier, block_bytes: int = 24, capacity: int = 6):
+    """A RuleBasedStateMachine class checking a tier against a dict model of slot -> bytes."""
+
+    class TierMachine(RuleBasedStateMachine):
+        @initialize()
+        def start(self) -> None:
+            self.tier = make_tier(capacity, block_bytes)
+            self.model: dict[int, bytes] = {}
+            self.seq = 0
+
+        def teardown(self) -> None:
+            if hasattr(self, "tier"):
+                self.tier.close()
+
+        @rule(n=st.integers(1, capacity), seed=st.integers(0, 2**16))
+        def allocate_and_write(self, n: int, seed: int) -> None:
+            slots = self.tier.allocate(keys_for(n, self.seq))
+            self.seq += n
+            if len(self.model) + n > capacity:
+                assert slots is None
+                return
+            assert slots is not None and not set(slots) & set(self.model)
+            data = rand_blocks(n, block_bytes, seed)
+            self.tier.write(slots, data)
+            for s, row in zip(slots, data, strict=True):
+                self.model[s] = row.numpy().tobytes()
+
+        @precondition(lambda self: self.model)
+        @rule(data=st.data())
+        def overwrite(self, data) -> None:
+            slots = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1,
+                                       unique=True))
+            blocks = rand_blocks(len(slots), block_bytes, data.draw(st.integers(0, 99)))
+            self.tier.write(slots, blocks)
+            for s, row in zip(slots, blocks, strict=True):
+                self.model[s] = row.numpy().tobytes()
+
+        @precondition(lambda self: self.model)
+        @rule(data=st.data())
+        def free_some(self, data) -> None:
+            slots = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1,
+                                       unique=True))
+            self.tier.free(slots)
+            for s in slots:
+                del self.model[s]
+
+        @precondition(lambda self: self.model)
+        @rule(data=st.data())
+        def read_back(self, data) -> None:
+            slots = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1))
+            out = torch.empty((len(slots), block_bytes), dtype=torch.uint8)
+            assert self.tier.read(slots, out) == []
+            for s, row in zip(slots, out, strict=True):
+                assert row.numpy().tobytes() == self.model[s]
+
+        @invariant()
+        def accounting(self) -> None:
+            if hasattr(self, "tier"):
+                assert self.tier.used_blocks == len(self.model)
+
+    TierMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25,
+                                             deadline=None)
+    return TierMachine

@@ -1,0 +1,5 @@
+"""`python -m tiercache` runs the CLI."""
+
+from tiercache.cli import main
+
+main()

@@ -1,0 +1,281 @@
+"""`TierCache`: the synchronous facade over the manager and its tiers (the public API).
+
+Primitives: `open`, `hash_tokens`, `put`, `lookup`, `get`, `take_events`, `stats`, `close`,
+and `manager` for connectors. It runs the manager's plans itself, in order: demotions first
+(write-back before a slot is reused), then the store. One lock makes it thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiercache.config import CacheConfig
+from tiercache.errors import BlockCorruptError
+from tiercache.hashing import prefix_hashes
+from tiercache.manager import OffloadingManager
+from tiercache.policies import get_policy_class
+from tiercache.records import BlockMove, OffloadingEvent, PrepareStoreOutput
+from tiercache.tiers import Tier, build_tier, check_blocks
+from tiercache.tiers.base import KEY_BYTES
+
+log = logging.getLogger(__name__)
+
+# Errors a tier raises for failed I/O; anything else is a bug and propagates.
+_IO_ERRORS = (OSError, BlockCorruptError)
+
+
+def check_keys(keys: object, name: str = "keys") -> list[bytes]:
+    """Validate a chain of block keys: a non-empty sequence of distinct 16-byte `bytes`."""
+    if isinstance(keys, bytes | str) or not isinstance(keys, Sequence):
+        raise TypeError(f"{name}: expected a sequence of {KEY_BYTES}-byte keys, "
+                        f"got {type(keys).__name__}")
+    out = list(keys)
+    if not out:
+        raise ValueError(f"{name}: is empty")
+    for i, k in enumerate(out):
+        if not isinstance(k, bytes):
+            raise TypeError(f"{name}[{i}]: expected bytes, got {type(k).__name__}")
+        if len(k) != KEY_BYTES:
+            raise ValueError(f"{name}[{i}]: expected a {KEY_BYTES}-byte key, got {len(k)} bytes")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name}: contains duplicate keys")
+    return out
+
+
+class TierCache:
+    """A tiered block cache: put/get whole KV blocks keyed by prefix hashes."""
+
+    def __init__(self, config: CacheConfig, tiers: Sequence[Tier], *, block_bytes: int) -> None:
+        self._config = config
+        self._tiers = list(tiers)
+        self._block_bytes = block_bytes
+        policies = [get_policy_class(tc.policy)(t.capacity_blocks)
+                    for tc, t in zip(config.tiers, self._tiers, strict=True)]
+        self._manager = OffloadingManager(self._tiers, policies, promote=config.promote)
+        self._lock = threading.RLock()
+        self._closed = False
+
+    @classmethod
+    def open(cls, config: CacheConfig | Mapping[str, Any] | str | Path, *,
+             block_bytes: int) -> TierCache:
+        """Validate `config`, build its tiers (all or none), and return the cache."""
+        cfg = CacheConfig.load(config)
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
+            raise ValueError(f"block_bytes: expected an int >= 1, got {block_bytes!r}")
+        for tc in cfg.tiers:  # capacity errors surface before any tier allocates memory
+            tc.capacity_in_blocks(block_bytes)
+        built: list[Tier] = []
+        try:
+            for tc in cfg.tiers:
+                built.append(build_tier(tc, block_bytes))
+            return cls(cfg, built, block_bytes=block_bytes)
+        except BaseException:
+            # Nothing is half-built: close what was opened before the failure.
+            for t in reversed(built):
+                t.close()
+            raise
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def config(self) -> CacheConfig:
+        return self._config
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    @property
+    def manager(self) -> OffloadingManager:
+        return self._manager
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return list(self._tiers)
+
+    # -- API -------------------------------------------------------------------------------
+    def hash_tokens(self, token_ids: Any, extra_keys: Any = None) -> list[bytes]:
+        """Prefix keys of the full blocks of `token_ids`, with the config's block size and
+        namespace."""
+        return prefix_hashes(token_ids, self._config.block_size,
+                             namespace=self._config.namespace, extra_keys=extra_keys)
+
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> int:
+        """Store the blocks of `keys` not held yet; returns how many of `keys` are now held."""
+        keys = check_keys(keys)
+        check_blocks(blocks, len(keys), self._block_bytes, "blocks")
+        with self._lock:
+            self._check_open()
+            plan = self._manager.prepare_store(keys)
+            cap = self._tiers[0].capacity_blocks
+            if plan is None and len(keys) > cap:
+                # A chain longer than the first tier: keep its head, which lookups reach first.
+                plan = self._manager.prepare_store(keys[:cap])
+            if plan is None:
+                log.debug("put: no room in %s (pinned blocks)", self._tiers[0].medium)
+            elif plan.keys_to_store:
+                if plan.keys_to_store == tuple(keys):
+                    src = blocks
+                else:
+                    pos = {k: i for i, k in enumerate(keys)}
+                    idx = torch.tensor([pos[k] for k in plan.keys_to_store], dtype=torch.int64,
+                                       device=blocks.device)
+                    src = blocks.index_select(0, idx)
+                self._execute(plan, src)
+            self._manager.touch(keys)
+            return self._manager.count_ready(keys)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Leading blocks of `keys` held in any tier."""
+        keys = check_keys(keys)
+        with self._lock:
+            self._check_open()
+            return self._manager.lookup(keys) or 0
+
+    def get(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 `[k, block_bytes]` for the k leading blocks held; counts as a use.
+
+        `out`, if given, is a uint8 `[len(keys), block_bytes]` tensor to read into (saves an
+        allocation per call); the result is then its first k rows. A block that fails
+        verification ends the result there (a miss), is dropped from its
+        tier and counted as an error.
+        """
+        keys = check_keys(keys)
+        with self._lock:
+            self._check_open()
+            n = self._manager.lookup(keys) or 0
+            if out is None:
+                out = torch.empty((n, self._block_bytes), dtype=torch.uint8)
+            else:
+                check_blocks(out, len(keys), self._block_bytes, "out")
+                out = out[:n]
+            if n == 0:
+                return out
+            chain = keys[:n]
+            spec = self._manager.prepare_load(chain)
+            bad: dict[int, list[bytes]] = {}
+            try:
+                for g in spec.groups():
+                    failed = self._read_group(self._tiers[g.tier], g.slots, g.positions, out)
+                    if failed:
+                        bad[g.tier] = [chain[p] for p in failed]
+            finally:
+                self._manager.complete_load(chain)
+            k = n
+            for tier, bad_keys in bad.items():
+                self._manager.record_error(tier, len(bad_keys))
+                self._manager.discard(bad_keys, tier)
+                k = min(k, min(chain.index(b) for b in bad_keys))
+            out = out[:k]
+            if k:
+                self._manager.touch(chain[:k])
+                self._promote(chain[:k], out)
+            return out
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Stored/removed events per tier since the last call."""
+        with self._lock:
+            return self._manager.take_events()
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per tier (by medium name): capacity_blocks, used_blocks, hits, misses, evictions,
+        errors, and more counters."""
+        with self._lock:
+            out: dict[str, dict[str, Any]] = self._manager.stats()
+            for t in self._tiers:
+                out[t.medium] = {"kind": t.kind, "block_bytes": t.block_bytes, **out[t.medium]}
+            return out
+
+    def flush(self) -> None:
+        """Make every acknowledged block of persistent tiers durable."""
+        with self._lock:
+            for t in self._tiers:
+                t.flush()
+
+    def close(self) -> None:
+        """Flush and close every tier; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for t in self._tiers:
+                try:
+                    t.flush()
+                finally:
+                    t.close()
+
+    def __enter__(self) -> TierCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TierCache is closed")
+
+    def _read_group(self, tier: Tier, slots: Sequence[int], positions: Sequence[int],
+                    out: torch.Tensor) -> list[int]:
+        """Read one tier's share of a load into `out`; returns failed positions (into out)."""
+        p0 = positions[0]
+        contiguous = positions[-1] - p0 == len(positions) - 1
+        dst = out[p0:p0 + len(positions)] if contiguous else torch.empty(
+            (len(positions), self._block_bytes), dtype=torch.uint8)
+        try:
+            failed = tier.read(slots, dst)
+        except _IO_ERRORS as exc:
+            log.warning("read of %d blocks from %s failed: %s", len(slots), tier.medium, exc)
+            return list(positions)
+        if not contiguous:
+            out.index_copy_(0, torch.tensor(positions, dtype=torch.int64), dst)
+        return [positions[i] for i in failed]
+
+    def _promote(self, chain: list[bytes], loaded: torch.Tensor) -> None:
+        plan = self._manager.prepare_promote(chain)
+        if plan is None:
+            return
+        pos = {k: i for i, k in enumerate(chain)}
+        idx = torch.tensor([pos[k] for k in plan.keys_to_store], dtype=torch.int64)
+        self._execute(plan, loaded.index_select(0, idx))
+
+    def _execute(self, plan: PrepareStoreOutput, src: torch.Tensor) -> None:
+        """Run a store plan: its moves in order, then the write of `src` into the new slots."""
+        for move in plan.moves:
+            self._move(move)
+        tier = self._tiers[plan.store_spec.tier]
+        try:
+            tier.write(plan.store_spec.slots, src)
+        except _IO_ERRORS as exc:
+            log.warning("store of %d blocks into %s failed: %s", len(plan.keys_to_store),
+                        tier.medium, exc)
+            self._manager.record_error(plan.store_spec.tier)
+            self._manager.complete_store(plan.keys_to_store, success=False)
+            return
+        self._manager.complete_store(plan.keys_to_store, success=True)
+
+    def _move(self, move: BlockMove) -> None:
+        """Copy blocks between tiers through a host staging buffer (write-back demotion)."""
+        src_tier = self._tiers[move.src.tier]
+        dst_tier = self._tiers[move.dst.tier]
+        staging = torch.empty((len(move.keys), self._block_bytes), dtype=torch.uint8)
+        try:
+            failed = set(src_tier.read(move.src.slots, staging))
+            if failed:
+                self._manager.record_error(move.src.tier, len(failed))
+            dst_tier.write(move.dst.slots, staging)
+        except _IO_ERRORS as exc:
+            log.warning("demotion of %d blocks %s -> %s failed: %s", len(move.keys),
+                        src_tier.medium, dst_tier.medium, exc)
+            self._manager.record_error(move.dst.tier)
+            self._manager.complete_store(move.keys, success=False)
+            return
+        good = [k for i, k in enumerate(move.keys) if i not in failed]
+        self._manager.complete_store(good, success=True)
+        if failed:
+            self._manager.complete_store([move.keys[i] for i in failed], success=False)

@@ -1,0 +1,199 @@
+"""Typed, validated configuration: `CacheConfig` and one `TierConfig` per tier.
+
+Primitives:
+- `CacheConfig.load(source)`: a `CacheConfig`, a mapping, or a path to a TOML file.
+- `CacheConfig.from_mapping(m)` / `CacheConfig.from_toml(path)`.
+- `parse_size("256MiB") -> int`: bytes from an int or a string with a unit.
+- `TierConfig.capacity_in_blocks(block_bytes)`: the tier's capacity in blocks.
+
+Everything is validated once, here; every error is a `ConfigError` (a `ValueError`) whose
+message starts with the offending field, e.g. ``tiers[1].capacity: ...``.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiercache.errors import ConfigError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_TOP_KEYS = {"block_size", "namespace", "promote", "tiers"}
+_TIER_COMMON_KEYS = {"kind", "name", "capacity", "blocks", "policy"}
+
+
+def parse_size(value: object, field_name: str = "capacity") -> int:
+    """Bytes from an int or a string such as "256MiB", "1.5GB", "4096"."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(field_name, f"expected bytes as an int or a string like '256MiB', "
+                                      f"got {type(value).__name__}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ConfigError(field_name, f"cannot parse size {value!r}; use e.g. '256MiB', "
+                                          "'2GiB', '500MB' or a number of bytes")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ConfigError(field_name, f"must be positive, got {value!r}")
+    return n
+
+
+def _expect(value: object, kind: type | tuple[type, ...], field_name: str, what: str) -> Any:
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ConfigError(field_name, f"expected {what}, got bool")
+    if not isinstance(value, kind):
+        raise ConfigError(field_name, f"expected {what}, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One tier: its kind, name (the event medium), capacity, policy and kind-specific options."""
+
+    kind: str
+    name: str
+    policy: str = "lru"
+    capacity_bytes: int | None = None
+    capacity_blocks: int | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    index: int = 0
+
+    @property
+    def field(self) -> str:
+        """The config path of this tier, for error messages."""
+        return f"tiers[{self.index}]"
+
+    def capacity_in_blocks(self, block_bytes: int) -> int:
+        """Capacity in whole blocks of `block_bytes`; at least one block or a ConfigError."""
+        if self.capacity_blocks is not None:
+            return self.capacity_blocks
+        assert self.capacity_bytes is not None
+        n = self.capacity_bytes // block_bytes
+        if n < 1:
+            raise ConfigError(f"{self.field}.capacity",
+                              f"{self.capacity_bytes} bytes hold no block of {block_bytes} bytes")
+        return n
+
+    @classmethod
+    def from_mapping(cls, m: object, index: int) -> TierConfig:
+        """Validate one `[[tiers]]` table."""
+        where = f"tiers[{index}]"
+        if not isinstance(m, Mapping):
+            raise ConfigError(where, f"expected a table, got {type(m).__name__}")
+        kind = _expect(m.get("kind"), str, f"{where}.kind", "a tier kind string")
+        from tiercache.tiers import tier_class  # lazy: the registry imports tier modules on use
+
+        tier_cls = tier_class(kind, f"{where}.kind")
+        name = _expect(m.get("name", kind), str, f"{where}.name", "a string")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise ConfigError(f"{where}.name", f"{name!r} must be 1-64 letters, digits, '_.-'")
+        policy = _expect(m.get("policy", "lru"), str, f"{where}.policy", "a policy name")
+        from tiercache.policies import get_policy_class
+
+        try:
+            get_policy_class(policy)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.policy", str(exc)) from None
+        has_cap, has_blocks = "capacity" in m, "blocks" in m
+        if has_cap == has_blocks:
+            raise ConfigError(f"{where}.capacity",
+                              "give exactly one of 'capacity' (bytes, e.g. '256MiB') or 'blocks'")
+        cap_bytes = parse_size(m["capacity"], f"{where}.capacity") if has_cap else None
+        cap_blocks = None
+        if has_blocks:
+            cap_blocks = _expect(m["blocks"], int, f"{where}.blocks", "an int")
+            if cap_blocks < 1:
+                raise ConfigError(f"{where}.blocks", f"must be >= 1, got {cap_blocks}")
+        options = {k: v for k, v in m.items() if k not in _TIER_COMMON_KEYS}
+        tier_cls.validate_options(options, where)
+        return cls(kind=kind, name=name, policy=policy, capacity_bytes=cap_bytes,
+                   capacity_blocks=cap_blocks, options=options, index=index)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The whole cache: block size in tokens, namespace, ordered tiers (fastest first)."""
+
+    block_size: int = 16
+    namespace: str = "default"
+    tiers: tuple[TierConfig, ...] = ()
+    promote: bool = True
+
+    def __post_init__(self) -> None:
+        _expect(self.block_size, int, "block_size", "an int (tokens per block)")
+        if self.block_size < 1:
+            raise ConfigError("block_size", f"must be >= 1, got {self.block_size}")
+        _expect(self.namespace, str, "namespace", "a string")
+        if not self.namespace:
+            raise ConfigError("namespace", "must not be empty")
+        _expect(self.promote, bool, "promote", "true or false")
+        if not self.tiers:
+            raise ConfigError("tiers", "at least one tier is required")
+        names = [t.name for t in self.tiers]
+        for i, n in enumerate(names):
+            if n in names[:i]:
+                raise ConfigError(f"tiers[{i}].name",
+                                  f"duplicate tier name {n!r}; give each tier a distinct 'name'")
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> CacheConfig:
+        """Validate a mapping of the TOML schema (see README)."""
+        if not isinstance(m, Mapping):
+            raise ConfigError("config", f"expected a mapping, got {type(m).__name__}")
+        unknown = sorted(set(m) - _TOP_KEYS)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown setting; known: {', '.join(sorted(_TOP_KEYS))}")
+        tiers = m.get("tiers")
+        if not isinstance(tiers, list | tuple) or not tiers:
+            raise ConfigError("tiers", "expected a non-empty list of [[tiers]] tables")
+        return cls(
+            block_size=m.get("block_size", 16),
+            namespace=m.get("namespace", "default"),
+            promote=m.get("promote", True),
+            tiers=tuple(TierConfig.from_mapping(t, i) for i, t in enumerate(tiers)),
+        )
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> CacheConfig:
+        """Read and validate a TOML file."""
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError("config", f"no such file: {p}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError("config", f"cannot read {p}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", f"{p} is not valid TOML: {exc}") from None
+        return cls.from_mapping(data)
+
+    @classmethod
+    def load(cls, source: CacheConfig | Mapping[str, Any] | str | Path) -> CacheConfig:
+        """Accept a `CacheConfig`, a mapping, or a path to a TOML file."""
+        if isinstance(source, CacheConfig):
+            return source
+        if isinstance(source, Mapping):
+            return cls.from_mapping(source)
+        if isinstance(source, str | Path):
+            return cls.from_toml(source)
+        raise ConfigError("config", f"expected a CacheConfig, a mapping or a TOML path, "
+                                    f"got {type(source).__name__}")

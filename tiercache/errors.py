@@ -1,0 +1,29 @@
+"""The small set of tiercache exceptions.
+
+- `ConfigError`: an invalid configuration (a `ValueError` whose message names the field).
+- `TierUnavailableError`: a tier cannot start here (e.g. a GPU tier without CUDA).
+- `BlockCorruptError`: bytes read back failed verification; callers treat it as a miss.
+"""
+
+from __future__ import annotations
+
+
+class TierCacheError(Exception):
+    """Base class of tiercache's own errors."""
+
+
+class ConfigError(TierCacheError, ValueError):
+    """An invalid configuration; the message starts with the offending field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class TierUnavailableError(TierCacheError, RuntimeError):
+    """A tier cannot be built on this machine (missing device, library or permission)."""
+
+
+class BlockCorruptError(TierCacheError):
+    """Stored bytes failed verification; the block must be treated as a miss."""

@@ -1,0 +1,464 @@
+"""`OffloadingManager`: the bookkeeping brain over an ordered list of tiers (fastest first).
+
+It holds keys, slots, states and reference counts, never bytes. Primitives (vLLM's
+OffloadingManager shape, on 16-byte prefix keys):
+- `lookup(keys) -> int | None`: leading blocks ready in any tier (None: a block of the chain is
+  moving between tiers right now; ask again later);
+- `prepare_load(keys) -> LoadSpec` / `complete_load(keys)`: pin blocks while they are read;
+- `touch(keys)`: mark a chain used, head most recently;
+- `prepare_store(keys) -> PrepareStoreOutput | None` / `complete_store(keys, success)`:
+  two-phase store into the first tier, with eviction and write-back demotion plans;
+- `prepare_promote(keys)`: plan copies of lower-tier hits into the first tier;
+- `discard(keys)`: drop blocks found corrupt; `take_events()`; `stats()`.
+
+Invariants: a block being stored is invisible to lookup until complete_store(success=True);
+a pinned block is never evicted; a key already held is not stored again; a prepare that
+returns None or raises changes no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from tiercache.policies import EvictionPolicy
+from tiercache.records import (
+    BlockMove,
+    LoadSpec,
+    OffloadingEvent,
+    PrepareStoreOutput,
+    StoreSpec,
+)
+from tiercache.tiers import Tier
+
+
+class _Rec:
+    """One key's block in one tier."""
+
+    __slots__ = ("pins", "ready", "slot")
+
+    def __init__(self, slot: int, ready: bool) -> None:
+        self.slot = slot
+        self.ready = ready
+        self.pins = 0
+
+
+@dataclass
+class TierCounters:
+    """Per-tier counters; `hits`/`misses` count blocks asked for by `lookup`."""
+
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    loaded: int = 0
+    evictions: int = 0
+    demoted_in: int = 0
+    dropped: int = 0
+    errors: int = 0
+
+
+class _Level:
+    """A tier with its policy, its key index and its counters."""
+
+    __slots__ = ("bit", "blocks", "counters", "index", "medium", "policy", "tier")
+
+    def __init__(self, index: int, tier: Tier, policy: EvictionPolicy) -> None:
+        self.index = index
+        self.bit = 1 << index
+        self.tier = tier
+        self.policy = policy
+        self.medium = tier.medium
+        self.blocks: dict[bytes, _Rec] = {}
+        self.counters = TierCounters()
+
+
+class _Protected:
+    """Keys a policy must not evict: the call's own keys, and pinned blocks of this tier."""
+
+    __slots__ = ("blocks", "keys")
+
+    def __init__(self, keys: Iterable[bytes], blocks: dict[bytes, _Rec]) -> None:
+        self.keys = keys if isinstance(keys, set | frozenset) else set(keys)
+        self.blocks = blocks
+
+    def __contains__(self, key: object) -> bool:
+        if key in self.keys:
+            return True
+        rec = self.blocks.get(key)  # type: ignore[arg-type]
+        return rec is not None and rec.pins > 0
+
+
+def _seq(keys: Iterable[bytes]) -> Sequence[bytes]:
+    return keys if isinstance(keys, list | tuple) else list(keys)
+
+
+class OffloadingManager:
+    """Multi-tier bookkeeping: where each key lives, what may be evicted, what to move."""
+
+    def __init__(self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy], *,
+                 promote: bool = True) -> None:
+        if not tiers:
+            raise ValueError("tiers: at least one tier is required")
+        if len(tiers) != len(policies):
+            raise ValueError(f"policies: expected one per tier ({len(tiers)}), got {len(policies)}")
+        pairs = enumerate(zip(tiers, policies, strict=True))
+        self._levels = [_Level(i, t, p) for i, (t, p) in pairs]
+        self._promote = promote
+        self._ready: dict[bytes, int] = {}  # key -> bitmask of tiers where it is ready
+        self._present: dict[bytes, int] = {}  # key -> bitmask of tiers holding a record
+        self._moving: set[bytes] = set()  # keys being demoted (in no tier's lookup meanwhile)
+        self._pins: dict[bytes, list[int]] = {}  # key -> tier of each outstanding load
+        self._events: list[OffloadingEvent] = []
+        self._single = len(self._levels) == 1
+        for level in self._levels:
+            self._adopt(level, level.tier.recover())
+
+    # -- introspection ---------------------------------------------------------------------
+    @property
+    def tiers(self) -> list[Tier]:
+        return [lv.tier for lv in self._levels]
+
+    @property
+    def policies(self) -> list[EvictionPolicy]:
+        return [lv.policy for lv in self._levels]
+
+    def where(self, key: bytes) -> list[int]:
+        """Tiers (indices) where `key` is ready, fastest first."""
+        mask = self._ready.get(key, 0)
+        return [lv.index for lv in self._levels if mask & lv.bit]
+
+    def count_ready(self, keys: Iterable[bytes]) -> int:
+        """How many of `keys` are ready in some tier (no stats, no ordering)."""
+        ready = self._ready
+        return sum(1 for k in keys if k in ready)
+
+    # -- lookup and load -------------------------------------------------------------------
+    def lookup(self, keys: Iterable[bytes]) -> int | None:
+        """Number of leading keys ready in any tier; None when the chain continues with a block
+        that is moving between tiers (it will be ready again shortly)."""
+        keys = _seq(keys)
+        get = self._ready.get
+        n = 0
+        for k in keys:
+            if not get(k):
+                break
+            n += 1
+        missed = len(keys) - n
+        if self._single:
+            c = self._levels[0].counters
+            c.hits += n
+            c.misses += missed
+        else:
+            self._count_lookup(keys, n, missed)
+        if missed and keys[n] in self._moving:
+            return None
+        return n
+
+    def _count_lookup(self, keys: Sequence[bytes], n: int, missed: int) -> None:
+        ready = self._ready
+        per_tier = [0] * len(self._levels)
+        for k in keys[:n]:
+            m = ready[k]
+            per_tier[(m & -m).bit_length() - 1] += 1
+        served_below = n
+        for lv, hits in zip(self._levels, per_tier, strict=True):
+            served_below -= hits
+            lv.counters.hits += hits
+            lv.counters.misses += missed + served_below
+
+    def prepare_load(self, keys: Iterable[bytes]) -> LoadSpec:
+        """Pin each key in the fastest tier where it is ready and say where it lives.
+
+        Raises KeyError (and pins nothing) if a key is not ready in any tier.
+        """
+        keys = tuple(keys)
+        get = self._ready.get
+        tier_of: list[int] = []
+        for k in keys:
+            m = get(k)
+            if not m:
+                raise KeyError(f"prepare_load: block {k.hex() if isinstance(k, bytes) else k!r} "
+                               "is not ready in any tier")
+            tier_of.append((m & -m).bit_length() - 1)
+        levels = self._levels
+        pins = self._pins
+        slots: list[int] = []
+        for k, t in zip(keys, tier_of, strict=True):
+            rec = levels[t].blocks[k]
+            rec.pins += 1
+            slots.append(rec.slot)
+            p = pins.get(k)
+            if p is None:
+                pins[k] = [t]
+            else:
+                p.append(t)
+        if self._single:
+            levels[0].counters.loaded += len(keys)
+        else:
+            for t in tier_of:
+                levels[t].counters.loaded += 1
+        return LoadSpec(keys, tuple(tier_of), tuple(slots),
+                        tuple(lv.medium for lv in levels))
+
+    def complete_load(self, keys: Iterable[bytes]) -> None:
+        """Unpin blocks pinned by `prepare_load`. Raises KeyError (and unpins nothing) if a key
+        has no outstanding load."""
+        keys = _seq(keys)
+        pins = self._pins
+        need: dict[bytes, int] = {}
+        for k in keys:
+            need[k] = need.get(k, 0) + 1
+            if len(pins.get(k, ())) < need[k]:
+                raise KeyError(f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
+                               "has no outstanding load")
+        levels = self._levels
+        for k in keys:
+            p = pins[k]
+            t = p.pop(0)
+            if not p:
+                del pins[k]
+            levels[t].blocks[k].pins -= 1
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark a chain used; its first keys end up most recently used in every tier."""
+        keys = _seq(keys)
+        for lv in self._levels:
+            lv.policy.touch(keys)
+
+    # -- store -----------------------------------------------------------------------------
+    def prepare_store(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
+        """Reserve first-tier slots for the keys not held anywhere yet.
+
+        Returns None (changing nothing) when the first tier cannot make room because too many
+        of its blocks are pinned. Raises ValueError on duplicate keys.
+        """
+        keys = _seq(keys)
+        present = self._present
+        new = [k for k in keys if k not in present]
+        if len(set(keys)) != len(keys):
+            raise ValueError("prepare_store: keys contain duplicates")
+        return self._reserve_first_tier(new, keys)
+
+    def prepare_promote(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
+        """Plan copies of keys ready only in lower tiers into the first tier.
+
+        The caller writes the bytes it loaded into `store_spec` and completes the store as
+        usual. Returns None when promotion is off, nothing needs promoting, or no room.
+        """
+        if not self._promote or self._single:
+            return None
+        keys = _seq(keys)
+        ready = self._ready
+        present = self._present
+        first_bit = self._levels[0].bit
+        todo = [k for k in keys if ready.get(k, 0) and not present[k] & first_bit]
+        if not todo:
+            return None
+        return self._reserve_first_tier(todo, keys)
+
+    def _reserve_first_tier(self, new: list[bytes], protect: Sequence[bytes]
+                            ) -> PrepareStoreOutput | None:
+        first = self._levels[0]
+        tier = first.tier
+        need = len(new) - tier.free_blocks
+        victims: list[bytes] = []
+        if need > 0:
+            if len(new) > tier.capacity_blocks:
+                return None
+            got = first.policy.evict(need, _Protected(protect, first.blocks))
+            if got is None:
+                return None
+            victims = got
+        # From here on nothing fails: every state change below is committed together.
+        moves: list[BlockMove] = []
+        if victims:
+            self._evict(first, victims, moves)
+        slots = tier.allocate(new)
+        assert slots is not None, "first tier ran out of slots after eviction"
+        blocks = first.blocks
+        present = self._present
+        bit = first.bit
+        for k, s in zip(new, slots, strict=True):
+            blocks[k] = _Rec(s, False)
+            present[k] = present.get(k, 0) | bit
+        return PrepareStoreOutput(
+            keys_to_store=tuple(new),
+            store_spec=StoreSpec(0, first.medium, tuple(slots)),
+            evicted_keys=tuple(victims),
+            moves=tuple(moves),
+        )
+
+    def _evict(self, level: _Level, victims: list[bytes], moves: list[BlockMove]) -> None:
+        """Remove `victims` (already taken out of the policy) from `level`, demoting those no
+        lower tier holds into the next tier. Deeper moves are appended before this level's
+        move, because the slots they free may be the ones this level's move writes into."""
+        blocks = level.blocks
+        ready, present = self._ready, self._present
+        bit, lower_mask = level.bit, ~((level.bit << 1) - 1)
+        freed: list[int] = []
+        demote: list[bytes] = []
+        demote_slots: list[int] = []
+        for k in victims:
+            rec = blocks.pop(k)
+            freed.append(rec.slot)
+            m = ready[k] & ~bit
+            if m:
+                ready[k] = m
+            else:
+                del ready[k]
+            p = present[k] & ~bit
+            if p & lower_mask:
+                present[k] = p
+                continue
+            if p:
+                present[k] = p
+            else:
+                del present[k]
+            demote.append(k)
+            demote_slots.append(rec.slot)
+        level.counters.evictions += len(victims)
+        self._events.append(OffloadingEvent(tuple(victims), level.medium, True))
+        if demote:
+            nxt = self._levels[level.index + 1] if level.index + 1 < len(self._levels) else None
+            if nxt is None or not self._demote_into(nxt, level, demote, demote_slots, moves):
+                level.counters.dropped += len(demote)
+        # Slots go back only after the move is planned: the move reads them first.
+        level.tier.free(freed)
+
+    def _demote_into(self, dst: _Level, src: _Level, keys: list[bytes], src_slots: list[int],
+                     moves: list[BlockMove]) -> bool:
+        """Plan a write-back of `keys` into `dst`; False (nothing planned) if it has no room."""
+        tier = dst.tier
+        need = len(keys) - tier.free_blocks
+        if need > 0:
+            if len(keys) > tier.capacity_blocks:
+                return False
+            victims = dst.policy.evict(need, _Protected((), dst.blocks))
+            if victims is None:
+                return False
+            self._evict(dst, victims, moves)
+        slots = tier.allocate(keys)
+        assert slots is not None, "tier ran out of slots after eviction"
+        blocks, present, bit = dst.blocks, self._present, dst.bit
+        for k, s in zip(keys, slots, strict=True):
+            blocks[k] = _Rec(s, False)
+            present[k] = present.get(k, 0) | bit
+            self._moving.add(k)
+        dst.counters.demoted_in += len(keys)
+        moves.append(BlockMove(tuple(keys), StoreSpec(src.index, src.medium, tuple(src_slots)),
+                               StoreSpec(dst.index, dst.medium, tuple(slots))))
+        return True
+
+    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
+        """Finish stores and moves: make the blocks visible, or free their slots on failure.
+
+        Keys with no store in flight are ignored, so a connector may complete a request's keys
+        twice (e.g. after a preemption) without harm.
+        """
+        keys = _seq(keys)
+        ready, present = self._ready, self._present
+        moving = self._moving
+        for lv in self._levels:
+            blocks, bit = lv.blocks, lv.bit
+            done: list[bytes] = []
+            # Reverse order: the policy then holds a chain's head as the most recent insert.
+            for k in reversed(keys):
+                rec = blocks.get(k)
+                if rec is None or rec.ready:
+                    continue
+                done.append(k)
+                moving.discard(k)
+                if success:
+                    rec.ready = True
+                    ready[k] = ready.get(k, 0) | bit
+                    lv.policy.insert(k)
+                else:
+                    del blocks[k]
+                    lv.tier.free((rec.slot,))
+                    p = present[k] & ~bit
+                    if p:
+                        present[k] = p
+                    else:
+                        del present[k]
+            if done and success:
+                done.reverse()
+                lv.counters.stored += len(done)
+                self._events.append(OffloadingEvent(tuple(done), lv.medium, False))
+
+    # -- removal, recovery, events, stats --------------------------------------------------
+    def discard(self, keys: Iterable[bytes], tier: int | None = None) -> int:
+        """Drop ready, unpinned blocks (e.g. found corrupt) from `tier` (default: every tier).
+
+        Returns how many copies were dropped. Pinned copies are kept (ValueError).
+        """
+        keys = _seq(keys)
+        levels = self._levels if tier is None else [self._levels[tier]]
+        for lv in levels:
+            for k in keys:
+                rec = lv.blocks.get(k)
+                if rec is not None and rec.pins:
+                    raise ValueError(f"discard: block {k.hex()} is being loaded from {lv.medium}")
+        dropped = 0
+        ready, present = self._ready, self._present
+        for lv in levels:
+            gone: list[bytes] = []
+            for k in keys:
+                rec = lv.blocks.get(k)
+                if rec is None or not rec.ready:
+                    continue
+                del lv.blocks[k]
+                lv.policy.remove(k)
+                lv.tier.free((rec.slot,))
+                for d in (ready, present):
+                    m = d[k] & ~lv.bit
+                    if m:
+                        d[k] = m
+                    else:
+                        del d[k]
+                gone.append(k)
+            if gone:
+                dropped += len(gone)
+                self._events.append(OffloadingEvent(tuple(gone), lv.medium, True))
+        return dropped
+
+    def _adopt(self, level: _Level, entries: Iterable[tuple[bytes, int]]) -> None:
+        """Take over blocks a persistent tier recovered on open, oldest first."""
+        adopted: list[bytes] = []
+        for k, slot in entries:
+            level.blocks[k] = _Rec(slot, True)
+            self._ready[k] = self._ready.get(k, 0) | level.bit
+            self._present[k] = self._present.get(k, 0) | level.bit
+            level.policy.insert(k)
+            adopted.append(k)
+        if adopted:
+            self._events.append(OffloadingEvent(tuple(adopted), level.medium, False))
+
+    def record_error(self, tier: int, n: int = 1) -> None:
+        """Count failed transfers or verifications against a tier."""
+        self._levels[tier].counters.errors += n
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Events since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier (by medium): capacity, usage and counters."""
+        out: dict[str, dict[str, int]] = {}
+        for lv in self._levels:
+            c = lv.counters
+            out[lv.medium] = {
+                "capacity_blocks": lv.tier.capacity_blocks,
+                "used_blocks": lv.tier.used_blocks,
+                "ready_blocks": len(lv.policy),
+                "pinned_blocks": sum(1 for r in lv.blocks.values() if r.pins),
+                "hits": c.hits,
+                "misses": c.misses,
+                "stored": c.stored,
+                "loaded": c.loaded,
+                "evictions": c.evictions,
+                "demoted_in": c.demoted_in,
+                "dropped": c.dropped,
+                "errors": c.errors,
+            }
+        return out

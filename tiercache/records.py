@@ -1,0 +1,108 @@
+"""Frozen records exchanged between the manager, tiers, facade and connectors.
+
+- `BlockLocation`: where one ready block lives (tier index, medium, slot).
+- `LoadSpec`: the answer of `prepare_load`: one location per key, groupable per tier.
+- `StoreSpec`: tier and slots that `prepare_store` reserved for new blocks.
+- `BlockMove`: a copy between two tiers (a demotion) that must run before the store it precedes.
+- `PrepareStoreOutput`: the answer of `prepare_store`.
+- `OffloadingEvent`: blocks became ready in a tier (`removed=False`) or left it (`removed=True`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLocation:
+    """One ready block: the tier (index into the manager's tiers, fastest first) and slot."""
+
+    tier: int
+    medium: str
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierSlots:
+    """A batch of slots in one tier, with the positions (into the caller's key list) they serve."""
+
+    tier: int
+    medium: str
+    slots: tuple[int, ...]
+    positions: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Where each key of a `prepare_load` call lives: `tiers[i]` and `slots[i]` for `keys[i]`.
+
+    `mediums` names every tier of the manager by index. `groups()` batches the load per tier.
+    """
+
+    keys: tuple[bytes, ...]
+    tiers: tuple[int, ...]
+    slots: tuple[int, ...]
+    mediums: tuple[str, ...]
+
+    @property
+    def locations(self) -> tuple[BlockLocation, ...]:
+        return tuple(BlockLocation(t, self.mediums[t], s)
+                     for t, s in zip(self.tiers, self.slots, strict=True))
+
+    def groups(self) -> list[TierSlots]:
+        """One `TierSlots` per tier that serves part of the load, fastest tier first."""
+        by_tier: dict[int, tuple[list[int], list[int]]] = {}
+        for pos, (t, s) in enumerate(zip(self.tiers, self.slots, strict=True)):
+            entry = by_tier.get(t)
+            if entry is None:
+                entry = by_tier[t] = ([], [])
+            entry[0].append(s)
+            entry[1].append(pos)
+        return [TierSlots(t, self.mediums[t], tuple(slots), tuple(pos))
+                for t, (slots, pos) in sorted(by_tier.items())]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSpec:
+    """Slots reserved in one tier for `keys_to_store`, in the same order."""
+
+    tier: int
+    medium: str
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMove:
+    """Copy `keys` from `src` slots of one tier to `dst` slots of another.
+
+    Demotions are listed in the order they must run: a move that frees a slot which a later
+    move (or the store itself) writes into comes first.
+    """
+
+    keys: tuple[bytes, ...]
+    src: StoreSpec
+    dst: StoreSpec
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareStoreOutput:
+    """The plan for a store: write `keys_to_store` into `store_spec` after running `moves`.
+
+    `evicted_keys` left the store's tier (some of them are demoted by `moves`, the rest dropped).
+    The caller runs the moves, writes the blocks, then calls `complete_store` with
+    `keys_to_store` and with each move's keys.
+    """
+
+    keys_to_store: tuple[bytes, ...]
+    store_spec: StoreSpec
+    evicted_keys: tuple[bytes, ...]
+    moves: tuple[BlockMove, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadingEvent:
+    """Blocks stored in (`removed=False`) or removed from (`removed=True`) one medium."""
+
+    keys: tuple[bytes, ...]
+    medium: str
+    removed: bool

@@ -1,0 +1,160 @@
+"""The `Tier` ABC: fixed-size block slots on one medium, read and written in batches.
+
+A tier knows bytes, never policies or other tiers. Primitives:
+- capacity and slot bookkeeping (here, once for every tier): `allocate`, `free`, `used_blocks`;
+- `write(slots, src)` / `read(slots, dst)`: batched copies of uint8 tensors
+  `[len(slots), block_bytes]` (the only abstract methods besides `from_config`);
+- `recover()`: what a persistent tier already holds when it opens (key, slot) pairs;
+- capability flags: `persistent`, `shared` (between processes);
+- `flush()` / `close()`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from tiercache.errors import ConfigError
+
+KEY_BYTES = 16
+
+
+def check_blocks(t: object, n: int, block_bytes: int, name: str) -> torch.Tensor:
+    """Validate a batch of blocks: a contiguous uint8 tensor of shape [n, block_bytes]."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.uint8:
+        raise TypeError(f"{name}: expected dtype torch.uint8, got {t.dtype}")
+    if tuple(t.shape) != (n, block_bytes):
+        raise ValueError(f"{name}: expected shape ({n}, {block_bytes}), got {tuple(t.shape)}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: tensors on device {t.device} are not supported")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+    return t
+
+
+class Tier(ABC):
+    """Fixed-size slots on one medium. Subclasses implement `write` and `read`."""
+
+    kind: ClassVar[str] = ""
+    persistent: ClassVar[bool] = False
+    shared: ClassVar[bool] = False
+    OPTIONS: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
+
+    def __init__(self, *, name: str, block_bytes: int, capacity_blocks: int) -> None:
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
+            raise ValueError(f"block_bytes: expected an int >= 1, got {block_bytes!r}")
+        if (isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int)
+                or capacity_blocks < 1):
+            raise ValueError(f"capacity_blocks: expected an int >= 1, got {capacity_blocks!r}")
+        self._name = name
+        self._block_bytes = block_bytes
+        self._capacity = capacity_blocks
+        # A stack of free slots; popping from the end hands out ascending slots, which keeps
+        # fresh batches contiguous and lets pool tiers copy them as one run.
+        self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))
+        self._closed = False
+
+    # -- identity and capacity -------------------------------------------------------------
+    @property
+    def medium(self) -> str:
+        """The name events and stats use for this tier (the config's `name`, default its kind)."""
+        return self._name
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._capacity
+
+    @property
+    def used_blocks(self) -> int:
+        return self._capacity - len(self._free)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    # -- slots -----------------------------------------------------------------------------
+    def allocate(self, keys: Sequence[bytes]) -> list[int] | None:
+        """Reserve one slot per key, or return None (and reserve nothing) when too few are free.
+
+        Keys are passed so persistent tiers can record which key a slot will hold.
+        """
+        n = len(keys)
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        slots = self._free[-n:]
+        del self._free[-n:]
+        slots.reverse()
+        return slots
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Return slots to the free list (their bytes become garbage)."""
+        self._free.extend(reversed(slots))
+
+    def _claim(self, slots: Sequence[int]) -> None:
+        """Mark specific slots used (persistent tiers call this for what `recover` returns)."""
+        taken = set(slots)
+        self._free = [s for s in self._free if s not in taken]
+
+    # -- bytes -----------------------------------------------------------------------------
+    @abstractmethod
+    def write(self, slots: Sequence[int], src: torch.Tensor) -> None:
+        """Copy `src` (uint8 `[len(slots), block_bytes]`) into `slots`; raise OSError on failure."""
+
+    @abstractmethod
+    def read(self, slots: Sequence[int], dst: torch.Tensor) -> list[int]:
+        """Copy `slots` into `dst` (uint8 `[len(slots), block_bytes]`).
+
+        Returns the positions (indices into `slots`) whose bytes failed verification; their rows
+        of `dst` are garbage and the caller treats them as misses. Raises OSError when nothing
+        could be read.
+        """
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def recover(self) -> list[tuple[bytes, int]]:
+        """(key, slot) of every block a persistent tier already holds, oldest first."""
+        return []
+
+    def flush(self) -> None:  # noqa: B027 - a no-op for volatile tiers, by design
+        """Make acknowledged writes durable (persistent tiers)."""
+
+    def close(self) -> None:
+        """Release the tier's resources; idempotent."""
+        self._closed = True
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any], where: str) -> None:
+        """Check kind-specific config options against `OPTIONS`; raise ConfigError."""
+        for key, value in options.items():
+            expected = cls.OPTIONS.get(key)
+            if expected is None:
+                known = ", ".join(sorted(cls.OPTIONS)) or "none"
+                raise ConfigError(f"{where}.{key}",
+                                  f"unknown option for a {cls.kind!r} tier (its options: {known})")
+            if isinstance(value, bool) and bool not in (
+                    expected if isinstance(expected, tuple) else (expected,)):
+                raise ConfigError(f"{where}.{key}", "expected "
+                                  f"{getattr(expected, '__name__', expected)}, got bool")
+            if not isinstance(value, expected):
+                raise ConfigError(f"{where}.{key}", f"expected "
+                                  f"{getattr(expected, '__name__', expected)}, "
+                                  f"got {type(value).__name__}")
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, cfg: Any, block_bytes: int) -> Tier:
+        """Build the tier from a validated `TierConfig`."""
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(medium={self.medium!r}, block_bytes={self.block_bytes}, "
+                f"used={self.used_blocks}/{self.capacity_blocks})")
