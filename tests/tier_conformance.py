@@ -56,35 +56,38 @@ class TierConformance:
         assert tier.used_blocks == 0
 
     def test_round_trip_contiguous_and_scattered(self, tier: Tier) -> None:
-        slots = tier.allocate(keys_for(8))
+        keys = keys_for(8)
+        slots = tier.allocate(keys)
         data = rand_blocks(8, self.block_bytes, 1)
-        tier.write(slots, data)
+        tier.write(slots, data, keys)
         out = torch.empty_like(data)
-        assert tier.read(slots, out) == []
+        assert tier.read(slots, out, keys) == []
         assert torch.equal(out, data)
         picked = [slots[6], slots[1], slots[4]]
         out3 = torch.zeros((3, self.block_bytes), dtype=torch.uint8)
-        assert tier.read(picked, out3) == []
+        assert tier.read(picked, out3, [keys[6], keys[1], keys[4]]) == []
         assert torch.equal(out3, data[[6, 1, 4]])
 
     def test_scattered_write(self, tier: Tier) -> None:
-        slots = tier.allocate(keys_for(8))
+        keys = keys_for(8)
+        slots = tier.allocate(keys)
         base = rand_blocks(8, self.block_bytes, 2)
-        tier.write(slots, base)
+        tier.write(slots, base, keys)
         patch = rand_blocks(2, self.block_bytes, 3)
-        tier.write([slots[5], slots[2]], patch)
+        tier.write([slots[5], slots[2]], patch, [keys[5], keys[2]])
         out = torch.empty_like(base)
-        tier.read(slots, out)
+        assert tier.read(slots, out, keys) == []
         expected = base.clone()
         expected[5], expected[2] = patch[0], patch[1]
         assert torch.equal(out, expected)
 
     def test_read_into_row_view(self, tier: Tier) -> None:
-        slots = tier.allocate(keys_for(2))
+        keys = keys_for(2)
+        slots = tier.allocate(keys)
         data = rand_blocks(2, self.block_bytes, 4)
-        tier.write(slots, data)
+        tier.write(slots, data, keys)
         big = torch.zeros((5, self.block_bytes), dtype=torch.uint8)
-        tier.read(slots, big[2:4])
+        assert tier.read(slots, big[2:4], keys) == []
         assert torch.equal(big[2:4], data)
         assert not big[0].any() and not big[4].any()
 
@@ -93,36 +96,42 @@ class TierConformance:
         torch.zeros((2, 64), dtype=torch.int8),
     ])
     def test_wrong_dtype(self, tier: Tier, bad: torch.Tensor) -> None:
-        slots = tier.allocate(keys_for(2))
+        keys = keys_for(2)
+        slots = tier.allocate(keys)
         with pytest.raises(TypeError, match="uint8"):
-            tier.write(slots, bad[:, : self.block_bytes])
+            tier.write(slots, bad[:, : self.block_bytes], keys)
 
     def test_wrong_shape(self, tier: Tier) -> None:
-        slots = tier.allocate(keys_for(2))
+        keys = keys_for(2)
+        slots = tier.allocate(keys)
         with pytest.raises(ValueError, match="shape"):
-            tier.write(slots, torch.zeros((3, self.block_bytes), dtype=torch.uint8))
+            tier.write(slots, torch.zeros((3, self.block_bytes), dtype=torch.uint8), keys)
         with pytest.raises(ValueError, match="shape"):
-            tier.read(slots, torch.zeros((2, self.block_bytes + 1), dtype=torch.uint8))
+            tier.read(slots, torch.zeros((2, self.block_bytes + 1), dtype=torch.uint8), keys)
 
     def test_non_contiguous_rejected(self, tier: Tier) -> None:
-        slots = tier.allocate(keys_for(2))
+        keys = keys_for(2)
+        slots = tier.allocate(keys)
         t = torch.zeros((self.block_bytes, 2), dtype=torch.uint8).t()
         with pytest.raises(ValueError, match="contiguous"):
-            tier.write(slots, t)
+            tier.write(slots, t, keys)
 
     def test_not_a_tensor(self, tier: Tier) -> None:
-        slots = tier.allocate(keys_for(1))
+        keys = keys_for(1)
+        slots = tier.allocate(keys)
         with pytest.raises(TypeError, match="Tensor"):
-            tier.write(slots, b"\0" * self.block_bytes)  # type: ignore[arg-type]
+            tier.write(slots, b"\0" * self.block_bytes, keys)  # type: ignore[arg-type]
 
     def test_odd_block_size(self, tmp_path) -> None:
         t = self.make_tier(4, 37, tmp_path)
         try:
-            slots = t.allocate(keys_for(4))
+            keys = keys_for(4)
+            slots = t.allocate(keys)
             data = rand_blocks(4, 37, 5)
-            t.write([slots[3], slots[0], slots[2], slots[1]], data)
+            order = [3, 0, 2, 1]
+            t.write([slots[i] for i in order], data, [keys[i] for i in order])
             out = torch.empty_like(data)
-            t.read([slots[3], slots[0], slots[2], slots[1]], out)
+            assert t.read([slots[i] for i in order], out, [keys[i] for i in order]) == []
             assert torch.equal(out, data)
         finally:
             t.close()
@@ -150,6 +159,7 @@ def tier_state_machine(make_tier, block_bytes: int = 24, capacity: int = 6):
         def start(self) -> None:
             self.tier = make_tier(capacity, block_bytes)
             self.model: dict[int, bytes] = {}
+            self.slot_key: dict[int, bytes] = {}
             self.seq = 0
 
         def teardown(self) -> None:
@@ -158,16 +168,18 @@ def tier_state_machine(make_tier, block_bytes: int = 24, capacity: int = 6):
 
         @rule(n=st.integers(1, capacity), seed=st.integers(0, 2**16))
         def allocate_and_write(self, n: int, seed: int) -> None:
-            slots = self.tier.allocate(keys_for(n, self.seq))
+            keys = keys_for(n, self.seq)
+            slots = self.tier.allocate(keys)
             self.seq += n
             if len(self.model) + n > capacity:
                 assert slots is None
                 return
             assert slots is not None and not set(slots) & set(self.model)
             data = rand_blocks(n, block_bytes, seed)
-            self.tier.write(slots, data)
-            for s, row in zip(slots, data, strict=True):
+            self.tier.write(slots, data, keys)
+            for s, k, row in zip(slots, keys, data, strict=True):
                 self.model[s] = row.numpy().tobytes()
+                self.slot_key[s] = k
 
         @precondition(lambda self: self.model)
         @rule(data=st.data())
@@ -175,7 +187,7 @@ def tier_state_machine(make_tier, block_bytes: int = 24, capacity: int = 6):
             slots = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1,
                                        unique=True))
             blocks = rand_blocks(len(slots), block_bytes, data.draw(st.integers(0, 99)))
-            self.tier.write(slots, blocks)
+            self.tier.write(slots, blocks, [self.slot_key[s] for s in slots])
             for s, row in zip(slots, blocks, strict=True):
                 self.model[s] = row.numpy().tobytes()
 
@@ -193,7 +205,7 @@ def tier_state_machine(make_tier, block_bytes: int = 24, capacity: int = 6):
         def read_back(self, data) -> None:
             slots = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1))
             out = torch.empty((len(slots), block_bytes), dtype=torch.uint8)
-            assert self.tier.read(slots, out) == []
+            assert self.tier.read(slots, out, [self.slot_key[s] for s in slots]) == []
             for s, row in zip(slots, out, strict=True):
                 assert row.numpy().tobytes() == self.model[s]
 

@@ -73,7 +73,7 @@ class TierCache:
         built: list[Tier] = []
         try:
             for tc in cfg.tiers:
-                built.append(build_tier(tc, block_bytes))
+                built.append(build_tier(tc, block_bytes, namespace=cfg.namespace))
             return cls(cfg, built, block_bytes=block_bytes)
         except BaseException:
             # Nothing is half-built: close what was opened before the failure.
@@ -161,7 +161,8 @@ class TierCache:
             bad: dict[int, list[bytes]] = {}
             try:
                 for g in spec.groups():
-                    failed = self._read_group(self._tiers[g.tier], g.slots, g.positions, out)
+                    failed = self._read_group(self._tiers[g.tier], g.slots, g.positions,
+                                              [chain[p] for p in g.positions], out)
                     if failed:
                         bad[g.tier] = [chain[p] for p in failed]
             finally:
@@ -221,14 +222,14 @@ class TierCache:
             raise RuntimeError("TierCache is closed")
 
     def _read_group(self, tier: Tier, slots: Sequence[int], positions: Sequence[int],
-                    out: torch.Tensor) -> list[int]:
+                    keys: Sequence[bytes], out: torch.Tensor) -> list[int]:
         """Read one tier's share of a load into `out`; returns failed positions (into out)."""
         p0 = positions[0]
         contiguous = positions[-1] - p0 == len(positions) - 1
         dst = out[p0:p0 + len(positions)] if contiguous else torch.empty(
             (len(positions), self._block_bytes), dtype=torch.uint8)
         try:
-            failed = tier.read(slots, dst)
+            failed = tier.read(slots, dst, keys)
         except _IO_ERRORS as exc:
             log.warning("read of %d blocks from %s failed: %s", len(slots), tier.medium, exc)
             return list(positions)
@@ -250,7 +251,7 @@ class TierCache:
             self._move(move)
         tier = self._tiers[plan.store_spec.tier]
         try:
-            tier.write(plan.store_spec.slots, src)
+            tier.write(plan.store_spec.slots, src, plan.keys_to_store)
         except _IO_ERRORS as exc:
             log.warning("store of %d blocks into %s failed: %s", len(plan.keys_to_store),
                         tier.medium, exc)
@@ -265,10 +266,10 @@ class TierCache:
         dst_tier = self._tiers[move.dst.tier]
         staging = torch.empty((len(move.keys), self._block_bytes), dtype=torch.uint8)
         try:
-            failed = set(src_tier.read(move.src.slots, staging))
+            failed = set(src_tier.read(move.src.slots, staging, move.keys))
             if failed:
                 self._manager.record_error(move.src.tier, len(failed))
-            dst_tier.write(move.dst.slots, staging)
+            dst_tier.write(move.dst.slots, staging, move.keys)
         except _IO_ERRORS as exc:
             log.warning("demotion of %d blocks %s -> %s failed: %s", len(move.keys),
                         src_tier.medium, dst_tier.medium, exc)

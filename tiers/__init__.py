@@ -44,6 +44,7 @@ def tier_class(kind: str, field: str = "kind") -> type[Tier]:
     return cls
 
 
-def build_tier(cfg: TierConfig, block_bytes: int) -> Tier:
+def build_tier(cfg: TierConfig, block_bytes: int, *, namespace: str = "") -> Tier:
     """Build the tier a validated `TierConfig` describes."""
-    return tier_class(cfg.kind, f"{cfg.field}.kind").from_config(cfg, block_bytes)
+    return tier_class(cfg.kind, f"{cfg.field}.kind").from_config(cfg, block_bytes,
+                                                                 namespace=namespace)

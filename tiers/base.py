@@ -108,16 +108,25 @@ class Tier(ABC):
 
     # -- bytes -----------------------------------------------------------------------------
     @abstractmethod
-    def write(self, slots: Sequence[int], src: torch.Tensor) -> None:
-        """Copy `src` (uint8 `[len(slots), block_bytes]`) into `slots`; raise OSError on failure."""
+    def write(self, slots: Sequence[int], src: torch.Tensor,
+              keys: Sequence[bytes] | None = None) -> None:
+        """Copy `src` (uint8 `[len(slots), block_bytes]`) into `slots`; raise OSError on failure.
+
+        `keys[i]` is the block key stored in `slots[i]`; persistent tiers require it (they
+        write it into the block header), pool tiers ignore it.
+        """
 
     @abstractmethod
-    def read(self, slots: Sequence[int], dst: torch.Tensor) -> list[int]:
+    def read(self, slots: Sequence[int], dst: torch.Tensor,
+             keys: Sequence[bytes] | None = None) -> list[int]:
         """Copy `slots` into `dst` (uint8 `[len(slots), block_bytes]`).
 
-        Returns the positions (indices into `slots`) whose bytes failed verification; their rows
-        of `dst` are garbage and the caller treats them as misses. Raises OSError when nothing
-        could be read.
+        `keys[i]` is the key the caller expects in `slots[i]`; persistent tiers require it and
+        treat a slot holding another key as failed. A slot freed by the manager keeps its
+        bytes until the next write into it: a demotion planned with the eviction reads it
+        first. Returns the positions (indices into `slots`) whose bytes failed verification;
+        their rows of `dst` are garbage and the caller treats them as misses. Raises OSError
+        when nothing could be read.
         """
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -152,8 +161,9 @@ class Tier(ABC):
 
     @classmethod
     @abstractmethod
-    def from_config(cls, cfg: Any, block_bytes: int) -> Tier:
-        """Build the tier from a validated `TierConfig`."""
+    def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> Tier:
+        """Build the tier from a validated `TierConfig`; `namespace` is the cache's (persistent
+        tiers stamp it into what they store)."""
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(medium={self.medium!r}, block_bytes={self.block_bytes}, "

@@ -28,7 +28,7 @@ class CPUTier(PoolTier):
         self.pinned = pin_memory
 
     @classmethod
-    def from_config(cls, cfg: Any, block_bytes: int) -> CPUTier:
+    def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> CPUTier:
         return cls(name=cfg.name, block_bytes=block_bytes,
                    capacity_blocks=cfg.capacity_in_blocks(block_bytes),
                    pin_memory=cfg.options.get("pin_memory"))

@@ -48,7 +48,7 @@ class GPUTier(PoolTier):
                          device=resolve_device(device))
 
     @classmethod
-    def from_config(cls, cfg: Any, block_bytes: int) -> GPUTier:
+    def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> GPUTier:
         return cls(name=cfg.name, block_bytes=block_bytes,
                    capacity_blocks=cfg.capacity_in_blocks(block_bytes),
                    device=cfg.options.get("device", "cuda"))

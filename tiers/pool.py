@@ -62,7 +62,8 @@ class PoolTier(Tier):
     def _index(self, slots: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(slots, dtype=torch.int64, device=self._device)
 
-    def write(self, slots: Sequence[int], src: torch.Tensor) -> None:
+    def write(self, slots: Sequence[int], src: torch.Tensor,
+              keys: Sequence[bytes] | None = None) -> None:
         n = len(slots)
         check_blocks(src, n, self.block_bytes, "src")
         if n == 0:
@@ -77,7 +78,8 @@ class PoolTier(Tier):
         target = self._pool_wide if wide.dtype == self._pool_wide.dtype else self._pool
         target.index_copy_(0, self._index(slots), wide)
 
-    def read(self, slots: Sequence[int], dst: torch.Tensor) -> list[int]:
+    def read(self, slots: Sequence[int], dst: torch.Tensor,
+             keys: Sequence[bytes] | None = None) -> list[int]:
         n = len(slots)
         check_blocks(dst, n, self.block_bytes, "dst")
         if n == 0:

@@ -1,0 +1,160 @@
+"""The on-disk block record shared by the persistent tiers: header, checksum, codecs.
+
+Primitives:
+- `encode_block(key, payload, *, namespace_id, seq, compression, level, element_size)`
+  -> (header bytes, stored payload): compresses when it pays, checksums header and payload.
+- `decode_header(buf) -> BlockHeader` (raises `BlockCorruptError` on anything malformed).
+- `decode_payload(header, stored, dst)`: verifies the checksum, decompresses into `dst`.
+- `namespace_id(namespace) -> int`: the 64-bit namespace tag stamped into each header.
+
+Header, little-endian, `HEADER_SIZE` = 64 bytes:
+
+    offset size field
+    0      4    magic b"TCB\\x01"
+    4      2    format version (FORMAT_VERSION)
+    6      1    codec: 0 raw, 1 zstd, 2 zstd over a 2-byte-plane shuffle
+    7      1    reserved (0)
+    8      16   block key
+    24     8    namespace id (xxh3_64 of the namespace, utf-8)
+    32     4    raw length (block bytes)
+    36     4    stored payload length
+    40     8    write sequence (monotonic per store; orders recovery by recency)
+    48     8    reserved (0)
+    56     8    checksum: xxh3_64(header[0:56] + stored payload)
+
+The checksum covers the header too: a flipped bit in the key or a length is caught, so a
+block can never be served under the wrong key. Nothing here unpickles or evaluates anything.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+import zstandard
+
+from tiercache.errors import BlockCorruptError
+
+MAGIC = b"TCB\x01"
+FORMAT_VERSION = 1
+HEADER_SIZE = 64
+CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_SHUFFLE2 = 0, 1, 2
+MIN_RATIO = 1.05  # store raw unless compression saves at least ~5%
+
+_HEAD = struct.Struct("<4sHBB16sQIIQQ")  # the first 56 bytes
+_SUM = struct.Struct("<Q")
+assert _HEAD.size + _SUM.size == HEADER_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """A decoded, structurally valid header (the payload is not verified yet)."""
+
+    codec: int
+    key: bytes
+    namespace_id: int
+    raw_len: int
+    stored_len: int
+    seq: int
+    checksum: int
+    prefix: bytes  # header[0:56], hashed together with the payload
+
+
+def namespace_id(namespace: str | bytes) -> int:
+    """64-bit tag of a namespace, stamped into headers (for inspection and filtering)."""
+    data = namespace.encode() if isinstance(namespace, str) else bytes(namespace)
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def shuffle2(buf: memoryview | bytes) -> bytes:
+    """Split 16-bit elements into a low-byte plane then a high-byte plane (sign+exponent of
+    bf16/fp16 compress well; mantissa bytes do not)."""
+    a = np.frombuffer(buf, dtype="<u2")
+    out = np.empty(2 * a.size, dtype=np.uint8)
+    out[: a.size] = a  # uint16 -> uint8 keeps the low byte
+    out[a.size:] = a >> 8
+    return out.tobytes()
+
+
+def unshuffle2(planes: bytes, dst: np.ndarray) -> None:
+    """Inverse of `shuffle2`, written into the uint8 array `dst`."""
+    n = len(planes) // 2
+    p = np.frombuffer(planes, dtype=np.uint8)
+    out = dst.view("<u2")
+    np.left_shift(p[n:], 8, out=out, dtype="<u2")
+    np.bitwise_or(out, p[:n], out=out)
+
+
+def encode_block(key: bytes, payload: memoryview | bytes, *, namespace: int, seq: int,
+                 compression: str = "none", level: int = 1, element_size: int = 2,
+                 compressor: zstandard.ZstdCompressor | None = None) -> tuple[bytes, bytes]:
+    """Header and stored bytes for one block; compressed only when it saves >= 5%."""
+    raw = memoryview(payload).cast("B")
+    stored: bytes | memoryview = raw
+    codec = CODEC_RAW
+    if compression == "zstd":
+        zc = compressor or zstandard.ZstdCompressor(level=level)
+        shuffled = element_size == 2 and len(raw) % 2 == 0
+        packed = zc.compress(shuffle2(raw) if shuffled else raw)
+        if len(packed) * MIN_RATIO <= len(raw):
+            stored = packed
+            codec = CODEC_ZSTD_SHUFFLE2 if shuffled else CODEC_ZSTD
+    prefix = _HEAD.pack(MAGIC, FORMAT_VERSION, codec, 0, key, namespace, len(raw),
+                        len(stored), seq, 0)
+    h = xxhash.xxh3_64(prefix)
+    h.update(stored)
+    return prefix + _SUM.pack(h.intdigest()), bytes(stored) if codec else stored  # type: ignore[return-value]
+
+
+def decode_header(buf: bytes | memoryview) -> BlockHeader:
+    """Parse a header; `BlockCorruptError` if it is short, foreign, of another version or
+    inconsistent. Never trusts a length beyond what the caller can bound."""
+    if len(buf) < HEADER_SIZE:
+        raise BlockCorruptError(f"short header ({len(buf)} of {HEADER_SIZE} bytes)")
+    prefix = bytes(buf[:_HEAD.size])
+    magic, version, codec, _r, key, ns, raw_len, stored_len, seq, _r2 = _HEAD.unpack(prefix)
+    if magic != MAGIC:
+        raise BlockCorruptError("bad magic: not a tiercache block")
+    if version != FORMAT_VERSION:
+        raise BlockCorruptError(f"block format version {version}, this build reads "
+                                f"{FORMAT_VERSION}")
+    if codec not in (CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_SHUFFLE2):
+        raise BlockCorruptError(f"unknown codec {codec}")
+    if codec == CODEC_RAW and stored_len != raw_len:
+        raise BlockCorruptError("raw block with stored length != raw length")
+    (checksum,) = _SUM.unpack(bytes(buf[_HEAD.size:HEADER_SIZE]))
+    return BlockHeader(codec, key, ns, raw_len, stored_len, seq, checksum, prefix)
+
+
+def verify(header: BlockHeader, stored: bytes | memoryview) -> None:
+    """Check the checksum over header and stored payload; `BlockCorruptError` on mismatch."""
+    if len(stored) != header.stored_len:
+        raise BlockCorruptError(f"short payload ({len(stored)} of {header.stored_len} bytes)")
+    h = xxhash.xxh3_64(header.prefix)
+    h.update(stored)
+    if h.intdigest() != header.checksum:
+        raise BlockCorruptError("checksum mismatch")
+
+
+def decode_payload(header: BlockHeader, stored: bytes | memoryview, dst: np.ndarray,
+                   decompressor: zstandard.ZstdDecompressor | None = None) -> None:
+    """Verify, then write the block's raw bytes into the uint8 array `dst` (len raw_len)."""
+    if dst.size != header.raw_len:
+        raise BlockCorruptError(f"block holds {header.raw_len} bytes, expected {dst.size}")
+    verify(header, stored)
+    if header.codec == CODEC_RAW:
+        dst[:] = np.frombuffer(stored, dtype=np.uint8)
+        return
+    dz = decompressor or zstandard.ZstdDecompressor()
+    try:
+        raw = dz.decompress(stored, max_output_size=header.raw_len)
+    except zstandard.ZstdError as exc:
+        raise BlockCorruptError(f"zstd: {exc}") from None
+    if len(raw) != header.raw_len:
+        raise BlockCorruptError("decompressed length mismatch")
+    if header.codec == CODEC_ZSTD_SHUFFLE2:
+        unshuffle2(raw, dst)
+    else:
+        dst[:] = np.frombuffer(raw, dtype=np.uint8)
