@@ -304,3 +304,27 @@ class ManagerMachine(RuleBasedStateMachine):
 ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                             deadline=None)
 TestManagerMachine = ManagerMachine.TestCase
+
+
+class _PersistentPool(CPUTier):
+    """A pool tier that claims persistence, to test write-back planning without disk."""
+
+    persistent = True
+
+
+def test_plan_writeback_copies_volatile_only_blocks_into_free_slots() -> None:
+    t0 = CPUTier(name="t0", block_bytes=8, capacity_blocks=4)
+    t1 = _PersistentPool(name="p", block_bytes=8, capacity_blocks=3)
+    m = OffloadingManager([t0, t1], [LRUPolicy(4), LRUPolicy(3)])
+    store(m, chain(0, 4))
+    out = store(m, chain(4, 5))
+    assert out.evicted_keys == (K(3),)  # the chain's tail went down to p; 0,1,2,4 stay in t0
+    moves = m.plan_writeback()
+    # p has 2 free slots: the two most recently stored volatile-only blocks go down.
+    (mv,) = moves
+    assert mv.src.tier == 0 and mv.dst.tier == 1 and mv.keys == (K(4), K(2))
+    assert m.lookup([K(4)]) == 1  # still served from t0 meanwhile
+    m.complete_store(mv.keys)
+    assert m.where(K(4)) == [0, 1] and m.tiers[1].free_blocks == 0
+    assert m.plan_writeback() == []  # no room left
+    assert make(4).plan_writeback() == []  # no persistent tier

@@ -7,8 +7,10 @@ and `manager` for connectors. It runs the manager's plans itself, in order: demo
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,18 @@ log = logging.getLogger(__name__)
 
 # Errors a tier raises for failed I/O; anything else is a bug and propagates.
 _IO_ERRORS = (OSError, BlockCorruptError)
+_MOVE_CHUNK_BYTES = 64 * 2**20  # staging per step of a tier-to-tier copy
+_OPEN: weakref.WeakSet[TierCache] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_caches() -> None:
+    """A clean interpreter exit closes caches still open (flushing persistent tiers)."""
+    for cache in list(_OPEN):
+        try:
+            cache.close()
+        except Exception:
+            log.exception("closing a TierCache at exit failed")
 
 
 def check_keys(keys: object, name: str = "keys") -> list[bytes]:
@@ -60,6 +74,7 @@ class TierCache:
         self._manager = OffloadingManager(self._tiers, policies, promote=config.promote)
         self._lock = threading.RLock()
         self._closed = False
+        _OPEN.add(self)
 
     @classmethod
     def open(cls, config: CacheConfig | Mapping[str, Any] | str | Path, *,
@@ -199,11 +214,17 @@ class TierCache:
                 t.flush()
 
     def close(self) -> None:
-        """Flush and close every tier; idempotent."""
+        """Write volatile-only blocks down to persistent tiers' free slots, then flush and
+        close every tier; idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            try:
+                for move in self._manager.plan_writeback():
+                    self._move(move)
+            except Exception:  # closing must still release every tier
+                log.exception("write-back at close failed")
             for t in self._tiers:
                 try:
                     t.flush()
@@ -261,22 +282,28 @@ class TierCache:
         self._manager.complete_store(plan.keys_to_store, success=True)
 
     def _move(self, move: BlockMove) -> None:
-        """Copy blocks between tiers through a host staging buffer (write-back demotion)."""
-        src_tier = self._tiers[move.src.tier]
-        dst_tier = self._tiers[move.dst.tier]
-        staging = torch.empty((len(move.keys), self._block_bytes), dtype=torch.uint8)
+        """Copy blocks between tiers through a host staging buffer, in bounded chunks."""
+        step = max(1, _MOVE_CHUNK_BYTES // self._block_bytes)
+        for a in range(0, len(move.keys), step):
+            self._move_chunk(move.keys[a:a + step], move.src.tier, move.src.slots[a:a + step],
+                             move.dst.tier, move.dst.slots[a:a + step])
+
+    def _move_chunk(self, keys: tuple[bytes, ...], src: int, src_slots: tuple[int, ...],
+                    dst: int, dst_slots: tuple[int, ...]) -> None:
+        src_tier, dst_tier = self._tiers[src], self._tiers[dst]
+        staging = torch.empty((len(keys), self._block_bytes), dtype=torch.uint8)
         try:
-            failed = set(src_tier.read(move.src.slots, staging, move.keys))
+            failed = set(src_tier.read(src_slots, staging, keys))
             if failed:
-                self._manager.record_error(move.src.tier, len(failed))
-            dst_tier.write(move.dst.slots, staging, move.keys)
+                self._manager.record_error(src, len(failed))
+            dst_tier.write(dst_slots, staging, keys)
         except _IO_ERRORS as exc:
-            log.warning("demotion of %d blocks %s -> %s failed: %s", len(move.keys),
-                        src_tier.medium, dst_tier.medium, exc)
-            self._manager.record_error(move.dst.tier)
-            self._manager.complete_store(move.keys, success=False)
+            log.warning("copy of %d blocks %s -> %s failed: %s", len(keys), src_tier.medium,
+                        dst_tier.medium, exc)
+            self._manager.record_error(dst)
+            self._manager.complete_store(keys, success=False)
             return
-        good = [k for i, k in enumerate(move.keys) if i not in failed]
+        good = [k for i, k in enumerate(keys) if i not in failed]
         self._manager.complete_store(good, success=True)
         if failed:
-            self._manager.complete_store([move.keys[i] for i in failed], success=False)
+            self._manager.complete_store([keys[i] for i in failed], success=False)

@@ -385,6 +385,40 @@ class OffloadingManager:
                 lv.counters.stored += len(done)
                 self._events.append(OffloadingEvent(tuple(done), lv.medium, False))
 
+    def plan_writeback(self) -> list[BlockMove]:
+        """Moves that copy blocks held only in volatile tiers into persistent tiers' free slots,
+        most recently stored first, so a graceful restart keeps what fits.
+
+        Nothing is evicted for them. Complete each move with `complete_store(move.keys)`.
+        """
+        persistent = [lv for lv in self._levels if lv.tier.persistent]
+        if not persistent:
+            return []
+        pmask = sum(lv.bit for lv in persistent)
+        moves: list[BlockMove] = []
+        taken: set[bytes] = set()
+        for src in self._levels:
+            if src.tier.persistent:
+                continue
+            todo = [k for k, rec in reversed(src.blocks.items())
+                    if rec.ready and k not in taken and not self._present[k] & pmask]
+            for dst in persistent:
+                room = dst.tier.free_blocks
+                if not todo or not room:
+                    continue
+                batch, todo = todo[:room], todo[room:]
+                taken.update(batch)
+                slots = dst.tier.allocate(batch)
+                assert slots is not None
+                for k, s in zip(batch, slots, strict=True):
+                    dst.blocks[k] = _Rec(s, False)
+                    self._present[k] |= dst.bit
+                moves.append(BlockMove(
+                    tuple(batch),
+                    StoreSpec(src.index, src.medium, tuple(src.blocks[k].slot for k in batch)),
+                    StoreSpec(dst.index, dst.medium, tuple(slots))))
+        return moves
+
     # -- removal, recovery, events, stats --------------------------------------------------
     def discard(self, keys: Iterable[bytes], tier: int | None = None) -> int:
         """Drop ready, unpinned blocks (e.g. found corrupt) from `tier` (default: every tier).
