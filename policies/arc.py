@@ -1,0 +1,174 @@
+"""Adaptive Replacement Cache (Megiddo & Modha, "ARC: A Self-Tuning, Low Overhead Replacement
+Cache", FAST '03), split into the insert / touch / evict calls of EvictionPolicy.
+
+Primitives: ARCPolicy(capacity) with insert, touch, remove, evict(n, protected), clear, len, in,
+keys_in_eviction_order, plus `p` and `state()` (an ARCState snapshot) for tests and metrics.
+
+Lists (each an OrderedDict, least recently used first), with c = capacity:
+    T1  resident keys seen once recently         B1  ghosts: keys recently evicted from T1
+    T2  resident keys seen at least twice        B2  ghosts: keys recently evicted from T2
+    p   target size of T1, adapted in [0, c]
+
+How the paper's cases map onto the calls:
+    touch / insert of a resident key  case I: move to the MRU end of T2
+    insert of a key in B1 (B2)        case II (III): raise (lower) p, move the key to T2's MRU end
+    insert of a new key               case IV: trim the ghost lists as the paper does, put it in T1
+    evict                             REPLACE, once per victim, with p as it is now
+
+Deviations, all forced by the split interface: the manager evicts *before* it inserts, so a
+ghost hit adapts p after the REPLACE it triggered rather than before; REPLACE's tie-break
+"|T1| == p and the incoming key is in B2" is dropped because evict() does not know the incoming
+key; and protected keys are skipped, falling back to the other list when the preferred one has no
+unprotected key. remove() drops a resident key without leaving a ghost. Ghost lists are trimmed so
+that |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c, which is exactly the paper's trimming
+while the manager keeps at most c keys resident, and still bounds the ghosts when it does not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Container, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import filterfalse, islice
+
+from tiercache.policies.base import EvictionPolicy
+
+_END = object()  # sentinel for "not found" (keys are opaque, so even None may be a key)
+
+
+@dataclass(frozen=True)
+class ARCState:
+    """A snapshot of ARC's lists (least recently used first) and its target p."""
+
+    t1: tuple[bytes, ...]
+    t2: tuple[bytes, ...]
+    b1: tuple[bytes, ...]
+    b2: tuple[bytes, ...]
+    p: float
+
+
+class ARCPolicy(EvictionPolicy):
+    """Balances recency (T1) against frequency (T2), learning the split from ghost hits."""
+
+    def __init__(self, capacity: int) -> None:
+        """Create an empty policy for a tier of `capacity` blocks."""
+        super().__init__(capacity)
+        self._t1: OrderedDict[bytes, None] = OrderedDict()
+        self._t2: OrderedDict[bytes, None] = OrderedDict()
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+        self._p = 0.0
+
+    @property
+    def p(self) -> float:
+        """The current target size of T1, in [0, capacity]."""
+        return self._p
+
+    def state(self) -> ARCState:
+        """Copy out all four lists and p."""
+        return ARCState(tuple(self._t1), tuple(self._t2), tuple(self._b1), tuple(self._b2), self._p)
+
+    def insert(self, key: bytes) -> None:
+        """Add `key`: resident -> touch, ghost -> adapt p and go to T2, new -> T1."""
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if key in t2:  # case I
+            t2.move_to_end(key)
+        elif key in t1:  # case I
+            del t1[key]
+            t2[key] = None
+        elif key in b1:  # case II: T1 was too small for this key, so grow its target
+            delta = 1.0 if len(b1) >= len(b2) else len(b2) / len(b1)
+            self._p = min(self._p + delta, float(self.capacity))
+            del b1[key]
+            t2[key] = None
+        elif key in b2:  # case III: T2 was too small for this key, so shrink T1's target
+            delta = 1.0 if len(b2) >= len(b1) else len(b1) / len(b2)
+            self._p = max(self._p - delta, 0.0)
+            del b2[key]
+            t2[key] = None
+        else:  # case IV
+            t1[key] = None
+            c = self.capacity  # inline test: trimming is rarely needed and a call costs
+            if len(t1) + len(b1) > c or len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
+                self._trim_ghosts()
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Move resident `keys` to T2's MRU end, tail first so the chain head ends up hottest."""
+        t1, t2 = self._t1, self._t2
+        for key in reversed(keys):
+            if key in t2:
+                t2.move_to_end(key)
+            elif key in t1:
+                del t1[key]
+                t2[key] = None
+
+    def remove(self, key: bytes) -> None:
+        """Forget a resident key; ghost entries are history and stay."""
+        self._t1.pop(key, None)
+        self._t2.pop(key, None)
+
+    def evict(self, n: int, protected: Container[bytes] = frozenset()) -> list[bytes] | None:
+        """Apply REPLACE n times, moving victims to the MRU end of B1 or B2; None if impossible."""
+        self._check_count(n)
+        victims = self._plan(n, protected)
+        if victims is None:
+            return None
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        for key in victims:
+            if t1.pop(key, _END) is _END:
+                del t2[key]
+                b2[key] = None
+            else:
+                b1[key] = None
+        self._trim_ghosts()  # a no-op unless more than c keys were resident
+        return victims
+
+    def clear(self) -> None:
+        """Forget every key, all ghosts and the learned p."""
+        for od in (self._t1, self._t2, self._b1, self._b2):
+            od.clear()
+        self._p = 0.0
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def keys_in_eviction_order(self) -> Iterator[bytes]:
+        """Resident keys in the order successive REPLACE steps would evict them."""
+        victims = self._plan(len(self), frozenset())
+        assert victims is not None, "evicting every resident key cannot fail"
+        return iter(victims)
+
+    def _plan(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
+        """Pick n victims by REPLACE without mutating anything (so evict can stay atomic).
+
+        n successive REPLACE calls with p fixed take T1's LRU key while |T1| > p, which is the
+        first |T1| - floor(p) steps, then T2's; skipped protected keys still count in |T1|. When
+        the preferred list runs out of unprotected keys the other one is used, so the victims are
+        some of T1, then some of T2, then (only if T2 ran dry) more of T1.
+        """
+        if n > len(self):
+            return None
+        from_t1: Iterator[bytes] = iter(self._t1)
+        from_t2: Iterator[bytes] = iter(self._t2)
+        if protected:  # an empty set protects nothing: skip the per-key test
+            from_t1 = filterfalse(protected.__contains__, from_t1)
+            from_t2 = filterfalse(protected.__contains__, from_t2)
+        t1_turns = max(0, len(self._t1) - math.floor(self._p))
+        victims = list(islice(from_t1, min(n, t1_turns)))
+        victims += islice(from_t2, n - len(victims))
+        victims += islice(from_t1, n - len(victims))
+        return victims if len(victims) == n else None
+
+    def _trim_ghosts(self) -> None:
+        """Drop the oldest ghosts until |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c."""
+        t1, b1, b2, c = self._t1, self._b1, self._b2, self.capacity
+        while b1 and len(t1) + len(b1) > c:
+            b1.popitem(last=False)
+        excess = len(t1) + len(self._t2) + len(b1) + len(b2) - 2 * c
+        while excess > 0 and (b1 or b2):
+            (b2 or b1).popitem(last=False)
+            excess -= 1

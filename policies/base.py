@@ -1,0 +1,89 @@
+"""The eviction-policy contract shared by every tier.
+
+Primitives:
+    EvictionPolicy(capacity)  abstract base; capacity is counted in blocks (>= 1)
+    insert(key)               add a key as most recently used (idempotent: a present key is touched)
+    touch(keys)               mark a prefix chain as used so that its head is evicted last
+    remove(key)               forget a resident key (no-op when absent)
+    evict(n, protected)       atomically pick and drop n victims, or return None and change nothing
+    clear()                   forget everything
+    len(p), key in p          resident keys only
+    keys_in_eviction_order()  the order evict() would pick victims in (for tests and debugging)
+
+A policy knows opaque hashable keys (16-byte block hashes in practice) and nothing else: no bytes,
+tensors or tiers. It does not enforce its capacity on insert; the manager calls evict() first when
+the tier is full, and frees the victims itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from abc import ABC, abstractmethod
+from collections.abc import Container, Iterator, Sequence
+
+
+class EvictionPolicy(ABC):
+    """Chooses which resident blocks of one tier to drop when it needs room."""
+
+    def __init__(self, capacity: int) -> None:
+        """Validate and keep the tier's capacity in blocks."""
+        capacity = operator.index(capacity)
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 block, got {capacity}")
+        self.capacity: int = capacity
+
+    @abstractmethod
+    def insert(self, key: bytes) -> None:
+        """Add `key` as most recently used; inserting a resident key behaves like touch([key])."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark `keys` (a prefix chain, head first) as used; unknown keys are ignored.
+
+        Keys are processed tail first so that the head ends up most recently used and a chain is
+        evicted tail first: its head is what later lookups need most.
+        """
+
+    @abstractmethod
+    def remove(self, key: bytes) -> None:
+        """Forget a resident key; a key that is not resident is ignored."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Container[bytes] = frozenset()) -> list[bytes] | None:
+        """Remove and return exactly `n` victims not in `protected`, in eviction order.
+
+        Returns None and changes no state at all when fewer than `n` keys can be evicted, so the
+        caller can try something else; n == 0 returns []; n < 0 raises ValueError.
+        """
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every key (and any history the policy keeps)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident keys."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether `key` is resident (history such as ARC's ghost lists does not count)."""
+
+    def keys_in_eviction_order(self) -> Iterator[bytes]:
+        """Resident keys in the order evict() would pick them with nothing protected.
+
+        The default evicts everything from a deep copy, which is right for any policy but slow;
+        subclasses override it with a direct walk.
+        """
+        victims = copy.deepcopy(self).evict(len(self))
+        assert victims is not None, "evicting every resident key cannot fail"
+        return iter(victims)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(capacity={self.capacity}, resident={len(self)})"
+
+    @staticmethod
+    def _check_count(n: int) -> None:
+        """Reject a negative eviction count; shared so every policy words it the same way."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
