@@ -1,0 +1,101 @@
+"""`CPUCopyHandler`: engine KV buffer <-> pool tiers (`CPUTier`, `GPUTier`), the CPU path.
+
+One lane per direction ("store": engine -> tier, "load": tier -> engine), each served by one
+thread, so `transfer_async` never blocks and jobs of one direction finish in order. The bytes
+move between the engine's layers and the tier's `pool` tensor directly (no staging), through
+`KVLayout`: one batched copy per distinct allocation, not per layer or block.
+`CUDACopyHandler` is this class with a CUDA stream per lane.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from tiercache.tiers import Tier
+from tiercache.transfer.handler import LaneHandler
+from tiercache.transfer.job import Job
+from tiercache.transfer.kv_layout import KVLayout
+from tiercache.transfer.specs import GPULoadStoreSpec, TierLoadStoreSpec
+
+
+def tier_of(tiers: Sequence[Tier], spec: TierLoadStoreSpec) -> Tier:
+    """The tier a spec names, checked against its medium."""
+    if not 0 <= spec.tier < len(tiers):
+        raise ValueError(
+            f"tier {spec.tier} ({spec.medium!r}) is not one of this handler's {len(tiers)} tiers"
+        )
+    tier = tiers[spec.tier]
+    if tier.medium != spec.medium:
+        raise ValueError(f"tier {spec.tier} is {tier.medium!r}, but the spec names {spec.medium!r}")
+    return tier
+
+
+def check_ranges(job: Job, tier: Tier, side: TierLoadStoreSpec, num_blocks: int) -> None:
+    """Slots inside the tier, engine block ids inside the engine buffer."""
+    if side.slots and not (min(side.slots) >= 0 and max(side.slots) < tier.capacity_blocks):
+        raise ValueError(
+            f"job {job.job_id}: slots outside tier {tier.medium!r} "
+            f"(capacity {tier.capacity_blocks})"
+        )
+    for spec in (job.src, job.dst):
+        ids = spec.block_ids if isinstance(spec, GPULoadStoreSpec) else ()
+        if ids and not (min(ids) >= 0 and max(ids) < num_blocks):
+            raise ValueError(f"job {job.job_id}: engine block ids outside 0..{num_blocks - 1}")
+
+
+def engine_sides(job: Job) -> tuple[GPULoadStoreSpec, TierLoadStoreSpec, bool]:
+    """(engine spec, tier spec, is_store) of an engine <-> tier job; ValueError otherwise."""
+    src, dst = job.src, job.dst
+    if isinstance(src, GPULoadStoreSpec) and isinstance(dst, TierLoadStoreSpec):
+        return src, dst, True
+    if isinstance(src, TierLoadStoreSpec) and isinstance(dst, GPULoadStoreSpec):
+        return dst, src, False
+    raise ValueError(
+        f"job {job.job_id}: expected an engine <-> tier transfer, got "
+        f"{type(src).__name__} -> {type(dst).__name__}"
+    )
+
+
+class CPUCopyHandler(LaneHandler):
+    """Engine blocks <-> rows of a pool tier, on one thread per direction."""
+
+    def __init__(self, layout: KVLayout, tiers: Sequence[Tier], *, name: str = "copy") -> None:
+        self.layout = layout
+        self._tiers = list(tiers)
+        super().__init__({"store": 1, "load": 1}, name=name)
+
+    def lane_of(self, job: Job) -> str:
+        return "store" if isinstance(job.src, GPULoadStoreSpec) else "load"
+
+    def check(self, job: Job) -> None:
+        eng, side, _ = engine_sides(job)
+        tier = tier_of(self._tiers, side)
+        pool = getattr(tier, "pool", None)
+        if pool is None:
+            raise ValueError(f"tier {tier.medium!r} has no pool tensor; use a DiskHandler")
+        self.layout.check_pool(pool, f"tier {tier.medium!r}")
+        check_ranges(job, tier, side, self.layout.num_blocks)
+        if len(eng.block_ids) != len(side.slots) * self.layout.factor:
+            raise ValueError(
+                f"job {job.job_id}: {len(eng.block_ids)} engine blocks for "
+                f"{len(side.slots)} slots (block_size_factor "
+                f"{self.layout.factor})"
+            )
+
+    def copy(self, job: Job, *, non_blocking: bool = False) -> None:
+        """The bytes of an engine <-> pool job (shared with the CUDA handler)."""
+        eng, side, store = engine_sides(job)
+        tier = self._tiers[side.tier]
+        pool = tier.pool  # type: ignore[attr-defined]
+        self.layout.check_pool(pool, f"tier {tier.medium!r}")  # e.g. closed since submission
+        if store:
+            self.layout.copy_to_pool(eng.block_ids, pool, side.slots, non_blocking=non_blocking)
+        else:
+            self.layout.copy_from_pool(pool, side.slots, eng.block_ids, non_blocking=non_blocking)
+        job.size = len(side.slots) * self.layout.block_bytes
+
+    def run(self, job: Job, lane: str) -> None:
+        t0 = time.perf_counter()
+        self.copy(job)
+        job.time = time.perf_counter() - t0

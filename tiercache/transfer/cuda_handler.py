@@ -1,0 +1,66 @@
+"""`CUDACopyHandler`: the CPU handler's twin on CUDA, a stream per direction.
+
+Each lane thread waits (on the device, not the host) for the previous jobs a job follows and
+for the caller's compute stream as it was at submission, queues the job's batched copies on
+its lane's stream (`non_blocking`; the pinned CPU tier makes them asynchronous DMAs), and
+records an event. `get_finished()` polls the events in order; `Job.wait()` synchronizes only
+that job's event. Index and layout logic is `KVLayout`'s, shared with the CPU path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tiercache.tiers import Tier
+from tiercache.transfer.cpu_handler import CPUCopyHandler
+from tiercache.transfer.job import Job
+from tiercache.transfer.kv_layout import KVLayout
+
+
+class CUDACopyHandler(CPUCopyHandler):
+    """Engine blocks on a CUDA device <-> rows of a pinned CPU or GPU pool tier."""
+
+    def __init__(self, layout: KVLayout, tiers: Sequence[Tier], *, name: str = "cuda") -> None:
+        if layout.device.type != "cuda":
+            raise ValueError(
+                f"layout: the engine buffer is on {layout.device}, not CUDA; use CPUCopyHandler"
+            )
+        self._streams = {lane: torch.cuda.Stream(layout.device) for lane in ("store", "load")}
+        super().__init__(layout, tiers, name=name)
+
+    def prepare(self, job: Job) -> None:
+        # Copies must see what the model wrote (stores) and land after what it last read
+        # (loads): mark the caller's current stream now; the lane's stream waits for it.
+        job.compute_event = torch.cuda.current_stream(self.layout.device).record_event()
+
+    def wait_deps(self, job: Job, lane: str) -> bool:
+        stream = self._streams[lane]
+        ok = True
+        for dep, reads_it in job.deps:
+            dep.issued.wait()  # host jobs are finished once issued; CUDA jobs are queued
+            if dep.end_event is not None:
+                stream.wait_event(dep.end_event)
+            if reads_it and not dep.ok:
+                ok = False
+        stream.wait_event(job.compute_event)
+        return ok
+
+    def run(self, job: Job, lane: str) -> None:
+        stream = self._streams[lane]
+        with torch.cuda.device(self.layout.device), torch.cuda.stream(stream):
+            job.start_event = torch.cuda.Event(enable_timing=True)
+            job.start_event.record(stream)
+            try:
+                self.copy(job, non_blocking=True)
+            finally:
+                # Even a job that failed half way is done only when its queued copies are.
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(stream)
+                job.end_event = end
+
+    def close(self) -> None:
+        super().close()
+        for s in self._streams.values():
+            s.synchronize()

@@ -1,0 +1,183 @@
+"""`DiskHandler`: transfers through a tier's `read`/`write`, staged in host memory.
+
+For the tiers that have no pool tensor (NVMe, LMDB) and for tier-to-tier copies (the
+manager's demotions and write-backs, which run here as ordinary jobs):
+- tier -> tier: `src.read` into a staging buffer, `dst.write` of the rows that arrived;
+- engine -> tier: `KVLayout.gather` into the staging buffer, `tier.write`;
+- tier -> engine: `tier.read` into the staging buffer, `KVLayout.scatter` of the rows that
+  arrived (each staged chunk synchronized before the buffer is reused when CUDA is involved).
+It works on any `Tier`, so it knows nothing about files or LMDB. A pool of threads (one lane)
+keeps slow devices off the engine's thread; the worker's dependencies order jobs that touch
+the same slots. Staging buffers are per thread, bounded by `chunk_bytes`, pinned with CUDA.
+A failed or corrupt read fails only its blocks: a move still lands the rest, and a block that
+did not arrive is never written anywhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from tiercache.errors import BlockCorruptError
+from tiercache.tiers import Tier
+from tiercache.transfer.cpu_handler import check_ranges, tier_of
+from tiercache.transfer.handler import LaneHandler
+from tiercache.transfer.job import Job
+from tiercache.transfer.kv_layout import KVLayout
+from tiercache.transfer.specs import GPULoadStoreSpec, TierLoadStoreSpec
+
+# Errors a tier raises for failed I/O: they fail the chunk's blocks. Anything else is a bug
+# and fails the whole job (logged by the lane).
+IO_ERRORS = (OSError, BlockCorruptError)
+
+
+class DiskHandler(LaneHandler):
+    """Tier <-> tier and engine <-> tier through host staging, on a pool of threads."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        layout: KVLayout | None = None,
+        *,
+        threads: int = 2,
+        chunk_bytes: int = 64 * 2**20,
+        name: str = "disk",
+    ) -> None:
+        if threads < 1:
+            raise ValueError(f"threads: expected >= 1, got {threads}")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes: expected >= 1, got {chunk_bytes}")
+        self.layout = layout
+        self._tiers = list(tiers)
+        self._chunk_bytes = chunk_bytes
+        self._cuda = layout is not None and layout.device.type == "cuda"
+        self._pin = torch.cuda.is_available()
+        self._local = threading.local()
+        super().__init__({"io": threads}, name=name)
+
+    def lane_of(self, job: Job) -> str:
+        return "io"
+
+    def check(self, job: Job) -> None:
+        sides = [s for s in (job.src, job.dst) if isinstance(s, TierLoadStoreSpec)]
+        if not sides:
+            raise ValueError(f"job {job.job_id}: no tier side")
+        tiers = [tier_of(self._tiers, s) for s in sides]
+        for t, s in zip(tiers, sides, strict=True):
+            check_ranges(job, t, s, self.layout.num_blocks if self.layout else 0)
+        if len(sides) == 2:
+            if len(sides[0].slots) != len(sides[1].slots):
+                raise ValueError(
+                    f"job {job.job_id}: {len(sides[0].slots)} source slots but "
+                    f"{len(sides[1].slots)} destination slots"
+                )
+            if tiers[0].block_bytes != tiers[1].block_bytes:
+                raise ValueError(
+                    f"job {job.job_id}: block sizes differ "
+                    f"({tiers[0].block_bytes} != {tiers[1].block_bytes})"
+                )
+            return
+        if self.layout is None:
+            raise ValueError(f"job {job.job_id}: engine transfers need a KVLayout")
+        if tiers[0].block_bytes != self.layout.block_bytes:
+            raise ValueError(
+                f"tier {tiers[0].medium!r}: blocks of {tiers[0].block_bytes} bytes, "
+                f"but the KV layout's offloaded block is {self.layout.block_bytes}"
+            )
+        eng = job.src if isinstance(job.src, GPULoadStoreSpec) else job.dst
+        assert isinstance(eng, GPULoadStoreSpec)
+        if len(eng.block_ids) != len(sides[0].slots) * self.layout.factor:
+            raise ValueError(
+                f"job {job.job_id}: {len(eng.block_ids)} engine blocks for "
+                f"{len(sides[0].slots)} slots"
+            )
+
+    def prepare(self, job: Job) -> None:
+        if self._cuda and (
+            isinstance(job.src, GPULoadStoreSpec) or isinstance(job.dst, GPULoadStoreSpec)
+        ):
+            assert self.layout is not None
+            job.compute_event = torch.cuda.current_stream(self.layout.device).record_event()
+
+    # -- the work --------------------------------------------------------------------------
+    def _staging(self, rows: int, block_bytes: int) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != block_bytes:
+            buf = torch.empty((rows, block_bytes), dtype=torch.uint8, pin_memory=self._pin)
+            self._local.buf = buf
+        return buf[:rows]
+
+    def _stream(self) -> torch.cuda.Stream:
+        s = getattr(self._local, "stream", None)
+        if s is None:
+            assert self.layout is not None
+            s = self._local.stream = torch.cuda.Stream(self.layout.device)
+        return s
+
+    def run(self, job: Job, lane: str) -> None:
+        t0 = time.perf_counter()
+        src, dst = job.src, job.dst
+        tier_side = src if isinstance(src, TierLoadStoreSpec) else dst
+        assert isinstance(tier_side, TierLoadStoreSpec)
+        bb = tier_of(self._tiers, tier_side).block_bytes
+        n = len(tier_side.slots)
+        f = self.layout.factor if self.layout is not None else 1
+        step = max(1, min(n, self._chunk_bytes // bb))
+        failed: list[int] = []
+        if self._cuda and job.compute_event is not None:
+            self._stream().wait_event(job.compute_event)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            buf = self._staging(b - a, bb)
+            # 1. source -> staging; `bad` are chunk positions whose bytes did not arrive.
+            if isinstance(src, TierLoadStoreSpec):
+                try:
+                    bad = set(tier_of(self._tiers, src).read(src.slots[a:b], buf, src.keys[a:b]))
+                except IO_ERRORS:
+                    bad = set(range(b - a))
+            else:
+                self._gather(src.block_ids[a * f : b * f], buf)
+                bad = set()
+            good = [i for i in range(b - a) if i not in bad]
+            failed.extend(a + i for i in sorted(bad))
+            if not good:
+                continue
+            rows = buf if not bad else buf.index_select(0, torch.tensor(good, dtype=torch.int64))
+            # 2. staging -> destination, only the rows that arrived.
+            if isinstance(dst, TierLoadStoreSpec):
+                try:
+                    tier_of(self._tiers, dst).write(
+                        [dst.slots[a + i] for i in good], rows, [dst.keys[a + i] for i in good]
+                    )
+                except IO_ERRORS:
+                    failed.extend(a + i for i in good)
+            else:
+                ids = [dst.block_ids[(a + i) * f + j] for i in good for j in range(f)]
+                self._scatter(ids, rows)
+        job.size = (n - len(failed)) * bb
+        if failed:
+            job.fail(tuple(sorted(failed)))
+        job.time = time.perf_counter() - t0
+
+    def _gather(self, block_ids: Sequence[int], buf: torch.Tensor) -> None:
+        assert self.layout is not None
+        if not self._cuda:
+            self.layout.gather(block_ids, buf)
+            return
+        s = self._stream()
+        with torch.cuda.stream(s):
+            self.layout.gather(block_ids, buf, non_blocking=True)
+        s.synchronize()  # the tier reads the staging buffer next
+
+    def _scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        assert self.layout is not None
+        if not self._cuda:
+            self.layout.scatter(block_ids, rows)
+            return
+        s = self._stream()
+        with torch.cuda.stream(s):
+            self.layout.scatter(block_ids, rows, non_blocking=True)
+        s.synchronize()  # the staging buffer is reused by the next chunk

@@ -1,0 +1,140 @@
+"""Handlers: what the worker dispatches jobs to, one per (source medium, destination medium).
+
+Primitives:
+- `TransferHandler` (ABC): `check(job)` (ValueError if malformed), `transfer_async(job)`
+  (queue without blocking), `get_finished() -> list[Job]` (each finished job once), `close()`
+  (finish queued jobs, join every thread).
+- `LaneHandler`: the shared machinery of the copy handlers. Jobs go to a named lane (e.g. one
+  per direction); each lane is a FIFO served by its own thread(s), which wait for a job's
+  dependencies, run it, and mark it issued. Subclasses say which lane a job takes (`lane_of`),
+  check it on the caller's thread (`check`, `prepare`) and do the work (`run`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Mapping
+
+from tiercache.transfer.job import Job
+
+log = logging.getLogger(__name__)
+
+
+class TransferHandler(ABC):
+    """Moves the bytes of jobs between two mediums."""
+
+    def check(self, job: Job) -> None:  # noqa: B027 - optional hook
+        """Validate `job` on the caller's thread before it is accepted; raise ValueError if
+        it is malformed (e.g. a slot count that does not match)."""
+
+    @abstractmethod
+    def transfer_async(self, job: Job) -> bool:
+        """Queue a checked `job` (its `deps` set) without blocking; False if this handler
+        cannot take it now."""
+
+    @abstractmethod
+    def get_finished(self) -> list[Job]:
+        """Jobs finished since the last call, each reported once."""
+
+    def close(self) -> None:  # noqa: B027 - handlers without threads have nothing to release
+        """Finish queued jobs and join every thread; idempotent."""
+
+
+class LaneHandler(TransferHandler):
+    """Jobs run in FIFO order per lane, each lane served by `threads` threads."""
+
+    def __init__(self, lanes: Mapping[str, int], *, name: str) -> None:
+        self._lock = threading.Lock()
+        self._closed = False
+        self._lanes = dict(lanes)
+        self._queues: dict[str, queue.SimpleQueue[Job | None]] = {}
+        self._issued: dict[str, deque[Job]] = {}
+        self._threads: list[threading.Thread] = []
+        for lane, n in lanes.items():
+            self._queues[lane] = queue.SimpleQueue()
+            self._issued[lane] = deque()
+            for i in range(n):
+                t = threading.Thread(
+                    target=self._serve,
+                    args=(lane,),
+                    daemon=True,
+                    name=f"tiercache-xfer-{name}-{lane}-{i}",
+                )
+                self._threads.append(t)
+        for t in self._threads:
+            t.start()
+
+    # -- subclass hooks --------------------------------------------------------------------
+    @abstractmethod
+    def lane_of(self, job: Job) -> str:
+        """The lane `job` runs on."""
+
+    def prepare(self, job: Job) -> None:
+        """Caller-thread work at submission (e.g. mark the compute stream's position)."""
+
+    @abstractmethod
+    def run(self, job: Job, lane: str) -> None:
+        """Do the transfer on a lane thread: set `job.size`/`job.time`, `job.fail(...)` for
+        blocks that did not arrive; raising fails the whole job."""
+
+    def wait_deps(self, job: Job, lane: str) -> bool:
+        """Block until the jobs `job` follows have finished; False if one it reads failed."""
+        ok = True
+        for dep, reads_it in job.deps:
+            if not dep.wait() and reads_it:
+                ok = False
+        return ok
+
+    # -- TransferHandler -------------------------------------------------------------------
+    def transfer_async(self, job: Job) -> bool:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        self.prepare(job)
+        self._queues[self.lane_of(job)].put(job)
+        return True
+
+    def get_finished(self) -> list[Job]:
+        out: list[Job] = []
+        with self._lock:
+            for issued in self._issued.values():
+                # Per lane, jobs finish in issue order (one thread or stream per lane).
+                while issued and issued[0].done():
+                    out.append(issued.popleft())
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for lane, n in self._lanes.items():
+            for _ in range(n):
+                self._queues[lane].put(None)  # one stop marker per thread, behind queued jobs
+        for t in self._threads:
+            t.join()
+
+    # -- lane threads ----------------------------------------------------------------------
+    def _serve(self, lane: str) -> None:
+        q = self._queues[lane]
+        while (job := q.get()) is not None:
+            self._execute(job, lane)
+
+    def _execute(self, job: Job, lane: str) -> None:
+        try:
+            if self.wait_deps(job, lane):
+                self.run(job, lane)
+            else:
+                job.fail()
+        except Exception as exc:
+            # The thread boundary: any failure of a copy becomes success=False for its job
+            # (the blocks are then recomputed or not stored); it must never kill the lane.
+            log.warning("transfer job %s %s failed: %r", job.job_id, job.transfer_type, exc)
+            job.fail()
+            job.size = 0
+        finally:
+            with self._lock:
+                self._issued[lane].append(job)
+            job.issued.set()

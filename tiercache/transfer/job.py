@@ -1,0 +1,95 @@
+"""`Job`: one submitted transfer as handlers see it (internal, mutable state).
+
+A job is *issued* once its work has been started or done (`issued` is set): a host copy is then
+finished, a CUDA copy is queued on a stream and finishes when `end_event` completes. Other
+handlers order themselves after a job with `wait()` (host threads) or `end_event` (streams).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from tiercache.transfer.results import TransferResult, TransferType
+from tiercache.transfer.specs import GPULoadStoreSpec, LoadStoreSpec, TierLoadStoreSpec
+
+Resource = tuple[int, int]  # (tier index, slot), or (ENGINE, engine block id)
+ENGINE = -1
+
+
+class Job:
+    """A transfer between two specs, its dependencies and its outcome."""
+
+    __slots__ = (
+        "compute_event",
+        "deps",
+        "dst",
+        "end_event",
+        "failed",
+        "issued",
+        "job_id",
+        "ok",
+        "reads",
+        "size",
+        "src",
+        "start_event",
+        "time",
+        "transfer_type",
+        "writes",
+    )
+
+    def __init__(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+        self.job_id = job_id
+        self.src = src
+        self.dst = dst
+        self.transfer_type: TransferType = (src.medium, dst.medium)
+        self.reads: list[Resource] = _resources(src)
+        self.writes: list[Resource] = _resources(dst)
+        # (earlier job, whether its failure fails this one: True when this job reads its bytes)
+        self.deps: list[tuple[Job, bool]] = []
+        self.compute_event: Any = None  # CUDA event on the caller's stream at submission
+        self.start_event: Any = None
+        self.end_event: Any = None
+        self.issued = threading.Event()
+        self.ok = True
+        self.failed: tuple[int, ...] = ()
+        self.size = 0
+        self.time = 0.0
+
+    @property
+    def num_blocks(self) -> int:
+        """Offloaded blocks in the job (the tier side's slot count)."""
+        side = self.src if isinstance(self.src, TierLoadStoreSpec) else self.dst
+        assert isinstance(side, TierLoadStoreSpec)
+        return len(side.slots)
+
+    def fail(self, positions: tuple[int, ...] | None = None) -> None:
+        """Mark the job unsuccessful: `positions` did not arrive (default: all of them)."""
+        self.ok = False
+        self.failed = tuple(range(self.num_blocks)) if positions is None else positions
+
+    def wait(self) -> bool:
+        """Block until the job's bytes are in place (or it failed); True if it succeeded."""
+        self.issued.wait()
+        if self.end_event is not None:
+            self.end_event.synchronize()
+        return self.ok
+
+    def done(self) -> bool:
+        """Finished, without blocking."""
+        return self.issued.is_set() and (self.end_event is None or self.end_event.query())
+
+    def result(self) -> TransferResult:
+        elapsed = self.time
+        if self.ok and self.start_event is not None:
+            elapsed = self.start_event.elapsed_time(self.end_event) / 1000.0
+        return TransferResult(
+            self.job_id, self.ok, self.size, elapsed, self.transfer_type, self.failed
+        )
+
+
+def _resources(spec: LoadStoreSpec) -> list[Resource]:
+    if isinstance(spec, GPULoadStoreSpec):
+        return [(ENGINE, b) for b in spec.block_ids]
+    t = spec.tier
+    return [(t, s) for s in spec.slots]

@@ -1,0 +1,417 @@
+"""The engine's paged KV buffer as the transfer engine sees it, and batched block copies.
+
+Primitives:
+- `KVLayout(kv_caches, num_blocks, block_size_factor=1, kv_first=None)`: the engine buffer
+  (layer name -> tensor, blocks first `[num_blocks, ...]` or K/V first `[2, num_blocks, ...]`)
+  reduced to its distinct allocations ("segments"): layers that are views of one allocation
+  are copied together, once. `block_bytes` is the size of one offloaded block.
+- `KVLayout.copy_to_pool(block_ids, pool, slots)` / `copy_from_pool(pool, slots, block_ids)`:
+  engine blocks <-> rows of a pool tier's tensor; direct on one device, staged through a
+  contiguous buffer on the engine's device otherwise (one host<->device copy per slot run).
+- `KVLayout.gather(block_ids, out)` / `scatter(block_ids, src)`: engine blocks <-> a
+  contiguous uint8 `[n, block_bytes]` buffer (the disk handler's staging buffer).
+- `copy_rows(dst, dst_idx, src, src_idx)`: `dst[dst_idx[i]] = src[src_idx[i]]` along dim 0.
+
+The bytes of one offloaded block (what tiers store): `block_size_factor` engine-block records
+back to back. An engine-block record holds each segment's bytes for that engine block, in
+segment order (order of first registration), and within a segment its chunks (K then V, or
+one layer after another in a shared allocation) in address order. Pages are opaque bytes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+import numpy as np
+import torch
+
+# On CPU a scatter by `index_copy_` runs at ~0.75x memcpy, while a loop of per-run memcpys
+# (numpy's copyto: glibc memcpy, ~1 us per call against ~5 us for a torch slice copy_)
+# reaches memcpy speed once runs average this many bytes (bench/bench_transfer.py, 2-core VM:
+# at 2 MiB rows 0.99x vs 0.77x; at 16 KiB they tie). Gathers use index_select at any size.
+LOOP_MIN_BYTES = 32 * 1024
+# Up to this many runs, slice copies beat building index tensors on any device.
+FEW_RUNS = 4
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One distinct allocation's share of an engine block: `chunks` x `chunk_bytes` bytes.
+
+    `rows` is a view `[num_blocks, chunks, chunk_bytes]` (or `[num_blocks, chunk_bytes]` for
+    one chunk) of the allocation, in the layout's element unit; `offset` is where the segment
+    starts inside an engine-block record (bytes).
+    """
+
+    rows: torch.Tensor
+    offset: int
+    chunks: int
+    chunk_bytes: int
+    layers: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.chunks * self.chunk_bytes
+
+
+@dataclass
+class _Chunk:
+    start: int  # byte offset of block 0's chunk in the storage
+    size: int  # bytes
+    block_stride: int  # bytes between consecutive engine blocks
+    layers: list[str]  # the layer and any aliases of the same bytes
+
+
+def _layer_chunks(
+    name: str, t: torch.Tensor, num_blocks: int, kv_first: bool | None
+) -> list[_Chunk]:
+    es = t.element_size()
+    shape = tuple(t.shape)
+    blocks_first = len(shape) >= 1 and shape[0] == num_blocks
+    kv = len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks
+    if kv_first is None:
+        if blocks_first and kv:
+            raise ValueError(
+                f"kv_caches[{name!r}]: shape {shape} is ambiguous with num_blocks="
+                f"{num_blocks}; pass kv_first=True or False"
+            )
+        kv_first = kv
+    if not (kv if kv_first else blocks_first):
+        want = "[2, num_blocks, ...]" if kv_first else "[num_blocks, ...] or [2, num_blocks, ...]"
+        raise ValueError(
+            f"kv_caches[{name!r}]: shape {shape} is not {want} with num_blocks={num_blocks}"
+        )
+    page = t[0, 0] if kv_first else t[0]
+    if not page.is_contiguous():
+        raise ValueError(
+            f"kv_caches[{name!r}]: the page of one block is not contiguous "
+            f"(strides {t.stride()}); pages are copied as opaque bytes"
+        )
+    size = page.numel() * es
+    base = t.storage_offset() * es
+    if kv_first:
+        bs = t.stride(1) * es
+        return [_Chunk(base + k * t.stride(0) * es, size, bs, [name]) for k in range(2)]
+    return [_Chunk(base, size, t.stride(0) * es, [name])]
+
+
+def _merge(chunks: list[_Chunk]) -> list[tuple[int, int, int, int, list[_Chunk]]]:
+    """Chunks of one storage -> (start, count, stride, size, chunks) strided families.
+
+    Chunks of equal size and block stride whose starts form one arithmetic progression are one
+    family (one copy); otherwise each chunk is its own family.
+    """
+    uniq: dict[tuple[int, int, int], _Chunk] = {}
+    for c in chunks:  # layers sharing one cache (aliases) are copied once
+        kept = uniq.setdefault((c.start, c.size, c.block_stride), c)
+        if kept is not c:
+            kept.layers.extend(c.layers)
+    cs = sorted(uniq.values(), key=lambda c: c.start)
+    if len(cs) > 1 and len({(c.size, c.block_stride) for c in cs}) == 1:
+        step = cs[1].start - cs[0].start
+        if step >= cs[0].size and all(b.start - a.start == step for a, b in pairwise(cs)):
+            return [(cs[0].start, len(cs), step, cs[0].size, cs)]
+    return [(c.start, 1, c.size, c.size, [c]) for c in cs]
+
+
+class KVLayout:
+    """The engine KV buffer as segments; copies blocks to and from pool rows and buffers."""
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        num_blocks: int,
+        block_size_factor: int = 1,
+        *,
+        kv_first: bool | None = None,
+    ) -> None:
+        if not kv_caches:
+            raise ValueError("kv_caches: at least one layer is required")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks: expected an int >= 1, got {num_blocks!r}")
+        if (
+            isinstance(block_size_factor, bool)
+            or not isinstance(block_size_factor, int)
+            or block_size_factor < 1
+        ):
+            raise ValueError(f"block_size_factor: expected an int >= 1, got {block_size_factor!r}")
+        devices = {t.device for t in kv_caches.values()}
+        if len(devices) != 1:
+            raise ValueError(f"kv_caches: all layers must be on one device, got {devices}")
+        self.device: torch.device = devices.pop()
+        self.num_blocks = num_blocks
+        self.factor = block_size_factor
+        # Group layers by allocation, in order of first appearance (deterministic record format).
+        storages: dict[int, tuple[torch.Tensor, list[_Chunk]]] = {}
+        for name, t in kv_caches.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"kv_caches[{name!r}]: expected a tensor, got {type(t).__name__}")
+            key = t.untyped_storage().data_ptr()
+            entry = storages.setdefault(key, (t, []))
+            entry[1].extend(_layer_chunks(name, t, num_blocks, kv_first))
+        families = [(t, fam) for t, chunks in storages.values() for fam in _merge(chunks)]
+        # int64 elements when every offset and size allows: batched index ops on uint8 run ~9x
+        # slower (shared/limits), and slice copies do not mind.
+        record = sum(f[1] * f[3] for _, f in families)
+        wide = record % 8 == 0 and all(
+            v % 8 == 0
+            for t, f in families
+            for v in (f[0], f[2], f[3], f[4][0].block_stride, t.untyped_storage().nbytes())
+        )
+        self.unit = 8 if wide else 1
+        self._dtype = torch.int64 if wide else torch.uint8
+        u = self.unit
+        segments: list[Segment] = []
+        offset = 0
+        for t, (start, count, stride, size, chunks) in families:
+            flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(t.untyped_storage())
+            if wide:
+                flat = flat.view(torch.int64)
+            bs = chunks[0].block_stride
+            view = flat.as_strided(
+                (count, num_blocks, size // u), (stride // u, bs // u, 1), start // u
+            )
+            if count > 1 and stride == size:  # chunks adjacent within a block: one run of bytes
+                view = flat.as_strided(
+                    (1, num_blocks, count * size // u), (0, bs // u, 1), start // u
+                )
+                count, size = 1, count * size
+            rows = view[0] if count == 1 else view.permute(1, 0, 2)
+            layers = tuple(dict.fromkeys(n for c in chunks for n in c.layers))
+            segments.append(Segment(rows, offset, count, size, layers))
+            offset += count * size
+        self.segments: tuple[Segment, ...] = tuple(segments)
+        self.engine_block_bytes = offset
+        self._pool_views: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        self.block_bytes = offset * block_size_factor
+
+    # -- pool rows -------------------------------------------------------------------------
+    def check_pool(self, pool: torch.Tensor, what: str = "pool") -> None:
+        """A pool must be a contiguous uint8 `[capacity, block_bytes]` tensor."""
+        if pool.dtype != torch.uint8 or pool.dim() != 2 or not pool.is_contiguous():
+            raise ValueError(f"{what}: expected a contiguous uint8 [capacity, block_bytes] tensor")
+        if pool.shape[1] != self.block_bytes:
+            raise ValueError(
+                f"{what}: rows of {pool.shape[1]} bytes, but an offloaded block of "
+                f"this KV layout is {self.block_bytes} bytes (engine block "
+                f"{self.engine_block_bytes} x block_size_factor {self.factor})"
+            )
+
+    def _records(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Per segment, a view `[rows * factor, chunks, chunk]` of a uint8 `[rows, block_bytes]`
+        tensor (engine-block records)."""
+        u = self.unit
+        rec = buf.view(self._dtype) if u == 8 else buf
+        rec = rec.view(buf.shape[0] * self.factor, self.engine_block_bytes // u)
+        out = []
+        for s in self.segments:
+            v = rec[:, s.offset // u : (s.offset + s.nbytes) // u]
+            out.append(v if s.chunks == 1 else v.unflatten(1, (s.chunks, s.chunk_bytes // u)))
+        return out
+
+    def _pool_records(self, pool: torch.Tensor) -> list[torch.Tensor]:
+        """`_records` of a pool, cached while the pool tensor lives (saves ~10 us per job)."""
+        key = id(pool)
+        hit = self._pool_views.get(key)
+        if hit is not None and hit[0] == pool.data_ptr():
+            return hit[1]
+        views = self._records(pool)
+        self._pool_views[key] = (pool.data_ptr(), views)
+        # The views hold the pool's storage: drop them with the pool (e.g. a closed tier).
+        weakref.finalize(pool, self._pool_views.pop, key, None)
+        return views
+
+    def _record_ids(self, slots: Sequence[int]) -> list[int]:
+        f = self.factor
+        if f == 1:
+            return list(slots)
+        return [s * f + j for s in slots for j in range(f)]
+
+    def _check_ids(self, block_ids: Sequence[int], n: int) -> None:
+        if len(block_ids) != n * self.factor:
+            raise ValueError(
+                f"block_ids: expected {n * self.factor} engine blocks for {n} "
+                f"offloaded blocks (factor {self.factor}), got {len(block_ids)}"
+            )
+
+    def copy_to_pool(
+        self,
+        block_ids: Sequence[int],
+        pool: torch.Tensor,
+        slots: Sequence[int],
+        *,
+        non_blocking: bool = False,
+    ) -> None:
+        """Store: engine blocks -> pool rows `slots`."""
+        self._check_ids(block_ids, len(slots))
+        recs = self._record_ids(slots)
+        if pool.device == self.device:
+            for seg, view in zip(self.segments, self._pool_records(pool), strict=True):
+                copy_rows(view, recs, seg.rows, block_ids)
+            return
+        tmp = torch.empty((len(slots), self.block_bytes), dtype=torch.uint8, device=self.device)
+        self.gather(block_ids, tmp)
+        copy_rows(pool, slots, tmp, range(len(slots)), non_blocking=non_blocking)
+
+    def copy_from_pool(
+        self,
+        pool: torch.Tensor,
+        slots: Sequence[int],
+        block_ids: Sequence[int],
+        *,
+        non_blocking: bool = False,
+    ) -> None:
+        """Load: pool rows `slots` -> engine blocks."""
+        self._check_ids(block_ids, len(slots))
+        if pool.device == self.device:
+            recs = self._record_ids(slots)
+            for seg, view in zip(self.segments, self._pool_records(pool), strict=True):
+                copy_rows(seg.rows, block_ids, view, recs)
+            return
+        tmp = torch.empty((len(slots), self.block_bytes), dtype=torch.uint8, device=self.device)
+        copy_rows(tmp, range(len(slots)), pool, slots, non_blocking=non_blocking)
+        self.scatter(block_ids, tmp)
+
+    # -- contiguous buffers ----------------------------------------------------------------
+    def gather(
+        self, block_ids: Sequence[int], out: torch.Tensor, *, non_blocking: bool = False
+    ) -> None:
+        """Engine blocks -> `out` (uint8 `[len(block_ids) // factor, block_bytes]`)."""
+        n = out.shape[0]
+        self._check_ids(block_ids, n)
+        if out.device != self.device:
+            tmp = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=self.device)
+            self.gather(block_ids, tmp)
+            out.copy_(tmp, non_blocking=non_blocking)
+            return
+        dense = range(len(block_ids))
+        for seg, view in zip(self.segments, self._records(out), strict=True):
+            copy_rows(view, dense, seg.rows, block_ids)
+
+    def scatter(
+        self, block_ids: Sequence[int], src: torch.Tensor, *, non_blocking: bool = False
+    ) -> None:
+        """`src` (uint8 `[len(block_ids) // factor, block_bytes]`) -> engine blocks."""
+        n = src.shape[0]
+        self._check_ids(block_ids, n)
+        if src.device != self.device:
+            src = src.to(self.device, non_blocking=non_blocking)
+        dense = range(len(block_ids))
+        for seg, view in zip(self.segments, self._records(src), strict=True):
+            copy_rows(seg.rows, block_ids, view, dense)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVLayout(device={self.device}, num_blocks={self.num_blocks}, "
+            f"segments={len(self.segments)}, engine_block_bytes={self.engine_block_bytes}, "
+            f"factor={self.factor})"
+        )
+
+
+# -- row copies ----------------------------------------------------------------------------
+def paired_runs(dst_idx: Sequence[int], src_idx: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(dst start, src start, length) of the maximal runs where both indices step by one."""
+    runs: list[tuple[int, int, int]] = []
+    n = len(dst_idx)
+    i = 0
+    while i < n:
+        d0, s0 = dst_idx[i], src_idx[i]
+        k = 1
+        while i + k < n and dst_idx[i + k] == d0 + k and src_idx[i + k] == s0 + k:
+            k += 1
+        runs.append((d0, s0, k))
+        i += k
+    return runs
+
+
+def _is_run(idx: Sequence[int]) -> bool:
+    if isinstance(idx, range):
+        return idx.step == 1
+    return (
+        len(idx) > 0
+        and idx[-1] - idx[0] == len(idx) - 1
+        and all(b - a == 1 for a, b in pairwise(idx))
+    )
+
+
+def _index(idx: Sequence[int], device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(list(idx), dtype=torch.int64)
+    if device.type == "cuda":  # pinned + non_blocking: no stream-wide sync for a pageable copy
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def copy_rows(
+    dst: torch.Tensor,
+    dst_idx: Sequence[int],
+    src: torch.Tensor,
+    src_idx: Sequence[int],
+    *,
+    non_blocking: bool = False,
+) -> None:
+    """`dst[dst_idx[i]] = src[src_idx[i]]` along dim 0, in as few calls as the devices allow.
+
+    Across devices: one slice copy per run (a DMA each). On one device: slice copies for a few
+    runs or large rows on CPU, else one `index_select` and/or `index_copy_`.
+    """
+    n = len(dst_idx)
+    if n == 0:
+        return
+    runs = paired_runs(dst_idx, src_idx)
+    nd, ns = dst.shape[0], src.shape[0]
+    for d, s, k in runs:  # a slice past the end would copy nothing, silently: refuse it
+        if d < 0 or s < 0 or d + k > nd or s + k > ns:
+            raise IndexError(
+                f"copy_rows: rows {d}..{d + k} <- {s}..{s + k} out of range "
+                f"({nd} destination, {ns} source rows)"
+            )
+    row_bytes = src[0].numel() * src.element_size()
+    same = dst.device == src.device
+    cpu = same and dst.device.type == "cpu"
+    if not same or len(runs) <= FEW_RUNS:
+        _copy_runs(dst, src, runs, cpu, non_blocking)
+        return
+    if _is_run(dst_idx):  # a gather: index_select is memcpy speed on every device
+        d0 = dst_idx[0]
+        torch.index_select(src, 0, _index(src_idx, src.device), out=dst[d0 : d0 + n])
+        return
+    if cpu and row_bytes * n >= LOOP_MIN_BYTES * len(runs):
+        _copy_runs(dst, src, runs, cpu, non_blocking)
+        return
+    if _is_run(src_idx):
+        s0 = src_idx[0]
+        dst.index_copy_(0, _index(dst_idx, dst.device), src[s0 : s0 + n])
+        return
+    dst.index_copy_(
+        0, _index(dst_idx, dst.device), src.index_select(0, _index(src_idx, src.device))
+    )
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of a CPU tensor (sharing memory), or None for dtypes numpy lacks."""
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError):
+        return None
+
+
+def _copy_runs(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    runs: list[tuple[int, int, int]],
+    cpu: bool,
+    non_blocking: bool,
+) -> None:
+    """One slice copy per run: memcpy through numpy views on CPU (it releases the GIL too),
+    `copy_` otherwise (a DMA across devices)."""
+    if cpu:
+        dn, sn = _numpy(dst), _numpy(src)
+        if dn is not None and sn is not None:
+            for d, s, k in runs:
+                np.copyto(dn[d : d + k], sn[s : s + k])
+            return
+    for d, s, k in runs:
+        dst[d : d + k].copy_(src[s : s + k], non_blocking=non_blocking)

@@ -1,0 +1,123 @@
+"""What a transfer job names: engine block ids on one side, tier slots on the other.
+
+Primitives:
+- `GPULoadStoreSpec(block_ids)`: blocks of the engine's paged KV buffer (medium `ENGINE_MEDIUM`,
+  "GPU" as vLLM calls it, also when the engine runs on CPU). An offloaded block spans
+  `block_size_factor` engine blocks, so a spec for n offloaded blocks names n * factor ids.
+- `TierLoadStoreSpec(tier, medium, slots, keys)`: slots of one tier (index into the manager's
+  tiers) and the keys they hold (persistent tiers check them).
+- `TransferSpec`: a `(src, dst)` pair, what `OffloadingWorker.transfer_async` takes.
+- `load_transfers`, `store_transfers`, `move_transfer`: the transfers for a manager plan
+  (`LoadSpec`, `PrepareStoreOutput`, `BlockMove`), in the order they must be submitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, TypeAlias
+
+from tiercache.records import BlockMove, LoadSpec, PrepareStoreOutput
+
+ENGINE_MEDIUM = "GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class GPULoadStoreSpec:
+    """Engine block ids, in the order of the offloaded blocks they make up."""
+
+    block_ids: tuple[int, ...]
+    medium: ClassVar[str] = ENGINE_MEDIUM
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class TierLoadStoreSpec:
+    """Slots of tier `tier` (named `medium`); `keys[i]` is the block in `slots[i]`."""
+
+    tier: int
+    medium: str
+    slots: tuple[int, ...]
+    keys: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "slots", tuple(int(s) for s in self.slots))
+        object.__setattr__(self, "keys", tuple(self.keys))
+        if len(self.slots) != len(self.keys):
+            raise ValueError(
+                f"TierLoadStoreSpec: {len(self.slots)} slots but {len(self.keys)} keys"
+            )
+
+
+LoadStoreSpec: TypeAlias = GPULoadStoreSpec | TierLoadStoreSpec
+TransferSpec: TypeAlias = tuple[LoadStoreSpec, LoadStoreSpec]
+
+
+def _engine_ids(block_ids: Sequence[int], positions: Sequence[int], factor: int) -> list[int]:
+    return [block_ids[p * factor + j] for p in positions for j in range(factor)]
+
+
+def load_transfers(
+    spec: LoadSpec, block_ids: Sequence[int], block_size_factor: int = 1
+) -> list[TransferSpec]:
+    """One transfer per tier serving part of a `prepare_load`: tier slots -> engine blocks.
+
+    `block_ids` are the engine blocks receiving `spec.keys`, `block_size_factor` per key. The
+    load is complete when every transfer succeeded; positions in a result's `failed` index
+    that transfer's own slots.
+    """
+    if len(block_ids) != len(spec.keys) * block_size_factor:
+        raise ValueError(
+            f"block_ids: expected {len(spec.keys) * block_size_factor} engine "
+            f"blocks for {len(spec.keys)} keys, got {len(block_ids)}"
+        )
+    out: list[TransferSpec] = []
+    for g in spec.groups():
+        keys = tuple(spec.keys[p] for p in g.positions)
+        src = TierLoadStoreSpec(g.tier, g.medium, g.slots, keys)
+        out.append((src, GPULoadStoreSpec(_engine_ids(block_ids, g.positions, block_size_factor))))
+    return out
+
+
+def move_transfer(move: BlockMove) -> TransferSpec:
+    """A tier-to-tier copy (a demotion or write-back); complete it with its keys."""
+    return (
+        TierLoadStoreSpec(move.src.tier, move.src.medium, move.src.slots, move.keys),
+        TierLoadStoreSpec(move.dst.tier, move.dst.medium, move.dst.slots, move.keys),
+    )
+
+
+def store_transfers(
+    plan: PrepareStoreOutput,
+    keys: Sequence[bytes],
+    block_ids: Sequence[int],
+    block_size_factor: int = 1,
+) -> list[TransferSpec]:
+    """The plan's moves (in order), then the store of `plan.keys_to_store`: engine -> tier.
+
+    `keys` are the keys given to `prepare_store` and `block_ids` their engine blocks
+    (`block_size_factor` per key); only the blocks of `keys_to_store` are copied. Submit the
+    list in order: the worker orders a store after the moves that read the slots it reuses.
+    """
+    if len(block_ids) != len(keys) * block_size_factor:
+        raise ValueError(
+            f"block_ids: expected {len(keys) * block_size_factor} engine blocks "
+            f"for {len(keys)} keys, got {len(block_ids)}"
+        )
+    out = [move_transfer(m) for m in plan.moves]
+    if plan.keys_to_store:
+        pos = {k: i for i, k in enumerate(keys)}
+        try:
+            positions = [pos[k] for k in plan.keys_to_store]
+        except KeyError:
+            raise ValueError("keys: does not contain every key of plan.keys_to_store") from None
+        s = plan.store_spec
+        out.append(
+            (
+                GPULoadStoreSpec(_engine_ids(block_ids, positions, block_size_factor)),
+                TierLoadStoreSpec(s.tier, s.medium, s.slots, plan.keys_to_store),
+            )
+        )
+    return out

@@ -1,0 +1,158 @@
+"""`OffloadingWorker`: the worker side of offloading; dispatches jobs to copy handlers.
+
+Primitives: `register_handler(src_medium, dst_medium, handler)`, `transfer_async(job_id,
+(src_spec, dst_spec)) -> bool`, `get_finished() -> list[TransferResult]`, `wait(job_ids)`,
+`take_stats()`, `close()`. One handler per (source medium, destination medium); one handler
+object may serve several pairs. Call it from one thread (the engine's worker thread).
+
+Ordering: handlers run in parallel, so the worker records, for each job, the jobs still in
+flight that touch the same tier slots or engine blocks (`DependencyTracker`), and the handler
+starts it only after them. Submission order is therefore the only contract: a load submitted
+after a store of the same slots reads the stored bytes, and a store submitted after the
+demotion moves of its plan overwrites their slots only once they have been read.
+
+An adapter (e.g. vLLM's connector worker) uses it like this:
+
+    layout = KVLayout(kv_caches, num_blocks, block_size_factor=k)
+    worker = build_worker(layout, cache.manager.tiers)
+    # Stores: planned by the scheduler at step N, submitted at the start of step N+1 so they
+    # do not delay sampling; moves first, as `store_transfers` lists them.
+    plan = manager.prepare_store(keys)
+    for spec in store_transfers(plan, keys, block_ids, k):
+        worker.transfer_async(next_job_id(), spec)   # remember job id -> keys
+    # Loads: one job per tier that serves part of the chain.
+    for spec in load_transfers(manager.prepare_load(keys), block_ids, k):
+        worker.transfer_async(next_job_id(), spec)
+    # Every step: complete what finished. A store or move: complete_store(arrived keys),
+    # complete_store(keys at r.failed, success=False). A load: complete_load(keys) always
+    # (it unpins); it counts only if every job of the request succeeded, otherwise report
+    # its blocks as load errors (vLLM recomputes them) and manager.record_error(tier).
+    for r in worker.get_finished():
+        ...
+    worker.close()                                    # at shutdown: joins every thread
+
+`transfer_async` returns False (and changes nothing) when no handler serves the pair of
+mediums; it raises ValueError for a malformed spec or a job id still in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from tiercache.transfer.handler import TransferHandler
+from tiercache.transfer.job import Job
+from tiercache.transfer.ordering import DependencyTracker
+from tiercache.transfer.results import TransferResult, TransferType
+from tiercache.transfer.specs import GPULoadStoreSpec, TierLoadStoreSpec, TransferSpec
+from tiercache.transfer.stats import TransferStats
+
+
+class OffloadingWorker:
+    """Dispatches transfers by (source medium, destination medium) and collects results."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[TransferType, TransferHandler] = {}
+        self._jobs: dict[int, tuple[Job, TransferHandler]] = {}
+        self._tracker = DependencyTracker()
+        self._stats = TransferStats()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def handlers(self) -> dict[TransferType, TransferHandler]:
+        return dict(self._handlers)
+
+    def register_handler(self, src_medium: str, dst_medium: str, handler: TransferHandler) -> None:
+        """Route transfers from `src_medium` to `dst_medium` to `handler`."""
+        pair = (src_medium, dst_medium)
+        if pair in self._handlers:
+            raise ValueError(
+                f"a handler for {src_medium!r} -> {dst_medium!r} is already registered"
+            )
+        self._handlers[pair] = handler
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        """Start a transfer without blocking; False if no handler serves its mediums."""
+        src, dst = spec
+        for s in (src, dst):
+            if not isinstance(s, GPULoadStoreSpec | TierLoadStoreSpec):
+                raise TypeError(
+                    f"spec: expected GPULoadStoreSpec or TierLoadStoreSpec, got {type(s).__name__}"
+                )
+        handler = self._handlers.get((src.medium, dst.medium))
+        if handler is None:
+            return False
+        job = Job(job_id, src, dst)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("OffloadingWorker is closed")
+            if job_id in self._jobs:
+                raise ValueError(f"job_id: {job_id} is still in flight")
+            handler.check(job)
+            job.deps = self._tracker.dependencies(job)
+            if not handler.transfer_async(job):
+                return False
+            self._tracker.record(job)
+            self._jobs[job_id] = (job, handler)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        """Results of the jobs finished since the last call, each exactly once."""
+        out: list[TransferResult] = []
+        with self._lock:
+            for handler in self._distinct_handlers():
+                for job in handler.get_finished():
+                    self._tracker.release(job)
+                    del self._jobs[job.job_id]
+                    r = job.result()
+                    if r.transfer_size:
+                        self._stats.record_transfer(
+                            r.transfer_size, r.transfer_time, r.transfer_type
+                        )
+                    out.append(r)
+        return out
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until the named jobs have finished (their results still come from
+        `get_finished`). Ids not in flight (unknown or already reported) are ignored."""
+        with self._lock:
+            jobs = [self._jobs[i][0] for i in job_ids if i in self._jobs]
+        for job in jobs:
+            job.wait()
+
+    def take_stats(self) -> TransferStats | None:
+        """Transfer stats since the last call (None when empty), as vLLM's connector reports
+        them per step."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, TransferStats()
+            return stats
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet reported."""
+        return len(self._jobs)
+
+    def close(self) -> None:
+        """Finish queued jobs and join every handler thread; idempotent. Results of jobs not
+        yet reported remain available from `get_finished`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for handler in self._distinct_handlers():
+            handler.close()
+
+    def __enter__(self) -> OffloadingWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _distinct_handlers(self) -> list[TransferHandler]:
+        seen: dict[int, TransferHandler] = {}
+        for h in self._handlers.values():
+            seen.setdefault(id(h), h)
+        return list(seen.values())
