@@ -25,8 +25,9 @@ from tiercache.policies import ARCPolicy, LRUPolicy
 from tiercache.tiers.cpu import CPUTier
 
 
-def make_trace(n_requests: int = 20_000, *, seed: int = 0, n_prefixes: int = 2_000,
-               zipf_a: float = 1.1) -> list[list[bytes]]:
+def make_trace(
+    n_requests: int = 20_000, *, seed: int = 0, n_prefixes: int = 2_000, zipf_a: float = 1.1
+) -> list[list[bytes]]:
     """Chains of 16-64 keys; each starts with part of a Zipf-chosen shared prefix."""
     rng = np.random.default_rng(seed)
     prefix_len = rng.integers(8, 48, size=n_prefixes)
@@ -128,8 +129,10 @@ def main() -> None:
     args = ap.parse_args()
     trace = make_trace(args.requests, seed=args.seed)
     blocks = sum(map(len, trace))
-    print(f"# trace: {len(trace)} requests, {blocks} blocks, capacity {args.capacity}, "
-          f"median of {args.runs} runs")
+    print(
+        f"# trace: {len(trace)} requests, {blocks} blocks, capacity {args.capacity}, "
+        f"median of {args.runs} runs"
+    )
     runners = {
         "baseline(OrderedDict)": lambda: run_baseline(trace, args.capacity),
         "tiercache lru": lambda: run_manager(trace, LRUPolicy, args.capacity),
@@ -151,8 +154,10 @@ def main() -> None:
             print(f"{name:24s} skipped (not importable)")
             continue
         results[name] = statistics.median(rates)
-        print(f"{name:24s} {results[name]:>12,.0f} block-ops/s  (min {min(rates):,.0f}, "
-              f"max {max(rates):,.0f})  hit rate {hit_rate:.3f}")
+        print(
+            f"{name:24s} {results[name]:>12,.0f} block-ops/s  (min {min(rates):,.0f}, "
+            f"max {max(rates):,.0f})  hit rate {hit_rate:.3f}"
+        )
     base = results["baseline(OrderedDict)"]
     for name, rate in results.items():
         print(f"RATIO {name} / baseline = {rate / base:.2f}")

@@ -28,7 +28,7 @@ class PersistentTierConformance(TierConformance):
         data = rand_blocks(5, self.block_bytes, 11)
         for i in range(5):  # one write per block, so recovery order is the write order
             (s,) = t.allocate([keys[i]])
-            t.write([s], data[i:i + 1], [keys[i]])
+            t.write([s], data[i : i + 1], [keys[i]])
         t.flush()
         t.close()
         t2 = self.make_tier(8, self.block_bytes, tmp_path)

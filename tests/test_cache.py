@@ -17,8 +17,10 @@ N = 256
 
 def cfg(*caps: int, policy: str = "lru", **top) -> dict:
     tiers = [{"kind": "cpu", "blocks": caps[0], "policy": policy}]
-    tiers += [{"kind": "gpu", "device": "cpu", "name": f"low{i}", "blocks": c, "policy": policy}
-              for i, c in enumerate(caps[1:])]
+    tiers += [
+        {"kind": "gpu", "device": "cpu", "name": f"low{i}", "blocks": c, "policy": policy}
+        for i, c in enumerate(caps[1:])
+    ]
     return {"block_size": 4, "namespace": "test/model/bf16/tp1/0", "tiers": tiers, **top}
 
 
@@ -49,12 +51,16 @@ def test_public_api_round_trip() -> None:
 
 def test_open_from_toml_and_config(tmp_path) -> None:
     p = tmp_path / "c.toml"
-    p.write_text('block_size = 16\nnamespace = "m/bf16/tp1/0"\n'
-                 '[[tiers]]\nkind = "cpu"\ncapacity = "1MiB"\npolicy = "arc"\n')
+    p.write_text(
+        'block_size = 16\nnamespace = "m/bf16/tp1/0"\n'
+        '[[tiers]]\nkind = "cpu"\ncapacity = "1MiB"\npolicy = "arc"\n'
+    )
     with TierCache.open(p, block_bytes=4096) as c1:
         assert c1.stats()["cpu"]["capacity_blocks"] == 256
-    with TierCache.open(str(p), block_bytes=4096) as c2, \
-            TierCache.open(CacheConfig.from_toml(p), block_bytes=4096) as c3:
+    with (
+        TierCache.open(str(p), block_bytes=4096) as c2,
+        TierCache.open(CacheConfig.from_toml(p), block_bytes=4096) as c3,
+    ):
         assert c2.config == c3.config
 
 
@@ -92,13 +98,16 @@ def test_bad_blocks_raise_and_change_nothing() -> None:
         assert torch.equal(cache.get(keys), good[:1])
 
 
-@pytest.mark.parametrize("keys,exc,msg", [
-    ([], ValueError, "empty"),
-    ([b"short"], ValueError, "16-byte"),
-    (["a" * 16], TypeError, "bytes"),
-    ([b"k" * 16, b"k" * 16], ValueError, "duplicate"),
-    (b"k" * 16, TypeError, "sequence"),
-])
+@pytest.mark.parametrize(
+    "keys,exc,msg",
+    [
+        ([], ValueError, "empty"),
+        ([b"short"], ValueError, "16-byte"),
+        (["a" * 16], TypeError, "bytes"),
+        ([b"k" * 16, b"k" * 16], ValueError, "duplicate"),
+        (b"k" * 16, TypeError, "sequence"),
+    ],
+)
 def test_bad_keys(keys, exc, msg) -> None:
     with TierCache.open(cfg(4), block_bytes=N) as cache:
         for call in (cache.lookup, cache.get):
@@ -111,7 +120,7 @@ def test_demotion_keeps_bytes_and_promotion_brings_them_back() -> None:
         keys = cache.hash_tokens(toks(48))  # 12 blocks through a 4-block first tier
         blocks = block_bytes_for(keys, N)
         for i in range(0, 12, 4):
-            cache.put(keys[i:i + 4], blocks[i:i + 4])
+            cache.put(keys[i : i + 4], blocks[i : i + 4])
         s = cache.stats()
         assert s["cpu"]["used_blocks"] == 4 and s["low0"]["used_blocks"] == 8
         assert cache.lookup(keys) == 12
@@ -142,7 +151,7 @@ def test_context_manager_and_closed() -> None:
 def test_open_is_all_or_nothing() -> None:
     bad = cfg(4)
     bad["tiers"].append({"kind": "gpu", "blocks": 4, "device": "cuda:99"})
-    with pytest.raises(Exception, match="cuda:99|CUDA"):
+    with pytest.raises(Exception, match=r"cuda:99|CUDA"):
         TierCache.open(bad, block_bytes=N)
     with pytest.raises(ValueError, match="block_bytes"):
         TierCache.open(cfg(4), block_bytes=0)
@@ -164,8 +173,11 @@ class CacheMachine(RuleBasedStateMachine):
     """Never wrong bytes: `get` returns exactly what `put` stored for each returned key, and
     `lookup` agrees with `get`."""
 
-    @initialize(policy=st.sampled_from(["lru", "arc"]), caps=st.sampled_from(
-        [(2,), (3, 2), (2, 3, 4), (5, 1)]), promote=st.booleans())
+    @initialize(
+        policy=st.sampled_from(["lru", "arc"]),
+        caps=st.sampled_from([(2,), (3, 2), (2, 3, 4), (5, 1)]),
+        promote=st.booleans(),
+    )
     def start(self, policy: str, caps, promote: bool) -> None:
         self.cache = TierCache.open(cfg(*caps, policy=policy, promote=promote), block_bytes=40)
         self.truth: dict[bytes, bytes] = {}

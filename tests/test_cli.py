@@ -14,8 +14,9 @@ from tiercache.cli import main
 
 
 def test_demo_json(tmp_path) -> None:
-    r = CliRunner().invoke(main, ["demo", "--requests", "60", "--json", "--dir",
-                                  str(tmp_path / "d")])
+    r = CliRunner().invoke(
+        main, ["demo", "--requests", "60", "--json", "--dir", str(tmp_path / "d")]
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["requests"] == 60 and out["mismatched"] == 0
@@ -25,9 +26,14 @@ def test_demo_json(tmp_path) -> None:
 
 
 def test_demo_is_deterministic(tmp_path) -> None:
-    runs = [json.loads(CliRunner().invoke(main, ["demo", "--requests", "40", "--json", "--dir",
-                                                 str(tmp_path / str(i))]).stdout)
-            for i in range(2)]
+    runs = [
+        json.loads(
+            CliRunner()
+            .invoke(main, ["demo", "--requests", "40", "--json", "--dir", str(tmp_path / str(i))])
+            .stdout
+        )
+        for i in range(2)
+    ]
     assert runs[0]["hit_blocks"] == runs[1]["hit_blocks"]
     assert runs[0]["tiers"]["cpu"]["hits"] == runs[1]["tiers"]["cpu"]["hits"]
 
@@ -52,9 +58,13 @@ def test_errors_are_one_line(tmp_path) -> None:
 def test_console_script_entry_point(tmp_path) -> None:
     exe = Path(sys.executable).with_name("tiercache")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tiercache"]
-    r = subprocess.run([*cmd, "demo", "--requests", "10", "--json", "--dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONHASHSEED": "123"})
+    r = subprocess.run(
+        [*cmd, "demo", "--requests", "10", "--json", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONHASHSEED": "123"},
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["mismatched"] == 0
     h = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=60)

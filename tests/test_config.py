@@ -7,8 +7,11 @@ import pytest
 from tiercache import CacheConfig, ConfigError, TierCache
 from tiercache.config import parse_size
 
-BASE = {"block_size": 16, "namespace": "m/bf16/tp1/0",
-        "tiers": [{"kind": "cpu", "capacity": "1MiB", "policy": "arc"}]}
+BASE = {
+    "block_size": 16,
+    "namespace": "m/bf16/tp1/0",
+    "tiers": [{"kind": "cpu", "capacity": "1MiB", "policy": "arc"}],
+}
 
 
 def with_tier(**fields) -> dict:
@@ -16,10 +19,19 @@ def with_tier(**fields) -> dict:
     return {**BASE, "tiers": [{k: v for k, v in tier.items() if v is not None}]}
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("256MiB", 256 * 2**20), ("1GiB", 2**30), ("1.5GB", 1_500_000_000), ("4096", 4096),
-    (" 2 KiB ", 2048), ("10kb", 10_000), (123, 123), ("3TiB", 3 * 2**40),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("256MiB", 256 * 2**20),
+        ("1GiB", 2**30),
+        ("1.5GB", 1_500_000_000),
+        ("4096", 4096),
+        (" 2 KiB ", 2048),
+        ("10kb", 10_000),
+        (123, 123),
+        ("3TiB", 3 * 2**40),
+    ],
+)
 def test_parse_size(text, expected) -> None:
     assert parse_size(text) == expected
 

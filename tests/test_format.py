@@ -19,12 +19,14 @@ def bf16_block(n: int = 4096, seed: int = 0) -> bytes:
     return torch.randn(n, generator=g).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
 
 
-@pytest.mark.parametrize("compression,codec", [("none", fmt.CODEC_RAW),
-                                               ("zstd", fmt.CODEC_ZSTD_SHUFFLE2)])
+@pytest.mark.parametrize(
+    "compression,codec", [("none", fmt.CODEC_RAW), ("zstd", fmt.CODEC_ZSTD_SHUFFLE2)]
+)
 def test_round_trip(compression, codec) -> None:
     raw = bf16_block()
-    head, stored = fmt.encode_block(KEY, raw, namespace=fmt.namespace_id("ns"), seq=7,
-                                    compression=compression)
+    head, stored = fmt.encode_block(
+        KEY, raw, namespace=fmt.namespace_id("ns"), seq=7, compression=compression
+    )
     h = fmt.decode_header(head)
     assert (h.codec, h.key, h.raw_len, h.seq) == (codec, KEY, len(raw), 7)
     assert h.namespace_id == fmt.namespace_id("ns")
@@ -61,8 +63,11 @@ def test_foreign_and_future_headers_refused() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(pos=st.integers(0, fmt.HEADER_SIZE + 255), bit=st.integers(0, 7),
-       compression=st.sampled_from(["none", "zstd"]))
+@given(
+    pos=st.integers(0, fmt.HEADER_SIZE + 255),
+    bit=st.integers(0, 7),
+    compression=st.sampled_from(["none", "zstd"]),
+)
 def test_any_flipped_bit_is_detected(pos: int, bit: int, compression: str) -> None:
     """A single flipped bit anywhere in header or payload never yields bytes."""
     raw = bf16_block(128, 1)
@@ -73,8 +78,7 @@ def test_any_flipped_bit_is_detected(pos: int, bit: int, compression: str) -> No
     with pytest.raises(BlockCorruptError):
         h = fmt.decode_header(record)
         dst = np.empty(len(raw), dtype=np.uint8)
-        fmt.decode_payload(h, bytes(record[fmt.HEADER_SIZE:fmt.HEADER_SIZE + h.stored_len]),
-                           dst)
+        fmt.decode_payload(h, bytes(record[fmt.HEADER_SIZE : fmt.HEADER_SIZE + h.stored_len]), dst)
 
 
 @settings(max_examples=200, deadline=None)

@@ -225,8 +225,11 @@ class ManagerMachine(RuleBasedStateMachine):
     that replaying its events reproduces exactly its per-tier ready sets.
     """
 
-    @initialize(policy=st.sampled_from([LRUPolicy, ARCPolicy]), cap0=st.integers(1, 4),
-                cap1=st.integers(1, 6))
+    @initialize(
+        policy=st.sampled_from([LRUPolicy, ARCPolicy]),
+        cap0=st.integers(1, 4),
+        cap1=st.integers(1, 6),
+    )
     def start(self, policy, cap0: int, cap1: int) -> None:
         self.m = make(cap0, cap1, policy=policy)
         self.pending: dict[int, tuple] = {}  # id -> PrepareStoreOutput not yet completed
@@ -235,7 +238,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.replayed: dict[str, set[bytes]] = {"t0": set(), "t1": set()}
 
     keys = st.lists(st.integers(0, 12), min_size=1, max_size=4, unique=True).map(
-        lambda xs: [K(x) for x in xs])
+        lambda xs: [K(x) for x in xs]
+    )
 
     @rule(keys=keys)
     def prepare_store(self, keys) -> None:
@@ -301,8 +305,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert all(self.m.where(k) for k in pinned)
 
 
-ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
-                                            deadline=None)
+ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestManagerMachine = ManagerMachine.TestCase
 
 

@@ -40,16 +40,18 @@ class TestGPUTierCUDA(TierConformance):
 
 
 TestCPUTierMachine = tier_state_machine(
-    lambda cap, bb: CPUTier(block_bytes=bb, capacity_blocks=cap)).TestCase
+    lambda cap, bb: CPUTier(block_bytes=bb, capacity_blocks=cap)
+).TestCase
 TestCPUTierWideMachine = tier_state_machine(
-    lambda cap, bb: CPUTier(block_bytes=bb, capacity_blocks=cap), block_bytes=64).TestCase
+    lambda cap, bb: CPUTier(block_bytes=bb, capacity_blocks=cap), block_bytes=64
+).TestCase
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_gpu_tier_refuses_without_cuda() -> None:
     with pytest.raises(TierUnavailableError, match="CUDA is not available"):
         GPUTier(block_bytes=64, capacity_blocks=4)
-    with pytest.raises(TierUnavailableError, match="device = \"cpu\""):
+    with pytest.raises(TierUnavailableError, match='device = "cpu"'):
         GPUTier(block_bytes=64, capacity_blocks=4, device="cuda:0")
 
 

@@ -91,10 +91,13 @@ class TierConformance:
         assert torch.equal(big[2:4], data)
         assert not big[0].any() and not big[4].any()
 
-    @pytest.mark.parametrize("bad", [
-        torch.zeros((2, 64), dtype=torch.float32),
-        torch.zeros((2, 64), dtype=torch.int8),
-    ])
+    @pytest.mark.parametrize(
+        "bad",
+        [
+            torch.zeros((2, 64), dtype=torch.float32),
+            torch.zeros((2, 64), dtype=torch.int8),
+        ],
+    )
     def test_wrong_dtype(self, tier: Tier, bad: torch.Tensor) -> None:
         keys = keys_for(2)
         slots = tier.allocate(keys)
@@ -184,8 +187,9 @@ def tier_state_machine(make_tier, block_bytes: int = 24, capacity: int = 6):
         @precondition(lambda self: self.model)
         @rule(data=st.data())
         def overwrite(self, data) -> None:
-            slots = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1,
-                                       unique=True))
+            slots = data.draw(
+                st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True)
+            )
             blocks = rand_blocks(len(slots), block_bytes, data.draw(st.integers(0, 99)))
             self.tier.write(slots, blocks, [self.slot_key[s] for s in slots])
             for s, row in zip(slots, blocks, strict=True):
@@ -194,8 +198,9 @@ def tier_state_machine(make_tier, block_bytes: int = 24, capacity: int = 6):
         @precondition(lambda self: self.model)
         @rule(data=st.data())
         def free_some(self, data) -> None:
-            slots = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1,
-                                       unique=True))
+            slots = data.draw(
+                st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True)
+            )
             self.tier.free(slots)
             for s in slots:
                 del self.model[s]
@@ -214,6 +219,5 @@ def tier_state_machine(make_tier, block_bytes: int = 24, capacity: int = 6):
             if hasattr(self, "tier"):
                 assert self.tier.used_blocks == len(self.model)
 
-    TierMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25,
-                                             deadline=None)
+    TierMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
     return TierMachine

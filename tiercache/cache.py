@@ -47,8 +47,9 @@ def _close_open_caches() -> None:
 def check_keys(keys: object, name: str = "keys") -> list[bytes]:
     """Validate a chain of block keys: a non-empty sequence of distinct 16-byte `bytes`."""
     if isinstance(keys, bytes | str) or not isinstance(keys, Sequence):
-        raise TypeError(f"{name}: expected a sequence of {KEY_BYTES}-byte keys, "
-                        f"got {type(keys).__name__}")
+        raise TypeError(
+            f"{name}: expected a sequence of {KEY_BYTES}-byte keys, got {type(keys).__name__}"
+        )
     out = list(keys)
     if not out:
         raise ValueError(f"{name}: is empty")
@@ -69,16 +70,19 @@ class TierCache:
         self._config = config
         self._tiers = list(tiers)
         self._block_bytes = block_bytes
-        policies = [get_policy_class(tc.policy)(t.capacity_blocks)
-                    for tc, t in zip(config.tiers, self._tiers, strict=True)]
+        policies = [
+            get_policy_class(tc.policy)(t.capacity_blocks)
+            for tc, t in zip(config.tiers, self._tiers, strict=True)
+        ]
         self._manager = OffloadingManager(self._tiers, policies, promote=config.promote)
         self._lock = threading.RLock()
         self._closed = False
         _OPEN.add(self)
 
     @classmethod
-    def open(cls, config: CacheConfig | Mapping[str, Any] | str | Path, *,
-             block_bytes: int) -> TierCache:
+    def open(
+        cls, config: CacheConfig | Mapping[str, Any] | str | Path, *, block_bytes: int
+    ) -> TierCache:
         """Validate `config`, build its tiers (all or none), and return the cache."""
         cfg = CacheConfig.load(config)
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
@@ -117,8 +121,12 @@ class TierCache:
     def hash_tokens(self, token_ids: Any, extra_keys: Any = None) -> list[bytes]:
         """Prefix keys of the full blocks of `token_ids`, with the config's block size and
         namespace."""
-        return prefix_hashes(token_ids, self._config.block_size,
-                             namespace=self._config.namespace, extra_keys=extra_keys)
+        return prefix_hashes(
+            token_ids,
+            self._config.block_size,
+            namespace=self._config.namespace,
+            extra_keys=extra_keys,
+        )
 
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> int:
         """Store the blocks of `keys` not held yet; returns how many of `keys` are now held."""
@@ -138,8 +146,11 @@ class TierCache:
                     src = blocks
                 else:
                     pos = {k: i for i, k in enumerate(keys)}
-                    idx = torch.tensor([pos[k] for k in plan.keys_to_store], dtype=torch.int64,
-                                       device=blocks.device)
+                    idx = torch.tensor(
+                        [pos[k] for k in plan.keys_to_store],
+                        dtype=torch.int64,
+                        device=blocks.device,
+                    )
                     src = blocks.index_select(0, idx)
                 self._execute(plan, src)
             self._manager.touch(keys)
@@ -176,8 +187,13 @@ class TierCache:
             bad: dict[int, list[bytes]] = {}
             try:
                 for g in spec.groups():
-                    failed = self._read_group(self._tiers[g.tier], g.slots, g.positions,
-                                              [chain[p] for p in g.positions], out)
+                    failed = self._read_group(
+                        self._tiers[g.tier],
+                        g.slots,
+                        g.positions,
+                        [chain[p] for p in g.positions],
+                        out,
+                    )
                     if failed:
                         bad[g.tier] = [chain[p] for p in failed]
             finally:
@@ -242,13 +258,22 @@ class TierCache:
         if self._closed:
             raise RuntimeError("TierCache is closed")
 
-    def _read_group(self, tier: Tier, slots: Sequence[int], positions: Sequence[int],
-                    keys: Sequence[bytes], out: torch.Tensor) -> list[int]:
+    def _read_group(
+        self,
+        tier: Tier,
+        slots: Sequence[int],
+        positions: Sequence[int],
+        keys: Sequence[bytes],
+        out: torch.Tensor,
+    ) -> list[int]:
         """Read one tier's share of a load into `out`; returns failed positions (into out)."""
         p0 = positions[0]
         contiguous = positions[-1] - p0 == len(positions) - 1
-        dst = out[p0:p0 + len(positions)] if contiguous else torch.empty(
-            (len(positions), self._block_bytes), dtype=torch.uint8)
+        dst = (
+            out[p0 : p0 + len(positions)]
+            if contiguous
+            else torch.empty((len(positions), self._block_bytes), dtype=torch.uint8)
+        )
         try:
             failed = tier.read(slots, dst, keys)
         except _IO_ERRORS as exc:
@@ -274,8 +299,9 @@ class TierCache:
         try:
             tier.write(plan.store_spec.slots, src, plan.keys_to_store)
         except _IO_ERRORS as exc:
-            log.warning("store of %d blocks into %s failed: %s", len(plan.keys_to_store),
-                        tier.medium, exc)
+            log.warning(
+                "store of %d blocks into %s failed: %s", len(plan.keys_to_store), tier.medium, exc
+            )
             self._manager.record_error(plan.store_spec.tier)
             self._manager.complete_store(plan.keys_to_store, success=False)
             return
@@ -285,11 +311,22 @@ class TierCache:
         """Copy blocks between tiers through a host staging buffer, in bounded chunks."""
         step = max(1, _MOVE_CHUNK_BYTES // self._block_bytes)
         for a in range(0, len(move.keys), step):
-            self._move_chunk(move.keys[a:a + step], move.src.tier, move.src.slots[a:a + step],
-                             move.dst.tier, move.dst.slots[a:a + step])
+            self._move_chunk(
+                move.keys[a : a + step],
+                move.src.tier,
+                move.src.slots[a : a + step],
+                move.dst.tier,
+                move.dst.slots[a : a + step],
+            )
 
-    def _move_chunk(self, keys: tuple[bytes, ...], src: int, src_slots: tuple[int, ...],
-                    dst: int, dst_slots: tuple[int, ...]) -> None:
+    def _move_chunk(
+        self,
+        keys: tuple[bytes, ...],
+        src: int,
+        src_slots: tuple[int, ...],
+        dst: int,
+        dst_slots: tuple[int, ...],
+    ) -> None:
         src_tier, dst_tier = self._tiers[src], self._tiers[dst]
         staging = torch.empty((len(keys), self._block_bytes), dtype=torch.uint8)
         try:
@@ -298,8 +335,13 @@ class TierCache:
                 self._manager.record_error(src, len(failed))
             dst_tier.write(dst_slots, staging, keys)
         except _IO_ERRORS as exc:
-            log.warning("copy of %d blocks %s -> %s failed: %s", len(keys), src_tier.medium,
-                        dst_tier.medium, exc)
+            log.warning(
+                "copy of %d blocks %s -> %s failed: %s",
+                len(keys),
+                src_tier.medium,
+                dst_tier.medium,
+                exc,
+            )
             self._manager.record_error(dst)
             self._manager.complete_store(keys, success=False)
             return

@@ -41,16 +41,21 @@ _TIER_COMMON_KEYS = {"kind", "name", "capacity", "blocks", "policy"}
 def parse_size(value: object, field_name: str = "capacity") -> int:
     """Bytes from an int or a string such as "256MiB", "1.5GB", "4096"."""
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ConfigError(field_name, f"expected bytes as an int or a string like '256MiB', "
-                                      f"got {type(value).__name__}")
+        raise ConfigError(
+            field_name,
+            f"expected bytes as an int or a string like '256MiB', got {type(value).__name__}",
+        )
     if isinstance(value, int):
         n = value
     else:
         m = _SIZE_RE.match(value)
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
-            raise ConfigError(field_name, f"cannot parse size {value!r}; use e.g. '256MiB', "
-                                          "'2GiB', '500MB' or a number of bytes")
+            raise ConfigError(
+                field_name,
+                f"cannot parse size {value!r}; use e.g. '256MiB', "
+                "'2GiB', '500MB' or a number of bytes",
+            )
         n = int(float(m.group(1)) * _UNITS[unit])
     if n <= 0:
         raise ConfigError(field_name, f"must be positive, got {value!r}")
@@ -89,8 +94,10 @@ class TierConfig:
         assert self.capacity_bytes is not None
         n = self.capacity_bytes // block_bytes
         if n < 1:
-            raise ConfigError(f"{self.field}.capacity",
-                              f"{self.capacity_bytes} bytes hold no block of {block_bytes} bytes")
+            raise ConfigError(
+                f"{self.field}.capacity",
+                f"{self.capacity_bytes} bytes hold no block of {block_bytes} bytes",
+            )
         return n
 
     @classmethod
@@ -115,8 +122,10 @@ class TierConfig:
             raise ConfigError(f"{where}.policy", str(exc)) from None
         has_cap, has_blocks = "capacity" in m, "blocks" in m
         if has_cap == has_blocks:
-            raise ConfigError(f"{where}.capacity",
-                              "give exactly one of 'capacity' (bytes, e.g. '256MiB') or 'blocks'")
+            raise ConfigError(
+                f"{where}.capacity",
+                "give exactly one of 'capacity' (bytes, e.g. '256MiB') or 'blocks'",
+            )
         cap_bytes = parse_size(m["capacity"], f"{where}.capacity") if has_cap else None
         cap_blocks = None
         if has_blocks:
@@ -125,8 +134,15 @@ class TierConfig:
                 raise ConfigError(f"{where}.blocks", f"must be >= 1, got {cap_blocks}")
         options = {k: v for k, v in m.items() if k not in _TIER_COMMON_KEYS}
         tier_cls.validate_options(options, where)
-        return cls(kind=kind, name=name, policy=policy, capacity_bytes=cap_bytes,
-                   capacity_blocks=cap_blocks, options=options, index=index)
+        return cls(
+            kind=kind,
+            name=name,
+            policy=policy,
+            capacity_bytes=cap_bytes,
+            capacity_blocks=cap_blocks,
+            options=options,
+            index=index,
+        )
 
 
 @dataclass(frozen=True)
@@ -151,8 +167,10 @@ class CacheConfig:
         names = [t.name for t in self.tiers]
         for i, n in enumerate(names):
             if n in names[:i]:
-                raise ConfigError(f"tiers[{i}].name",
-                                  f"duplicate tier name {n!r}; give each tier a distinct 'name'")
+                raise ConfigError(
+                    f"tiers[{i}].name",
+                    f"duplicate tier name {n!r}; give each tier a distinct 'name'",
+                )
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> CacheConfig:
@@ -195,5 +213,7 @@ class CacheConfig:
             return cls.from_mapping(source)
         if isinstance(source, str | Path):
             return cls.from_toml(source)
-        raise ConfigError("config", f"expected a CacheConfig, a mapping or a TOML path, "
-                                    f"got {type(source).__name__}")
+        raise ConfigError(
+            "config",
+            f"expected a CacheConfig, a mapping or a TOML path, got {type(source).__name__}",
+        )

@@ -95,8 +95,9 @@ def _seq(keys: Iterable[bytes]) -> Sequence[bytes]:
 class OffloadingManager:
     """Multi-tier bookkeeping: where each key lives, what may be evicted, what to move."""
 
-    def __init__(self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy], *,
-                 promote: bool = True) -> None:
+    def __init__(
+        self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy], *, promote: bool = True
+    ) -> None:
         if not tiers:
             raise ValueError("tiers: at least one tier is required")
         if len(tiers) != len(policies):
@@ -177,8 +178,10 @@ class OffloadingManager:
         for k in keys:
             m = get(k)
             if not m:
-                raise KeyError(f"prepare_load: block {k.hex() if isinstance(k, bytes) else k!r} "
-                               "is not ready in any tier")
+                raise KeyError(
+                    f"prepare_load: block {k.hex() if isinstance(k, bytes) else k!r} "
+                    "is not ready in any tier"
+                )
             tier_of.append((m & -m).bit_length() - 1)
         levels = self._levels
         pins = self._pins
@@ -197,8 +200,7 @@ class OffloadingManager:
         else:
             for t in tier_of:
                 levels[t].counters.loaded += 1
-        return LoadSpec(keys, tuple(tier_of), tuple(slots),
-                        tuple(lv.medium for lv in levels))
+        return LoadSpec(keys, tuple(tier_of), tuple(slots), tuple(lv.medium for lv in levels))
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
         """Unpin blocks pinned by `prepare_load`. Raises KeyError (and unpins nothing) if a key
@@ -209,8 +211,10 @@ class OffloadingManager:
         for k in keys:
             need[k] = need.get(k, 0) + 1
             if len(pins.get(k, ())) < need[k]:
-                raise KeyError(f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
-                               "has no outstanding load")
+                raise KeyError(
+                    f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
+                    "has no outstanding load"
+                )
         levels = self._levels
         for k in keys:
             p = pins[k]
@@ -256,8 +260,9 @@ class OffloadingManager:
             return None
         return self._reserve_first_tier(todo, keys)
 
-    def _reserve_first_tier(self, new: list[bytes], protect: Sequence[bytes]
-                            ) -> PrepareStoreOutput | None:
+    def _reserve_first_tier(
+        self, new: list[bytes], protect: Sequence[bytes]
+    ) -> PrepareStoreOutput | None:
         first = self._levels[0]
         tier = first.tier
         need = len(new) - tier.free_blocks
@@ -325,8 +330,14 @@ class OffloadingManager:
         # Slots go back only after the move is planned: the move reads them first.
         level.tier.free(freed)
 
-    def _demote_into(self, dst: _Level, src: _Level, keys: list[bytes], src_slots: list[int],
-                     moves: list[BlockMove]) -> bool:
+    def _demote_into(
+        self,
+        dst: _Level,
+        src: _Level,
+        keys: list[bytes],
+        src_slots: list[int],
+        moves: list[BlockMove],
+    ) -> bool:
         """Plan a write-back of `keys` into `dst`; False (nothing planned) if it has no room."""
         tier = dst.tier
         need = len(keys) - tier.free_blocks
@@ -345,8 +356,13 @@ class OffloadingManager:
             present[k] = present.get(k, 0) | bit
             self._moving.add(k)
         dst.counters.demoted_in += len(keys)
-        moves.append(BlockMove(tuple(keys), StoreSpec(src.index, src.medium, tuple(src_slots)),
-                               StoreSpec(dst.index, dst.medium, tuple(slots))))
+        moves.append(
+            BlockMove(
+                tuple(keys),
+                StoreSpec(src.index, src.medium, tuple(src_slots)),
+                StoreSpec(dst.index, dst.medium, tuple(slots)),
+            )
+        )
         return True
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
@@ -400,8 +416,11 @@ class OffloadingManager:
         for src in self._levels:
             if src.tier.persistent:
                 continue
-            todo = [k for k, rec in reversed(src.blocks.items())
-                    if rec.ready and k not in taken and not self._present[k] & pmask]
+            todo = [
+                k
+                for k, rec in reversed(src.blocks.items())
+                if rec.ready and k not in taken and not self._present[k] & pmask
+            ]
             for dst in persistent:
                 room = dst.tier.free_blocks
                 if not todo or not room:
@@ -413,10 +432,13 @@ class OffloadingManager:
                 for k, s in zip(batch, slots, strict=True):
                     dst.blocks[k] = _Rec(s, False)
                     self._present[k] |= dst.bit
-                moves.append(BlockMove(
-                    tuple(batch),
-                    StoreSpec(src.index, src.medium, tuple(src.blocks[k].slot for k in batch)),
-                    StoreSpec(dst.index, dst.medium, tuple(slots))))
+                moves.append(
+                    BlockMove(
+                        tuple(batch),
+                        StoreSpec(src.index, src.medium, tuple(src.blocks[k].slot for k in batch)),
+                        StoreSpec(dst.index, dst.medium, tuple(slots)),
+                    )
+                )
         return moves
 
     # -- removal, recovery, events, stats --------------------------------------------------

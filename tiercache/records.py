@@ -46,8 +46,10 @@ class LoadSpec:
 
     @property
     def locations(self) -> tuple[BlockLocation, ...]:
-        return tuple(BlockLocation(t, self.mediums[t], s)
-                     for t, s in zip(self.tiers, self.slots, strict=True))
+        return tuple(
+            BlockLocation(t, self.mediums[t], s)
+            for t, s in zip(self.tiers, self.slots, strict=True)
+        )
 
     def groups(self) -> list[TierSlots]:
         """One `TierSlots` per tier that serves part of the load, fastest tier first."""
@@ -58,8 +60,10 @@ class LoadSpec:
                 entry = by_tier[t] = ([], [])
             entry[0].append(s)
             entry[1].append(pos)
-        return [TierSlots(t, self.mediums[t], tuple(slots), tuple(pos))
-                for t, (slots, pos) in sorted(by_tier.items())]
+        return [
+            TierSlots(t, self.mediums[t], tuple(slots), tuple(pos))
+            for t, (slots, pos) in sorted(by_tier.items())
+        ]
 
 
 @dataclass(frozen=True, slots=True)

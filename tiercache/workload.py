@@ -23,9 +23,16 @@ class Request:
     tokens: np.ndarray
 
 
-def synthetic_requests(n: int, *, seed: int = 0, vocab: int = 32000, n_system: int = 4,
-                       n_docs: int = 64, zipf_a: float = 1.2, chat_share: float = 0.5,
-                       ) -> Iterator[Request]:
+def synthetic_requests(
+    n: int,
+    *,
+    seed: int = 0,
+    vocab: int = 32000,
+    n_system: int = 4,
+    n_docs: int = 64,
+    zipf_a: float = 1.2,
+    chat_share: float = 0.5,
+) -> Iterator[Request]:
     """`n` requests: chats (system prompt + growing history) and RAG (system + doc + query)."""
     rng = np.random.default_rng(seed)
 
@@ -35,7 +42,7 @@ def synthetic_requests(n: int, *, seed: int = 0, vocab: int = 32000, n_system: i
     systems = [text(128, 512) for _ in range(n_system)]
     docs = [text(256, 1024) for _ in range(n_docs)]
     ranks = np.arange(1, n_docs + 1, dtype=np.float64)
-    doc_p = ranks ** -zipf_a
+    doc_p = ranks**-zipf_a
     doc_p /= doc_p.sum()
     chats: list[np.ndarray] = []  # open conversations: their full history so far
     for _ in range(n):

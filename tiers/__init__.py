@@ -34,8 +34,11 @@ def tier_class(kind: str, field: str = "kind") -> type[Tier]:
     """The tier class registered for `kind`; ConfigError naming `field` when unknown."""
     path = _KINDS.get(kind)
     if path is None:
-        raise ConfigError(field, f"unknown tier kind {kind!r}; expected one of "
-                                 f"{', '.join(repr(k) for k in available_kinds())}")
+        raise ConfigError(
+            field,
+            f"unknown tier kind {kind!r}; expected one of "
+            f"{', '.join(repr(k) for k in available_kinds())}",
+        )
     module, _, name = path.partition(":")
     try:
         cls = getattr(importlib.import_module(module), name)
@@ -46,5 +49,6 @@ def tier_class(kind: str, field: str = "kind") -> type[Tier]:
 
 def build_tier(cfg: TierConfig, block_bytes: int, *, namespace: str = "") -> Tier:
     """Build the tier a validated `TierConfig` describes."""
-    return tier_class(cfg.kind, f"{cfg.field}.kind").from_config(cfg, block_bytes,
-                                                                 namespace=namespace)
+    return tier_class(cfg.kind, f"{cfg.field}.kind").from_config(
+        cfg, block_bytes, namespace=namespace
+    )

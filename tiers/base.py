@@ -48,8 +48,11 @@ class Tier(ABC):
     def __init__(self, *, name: str, block_bytes: int, capacity_blocks: int) -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
             raise ValueError(f"block_bytes: expected an int >= 1, got {block_bytes!r}")
-        if (isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int)
-                or capacity_blocks < 1):
+        if (
+            isinstance(capacity_blocks, bool)
+            or not isinstance(capacity_blocks, int)
+            or capacity_blocks < 1
+        ):
             raise ValueError(f"capacity_blocks: expected an int >= 1, got {capacity_blocks!r}")
         self._name = name
         self._block_bytes = block_bytes
@@ -108,8 +111,9 @@ class Tier(ABC):
 
     # -- bytes -----------------------------------------------------------------------------
     @abstractmethod
-    def write(self, slots: Sequence[int], src: torch.Tensor,
-              keys: Sequence[bytes] | None = None) -> None:
+    def write(
+        self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> None:
         """Copy `src` (uint8 `[len(slots), block_bytes]`) into `slots`; raise OSError on failure.
 
         `keys[i]` is the block key stored in `slots[i]`; persistent tiers require it (they
@@ -117,8 +121,9 @@ class Tier(ABC):
         """
 
     @abstractmethod
-    def read(self, slots: Sequence[int], dst: torch.Tensor,
-             keys: Sequence[bytes] | None = None) -> list[int]:
+    def read(
+        self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> list[int]:
         """Copy `slots` into `dst` (uint8 `[len(slots), block_bytes]`).
 
         `keys[i]` is the key the caller expects in `slots[i]`; persistent tiers require it and
@@ -148,16 +153,24 @@ class Tier(ABC):
             expected = cls.OPTIONS.get(key)
             if expected is None:
                 known = ", ".join(sorted(cls.OPTIONS)) or "none"
-                raise ConfigError(f"{where}.{key}",
-                                  f"unknown option for a {cls.kind!r} tier (its options: {known})")
+                raise ConfigError(
+                    f"{where}.{key}",
+                    f"unknown option for a {cls.kind!r} tier (its options: {known})",
+                )
             if isinstance(value, bool) and bool not in (
-                    expected if isinstance(expected, tuple) else (expected,)):
-                raise ConfigError(f"{where}.{key}", "expected "
-                                  f"{getattr(expected, '__name__', expected)}, got bool")
+                expected if isinstance(expected, tuple) else (expected,)
+            ):
+                raise ConfigError(
+                    f"{where}.{key}",
+                    f"expected {getattr(expected, '__name__', expected)}, got bool",
+                )
             if not isinstance(value, expected):
-                raise ConfigError(f"{where}.{key}", f"expected "
-                                  f"{getattr(expected, '__name__', expected)}, "
-                                  f"got {type(value).__name__}")
+                raise ConfigError(
+                    f"{where}.{key}",
+                    f"expected "
+                    f"{getattr(expected, '__name__', expected)}, "
+                    f"got {type(value).__name__}",
+                )
 
     @classmethod
     @abstractmethod
@@ -166,5 +179,7 @@ class Tier(ABC):
         tiers stamp it into what they store)."""
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(medium={self.medium!r}, block_bytes={self.block_bytes}, "
-                f"used={self.used_blocks}/{self.capacity_blocks})")
+        return (
+            f"{type(self).__name__}(medium={self.medium!r}, block_bytes={self.block_bytes}, "
+            f"used={self.used_blocks}/{self.capacity_blocks})"
+        )

@@ -19,16 +19,30 @@ class CPUTier(PoolTier):
     kind: ClassVar[str] = "cpu"
     OPTIONS: ClassVar = {"pin_memory": bool}
 
-    def __init__(self, *, name: str = "cpu", block_bytes: int, capacity_blocks: int,
-                 pin_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        name: str = "cpu",
+        block_bytes: int,
+        capacity_blocks: int,
+        pin_memory: bool | None = None,
+    ) -> None:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks,
-                         device=torch.device("cpu"), pin_memory=pin_memory)
+        super().__init__(
+            name=name,
+            block_bytes=block_bytes,
+            capacity_blocks=capacity_blocks,
+            device=torch.device("cpu"),
+            pin_memory=pin_memory,
+        )
         self.pinned = pin_memory
 
     @classmethod
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> CPUTier:
-        return cls(name=cfg.name, block_bytes=block_bytes,
-                   capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-                   pin_memory=cfg.options.get("pin_memory"))
+        return cls(
+            name=cfg.name,
+            block_bytes=block_bytes,
+            capacity_blocks=cfg.capacity_in_blocks(block_bytes),
+            pin_memory=cfg.options.get("pin_memory"),
+        )

@@ -74,7 +74,7 @@ def shuffle2(buf: memoryview | bytes) -> bytes:
     a = np.frombuffer(buf, dtype="<u2")
     out = np.empty(2 * a.size, dtype=np.uint8)
     out[: a.size] = a  # uint16 -> uint8 keeps the low byte
-    out[a.size:] = a >> 8
+    out[a.size :] = a >> 8
     return out.tobytes()
 
 
@@ -87,9 +87,17 @@ def unshuffle2(planes: bytes, dst: np.ndarray) -> None:
     np.bitwise_or(out, p[:n], out=out)
 
 
-def encode_block(key: bytes, payload: memoryview | bytes, *, namespace: int, seq: int,
-                 compression: str = "none", level: int = 1, element_size: int = 2,
-                 compressor: zstandard.ZstdCompressor | None = None) -> tuple[bytes, bytes]:
+def encode_block(
+    key: bytes,
+    payload: memoryview | bytes,
+    *,
+    namespace: int,
+    seq: int,
+    compression: str = "none",
+    level: int = 1,
+    element_size: int = 2,
+    compressor: zstandard.ZstdCompressor | None = None,
+) -> tuple[bytes, bytes]:
     """Header and stored bytes for one block; compressed only when it saves >= 5%."""
     raw = memoryview(payload).cast("B")
     stored: bytes | memoryview = raw
@@ -101,8 +109,9 @@ def encode_block(key: bytes, payload: memoryview | bytes, *, namespace: int, seq
         if len(packed) * MIN_RATIO <= len(raw):
             stored = packed
             codec = CODEC_ZSTD_SHUFFLE2 if shuffled else CODEC_ZSTD
-    prefix = _HEAD.pack(MAGIC, FORMAT_VERSION, codec, 0, key, namespace, len(raw),
-                        len(stored), seq, 0)
+    prefix = _HEAD.pack(
+        MAGIC, FORMAT_VERSION, codec, 0, key, namespace, len(raw), len(stored), seq, 0
+    )
     h = xxhash.xxh3_64(prefix)
     h.update(stored)
     return prefix + _SUM.pack(h.intdigest()), bytes(stored) if codec else stored  # type: ignore[return-value]
@@ -113,18 +122,19 @@ def decode_header(buf: bytes | memoryview) -> BlockHeader:
     inconsistent. Never trusts a length beyond what the caller can bound."""
     if len(buf) < HEADER_SIZE:
         raise BlockCorruptError(f"short header ({len(buf)} of {HEADER_SIZE} bytes)")
-    prefix = bytes(buf[:_HEAD.size])
+    prefix = bytes(buf[: _HEAD.size])
     magic, version, codec, _r, key, ns, raw_len, stored_len, seq, _r2 = _HEAD.unpack(prefix)
     if magic != MAGIC:
         raise BlockCorruptError("bad magic: not a tiercache block")
     if version != FORMAT_VERSION:
-        raise BlockCorruptError(f"block format version {version}, this build reads "
-                                f"{FORMAT_VERSION}")
+        raise BlockCorruptError(
+            f"block format version {version}, this build reads {FORMAT_VERSION}"
+        )
     if codec not in (CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_SHUFFLE2):
         raise BlockCorruptError(f"unknown codec {codec}")
     if codec == CODEC_RAW and stored_len != raw_len:
         raise BlockCorruptError("raw block with stored length != raw length")
-    (checksum,) = _SUM.unpack(bytes(buf[_HEAD.size:HEADER_SIZE]))
+    (checksum,) = _SUM.unpack(bytes(buf[_HEAD.size : HEADER_SIZE]))
     return BlockHeader(codec, key, ns, raw_len, stored_len, seq, checksum, prefix)
 
 
@@ -138,8 +148,12 @@ def verify(header: BlockHeader, stored: bytes | memoryview) -> None:
         raise BlockCorruptError("checksum mismatch")
 
 
-def decode_payload(header: BlockHeader, stored: bytes | memoryview, dst: np.ndarray,
-                   decompressor: zstandard.ZstdDecompressor | None = None) -> None:
+def decode_payload(
+    header: BlockHeader,
+    stored: bytes | memoryview,
+    dst: np.ndarray,
+    decompressor: zstandard.ZstdDecompressor | None = None,
+) -> None:
     """Verify, then write the block's raw bytes into the uint8 array `dst` (len raw_len)."""
     if dst.size != header.raw_len:
         raise BlockCorruptError(f"block holds {header.raw_len} bytes, expected {dst.size}")

@@ -20,19 +20,23 @@ def resolve_device(spec: str, field: str = "device") -> torch.device:
         dev = torch.device(spec)
     except (RuntimeError, TypeError):
         raise ConfigError(
-            field, f"{spec!r} is not a device; use 'cuda', 'cuda:N' or 'cpu'") from None
+            field, f"{spec!r} is not a device; use 'cuda', 'cuda:N' or 'cpu'"
+        ) from None
     if dev.type == "cpu":
         return dev
     if dev.type != "cuda":
         raise ConfigError(
-            field, f"a gpu tier needs a 'cuda' device (or 'cpu' for tests), got {spec!r}")
+            field, f"a gpu tier needs a 'cuda' device (or 'cpu' for tests), got {spec!r}"
+        )
     if not torch.cuda.is_available():
         raise TierUnavailableError(
             f"{field}: CUDA is not available on this machine, so a gpu tier on {spec!r} cannot "
-            "start; remove the tier or set device = \"cpu\" to run its CPU twin")
+            'start; remove the tier or set device = "cpu" to run its CPU twin'
+        )
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise TierUnavailableError(
-            f"{field}: {spec!r} does not exist ({torch.cuda.device_count()} CUDA device(s))")
+            f"{field}: {spec!r} does not exist ({torch.cuda.device_count()} CUDA device(s))"
+        )
     return dev
 
 
@@ -42,13 +46,21 @@ class GPUTier(PoolTier):
     kind: ClassVar[str] = "gpu"
     OPTIONS: ClassVar = {"device": str}
 
-    def __init__(self, *, name: str = "gpu", block_bytes: int, capacity_blocks: int,
-                 device: str = "cuda") -> None:
-        super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks,
-                         device=resolve_device(device))
+    def __init__(
+        self, *, name: str = "gpu", block_bytes: int, capacity_blocks: int, device: str = "cuda"
+    ) -> None:
+        super().__init__(
+            name=name,
+            block_bytes=block_bytes,
+            capacity_blocks=capacity_blocks,
+            device=resolve_device(device),
+        )
 
     @classmethod
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> GPUTier:
-        return cls(name=cfg.name, block_bytes=block_bytes,
-                   capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-                   device=cfg.options.get("device", "cuda"))
+        return cls(
+            name=cfg.name,
+            block_bytes=block_bytes,
+            capacity_blocks=cfg.capacity_in_blocks(block_bytes),
+            device=cfg.options.get("device", "cuda"),
+        )

@@ -38,12 +38,20 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 class PoolTier(Tier):
     """Blocks in one preallocated tensor on `device`; batched gathers and scatters."""
 
-    def __init__(self, *, name: str, block_bytes: int, capacity_blocks: int,
-                 device: torch.device, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        block_bytes: int,
+        capacity_blocks: int,
+        device: torch.device,
+        pin_memory: bool = False,
+    ) -> None:
         super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks)
         self._device = device
-        self._pool = torch.empty((capacity_blocks, block_bytes), dtype=torch.uint8,
-                                 device=device, pin_memory=pin_memory)
+        self._pool = torch.empty(
+            (capacity_blocks, block_bytes), dtype=torch.uint8, device=device, pin_memory=pin_memory
+        )
         if device.type == "cpu" and not pin_memory:
             # Fault the pages in now: first-touch faults otherwise cut the first pass over the
             # pool to a fraction of memcpy speed (pinned and device memory are already backed).
@@ -62,15 +70,16 @@ class PoolTier(Tier):
     def _index(self, slots: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(slots, dtype=torch.int64, device=self._device)
 
-    def write(self, slots: Sequence[int], src: torch.Tensor,
-              keys: Sequence[bytes] | None = None) -> None:
+    def write(
+        self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> None:
         n = len(slots)
         check_blocks(src, n, self.block_bytes, "src")
         if n == 0:
             return
         first = _run_start(slots)
         if first is not None:
-            self._pool[first:first + n].copy_(src)
+            self._pool[first : first + n].copy_(src)
             return
         if src.device != self._device:
             src = src.to(self._device)
@@ -78,15 +87,16 @@ class PoolTier(Tier):
         target = self._pool_wide if wide.dtype == self._pool_wide.dtype else self._pool
         target.index_copy_(0, self._index(slots), wide)
 
-    def read(self, slots: Sequence[int], dst: torch.Tensor,
-             keys: Sequence[bytes] | None = None) -> list[int]:
+    def read(
+        self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> list[int]:
         n = len(slots)
         check_blocks(dst, n, self.block_bytes, "dst")
         if n == 0:
             return []
         first = _run_start(slots)
         if first is not None:
-            dst.copy_(self._pool[first:first + n])
+            dst.copy_(self._pool[first : first + n])
             return []
         if dst.device != self._device:
             dst.copy_(self._pool.index_select(0, self._index(slots)))

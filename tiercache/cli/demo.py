@@ -32,11 +32,13 @@ def demo_config(directory: Path) -> dict[str, Any]:
         tiers.append({"kind": "gpu", "capacity": "32MiB", "policy": "lru"})
     tiers.append({"kind": "cpu", "capacity": "48MiB", "policy": "arc"})
     if importlib.util.find_spec("tiercache.tiers.nvme") is not None:
-        tiers.append({"kind": "nvme", "capacity": "128MiB", "policy": "lru",
-                      "path": str(directory / "nvme")})
+        tiers.append(
+            {"kind": "nvme", "capacity": "128MiB", "policy": "lru", "path": str(directory / "nvme")}
+        )
     if importlib.util.find_spec("tiercache.tiers.lmdb") is not None:
-        tiers.append({"kind": "lmdb", "capacity": "256MiB", "policy": "lru",
-                      "path": str(directory / "lmdb")})
+        tiers.append(
+            {"kind": "lmdb", "capacity": "256MiB", "policy": "lru", "path": str(directory / "lmdb")}
+        )
     return {"block_size": 16, "namespace": "demo/synthetic-8b/bf16/bs16/tp1/0", "tiers": tiers}
 
 
@@ -54,19 +56,35 @@ def memcpy_gbps(nbytes: int = 256 * 2**20, runs: int = 5) -> float:
 
 
 @click.command()
-@click.option("--requests", "n_requests", default=400, show_default=True,
-              help="Number of synthetic requests.")
+@click.option(
+    "--requests", "n_requests", default=400, show_default=True, help="Number of synthetic requests."
+)
 @click.option("--seed", default=0, show_default=True, help="Workload seed.")
-@click.option("--block-bytes", default=32 * 1024, show_default=True,
-              help="Bytes of KV per block.")
-@click.option("--dir", "directory", default="tiercache-demo", show_default=True,
-              type=click.Path(file_okay=False, path_type=Path),
-              help="Where persistent tiers keep their files.")
-@click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False),
-              help="Use this TOML config instead of the embedded default.")
+@click.option("--block-bytes", default=32 * 1024, show_default=True, help="Bytes of KV per block.")
+@click.option(
+    "--dir",
+    "directory",
+    default="tiercache-demo",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where persistent tiers keep their files.",
+)
+@click.option(
+    "--config",
+    "config_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Use this TOML config instead of the embedded default.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def demo(n_requests: int, seed: int, block_bytes: int, directory: Path, config_path: str | None,
-         as_json: bool) -> None:
+def demo(
+    n_requests: int,
+    seed: int,
+    block_bytes: int,
+    directory: Path,
+    config_path: str | None,
+    as_json: bool,
+) -> None:
     """Run a seeded multi-turn chat + RAG workload and report hit rates and throughput.
 
     \b
@@ -76,16 +94,30 @@ def demo(n_requests: int, seed: int, block_bytes: int, directory: Path, config_p
     if n_requests < 1:
         raise click.BadParameter("must be >= 1", param_hint="--requests")
     console = Console(stderr=as_json)
+    if config_path is None:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     config: Any = config_path or demo_config(directory)
     requests = list(synthetic_requests(n_requests, seed=seed))
-    totals = {"blocks": 0, "hit_blocks": 0, "stored_bytes": 0, "loaded_bytes": 0,
-              "verified": 0, "mismatched": 0}
+    totals = {
+        "blocks": 0,
+        "hit_blocks": 0,
+        "stored_bytes": 0,
+        "loaded_bytes": 0,
+        "verified": 0,
+        "mismatched": 0,
+    }
     t_cache = 0.0
     longest = max(len(r.tokens) for r in requests) // 16 + 1
     buf = torch.empty((longest, block_bytes), dtype=torch.uint8)
     with TierCache.open(config, block_bytes=block_bytes) as cache:
-        progress = Progress(TextColumn("[bold]demo"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=as_json)
+        progress = Progress(
+            TextColumn("[bold]demo"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=as_json,
+        )
         with progress:
             task = progress.add_task("requests", total=len(requests))
             for req in requests:
@@ -94,7 +126,7 @@ def demo(n_requests: int, seed: int, block_bytes: int, directory: Path, config_p
                 if not keys:
                     progress.advance(task)
                     continue
-                got = cache.get(keys, out=buf[:len(keys)])
+                got = cache.get(keys, out=buf[: len(keys)])
                 k = got.shape[0]
                 t_cache += time.perf_counter() - t0
                 # What the engine would hold after prefill: loaded hits + newly computed blocks.
@@ -116,7 +148,8 @@ def demo(n_requests: int, seed: int, block_bytes: int, directory: Path, config_p
     bw = memcpy_gbps()
     moved = totals["loaded_bytes"] + totals["stored_bytes"]
     result = {
-        "requests": len(requests), **totals,
+        "requests": len(requests),
+        **totals,
         "hit_rate": totals["hit_blocks"] / max(totals["blocks"], 1),
         "cache_seconds": t_cache,
         "cache_gbps": moved / max(t_cache, 1e-9) / 1e9,
@@ -128,28 +161,52 @@ def demo(n_requests: int, seed: int, block_bytes: int, directory: Path, config_p
         click.echo(json.dumps(result, indent=2))
         return
     table = Table(title=f"tiercache demo: {len(requests)} requests, {block_bytes} B blocks")
-    for col in ("tier", "kind", "capacity", "used", "hits", "misses", "hit rate", "stored",
-                "evicted", "errors"):
+    for col in (
+        "tier",
+        "kind",
+        "capacity",
+        "used",
+        "hits",
+        "misses",
+        "hit rate",
+        "stored",
+        "evicted",
+        "errors",
+    ):
         table.add_column(col, justify="left" if col in ("tier", "kind") else "right")
     for medium, s in stats.items():
         asked = s["hits"] + s["misses"]
-        table.add_row(medium, s["kind"], str(s["capacity_blocks"]), str(s["used_blocks"]),
-                      str(s["hits"]), str(s["misses"]),
-                      f"{s['hits'] / asked:.1%}" if asked else "-", str(s["stored"]),
-                      str(s["evictions"]), str(s["errors"]))
+        table.add_row(
+            medium,
+            s["kind"],
+            str(s["capacity_blocks"]),
+            str(s["used_blocks"]),
+            str(s["hits"]),
+            str(s["misses"]),
+            f"{s['hits'] / asked:.1%}" if asked else "-",
+            str(s["stored"]),
+            str(s["evictions"]),
+            str(s["errors"]),
+        )
     console.print(table)
     summary = Table(show_header=False, title="totals")
-    summary.add_row("blocks asked / served from cache",
-                    f"{totals['blocks']} / {totals['hit_blocks']} ({result['hit_rate']:.1%})")
-    summary.add_row("bytes loaded / stored",
-                    f"{totals['loaded_bytes'] / 2**20:.1f} MiB / "
-                    f"{totals['stored_bytes'] / 2**20:.1f} MiB")
-    summary.add_row("blocks verified byte-exact / mismatched",
-                    f"{totals['verified']} / {totals['mismatched']}")
+    summary.add_row(
+        "blocks asked / served from cache",
+        f"{totals['blocks']} / {totals['hit_blocks']} ({result['hit_rate']:.1%})",
+    )
+    summary.add_row(
+        "bytes loaded / stored",
+        f"{totals['loaded_bytes'] / 2**20:.1f} MiB / {totals['stored_bytes'] / 2**20:.1f} MiB",
+    )
+    summary.add_row(
+        "blocks verified byte-exact / mismatched", f"{totals['verified']} / {totals['mismatched']}"
+    )
     summary.add_row("time in cache calls", f"{t_cache:.2f} s")
     summary.add_row("cache throughput (bytes moved)", f"{result['cache_gbps']:.2f} GB/s")
-    summary.add_row("memcpy bandwidth, same run", f"{bw:.2f} GB/s "
-                    f"(cache = {result['cache_gbps'] / bw:.2f}x memcpy)")
+    summary.add_row(
+        "memcpy bandwidth, same run",
+        f"{bw:.2f} GB/s (cache = {result['cache_gbps'] / bw:.2f}x memcpy)",
+    )
     console.print(summary)
     if totals["mismatched"]:
         raise click.ClickException(f"{totals['mismatched']} blocks came back wrong")
