@@ -223,3 +223,42 @@ def test_chain_longer_than_first_tier_keeps_its_head() -> None:
         keys = cache.hash_tokens(toks(40))
         assert cache.put(keys, block_bytes_for(keys, N)) == 4
         assert cache.lookup(keys) == 4
+
+
+def test_demotion_never_copies_a_row_that_failed_to_read(tmp_path) -> None:
+    """A block whose source read fails during demotion is dropped, not written below as garbage
+    (on a persistent tier a garbage record would come back after a restart)."""
+    config = {
+        "block_size": 4,
+        "namespace": "test/model/bf16/tp1/0",
+        "tiers": [
+            {"kind": "cpu", "blocks": 4},
+            {"kind": "nvme", "blocks": 16, "path": str(tmp_path / "nvme")},
+        ],
+    }
+    with TierCache.open(config, block_bytes=N) as cache:
+        keys = cache.hash_tokens(toks(32))  # 8 blocks
+        blocks = block_bytes_for(keys, N)
+        cache.put(keys[:4], blocks[:4])
+        top = cache.tiers[0]
+        real_read = top.read
+        bad_key = keys[1]
+
+        def flaky_read(slots, out, ks):
+            failed = list(real_read(slots, out, ks))
+            for i, k in enumerate(ks):
+                if k == bad_key:
+                    out[i].fill_(0xEE)
+                    failed.append(i)
+            return sorted(set(failed))
+
+        top.read = flaky_read  # type: ignore[method-assign]
+        cache.put(keys[4:], blocks[4:])  # demotes keys[:4] into nvme
+        top.read = real_read  # type: ignore[method-assign]
+        assert cache.manager.where(bad_key) == []
+        assert cache.stats()["cpu"]["errors"] >= 1
+        assert all(cache.manager.where(keys[i]) for i in (0, 2, 3))
+        assert cache.lookup(keys[:4]) == 1  # the chain breaks at the dropped block
+    with TierCache.open(config, block_bytes=N) as cache:  # after a restart: still not there
+        assert cache.manager.where(bad_key) == []
+        assert torch.equal(cache.get(keys[:1]), blocks[:1])

@@ -76,6 +76,7 @@ BAD = [
     (with_tier(capacity=None, blocks=0), r"tiers\[0\].blocks"),
     (with_tier(capacity=None, blocks="10"), r"tiers\[0\].blocks"),
     (with_tier(name="has space"), r"tiers\[0\].name"),
+    (with_tier(name="GPU"), r"tiers\[0\].name"),
     (with_tier(pin_memory="yes"), r"tiers\[0\].pin_memory"),
     (with_tier(path="/tmp/x"), r"tiers\[0\].path"),
     (with_tier(kind="gpu", device=3), r"tiers\[0\].device"),

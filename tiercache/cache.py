@@ -331,21 +331,32 @@ class TierCache:
         staging = torch.empty((len(keys), self._block_bytes), dtype=torch.uint8)
         try:
             failed = set(src_tier.read(src_slots, staging, keys))
-            if failed:
-                self._manager.record_error(src, len(failed))
-            dst_tier.write(dst_slots, staging, keys)
         except _IO_ERRORS as exc:
-            log.warning(
-                "copy of %d blocks %s -> %s failed: %s",
-                len(keys),
-                src_tier.medium,
-                dst_tier.medium,
-                exc,
-            )
-            self._manager.record_error(dst)
-            self._manager.complete_store(keys, success=False)
-            return
-        good = [k for i, k in enumerate(keys) if i not in failed]
-        self._manager.complete_store(good, success=True)
+            log.warning("read of %d blocks from %s failed: %s", len(keys), src_tier.medium, exc)
+            failed = set(range(len(keys)))
         if failed:
-            self._manager.complete_store([keys[i] for i in failed], success=False)
+            self._manager.record_error(src, len(failed))
+        good = [i for i in range(len(keys)) if i not in failed]
+        # Only rows that read back verified are written: a failed row's staging bytes are
+        # garbage and must never reach a slot that would later be served.
+        ok: list[bytes] = []
+        if good:
+            rows = staging if len(good) == len(keys) else staging[good]
+            good_keys = [keys[i] for i in good]
+            try:
+                dst_tier.write([dst_slots[i] for i in good], rows, good_keys)
+                ok = good_keys
+            except _IO_ERRORS as exc:
+                log.warning(
+                    "copy of %d blocks %s -> %s failed: %s",
+                    len(good),
+                    src_tier.medium,
+                    dst_tier.medium,
+                    exc,
+                )
+                self._manager.record_error(dst)
+        self._manager.complete_store(ok, success=True)
+        done = set(ok)
+        bad = [k for k in keys if k not in done]
+        if bad:
+            self._manager.complete_store(bad, success=False)

@@ -113,6 +113,8 @@ class TierConfig:
         name = _expect(m.get("name", kind), str, f"{where}.name", "a string")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
             raise ConfigError(f"{where}.name", f"{name!r} must be 1-64 letters, digits, '_.-'")
+        if name == "GPU":
+            raise ConfigError(f"{where}.name", "'GPU' is reserved for the engine's own KV cache")
         policy = _expect(m.get("policy", "lru"), str, f"{where}.policy", "a policy name")
         from tiercache.policies import get_policy_class
 
