@@ -33,7 +33,7 @@ def demo_config(directory: Path) -> dict[str, Any]:
     tiers.append({"kind": "cpu", "capacity": "48MiB", "policy": "arc"})
     if importlib.util.find_spec("tiercache.tiers.nvme") is not None:
         tiers.append(
-            {"kind": "nvme", "capacity": "128MiB", "policy": "lru", "path": str(directory / "nvme")}
+            {"kind": "nvme", "capacity": "48MiB", "policy": "lru", "path": str(directory / "nvme")}
         )
     if importlib.util.find_spec("tiercache.tiers.lmdb") is not None:
         tiers.append(
@@ -161,18 +161,7 @@ def demo(
         click.echo(json.dumps(result, indent=2))
         return
     table = Table(title=f"tiercache demo: {len(requests)} requests, {block_bytes} B blocks")
-    for col in (
-        "tier",
-        "kind",
-        "capacity",
-        "used",
-        "hits",
-        "misses",
-        "hit rate",
-        "stored",
-        "evicted",
-        "errors",
-    ):
+    for col in ("tier", "kind", "blocks", "used", "hits", "miss", "hit%", "stored", "evict", "err"):
         table.add_column(col, justify="left" if col in ("tier", "kind") else "right")
     for medium, s in stats.items():
         asked = s["hits"] + s["misses"]
