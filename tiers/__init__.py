@@ -20,6 +20,7 @@ _KINDS: dict[str, str] = {
     "gpu": "tiercache.tiers.gpu:GPUTier",
     "nvme": "tiercache.tiers.nvme:NVMeTier",
     "lmdb": "tiercache.tiers.lmdb:LMDBTier",
+    "redis": "tiercache.tiers.redis:RedisTier",
 }
 
 __all__ = ["Tier", "available_kinds", "build_tier", "check_blocks", "tier_class"]

@@ -1,0 +1,892 @@
+"""`RedisTier`: blocks in Redis (or Valkey), single node or Redis Cluster, shared by a fleet.
+
+Primitives (on top of the `Tier` ABC):
+- `write(slots, src, keys)`: one pipelined batch of SETs per call (split only past
+  `PIPELINE_BYTES`), pending deletes riding in the same pipeline; never a round trip per block.
+- `read(slots, dst, keys)`: one pipelined batch of GETs (GETEX when a `ttl` is set, so reads
+  keep hot blocks alive); header, key, namespace and checksum verified on every block. A
+  missing key (expired, evicted by Redis's maxmemory policy, deleted by another instance) or
+  a corrupt or foreign value is a failed position: a miss, counted, never an error.
+- `free(slots)`: the base free list plus a pending DEL of the freed keys, sent with the next
+  write or at `flush()` (a demotion planned with the eviction reads them first).
+- `recover()`: blocks of this namespace already in Redis when the tier opened (SCAN + a
+  pipelined GETRANGE of each 64-byte header), newest `capacity` of them, oldest first.
+- `available`, `stats()`, `flush()`, `close()`.
+
+Key = `prefix` + namespace (utf-8) + the 16-byte block key. Value = the `tiers.format` record,
+header then stored payload in one string (the checksum covers both). A store-level key
+`prefix + namespace + "#meta"` holds JSON (format, version, block_bytes): a reopen with
+another block size is refused, like the other persistent tiers.
+
+Sharing. Like the LMDB tier, the manager's index learns what the store holds when the tier
+opens (`recover`): an instance sees every block any instance stored before it opened, and
+blocks stored later only after it reopens. Capacity is this instance's share: its policy
+evicts its own blocks (DEL), and a block it indexed that another instance deleted or Redis
+evicted reads as a miss. Two instances storing one block at once write identical bytes;
+SET is atomic, so a reader sees one whole record or none.
+
+Failures. Every socket operation has a bounded timeout (`timeout`). A connection error or
+timeout marks the tier unavailable: calls during the backoff window (0.1 s doubling up to
+`backoff_max`) raise OSError at once without touching the network (the cache serves from
+its other tiers and counts the error); the first call after the window probes the server,
+and a success marks it available again (counted in `reconnects`). A key whose read failed
+only because Redis was unreachable is not deleted when the cache drops it from its index:
+the stored block is fine and other instances may use it. Credentials are never logged: the
+URL is shown without its password, error messages carry no secret.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+import redis
+import torch
+import zstandard
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import ConnectionPool, parse_url
+from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from tiercache.errors import BlockCorruptError, ConfigError
+from tiercache.tiers.base import KEY_BYTES, Tier, check_blocks
+from tiercache.tiers.format import (
+    CODEC_RAW,
+    HEADER_SIZE,
+    decode_header,
+    decode_payload,
+    encode_block,
+    namespace_id,
+    verify,
+)
+
+log = logging.getLogger(__name__)
+
+STORE_FORMAT = "tiercache-redis"
+STORE_VERSION = 1
+META_SUFFIX = b"#meta"  # never 16 bytes long, so it can never collide with a block key
+COMPRESSIONS = ("none", "zstd")
+ZSTD_MIN_LEVEL = -(1 << 17)
+PIPELINE_BYTES = 64 << 20  # most value bytes in one pipeline execute (bounds client memory)
+SCAN_BATCH = 1000
+_SEND_INLINE_MAX = 16 * 1024  # arguments this big are sent as their own buffer, not copied
+BACKOFF_START_S = 0.1
+_NET_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+_COUNTERS = (
+    "blocks_written",
+    "raw_bytes",
+    "stored_bytes",
+    "blocks_read",
+    "missing",  # key absent: expired, evicted by Redis, deleted elsewhere
+    "corrupt",  # a value under our key that is not a good block of that key
+    "failed_calls",  # a batch that failed on the network or was refused by Redis
+    "skipped_calls",  # calls answered "unavailable" without touching the network
+    "disconnects",
+    "reconnects",
+)
+
+
+def _number(value: object, field: str, *, minimum: float = 0.0, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(field, f"expected a number of seconds, got {value!r}")
+    if value < minimum or (value == 0 and not allow_zero) or value < 0:
+        raise ConfigError(field, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return float(value)
+
+
+def check_settings(o: Mapping[str, Any], where: str = "") -> None:
+    """Value checks shared by the constructor and `validate_options` (ConfigError)."""
+    p = f"{where}." if where else ""
+    parse_nodes(o.get("url", "redis://127.0.0.1:6379/0"), f"{p}url")
+    compression = o.get("compression", "none")
+    if compression not in COMPRESSIONS:
+        raise ConfigError(f"{p}compression", f"expected one of {COMPRESSIONS}, got {compression!r}")
+    level = o.get("level", 1)
+    top = zstandard.MAX_COMPRESSION_LEVEL
+    if isinstance(level, bool) or not isinstance(level, int) or not ZSTD_MIN_LEVEL <= level <= top:
+        raise ConfigError(
+            f"{p}level", f"expected a zstd level {ZSTD_MIN_LEVEL}..{top}, got {level!r}"
+        )
+    es = o.get("element_size", 2)
+    if isinstance(es, bool) or es not in (1, 2):
+        raise ConfigError(
+            f"{p}element_size",
+            f"expected 1 (no shuffle) or 2 (byte-plane shuffle, bf16/fp16), got {es!r}",
+        )
+    ttl = o.get("ttl")
+    if ttl is not None:
+        _number(ttl, f"{p}ttl", allow_zero=True)
+    _number(o.get("timeout", 0.5), f"{p}timeout")
+    _number(o.get("backoff_max", 5.0), f"{p}backoff_max")
+    prefix = o.get("prefix", "tiercache:")
+    if not isinstance(prefix, str):
+        raise ConfigError(f"{p}prefix", f"expected a string, got {type(prefix).__name__}")
+    for name in ("username", "password", "username_env", "password_env"):
+        v = o.get(name)
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ConfigError(f"{p}{name}", "expected a non-empty string")
+    for name in ("username", "password"):
+        if o.get(name) is not None and o.get(f"{name}_env") is not None:
+            raise ConfigError(f"{p}{name}_env", f"give {name} or {name}_env, not both")
+
+
+def parse_nodes(url: object, field: str = "url") -> tuple[bool, list[str] | str]:
+    """(cluster?, what to connect to): one URL for a single node, or cluster node URLs.
+
+    `redis://`, `rediss://`, `unix://` name one node; `redis+cluster://h:p[,h:p...]` (or
+    `rediss+cluster://`) or a list of `host:port` / `redis://host:port` name cluster nodes.
+    """
+    if isinstance(url, list | tuple):
+        if not url:
+            raise ConfigError(field, "an empty list of cluster nodes")
+        nodes = []
+        for i, u in enumerate(url):
+            if not isinstance(u, str) or not u:
+                raise ConfigError(f"{field}[{i}]", f"expected 'host:port', got {u!r}")
+            nodes.append(u if "://" in u else f"redis://{u}")
+            _host_port(nodes[-1], f"{field}[{i}]")
+        return True, nodes
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(field, f"expected a redis:// URL or a list of cluster nodes, got {url!r}")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("redis", "rediss", "unix"):
+        try:
+            parse_url(url)
+        except ValueError as exc:
+            raise ConfigError(field, f"{_mask(url)}: {exc}") from None
+        if scheme != "unix":
+            _host_port(url, field)
+        return False, url
+    if scheme in ("redis+cluster", "rediss+cluster"):
+        base = scheme.split("+", 1)[0]
+        rest = url.split("://", 1)[1]
+        auth, _, hosts = rest.rpartition("@")
+        nodes = []
+        for h in hosts.split("/", 1)[0].split(","):
+            node = f"{base}://{auth + '@' if auth else ''}{h}"
+            _host_port(node, field)
+            nodes.append(node)
+        return True, nodes
+    raise ConfigError(
+        field,
+        f"unknown scheme {scheme!r}; use redis://, rediss://, unix://, redis+cluster:// "
+        "or a list of cluster nodes",
+    )
+
+
+def _host_port(url: str, field: str) -> tuple[str, int]:
+    try:
+        u = urlsplit(url)
+        host, port = u.hostname, u.port or 6379
+    except ValueError as exc:
+        raise ConfigError(field, f"{_mask(url)}: {exc}") from None
+    if not host:
+        raise ConfigError(field, f"{_mask(url)}: no host")
+    return host, port
+
+
+def _mask(url: str) -> str:
+    """The URL with any password replaced by ***, for messages."""
+    try:
+        u = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if u.password is None:
+        return url
+    user = u.username or ""
+    host = u.netloc.rpartition("@")[2]
+    return urlunsplit((u.scheme, f"{user}:***@{host}", u.path, u.query, u.fragment))
+
+
+def _glob_escape(b: bytes) -> bytes:
+    out = bytearray()
+    for c in b:
+        if c in b"*?[]\\":
+            out.append(0x5C)
+        out.append(c)
+    return bytes(out)
+
+
+class RedisTier(Tier):
+    """Blocks keyed by prefix + namespace + block key in Redis; persistent and shared."""
+
+    kind: ClassVar[str] = "redis"
+    persistent: ClassVar[bool] = True
+    shared: ClassVar[bool] = True
+    OPTIONS: ClassVar = {
+        "url": (str, list),
+        "username": str,
+        "password": str,
+        "username_env": str,
+        "password_env": str,
+        "ttl": (int, float),
+        "prefix": str,
+        "compression": str,
+        "level": int,
+        "element_size": int,
+        "timeout": (int, float),
+        "backoff_max": (int, float),
+    }
+
+    def __init__(
+        self,
+        *,
+        name: str = "redis",
+        block_bytes: int,
+        capacity_blocks: int,
+        url: str | Sequence[str] = "redis://127.0.0.1:6379/0",
+        username: str | None = None,
+        password: str | None = None,
+        username_env: str | None = None,
+        password_env: str | None = None,
+        ttl: float | None = None,
+        prefix: str = "tiercache:",
+        compression: str = "none",
+        level: int = 1,
+        element_size: int = 2,
+        timeout: float = 0.5,
+        backoff_max: float = 5.0,
+        namespace: str = "",
+    ) -> None:
+        super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks)
+        settings = {
+            "url": list(url) if isinstance(url, tuple) else url,
+            "username": username,
+            "password": password,
+            "username_env": username_env,
+            "password_env": password_env,
+            "ttl": ttl,
+            "prefix": prefix,
+            "compression": compression,
+            "level": level,
+            "element_size": element_size,
+            "timeout": timeout,
+            "backoff_max": backoff_max,
+        }
+        check_settings({k: v for k, v in settings.items() if v is not None})
+        self._cluster, self._target = parse_nodes(settings["url"])
+        self._url_shown = (
+            ",".join(map(_mask, self._target)) if self._cluster else _mask(self._target)  # type: ignore[arg-type]
+        )
+        self._username = _secret(username, username_env, "username")
+        self._password = _secret(password, password_env, "password")
+        self._ttl_ms = int(ttl * 1000) if ttl else None
+        self._compression, self._level, self._element_size = compression, level, element_size
+        self._timeout, self._backoff_max = float(timeout), float(backoff_max)
+        self._ns = namespace_id(namespace)
+        self._kprefix = prefix.encode() + namespace.encode()
+        self._meta_key = self._kprefix + META_SUFFIX
+        self._tls = threading.local()
+        self._lock = threading.Lock()  # slot map, pending deletes, availability, counters
+        self._slot_key: dict[int, bytes] = {}  # slots whose key this instance stored or found
+        self._pending: set[bytes] = set()  # freed keys still in Redis (see free)
+        self._keep: set[bytes] = set()  # keys unreadable only because Redis was down
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._seq = 0
+        self._client: Any = None
+        self._up = False
+        self._retry_at = 0.0
+        self._backoff = BACKOFF_START_S
+        self._last_error = ""
+        self._recovered: list[tuple[bytes, int]] = []
+        try:
+            self._open()
+        except BaseException:
+            self._shutdown_client()
+            self._closed = True
+            raise
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any], where: str) -> None:
+        super().validate_options(options, where)
+        check_settings(options, where)
+
+    @classmethod
+    def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> RedisTier:
+        o = dict(cfg.options)
+        try:
+            return cls(
+                name=cfg.name,
+                block_bytes=block_bytes,
+                capacity_blocks=cfg.capacity_in_blocks(block_bytes),
+                namespace=namespace,
+                **o,
+            )
+        except ConfigError as exc:
+            if not exc.field.startswith("tiers["):
+                raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
+            raise
+
+    # -- connection and availability -------------------------------------------------------
+    def _make_client(self) -> Any:
+        retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+        common: dict[str, Any] = {
+            "socket_timeout": self._timeout,
+            "socket_connect_timeout": self._timeout,
+            "retry": retry,
+            "client_name": "tiercache",
+        }
+        if self._username is not None:
+            common["username"] = self._username
+        if self._password is not None:
+            common["password"] = self._password
+        if not self._cluster:
+            opts = parse_url(self._target)  # type: ignore[arg-type]
+            opts.update(common)
+            return redis.Redis(connection_pool=ConnectionPool(**opts))
+        first = urlsplit(self._target[0])
+        auth: dict[str, Any] = {}
+        if first.username and "username" not in common:
+            auth["username"] = first.username
+        if first.password and "password" not in common:
+            auth["password"] = first.password
+        nodes = [ClusterNode(*_host_port(u, "url")) for u in self._target]
+        return RedisCluster(
+            startup_nodes=nodes,
+            ssl=first.scheme == "rediss",
+            **common,
+            **auth,
+        )
+
+    def _open(self) -> None:
+        """Connect, check the store's metadata and index what it holds. An unreachable server
+        is not fatal (the tier starts unavailable and retries); bad credentials are."""
+        try:
+            client = self._make_client()
+            self._client = client
+            client.ping()
+            self._check_meta(client)
+            self._scan(client)
+        except AuthenticationError as exc:
+            raise self._auth_error(exc) from None
+        except ResponseError as exc:
+            if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+                raise self._auth_error(exc) from None
+            raise ConfigError("url", f"Redis at {self._url_shown} refused us: {exc}") from None
+        except RedisClusterException as exc:
+            if "auth" in str(exc).lower() or "WRONGPASS" in str(exc):
+                raise self._auth_error(exc) from None
+            self._mark_down(exc, "open")
+            return
+        except _NET_ERRORS as exc:
+            self._mark_down(exc, "open")
+            return
+        self._up = True
+
+    def _auth_error(self, exc: Exception) -> ConfigError:
+        text = str(exc)
+        needs = ("NOAUTH", "Authentication required", "already authenticated")
+        if any(n in text for n in needs):  # the last: HELLO sent without credentials
+            return ConfigError(
+                "password",
+                f"the Redis server at {self._url_shown} requires authentication; "
+                "set password (or password_env naming an environment variable)",
+            )
+        if "WRONGPASS" in text or "invalid username-password" in text or "auth" in text.lower():
+            return ConfigError(
+                "password",
+                f"the Redis server at {self._url_shown} refused the credentials "
+                "(wrong username or password)",
+            )
+        return ConfigError("url", f"the Redis server at {self._url_shown} refused us: {text}")
+
+    def _check_meta(self, client: Any) -> None:
+        meta = {"format": STORE_FORMAT, "version": STORE_VERSION, "block_bytes": self.block_bytes}
+        try:
+            client.set(self._meta_key, json.dumps(meta, sort_keys=True).encode(), nx=True)
+        except ResponseError as exc:  # e.g. OOM under maxmemory: only the check below matters
+            if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+                raise
+        raw = client.get(self._meta_key)
+        try:
+            got = json.loads(raw.decode()) if raw is not None else meta
+        except (UnicodeDecodeError, ValueError):
+            got = None
+        if not isinstance(got, dict) or got.get("format") != STORE_FORMAT:
+            raise ConfigError(
+                "prefix",
+                f"{self._meta_key!r} on {self._url_shown} holds no tiercache metadata; "
+                "choose another prefix",
+            )
+        if got.get("version") != STORE_VERSION:
+            raise ConfigError(
+                "prefix",
+                f"the store under {self._kprefix!r} has format version {got.get('version')!r}, "
+                f"this build reads {STORE_VERSION}; choose another prefix",
+            )
+        if got.get("block_bytes") != self.block_bytes:
+            raise ConfigError(
+                "block_bytes",
+                f"the store under {self._kprefix!r} holds blocks of {got.get('block_bytes')} "
+                f"bytes; this tier was opened with block_bytes={self.block_bytes} "
+                "(use the same block size or another prefix)",
+            )
+
+    def _conn(self) -> Any:
+        """The client, or OSError at once while the tier is in its backoff window."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.medium}: the Redis tier is closed")
+            if self._up or time.monotonic() >= self._retry_at:
+                if self._client is not None:
+                    return self._client
+            else:
+                self._counts["skipped_calls"] += 1
+                wait = self._retry_at - time.monotonic()
+                raise OSError(
+                    errno.EAGAIN,
+                    f"{self.medium}: Redis at {self._url_shown} unavailable "
+                    f"({self._last_error}); next try in {max(0.0, wait):.2f} s",
+                )
+        # Down with no client yet (a cluster unreachable at open): build it now, outside the
+        # lock; the cluster client contacts its nodes in the constructor.
+        try:
+            client = self._make_client()
+        except RedisError as exc:
+            self._mark_down(exc, "connect")
+            raise OSError(errno.ECONNREFUSED, f"{self.medium}: connect failed: {exc}") from None
+        with self._lock:
+            if self._client is None:
+                self._client = client
+            return self._client
+
+    def _mark_up(self) -> None:
+        if self._up:
+            return
+        with self._lock:
+            if self._up:
+                return
+            self._up = True
+            self._backoff = BACKOFF_START_S
+            self._counts["reconnects"] += 1
+        log.warning("%s: Redis at %s is reachable again", self.medium, self._url_shown)
+
+    def _mark_down(self, exc: BaseException, what: str) -> None:
+        with self._lock:
+            self._counts["failed_calls"] += 1
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            if self._up:
+                self._counts["disconnects"] += 1
+                self._backoff = BACKOFF_START_S
+            else:
+                self._backoff = min(self._backoff * 2, self._backoff_max)
+            was_up, self._up = self._up, False
+            self._retry_at = time.monotonic() + self._backoff
+        if was_up or what == "open":
+            log.warning(
+                "%s: Redis at %s unavailable during %s (%s); retrying with backoff",
+                self.medium,
+                self._url_shown,
+                what,
+                self._last_error,
+            )
+
+    def _run(self, client: Any, cmds: list[list[Any]], what: str) -> list[Any]:
+        """Send `cmds` in one pipelined batch; one reply each, per-command errors returned
+        in the list. An argument may be a (header, payload) pair: one Redis string. OSError
+        (and the tier marked down) on network failure."""
+        try:
+            if self._cluster:
+                pipe = client.pipeline(transaction=False)
+                for cmd in cmds:
+                    pipe.execute_command(*(b"".join(a) if isinstance(a, tuple) else a for a in cmd))
+                out = pipe.execute(raise_on_error=False)
+            else:
+                out = self._send(client, cmds)
+        except AuthenticationError as exc:
+            self._mark_down(exc, what)
+            raise OSError(errno.EACCES, f"{self.medium}: {self._auth_error(exc)}") from None
+        except (*_NET_ERRORS, RedisError) as exc:
+            self._mark_down(exc, what)
+            raise OSError(
+                errno.ETIMEDOUT if isinstance(exc, RedisTimeoutError) else errno.ECONNREFUSED,
+                f"{self.medium}: Redis {what} failed: {type(exc).__name__}: {exc}",
+            ) from None
+        self._mark_up()
+        return out
+
+    @staticmethod
+    def _send(client: redis.Redis, cmds: list[list[Any]]) -> list[Any]:
+        """A pipeline on one pooled connection, packed here so that a (header, payload)
+        value goes out as two buffers: the payload is sent from the caller's tensor, never
+        joined into a fresh string (redis-py's pipeline would need one `bytes` per value).
+        A connection that fails before any reply was read is retried once on a fresh one
+        (a server restart leaves stale pooled connections); every command here is
+        idempotent."""
+        buffers: list[bytes | memoryview] = []
+        small = bytearray()
+        for cmd in cmds:
+            small += b"*%d\r\n" % len(cmd)
+            for arg in cmd:
+                if isinstance(arg, str):
+                    arg = arg.encode()
+                parts = arg if isinstance(arg, tuple) else (arg,)
+                small += b"$%d\r\n" % sum(len(p) for p in parts)
+                for p in parts:
+                    if len(p) >= _SEND_INLINE_MAX:
+                        buffers.append(bytes(small))
+                        small.clear()
+                        buffers.append(p)
+                    else:
+                        small += p
+                small += b"\r\n"
+        buffers.append(bytes(small))
+        pool = client.connection_pool
+        for attempt in (0, 1):
+            conn = pool.get_connection()
+            out: list[Any] = []
+            try:
+                conn.send_packed_command(buffers, check_health=False)
+                for _ in cmds:
+                    try:
+                        out.append(conn.read_response())
+                    except ResponseError as exc:
+                        out.append(exc)
+                return out
+            except RedisConnectionError:
+                conn.disconnect()
+                if attempt or out:
+                    raise
+            except BaseException:
+                conn.disconnect()  # a half-read reply stream must never be reused
+                raise
+            finally:
+                pool.release(conn)
+        raise AssertionError("unreachable")
+
+    # -- introspection ---------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        """False while Redis is unreachable (calls fail fast until the backoff expires)."""
+        return self._up and not self._closed
+
+    @property
+    def key_prefix(self) -> bytes:
+        """prefix + namespace: every block of this store lives under it."""
+        return self._kprefix
+
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key holding block `key`."""
+        return self._kprefix + key
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this tier object (see module docstring), availability, pending deletes."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+            out["available"] = self._up and not self._closed
+            out["pending_deletes"] = len(self._pending)
+        stored = out["stored_bytes"]
+        out["compression_ratio"] = out["raw_bytes"] / stored if stored else 1.0
+        return out
+
+    # -- slots -----------------------------------------------------------------------------
+    def allocate(self, keys: Sequence[bytes]) -> list[int] | None:
+        slots = super().allocate(keys)
+        if slots:
+            with self._lock:
+                self._pending.difference_update(keys)
+        return slots
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Return slots; the keys this instance stored there are deleted from Redis with the
+        next write or at flush, not now: a demotion planned with the eviction reads them."""
+        with self._lock:
+            for s in slots:
+                k = self._slot_key.pop(s, None)
+                if k is None:
+                    continue  # never stored by us (a failed write): another copy may exist
+                if k in self._keep:
+                    self._keep.discard(k)  # dropped only because Redis was unreachable
+                else:
+                    self._pending.add(k)
+        super().free(slots)
+
+    # -- write -----------------------------------------------------------------------------
+    def write(
+        self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> None:
+        n = len(slots)
+        check_blocks(src, n, self.block_bytes, "src")
+        keys = self._check_keys(keys, n)
+        self._check_open()
+        if n == 0:
+            return
+        client = self._conn()
+        rows = (src if src.device.type == "cpu" else src.cpu()).numpy()
+        seq0 = self._next_seq(n)
+        zc = self._compressor()
+        values: list[tuple[bytes, bytes | memoryview]] = []
+        stored = 0
+        for i in range(n):
+            header, payload = encode_block(
+                keys[i],
+                rows[i],
+                namespace=self._ns,
+                seq=seq0 + i,
+                compression=self._compression,
+                level=self._level,
+                element_size=self._element_size,
+                compressor=zc,
+            )
+            values.append((header, payload))
+            stored += len(payload)
+        with self._lock:
+            self._pending.difference_update(keys)
+            dels = list(self._pending)
+            self._pending.clear()
+        rkeys = [self._kprefix + k for k in keys]
+        px = self._ttl_ms
+        try:
+            for a, b in self._chunks(n):
+                cmds: list[list[Any]] = [["DEL", self._kprefix + d] for d in dels]
+                for i in range(a, b):
+                    cmd = ["SET", rkeys[i], values[i]]
+                    cmds.append([*cmd, "PX", b"%d" % px] if px else cmd)
+                out = self._run(client, cmds, "write")
+                errors = [r for r in out if isinstance(r, Exception)]
+                if errors:
+                    with self._lock:
+                        self._counts["failed_calls"] += 1
+                    raise OSError(errno.EIO, f"{self.medium}: Redis refused a write: {errors[0]}")
+                dels = []
+        except OSError:
+            with self._lock:  # deletes not sent stay pending
+                self._pending.update(d for d in dels if d not in set(keys))
+            raise
+        with self._lock:
+            for s, k in zip(slots, keys, strict=True):
+                old = self._slot_key.get(s)
+                if old is not None and old != k:
+                    self._pending.add(old)
+                self._slot_key[s] = k
+                self._keep.discard(k)
+            self._pending.difference_update(keys)
+            c = self._counts
+            c["blocks_written"] += n
+            c["raw_bytes"] += n * self.block_bytes
+            c["stored_bytes"] += stored
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        per = max(1, PIPELINE_BYTES // (self.block_bytes + HEADER_SIZE))
+        return [(a, min(n, a + per)) for a in range(0, n, per)]
+
+    def _next_seq(self, n: int) -> int:
+        """Write sequence: wall-clock microseconds, monotonic in this process, so recovery
+        orders blocks by recency across instances too."""
+        with self._lock:
+            first = max(self._seq, time.time_ns() // 1000)
+            self._seq = first + n
+            return first
+
+    def _compressor(self) -> zstandard.ZstdCompressor | None:
+        if self._compression != "zstd":
+            return None
+        zc = getattr(self._tls, "zc", None)
+        if zc is None:
+            zc = self._tls.zc = zstandard.ZstdCompressor(level=self._level)
+        return zc
+
+    # -- read ------------------------------------------------------------------------------
+    def read(
+        self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> list[int]:
+        """Read blocks by key (slots are handles only). A missing key or a corrupt or foreign
+        value is a failed position; OSError when Redis is unreachable."""
+        n = len(slots)
+        check_blocks(dst, n, self.block_bytes, "dst")
+        keys = self._check_keys(keys, n)
+        self._check_open()
+        if n == 0:
+            return []
+        try:
+            client = self._conn()
+        except OSError:
+            self._keep_keys(keys)
+            raise
+        out = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
+        out_np = out.numpy()
+        px = self._ttl_ms
+        failed: list[int] = []
+        missing = corrupt = 0
+        try:
+            for a, b in self._chunks(n):
+                if px:
+                    pxb = b"%d" % px
+                    cmds = [["GETEX", self._kprefix + keys[i], "PX", pxb] for i in range(a, b)]
+                else:
+                    cmds = [["GET", self._kprefix + keys[i]] for i in range(a, b)]
+                vals = self._run(client, cmds, "read")
+                for i, v in zip(range(a, b), vals, strict=True):
+                    if v is None:
+                        missing += 1
+                        failed.append(i)
+                    elif isinstance(v, Exception) or not self._decode(keys[i], v, out_np[i]):
+                        corrupt += 1
+                        failed.append(i)
+        except OSError:
+            self._keep_keys(keys)
+            raise
+        if out is not dst:
+            dst.copy_(out)
+        with self._lock:
+            c = self._counts
+            c["blocks_read"] += n - len(failed)
+            c["missing"] += missing
+            c["corrupt"] += corrupt
+        if corrupt:
+            log.warning("%s: %d corrupt or foreign values read as misses", self.medium, corrupt)
+        return failed
+
+    def _keep_keys(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self._keep.update(keys)
+
+    def _decode(self, key: bytes, v: bytes, row: np.ndarray) -> bool:
+        """Check and copy one value into `row`; False if it is not a good block of `key`."""
+        try:
+            if not isinstance(v, bytes):
+                raise BlockCorruptError("not a string value")
+            h = decode_header(v)
+            body = memoryview(v)[HEADER_SIZE:]
+            if h.key != key:
+                raise BlockCorruptError("header key differs from the Redis key")
+            if h.namespace_id != self._ns:
+                raise BlockCorruptError("block of another namespace")
+            if h.raw_len != self.block_bytes or len(body) != h.stored_len:
+                raise BlockCorruptError("length mismatch")
+            if h.codec == CODEC_RAW:
+                # Copy, then checksum the copy: what is verified is exactly what is served.
+                np.copyto(row, np.frombuffer(body, dtype=np.uint8))
+                verify(h, row)
+            else:
+                dz = getattr(self._tls, "dz", None)
+                if dz is None:
+                    dz = self._tls.dz = zstandard.ZstdDecompressor()
+                decode_payload(h, body, row, decompressor=dz)
+        except BlockCorruptError:
+            return False
+        return True
+
+    # -- recovery and lifecycle ------------------------------------------------------------
+    def _scan(self, client: Any) -> None:
+        """Index the newest `capacity` good blocks of this namespace found in Redis."""
+        pattern = _glob_escape(self._kprefix) + b"?" * KEY_BYTES
+        found: list[tuple[int, bytes]] = []
+        batch: list[bytes] = []
+        want = len(self._kprefix) + KEY_BYTES
+
+        def headers(rkeys: list[bytes]) -> None:
+            pipe = client.pipeline(transaction=False)
+            for rk in rkeys:
+                pipe.getrange(rk, 0, HEADER_SIZE - 1)
+            for rk, head in zip(rkeys, pipe.execute(raise_on_error=False), strict=True):
+                if not isinstance(head, bytes):
+                    continue
+                try:
+                    h = decode_header(head)
+                except BlockCorruptError:
+                    continue  # not ours to delete: a foreign value under a look-alike key
+                k = rk[len(self._kprefix) :]
+                if h.key == k and h.namespace_id == self._ns and h.raw_len == self.block_bytes:
+                    found.append((h.seq, k))
+
+        for rk in client.scan_iter(match=pattern, count=SCAN_BATCH):
+            rk = bytes(rk)
+            if len(rk) != want or not rk.startswith(self._kprefix):
+                continue
+            batch.append(rk)
+            if len(batch) >= SCAN_BATCH:
+                headers(batch)
+                batch = []
+        if batch:
+            headers(batch)
+        found.sort()
+        kept = found[-self.capacity_blocks :]
+        if kept:
+            self._seq = max(self._seq, kept[-1][0] + 1)
+        self._recovered = [(k, s) for s, (_, k) in enumerate(kept)]
+        self._slot_key.update((s, k) for k, s in self._recovered)
+        self._claim(range(len(kept)))
+
+    def recover(self) -> list[tuple[bytes, int]]:
+        """(key, slot) of every block found at open and still held, oldest first."""
+        return [(k, s) for k, s in self._recovered if self._slot_key.get(s) == k]
+
+    def flush(self) -> None:
+        """Send pending deletes (Redis's own persistence decides durability)."""
+        if self._closed:
+            return
+        with self._lock:
+            dels = list(self._pending)
+            self._pending.clear()
+        if not dels:
+            return
+        try:
+            client = self._conn()
+            self._run(client, [["DEL", self._kprefix + d] for d in dels], "delete")
+        except OSError:
+            with self._lock:
+                self._pending.update(dels)
+            raise
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._pending and self._up:
+                self.flush()
+        except OSError as exc:
+            log.warning("%s: pending deletes not sent at close: %s", self.medium, exc)
+        finally:
+            self._closed = True
+            self._shutdown_client()
+            self._slot_key.clear()
+
+    def _shutdown_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except RedisError as exc:  # pragma: no cover - closing sockets rarely fails
+                log.debug("%s: closing the client: %s", self.medium, exc)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.medium}: the Redis tier is closed")
+
+    @staticmethod
+    def _check_keys(keys: Sequence[bytes] | None, n: int) -> Sequence[bytes]:
+        if keys is None:
+            raise ValueError("keys: the Redis tier stores blocks by key; pass one key per slot")
+        if len(keys) != n:
+            raise ValueError(f"keys: expected {n} keys, got {len(keys)}")
+        return keys
+
+    def __repr__(self) -> str:
+        return (
+            f"RedisTier(medium={self.medium!r}, url={self._url_shown!r}, "
+            f"block_bytes={self.block_bytes}, used={self.used_blocks}/{self.capacity_blocks}, "
+            f"available={self.available})"
+        )
+
+
+def _secret(value: str | None, env: str | None, field: str) -> str | None:
+    """A credential given directly or through the environment variable `env`."""
+    if env is None:
+        return value
+    got = os.environ.get(env)
+    if got is None:
+        raise ConfigError(f"{field}_env", f"environment variable {env!r} is not set")
+    return got
