@@ -93,6 +93,32 @@ class ARCPolicy(EvictionPolicy):
             if len(t1) + len(b1) > c or len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
                 self._trim_ghosts()
 
+    def insert_many(self, keys: Sequence[bytes]) -> None:
+        """insert() for each key in order; case IV and its ghost trimming are inlined (the
+        manager's batched hot path), the rarer cases go through insert()."""
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        c, c2 = self.capacity, 2 * self.capacity
+        n1, n2, g1, g2 = len(t1), len(t2), len(b1), len(b2)  # list sizes, kept in step
+        for key in keys:
+            if key in t1 or key in t2 or key in b1 or key in b2:
+                self.insert(key)
+                n1, n2, g1, g2 = len(t1), len(t2), len(b1), len(b2)
+                continue
+            t1[key] = None  # case IV, then exactly _trim_ghosts' steps
+            n1 += 1
+            while g1 and n1 + g1 > c:
+                b1.popitem(last=False)
+                g1 -= 1
+            excess = n1 + n2 + g1 + g2 - c2
+            while excess > 0 and (g1 or g2):
+                if g2:
+                    b2.popitem(last=False)
+                    g2 -= 1
+                else:
+                    b1.popitem(last=False)
+                    g1 -= 1
+                excess -= 1
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """Move resident `keys` to T2's MRU end, tail first so the chain head ends up hottest."""
         t1, t2 = self._t1, self._t2

@@ -37,6 +37,12 @@ class EvictionPolicy(ABC):
     def insert(self, key: bytes) -> None:
         """Add `key` as most recently used; inserting a resident key behaves like touch([key])."""
 
+    def insert_many(self, keys: Sequence[bytes]) -> None:
+        """`insert(k)` for each key, in order. The manager calls this once per completed store;
+        built-in policies override it with one loop, saving a method call per key."""
+        for key in keys:
+            self.insert(key)
+
     @abstractmethod
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark `keys` (a prefix chain, head first) as used; unknown keys are ignored.

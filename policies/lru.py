@@ -31,6 +31,16 @@ class LRUPolicy(EvictionPolicy):
         else:
             od[key] = None
 
+    def insert_many(self, keys: Sequence[bytes]) -> None:
+        """insert() for each key in order, in one loop (the manager's batched hot path)."""
+        od = self._od
+        move_to_end = od.move_to_end
+        for key in keys:
+            if key in od:
+                move_to_end(key)
+            else:
+                od[key] = None
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """Move resident `keys` to the MRU end, tail first so the chain head ends up hottest."""
         od = self._od

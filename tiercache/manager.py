@@ -18,7 +18,7 @@ returns None or raises changes no state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from tiercache.policies import EvictionPolicy
@@ -37,7 +37,7 @@ class _Rec:
 
     __slots__ = ("pins", "ready", "slot")
 
-    def __init__(self, slot: int, ready: bool) -> None:
+    def __init__(self, slot: int, ready: bool = False) -> None:
         self.slot = slot
         self.ready = ready
         self.pins = 0
@@ -108,7 +108,8 @@ class OffloadingManager:
         self._ready: dict[bytes, int] = {}  # key -> bitmask of tiers where it is ready
         self._present: dict[bytes, int] = {}  # key -> bitmask of tiers holding a record
         self._moving: set[bytes] = set()  # keys being demoted (in no tier's lookup meanwhile)
-        self._pins: dict[bytes, list[int]] = {}  # key -> tier of each outstanding load
+        self._pins: dict[bytes, list[int]] = {}  # key -> tier of each outstanding load (multi)
+        self._loads_out = 0  # outstanding pins in all tiers (one tier: counted on records only)
         self._events: list[OffloadingEvent] = []
         self._single = len(self._levels) == 1
         for level in self._levels:
@@ -173,6 +174,8 @@ class OffloadingManager:
         Raises KeyError (and pins nothing) if a key is not ready in any tier.
         """
         keys = tuple(keys)
+        if self._single:
+            return self._prepare_load_single(keys)
         get = self._ready.get
         tier_of: list[int] = []
         for k in keys:
@@ -195,26 +198,52 @@ class OffloadingManager:
                 pins[k] = [t]
             else:
                 p.append(t)
-        if self._single:
-            levels[0].counters.loaded += len(keys)
-        else:
-            for t in tier_of:
-                levels[t].counters.loaded += 1
+        self._loads_out += len(keys)
+        for t in tier_of:
+            levels[t].counters.loaded += 1
         return LoadSpec(keys, tuple(tier_of), tuple(slots), tuple(lv.medium for lv in levels))
+
+    def _prepare_load_single(self, keys: tuple[bytes, ...]) -> LoadSpec:
+        """prepare_load with one tier: the pin count on each record is the whole story."""
+        lv = self._levels[0]
+        get = lv.blocks.get
+        recs = [get(k) for k in keys]
+        for k, rec in zip(keys, recs, strict=True):
+            if rec is None or not rec.ready:
+                raise KeyError(
+                    f"prepare_load: block {k.hex() if isinstance(k, bytes) else k!r} "
+                    "is not ready in any tier"
+                )
+        for rec in recs:
+            rec.pins += 1
+        self._loads_out += len(keys)
+        lv.counters.loaded += len(keys)
+        return LoadSpec(keys, (0,) * len(keys), tuple([r.slot for r in recs]), (lv.medium,))
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
         """Unpin blocks pinned by `prepare_load`. Raises KeyError (and unpins nothing) if a key
         has no outstanding load."""
         keys = _seq(keys)
+        if self._single:
+            self._complete_load_single(keys)
+            return
         pins = self._pins
-        need: dict[bytes, int] = {}
-        for k in keys:
-            need[k] = need.get(k, 0) + 1
-            if len(pins.get(k, ())) < need[k]:
-                raise KeyError(
-                    f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
-                    "has no outstanding load"
-                )
+        if len(set(keys)) == len(keys):  # distinct keys: one outstanding load each suffices
+            for k in keys:
+                if k not in pins:
+                    raise KeyError(
+                        f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
+                        "has no outstanding load"
+                    )
+        else:
+            need: dict[bytes, int] = {}
+            for k in keys:
+                need[k] = need.get(k, 0) + 1
+                if len(pins.get(k, ())) < need[k]:
+                    raise KeyError(
+                        f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
+                        "has no outstanding load"
+                    )
         levels = self._levels
         for k in keys:
             p = pins[k]
@@ -222,6 +251,26 @@ class OffloadingManager:
             if not p:
                 del pins[k]
             levels[t].blocks[k].pins -= 1
+        self._loads_out -= len(keys)
+
+    def _complete_load_single(self, keys: Sequence[bytes]) -> None:
+        """complete_load with one tier: check every record has enough pins, then unpin."""
+        get = self._levels[0].blocks.get
+        recs = [get(k) for k in keys]
+        distinct = len(set(keys)) == len(keys)
+        need: dict[bytes, int] = {}
+        for k, rec in zip(keys, recs, strict=True):
+            n = 1 if distinct else need.get(k, 0) + 1
+            if not distinct:
+                need[k] = n
+            if rec is None or rec.pins < n:
+                raise KeyError(
+                    f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
+                    "has no outstanding load"
+                )
+        for rec in recs:
+            rec.pins -= 1
+        self._loads_out -= len(keys)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark a chain used; its first keys end up most recently used in every tier."""
@@ -239,9 +288,10 @@ class OffloadingManager:
         keys = _seq(keys)
         present = self._present
         new = [k for k in keys if k not in present]
-        if len(set(keys)) != len(keys):
+        distinct = set(keys)
+        if len(distinct) != len(keys):
             raise ValueError("prepare_store: keys contain duplicates")
-        return self._reserve_first_tier(new, keys)
+        return self._reserve_first_tier(new, distinct)
 
     def prepare_promote(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
         """Plan copies of keys ready only in lower tiers into the first tier.
@@ -261,7 +311,7 @@ class OffloadingManager:
         return self._reserve_first_tier(todo, keys)
 
     def _reserve_first_tier(
-        self, new: list[bytes], protect: Sequence[bytes]
+        self, new: list[bytes], protect: Collection[bytes]
     ) -> PrepareStoreOutput | None:
         first = self._levels[0]
         tier = first.tier
@@ -270,7 +320,7 @@ class OffloadingManager:
         if need > 0:
             if len(new) > tier.capacity_blocks:
                 return None
-            got = first.policy.evict(need, _Protected(protect, first.blocks))
+            got = first.policy.evict(need, self._protected(protect, first))
             if got is None:
                 return None
             victims = got
@@ -280,12 +330,14 @@ class OffloadingManager:
             self._evict(first, victims, moves)
         slots = tier.allocate(new)
         assert slots is not None, "first tier ran out of slots after eviction"
-        blocks = first.blocks
+        first.blocks.update(zip(new, map(_Rec, slots), strict=True))
         present = self._present
         bit = first.bit
-        for k, s in zip(new, slots, strict=True):
-            blocks[k] = _Rec(s, False)
-            present[k] = present.get(k, 0) | bit
+        if self._single:  # every new key is absent from `present` (one tier, none held)
+            present.update(dict.fromkeys(new, bit))
+        else:
+            for k in new:
+                present[k] = present.get(k, 0) | bit
         return PrepareStoreOutput(
             keys_to_store=tuple(new),
             store_spec=StoreSpec(0, first.medium, tuple(slots)),
@@ -293,12 +345,30 @@ class OffloadingManager:
             moves=tuple(moves),
         )
 
+    def _protected(self, keys: Collection[bytes], level: _Level) -> Container[bytes]:
+        """What `level`'s policy may not evict: `keys`, and its pinned blocks. While no load
+        is outstanding that is just a set, whose membership test runs in C."""
+        if not self._loads_out:
+            return keys if isinstance(keys, set | frozenset) else set(keys)
+        return _Protected(keys, level.blocks)
+
     def _evict(self, level: _Level, victims: list[bytes], moves: list[BlockMove]) -> None:
         """Remove `victims` (already taken out of the policy) from `level`, demoting those no
         lower tier holds into the next tier. Deeper moves are appended before this level's
         move, because the slots they free may be the ones this level's move writes into."""
         blocks = level.blocks
         ready, present = self._ready, self._present
+        if self._single:  # each victim is ready here and nowhere else: it just goes
+            pop = blocks.pop
+            freed_slots = [pop(k).slot for k in victims]
+            for k in victims:
+                del ready[k]
+                del present[k]
+            level.counters.evictions += len(victims)
+            level.counters.dropped += len(victims)
+            self._events.append(OffloadingEvent(tuple(victims), level.medium, True))
+            level.tier.free(freed_slots)
+            return
         bit, lower_mask = level.bit, ~((level.bit << 1) - 1)
         freed: list[int] = []
         demote: list[bytes] = []
@@ -344,7 +414,7 @@ class OffloadingManager:
         if need > 0:
             if len(keys) > tier.capacity_blocks:
                 return False
-            victims = dst.policy.evict(need, _Protected((), dst.blocks))
+            victims = dst.policy.evict(need, self._protected(frozenset(), dst))
             if victims is None:
                 return False
             self._evict(dst, victims, moves)
@@ -372,22 +442,24 @@ class OffloadingManager:
         twice (e.g. after a preemption) without harm.
         """
         keys = _seq(keys)
+        if success and self._single:
+            self._complete_store_single(keys)
+            return
         ready, present = self._ready, self._present
         moving = self._moving
         for lv in self._levels:
             blocks, bit = lv.blocks, lv.bit
+            get = blocks.get
             done: list[bytes] = []
             # Reverse order: the policy then holds a chain's head as the most recent insert.
             for k in reversed(keys):
-                rec = blocks.get(k)
+                rec = get(k)
                 if rec is None or rec.ready:
                     continue
                 done.append(k)
-                moving.discard(k)
                 if success:
                     rec.ready = True
                     ready[k] = ready.get(k, 0) | bit
-                    lv.policy.insert(k)
                 else:
                     del blocks[k]
                     lv.tier.free((rec.slot,))
@@ -396,10 +468,31 @@ class OffloadingManager:
                         present[k] = p
                     else:
                         del present[k]
+            if done and moving:
+                moving.difference_update(done)
             if done and success:
+                lv.policy.insert_many(done)
                 done.reverse()
                 lv.counters.stored += len(done)
                 self._events.append(OffloadingEvent(tuple(done), lv.medium, False))
+
+    def _complete_store_single(self, keys: Sequence[bytes]) -> None:
+        """Successful complete_store with one tier: nothing moves, and no key completed here
+        was ready before, so `ready` takes them in one update."""
+        lv = self._levels[0]
+        get = lv.blocks.get
+        done: list[bytes] = []
+        for k in reversed(keys):  # reversed: the chain's head becomes the most recent insert
+            rec = get(k)
+            if rec is not None and not rec.ready:
+                rec.ready = True
+                done.append(k)
+        if done:
+            self._ready.update(dict.fromkeys(done, lv.bit))
+            lv.policy.insert_many(done)
+            done.reverse()
+            lv.counters.stored += len(done)
+            self._events.append(OffloadingEvent(tuple(done), lv.medium, False))
 
     def plan_writeback(self) -> list[BlockMove]:
         """Moves that copy blocks held only in volatile tiers into persistent tiers' free slots,
