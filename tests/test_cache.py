@@ -262,3 +262,48 @@ def test_demotion_never_copies_a_row_that_failed_to_read(tmp_path) -> None:
     with TierCache.open(config, block_bytes=N) as cache:  # after a restart: still not there
         assert cache.manager.where(bad_key) == []
         assert torch.equal(cache.get(keys[:1]), blocks[:1])
+
+
+_EXIT_CHILD = """
+import json, sys
+from tiercache import TierCache
+from tiercache.workload import block_bytes_for
+config = json.loads(sys.argv[1])
+cache = TierCache.open(config, block_bytes=256)
+keys = cache.hash_tokens(list(range(32)))
+cache.put(keys, block_bytes_for(keys, 256))  # lands in the volatile cpu tier only
+print(json.dumps([k.hex() for k in keys]))
+# no close(): the exit hook must write the blocks back to the NVMe tier
+"""
+
+
+@pytest.mark.parametrize("kind", ["nvme", "lmdb"])
+def test_clean_exit_without_close_writes_back(tmp_path, kind) -> None:
+    """A process that exits without closing its cache still finds its blocks on disk at the
+    next start: the exit hook runs while the disk tier's thread pool still takes work."""
+    import json
+    import subprocess
+    import sys
+
+    config = {
+        "block_size": 4,
+        "namespace": "test/model/bf16/tp1/0",
+        "tiers": [
+            {"kind": "cpu", "blocks": 16},
+            {"kind": kind, "blocks": 16, "path": str(tmp_path / kind)},
+        ],
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", _EXIT_CHILD, json.dumps(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "failed" not in run.stderr, run.stderr
+    keys = [bytes.fromhex(h) for h in json.loads(run.stdout)]
+    with TierCache.open(config, block_bytes=N) as cache:
+        assert cache.lookup(keys) == len(keys) == 8
+        assert all(cache.manager.where(k) == [1] for k in keys)  # on disk only
+        assert torch.equal(cache.get(keys), block_bytes_for(keys, N))

@@ -11,18 +11,19 @@ import atexit
 import logging
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tiercache.config import CacheConfig
-from tiercache.errors import BlockCorruptError
+from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.hashing import prefix_hashes
 from tiercache.manager import OffloadingManager
 from tiercache.policies import get_policy_class
 from tiercache.records import BlockMove, OffloadingEvent, PrepareStoreOutput
+from tiercache.telemetry import Telemetry, snapshot_of
 from tiercache.tiers import Tier, build_tier, check_blocks
 from tiercache.tiers.base import KEY_BYTES
 
@@ -34,14 +35,34 @@ _MOVE_CHUNK_BYTES = 64 * 2**20  # staging per step of a tier-to-tier copy
 _OPEN: weakref.WeakSet[TierCache] = weakref.WeakSet()
 
 
-@atexit.register
+def register_exit_hook(fn: Callable[[], None]) -> None:
+    """Run `fn` at a clean interpreter exit while thread pools still take work.
+
+    Plain atexit hooks run after `concurrent.futures` has stopped accepting work, so a
+    write-back to a disk tier (which does its I/O on a pool) would fail there. Threading's
+    exit hooks run earlier, in reverse order of registration: importing
+    concurrent.futures.thread first registers its hook first, so ours runs before it.
+    atexit stays as the fallback (a second call is harmless: closing twice is a no-op).
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        import concurrent.futures.thread  # noqa: F401 - its hook first, so ours runs first
+
+        register(fn)
+    atexit.register(fn)
+
+
 def _close_open_caches() -> None:
-    """A clean interpreter exit closes caches still open (flushing persistent tiers)."""
+    """A clean interpreter exit closes caches still open (writing volatile blocks back to
+    persistent tiers and flushing them)."""
     for cache in list(_OPEN):
         try:
             cache.close()
         except Exception:
             log.exception("closing a TierCache at exit failed")
+
+
+register_exit_hook(_close_open_caches)
 
 
 def check_keys(keys: object, name: str = "keys") -> list[bytes]:
@@ -77,6 +98,11 @@ class TierCache:
         self._manager = OffloadingManager(self._tiers, policies, promote=config.promote)
         self._lock = threading.RLock()
         self._closed = False
+        # With [telemetry]: events pass through _tap_events() into this buffer for
+        # take_events(), and a copy goes to the telemetry thread.
+        self._events_buf: list[OffloadingEvent] = []
+        self._telemetry = Telemetry(config.telemetry, self) if config.telemetry else None
+        self._tap_events()
         _OPEN.add(self)
 
     @classmethod
@@ -92,7 +118,17 @@ class TierCache:
         built: list[Tier] = []
         try:
             for tc in cfg.tiers:
-                built.append(build_tier(tc, block_bytes, namespace=cfg.namespace))
+                try:
+                    built.append(build_tier(tc, block_bytes, namespace=cfg.namespace))
+                except (MemoryError, RuntimeError) as exc:
+                    if not isinstance(exc, MemoryError) and "memory" not in str(exc).lower():
+                        raise
+                    # An absurd capacity must name the field, not surface as a bare MemoryError.
+                    n = tc.capacity_in_blocks(block_bytes)
+                    raise ConfigError(
+                        f"{tc.field}.capacity",
+                        f"{n} blocks of {block_bytes} bytes do not fit in memory",
+                    ) from None
             return cls(cfg, built, block_bytes=block_bytes)
         except BaseException:
             # Nothing is half-built: close what was opened before the failure.
@@ -154,6 +190,7 @@ class TierCache:
                     src = blocks.index_select(0, idx)
                 self._execute(plan, src)
             self._manager.touch(keys)
+            self._tap_events()
             return self._manager.count_ready(keys)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -207,12 +244,15 @@ class TierCache:
             if k:
                 self._manager.touch(chain[:k])
                 self._promote(chain[:k], out)
+            self._tap_events()
             return out
 
     def take_events(self) -> list[OffloadingEvent]:
         """Stored/removed events per tier since the last call."""
         with self._lock:
-            return self._manager.take_events()
+            self._tap_events()
+            events, self._events_buf = self._events_buf + self._manager.take_events(), []
+            return events
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per tier (by medium name): capacity_blocks, used_blocks, hits, misses, evictions,
@@ -241,6 +281,12 @@ class TierCache:
                     self._move(move)
             except Exception:  # closing must still release every tier
                 log.exception("write-back at close failed")
+            if self._telemetry is not None:
+                self._tap_events()
+                try:
+                    self._telemetry.close(snapshot_of(self))
+                except Exception:  # telemetry must never keep the tiers from closing
+                    log.exception("final telemetry snapshot failed")
             for t in self._tiers:
                 try:
                     t.flush()
@@ -257,6 +303,15 @@ class TierCache:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("TierCache is closed")
+
+    def _tap_events(self) -> None:
+        """With telemetry, move the manager's new events to the buffer and the telemetry
+        thread (lock held); without, a no-op and events stay in the manager."""
+        if self._telemetry is not None:
+            events = self._manager.take_events()
+            if events:
+                self._events_buf.extend(events)
+                self._telemetry.record_events(events)
 
     def _read_group(
         self,

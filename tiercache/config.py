@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.errors import ConfigError
+from tiercache.telemetry import TelemetryConfig
 
 _UNITS = {
     "": 1,
@@ -34,7 +35,7 @@ _UNITS = {
     "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_TOP_KEYS = {"block_size", "namespace", "promote", "tiers"}
+_TOP_KEYS = {"block_size", "namespace", "promote", "telemetry", "tiers"}
 _TIER_COMMON_KEYS = {"kind", "name", "capacity", "blocks", "policy"}
 
 
@@ -155,6 +156,7 @@ class CacheConfig:
     namespace: str = "default"
     tiers: tuple[TierConfig, ...] = ()
     promote: bool = True
+    telemetry: TelemetryConfig | None = None  # off unless a [telemetry] table is given
 
     def __post_init__(self) -> None:
         _expect(self.block_size, int, "block_size", "an int (tokens per block)")
@@ -190,6 +192,7 @@ class CacheConfig:
             namespace=m.get("namespace", "default"),
             promote=m.get("promote", True),
             tiers=tuple(TierConfig.from_mapping(t, i) for i, t in enumerate(tiers)),
+            telemetry=(TelemetryConfig.from_mapping(m["telemetry"]) if "telemetry" in m else None),
         )
 
     @classmethod

@@ -134,6 +134,8 @@ def decode_header(buf: bytes | memoryview) -> BlockHeader:
         raise BlockCorruptError(f"unknown codec {codec}")
     if codec == CODEC_RAW and stored_len != raw_len:
         raise BlockCorruptError("raw block with stored length != raw length")
+    if codec == CODEC_ZSTD_SHUFFLE2 and raw_len % 2:  # never written: unshuffle2 needs pairs
+        raise BlockCorruptError("byte-plane shuffled block of odd length")
     (checksum,) = _SUM.unpack(bytes(buf[_HEAD.size : HEADER_SIZE]))
     return BlockHeader(codec, key, ns, raw_len, stored_len, seq, checksum, prefix)
 

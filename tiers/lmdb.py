@@ -42,6 +42,7 @@ bytes; LMDB's own tree pages carry no checksum (damage there shows as LMDB error
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -50,8 +51,9 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import lmdb
@@ -106,8 +108,9 @@ def map_size_for(capacity_blocks: int, block_bytes: int, page_size: int | None =
     Measured with churn (each txn deletes the b oldest and puts b new; C = 16 and 256;
     256 KiB and 2 MiB values, fixed and zstd-like variable sizes): peak = C + 2b + 1..3
     blocks, no extra growth from variable sizes. The map allows C + 3K + 16 blocks (one K
-    for a snapshot a concurrent reader pins) + 8 MiB; the file is sparse, disk use is what
-    is written.
+    for a snapshot a concurrent reader pins) + 8 MiB, all reserved on disk at open
+    (`_reserve`: with writemap, a write into a hole of a sparse file on a full disk is a
+    SIGBUS, not an error).
     """
     page = page_size or max(4096, os.sysconf("SC_PAGE_SIZE"))
     per_block = (math.ceil((block_bytes + 16) / page) + 1) * page
@@ -306,11 +309,42 @@ def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> _SharedE
     except lmdb.Error as exc:
         raise ConfigError("path", f"{path}: cannot open as an LMDB environment: {exc}") from None
     try:
+        _reserve(path, map_size)
         dbs = _init_store(env, path, block_bytes)
+    except lmdb.Error as exc:
+        env.close()
+        raise ConfigError("path", damaged(path, exc)) from None
     except BaseException:
         env.close()
         raise
     return _SharedEnv(path, env, dbs, block_bytes, map_size, durable)
+
+
+def damaged(path: str, exc: lmdb.Error) -> str:
+    """The message for an environment whose own pages are damaged (they carry no checksum:
+    LMDB notices only what breaks its tree, e.g. MDB_CORRUPTED)."""
+    return f"{path}: the LMDB environment is damaged ({exc}); remove the directory"
+
+
+def _reserve(path: str, map_size: int) -> None:
+    """Allocate the data file's disk blocks up to the map size, now. With `writemap` LMDB
+    writes through a shared mapping of a sparse file, and on a full disk the page fault that
+    would allocate a block kills the process with SIGBUS (seen on a 3 MiB tmpfs by
+    tests/test_campaign_diskfull.py). Reserved, a full disk shows here, as a ConfigError."""
+    fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, map_size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise ConfigError(
+                "capacity",
+                f"{path} has no room for the LMDB map of this capacity ({map_size} bytes)",
+            ) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        log.warning("%s: cannot reserve disk space (%s); a full disk may crash", path, exc)
+    finally:
+        os.close(fd)
 
 
 def _init_store(env: lmdb.Environment, path: str, block_bytes: int) -> tuple[Any, Any]:
@@ -399,6 +433,7 @@ class LMDBTier(Tier):
         self._tls = threading.local()  # per thread: zstd compressor and decompressor
         self._slot_key: dict[int, bytes] = {}
         self._recovered: list[tuple[bytes, int]] = []
+        self.open_report: dict[str, int] = {}  # what _scan found: dropped, recovered blocks
         self._counts = dict.fromkeys(
             ("blocks_written", "raw_bytes", "stored_bytes", "blocks_read", "read_failures"), 0
         )
@@ -443,7 +478,7 @@ class LMDBTier(Tier):
                 namespace=namespace,
             )
         except ConfigError as exc:
-            if exc.field in ("path", "block_bytes"):
+            if exc.field in ("path", "block_bytes", "capacity"):
                 raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
             raise
 
@@ -562,25 +597,21 @@ class LMDBTier(Tier):
             stored = 0
             for start in range(0, len(ops), self._txn_ops):
                 chunk = ops[start : start + self._txn_ops]
-                txn = self._begin(write=True)
-                try:
-                    for k, i in chunk:
-                        if i < 0:
-                            txn.delete(k, db=heads)
-                            txn.delete(k)
-                        else:
-                            header, payload = encoded(i)
-                            txn.put(k, header, db=heads)
-                            txn.put(k, payload)
-                            stored += len(payload)
-                    txn.commit()
-                except lmdb.Error as exc:
-                    txn.abort()
-                    raise self._os_error("write", exc) from None
-                except BaseException:
-                    txn.abort()
-                    raise
                 done = [k for k, i in chunk if i < 0]
+                try:
+                    stored += self._txn(chunk, encoded, heads)
+                except lmdb.Error as exc:
+                    if not done or isinstance(exc, lmdb.MapFullError):
+                        raise self._os_error("write", exc) from None  # deletes stay pending
+                    # A delete LMDB cannot do (a damaged overflow page: MDB_CORRUPTED) must
+                    # not fail this and every later write: delete one key per txn, give up
+                    # on those that fail, then retry the puts alone.
+                    self._delete_each(done, heads)
+                    done = []  # _delete_each settled them
+                    try:
+                        stored += self._txn([op for op in chunk if op[1] >= 0], encoded, heads)
+                    except lmdb.Error as exc2:
+                        raise self._os_error("write", exc2) from None
                 if done:
                     with shared.state_lock:
                         shared.pending.difference_update(done)
@@ -589,6 +620,48 @@ class LMDBTier(Tier):
             self._counts["blocks_written"] += len(keys)
             self._counts["raw_bytes"] += len(keys) * self.block_bytes
             self._counts["stored_bytes"] += stored
+
+    def _txn(
+        self,
+        chunk: Sequence[tuple[bytes, int]],
+        encoded: Callable[[int], tuple[bytes, Any]],
+        heads: Any,
+    ) -> int:
+        """One write txn: delete (i < 0) or put `encoded(i)`; the payload bytes put. Aborts
+        and re-raises on any error."""
+        stored = 0
+        txn = self._begin(write=True)
+        try:
+            for k, i in chunk:
+                if i < 0:
+                    txn.delete(k, db=heads)
+                    txn.delete(k)
+                else:
+                    header, payload = encoded(i)
+                    txn.put(k, header, db=heads)
+                    txn.put(k, payload)
+                    stored += len(payload)
+            txn.commit()
+        except BaseException:
+            txn.abort()
+            raise
+        return stored
+
+    def _delete_each(self, keys: Sequence[bytes], heads: Any) -> None:
+        """Delete keys one txn each; a key LMDB cannot delete stays (a leak of its pages, its
+        block already a counted miss) and leaves the pending deletes; one that failed for
+        want of map space stays pending (write lock held)."""
+        done = []
+        for k in keys:
+            try:
+                self._txn([(k, -1)], lambda i: (b"", b""), heads)
+            except lmdb.MapFullError:
+                continue
+            except lmdb.Error as exc:
+                log.warning("%s: cannot delete damaged entry %s: %s", self._path, k.hex(), exc)
+            done.append(k)
+        with self._shared.state_lock:
+            self._shared.pending.difference_update(done)
 
     def _after_commit(self) -> None:
         shared = self._shared
@@ -721,6 +794,8 @@ class LMDBTier(Tier):
                     bad.append(key)
             have = {k for _, k in good}
             bad += [bytes(k) for k in txn.cursor().iternext(values=False) if bytes(k) not in have]
+        except lmdb.Error as exc:
+            raise ConfigError("path", damaged(self._path, exc)) from None
         finally:
             txn.abort()
         good.sort()
@@ -741,6 +816,11 @@ class LMDBTier(Tier):
                 shared.pending.update(drop)
             self._commit([], lambda i: (b"", b""))
         kept = good[excess:]
+        self.open_report = {
+            "blocks_dropped": len(set(bad)),  # a bad header's payload is listed twice
+            "blocks_over_capacity": excess,
+            "blocks_recovered": len(kept),
+        }
         if kept:
             with shared.state_lock:
                 shared.seq = max(shared.seq, kept[-1][0] + 1)
@@ -817,3 +897,128 @@ class LMDBTier(Tier):
             f"block_bytes={self.block_bytes}, used={self.used_blocks}/{self.capacity_blocks}, "
             f"compression={self._compression!r})"
         )
+
+
+# -- offline access, for the CLI (inspect, verify, evict) -------------------------------------
+
+
+@dataclass(frozen=True)
+class StoreHandle:
+    """An open environment of an existing store: its databases and validated metadata."""
+
+    path: str
+    env: lmdb.Environment
+    heads: Any
+    blocks: Any
+    meta: dict[str, Any]
+    write_lock: threading.Lock
+
+
+@contextlib.contextmanager
+def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator[StoreHandle]:
+    """An existing store for offline tools: opened read-only (nothing in the data file
+    changes; LMDB registers its readers in lock.mdb) unless `write`. Other processes may hold
+    the store open meanwhile (LMDB's reader table and writer mutex keep them consistent).
+    When a tier of this process has it open, its environment is borrowed: LMDB forbids a
+    second open of one environment per process. ConfigError when `path` is not a store."""
+    if not isinstance(path, str | os.PathLike) or not os.fspath(path):
+        raise ConfigError("path", f"expected a directory path, got {path!r}")
+    real = os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    if not os.path.isfile(os.path.join(real, "data.mdb")):
+        raise ConfigError("path", f"{real} is not an LMDB store (no data.mdb)")
+    with _ENVS_LOCK:
+        shared = _ENVS.get(real)
+        if shared is not None:
+            shared.refs += 1
+    if shared is not None:
+        try:
+            with shared.env.begin(write=False) as txn:
+                meta_db = shared.env.open_db(META_DB, txn=txn, create=False)
+                meta = _parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
+            yield StoreHandle(
+                real, shared.env, shared.heads, shared.blocks, meta, shared.write_lock
+            )
+        finally:
+            _detach(shared)
+        return
+    try:
+        env = lmdb.open(
+            real,
+            map_size=0,  # the size recorded in the environment
+            subdir=True,
+            max_dbs=3,
+            readonly=not write,
+            writemap=write,  # as the tiers open it
+            lock=True,
+            create=False,
+            max_readers=MAX_READERS,
+        )
+    except lmdb.Error as exc:
+        raise ConfigError("path", f"{real}: cannot open as an LMDB environment: {exc}") from None
+    try:
+        try:
+            with env.begin(write=False) as txn:
+                names = set(txn.cursor().iternext(values=False))
+                if META_DB not in names:
+                    raise ConfigError(
+                        "path", f"{real}: no tiercache metadata in this LMDB environment"
+                    )
+                meta_db = env.open_db(META_DB, txn=txn, create=False)
+                meta = _parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
+            if not {HEADS_DB, BLOCKS_DB} <= names:
+                raise ConfigError("path", f"{real}: the heads or blocks database is missing")
+            # Outside that txn: a handle opened in a read txn dies with it.
+            dbs = [env.open_db(n, create=False) for n in (HEADS_DB, BLOCKS_DB)]
+        except lmdb.Error as exc:
+            raise ConfigError("path", f"{real}: unreadable LMDB environment: {exc}") from None
+        yield StoreHandle(real, env, dbs[0], dbs[1], meta, threading.Lock())
+    finally:
+        env.close()
+
+
+def iter_entries(
+    h: StoreHandle, *, chunk: int = 256
+) -> Iterator[tuple[bytes, bytes | None, memoryview | None]]:
+    """(key, header, payload) for every key in either database, in key order; a side that is
+    missing is None. The payload is a zero-copy view valid until the next item (its pages are
+    read only when used). Read transactions of at most `chunk` keys: a long scan pins no old
+    pages of a writing process for long."""
+    start = b""
+    while True:
+        with h.env.begin(write=False, buffers=True) as txn:
+            cur_h, cur_b = txn.cursor(db=h.heads), txn.cursor(db=h.blocks)
+            more_h, more_b = cur_h.set_range(start), cur_b.set_range(start)
+            n = 0
+            while (more_h or more_b) and n < chunk:
+                kh = bytes(cur_h.key()) if more_h else None
+                kb = bytes(cur_b.key()) if more_b else None
+                key = min(k for k in (kh, kb) if k is not None)
+                head = bytes(cur_h.value()) if kh == key else None
+                payload = cur_b.value() if kb == key else None
+                yield key, head, payload
+                if kh == key:
+                    more_h = cur_h.next()
+                if kb == key:
+                    more_b = cur_b.next()
+                n += 1
+            if not (more_h or more_b):
+                return
+            start = min(bytes(c.key()) for c, m in ((cur_h, more_h), (cur_b, more_b)) if m)
+
+
+def delete_entries(h: StoreHandle, keys: Iterable[bytes]) -> int:
+    """Delete the header and payload of each key, in write transactions of at most
+    `MIN_TXN_OPS` keys; the number of keys that had either. A process holding the store open
+    reads a deleted block as a miss."""
+    todo = list(keys)
+    gone = 0
+    with h.write_lock:
+        for a in range(0, len(todo), MIN_TXN_OPS):
+            try:
+                with h.env.begin(write=True) as txn:
+                    for k in todo[a : a + MIN_TXN_OPS]:
+                        hit = txn.delete(k, db=h.heads)
+                        gone += txn.delete(k, db=h.blocks) or hit
+            except lmdb.Error as exc:
+                raise OSError(errno.EIO, f"{h.path}: LMDB delete failed: {exc}") from None
+    return gone

@@ -51,6 +51,7 @@ import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -190,7 +191,7 @@ class NVMeTier(Tier):
                 direct=o.get("direct", True),
             )
         except ConfigError as exc:
-            if exc.field in ("path", "fsync", "io_threads", "capacity"):
+            if exc.field in ("path", "fsync", "io_threads", "capacity", "block_bytes"):
                 raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
             raise
 
@@ -234,10 +235,15 @@ class NVMeTier(Tier):
             os.close(self._fd)
             self._fd, self.direct = self._open_slab(False)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"tiercache-{self.medium}")
+        # An existing store without its journal has lost every index entry: say so.
+        index_missing = meta is not None and not os.path.exists(os.path.join(self._path, _INDEX))
         self._jfd = self._open_file(_INDEX, os.O_RDWR)
         with self._lock:
             self._load_index()
             self._compact()
+        if index_missing:
+            self.open_report["index_missing"] = 1
+            log.warning("%s: the index journal is missing; its blocks are forgotten", self._path)
         self._resize_slab(grow_only=False)  # after the compaction forgot the cut-off slots
         if meta is not None and meta.get("capacity_blocks") != self.capacity_blocks:
             self._write_meta()
@@ -374,28 +380,8 @@ class NVMeTier(Tier):
         size = os.fstat(self._jfd).st_size
         if size:
             data = os.pread(self._jfd, size, 0)
-        best: dict[int, tuple[int, int, bytes]] = {}  # slot -> (seq, op, key), highest seq
-        skipped = int(len(data) % REC_SIZE != 0)  # a torn tail
-        top = 0
-        for off in range(0, len(data) - REC_SIZE + 1, REC_SIZE):
-            rec = _parse_record(data, off)
-            if rec is None:
-                skipped += 1
-                continue
-            op, slot, seq, key = rec
-            top = max(top, seq)
-            if op != _OP_BASE and (slot not in best or seq > best[slot][0]):
-                best[slot] = (seq, op, key)
-        # One slot per key: a lost FREE record can leave an older copy behind; keep the newest.
-        newest: dict[bytes, tuple[int, int]] = {}
-        for slot, (seq, op, key) in best.items():
-            if (
-                op == _OP_PUT
-                and slot < self.capacity_blocks
-                and (key not in newest or seq > newest[key][0])
-            ):
-                newest[key] = (seq, slot)
-        items = [(slot, key, seq) for key, (seq, slot) in newest.items()]
+        entries, report = replay_journal(data, self.capacity_blocks)
+        items = [(e.slot, e.key, e.seq) for e in entries]
         fd, sb = self._fd, self._slot_bytes
         ok = self._pipeline(
             len(items),
@@ -408,10 +394,11 @@ class NVMeTier(Tier):
         self._index = {
             slot: (key, seq) for (slot, key, seq), good in zip(items, ok, strict=True) if good
         }
-        self._seq = top
-        puts = sum(1 for _, op, _ in best.values() if op == _OP_PUT)
+        self._seq = report.top_seq
+        skipped = report.damaged
+        puts = len(items) + report.out_of_range + report.superseded
         self.open_report = {
-            "records_skipped": int(skipped),
+            "records_skipped": skipped,
             "blocks_dropped": puts - len(self._index),
             "blocks_recovered": len(self._index),
         }
@@ -773,6 +760,8 @@ def _prepare_dir(path: str) -> None:
         pass
     except PermissionError:
         raise ConfigError("path", f"{path!r}: no permission to create it in {parent!r}") from None
+    except OSError as exc:  # e.g. EROFS: a read-only filesystem
+        raise ConfigError("path", f"{path!r}: cannot create it: {exc.strerror}") from None
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError("path", f"{path!r} exists and is not a directory")
@@ -797,3 +786,191 @@ def _prepare_dir(path: str) -> None:
             f"{path!r} holds files of another program ({shown}) and no "
             f"{_META}; give the nvme tier an empty or new directory",
         )
+
+
+# -- offline access, for the CLI (inspect, verify, evict) -------------------------------------
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The `meta.json` of an existing NVMe store, read without writing anything; ConfigError
+    naming the problem when `path` is not one this build reads."""
+    p = os.path.join(os.path.abspath(os.fspath(path)), _META)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            meta = json.loads(f.read(1 << 16))
+    except FileNotFoundError:
+        raise ConfigError(
+            "path", f"{os.path.dirname(p)} is not an NVMe store (no {_META})"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError("path", f"{p!r} is unreadable or not JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != _STORE_FORMAT:
+        raise ConfigError("path", f"{p!r} does not describe a tiercache NVMe store")
+    if meta.get("version") != _STORE_VERSION:
+        raise ConfigError(
+            "path",
+            f"{p!r}: store format version {meta.get('version')!r}, "
+            f"this build reads {_STORE_VERSION}",
+        )
+    for k in ("block_bytes", "capacity_blocks", "slot_bytes"):
+        v = meta.get(k)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError("path", f"{p!r}: bad {k} {v!r}")
+    if (
+        meta.get("header_bytes") != HEADER_SIZE
+        or meta["slot_bytes"] < HEADER_SIZE + meta["block_bytes"]
+    ):
+        raise ConfigError("path", f"{p!r}: slot layout differs from this build's")
+    return meta
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    """A block the index journal names: `key` written into `slot` at write sequence `seq`."""
+
+    slot: int
+    key: bytes
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class JournalReport:
+    """What a replay of the index journal found, before any slot header is read."""
+
+    records: int  # whole records in the file
+    damaged: int  # records failing their checksum or format, plus a torn tail
+    out_of_range: int  # PUTs naming a slot beyond the capacity
+    superseded: int  # live PUTs of a key that a newer PUT put in another slot
+    top_seq: int
+
+
+def replay_journal(data: bytes, capacity: int) -> tuple[list[JournalEntry], JournalReport]:
+    """The live entries of a journal image (per slot the highest seq wins; one slot per key,
+    the newest, since a lost FREE record can leave an older copy behind), oldest first, with
+    counts of what was skipped. Pure: reads no slot. The tier's open and the CLI share it."""
+    best: dict[int, tuple[int, int, bytes]] = {}
+    damaged, top = int(len(data) % REC_SIZE != 0), 0
+    for off in range(0, len(data) - REC_SIZE + 1, REC_SIZE):
+        rec = _parse_record(data, off)
+        if rec is None:
+            damaged += 1
+            continue
+        op, slot, seq, key = rec
+        top = max(top, seq)
+        if op != _OP_BASE and (slot not in best or seq > best[slot][0]):
+            best[slot] = (seq, op, key)
+    newest: dict[bytes, tuple[int, int]] = {}
+    out_of_range = superseded = 0
+    for slot, (seq, op, key) in best.items():
+        if op != _OP_PUT:
+            continue
+        if slot >= capacity:
+            out_of_range += 1
+        elif key not in newest or seq > newest[key][0]:
+            superseded += key in newest
+            newest[key] = (seq, slot)
+        else:
+            superseded += 1
+    entries = sorted((JournalEntry(s, k, q) for k, (q, s) in newest.items()), key=lambda e: e.seq)
+    return entries, JournalReport(len(data) // REC_SIZE, damaged, out_of_range, superseded, top)
+
+
+class NVMeStoreReader:
+    """A read-only view of an NVMe store on disk for offline tools: it takes no lock and
+    writes nothing, so it works on a stopped store and beside the process holding it open.
+
+    That process may move on after `entries` was read (a slot freed and written again): a
+    caller that finds a mismatch on a store `in_use()` calls `reload()` and rechecks the
+    entries that are still there.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.meta = read_meta(self.path)
+        self.block_bytes: int = self.meta["block_bytes"]
+        self.capacity_blocks: int = self.meta["capacity_blocks"]
+        self.slot_bytes: int = self.meta["slot_bytes"]
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._dirfd = os.open(self.path, flags | os.O_DIRECTORY)
+        self._fd = -1
+        try:
+            self._fd = os.open(os.path.join(self.path, _SLAB), flags)
+            self.reload()
+        except BaseException:
+            self.close()
+            raise
+
+    def reload(self) -> None:
+        """Read the journal again (its current file: a compaction replaces it)."""
+        try:
+            fd = os.open(
+                os.path.join(self.path, _INDEX), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
+        except FileNotFoundError:
+            data = b""
+        else:
+            with os.fdopen(fd, "rb") as f:
+                data = f.read()
+        self.entries, self.journal = replay_journal(data, self.capacity_blocks)
+
+    @property
+    def slab_size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def last_modified(self) -> float:
+        """Newest mtime of the slab and the journal (headers carry sequence numbers, not
+        times)."""
+        names = (_SLAB, _INDEX, _META)
+        return max(
+            os.stat(os.path.join(self.path, n)).st_mtime
+            for n in names
+            if os.path.exists(os.path.join(self.path, n))
+        )
+
+    def holder(self) -> int | None:
+        """The pid holding the store open (a tier's exclusive flock on the directory), else
+        None; -1 when held but the pid is unknown. Linux: read from /proc/locks, which takes
+        no lock; elsewhere probed with a shared flock, released at once."""
+        st = os.fstat(self._dirfd)
+        dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        try:
+            with open("/proc/locks", encoding="ascii", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            try:
+                fcntl.flock(self._dirfd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return -1
+            fcntl.flock(self._dirfd, fcntl.LOCK_UN)
+            return None
+        for line in lines:
+            f = line.split()
+            if len(f) >= 6 and f[1] == "FLOCK" and f[3] == "WRITE" and f[5] == dev:
+                return int(f[4]) if f[4].isdigit() else -1
+        return None
+
+    def in_use(self) -> bool:
+        """Whether a tier holds the store open."""
+        return self.holder() is not None
+
+    def read_slot(self, slot: int, nbytes: int | None = None) -> bytes:
+        """The first `nbytes` (default: all) bytes of `slot`; short at the slab's end."""
+        if not 0 <= slot < self.capacity_blocks:
+            raise ValueError(
+                f"slot: {slot} is not a slot of this store (0..{self.capacity_blocks - 1})"
+            )
+        return os.pread(self._fd, nbytes or self.slot_bytes, slot * self.slot_bytes)
+
+    def close(self) -> None:
+        for fd in (self._fd, self._dirfd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fd = self._dirfd = -1
+
+    def __enter__(self) -> NVMeStoreReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

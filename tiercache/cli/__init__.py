@@ -11,6 +11,11 @@ import click
 
 from tiercache import __version__
 from tiercache.cli.demo import demo
+from tiercache.cli.events import events
+from tiercache.cli.evict import clear, evict
+from tiercache.cli.inspect import inspect
+from tiercache.cli.stats import stats
+from tiercache.cli.verify import verify
 from tiercache.errors import TierCacheError
 
 
@@ -37,3 +42,5 @@ def main() -> None:
 
 
 main.add_command(demo)
+for _cmd in (inspect, verify, stats, events, evict, clear):
+    main.add_command(_cmd)

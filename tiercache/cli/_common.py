@@ -1,0 +1,81 @@
+"""Helpers shared by the store commands: options, output, confirmation, error mapping."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+
+from tiercache.cli._store import StoreError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+TARGET = click.argument("target", metavar="CONFIG_OR_PATH", type=click.Path(path_type=str))
+JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+TIERS = click.option(
+    "--tier",
+    "tiers",
+    multiple=True,
+    metavar="NAME",
+    help="Only this tier of a config (repeatable; default: every persistent tier).",
+)
+
+
+def lmdb_errors(fn: F) -> F:
+    """LMDB's own errors become one-line store errors (the group prints those)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import lmdb
+
+        try:
+            return fn(*args, **kwargs)
+        except lmdb.Error as exc:
+            raise StoreError(f"LMDB: {exc}") from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def console(as_json: bool) -> Console:
+    """People's output on stdout; with --json it goes to stderr and stdout holds the JSON."""
+    return Console(stderr=as_json, highlight=False, soft_wrap=True)  # lines stay whole
+
+
+def echo_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, default=_json_default))
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, bytes):
+        return o.hex()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+def when(ts: float | None) -> str:
+    """A local timestamp with its age, e.g. '2026-11-22 08:01:02 (3s ago)'."""
+    if ts is None:
+        return "-"
+    age = max(0.0, time.time() - ts)
+    ago = f"{age:.0f}s" if age < 120 else f"{age / 60:.0f}m" if age < 7200 else f"{age / 3600:.1f}h"
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ts))} ({ago} ago)"
+
+
+def confirm(question: str, yes: bool) -> None:
+    """Ask on stderr unless --yes; click.Abort (exit 1, 'Aborted!') on no."""
+    if not yes:
+        click.confirm(question, abort=True, err=True)

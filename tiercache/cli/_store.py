@@ -1,0 +1,587 @@
+"""Offline access to the stores a CONFIG_OR_PATH names, shared by the CLI commands.
+
+Primitives:
+- `resolve(target)` -> `Target`: a TOML config (its tiers and telemetry directory), one store
+  directory (NVMe: has meta.json; LMDB: has data.mdb) or a telemetry directory (stats.json).
+- `inspect_store(ref, names)`: what a store holds, read-only (works beside a running engine).
+- `verify_store(ref, advance)`: every block read and checked; `repair_store` drops bad ones.
+- `list_blocks(ref)` / `drop_blocks(ref, keys)`: what `evict` and `clear` choose from and drop.
+
+Read-only paths never take a lock a running engine needs and write nothing to the store;
+dropping blocks from an NVMe store needs it closed (its index lives in the owner's memory),
+an LMDB store may stay open elsewhere (its owner then reads dropped blocks as misses).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiercache.config import CacheConfig
+from tiercache.errors import BlockCorruptError, ConfigError, TierCacheError
+from tiercache.tiers.base import KEY_BYTES
+from tiercache.tiers.format import (
+    CODEC_RAW,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    BlockHeader,
+    decode_header,
+    decode_payload,
+    namespace_id,
+)
+
+PERSISTENT_KINDS = ("nvme", "lmdb")
+_READ_BATCH_BYTES = 64 * 2**20  # rows per tier.read during a repair
+
+
+class StoreError(TierCacheError):
+    """A store cannot be used for what was asked (e.g. it is open in another process)."""
+
+
+@dataclass(frozen=True)
+class StoreRef:
+    """One tier of a target: its config name, kind and (persistent kinds) directory."""
+
+    name: str
+    kind: str
+    path: str | None = None
+    capacity_blocks: int | None = None  # from the config, once the block size is known
+    capacity_bytes: int | None = None
+
+    @property
+    def persistent(self) -> bool:
+        return self.kind in PERSISTENT_KINDS
+
+
+@dataclass(frozen=True)
+class Target:
+    """What CONFIG_OR_PATH named."""
+
+    source: str
+    config: CacheConfig | None
+    tiers: tuple[StoreRef, ...]
+    telemetry_dir: str | None = None
+
+    def stores(self, names: Sequence[str] = ()) -> list[StoreRef]:
+        """The persistent tiers, or those named (ValueError for a name not in the target)."""
+        known = {t.name: t for t in self.tiers}
+        for n in names:
+            if n not in known:
+                raise ValueError(
+                    f"--tier: no tier named {n!r} in {self.source} "
+                    f"(tiers: {', '.join(known) or 'none'})"
+                )
+        picked = [known[n] for n in names] if names else list(self.tiers)
+        return [t for t in picked if t.persistent]
+
+
+def resolve(target: str | os.PathLike[str]) -> Target:
+    """Classify CONFIG_OR_PATH; ValueError naming the problem when it is none of them."""
+    p = Path(target)
+    if p.is_file():
+        cfg = CacheConfig.from_toml(p)
+        refs = []
+        for tc in cfg.tiers:
+            path = tc.options.get("path")
+            refs.append(
+                StoreRef(
+                    tc.name,
+                    tc.kind,
+                    os.path.abspath(path) if path else None,
+                    tc.capacity_blocks,
+                    tc.capacity_bytes,
+                )
+            )
+        tel = cfg.telemetry.dir if cfg.telemetry else None
+        return Target(str(p), cfg, tuple(refs), os.path.abspath(tel) if tel else None)
+    if p.is_dir():
+        if (p / "meta.json").is_file():
+            return Target(str(p), None, (StoreRef("nvme", "nvme", str(p.absolute())),))
+        if (p / "data.mdb").is_file():
+            return Target(str(p), None, (StoreRef("lmdb", "lmdb", str(p.absolute())),))
+        if (p / "stats.json").is_file() or (p / "events.jsonl").is_file():
+            return Target(str(p), None, (), str(p.absolute()))
+        raise ValueError(
+            f"{p} is not a tiercache store or telemetry directory "
+            "(no meta.json, data.mdb or stats.json)"
+        )
+    if not p.exists():
+        raise ValueError(f"{p}: no such file or directory")
+    raise ValueError(f"{p} is neither a TOML config nor a directory")
+
+
+def capacity_of(ref: StoreRef, block_bytes: int) -> int | None:
+    if ref.capacity_blocks is not None:
+        return ref.capacity_blocks
+    if ref.capacity_bytes is not None:
+        return ref.capacity_bytes // block_bytes
+    return None
+
+
+# -- namespaces ----------------------------------------------------------------------------------
+
+
+def parse_namespace(value: str) -> int:
+    """A namespace as the config writes it, or `id:<16 hex digits>` as inspect prints an id
+    it cannot name."""
+    if value.startswith("id:"):
+        h = value[3:]
+        if len(h) != 16 or any(c not in "0123456789abcdefABCDEF" for c in h):
+            raise ValueError(f"--namespace: {value!r}: expected 'id:' and 16 hex digits")
+        return int(h, 16)
+    if not value:
+        raise ValueError("--namespace: must not be empty")
+    return namespace_id(value)
+
+
+def namespace_label(ns: int, names: dict[int, str]) -> str:
+    return names.get(ns, f"id:{ns:016x}")
+
+
+def known_names(target: Target, extra: Iterable[str] = ()) -> dict[int, str]:
+    """Namespace ids this run can name: the config's and those given on the command line."""
+    out = {}
+    for n in [*(([target.config.namespace]) if target.config else []), *extra]:
+        if not n.startswith("id:"):
+            out[namespace_id(n)] = n
+    return out
+
+
+# -- reading blocks ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """One stored block: its key, write sequence, namespace tag and sizes; `slot` for NVMe."""
+
+    key: bytes
+    seq: int
+    namespace: int
+    raw_len: int
+    stored_len: int
+    slot: int | None = None
+
+
+@dataclass
+class Problem:
+    """Something wrong in a store: where (a slot, a key, or the index) and what."""
+
+    where: str
+    what: str
+    key: bytes | None = None
+    slot: int | None = None
+
+
+@dataclass
+class VerifyReport:
+    """What `verify_store` found in one store."""
+
+    ref: StoreRef
+    checked: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bad_keys(self) -> list[bytes]:
+        return [p.key for p in self.problems if p.key is not None]
+
+
+def _header_problem(h: BlockHeader, key: bytes, block_bytes: int) -> str | None:
+    if h.key != key:
+        return f"header holds key {h.key.hex()}"
+    if h.raw_len != block_bytes:
+        return f"header says {h.raw_len} bytes, the store's blocks are {block_bytes}"
+    return None
+
+
+def _nvme_reader(ref: StoreRef) -> Any:
+    from tiercache.tiers.nvme import NVMeStoreReader
+
+    assert ref.path is not None
+    return NVMeStoreReader(ref.path)
+
+
+def _nvme_headers(reader: Any) -> tuple[list[BlockInfo], int]:
+    """Good blocks the journal names (headers read, payloads not), and how many entries
+    fail their header check."""
+    good, bad = [], 0
+    for e in reader.entries:
+        try:
+            h = decode_header(reader.read_slot(e.slot, HEADER_SIZE))
+        except BlockCorruptError:
+            bad += 1
+            continue
+        if _header_problem(h, e.key, reader.block_bytes) or h.seq != e.seq:
+            bad += 1
+            continue
+        good.append(BlockInfo(h.key, h.seq, h.namespace_id, h.raw_len, h.stored_len, e.slot))
+    return good, bad
+
+
+def _lmdb_blocks(h: Any) -> tuple[list[BlockInfo], int]:
+    """Good blocks of an open LMDB store (headers and payload lengths), and the number of
+    malformed or orphaned entries."""
+    from tiercache.tiers.lmdb import iter_entries
+
+    bb = h.meta["block_bytes"]
+    good, bad = [], 0
+    for key, head, payload in iter_entries(h):
+        if head is None or payload is None or len(key) != KEY_BYTES:
+            bad += 1
+            continue
+        try:
+            hd = decode_header(head)
+        except BlockCorruptError:
+            bad += 1
+            continue
+        if _header_problem(hd, key, bb) or hd.stored_len != len(payload):
+            bad += 1
+            continue
+        good.append(BlockInfo(key, hd.seq, hd.namespace_id, hd.raw_len, hd.stored_len))
+    return good, bad
+
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
+
+
+def lmdb_holder(path: str) -> int | None:
+    """The pid of another process holding the LMDB environment open, else None.
+
+    LMDB keeps a shared fcntl lock on byte 0 of lock.mdb while an environment is open; this
+    asks (F_GETLK) who would block an exclusive one. Skipped (None) when this process has the
+    environment open: closing our probe descriptor would drop this process's own locks."""
+    from tiercache.tiers import lmdb as lm
+
+    if os.path.realpath(path) in lm._ENVS:
+        return os.getpid()
+    try:
+        fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        res = fcntl.fcntl(fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+        ltype, _, _, _, pid = _FLOCK.unpack(res)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None if ltype == fcntl.F_UNLCK else pid
+
+
+def _summary(blocks: list[BlockInfo], names: dict[int, str]) -> dict[str, Any]:
+    raw = sum(b.raw_len for b in blocks)
+    stored = sum(b.stored_len for b in blocks)
+    ns = Counter(namespace_label(b.namespace, names) for b in blocks)
+    return {
+        "blocks": len(blocks),
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "compression_ratio": raw / stored if stored else 1.0,
+        "namespaces": dict(ns.most_common()),
+        "oldest_seq": min((b.seq for b in blocks), default=None),
+        "newest_seq": max((b.seq for b in blocks), default=None),
+    }
+
+
+def inspect_store(ref: StoreRef, names: dict[int, str]) -> dict[str, Any]:
+    """One tier's description; for persistent tiers what is on disk, read-only."""
+    out: dict[str, Any] = {"name": ref.name, "kind": ref.kind, "path": ref.path}
+    if not ref.persistent:
+        out["capacity_bytes"] = ref.capacity_bytes
+        out["capacity_blocks"] = ref.capacity_blocks
+        out["note"] = "volatile: contents live in the engine (see `tiercache stats`)"
+        return out
+    assert ref.path is not None
+    if not os.path.exists(ref.path):
+        out["note"] = "no store yet (the directory does not exist)"
+        return out
+    if ref.kind == "nvme":
+        with _nvme_reader(ref) as r:
+            blocks, bad = _nvme_headers(r)
+            cap = r.capacity_blocks
+            out.update(
+                format=f"tiercache-nvme v{r.meta['version']}, block format v{FORMAT_VERSION}",
+                block_bytes=r.block_bytes,
+                capacity_blocks=cap,
+                used_blocks=len(blocks),
+                file_bytes=r.slab_size,
+                **_summary(blocks, names),
+                unreadable_entries=bad,
+                index_damaged_records=r.journal.damaged,
+                last_modified=r.last_modified(),
+                in_use=(pid := r.holder()) is not None,
+                holder_pid=pid if pid and pid > 0 else None,
+            )
+    else:
+        from tiercache.tiers.lmdb import open_store
+
+        holder = lmdb_holder(ref.path)
+        with open_store(ref.path) as h:
+            blocks, bad = _lmdb_blocks(h)
+            info, st = h.env.info(), h.env.stat()
+            bb = h.meta["block_bytes"]
+            cap = capacity_of(ref, bb)
+            out.update(
+                format=f"tiercache-lmdb v{h.meta['version']}, block format v{FORMAT_VERSION}",
+                block_bytes=bb,
+                capacity_blocks=cap,
+                used_blocks=len(blocks),
+                file_bytes=(info["last_pgno"] + 1) * st["psize"],
+                map_size=info["map_size"],
+                **_summary(blocks, names),
+                unreadable_entries=bad,
+                last_modified=os.stat(os.path.join(h.path, "data.mdb")).st_mtime,
+                in_use=holder is not None,
+                holder_pid=holder,
+            )
+    return out
+
+
+# -- verify and repair ---------------------------------------------------------------------------
+
+
+def count_blocks(ref: StoreRef) -> int:
+    """Entries a verify of `ref` will read (for a progress bar's total)."""
+    if ref.kind == "nvme":
+        with _nvme_reader(ref) as r:
+            return len(r.entries)
+    from tiercache.tiers.lmdb import open_store
+
+    with open_store(ref.path or "") as h, h.env.begin() as txn:
+        return int(txn.stat(h.heads)["entries"])
+
+
+def _check_nvme_entry(r: Any, e: Any, scratch: Any) -> str | None:
+    data = r.read_slot(e.slot)
+    try:
+        h = decode_header(data[:HEADER_SIZE])
+        problem = _header_problem(h, e.key, r.block_bytes)
+        if problem:
+            return problem
+        if h.seq != e.seq:
+            return f"header seq {h.seq}, the index says {e.seq} (an unfinished rewrite)"
+        if h.codec != CODEC_RAW:
+            return f"codec {h.codec} in an NVMe slot (NVMe stores raw blocks)"
+        decode_payload(h, data[HEADER_SIZE : HEADER_SIZE + h.stored_len], scratch)
+    except BlockCorruptError as exc:
+        return str(exc)
+    return None
+
+
+def verify_store(ref: StoreRef, advance: Callable[[int], None] = lambda n: None) -> VerifyReport:
+    """Read every block of `ref` and check it (header, key, length, checksum, decompression)
+    and the index (damaged records, entries without data); read-only."""
+    rep = VerifyReport(ref)
+    if ref.path is None or not os.path.exists(ref.path):
+        rep.notes.append("no store yet")
+        return rep
+    if ref.kind == "nvme":
+        _verify_nvme(ref, rep, advance)
+    else:
+        _verify_lmdb(ref, rep, advance)
+    return rep
+
+
+def _verify_nvme(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None]) -> None:
+    import numpy as np
+
+    with _nvme_reader(ref) as r:
+        scratch = np.empty(r.block_bytes, dtype=np.uint8)
+        want = r.capacity_blocks * r.slot_bytes
+        if r.slab_size < want:
+            rep.problems.append(
+                Problem("slab", f"holds {r.slab_size} bytes, {want} expected for its capacity")
+            )
+        j = r.journal
+        if j.damaged:
+            rep.problems.append(Problem("index", f"{j.damaged} damaged journal records"))
+        if j.out_of_range:
+            rep.problems.append(
+                Problem("index", f"{j.out_of_range} records name slots beyond the capacity")
+            )
+        bad = []
+        for e in r.entries:
+            what = _check_nvme_entry(r, e, scratch)
+            if what:
+                bad.append((e, what))
+            rep.checked += 1
+            advance(1)
+        if bad and r.in_use():
+            # The owner may have freed and rewritten a slot after we read the journal: keep
+            # only entries that are still live and still fail.
+            r.reload()
+            live = set(r.entries)
+            still = [(e, _check_nvme_entry(r, e, scratch)) for e, _ in bad if e in live]
+            bad = [(e, w) for e, w in still if w]
+            if bad:
+                rep.notes.append("the store is open in another process; rechecked once")
+        for e, what in bad:
+            rep.problems.append(Problem(f"slot {e.slot}", what, e.key, e.slot))
+
+
+def _verify_lmdb(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None]) -> None:
+    import numpy as np
+    import zstandard
+
+    from tiercache.tiers.lmdb import iter_entries, open_store
+
+    dz = zstandard.ZstdDecompressor()
+    with open_store(ref.path or "") as h:
+        bb = h.meta["block_bytes"]
+        scratch = np.empty(bb, dtype=np.uint8)
+        for key, head, payload in iter_entries(h):
+            what = None
+            if len(key) != KEY_BYTES:
+                what = f"a key of {len(key)} bytes"
+            elif head is None:
+                what = "payload without a header (orphan)"
+            elif payload is None:
+                what = "header without a payload"
+            else:
+                try:
+                    hd = decode_header(head)
+                    what = _header_problem(hd, key, bb)
+                    if what is None:
+                        decode_payload(hd, payload, scratch, decompressor=dz)
+                except BlockCorruptError as exc:
+                    what = str(exc)
+            if head is not None:
+                rep.checked += 1
+                advance(1)
+            if what:
+                rep.problems.append(Problem(f"key {key.hex()}", what, key))
+
+
+def open_nvme_tier(ref: StoreRef) -> Any:
+    """The NVMe store as a tier of this process (its exclusive lock), at its own size;
+    StoreError when another process holds it."""
+    from tiercache.tiers.nvme import NVMeTier, read_meta
+
+    assert ref.path is not None
+    meta = read_meta(ref.path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # O_DIRECT is not asked for
+            return NVMeTier(
+                name=ref.name,
+                block_bytes=meta["block_bytes"],
+                capacity_blocks=meta["capacity_blocks"],
+                path=ref.path,
+                fsync="batch",
+                direct=False,
+            )
+    except ConfigError as exc:
+        if "in use" in exc.problem:
+            raise StoreError(
+                f"{ref.path} is open in another process; stop it before changing the store"
+            ) from None
+        raise
+
+
+def repair_store(ref: StoreRef, rep: VerifyReport) -> int:
+    """Drop what `verify_store` found bad; the number of entries dropped. NVMe: reopening
+    the store drops index entries whose header disagrees and rewrites a damaged journal, then
+    blocks that fail a verified read are freed. LMDB: bad keys are deleted."""
+    if not rep.problems:
+        return 0
+    if ref.kind == "lmdb":
+        from tiercache.tiers.lmdb import delete_entries, open_store
+
+        with open_store(ref.path or "", write=True) as h:
+            return delete_entries(h, set(rep.bad_keys))
+    tier = open_nvme_tier(ref)
+    try:
+        dropped = tier.open_report.get("blocks_dropped", 0)
+        suspects = {(p.key, p.slot) for p in rep.problems if p.key is not None}
+        held = [(k, s) for k, s in tier.recover() if (k, s) in suspects]
+        step = max(1, _READ_BATCH_BYTES // tier.block_bytes)
+        for a in range(0, len(held), step):
+            part = held[a : a + step]
+            dst = torch.empty((len(part), tier.block_bytes), dtype=torch.uint8)
+            try:
+                failed = tier.read([s for _, s in part], dst, [k for k, _ in part])
+            except OSError:  # nothing of this batch could be read
+                failed = list(range(len(part)))
+            tier.free([part[i][1] for i in failed])
+            dropped += len(failed)
+        return dropped
+    finally:
+        tier.close()
+
+
+# -- evict and clear -----------------------------------------------------------------------------
+
+
+def list_blocks(ref: StoreRef) -> list[BlockInfo]:
+    """The good blocks of a store, oldest first."""
+    if ref.path is None or not os.path.exists(ref.path):
+        return []
+    if ref.kind == "nvme":
+        with _nvme_reader(ref) as r:
+            blocks, _ = _nvme_headers(r)
+    else:
+        from tiercache.tiers.lmdb import open_store
+
+        with open_store(ref.path) as h:
+            blocks, _ = _lmdb_blocks(h)
+    return sorted(blocks, key=lambda b: b.seq)
+
+
+def drop_blocks(ref: StoreRef, keys: Iterable[bytes]) -> int:
+    """Remove these blocks from the store; the number removed."""
+    want = set(keys)
+    if not want:
+        return 0
+    if ref.kind == "lmdb":
+        from tiercache.tiers.lmdb import delete_entries, open_store
+
+        with open_store(ref.path or "", write=True) as h:
+            return delete_entries(h, want)
+    tier = open_nvme_tier(ref)
+    try:
+        slots = [s for k, s in tier.recover() if k in want]
+        tier.free(slots)
+        return len(slots)
+    finally:
+        tier.close()
+
+
+def check_owner_free(ref: StoreRef) -> None:
+    """StoreError early when an NVMe store is held by another process (before prompting)."""
+    if ref.kind == "nvme" and ref.path and os.path.exists(ref.path):
+        with _nvme_reader(ref) as r:
+            if r.in_use():
+                raise StoreError(
+                    f"{ref.path} is open in another process; stop it before changing the store"
+                )
+
+
+__all__ = [
+    "BlockInfo",
+    "Problem",
+    "StoreError",
+    "StoreRef",
+    "Target",
+    "VerifyReport",
+    "check_owner_free",
+    "count_blocks",
+    "drop_blocks",
+    "inspect_store",
+    "known_names",
+    "list_blocks",
+    "lmdb_holder",
+    "namespace_label",
+    "parse_namespace",
+    "repair_store",
+    "resolve",
+    "verify_store",
+]

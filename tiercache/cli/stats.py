@@ -1,0 +1,173 @@
+"""`tiercache stats`: the live counters of a running engine, or what a store holds on disk.
+
+Sources, by what CONFIG_OR_PATH names:
+- a config with a `[telemetry]` table, or a telemetry directory: the engine's last
+  `stats.json` (rewritten every `interval` seconds; see `tiercache.telemetry`);
+- an `http://host:port/...` URL: the engine's Prometheus endpoint (`telemetry.prometheus`);
+- a config without telemetry, or a store directory: per store, blocks, bytes and
+  namespaces read from disk (read-only, as `inspect`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import click
+from rich.table import Table
+
+from tiercache.cli._common import (
+    JSON,
+    TARGET,
+    TIERS,
+    console,
+    echo_json,
+    human_bytes,
+    lmdb_errors,
+    when,
+)
+from tiercache.cli._store import inspect_store, known_names, resolve
+from tiercache.telemetry import read_stats
+
+_COUNTERS = ("hits", "misses", "stored", "evictions", "errors")  # all of them: --json
+
+
+@click.command()
+@TARGET
+@TIERS
+@JSON
+@lmdb_errors
+def stats(target: str, tiers: tuple[str, ...], as_json: bool) -> None:
+    """Show the live counters of a running engine (its telemetry stats file or Prometheus
+    endpoint) or, for a store on disk, its blocks, bytes and namespaces.
+
+    CONFIG_OR_PATH is a TOML config, a store directory (an nvme or lmdb path), a telemetry
+    directory, or the http:// URL of the engine's Prometheus endpoint.
+
+    \b
+    Examples:
+      tiercache stats cache.toml
+      tiercache stats /run/tiercache/engine0 --json
+      tiercache stats http://127.0.0.1:9464/metrics
+    """
+    if target.startswith(("http://", "https://")):
+        doc = _from_prometheus(target)
+    else:
+        tgt = resolve(target)
+        if tgt.telemetry_dir is not None:
+            doc = _from_telemetry(tgt.telemetry_dir)
+        else:
+            stores = tgt.stores(tiers)
+            if not stores:
+                raise ValueError(
+                    f"{target}: no telemetry configured and no persistent tier to read; "
+                    "add a [telemetry] table to the config"
+                )
+            names = known_names(tgt)
+            doc = {"source": "disk", "tiers": {s.name: inspect_store(s, names) for s in stores}}
+        if tiers and doc["source"] != "disk":
+            missing = [t for t in tiers if t not in doc["tiers"]]
+            if missing:
+                raise ValueError(f"--tier: no tier named {missing[0]!r} in the engine's stats")
+            doc["tiers"] = {k: v for k, v in doc["tiers"].items() if k in tiers}
+    if as_json:
+        echo_json(doc)
+        return
+    _show(doc)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _from_telemetry(directory: str) -> dict[str, Any]:
+    doc = read_stats(directory)
+    age = time.time() - doc["updated"]
+    if doc.get("closed"):
+        state = "closed"
+    elif not _alive(doc["pid"]):
+        state = "dead"  # the process ended without closing the cache
+    elif age > 3 * doc["interval"] + 5:
+        state = "stale"
+    else:
+        state = "running"
+    return {"source": "telemetry", "dir": directory, "state": state, **doc}
+
+
+def _from_prometheus(url: str) -> dict[str, Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise OSError(f"{url}: cannot fetch metrics: {getattr(exc, 'reason', exc)}") from None
+    tiers: dict[str, dict[str, Any]] = {}
+    try:
+        for fam in text_string_to_metric_families(text):
+            if not fam.name.startswith("tiercache_tier_"):
+                continue
+            field = fam.name.removeprefix("tiercache_tier_")
+            for s in fam.samples:
+                if s.name.endswith("_created") or "tier" not in s.labels:
+                    continue
+                tiers.setdefault(s.labels["tier"], {})[field] = int(s.value)
+    except ValueError as exc:
+        raise ValueError(f"{url}: not Prometheus text format: {exc}") from None
+    if not tiers:
+        raise ValueError(f"{url}: no tiercache_tier_* metrics there")
+    return {"source": "prometheus", "url": url, "tiers": tiers}
+
+
+def _show(doc: dict[str, Any]) -> None:
+    out = console(False)
+    if doc["source"] == "disk":
+        t = Table(title="stores on disk (no running engine's telemetry configured)")
+        for c in ("tier", "kind", "blocks", "capacity", "stored", "ratio", "namespaces", "open"):
+            t.add_column(c, justify="left" if c in ("tier", "kind", "namespaces") else "right")
+        for name, r in doc["tiers"].items():
+            if r.get("format") is None:
+                t.add_row(name, r["kind"], "-", "-", "-", "-", r.get("note", ""), "-")
+                continue
+            t.add_row(
+                name,
+                r["kind"],
+                str(r["blocks"]),
+                str(r["capacity_blocks"] or "-"),
+                human_bytes(r["stored_bytes"]),
+                f"{r['compression_ratio']:.2f}x",
+                ", ".join(f"{k}: {v}" for k, v in r["namespaces"].items()) or "-",
+                "yes" if r["in_use"] else "no",
+            )
+        out.print(t)
+        return
+    if doc["source"] == "telemetry":
+        out.print(
+            f"engine pid {doc['pid']} [bold]{doc['state']}[/bold], updated {when(doc['updated'])}, "
+            f"namespace {doc['namespace']!r}, blocks of {human_bytes(doc['block_bytes'])}"
+        )
+    else:
+        out.print(f"engine metrics from {doc['url']}")
+    t = Table()
+    cols = ["tier", "kind", "used", "hit%", *_COUNTERS]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("tier", "kind") else "right")
+    for name, s in doc["tiers"].items():
+        asked = s.get("hits", 0) + s.get("misses", 0)
+        t.add_row(
+            name,
+            s.get("kind", "-"),
+            f"{s.get('used_blocks', '-')}/{s.get('capacity_blocks', '-')}",
+            f"{s['hits'] / asked:.1%}" if asked else "-",
+            *(str(s.get(c, "-")) for c in _COUNTERS),
+        )
+    out.print(t)
