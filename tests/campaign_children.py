@@ -1,0 +1,188 @@
+"""What the campaigns' child processes run (forked from the campaign forkserver, see
+`tests.campaign_support.run_child`); no tests here. Each function returns plain data."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.campaign_support import blocks, key, key_id, open_tier, payload, read_all
+
+
+# -- crash -----------------------------------------------------------------------------------
+def crash_writer(
+    kind: str, path: str, bb: int, cap: int, log_path: str, seed: int, first_id: int, opts: dict
+) -> str:
+    """Store fresh blocks in batches of 1-4 until SIGKILLed, evicting the oldest when full.
+
+    The log (one os.write per line, so a SIGKILL never loses a line already written):
+    "F ids" before a free, "W ids" before a write, "A ids" once the write returned (with
+    fsync/sync "always": acknowledged as durable)."""
+    rnd = random.Random(seed)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    def log(tag: str, ids: list[int]) -> None:
+        os.write(fd, f"{tag} {' '.join(map(str, ids))}\n".encode())
+
+    t = open_tier(kind, path, bb, cap, **opts)
+    fifo = [(key_id(k), s) for k, s in t.recover()]  # oldest first
+    log("O", [len(fifo)])
+    nxt = first_id
+    for _ in range(100_000):
+        n = rnd.randint(1, 4)
+        ids = list(range(nxt, nxt + n))
+        nxt += n
+        while t.free_blocks < n:
+            victim, slot = fifo.pop(0)
+            log("F", [victim])
+            t.free([slot])
+        ks = [key(i) for i in ids]
+        slots = t.allocate(ks)
+        data = blocks(ids, bb)
+        log("W", ids)
+        t.write(slots, data, ks)
+        log("A", ids)
+        fifo += list(zip(ids, slots, strict=True))
+    t.close()
+    return "finished without being killed"
+
+
+def check_store(kind: str, path: str, bb: int, cap: int, opts: dict) -> dict[str, Any]:
+    """Reopen a store in this fresh process and read everything it recovered."""
+    t = open_tier(kind, path, bb, cap, **opts)
+    try:
+        out: dict[str, Any] = read_all(t)
+        out["open_report"] = dict(getattr(t, "open_report", {}))
+        out["used"] = t.used_blocks
+    finally:
+        t.close()
+    return out
+
+
+# -- corruption ------------------------------------------------------------------------------
+def probe_cache(config: dict, bb: int, ids: list[int], extra_ids: list[int]) -> dict[str, Any]:
+    """Open a TierCache on a (damaged) store; get every block alone; then store and read back
+    `extra_ids` (the cache keeps serving). A refused open comes back as `refused`."""
+    from tiercache import TierCache
+    from tiercache.errors import TierCacheError
+
+    try:
+        cache = TierCache.open(config, block_bytes=bb)
+    except (TierCacheError, ValueError, OSError) as exc:
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+    try:
+        tier = cache.tiers[-1]
+        report = dict(getattr(tier, "open_report", {}))
+        hit: list[int] = []
+        miss: list[int] = []
+        wrong: list[int] = []
+        for i in ids:
+            got = cache.get([key(i)])
+            if len(got) == 0:
+                miss.append(i)
+            elif np.array_equal(got[0].numpy(), payload(i, bb)):
+                hit.append(i)
+            else:
+                wrong.append(i)
+        errors = cache.stats()[tier.medium]["errors"]
+        # Still serving: new blocks go in and come back exact.
+        ks = [key(i) for i in extra_ids]
+        cache.put(ks, blocks(extra_ids, bb))
+        back = cache.get(ks)
+        serving = len(back) == len(ks) and torch.equal(back, blocks(extra_ids, bb))
+    finally:
+        cache.close()
+    return {
+        "hit": hit,
+        "miss": miss,
+        "wrong": wrong,
+        "errors": errors,
+        "open_report": report,
+        "serving": serving,
+    }
+
+
+# -- concurrency -----------------------------------------------------------------------------
+def lmdb_reader(path: str, bb: int, cap: int, ids: int, seconds: float, seed: int) -> dict:
+    """Read random keys of a store another process writes; every hit must be exact."""
+    t = open_tier("lmdb", path, bb, cap, compression="zstd")
+    rnd = random.Random(seed)
+    hits = misses = wrong = 0
+    out = torch.empty((4, bb), dtype=torch.uint8)
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            pick = rnd.sample(range(ids), 4)
+            failed = set(t.read([0, 1, 2, 3], out, [key(i) for i in pick]))
+            for j, i in enumerate(pick):
+                if j in failed:
+                    misses += 1
+                elif np.array_equal(out[j].numpy(), payload(i, bb)):
+                    hits += 1
+                else:
+                    wrong += 1
+    finally:
+        t.close()
+    return {"hits": hits, "misses": misses, "wrong": wrong}
+
+
+def lmdb_writer(
+    path: str, bb: int, cap: int, ids: int, seconds: float, seed: int, turn_file: str | None
+) -> dict:
+    """Cycle `ids` keys through a `cap`-block LMDB tier for `seconds`. With `turn_file`, take
+    turns with other writers: hold an exclusive flock on it for one session (open, a few
+    batches, close), then let the others have it. A store that raises OSError gives its
+    slots back, as TierCache does with a failed store, and is counted in `failures`."""
+    rnd = random.Random(seed)
+    deadline = time.monotonic() + seconds
+    batches = sessions = failures = 0
+    while time.monotonic() < deadline:
+        lock_fd = -1
+        if turn_file is not None:
+            lock_fd = os.open(turn_file, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        try:
+            t = open_tier("lmdb", path, bb, cap, compression="zstd")
+            try:
+                held = {key_id(k): s for k, s in t.recover()}
+                order = list(held)
+                for _ in range(rnd.randint(3, 12) if turn_file else 1_000_000):
+                    if time.monotonic() >= deadline:
+                        break
+                    want = [i for i in rnd.sample(range(ids), 4) if i not in held]
+                    if not want:
+                        continue
+                    while t.free_blocks < len(want):
+                        t.free([held.pop(order.pop(0))])
+                    ks = [key(i) for i in want]
+                    slots = t.allocate(ks)
+                    try:
+                        t.write(slots, blocks(want, bb), ks)
+                    except OSError:  # a failed store, as TierCache handles it: slots back
+                        t.free(slots)
+                        failures += 1
+                        continue
+                    held.update(zip(want, slots, strict=True))
+                    order += want
+                    batches += 1
+            finally:
+                t.close()
+            sessions += 1
+        finally:
+            if lock_fd >= 0:
+                fcntl.flock(lock_fd, fcntl.LOCK_UN)
+                os.close(lock_fd)
+        if turn_file is not None:
+            time.sleep(0.001)  # let a waiting writer take the lock
+    return {"batches": batches, "sessions": sessions, "failures": failures}
+
+
+def store_files(path: str) -> list[str]:
+    return sorted(p.name for p in Path(path).iterdir())
