@@ -10,6 +10,7 @@ import sys
 import click
 
 from tiercache import __version__
+from tiercache.cli.bench import bench
 from tiercache.cli.demo import demo
 from tiercache.cli.events import events
 from tiercache.cli.evict import clear, evict
@@ -42,5 +43,6 @@ def main() -> None:
 
 
 main.add_command(demo)
+main.add_command(bench)
 for _cmd in (inspect, verify, stats, events, evict, clear):
     main.add_command(_cmd)
