@@ -1,0 +1,210 @@
+"""`tiercache.connectors.common`: config loading, namespaces, extra keys, the shared-store
+registry. No vLLM needed (vLLM's config objects are stood in for by plain namespaces)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tiercache.connectors import common
+from tiercache.connectors.common import (
+    acquire_store,
+    derive_namespace,
+    extra_keys_for,
+    find_store,
+    namespace_from_vllm,
+    read_user_config,
+    release_store,
+    resolve_config,
+    store_snapshots,
+)
+from tiercache.errors import ConfigError
+from tiercache.hashing import prefix_hashes
+
+
+def _vllm_config(**over: object) -> SimpleNamespace:
+    model = SimpleNamespace(model="org/llama", revision=None, dtype="torch.bfloat16")
+    cache = SimpleNamespace(cache_dtype="auto", block_size=32)
+    parallel = SimpleNamespace(tensor_parallel_size=1)
+    cfg = SimpleNamespace(model_config=model, cache_config=cache, parallel_config=parallel)
+    for path, value in over.items():
+        section, attr = path.split("__")
+        setattr(getattr(cfg, section), attr, value)
+    return cfg
+
+
+# -- config ------------------------------------------------------------------------------------
+def test_read_user_config_mapping_and_toml(tmp_path: Path) -> None:
+    tiers = [{"kind": "cpu", "blocks": 4}]
+    assert read_user_config({"config": {"tiers": tiers}}) == {"tiers": tiers}
+    toml = tmp_path / "tc.toml"
+    toml.write_text('namespace = "prod"\n[[tiers]]\nkind = "cpu"\nblocks = 4\n')
+    assert read_user_config({"config": str(toml)}) == {"namespace": "prod", "tiers": tiers}
+    assert read_user_config({"config": toml}) == {"namespace": "prod", "tiers": tiers}
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "problem"),
+    [
+        (None, "kv_connector_extra_config.config", "missing"),
+        ({}, "kv_connector_extra_config.config", "missing"),
+        ({"config": 3}, "kv_connector_extra_config.config", "got int"),
+        ({"config": "/nonexistent/tc.toml"}, "config", "no such file"),
+    ],
+)
+def test_read_user_config_errors_name_the_problem(extra: object, field: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        read_user_config(extra)  # type: ignore[arg-type]
+    assert exc.value.field == field
+    assert problem in str(exc.value)
+
+
+def test_read_user_config_bad_toml(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("tiers = [\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        read_user_config({"config": str(bad)})
+
+
+def test_resolve_config_fills_block_size_and_prefixes_namespace() -> None:
+    user = {"tiers": [{"kind": "cpu", "blocks": 4}]}
+    cfg = resolve_config(user, block_size=32, namespace="derived")
+    assert (cfg.block_size, cfg.namespace) == (32, "derived")
+    cfg = resolve_config({**user, "namespace": "team-a"}, block_size=32, namespace="derived")
+    assert cfg.namespace == "team-a|derived"
+    # The same block size as the engine's is accepted; another one is refused.
+    assert resolve_config({**user, "block_size": 32}, block_size=32, namespace="d").block_size
+    with pytest.raises(ConfigError, match="differs from the engine's block size 32"):
+        resolve_config({**user, "block_size": 16}, block_size=32, namespace="d")
+    with pytest.raises(ConfigError, match="namespace"):
+        resolve_config({**user, "namespace": ""}, block_size=32, namespace="d")
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.kind"):
+        resolve_config({"tiers": [{"kind": "tape", "blocks": 4}]}, block_size=32, namespace="d")
+
+
+# -- namespace ---------------------------------------------------------------------------------
+def test_namespace_from_vllm_names_what_makes_kv_incompatible() -> None:
+    base = namespace_from_vllm(_vllm_config(), layout="NHD/cpu")
+    assert base == derive_namespace(
+        model="org/llama", kv_dtype="bfloat16", block_size=32, layout="NHD/cpu"
+    )
+    variants = [
+        namespace_from_vllm(_vllm_config(model_config__model="org/other"), layout="NHD/cpu"),
+        namespace_from_vllm(_vllm_config(model_config__revision="v2"), layout="NHD/cpu"),
+        namespace_from_vllm(_vllm_config(cache_config__cache_dtype="fp8"), layout="NHD/cpu"),
+        namespace_from_vllm(_vllm_config(model_config__dtype="torch.float16"), layout="NHD/cpu"),
+        namespace_from_vllm(_vllm_config(cache_config__block_size=64), layout="NHD/cpu"),
+        namespace_from_vllm(_vllm_config(), layout="HND/cuda"),
+        namespace_from_vllm(_vllm_config(parallel_config__tensor_parallel_size=2), layout="x"),
+        namespace_from_vllm(
+            _vllm_config(parallel_config__tensor_parallel_size=2), layout="x", tp_rank=1
+        ),
+    ]
+    assert len({base, *variants}) == len(variants) + 1
+    # Deterministic: the same inputs give the same string (it is hashed into every key).
+    assert namespace_from_vllm(_vllm_config(), layout="NHD/cpu") == base
+
+
+# -- extra keys --------------------------------------------------------------------------------
+def test_extra_keys_for_lora_salt_and_multimodal() -> None:
+    assert extra_keys_for(block_size=32) is None
+    assert extra_keys_for(block_size=32, lora_name="a", cache_salt="s") == {
+        0: (("lora", "a"), ("salt", "s"))
+    }
+    # An image at tokens 40..103 covers blocks 1, 2 and 3.
+    got = extra_keys_for(block_size=32, mm_items=[("img", 40, 64)])
+    assert got == {b: (("mm", "img", 40),) for b in (1, 2, 3)}
+    with pytest.raises(ValueError, match=r"mm_items\[0\]"):
+        extra_keys_for(block_size=32, mm_items=[("img", -1, 4)])
+    with pytest.raises(ValueError, match="block_size"):
+        extra_keys_for(block_size=0)
+
+
+def test_extra_keys_change_the_keys_they_should() -> None:
+    tokens = list(range(128))
+    plain = prefix_hashes(tokens, 32, namespace="n")
+
+    def keys(**kw: object) -> list[bytes]:
+        return prefix_hashes(
+            tokens, 32, namespace="n", extra_keys=extra_keys_for(block_size=32, **kw)
+        )
+
+    assert keys() == plain
+    # LoRA and salt change every key; another salt gives other keys again.
+    salted = keys(cache_salt="s")
+    assert all(a != b for a, b in zip(salted, plain, strict=True))
+    assert keys(cache_salt="t") != salted and keys(lora_name="l") != salted
+    # An image from token 40 keeps block 0 and changes the chain from block 1 on.
+    mm = keys(mm_items=[("img", 40, 8)])
+    assert mm[0] == plain[0] and all(a != b for a, b in zip(mm[1:], plain[1:], strict=True))
+    assert keys(mm_items=[("other", 40, 8)])[1] != mm[1]
+
+
+# -- shared store registry ---------------------------------------------------------------------
+def _cfg(tmp_path: Path, ns: str = "t"):
+    user = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 4},
+            {"kind": "lmdb", "path": str(tmp_path / "db"), "blocks": 8},
+        ]
+    }
+    return resolve_config(user, block_size=16, namespace=ns)
+
+
+def test_acquire_shares_one_cache_per_config_and_last_release_closes(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    assert find_store(cfg) is None
+    a = acquire_store(cfg, 64)
+    # A second role in this process gets the same cache: the LMDB environment opens once.
+    b = acquire_store(_cfg(tmp_path), 64)
+    assert a is b and a.refs == 2 and find_store(cfg) is a
+    keys = a.cache.hash_tokens(list(range(32)))
+    a.cache.put(keys, torch.full((2, 64), 7, dtype=torch.uint8))
+    a.count("stored", 2)
+    snap = store_snapshots()[cfg.namespace]
+    assert snap["counters"] == {"stored": 2} and snap["refs"] == 2
+    with pytest.raises(ValueError, match="block_bytes"):
+        acquire_store(cfg, 128)
+    order: list[str] = []
+    a.before_close.append(lambda: order.append("hook"))
+    release_store(a)
+    assert find_store(cfg) is a and order == []  # still one reference
+    release_store(b)
+    assert find_store(cfg) is None and order == ["hook"]
+    release_store(b)  # releasing again is a no-op
+    # Closed means written back and flushed: a new store finds the blocks in LMDB.
+    c = acquire_store(cfg, 64)
+    try:
+        assert c is not a
+        assert c.cache.lookup(keys) == 2
+        assert torch.equal(c.cache.get(keys), torch.full((2, 64), 7, dtype=torch.uint8))
+    finally:
+        release_store(c)
+
+
+def test_other_namespace_is_another_store(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = acquire_store(_cfg(tmp_path / "a", "one"), 64)
+    b = acquire_store(_cfg(tmp_path / "b", "two"), 64)
+    try:
+        assert a is not b
+    finally:
+        release_store(a)
+        release_store(b)
+
+
+def test_exit_backstop_closes_open_stores_and_runs_hooks(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    s = acquire_store(cfg, 64)
+    ran = threading.Event()
+    s.before_close.append(ran.set)
+    s.before_close.append(lambda: 1 / 0)  # a failing hook does not keep the cache open
+    common._close_all()
+    assert ran.is_set() and find_store(cfg) is None
+    with pytest.raises(RuntimeError, match="closed"):
+        s.cache.lookup([b"\0" * 16])

@@ -1,0 +1,47 @@
+"""Fixtures for the end-to-end tests on a real vLLM CPU engine.
+
+- `tiny_llama` (session): a directory with a random-weight Llama (see `engine.py`).
+- `engine` (session): the `engine.py` module: `run_in_subprocess(spec)`, `make_prompts`,
+  `write_tiny_llama`, `run_spec`.
+
+Engines run in fresh subprocesses (`engine.run_in_subprocess`): every run starts clean, like a
+server restart, and the test process never holds an engine's memory. Test modules skip
+themselves with ``pytest.importorskip("vllm")`` when vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _load_engine() -> ModuleType:
+    # Loaded by path: pytest runs with --import-mode=importlib, so tests/vllm is not on
+    # sys.path, and the module must also run as a plain script in the subprocesses.
+    name = "tiercache_tests_vllm_engine"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, _HERE / "engine.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def engine() -> ModuleType:
+    """The `tests/vllm/engine.py` module."""
+    return _load_engine()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, engine: ModuleType) -> Path:
+    """A random-weight Llama model directory for vLLM (config.json + model.safetensors)."""
+    return engine.write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

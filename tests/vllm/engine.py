@@ -1,0 +1,262 @@
+"""A tiny random-weight Llama and a runner for one vLLM CPU engine, for tests and benchmarks.
+
+- `write_tiny_llama(path, seed=0)`: config.json + model.safetensors (hidden 128, 2 layers, 4
+  heads, 2 KV heads, head_dim 32, vocab 4096, bf16; about 1.3 M parameters). No model hub.
+- `make_prompts(n, length, seed, shared_prefix=0)`: token-id prompts (lists of ints).
+- `run_spec(spec) -> dict`: build one `LLM` in this process, generate every batch of the
+  spec greedily, return outputs, `num_cached_tokens`, wall and CPU times, tiercache's
+  counters and (in-process engines) the KV events the connector gave vLLM.
+- `run_in_subprocess(spec, python=sys.executable) -> dict`: the same in a fresh interpreter
+  (what the tests use: every engine starts from a clean process, as a restart would).
+
+Run as a script: ``python tests/vllm/engine.py SPEC.json OUT.json``. The spec is JSON::
+
+    {"model": "/path/to/model", "kv_transfer_config": {...} or null,
+     "batches": [{"prompts": [[1, 2, ...], ...], "max_tokens": 16}, ...],
+     "block_size": 32, "multiprocessing": false, "max_model_len": 1024}
+
+This module imports vLLM only inside `run_spec`, so importing it to write a model is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HIDDEN = 128
+LAYERS = 2
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 32
+VOCAB = 4096
+INTERMEDIATE = 256
+
+
+def write_tiny_llama(path: str | Path, seed: int = 0) -> Path:
+    """Write a random-weight Llama (config.json + model.safetensors) into `path`."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    # Larger-than-usual weights so that attention (and so the KV cache) visibly steers the
+    # greedy tokens: wrong KV bytes would change the outputs the tests compare.
+    tensors = {
+        "model.embed_tokens.weight": w(VOCAB, HIDDEN, std=1.0),
+        "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+        "lm_head.weight": w(VOCAB, HIDDEN, std=0.2),
+    }
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": w(HEADS * HEAD_DIM, HIDDEN, std=0.25),
+            p + "self_attn.k_proj.weight": w(KV_HEADS * HEAD_DIM, HIDDEN, std=0.25),
+            p + "self_attn.v_proj.weight": w(KV_HEADS * HEAD_DIM, HIDDEN, std=0.25),
+            p + "self_attn.o_proj.weight": w(HIDDEN, HEADS * HEAD_DIM, std=0.1),
+            p + "mlp.gate_proj.weight": w(INTERMEDIATE, HIDDEN, std=0.1),
+            p + "mlp.up_proj.weight": w(INTERMEDIATE, HIDDEN, std=0.1),
+            p + "mlp.down_proj.weight": w(HIDDEN, INTERMEDIATE, std=0.1),
+            p + "input_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+        }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def make_prompts(n: int, length: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    """`n` prompts of `length` token ids; the first `shared_prefix` ids are common to all."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(shared_prefix)]
+    return [
+        prefix + [rng.randrange(3, VOCAB) for _ in range(length - shared_prefix)] for _ in range(n)
+    ]
+
+
+def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one engine in this process as `spec` says (see the module docstring)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") else "0"
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t_import = time.perf_counter() - t0
+    events: dict[str, int] = {}
+    spent = [0.0]  # seconds inside the connector's methods (engine thread)
+    if spec.get("kv_transfer_config") is not None and not spec.get("multiprocessing"):
+        _record_events(events)
+        _time_connector(spent)
+    kwargs: dict[str, Any] = {}
+    if spec.get("kv_transfer_config") is not None:
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enable_prefix_caching=spec.get("enable_prefix_caching", True),
+        max_model_len=spec.get("max_model_len", 1024),
+        block_size=spec.get("block_size", 32),
+        dtype="bfloat16",
+        enforce_eager=True,
+        seed=0,
+        **kwargs,
+    )
+    t_init = time.perf_counter() - t0
+    batches = []
+    for batch in spec["batches"]:
+        params = SamplingParams(
+            temperature=0, max_tokens=batch.get("max_tokens", 16), ignore_eos=True, detokenize=False
+        )
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]]
+        t0, c0, s0 = time.perf_counter(), time.process_time(), spent[0]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if batch.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
+        batches.append(
+            {
+                "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs],
+                "wall_s": wall,
+                "cpu_s": cpu,
+                "connector_s": spent[0] - s0,
+            }
+        )
+    stores: dict[str, Any] = {}
+    if spec.get("kv_transfer_config") is not None and not spec.get("multiprocessing"):
+        from tiercache.connectors.common import store_snapshots
+
+        stores = store_snapshots()
+    return {
+        "batches": batches,
+        "import_s": t_import,
+        "init_s": t_init,
+        "stores": stores,
+        "events": events,
+    }
+
+
+_TIMED = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "start_load_kv",
+    "wait_for_save",
+    "handle_preemptions",
+    "get_finished",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+    "get_kv_connector_stats",
+)
+
+
+def _time_connector(spent: list[float]) -> None:
+    """Add the time spent inside the connector's per-step methods to `spent[0]` (the engine
+    thread's share of the connector's cost; transfers run on the transfer engine's threads)."""
+    from tiercache.connectors.vllm_kv import TierCacheConnector
+
+    for name in _TIMED:
+        method = getattr(TierCacheConnector, name)
+
+        def timed(self: Any, *a: Any, _m: Any = method, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _m(self, *a, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        setattr(TierCacheConnector, name, timed)
+
+
+def _record_events(counts: dict[str, int]) -> None:
+    """Count the blocks of the KV events the connector hands vLLM, per kind and medium (vLLM
+    drains them every step; this wraps the connector class, in this process only)."""
+    from tiercache.connectors.vllm_kv import TierCacheConnector
+
+    take = TierCacheConnector.take_events
+
+    def counting(self: Any) -> Any:
+        for e in take(self):
+            key = f"{type(e).__name__}:{e.medium}"
+            counts[key] = counts.get(key, 0) + len(e.block_hashes)
+            yield e
+
+    TierCacheConnector.take_events = counting  # type: ignore[method-assign]
+
+
+def run_in_subprocess(
+    spec: dict[str, Any], python: str = sys.executable, timeout: float = 300
+) -> dict[str, Any]:
+    """`run_spec(spec)` in a fresh interpreter; raises with its stderr tail if it fails."""
+    with tempfile.TemporaryDirectory(prefix="tiercache-engine-") as d:
+        spec_path, out_path = Path(d, "spec.json"), Path(d, "out.json")
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.run(
+            [python, __file__, str(spec_path), str(out_path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if proc.returncode != 0 or not out_path.exists():
+            raise RuntimeError(
+                f"engine subprocess failed (status {proc.returncode}):\n"
+                f"{_errors_of(proc.stdout + proc.stderr)}\n{proc.stderr[-4000:]}"
+            )
+        result: dict[str, Any] = json.loads(out_path.read_text())
+        result["stderr"] = proc.stderr
+        result["stdout"] = proc.stdout
+        return result
+
+
+def _errors_of(log: str) -> str:
+    """vLLM's ERROR lines (the engine core logs its failures to stdout)."""
+    return "\n".join(line for line in log.splitlines() if " ERROR " in line)[-8000:]
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print(f"usage: {argv[0]} SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[1]).read_text())
+    result = run_spec(spec)
+    Path(argv[2]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,221 @@
+"""`TierCacheConnector` end to end on a real vLLM CPU engine (tiny random-weight Llama).
+
+One baseline engine without a connector, then engines with the connector, each in a fresh
+process, sharing persistent tiers (NVMe + LMDB) in a temporary directory:
+
+- A (cold): greedy outputs equal the baseline; after vLLM's own prefix cache is reset, the
+  prompts come back from tiercache (external hits) and the outputs still match.
+- B (restart): a fresh process with the same config hits the persistent tiers for every
+  prompt (`num_cached_tokens` > 0), outputs equal; B' is the same in multiprocess mode.
+- C (corrupted): bytes flipped inside every stored record of both persistent tiers. C1 in
+  multiprocess mode: the worker's loads fail verification, vLLM recomputes (policy
+  "recompute"). C2 in process with vLLM's default policy ("fail") on purpose: the connector
+  verifies persistent blocks before it reports them, so no request fails. Outputs equal the
+  baseline and the errors are counted.
+
+The checks are batched per engine process to keep the run short (vLLM takes ~12 s to import).
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+N_PROMPTS = 8
+PROMPT_LEN = 200  # 6 full blocks of 32; the 7th holds the last prompt token
+SHARED = 64  # two blocks common to all prompts
+MAGIC = b"TCB\x01"
+
+
+def _kv_config(root: Path, *, policy: str | None) -> dict[str, Any]:
+    tiers = [
+        {"kind": "cpu", "blocks": 8},
+        {"kind": "nvme", "path": str(root / "nvme"), "blocks": 8},
+        {"kind": "lmdb", "path": str(root / "lmdb"), "blocks": 128, "compression": "none"},
+    ]
+    cfg: dict[str, Any] = {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config": {"namespace": "e2e", "tiers": tiers}},
+    }
+    if policy is not None:
+        cfg["kv_load_failure_policy"] = policy
+    return cfg
+
+
+def _errors(result: dict[str, Any]) -> int:
+    return sum(
+        int(t["errors"]) for store in result["stores"].values() for t in store["stats"].values()
+    )
+
+
+def _tier_hits(result: dict[str, Any], medium: str) -> int:
+    return sum(int(s["stats"][medium]["hits"]) for s in result["stores"].values())
+
+
+def corrupt_records(path: Path, *, payload: bool, round: int = 0) -> int:
+    """Flip one byte in every tiercache block record found in the files under `path`.
+
+    `payload=True` flips a byte inside the record's payload (NVMe slab: header and payload
+    are adjacent); otherwise a byte of the header's write-sequence field, which lies inside
+    an LMDB value (LMDB's own pages stay intact) and is covered by the checksum. Each `round`
+    flips a different byte, so a second round never undoes the first.
+    """
+    flipped = 0
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        data = bytearray(f.read_bytes())
+        at = data.find(MAGIC)
+        while at >= 0 and at + 64 <= len(data):
+            stored_len = struct.unpack_from("<I", data, at + 36)[0]
+            pos = at + 64 + stored_len // 2 + round if payload else at + 41 + round
+            if pos < len(data):
+                data[pos] ^= 0xFF
+                flipped += 1
+            at = data.find(MAGIC, at + 64)
+        f.write_bytes(bytes(data))
+    return flipped
+
+
+@pytest.fixture(scope="module")
+def prompts(engine: ModuleType) -> list[list[int]]:
+    return engine.make_prompts(N_PROMPTS, PROMPT_LEN, seed=7, shared_prefix=SHARED)
+
+
+@pytest.fixture(scope="module")
+def baseline(engine: ModuleType, tiny_llama: Path, prompts: list[list[int]]) -> list[list[int]]:
+    spec = {"model": str(tiny_llama), "batches": [{"prompts": prompts, "max_tokens": 16}]}
+    outputs = engine.run_in_subprocess(spec)["batches"][0]["outputs"]
+    # The model is a useful oracle only if different prompts give different tokens.
+    assert len({tuple(o) for o in outputs}) == N_PROMPTS
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiercache-store")
+
+
+def _spec(model: Path, kv: dict[str, Any], batches: list[dict[str, Any]], **kw: Any) -> dict:
+    return {"model": str(model), "kv_transfer_config": kv, "batches": batches, **kw}
+
+
+@pytest.fixture(scope="module")
+def run_a(
+    engine: ModuleType, tiny_llama: Path, prompts: list[list[int]], store_root: Path
+) -> dict[str, Any]:
+    """A: a cold engine; vLLM's prefix cache is reset after the first batch, so only
+    tiercache can serve the second."""
+    kv = _kv_config(store_root, policy="recompute")
+    batches = [
+        {"prompts": prompts, "max_tokens": 16, "reset_prefix_cache": True},
+        {"prompts": prompts, "max_tokens": 16},
+    ]
+    return engine.run_in_subprocess(_spec(tiny_llama, kv, batches))
+
+
+@pytest.fixture(scope="module")
+def run_b(
+    engine: ModuleType,
+    tiny_llama: Path,
+    prompts: list[list[int]],
+    store_root: Path,
+    run_a: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """B: a restart on A's store, in process; then B' the same in multiprocess mode."""
+    kv = _kv_config(store_root, policy="recompute")
+    one = [{"prompts": prompts, "max_tokens": 16}]
+    local = engine.run_in_subprocess(_spec(tiny_llama, kv, one))
+    remote = engine.run_in_subprocess(_spec(tiny_llama, kv, one, multiprocessing=True))
+    return local, remote
+
+
+@pytest.fixture(scope="module")
+def run_c(
+    engine: ModuleType,
+    tiny_llama: Path,
+    prompts: list[list[int]],
+    store_root: Path,
+    run_b: Any,
+) -> tuple[dict[str, Any], dict[str, Any], tuple[int, int]]:
+    """C: the store corrupted. C1 multiprocess (the worker finds the bad blocks at load and
+    reports them; vLLM recomputes), then, corrupted again, C2 in process with vLLM's default
+    policy "fail" (the scheduler finds them before it reports a hit)."""
+    one = [{"prompts": prompts, "max_tokens": 16}]
+    flipped = (
+        corrupt_records(store_root / "nvme", payload=True),
+        corrupt_records(store_root / "lmdb", payload=False),
+    )
+    kv = _kv_config(store_root, policy="recompute")
+    remote = engine.run_in_subprocess(_spec(tiny_llama, kv, one, multiprocessing=True))
+    corrupt_records(store_root / "nvme", payload=True, round=1)
+    corrupt_records(store_root / "lmdb", payload=False, round=1)
+    local = engine.run_in_subprocess(_spec(tiny_llama, _kv_config(store_root, policy=None), one))
+    return remote, local, flipped
+
+
+def test_a_cold_engine_matches_baseline_and_hits_after_reset(
+    run_a: dict[str, Any], baseline: list[list[int]]
+) -> None:
+    first, second = run_a["batches"]
+    assert first["outputs"] == baseline
+    assert second["outputs"] == baseline
+    # Cold: nothing external; the shared prefix comes from vLLM's own cache.
+    assert first["num_cached_tokens"] == [0] + [SHARED] * (N_PROMPTS - 1)
+    # After the reset every prompt's first 6 blocks come back from tiercache.
+    assert second["num_cached_tokens"] == [192] * N_PROMPTS
+    (store,) = run_a["stores"].values()
+    c = store["counters"]
+    assert c["stored_blocks"] == 2 + N_PROMPTS * 4  # the distinct full blocks of the prompts
+    assert c["loaded_blocks"] >= 2 + N_PROMPTS * 4
+    assert c.get("load_error_blocks", 0) == 0
+    assert _errors(run_a) == 0
+    assert store["stats"]["nvme"]["used_blocks"] > 0  # the small CPU tier demoted
+    # vLLM received the cache's events, the tier as medium: stores into the CPU tier,
+    # demotions (removed from cpu, stored in nvme).
+    ev = run_a["events"]
+    assert ev["BlockStored:cpu"] >= 2 + N_PROMPTS * 4
+    assert ev["BlockRemoved:cpu"] > 0 and ev["BlockStored:nvme"] > 0
+
+
+def test_b_restart_hits_persistent_tiers(
+    run_b: tuple[dict[str, Any], dict[str, Any]], baseline: list[list[int]]
+) -> None:
+    local, remote = run_b
+    (batch,) = local["batches"]
+    assert batch["outputs"] == baseline
+    assert batch["num_cached_tokens"] == [192] * N_PROMPTS
+    assert _tier_hits(local, "nvme") > 0 and _tier_hits(local, "lmdb") > 0
+    (store,) = local["stores"].values()
+    assert store["counters"]["verified_blocks"] >= 2 + N_PROMPTS * 4
+    assert _errors(local) == 0
+    # What the persistent tiers recovered at start-up is announced to vLLM as stored.
+    assert local["events"]["BlockStored:nvme"] > 0 and local["events"]["BlockStored:lmdb"] > 0
+    # Multiprocess mode: the scheduler knows the worker's keys from the handshake.
+    assert remote["batches"][0]["outputs"] == baseline
+    assert remote["batches"][0]["num_cached_tokens"] == [192] * N_PROMPTS
+
+
+def test_c_corrupted_store_recomputes_and_counts_errors(
+    run_c: tuple[dict[str, Any], dict[str, Any], tuple[int, int]], baseline: list[list[int]]
+) -> None:
+    remote, local, flipped = run_c
+    assert all(n > 0 for n in flipped)
+    # C1: hits were reported from the index, the worker's asynchronous loads failed
+    # verification, vLLM recomputed those blocks: same tokens, fewer cached ones.
+    assert remote["batches"][0]["outputs"] == baseline
+    assert sum(remote["batches"][0]["num_cached_tokens"]) < 192 * N_PROMPTS
+    # C2: caught before any hit was reported, with vLLM's default policy ("fail").
+    (batch,) = local["batches"]
+    assert batch["outputs"] == baseline
+    (store,) = local["stores"].values()
+    assert store["counters"].get("verify_errors", 0) > 0
+    assert _errors(local) > 0
+    assert store["counters"].get("load_error_blocks", 0) == 0
+    assert sum(batch["num_cached_tokens"]) < 192 * N_PROMPTS

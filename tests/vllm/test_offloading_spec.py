@@ -1,0 +1,410 @@
+"""`TierCacheOffloadingSpec` under vLLM 0.32's own `OffloadingConnector`.
+
+vLLM's OffloadingConnector does run on the CPU backend once the spec's worker can copy CPU
+tensors (vLLM's built-in CPU spec refuses the CPU platform in its `get_worker`, not in the
+connector), so the last tests run real engines in fresh processes (`engine.py`): outputs equal
+a run without any connector, a restarted engine gets external hits from the persistent tier,
+and a corrupted store is recomputed, never served. The first tests drive the spec, manager and
+worker directly with vLLM's own classes and real tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingManager,
+    OffloadingWorker,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+from tiercache.connectors.common import store_snapshots
+from tiercache.connectors.vllm_offloading import (
+    TierCacheOffloadingSpec,
+    TierLoadSpec,
+    TierStoreSpec,
+    offload_key_to_key,
+)
+from tiercache.errors import ConfigError
+
+SPEC_MODULE = "tiercache.connectors.vllm"  # the module vLLM loads; re-exports the spec
+PAGE = 256  # bytes of one layer's page; two layers make a 512-byte block
+NUM_BLOCKS = 16
+CTX = ReqContext(req_id="r")
+
+
+def _offloading_config(
+    tier_config: Any, *, events: bool = False, world_size: int = 1, blocks_per_chunk: int = 1
+) -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=2 * PAGE,
+        enable_kv_cache_events=events,
+        extra_config={
+            "spec_name": "TierCacheOffloadingSpec",
+            "spec_module_path": SPEC_MODULE,
+            "config": tier_config,
+        },
+        engine_id="engine-0",
+        model=OffloadingModelConfig(name="tiny-llama", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+        kv_cache_layout="LBHNC",
+    )
+
+
+def _kv_caches(seed: int) -> CanonicalKVCaches:
+    """Two layers' int8 `(num_blocks, page)` views, as vLLM's connector worker builds them."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = [
+        torch.randint(-128, 128, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=g)
+        for _ in range(2)
+    ]
+    return CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, PAGE) for t in tensors],
+        group_data_refs=[[CanonicalKVCacheRef(0, PAGE), CanonicalKVCacheRef(1, PAGE)]],
+    )
+
+
+def _block(kv: CanonicalKVCaches, block_id: int) -> bytes:
+    return b"".join(t.tensor[block_id].numpy().tobytes() for t in kv.tensors)
+
+
+def _gpu(block_ids: list[int]) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(block_ids, group_sizes=[len(block_ids)], block_indices=[0])
+
+
+def _keys(*names: str) -> list[bytes]:
+    return [make_offload_key(n.encode().ljust(32, b"."), 0) for n in names]
+
+
+def _run(worker: OffloadingWorker, job_id: int) -> Any:
+    """Wait for one job and return its vLLM `TransferResult`."""
+    worker.wait({job_id})
+    for _ in range(1000):
+        for r in worker.get_finished():
+            if r.job_id == job_id:
+                return r
+        worker.wait({job_id})
+    raise AssertionError(f"job {job_id} never finished")
+
+
+class Pair:
+    """The two halves of one spec, as vLLM's connector uses them in one process."""
+
+    def __init__(self, config: OffloadingConfig, kv: CanonicalKVCaches) -> None:
+        # vLLM builds one spec per connector role; both share the process's store.
+        self.manager: OffloadingManager = OffloadingSpecFactory.create_spec(config).get_manager()
+        self.worker: OffloadingWorker = OffloadingSpecFactory.create_spec(config).get_worker(kv)
+        self.kv = kv
+        self.jobs = 0
+
+    def store(self, keys: list[bytes], block_ids: list[int]) -> list[bytes]:
+        """prepare_store -> submit_store -> complete_store; returns the keys stored."""
+        out = self.manager.prepare_store(keys, CTX)
+        assert out is not None
+        assert isinstance(out.store_spec, TierStoreSpec)
+        pos = {k: i for i, k in enumerate(keys)}
+        src = _gpu([block_ids[pos[k]] for k in out.keys_to_store])
+        self.jobs += 1
+        assert self.worker.submit_store(self.jobs, src, out.store_spec)
+        r = _run(self.worker, self.jobs)
+        assert r.success and r.transfer_size >= len(out.keys_to_store) * 2 * PAGE
+        self.manager.complete_store(out.keys_to_store, CTX)
+        return list(out.keys_to_store)
+
+    def hits(self, keys: list[bytes]) -> int:
+        n = 0
+        for k in keys:  # the scheduler's prefix scan: stop at the first miss
+            if self.manager.lookup(k, CTX) is not LookupResult.HIT:
+                break
+            n += 1
+        return n
+
+    def load(self, keys: list[bytes], block_ids: list[int]) -> bool:
+        spec = self.manager.prepare_load(keys, CTX)
+        assert isinstance(spec, TierLoadSpec)
+        self.jobs += 1
+        assert self.worker.submit_load(self.jobs, spec, _gpu(block_ids))
+        r = _run(self.worker, self.jobs)
+        self.manager.complete_load(keys, CTX)
+        return r.success
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.manager.shutdown()
+
+
+@pytest.fixture
+def pairs():
+    made: list[Pair] = []
+
+    def make(config: OffloadingConfig, seed: int = 0) -> Pair:
+        p = Pair(config, _kv_caches(seed))
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def test_store_then_load_round_trips_the_bytes(pairs) -> None:
+    pair = pairs(_offloading_config({"tiers": [{"kind": "cpu", "blocks": 8}]}))
+    keys = _keys("a", "b", "c")
+    assert pair.hits(keys) == 0
+    assert pair.store(keys, [3, 7, 5]) == keys
+    assert pair.hits(keys) == 3
+    # A second store of the same keys stores nothing (already held).
+    assert pair.manager.prepare_store(keys, CTX).keys_to_store == []
+    expected = [_block(pair.kv, b) for b in (3, 7, 5)]
+    assert pair.load(keys, [10, 11, 12])
+    assert [_block(pair.kv, b) for b in (10, 11, 12)] == expected
+
+
+def test_demotion_to_a_persistent_tier_and_restart(pairs, tmp_path: Path) -> None:
+    cfg = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 2},
+            {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 8},
+        ]
+    }
+    pair = pairs(_offloading_config(cfg))
+    keys = _keys("a", "b", "c", "d", "e")
+    # Two blocks fit in the CPU tier; each later store evicts, and the plan's moves demote the
+    # victims into NVMe before their CPU slots are reused.
+    for i, k in enumerate(keys):
+        pair.store([k], [i + 1])
+    stats = pair.manager.cache.stats()
+    assert stats["cpu"]["ready_blocks"] == 2 and stats["nvme"]["ready_blocks"] == 3
+    assert pair.hits(keys) == 5
+    expected = [_block(pair.kv, b) for b in range(1, 6)]
+    assert pair.load(keys, [11, 12, 13, 14, 15])  # served from both tiers
+    assert [_block(pair.kv, b) for b in range(11, 16)] == expected
+    # A hit served from NVMe is copied up into the CPU tier once loaded (promote = true, the
+    # default), in the same job; a CPU block is demoted to make room.
+    first = offload_key_to_key(pair.manager.cache.config.namespace, keys[0])
+    assert pair.manager.cache.manager.where(first) == [1]
+    assert pair.load(keys[:1], [8])
+    assert pair.manager.cache.manager.where(first) == [0, 1]
+    assert pair.manager.cache.stats()["cpu"]["ready_blocks"] == 2
+    assert pair.load(keys[:1], [9])  # now from the CPU tier
+    assert _block(pair.kv, 8) == _block(pair.kv, 9) == expected[0]
+    assert pair.hits(keys) == 5
+    pair.close()
+    # A restart (new spec, new store): what the CPU tier held was written back at close.
+    again = pairs(_offloading_config(cfg), seed=1)
+    assert again.hits(keys) == 5
+    assert again.load(keys, [1, 2, 3, 4, 5])
+    assert [_block(again.kv, b) for b in range(1, 6)] == expected
+
+
+def test_corrupt_persistent_block_is_a_miss_not_a_failed_load(pairs, tmp_path: Path) -> None:
+    nvme = tmp_path / "nvme"
+    cfg = {"tiers": [{"kind": "nvme", "path": str(nvme), "blocks": 8}]}
+    pair = pairs(_offloading_config(cfg))
+    keys = _keys("a", "b", "c")
+    pair.store(keys, [1, 2, 3])
+    pair.close()
+    # Flip one payload byte of the second block's slot (slot i at i * slot_bytes).
+    meta = json.loads((nvme / "meta.json").read_text())
+    slot = next(
+        i
+        for i in range(meta["capacity_blocks"])
+        if (nvme / "slab").read_bytes()[i * meta["slot_bytes"] + 64 :][:PAGE]
+        == _block(pair.kv, 2)[:PAGE]
+    )
+    with open(nvme / "slab", "r+b") as f:
+        f.seek(slot * meta["slot_bytes"] + 64 + 10)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    again = pairs(_offloading_config(cfg), seed=1)
+    # Lookup reads and verifies persistent blocks before answering: block b is a miss, so
+    # vLLM would load only block a and recompute the rest (its connector cannot recompute
+    # after a failed load).
+    assert again.hits(keys) == 1
+    stats = again.manager.cache.stats()["nvme"]
+    assert stats["errors"] == 1 and stats["ready_blocks"] == 2
+    assert again.load(keys[:1], [9])
+    assert _block(again.kv, 9) == _block(pair.kv, 1)
+
+
+def test_io_errors_fail_only_their_blocks(
+    pairs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = {"tiers": [{"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 8}]}
+    pair = pairs(_offloading_config(cfg))
+    tier = pair.manager.cache.tiers[0]
+    a, b = _keys("a", "b")
+    pair.store([a], [1])
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        raise OSError(5, "injected I/O error")
+
+    # A store whose write fails: vLLM's connector cannot take a failed job (it asserts
+    # success), so vLLM hears "done" while tiercache frees the slot: the block is a miss.
+    monkeypatch.setattr(tier, "write", failing)
+    out = pair.manager.prepare_store([b], CTX)
+    assert pair.worker.submit_store(7, _gpu([2]), out.store_spec)
+    assert _run(pair.worker, 7).success
+    pair.manager.complete_store([b], CTX)
+    assert pair.manager.lookup(b, CTX) is LookupResult.MISS
+    monkeypatch.undo()
+    # A load whose read fails is reported as failed (vLLM stops rather than use garbage).
+    assert pair.hits([a]) == 1
+    monkeypatch.setattr(tier, "read", failing)
+    assert not pair.load([a], [9])
+    monkeypatch.undo()
+    pair.manager.lookup(a, CTX)  # the manager applies the worker's reports on its next call
+    counters = store_snapshots()[pair.manager.cache.config.namespace]["counters"]
+    assert counters["offload_store_failures"] == 1
+    assert counters["offload_load_failures"] == 1
+    assert pair.manager.cache.stats()["nvme"]["errors"] == 2
+
+
+def test_events_translate_to_vllm_offloading_events(pairs, tmp_path: Path) -> None:
+    cfg = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 1},
+            {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": "1MiB"},
+        ]
+    }
+    pair = pairs(_offloading_config(cfg, events=True))
+    a, b = _keys("a", "b")
+    pair.store([a], [1])
+    pair.store([b], [2])  # evicts a from CPU, demoted into LMDB
+    events = list(pair.manager.take_events())
+    seen = [(e.keys, e.medium, e.removed, e.ownership) for e in events]
+    assert ([a], Medium.CPU, False, None) in seen  # stored in the primary tier
+    assert ([a], Medium.CPU, True, None) in seen  # evicted from it
+    assert ([a], Medium.STORAGE, False, "lmdb") in seen  # kept by the secondary tier
+    assert ([b], Medium.CPU, False, None) in seen
+    assert list(pair.manager.take_events()) == []
+
+
+def test_keys_are_deterministic_and_namespaced() -> None:
+    (k,) = _keys("a")
+    assert offload_key_to_key("ns", k) == offload_key_to_key("ns", bytes(k))
+    assert len(offload_key_to_key("ns", k)) == 16
+    assert offload_key_to_key("ns", k) != offload_key_to_key("other", k)
+    spec = TierCacheOffloadingSpec(_offloading_config({"tiers": [{"kind": "cpu", "blocks": 2}]}))
+    assert '"model":"tiny-llama"' in spec.namespace and '"block_size":32' in spec.namespace
+    assert spec.block_bytes == 2 * PAGE
+
+
+def test_bad_setups_are_clear_errors() -> None:
+    cpu = {"tiers": [{"kind": "cpu", "blocks": 2}]}
+    with pytest.raises(ValueError, match="world_size must be 1"):
+        TierCacheOffloadingSpec(_offloading_config(cpu, world_size=2))
+    with pytest.raises(ValueError, match="one vLLM block per tiercache block"):
+        TierCacheOffloadingSpec(_offloading_config(cpu, blocks_per_chunk=2))
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.config"):
+        TierCacheOffloadingSpec(_offloading_config(None))
+    with pytest.raises(ConfigError, match="block_size"):
+        TierCacheOffloadingSpec(_offloading_config({**cpu, "block_size": 16}))
+
+
+# -- end to end on a real engine ---------------------------------------------------------------
+PROMPTS = 4
+PROMPT_TOKENS = 100  # 3 full 32-token blocks each; the last prompt block is always computed
+HIT_TOKENS = 96
+
+
+def _connector(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TierCacheOffloadingSpec",
+            "spec_module_path": SPEC_MODULE,
+            "config": config,
+        },
+    }
+
+
+def _nvme_stats(result: dict[str, Any]) -> dict[str, Any]:
+    (store,) = result["stores"].values()
+    return store["stats"]["nvme"]
+
+
+def test_engine_outputs_hits_restart_and_corruption(
+    engine: ModuleType, tiny_llama: Path, tmp_path: Path
+) -> None:
+    prompts = engine.make_prompts(PROMPTS, PROMPT_TOKENS, seed=5)
+    nvme = tmp_path / "nvme"
+    config = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 4},  # 12 blocks do not fit: demotions run too
+            {"kind": "nvme", "path": str(nvme), "capacity": "8MiB"},
+        ]
+    }
+
+    def spec(kv: dict[str, Any] | None, batches: int) -> dict[str, Any]:
+        one = {"prompts": prompts, "max_tokens": 12, "reset_prefix_cache": True}
+        return {"model": str(tiny_llama), "kv_transfer_config": kv, "batches": [one] * batches}
+
+    base = engine.run_in_subprocess(spec(None, 1))["batches"][0]["outputs"]
+
+    # 1. Greedy outputs equal the run without a connector; after vLLM's own prefix cache is
+    #    reset, every repeated prompt hits the offloaded blocks (and still matches).
+    first = engine.run_in_subprocess(spec(_connector(config), 2))
+    cold, warm = first["batches"]
+    assert cold["outputs"] == base and cold["num_cached_tokens"] == [0] * PROMPTS
+    assert warm["outputs"] == base and warm["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
+
+    # 2. A fresh process with the same config gets external hits from the persistent tier.
+    second = engine.run_in_subprocess(spec(_connector(config), 1))
+    (restart,) = second["batches"]
+    assert restart["outputs"] == base
+    assert restart["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
+    assert _nvme_stats(second)["hits"] >= PROMPTS * 3 and _nvme_stats(second)["errors"] == 0
+
+    # 3. Corrupt every stored block: outputs stay right (recomputed), errors are counted, and
+    #    the recomputed blocks are stored again and hit after another reset.
+    meta = json.loads((nvme / "meta.json").read_text())
+    slab = bytearray((nvme / "slab").read_bytes())
+    for i in range(meta["capacity_blocks"]):
+        slab[i * meta["slot_bytes"] + 64 + 100] ^= 0xFF
+    (nvme / "slab").write_bytes(slab)
+    third = engine.run_in_subprocess(spec(_connector(config), 2))
+    corrupt, healed = third["batches"]
+    assert corrupt["outputs"] == base and corrupt["num_cached_tokens"] == [0] * PROMPTS
+    assert healed["outputs"] == base and healed["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
+    assert _nvme_stats(third)["errors"] >= PROMPTS  # the first block of each prompt at least
+    (store,) = third["stores"].values()
+    assert store["counters"]["offload_verify_errors"] >= PROMPTS

