@@ -2,7 +2,8 @@
 
 - `scale(name, default)`: an iteration count, overridable by the env var `TIERCACHE_<NAME>`.
 - `report(campaign, **figures)`: prints one `CAMPAIGN {json}` line and appends it to the file
-  named by `TIERCACHE_CAMPAIGN_REPORT` (how the long runs' figures reach docs/guarantees.md).
+  named by `TIERCACHE_CAMPAIGN_REPORT` (how the long runs' figures reach the README's
+  Guarantees section).
 - `key(i)`, `payload(i, bb)`, `blocks(ids, bb)`: deterministic block contents, so any block a
   store serves can be checked byte for byte against what was written for its key.
 - `run_child(fn, *args)`: run `fn` in a fresh process forked from a zygote process that has
