@@ -41,10 +41,11 @@ def test_store_is_invisible_until_complete() -> None:
     # Reserved but not ready: lookup sees nothing, a second prepare does not store again.
     assert out.keys_to_store == tuple(chain(0, 3)) and len(out.store_spec.slots) == 3
     assert m.lookup(chain(0, 3)) == 0
+    assert all(m.is_pending(k) for k in chain(0, 3)) and not m.is_pending(K(3))
     assert m.prepare_store(chain(0, 3)).keys_to_store == ()
     # Completing makes them visible and emits one stored event.
     m.complete_store(chain(0, 3))
-    assert m.lookup(chain(0, 3)) == 3
+    assert m.lookup(chain(0, 3)) == 3 and not m.is_pending(K(0))
     (ev,) = m.take_events()
     assert (ev.keys, ev.medium, ev.removed) == (tuple(chain(0, 3)), "t0", False)
     assert m.take_events() == []
@@ -55,6 +56,7 @@ def test_failed_store_frees_slots() -> None:
     m.prepare_store(chain(0, 4))
     m.complete_store(chain(0, 4), success=False)
     assert m.lookup(chain(0, 4)) == 0 and m.tiers[0].used_blocks == 0
+    assert not m.is_pending(K(0))  # a failed store is not pending: it is gone
     assert m.take_events() == []
     # The keys can be stored again afterwards.
     assert m.prepare_store(chain(0, 4)).keys_to_store == tuple(chain(0, 4))

@@ -129,6 +129,11 @@ class OffloadingManager:
         mask = self._ready.get(key, 0)
         return [lv.index for lv in self._levels if mask & lv.bit]
 
+    def is_pending(self, key: bytes) -> bool:
+        """Whether `key` is held but not ready anywhere: its store (or a move) is in flight,
+        so it will be readable once that completes (vLLM's HIT_PENDING), unless it fails."""
+        return key not in self._ready and (key in self._present or key in self._moving)
+
     def count_ready(self, keys: Iterable[bytes]) -> int:
         """How many of `keys` are ready in some tier (no stats, no ordering)."""
         ready = self._ready

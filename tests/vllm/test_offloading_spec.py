@@ -196,6 +196,20 @@ def test_store_then_load_round_trips_the_bytes(pairs) -> None:
     assert [_block(pair.kv, b) for b in (10, 11, 12)] == expected
 
 
+def test_block_whose_store_is_in_flight_is_hit_pending(pairs) -> None:
+    """Like vLLM's own CPU manager: a block being stored is HIT_PENDING (the scheduler defers
+    and asks again), not MISS (which would recompute a block that is about to be there)."""
+    pair = pairs(_offloading_config({"tiers": [{"kind": "cpu", "blocks": 8}]}))
+    a, b = _keys("a", "b")
+    out = pair.manager.prepare_store([a], CTX)
+    assert pair.manager.lookup(a, CTX) is LookupResult.HIT_PENDING
+    assert pair.manager.lookup(b, CTX) is LookupResult.MISS
+    pair.manager.complete_store(out.keys_to_store, CTX, success=False)
+    assert pair.manager.lookup(a, CTX) is LookupResult.MISS  # a failed store is gone
+    assert pair.store([a], [1]) == [a]
+    assert pair.manager.lookup(a, CTX) is LookupResult.HIT
+
+
 def test_demotion_to_a_persistent_tier_and_restart(pairs, tmp_path: Path) -> None:
     cfg = {
         "tiers": [
@@ -369,7 +383,10 @@ def test_engine_outputs_hits_restart_and_corruption(
     nvme = tmp_path / "nvme"
     config = {
         "tiers": [
-            {"kind": "cpu", "blocks": 4},  # 12 blocks do not fit: demotions run too
+            # 12 blocks do not fit, so demotions run too. Room for two 3-block stores in
+            # flight at once: with less, a request's store can find no free slot in every step
+            # it runs (prepare_store returns None) and vLLM never offers those blocks again.
+            {"kind": "cpu", "blocks": 8},
             {"kind": "nvme", "path": str(nvme), "capacity": "8MiB"},
         ]
     }

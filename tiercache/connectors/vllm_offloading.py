@@ -225,6 +225,10 @@ class TierCacheOffloadingManager(OffloadingManager):
         if n and self._verify(k):
             self._store.count("offload_hits")
             return LookupResult.HIT
+        if not n and self._manager.is_pending(k):
+            # Its store is in flight (e.g. the previous request just computed it): vLLM
+            # defers the lookup and asks again rather than recomputing the block.
+            return LookupResult.HIT_PENDING
         return LookupResult.MISS
 
     @_locked
