@@ -583,3 +583,41 @@ def test_tiercache_overflow_lands_in_lmdb_and_survives_reopen(tmp_path) -> None:
         assert cache.stats()["lmdb"]["errors"] == 0
     with TierCache.open(config("other"), block_bytes=4096) as cache:
         assert cache.lookup(cache.hash_tokens(tokens)) == 0
+
+
+def test_blocks_another_process_stores_later_are_found_by_lookup(tmp_path) -> None:
+    """A cache opened on a shared LMDB store before another process stored a chain finds
+    that chain on its next lookup (headers checked, then adopted), and reads it verified."""
+    from tiercache import TierCache
+
+    cfg = {
+        "block_size": 4,
+        "namespace": "m/bf16/tp1/0",
+        "tiers": [{"kind": "lmdb", "path": str(tmp_path / "env"), "blocks": 16}],
+    }
+    with TierCache.open(cfg, block_bytes=8192) as cache:
+        keys = [i.to_bytes(16, "big") for i in range(5)]
+        assert cache.lookup(keys) == 0
+        child = run_child(
+            """
+            from tiercache import TierCache
+            cfg = json.loads(sys.argv[1])
+            with TierCache.open(cfg, block_bytes=8192) as c:
+                c.put([key(i) for i in range(5)], torch.cat([block(i, 8192) for i in range(5)]))
+            """,
+            json.dumps(cfg),
+        )
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        assert cache.lookup(keys) == 5
+        want = torch.cat([_child_block(i, 8192) for i in range(5)])
+        assert torch.equal(cache.get(keys), want)
+        st = cache.stats()["lmdb"]
+        assert st["discovered"] == 5 and st["errors"] == 0 and st["used_blocks"] == 5
+        # Indexed now: the next lookup discovers nothing more.
+        assert cache.lookup(keys) == 5 and cache.stats()["lmdb"]["discovered"] == 5
+
+
+def _child_block(i: int, bb: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn((1, bb // 2), generator=g).to(torch.bfloat16).view(torch.uint8)

@@ -390,15 +390,18 @@ def test_cluster_round_trip_and_recovery(cluster, form) -> None:
     keys = keys_for(48)
     data = rand_blocks(48, 1024, 5)
     t = RedisTier(url=url, block_bytes=1024, capacity_blocks=64, prefix=prefix)
+    watcher = RedisTier(url=url, block_bytes=1024, capacity_blocks=64, prefix=prefix)
     try:
         assert t.available
         slots = t.allocate(keys)
         t.write(slots, data, keys)  # one call, pipelined per node
+        assert watcher.probe(keys) == 48  # headers fetched from all three nodes
         out = torch.empty_like(data)
         assert t.read(slots, out, keys) == []
         assert torch.equal(out, data)
     finally:
         t.close()
+        watcher.close()
     # The keys are spread over the three nodes (hash slots), not pinned to one.
     per_node = [len(n.client().keys(prefix.encode() + b"*")) for n in cluster]
     assert sum(per_node) == 48 + 1  # + the store's metadata key
@@ -767,3 +770,81 @@ def test_transfer_engine_moves_blocks_through_redis(server) -> None:
     assert res[2].transfer_type == ("cpu", "redis")
     assert_blocks(caches, kv_first, [8, 9, 10, 11], want_a)
     assert_blocks(caches, kv_first, [24, 25], want_c)
+
+
+# -- live discovery: blocks another instance stores after this one opened --------------------
+
+
+def test_blocks_another_instance_stores_later_are_found_by_lookup(server) -> None:
+    """Two instances share one Redis store; each opened before the other stored anything.
+    A lookup miss asks Redis for the missing headers and adopts what is there; the bytes come
+    back verified, and counters say where they came from."""
+    prefix = unique_prefix("live")
+    keys = keys_for(8)
+    data = rand_blocks(8, 4096, 21)
+    with _two_tier_cache(server.url, prefix) as a, _two_tier_cache(server.url, prefix) as b:
+        assert a.lookup(keys) == 0 and b.lookup(keys) == 0
+        # b stores two 4-block runs; its CPU tier holds 4, so the first run is demoted to Redis.
+        b.put(keys[:4], data[:4])
+        b.put(keys[4:], data[4:])
+        assert a.lookup(keys) == 4  # the rest sits in b's CPU tier only
+        assert torch.equal(a.get(keys), data[:4])
+        b.close()  # write-back: b's CPU-only blocks go down to Redis
+        assert a.lookup(keys) == 8
+        assert torch.equal(a.get(keys), data)
+        st = a.stats()["redis"]
+        assert st["discovered"] == 8 and st["errors"] == 0
+        # Indexed now: another lookup finds them without discovering anything.
+        assert a.lookup(keys) == 8 and a.stats()["redis"]["discovered"] == 8
+        stored = [e for e in a.take_events() if e.medium == "redis" and not e.removed]
+        assert sorted(k for e in stored for k in e.keys) == sorted(keys)
+
+
+def test_discovery_stops_at_corrupt_foreign_or_missing_headers(server) -> None:
+    prefix = unique_prefix("live")
+    keys = keys_for(5)
+    t = open_tier(server, capacity=16, prefix=prefix)
+    other = open_tier(server, capacity=16, prefix=prefix)
+    foreign = open_tier(server, capacity=16, prefix=prefix, namespace="another/model")
+    try:
+        assert t.probe(keys) == 0
+        slots = other.allocate(keys[:3])
+        other.write(slots, rand_blocks(3, 4096, 2), keys[:3])
+        assert t.probe(keys) == 3
+        c = server.client()
+        c.set(t.redis_key(keys[1]), b"garbage")
+        assert t.probe(keys) == 1  # a bad header ends the run
+        # The same key under another namespace lives under another Redis key: not found.
+        fslots = foreign.allocate(keys[3:4])
+        foreign.write(fslots, rand_blocks(1, 4096, 3), keys[3:4])
+        assert t.probe(keys[3:]) == 0
+        adopted = t.adopt(keys[:1])
+        assert adopted is not None and len(adopted) == 1
+        assert t.free_blocks == 15
+    finally:
+        for x in (t, other, foreign):
+            x.close()
+
+
+def test_discovery_in_a_full_last_tier_evicts_to_make_room(server) -> None:
+    prefix = unique_prefix("live")
+    cfg = {"tiers": [{"kind": "redis", "blocks": 4, "url": server.url, "prefix": prefix}]}
+    old, new = keys_for(8)[:4], keys_for(8)[4:]
+    with TierCache.open(cfg, block_bytes=4096) as a:
+        a.put(old, rand_blocks(4, 4096, 5))
+        with TierCache.open(cfg, block_bytes=4096) as b:
+            b.put(new[:2], rand_blocks(2, 4096, 6))
+        assert a.lookup(new) == 2  # 2 of a's own blocks were evicted to index them
+        assert a.stats()["redis"]["used_blocks"] == 4
+        assert a.stats()["redis"]["discovered"] == 2
+
+
+def test_discovery_while_redis_is_down_is_a_plain_miss(tmp_path) -> None:
+    srv = RedisServer(tmp_path / "d")
+    try:
+        t = open_tier(srv)
+        srv.kill()
+        assert t.probe(keys_for(3)) == 0
+        t.close()
+    finally:
+        srv.kill()

@@ -55,6 +55,7 @@ class TierCounters:
     demoted_in: int = 0
     dropped: int = 0
     errors: int = 0
+    discovered: int = 0  # blocks another process stored in this shared tier, found by lookup
 
 
 class _Level:
@@ -112,6 +113,8 @@ class OffloadingManager:
         self._loads_out = 0  # outstanding pins in all tiers (one tier: counted on records only)
         self._events: list[OffloadingEvent] = []
         self._single = len(self._levels) == 1
+        # Tiers other processes write into: a lookup miss asks them (see _discover).
+        self._shared = [lv for lv in self._levels if lv.tier.shared]
         for level in self._levels:
             self._adopt(level, level.tier.recover())
 
@@ -151,6 +154,13 @@ class OffloadingManager:
                 break
             n += 1
         missed = len(keys) - n
+        if missed and self._shared and keys[n] not in self._moving:
+            got = self._discover(keys, n)
+            if got:
+                n += got
+                while n < len(keys) and get(keys[n]):
+                    n += 1
+                missed = len(keys) - n
         if self._single:
             c = self._levels[0].counters
             c.hits += n
@@ -160,6 +170,40 @@ class OffloadingManager:
         if missed and keys[n] in self._moving:
             return None
         return n
+
+    def _discover(self, keys: Sequence[bytes], n: int) -> int:
+        """`lookup` missed at keys[n]: ask the shared tiers, fastest first, for blocks another
+        process stored there after they opened, and adopt the leading run one of them holds.
+        Room comes from free slots; in the last tier also from eviction (its victims just
+        go, as when it stores). Returns how many keys became ready."""
+        present = self._present
+        tail: list[bytes] = []
+        for k in keys[n:]:
+            if k in present:  # held here already, its store or move still in flight
+                break
+            tail.append(k)
+        if not tail:
+            return 0
+        last = self._levels[-1]
+        for lv in self._shared:
+            tier = lv.tier
+            found = tier.probe(tail)
+            if not found:
+                continue
+            short = found - tier.free_blocks
+            if short > 0 and lv is last:
+                victims = lv.policy.evict(short, self._protected(keys, lv))
+                if victims:
+                    self._evict(lv, victims, [])
+            take = tail[: min(found, tier.free_blocks)]
+            slots = tier.adopt(take) if take else None
+            if not slots:
+                continue
+            # Tail first into the policy, so the chain's head ends up most recently used.
+            self._adopt(lv, reversed(list(zip(take, slots, strict=True))))
+            lv.counters.discovered += len(take)
+            return len(take)
+        return 0
 
     def _count_lookup(self, keys: Sequence[bytes], n: int, missed: int) -> None:
         ready = self._ready
@@ -614,5 +658,6 @@ class OffloadingManager:
                 "demoted_in": c.demoted_in,
                 "dropped": c.dropped,
                 "errors": c.errors,
+                "discovered": c.discovered,
             }
         return out

@@ -109,6 +109,19 @@ class Tier(ABC):
         taken = set(slots)
         self._free = [s for s in self._free if s not in taken]
 
+    # -- blocks other processes stored (shared tiers) ------------------------------------------
+    def probe(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the store holds although this instance never indexed them:
+        another process sharing it stored them after this one opened. Checks headers, not
+        payloads (a read verifies the block as usual); 0 on any I/O error. The manager asks
+        only about keys it does not hold. A private tier holds only what it was given: 0."""
+        return 0
+
+    def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
+        """Index blocks `probe` found: one slot per key, as `allocate`, but no write follows
+        (the bytes are already stored). None, and nothing reserved, when too few are free."""
+        return self.allocate(keys)
+
     # -- bytes -----------------------------------------------------------------------------
     @abstractmethod
     def write(

@@ -522,6 +522,39 @@ class LMDBTier(Tier):
                 self._shared.pending.update(gone)
         super().free(slots)
 
+    def probe(self, keys: Sequence[bytes]) -> int:
+        """Leading `keys` with a well-formed header of this namespace in the environment
+        (stored by another process since open); stops at a key this process is deleting."""
+        if self._closed or not keys:
+            return 0
+        shared = self._shared
+        with shared.state_lock:
+            pending = set(shared.pending) if shared.pending else ()
+        n = 0
+        try:
+            txn = self._begin(write=False)
+        except OSError:
+            return 0
+        try:
+            for k in keys:
+                if k in pending:
+                    break
+                head = txn.get(k, db=shared.heads)
+                if head is None:
+                    break
+                try:
+                    h = decode_header(head)
+                except BlockCorruptError:
+                    break
+                if h.key != k or h.namespace_id != self._ns or h.raw_len != self.block_bytes:
+                    break
+                n += 1
+        except lmdb.Error:
+            pass  # what was counted stands; a read verifies each block anyway
+        finally:
+            txn.abort()
+        return n
+
     def _unpend(self, keys: Iterable[bytes]) -> None:
         """Keys stored again are live: no pending delete may remove them any more."""
         shared = self._shared

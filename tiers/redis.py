@@ -599,6 +599,45 @@ class RedisTier(Tier):
                 self._pending.difference_update(keys)
         return slots
 
+    def probe(self, keys: Sequence[bytes]) -> int:
+        """Leading `keys` whose value in Redis starts with a good header of this namespace
+        (stored by another instance since open): one pipelined GETRANGE of the 64-byte
+        headers. Stops at a key this instance is deleting; 0 while Redis is unreachable."""
+        if self._closed or not keys:
+            return 0
+        with self._lock:
+            pending = set(self._pending)
+        try:
+            client = self._conn()
+            heads = self._run(
+                client,
+                [["GETRANGE", self._kprefix + k, b"0", b"%d" % (HEADER_SIZE - 1)] for k in keys],
+                "probe",
+            )
+        except OSError:
+            return 0
+        n = 0
+        for k, head in zip(keys, heads, strict=True):
+            if k in pending or not isinstance(head, bytes) or len(head) < HEADER_SIZE:
+                break
+            try:
+                h = decode_header(head)
+            except BlockCorruptError:
+                break
+            if h.key != k or h.namespace_id != self._ns or h.raw_len != self.block_bytes:
+                break
+            n += 1
+        return n
+
+    def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
+        """Index blocks another instance stored; evicting them later deletes them, as for
+        blocks found at open."""
+        slots = self.allocate(keys)
+        if slots:
+            with self._lock:
+                self._slot_key.update(zip(slots, keys, strict=True))
+        return slots
+
     def free(self, slots: Sequence[int]) -> None:
         """Return slots; the keys this instance stored there are deleted from Redis with the
         next write or at flush, not now: a demotion planned with the eviction reads them."""
