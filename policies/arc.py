@@ -34,8 +34,6 @@ from itertools import filterfalse, islice
 
 from tiercache.policies.base import EvictionPolicy
 
-_END = object()  # sentinel for "not found" (keys are opaque, so even None may be a key)
-
 
 @dataclass(frozen=True)
 class ARCState:
@@ -95,12 +93,23 @@ class ARCPolicy(EvictionPolicy):
 
     def insert_many(self, keys: Sequence[bytes]) -> None:
         """insert() for each key in order; case IV and its ghost trimming are inlined (the
-        manager's batched hot path), the rarer cases go through insert()."""
+        manager's batched hot path), the rarer cases go through insert(). A batch of distinct
+        keys that none of the four lists holds is all case IV (trimming drops only the oldest
+        ghosts, so it cannot change which case a later key falls in): four C-level disjointness
+        tests then replace the four membership tests per key."""
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         c, c2 = self.capacity, 2 * self.capacity
         n1, n2, g1, g2 = len(t1), len(t2), len(b1), len(b2)  # list sizes, kept in step
+        all_new = (
+            len(keys) > 1
+            and b1.keys().isdisjoint(keys)
+            and b2.keys().isdisjoint(keys)
+            and t1.keys().isdisjoint(keys)
+            and t2.keys().isdisjoint(keys)
+            and len(set(keys)) == len(keys)
+        )
         for key in keys:
-            if key in t1 or key in t2 or key in b1 or key in b2:
+            if not all_new and (key in t1 or key in t2 or key in b1 or key in b2):
                 self.insert(key)
                 n1, n2, g1, g2 = len(t1), len(t2), len(b1), len(b2)
                 continue
@@ -137,18 +146,24 @@ class ARCPolicy(EvictionPolicy):
     def evict(self, n: int, protected: Container[bytes] = frozenset()) -> list[bytes] | None:
         """Apply REPLACE n times, moving victims to the MRU end of B1 or B2; None if impossible."""
         self._check_count(n)
-        victims = self._plan(n, protected)
-        if victims is None:
+        plan = self._plan_lists(n, protected)
+        if plan is None:
             return None
+        first_t1, from_t2, more_t1 = plan
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        for key in victims:
-            if t1.pop(key, _END) is _END:
-                del t2[key]
-                b2[key] = None
-            else:
-                b1[key] = None
+        # Each victim leaves its list for its ghost list's MRU end, in eviction order, as one
+        # REPLACE per victim would; the plan says which list each one is in.
+        for key in first_t1:
+            del t1[key]
+            b1[key] = None
+        for key in from_t2:
+            del t2[key]
+            b2[key] = None
+        for key in more_t1:
+            del t1[key]
+            b1[key] = None
         self._trim_ghosts()  # a no-op unless more than c keys were resident
-        return victims
+        return first_t1 + from_t2 + more_t1
 
     def clear(self) -> None:
         """Forget every key, all ghosts and the learned p."""
@@ -169,7 +184,14 @@ class ARCPolicy(EvictionPolicy):
         return iter(victims)
 
     def _plan(self, n: int, protected: Container[bytes]) -> list[bytes] | None:
-        """Pick n victims by REPLACE without mutating anything (so evict can stay atomic).
+        """Pick n victims by REPLACE without mutating anything (so evict can stay atomic)."""
+        plan = self._plan_lists(n, protected)
+        return None if plan is None else plan[0] + plan[1] + plan[2]
+
+    def _plan_lists(
+        self, n: int, protected: Container[bytes]
+    ) -> tuple[list[bytes], list[bytes], list[bytes]] | None:
+        """The victims of n REPLACE steps, as (from T1, then from T2, then more from T1).
 
         n successive REPLACE calls with p fixed take T1's LRU key while |T1| > p, which is the
         first |T1| - floor(p) steps, then T2's; skipped protected keys still count in |T1|. When
@@ -184,10 +206,14 @@ class ARCPolicy(EvictionPolicy):
             from_t1 = filterfalse(protected.__contains__, from_t1)
             from_t2 = filterfalse(protected.__contains__, from_t2)
         t1_turns = max(0, len(self._t1) - math.floor(self._p))
-        victims = list(islice(from_t1, min(n, t1_turns)))
-        victims += islice(from_t2, n - len(victims))
-        victims += islice(from_t1, n - len(victims))
-        return victims if len(victims) == n else None
+        first_t1 = list(islice(from_t1, min(n, t1_turns)))
+        left = n - len(first_t1)
+        second = list(islice(from_t2, left)) if left else []
+        left -= len(second)
+        third = list(islice(from_t1, left)) if left else []
+        if left != len(third):
+            return None
+        return first_t1, second, third
 
     def _trim_ghosts(self) -> None:
         """Drop the oldest ghosts until |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c."""
