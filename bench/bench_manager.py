@@ -20,6 +20,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from tiercache.benchharness.replay import frozen_heap
 from tiercache.manager import OffloadingManager
 from tiercache.policies import ARCPolicy, LRUPolicy
 from tiercache.tiers.cpu import CPUTier
@@ -95,29 +96,14 @@ def run_baseline(trace: list[list[bytes]], capacity: int) -> tuple[float, int, i
 
 
 def run_vllm(trace: list[list[bytes]], policy: str, capacity: int) -> tuple[float, int, int] | None:
-    """vLLM's own CPUOffloadingManager on the same trace, when vLLM is importable."""
-    try:
-        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # type: ignore
-    except Exception:
-        return None
-    try:
-        m = CPUOffloadingManager(block_size=16, num_blocks=capacity, cache_policy=policy)
-    except TypeError:
-        return None
-    ops = hits = 0
-    t0 = time.perf_counter()
-    for keys in trace:
-        n = m.lookup(keys) or 0
-        if n:
-            m.prepare_load(keys[:n])
-            m.complete_load(keys[:n])
-        out = m.prepare_store(keys[n:]) if n < len(keys) else None
-        m.touch(keys)
-        if out is not None:
-            m.complete_store(out.block_hashes_to_store)
-        ops += 2 * len(keys) + 2 * n + 2 * (len(keys) - n)
-        hits += n
-    return time.perf_counter() - t0, ops, hits
+    """vLLM's own CPUOffloadingManager on the same trace, driven as its 0.32 scheduler drives
+    it (the harness's `replay_vllm`, one implementation for both), when vLLM is importable."""
+    from tiercache.benchharness.replay import replay_vllm
+    from tiercache.benchharness.traces import Trace
+
+    t = Trace("bench_manager", tuple(map(tuple, trace)), tuple(range(len(trace))))
+    run = replay_vllm(t, policy, capacity)
+    return None if run is None else (run.seconds, run.ops, run.hits)
 
 
 def main() -> None:
@@ -144,7 +130,8 @@ def main() -> None:
     for name, fn in runners.items():
         rates, hit_rate = [], 0.0
         for _ in range(args.runs):
-            r = fn()
+            with frozen_heap():  # as the harness does: no full-GC walk lands on one contender
+                r = fn()
             if r is None:
                 break
             secs, ops, hits = r

@@ -15,7 +15,7 @@ A block-op is one key passed to one manager call; both managers are charged the 
 for a request (2 per key, plus 2 per hit key and 2 per stored key), so ops/s compare like for
 like.
 
-Both timed loops run under `_frozen_heap()`: a full collection, then `gc.freeze()` for the
+Both timed loops run under `frozen_heap()`: a full collection, then `gc.freeze()` for the
 loop, as vLLM's engine freezes its heap after start-up (`vllm.utils.gc_utils.freeze_gc_heap`).
 The collector stays on, so each manager pays for collecting what it allocates, but no longer for
 walking the ~600k objects torch and vLLM leave on the heap: that walk took about 300 ms here,
@@ -61,7 +61,7 @@ class ManagerRun:
 
 
 @contextmanager
-def _frozen_heap() -> Iterator[None]:
+def frozen_heap() -> Iterator[None]:
     """Collect, then freeze what is left (leaving the collector on) until the block exits."""
     gc.collect()
     gc.freeze()
@@ -82,7 +82,7 @@ def replay_manager(trace: Trace, policy: str, capacity: int) -> ManagerRun:
     lookup, prep_load, done_load = m.lookup, m.prepare_load, m.complete_load
     prep_store, touch, done_store = m.prepare_store, m.touch, m.complete_store
     hits = ops = 0
-    with _frozen_heap():
+    with frozen_heap():
         t0 = time.perf_counter()
         for keys in trace.requests:
             n = lookup(keys) or 0
@@ -122,7 +122,7 @@ def replay_vllm(trace: Trace, policy: str, capacity: int) -> ManagerRun | None:
     # vLLM keys carry a 4-byte KV-group index; convert outside the timed loop.
     reqs = [[make_offload_key(k, 0) for k in r] for r in trace.requests]
     hits = ops = 0
-    with _frozen_heap():
+    with frozen_heap():
         t0 = time.perf_counter()
         for i, keys in enumerate(reqs):
             ctx = ReqContext(req_id=str(i))
