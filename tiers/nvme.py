@@ -270,26 +270,9 @@ class NVMeTier(Tier):
         return fd
 
     def _load_meta(self) -> dict[str, Any] | None:
-        p = os.path.join(self._path, _META)
-        try:
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
+        meta = _read_meta_file(self._path)
+        if meta is None:
             return None
-        except OSError as exc:  # e.g. ELOOP: a symlink planted where our metadata belongs
-            raise ConfigError("path", f"{p!r} cannot be opened ({exc.strerror})") from None
-        try:
-            with os.fdopen(fd, "rb") as f:
-                meta = json.loads(f.read(1 << 16))
-        except (OSError, ValueError) as exc:
-            raise ConfigError("path", f"{p!r} is unreadable or not JSON ({exc})") from None
-        if not isinstance(meta, dict) or meta.get("format") != _STORE_FORMAT:
-            raise ConfigError("path", f"{p!r} does not describe a tiercache NVMe store")
-        if meta.get("version") != _STORE_VERSION:
-            raise ConfigError(
-                "path",
-                f"{p!r}: store format version {meta.get('version')!r}, "
-                f"this build reads {_STORE_VERSION}",
-            )
         if meta.get("block_bytes") != self.block_bytes:
             raise ConfigError(
                 "block_bytes",
@@ -300,7 +283,8 @@ class NVMeTier(Tier):
         if meta.get("slot_bytes") != self._slot_bytes or meta.get("header_bytes") != HEADER_SIZE:
             raise ConfigError(
                 "path",
-                f"{p!r}: slot layout {meta.get('slot_bytes')!r} bytes "
+                f"{os.path.join(self._path, _META)!r}: slot layout "
+                f"{meta.get('slot_bytes')!r} bytes "
                 f"differs from this build's {self._slot_bytes}",
             )
         return meta
@@ -791,18 +775,19 @@ def _prepare_dir(path: str) -> None:
 # -- offline access, for the CLI (inspect, verify, evict) -------------------------------------
 
 
-def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The `meta.json` of an existing NVMe store, read without writing anything; ConfigError
-    naming the problem when `path` is not one this build reads."""
-    p = os.path.join(os.path.abspath(os.fspath(path)), _META)
+def _read_meta_file(path: str) -> dict[str, Any] | None:
+    """The store's `meta.json` (None if absent), checked for format and version; ConfigError
+    naming the problem otherwise. Shared by the tier's open and the offline reader."""
+    p = os.path.join(path, _META)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # e.g. ELOOP: a symlink planted where our metadata belongs
+        raise ConfigError("path", f"{p!r} cannot be opened ({exc.strerror})") from None
+    try:
         with os.fdopen(fd, "rb") as f:
             meta = json.loads(f.read(1 << 16))
-    except FileNotFoundError:
-        raise ConfigError(
-            "path", f"{os.path.dirname(p)} is not an NVMe store (no {_META})"
-        ) from None
     except (OSError, ValueError) as exc:
         raise ConfigError("path", f"{p!r} is unreadable or not JSON ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != _STORE_FORMAT:
@@ -813,6 +798,17 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{p!r}: store format version {meta.get('version')!r}, "
             f"this build reads {_STORE_VERSION}",
         )
+    return meta
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The `meta.json` of an existing NVMe store, read without writing anything; ConfigError
+    naming the problem when `path` is not one this build reads."""
+    root = os.path.abspath(os.fspath(path))
+    meta = _read_meta_file(root)
+    if meta is None:
+        raise ConfigError("path", f"{root} is not an NVMe store (no {_META})")
+    p = os.path.join(root, _META)
     for k in ("block_bytes", "capacity_blocks", "slot_bytes"):
         v = meta.get(k)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
