@@ -140,6 +140,19 @@ def decode_header(buf: bytes | memoryview) -> BlockHeader:
     return BlockHeader(codec, key, ns, raw_len, stored_len, seq, checksum, prefix)
 
 
+def is_header_of(buf: object, key: bytes, namespace: int, raw_len: int) -> bool:
+    """Whether `buf` starts with a well-formed header of block `key` in `namespace` holding
+    `raw_len` bytes (a shared tier's cheap check that another process stored it; the payload
+    is verified when it is read)."""
+    if not isinstance(buf, bytes | memoryview) or len(buf) < HEADER_SIZE:
+        return False
+    try:
+        h = decode_header(buf)
+    except BlockCorruptError:
+        return False
+    return h.key == key and h.namespace_id == namespace and h.raw_len == raw_len
+
+
 def verify(header: BlockHeader, stored: bytes | memoryview) -> None:
     """Check the checksum over header and stored payload; `BlockCorruptError` on mismatch."""
     if len(stored) != header.stored_len:

@@ -69,6 +69,7 @@ from tiercache.tiers.format import (
     decode_header,
     decode_payload,
     encode_block,
+    is_header_of,
     namespace_id,
     verify,
 )
@@ -540,13 +541,7 @@ class LMDBTier(Tier):
                 if k in pending:
                     break
                 head = txn.get(k, db=shared.heads)
-                if head is None:
-                    break
-                try:
-                    h = decode_header(head)
-                except BlockCorruptError:
-                    break
-                if h.key != k or h.namespace_id != self._ns or h.raw_len != self.block_bytes:
+                if not is_header_of(head, k, self._ns, self.block_bytes):
                     break
                 n += 1
         except lmdb.Error:

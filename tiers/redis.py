@@ -68,6 +68,7 @@ from tiercache.tiers.format import (
     decode_header,
     decode_payload,
     encode_block,
+    is_header_of,
     namespace_id,
     verify,
 )
@@ -618,13 +619,7 @@ class RedisTier(Tier):
             return 0
         n = 0
         for k, head in zip(keys, heads, strict=True):
-            if k in pending or not isinstance(head, bytes) or len(head) < HEADER_SIZE:
-                break
-            try:
-                h = decode_header(head)
-            except BlockCorruptError:
-                break
-            if h.key != k or h.namespace_id != self._ns or h.raw_len != self.block_bytes:
+            if k in pending or not is_header_of(head, k, self._ns, self.block_bytes):
                 break
             n += 1
         return n
