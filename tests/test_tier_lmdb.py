@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import weakref
 from pathlib import Path
 
@@ -588,7 +589,6 @@ def test_tiercache_overflow_lands_in_lmdb_and_survives_reopen(tmp_path) -> None:
 def test_blocks_another_process_stores_later_are_found_by_lookup(tmp_path) -> None:
     """A cache opened on a shared LMDB store before another process stored a chain finds
     that chain on its next lookup (headers checked, then adopted), and reads it verified."""
-    from tiercache import TierCache
 
     cfg = {
         "block_size": 4,
@@ -621,3 +621,80 @@ def test_blocks_another_process_stores_later_are_found_by_lookup(tmp_path) -> No
 def _child_block(i: int, bb: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(i)
     return torch.randn((1, bb // 2), generator=g).to(torch.bfloat16).view(torch.uint8)
+
+
+def test_evicting_discovered_blocks_never_deletes_them(tmp_path) -> None:
+    """Blocks a process discovered belong to the process that wrote them: when the reader's
+    policy evicts them to make room, the reader forgets them but does not delete them."""
+
+    path = str(tmp_path / "env")
+    cfg = {"block_size": 4, "namespace": "m/bf16/tp1/0"}
+    big = {**cfg, "tiers": [{"kind": "lmdb", "path": path, "blocks": 16}]}
+    small = {**cfg, "tiers": [{"kind": "lmdb", "path": path, "blocks": 4}]}
+    with TierCache.open(small, block_bytes=8192) as reader:
+        child = run_child(
+            """
+            from tiercache import TierCache
+            with TierCache.open(json.loads(sys.argv[1]), block_bytes=8192) as c:
+                c.put([key(i) for i in range(8)], torch.cat([block(i, 8192) for i in range(8)]))
+            """,
+            json.dumps(big),
+        )
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        keys = [i.to_bytes(16, "big") for i in range(8)]
+        assert reader.lookup(keys[:4]) == 4
+        assert reader.lookup(keys[4:]) == 4  # evicts the first four to make room
+        assert reader.lookup(keys[:4]) == 4  # ... which are still there to rediscover
+        assert reader.stats()["lmdb"]["discovered"] == 12
+    with TierCache.open(big, block_bytes=8192) as cache:
+        assert cache.lookup(keys) == 8
+        assert torch.equal(cache.get(keys), torch.cat([_child_block(i, 8192) for i in range(8)]))
+
+
+def test_discovery_beside_a_writer_that_keeps_evicting(tmp_path) -> None:
+    """A reader cache discovers blocks while another process stores and evicts them all the
+    time: every block served is exact, a block deleted after discovery is a miss, and the
+    reader's accounting stays within capacity."""
+
+    cfg = {
+        "block_size": 4,
+        "namespace": "m/bf16/tp1/0",
+        "tiers": [{"kind": "lmdb", "path": str(tmp_path / "env"), "blocks": 24}],
+    }
+    writer = run_child(
+        """
+        from tiercache import TierCache
+        cfg = json.loads(sys.argv[1])
+        data = {i: block(i, 8192) for i in range(64)}
+        with TierCache.open(cfg, block_bytes=8192) as c:
+            t0 = time.monotonic(); n = 0
+            while time.monotonic() - t0 < 3.0:
+                ids = [(n + j) % 64 for j in range(4)]  # 4-block chains over 64 keys
+                c.put([key(i) for i in ids], torch.cat([data[i] for i in ids]))
+                n += 4
+        print(json.dumps({"puts": n // 4}))
+        """,
+        json.dumps(cfg),
+    )
+    want = {i: _child_block(i, 8192) for i in range(64)}
+    served = rounds = 0
+    with TierCache.open(cfg, block_bytes=8192) as cache:
+        t0 = time.monotonic()
+        while writer.poll() is None and time.monotonic() - t0 < 60:
+            rounds += 1
+            start = (rounds * 4) % 64
+            ids = [(start + j) % 64 for j in range(4)]
+            keys = [i.to_bytes(16, "big") for i in ids]
+            cache.lookup(keys)
+            got = cache.get(keys)
+            for row, i in zip(got, ids, strict=False):
+                assert torch.equal(row, want[i][0]), f"wrong bytes for block {i}"
+            served += len(got)
+            st = cache.stats()["lmdb"]
+            assert st["used_blocks"] <= st["capacity_blocks"]
+        out, err = writer.communicate(timeout=60)
+        assert writer.returncode == 0, err
+        st = cache.stats()["lmdb"]
+        assert st["discovered"] > 0 and served > 0
+    assert json.loads(out)["puts"] > 0

@@ -826,6 +826,20 @@ def test_discovery_stops_at_corrupt_foreign_or_missing_headers(server) -> None:
             x.close()
 
 
+def test_evicting_discovered_blocks_never_deletes_them(server) -> None:
+    prefix = unique_prefix("live")
+    small = {"tiers": [{"kind": "redis", "blocks": 4, "url": server.url, "prefix": prefix}]}
+    big = {"tiers": [{"kind": "redis", "blocks": 16, "url": server.url, "prefix": prefix}]}
+    keys, data = keys_for(8), rand_blocks(8, 4096, 8)
+    with TierCache.open(small, block_bytes=4096) as reader:
+        with TierCache.open(big, block_bytes=4096) as writer:
+            writer.put(keys, data)
+        assert reader.lookup(keys[:4]) == 4 and reader.lookup(keys[4:]) == 4
+    # The reader evicted (and flushed at close) the first four: they are still in Redis.
+    with TierCache.open(big, block_bytes=4096) as cache:
+        assert cache.lookup(keys) == 8 and torch.equal(cache.get(keys), data)
+
+
 def test_discovery_in_a_full_last_tier_evicts_to_make_room(server) -> None:
     prefix = unique_prefix("live")
     cfg = {"tiers": [{"kind": "redis", "blocks": 4, "url": server.url, "prefix": prefix}]}

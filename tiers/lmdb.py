@@ -550,6 +550,11 @@ class LMDBTier(Tier):
             txn.abort()
         return n
 
+    def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
+        """Slots for blocks another process stored: not recorded as ours, so evicting them
+        later only forgets them; the process that wrote them decides when they are deleted."""
+        return Tier.allocate(self, keys)
+
     def _unpend(self, keys: Iterable[bytes]) -> None:
         """Keys stored again are live: no pending delete may remove them any more."""
         shared = self._shared

@@ -291,7 +291,10 @@ class RedisTier(Tier):
         self._meta_key = self._kprefix + META_SUFFIX
         self._tls = threading.local()
         self._lock = threading.Lock()  # slot map, pending deletes, availability, counters
-        self._slot_key: dict[int, bytes] = {}  # slots whose key this instance stored or found
+        # Slots whose key this instance stored or found at open: evicting them deletes the key.
+        # Blocks adopted later (another instance stored them) are not here: that instance's
+        # policy decides when they go, so evicting them here only forgets them.
+        self._slot_key: dict[int, bytes] = {}
         self._pending: set[bytes] = set()  # freed keys still in Redis (see free)
         self._keep: set[bytes] = set()  # keys unreadable only because Redis was down
         self._counts = dict.fromkeys(_COUNTERS, 0)
@@ -623,15 +626,6 @@ class RedisTier(Tier):
                 break
             n += 1
         return n
-
-    def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
-        """Index blocks another instance stored; evicting them later deletes them, as for
-        blocks found at open."""
-        slots = self.allocate(keys)
-        if slots:
-            with self._lock:
-                self._slot_key.update(zip(slots, keys, strict=True))
-        return slots
 
     def free(self, slots: Sequence[int]) -> None:
         """Return slots; the keys this instance stored there are deleted from Redis with the
