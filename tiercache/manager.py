@@ -145,7 +145,8 @@ class OffloadingManager:
     # -- lookup and load -------------------------------------------------------------------
     def lookup(self, keys: Iterable[bytes]) -> int | None:
         """Number of leading keys ready in any tier; None when the chain continues with a block
-        that is moving between tiers (it will be ready again shortly)."""
+        that is moving between tiers (it will be ready again shortly). On a miss, shared tiers
+        are asked for blocks another process stored since they opened (see `_discover`)."""
         keys = _seq(keys)
         get = self._ready.get
         n = 0
