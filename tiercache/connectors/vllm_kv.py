@@ -31,7 +31,18 @@ Two placements, chosen when the scheduler role starts:
   (its recovered keys in the handshake metadata, then its events each step). Loads are
   asynchronous, so a request's blocks reach vLLM's prefix cache only once loaded, and a
   block that cannot be loaded is a load error: set ``kv_load_failure_policy="recompute"``.
-Tensor and pipeline parallel size must be 1.
+
+Tensor parallel (TP > 1): every worker process holds one shard of each block (its KV heads)
+and keeps it in its own store: the store namespace carries the worker's rank, tier paths get a
+``tp{rank}of{size}`` subdirectory and Redis prefixes that suffix (`common.resolve_rank_config`).
+Block keys are the same on every rank (hashed with a namespace that has the TP size, not the
+rank), so the scheduler hashes once. The scheduler always uses the remote placement: its index
+records which ranks hold each key (worker events and handshakes carry the rank), and a key is
+a hit only when every rank holds it. A request's store plans count as finished when every rank
+reported them (vLLM sums the workers' metadata with `TierCacheWorkerMetadata.aggregate`), and
+vLLM's `KVOutputAggregator` reports a request finished sending or receiving only when every
+worker did; a block one rank cannot load is that rank's load error, and vLLM recomputes it.
+Pipeline (and context) parallel size must be 1.
 """
 
 from __future__ import annotations
@@ -59,9 +70,10 @@ from tiercache.connectors.common import (
     extra_keys_for,
     find_store,
     namespace_from_vllm,
+    prepare_rank_dirs,
     read_user_config,
     release_store,
-    resolve_config,
+    resolve_rank_config,
 )
 from tiercache.hashing import prefix_hashes
 from tiercache.records import LoadSpec
@@ -87,6 +99,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _SETTLE = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
+
+# A cache event: (keys, medium, removed); in worker metadata, first the worker's TP rank.
+_Event = tuple[tuple[bytes, ...], str, bool]
+_RankEvent = tuple[int, tuple[bytes, ...], str, bool]
 
 
 # -- metadata and stats ------------------------------------------------------------------------
@@ -125,10 +141,12 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one step: the cache's events (keys, medium, removed) and the
-    number of store plans finished per request."""
+    """Worker -> scheduler, one step: the cache's events (rank, keys, medium, removed) and
+    the number of store plans finished per request. `aggregate` combines the workers' (TP
+    ranks'): events of every rank, plan counts summed (the scheduler expects one report per
+    plan and rank)."""
 
-    events: list[tuple[tuple[bytes, ...], str, bool]] = field(default_factory=list)
+    events: list[_RankEvent] = field(default_factory=list)
     plans_done: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
@@ -142,9 +160,11 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
 @dataclass
 class TierCacheHandshake(KVConnectorHandshakeMetadata):
     """Worker -> scheduler at start-up: the keys the worker's cache holds per medium
-    (recovered from persistent tiers), so a restarted engine hits from its first step."""
+    (recovered from persistent tiers), so a restarted engine hits from its first step; one
+    per TP rank."""
 
     held: dict[str, tuple[bytes, ...]] = field(default_factory=dict)  # medium -> keys
+    rank: int = 0
 
 
 @dataclass
@@ -204,11 +224,13 @@ class TierCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("TierCacheConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
-        world = int(vllm_config.parallel_config.world_size)
-        if world != 1:
+        parallel = vllm_config.parallel_config
+        world = int(parallel.world_size)
+        tp_size = int(parallel.tensor_parallel_size)
+        if world != tp_size:
             raise ValueError(
-                f"TierCacheConnector: parallel world size {world} is not supported; tensor "
-                "and pipeline parallel size must be 1"
+                f"TierCacheConnector: parallel world size {world} with tensor parallel size "
+                f"{tp_size} is not supported; pipeline (and context) parallel size must be 1"
             )
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
@@ -222,19 +244,29 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._block_bytes = int(spec.page_size_bytes) * len(groups[0].layer_names)
         device = str(vllm_config.device_config.device_type)
         layout = f"{kv_cache_config.kv_cache_layout or 'default'}/{device}/{type(spec).__name__}"
-        namespace = namespace_from_vllm(vllm_config, layout=layout, tp_rank=0)
+        self._tp_size = tp_size
+        self._tp_rank = _worker_tp_rank() if role == KVConnectorRole.WORKER and tp_size > 1 else 0
         extra = self._kv_transfer_config.kv_connector_extra_config
-        self._config = resolve_config(
-            read_user_config(extra), block_size=self._block_size, namespace=namespace
+        rank = resolve_rank_config(
+            read_user_config(extra),
+            block_size=self._block_size,
+            key_namespace=namespace_from_vllm(vllm_config, layout=layout, tp_rank=0),
+            store_namespace=namespace_from_vllm(vllm_config, layout=layout, tp_rank=self._tp_rank),
+            tp_rank=self._tp_rank,
+            tp_size=tp_size,
         )
-        self._namespace = self._config.namespace
+        self._config = rank.config
+        self._namespace = self._config.namespace  # this rank's store
+        self._key_namespace = rank.key_namespace  # block keys: the same on every rank
         self._stats: dict[str, int] = {}
         # The worker always opens the store. The scheduler shares it when the worker already
-        # runs in this process (local); otherwise it keeps an index of the worker's keys.
+        # runs in this process (local; never with TP > 1: the workers are processes of their
+        # own); otherwise it keeps an index of the workers' keys.
         self._shared: SharedStore | None = None
         if role == KVConnectorRole.WORKER:
+            prepare_rank_dirs(rank)
             self._shared = acquire_store(self._config, self._block_bytes)
-        else:
+        elif tp_size == 1:
             local = find_store(self._config)
             if local is not None and _SETTLE in local.state:
                 self._shared = acquire_store(self._config, self._block_bytes)
@@ -244,8 +276,9 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._loads: list[LoadJob] = []
         self._pending: dict[str, int] = {}  # req id -> store plans not reported finished
         self._delayed: list[str] = []  # request_finished returned True; tell the worker
-        self._index: dict[bytes, set[str]] = {}  # remote placement: key -> mediums holding it
-        self._events: list[tuple[tuple[bytes, ...], str, bool]] = []
+        # remote placement: key -> rank -> mediums holding it
+        self._index: dict[bytes, dict[int, set[str]]] = {}
+        self._events: list[_Event] = []
         # worker role
         self._worker: OffloadingWorker | None = None
         self._flights: dict[int, _Flight] = {}
@@ -258,12 +291,15 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._recving: dict[str, int] = {}  # async loads: req id -> load jobs in flight
         self._recv_done: set[str] = set()
         self._bad: dict[bytes, int] = {}  # keys that failed a load -> tier, to discard
-        self._journal: list[tuple[tuple[bytes, ...], str, bool]] = []
+        self._journal: list[_Event] = []
         self._held: dict[bytes, set[str]] = {}  # until the first step: for the handshake
         log.info(
-            "TierCacheConnector (%s, %s): namespace %s, %d-byte blocks of %d tokens",
+            "TierCacheConnector (%s, %s, TP rank %d of %d): namespace %s, %d-byte blocks of "
+            "%d tokens",
             role.name,
             "shared store" if self.local else "index of the worker's keys",
+            self._tp_rank,
+            tp_size,
             self._namespace,
             self._block_bytes,
             self._block_size,
@@ -323,7 +359,7 @@ class TierCacheConnector(KVConnectorBase_V1):
             st.keys = prefix_hashes(
                 list(tokens[: full * self._block_size]),
                 self._block_size,
-                namespace=self._namespace,
+                namespace=self._key_namespace,
                 extra_keys=st.extra,
             )
         return st.keys[:n_blocks]
@@ -341,7 +377,7 @@ class TierCacheConnector(KVConnectorBase_V1):
             return 0, False
         keys = self._keys(st, limit)[start:]
         if self._shared is None:
-            n = sum(1 for _ in itertools.takewhile(self._index.get, keys))
+            n = sum(1 for _ in itertools.takewhile(self._held_by_all, keys))
         else:
             n = self._lookup_local(keys)
             if n is None:
@@ -445,7 +481,8 @@ class TierCacheConnector(KVConnectorBase_V1):
             ids = st.block_ids[st.stored : done]
             if 0 not in ids:  # the null block stands for a block vLLM does not hold
                 meta.stores.append(StoreJob(req_id, tuple(keys[st.stored : done]), tuple(ids)))
-                self._pending[req_id] = self._pending.get(req_id, 0) + 1
+                # Every rank saves its shard and reports the plan once.
+                self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
             st.stored = done
         return meta
 
@@ -459,28 +496,50 @@ class TierCacheConnector(KVConnectorBase_V1):
                 self._pending[req_id] = left
             else:
                 self._pending.pop(req_id, None)
-        for keys, medium, removed in meta.events:
-            self._events.append((keys, medium, removed))
+        for rank, keys, medium, removed in meta.events:
+            if self._tp_size == 1:
+                self._events.append((keys, medium, removed))
             if self._shared is None:
-                for k in keys:
-                    where = self._index.setdefault(k, set())
-                    if removed:
-                        where.discard(medium)
-                        if not where:
-                            del self._index[k]
-                    else:
-                        where.add(medium)
+                self._index_event(rank, keys, medium, removed)
+
+    def _held_by_all(self, key: bytes) -> bool:
+        """Remote placement: every rank holds `key` (in some tier of its own)."""
+        return len(self._index.get(key, ())) == self._tp_size
+
+    def _index_event(self, rank: int, keys: tuple[bytes, ...], medium: str, removed: bool) -> None:
+        """Remote placement: `rank` now holds (or no longer holds) `keys` in `medium`. With
+        TP > 1 vLLM is told a block is stored in a medium once every rank holds it there, and
+        removed once one rank no longer does (with TP 1 the events go to vLLM as they are)."""
+        full = self._tp_size
+        changed: list[bytes] = []
+        for k in keys:
+            ranks = self._index.setdefault(k, {})
+            before = sum(1 for ms in ranks.values() if medium in ms) == full
+            where = ranks.setdefault(rank, set())
+            if removed:
+                where.discard(medium)
+                if not where:
+                    del ranks[rank]
+                    if not ranks:
+                        del self._index[k]
+            else:
+                where.add(medium)
+            after = sum(1 for ms in ranks.values() if medium in ms) == full
+            if before != after:
+                changed.append(k)
+        if full > 1 and changed:
+            self._events.append((tuple(changed), medium, removed))
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
+        # One entry per TP rank (vLLM's key is the rank; the metadata carries it too).
         if self._shared is not None:
             return
         for m in metadata.values():
             if isinstance(m, TierCacheHandshake):
                 for medium, keys in m.held.items():
-                    for k in keys:
-                        self._index.setdefault(k, set()).add(medium)
+                    self._index_event(m.rank, tuple(keys), medium, False)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -532,7 +591,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         for k, mediums in self._held.items():
             for m in mediums:
                 held.setdefault(m, []).append(k)
-        return TierCacheHandshake(held={m: tuple(ks) for m, ks in held.items()})
+        return TierCacheHandshake(held={m: tuple(ks) for m, ks in held.items()}, rank=self._tp_rank)
 
     def _collect_events(self) -> None:
         assert self._shared is not None
@@ -555,7 +614,8 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._collect_events()
         if not self._journal and not self._plans_done:
             return None
-        meta = TierCacheWorkerMetadata(events=self._journal, plans_done=self._plans_done)
+        events = [(self._tp_rank, keys, medium, removed) for keys, medium, removed in self._journal]
+        meta = TierCacheWorkerMetadata(events=events, plans_done=self._plans_done)
         self._journal, self._plans_done = [], {}
         # The held set is only needed for the handshake; later it would just grow.
         self._held = {}
@@ -761,3 +821,11 @@ class TierCacheConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+
+def _worker_tp_rank() -> int:
+    """This worker's tensor-parallel rank (vLLM has set up its TP group before it builds the
+    worker's connector)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
