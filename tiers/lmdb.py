@@ -73,6 +73,7 @@ from tiercache.tiers.format import (
     namespace_id,
     verify,
 )
+from tiercache.tiers.keyed import KeyedTier
 
 log = logging.getLogger(__name__)
 
@@ -396,10 +397,11 @@ def _parse_meta(path: str, raw: bytes) -> dict[str, Any]:
 # -- the tier --------------------------------------------------------------------------------
 
 
-class LMDBTier(Tier):
+class LMDBTier(KeyedTier):
     """Blocks keyed by block key in LMDB; persistent and shareable between processes."""
 
     kind: ClassVar[str] = "lmdb"
+    store_label: ClassVar[str] = "LMDB"
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
     OPTIONS: ClassVar = {
@@ -423,17 +425,18 @@ class LMDBTier(Tier):
         sync: str = "batch",
         namespace: str = "",
     ) -> None:
-        super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks)
         check_settings(compression, level, element_size, sync)
-        self._compression = compression
-        self._level = level
+        super().__init__(
+            name=name,
+            block_bytes=block_bytes,
+            capacity_blocks=capacity_blocks,
+            compression=compression,
+            level=level,
+        )
         self._element_size = element_size
         self._sync = sync
         self._ns = namespace_id(namespace)
         self._txn_ops = txn_ops_for(capacity_blocks)
-        self._tls = threading.local()  # per thread: zstd compressor and decompressor
-        self._slot_key: dict[int, bytes] = {}
-        self._recovered: list[tuple[bytes, int]] = []
         self.open_report: dict[str, int] = {}  # what _scan found: dropped, recovered blocks
         self._counts = dict.fromkeys(
             ("blocks_written", "raw_bytes", "stored_bytes", "blocks_read", "read_failures"), 0
@@ -609,14 +612,6 @@ class LMDBTier(Tier):
             # copies it into the map; the payload is put from the caller's tensor as is.
             self._commit(keys, encode)
 
-    def _compressor(self) -> zstandard.ZstdCompressor | None:
-        if self._compression != "zstd":
-            return None
-        zc = getattr(self._tls, "zc", None)
-        if zc is None:
-            zc = self._tls.zc = zstandard.ZstdCompressor(level=self._level)
-        return zc
-
     def _commit(self, keys: Sequence[bytes], encoded: Callable[[int], tuple[bytes, Any]]) -> None:
         """Apply the pending deletes, then put each (header, payload); at most `txn_ops` of
         either per txn (one txn per call in practice). Raises OSError; pending deletes stay
@@ -788,9 +783,7 @@ class LMDBTier(Tier):
                 np.copyto(out[i], np.frombuffer(v, dtype=np.uint8))
                 verify(h, out[i])
             else:
-                dz = getattr(self._tls, "dz", None)
-                if dz is None:
-                    dz = self._tls.dz = zstandard.ZstdDecompressor()
+                dz = self._decompressor()
                 decode_payload(h, v, out[i], decompressor=dz)
         except BlockCorruptError:
             return False
@@ -872,14 +865,7 @@ class LMDBTier(Tier):
         if kept:
             with shared.state_lock:
                 shared.seq = max(shared.seq, kept[-1][0] + 1)
-        self._recovered = [(k, s) for s, (_, k) in enumerate(kept)]
-        self._slot_key.update((s, k) for k, s in self._recovered)
-        # Claimed here, not in recover(): the blocks occupy the environment either way.
-        self._claim(range(len(kept)))
-
-    def recover(self) -> list[tuple[bytes, int]]:
-        """(key, slot) of every block found at open and still held, oldest first."""
-        return [(k, s) for k, s in self._recovered if self._slot_key.get(s) == k]
+        self._take_found([k for _, k in kept])
 
     def flush(self) -> None:
         """Apply pending deletes; then fsync unless sync = "never"."""
@@ -904,18 +890,6 @@ class LMDBTier(Tier):
         self._slot_key.clear()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"{self.medium}: the LMDB tier is closed")
-
-    @staticmethod
-    def _check_keys(keys: Sequence[bytes] | None, n: int) -> Sequence[bytes]:
-        if keys is None:
-            raise ValueError("keys: the LMDB tier stores blocks by key; pass one key per slot")
-        if len(keys) != n:
-            raise ValueError(f"keys: expected {n} keys, got {len(keys)}")
-        return keys
-
     def _begin(self, write: bool) -> lmdb.Transaction:
         """A transaction (default db: blocks); retries what other processes cause briefly."""
         shared = self._shared

@@ -61,7 +61,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from tiercache.errors import BlockCorruptError, ConfigError
-from tiercache.tiers.base import KEY_BYTES, Tier, check_blocks
+from tiercache.tiers.base import KEY_BYTES, check_blocks
 from tiercache.tiers.format import (
     CODEC_RAW,
     HEADER_SIZE,
@@ -72,6 +72,7 @@ from tiercache.tiers.format import (
     namespace_id,
     verify,
 )
+from tiercache.tiers.keyed import KeyedTier
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +221,11 @@ def _glob_escape(b: bytes) -> bytes:
     return bytes(out)
 
 
-class RedisTier(Tier):
+class RedisTier(KeyedTier):
     """Blocks keyed by prefix + namespace + block key in Redis; persistent and shared."""
 
     kind: ClassVar[str] = "redis"
+    store_label: ClassVar[str] = "Redis"
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
     OPTIONS: ClassVar = {
@@ -261,7 +263,13 @@ class RedisTier(Tier):
         backoff_max: float = 5.0,
         namespace: str = "",
     ) -> None:
-        super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks)
+        super().__init__(
+            name=name,
+            block_bytes=block_bytes,
+            capacity_blocks=capacity_blocks,
+            compression=compression,
+            level=level,
+        )
         settings = {
             "url": list(url) if isinstance(url, tuple) else url,
             "username": username,
@@ -284,17 +292,12 @@ class RedisTier(Tier):
         self._username = _secret(username, username_env, "username")
         self._password = _secret(password, password_env, "password")
         self._ttl_ms = int(ttl * 1000) if ttl else None
-        self._compression, self._level, self._element_size = compression, level, element_size
+        self._element_size = element_size
         self._timeout, self._backoff_max = float(timeout), float(backoff_max)
         self._ns = namespace_id(namespace)
         self._kprefix = prefix.encode() + namespace.encode()
         self._meta_key = self._kprefix + META_SUFFIX
-        self._tls = threading.local()
         self._lock = threading.Lock()  # slot map, pending deletes, availability, counters
-        # Slots whose key this instance stored or found at open: evicting them deletes the key.
-        # Blocks adopted later (another instance stored them) are not here: that instance's
-        # policy decides when they go, so evicting them here only forgets them.
-        self._slot_key: dict[int, bytes] = {}
         self._pending: set[bytes] = set()  # freed keys still in Redis (see free)
         self._keep: set[bytes] = set()  # keys unreadable only because Redis was down
         self._counts = dict.fromkeys(_COUNTERS, 0)
@@ -304,7 +307,6 @@ class RedisTier(Tier):
         self._retry_at = 0.0
         self._backoff = BACKOFF_START_S
         self._last_error = ""
-        self._recovered: list[tuple[bytes, int]] = []
         try:
             self._open()
         except BaseException:
@@ -718,14 +720,6 @@ class RedisTier(Tier):
             self._seq = first + n
             return first
 
-    def _compressor(self) -> zstandard.ZstdCompressor | None:
-        if self._compression != "zstd":
-            return None
-        zc = getattr(self._tls, "zc", None)
-        if zc is None:
-            zc = self._tls.zc = zstandard.ZstdCompressor(level=self._level)
-        return zc
-
     # -- read ------------------------------------------------------------------------------
     def read(
         self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
@@ -799,9 +793,7 @@ class RedisTier(Tier):
                 np.copyto(row, np.frombuffer(body, dtype=np.uint8))
                 verify(h, row)
             else:
-                dz = getattr(self._tls, "dz", None)
-                if dz is None:
-                    dz = self._tls.dz = zstandard.ZstdDecompressor()
+                dz = self._decompressor()
                 decode_payload(h, body, row, decompressor=dz)
         except BlockCorruptError:
             return False
@@ -844,13 +836,7 @@ class RedisTier(Tier):
         kept = found[-self.capacity_blocks :]
         if kept:
             self._seq = max(self._seq, kept[-1][0] + 1)
-        self._recovered = [(k, s) for s, (_, k) in enumerate(kept)]
-        self._slot_key.update((s, k) for k, s in self._recovered)
-        self._claim(range(len(kept)))
-
-    def recover(self) -> list[tuple[bytes, int]]:
-        """(key, slot) of every block found at open and still held, oldest first."""
-        return [(k, s) for k, s in self._recovered if self._slot_key.get(s) == k]
+        self._take_found([k for _, k in kept])
 
     def flush(self) -> None:
         """Send pending deletes (Redis's own persistence decides durability)."""
@@ -889,18 +875,6 @@ class RedisTier(Tier):
                 client.close()
             except RedisError as exc:  # pragma: no cover - closing sockets rarely fails
                 log.debug("%s: closing the client: %s", self.medium, exc)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"{self.medium}: the Redis tier is closed")
-
-    @staticmethod
-    def _check_keys(keys: Sequence[bytes] | None, n: int) -> Sequence[bytes]:
-        if keys is None:
-            raise ValueError("keys: the Redis tier stores blocks by key; pass one key per slot")
-        if len(keys) != n:
-            raise ValueError(f"keys: expected {n} keys, got {len(keys)}")
-        return keys
 
     def __repr__(self) -> str:
         return (
