@@ -24,9 +24,9 @@ import tempfile
 import time
 
 import lmdb
-import numpy as np
 import torch
 
+from tiercache.benchharness.baselines import open_raw_lmdb, raw_lmdb_get, raw_lmdb_put
 from tiercache.tiers.lmdb import LMDBTier, map_size_for
 
 MiB = 1 << 20
@@ -34,17 +34,7 @@ MiB = 1 << 20
 
 def raw_env(path: str, capacity: int, block_bytes: int) -> tuple[lmdb.Environment, object]:
     os.makedirs(path, mode=0o700)
-    env = lmdb.open(
-        path,
-        map_size=map_size_for(capacity, block_bytes),
-        max_dbs=2,
-        writemap=True,
-        sync=False,
-        metasync=False,
-        readahead=True,
-        mode=0o600,
-    )
-    return env, env.open_db(b"blocks")
+    return open_raw_lmdb(path, map_size_for(capacity, block_bytes))
 
 
 def raw_put(
@@ -54,9 +44,7 @@ def raw_put(
     rows = src.numpy()
     t0 = time.perf_counter()
     for s in range(0, len(keys), batch):
-        with env.begin(write=True, db=db) as txn:
-            for i in range(s, min(s + batch, len(keys))):
-                txn.put(keys[i], rows[i])
+        raw_lmdb_put(env, db, keys[s : s + batch], rows[s : s + batch])
     t1 = time.perf_counter()
     env.sync(True)
     return t1 - t0, time.perf_counter() - t0, env, db
@@ -86,9 +74,7 @@ def raw_get(env: lmdb.Environment, db: object, order: list[bytes], dst: torch.Te
     batch = dst.shape[0]
     t0 = time.perf_counter()
     for s in range(0, len(order), batch):
-        with env.begin(db=db, buffers=True) as txn:
-            for j, k in enumerate(order[s : s + batch]):
-                np.copyto(out[j], np.frombuffer(txn.get(k), dtype=np.uint8))
+        raw_lmdb_get(env, db, order[s : s + batch], out)
     return time.perf_counter() - t0
 
 

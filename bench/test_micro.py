@@ -22,7 +22,6 @@ import os
 import random
 from collections import OrderedDict
 
-import lmdb
 import numpy as np
 import pytest
 import torch
@@ -263,29 +262,18 @@ def test_lmdb_tier(benchmark: BenchmarkFixture, tmp_path, op: str) -> None:
 @pytest.mark.benchmark(group="tier-lmdb")
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_raw_lmdb_baseline(benchmark: BenchmarkFixture, tmp_path, op: str) -> None:
+    from tiercache.benchharness.baselines import open_raw_lmdb, raw_lmdb_get, raw_lmdb_put
     from tiercache.tiers.lmdb import map_size_for
 
-    env = lmdb.open(
-        str(tmp_path / "raw"),
-        map_size=4 * map_size_for(BATCH, BLOCK),
-        max_dbs=2,
-        writemap=True,
-        sync=False,
-        metasync=False,
-    )
-    db = env.open_db(b"blocks")
+    env, db = open_raw_lmdb(str(tmp_path / "raw"), 4 * map_size_for(BATCH, BLOCK))
     ks, rows = keys(BATCH), blocks().numpy()
     out = np.empty_like(rows)
 
     def put() -> None:
-        with env.begin(write=True, db=db) as txn:
-            for k, row in zip(ks, rows, strict=True):
-                txn.put(k, row)
+        raw_lmdb_put(env, db, ks, rows)
 
     def get() -> None:
-        with env.begin(db=db, buffers=True) as txn:
-            for j, k in enumerate(ks):
-                np.copyto(out[j], np.frombuffer(txn.get(k), dtype=np.uint8))
+        raw_lmdb_get(env, db, ks, out)
 
     put()
     benchmark(put if op == "write" else get)

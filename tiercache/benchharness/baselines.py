@@ -22,8 +22,9 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -221,6 +222,29 @@ def nvme_pair(
         shutil.rmtree(root, ignore_errors=True)
 
 
+def open_raw_lmdb(path: str, map_size: int) -> tuple[lmdb.Environment, Any]:
+    """The raw py-lmdb baseline's environment: the LMDB tier's flags (writemap, no sync) and
+    one named database, so tier and baseline differ only in what the tier adds."""
+    env = lmdb.open(
+        path, map_size=map_size, max_dbs=2, writemap=True, sync=False, metasync=False, mode=0o600
+    )
+    return env, env.open_db(b"blocks")
+
+
+def raw_lmdb_put(env: lmdb.Environment, db: Any, keys: Sequence[bytes], rows: Any) -> None:
+    """Baseline: put row i under keys[i], one write transaction."""
+    with env.begin(write=True, db=db) as txn:
+        for k, row in zip(keys, rows, strict=True):
+            txn.put(k, row)
+
+
+def raw_lmdb_get(env: lmdb.Environment, db: Any, keys: Sequence[bytes], out: np.ndarray) -> None:
+    """Baseline: copy the value of keys[j] into out[j], one zero-copy read transaction."""
+    with env.begin(db=db, buffers=True) as txn:
+        for j, k in enumerate(keys):
+            np.copyto(out[j], np.frombuffer(txn.get(k), dtype=np.uint8))
+
+
 def lmdb_pair(
     directory: str | None = None, block_bytes: int = 64 * 1024, n_blocks: int = 512, runs: int = 3
 ) -> list[Pair]:
@@ -230,17 +254,8 @@ def lmdb_pair(
 
     root = tempfile.mkdtemp(prefix="tiercache-bench-lmdb-", dir=directory)
     try:
-        env = lmdb.open(
-            os.path.join(root, "raw"),
-            # Rewriting every value each run needs room for old and new pages at once.
-            map_size=4 * map_size_for(n_blocks, block_bytes),
-            max_dbs=2,
-            writemap=True,
-            sync=False,
-            metasync=False,
-            mode=0o600,
-        )
-        db = env.open_db(b"blocks")
+        # Rewriting every value each run needs room for old and new pages at once.
+        env, db = open_raw_lmdb(os.path.join(root, "raw"), 4 * map_size_for(n_blocks, block_bytes))
         tier = LMDBTier(
             block_bytes=block_bytes,
             capacity_blocks=n_blocks,
@@ -257,14 +272,10 @@ def lmdb_pair(
         out = dst.numpy()
 
         def raw_put() -> None:
-            with env.begin(write=True, db=db) as txn:
-                for k, row in zip(keys, rows, strict=True):
-                    txn.put(k, row)
+            raw_lmdb_put(env, db, keys, rows)
 
         def raw_get() -> None:
-            with env.begin(db=db, buffers=True) as txn:
-                for j, k in enumerate(keys):
-                    np.copyto(out[j], np.frombuffer(txn.get(k), dtype=np.uint8))
+            raw_lmdb_get(env, db, keys, out)
 
         rates = _median_rates(
             {
