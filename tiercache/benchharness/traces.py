@@ -94,6 +94,38 @@ def _build(name: str, gen: _Gen, prompts: Iterator[np.ndarray], block_size: int)
     return Trace(name, tuple(reqs), tuple(stamps), block_size)
 
 
+def _sessions(
+    g: _Gen,
+    n: int,
+    start: Callable[[], np.ndarray],
+    turn: Callable[[], list[np.ndarray]],
+    *,
+    p_turn: float,
+    max_len: int,
+    p_end: float,
+    max_open: int,
+) -> Iterator[np.ndarray]:
+    """`n` prompts of interleaved growing sessions (chat, agent loops): with probability
+    `p_turn` a random open session gets `turn()` appended and is resent (it ends past `max_len`
+    tokens or with probability `p_end`); otherwise a new session starts from `start()`, the
+    oldest open one dropping past `max_open`."""
+    open_: list[np.ndarray] = []
+    for _ in range(n):
+        if open_ and g.rng.random() < p_turn:
+            i = int(g.rng.integers(len(open_)))
+            ctx = np.concatenate([open_[i], *turn()])
+            if len(ctx) > max_len or g.rng.random() < p_end:
+                open_.pop(i)
+            else:
+                open_[i] = ctx
+        else:
+            ctx = start()
+            open_.append(ctx)
+            if len(open_) > max_open:
+                open_.pop(0)
+        yield ctx
+
+
 def chat_trace(
     n: int, *, seed: int = 0, block_size: int = 16, n_system: int = 8, max_open: int = 64
 ) -> Trace:
@@ -103,25 +135,14 @@ def chat_trace(
     systems = [g.text(256, 1024) for _ in range(n_system)]
     sys_p = g.zipf(n_system, 1.0)
 
-    def prompts() -> Iterator[np.ndarray]:
-        open_: list[np.ndarray] = []
-        for _ in range(n):
-            if open_ and g.rng.random() < 0.8:
-                i = int(g.rng.integers(len(open_)))
-                hist = np.concatenate([open_[i], g.text(32, 256), g.text(16, 96)])
-                if len(hist) > 6000 or g.rng.random() < 0.1:
-                    open_.pop(i)
-                else:
-                    open_[i] = hist
-            else:
-                s = systems[int(g.rng.choice(n_system, p=sys_p))]
-                hist = np.concatenate([s, g.text(16, 96)])
-                open_.append(hist)
-                if len(open_) > max_open:
-                    open_.pop(0)
-            yield hist
+    def start() -> np.ndarray:
+        return np.concatenate([systems[int(g.rng.choice(n_system, p=sys_p))], g.text(16, 96)])
 
-    return _build("chat", g, prompts(), block_size)
+    def turn() -> list[np.ndarray]:
+        return [g.text(32, 256), g.text(16, 96)]
+
+    prompts = _sessions(g, n, start, turn, p_turn=0.8, max_len=6000, p_end=0.1, max_open=max_open)
+    return _build("chat", g, prompts, block_size)
 
 
 def rag_trace(
@@ -151,24 +172,14 @@ def agentic_trace(
     g = _Gen(seed, 32000, rate=10.0)
     prefixes = [g.text(2048, 4096) for _ in range(n_agents)]
 
-    def prompts() -> Iterator[np.ndarray]:
-        open_: list[np.ndarray] = []
-        for _ in range(n):
-            if open_ and g.rng.random() < 0.9:
-                i = int(g.rng.integers(len(open_)))
-                ctx = np.concatenate([open_[i], g.text(16, 64), g.text(64, 512)])
-                if len(ctx) > 12000 or g.rng.random() < 0.05:
-                    open_.pop(i)
-                else:
-                    open_[i] = ctx
-            else:
-                ctx = np.concatenate([prefixes[int(g.rng.integers(n_agents))], g.text(32, 128)])
-                open_.append(ctx)
-                if len(open_) > max_open:
-                    open_.pop(0)
-            yield ctx
+    def start() -> np.ndarray:
+        return np.concatenate([prefixes[int(g.rng.integers(n_agents))], g.text(32, 128)])
 
-    return _build("agentic", g, prompts(), block_size)
+    def turn() -> list[np.ndarray]:
+        return [g.text(16, 64), g.text(64, 512)]
+
+    prompts = _sessions(g, n, start, turn, p_turn=0.9, max_len=12000, p_end=0.05, max_open=max_open)
+    return _build("agentic", g, prompts, block_size)
 
 
 def scan_trace(n: int, *, seed: int = 0, block_size: int = 16, scan_share: float = 0.4) -> Trace:
