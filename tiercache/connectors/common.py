@@ -82,11 +82,16 @@ def resolve_config(user: Mapping[str, Any], *, block_size: int, namespace: str) 
             "leave it out (the connector takes the engine's)",
         )
     m["block_size"] = block_size
-    prefix = m.get("namespace")
+    m["namespace"] = _user_prefixed(m, namespace)
+    return CacheConfig.from_mapping(m)
+
+
+def _user_prefixed(user: Mapping[str, Any], derived: str) -> str:
+    """`derived`, behind the user's own `namespace` (if any) as a prefix: ``user|derived``."""
+    prefix = user.get("namespace")
     if prefix is not None and (not isinstance(prefix, str) or not prefix):
         raise ConfigError("namespace", f"expected a non-empty string, got {prefix!r}")
-    m["namespace"] = f"{prefix}|{namespace}" if prefix else namespace
-    return CacheConfig.from_mapping(m)
+    return f"{prefix}|{derived}" if prefix else derived
 
 
 def derive_namespace(
@@ -208,8 +213,7 @@ def resolve_rank_config(
         block_size=block_size,
         namespace=store_namespace,
     )
-    prefix = user.get("namespace")
-    keys = f"{prefix}|{key_namespace}" if prefix else key_namespace
+    keys = _user_prefixed(user, key_namespace)
     return RankConfig(config=config, key_namespace=keys, tp_rank=tp_rank, tp_size=tp_size)
 
 
