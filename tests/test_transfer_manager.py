@@ -151,7 +151,7 @@ def test_failed_disk_read_is_a_miss_not_a_load() -> None:
         ad.finish()
         ad.store(keys_b, list(range(8, 16)))  # demotes A to disk
         ad.finish()
-        disk.bad_slots = {manager._levels[1].blocks[keys_a[1]].slot}  # A1 is corrupt on disk
+        disk.bad_slots = {manager._levels[1].slots[keys_a[1]]}  # A1 is corrupt on disk
         before = snapshot(caches, kv_first, range(32, 40))
         ad.load(keys_a, list(range(32, 40)))
         (r,) = ad.finish()

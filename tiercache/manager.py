@@ -32,17 +32,6 @@ from tiercache.records import (
 from tiercache.tiers import Tier
 
 
-class _Rec:
-    """One key's block in one tier."""
-
-    __slots__ = ("pins", "ready", "slot")
-
-    def __init__(self, slot: int, ready: bool = False) -> None:
-        self.slot = slot
-        self.ready = ready
-        self.pins = 0
-
-
 @dataclass
 class TierCounters:
     """Per-tier counters; `hits`/`misses` count blocks asked for by `lookup`."""
@@ -59,9 +48,16 @@ class TierCounters:
 
 
 class _Level:
-    """A tier with its policy, its key index and its counters."""
+    """A tier with its policy, its key index and its counters.
 
-    __slots__ = ("bit", "blocks", "counters", "index", "medium", "policy", "tier")
+    The index is plain dicts, no record per block (the manager's hot paths are dict
+    operations, so fewer of them and no allocation per block is what makes it fast):
+    `slots` maps every key this tier holds, ready or still being written, to its slot;
+    `pins` maps the keys being loaded from this tier to their count of outstanding loads.
+    Whether a held key is ready is the manager's `_ready` bitmask.
+    """
+
+    __slots__ = ("bit", "counters", "index", "medium", "pins", "policy", "slots", "tier")
 
     def __init__(self, index: int, tier: Tier, policy: EvictionPolicy) -> None:
         self.index = index
@@ -69,28 +65,22 @@ class _Level:
         self.tier = tier
         self.policy = policy
         self.medium = tier.medium
-        self.blocks: dict[bytes, _Rec] = {}
+        self.slots: dict[bytes, int] = {}
+        self.pins: dict[bytes, int] = {}
         self.counters = TierCounters()
-
-
-class _Protected:
-    """Keys a policy must not evict: the call's own keys, and pinned blocks of this tier."""
-
-    __slots__ = ("blocks", "keys")
-
-    def __init__(self, keys: Iterable[bytes], blocks: dict[bytes, _Rec]) -> None:
-        self.keys = keys if isinstance(keys, set | frozenset) else set(keys)
-        self.blocks = blocks
-
-    def __contains__(self, key: object) -> bool:
-        if key in self.keys:
-            return True
-        rec = self.blocks.get(key)  # type: ignore[arg-type]
-        return rec is not None and rec.pins > 0
 
 
 def _seq(keys: Iterable[bytes]) -> Sequence[bytes]:
     return keys if isinstance(keys, list | tuple) else list(keys)
+
+
+def _unpin(pins: dict[bytes, int], key: bytes) -> None:
+    """Drop one outstanding load of `key` (a key leaves the map when its last load ends)."""
+    n = pins[key] - 1
+    if n:
+        pins[key] = n
+    else:
+        del pins[key]
 
 
 class OffloadingManager:
@@ -106,13 +96,14 @@ class OffloadingManager:
         pairs = enumerate(zip(tiers, policies, strict=True))
         self._levels = [_Level(i, t, p) for i, (t, p) in pairs]
         self._promote = promote
+        self._single = len(self._levels) == 1
         self._ready: dict[bytes, int] = {}  # key -> bitmask of tiers where it is ready
-        self._present: dict[bytes, int] = {}  # key -> bitmask of tiers holding a record
+        # key -> bitmask of tiers holding it (ready or not). With one tier that is exactly
+        # the tier's slot map, so the map serves as both and the bitmask is never built.
+        self._present: dict[bytes, int] = self._levels[0].slots if self._single else {}
         self._moving: set[bytes] = set()  # keys being demoted (in no tier's lookup meanwhile)
         self._pins: dict[bytes, list[int]] = {}  # key -> tier of each outstanding load (multi)
-        self._loads_out = 0  # outstanding pins in all tiers (one tier: counted on records only)
         self._events: list[OffloadingEvent] = []
-        self._single = len(self._levels) == 1
         # Tiers other processes write into: a lookup miss asks them (see _discover).
         self._shared = [lv for lv in self._levels if lv.tier.shared]
         for level in self._levels:
@@ -240,35 +231,35 @@ class OffloadingManager:
         pins = self._pins
         slots: list[int] = []
         for k, t in zip(keys, tier_of, strict=True):
-            rec = levels[t].blocks[k]
-            rec.pins += 1
-            slots.append(rec.slot)
+            lv = levels[t]
+            lv.pins[k] = lv.pins.get(k, 0) + 1
+            slots.append(lv.slots[k])
             p = pins.get(k)
             if p is None:
                 pins[k] = [t]
             else:
                 p.append(t)
-        self._loads_out += len(keys)
         for t in tier_of:
             levels[t].counters.loaded += 1
         return LoadSpec(keys, tuple(tier_of), tuple(slots), tuple(lv.medium for lv in levels))
 
     def _prepare_load_single(self, keys: tuple[bytes, ...]) -> LoadSpec:
-        """prepare_load with one tier: the pin count on each record is the whole story."""
+        """prepare_load with one tier: the tier's pin counts are the whole story."""
         lv = self._levels[0]
-        get = lv.blocks.get
-        recs = [get(k) for k in keys]
-        for k, rec in zip(keys, recs, strict=True):
-            if rec is None or not rec.ready:
+        ready = self._ready
+        for k in keys:
+            if k not in ready:
                 raise KeyError(
                     f"prepare_load: block {k.hex() if isinstance(k, bytes) else k!r} "
                     "is not ready in any tier"
                 )
-        for rec in recs:
-            rec.pins += 1
-        self._loads_out += len(keys)
+        pins = lv.pins
+        get = pins.get
+        for k in keys:
+            pins[k] = get(k, 0) + 1
         lv.counters.loaded += len(keys)
-        return LoadSpec(keys, (0,) * len(keys), tuple([r.slot for r in recs]), (lv.medium,))
+        slots = tuple(map(lv.slots.__getitem__, keys))
+        return LoadSpec(keys, (0,) * len(keys), slots, (lv.medium,))
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
         """Unpin blocks pinned by `prepare_load`. Raises KeyError (and unpins nothing) if a key
@@ -300,27 +291,29 @@ class OffloadingManager:
             t = p.pop(0)
             if not p:
                 del pins[k]
-            levels[t].blocks[k].pins -= 1
-        self._loads_out -= len(keys)
+            _unpin(levels[t].pins, k)
 
     def _complete_load_single(self, keys: Sequence[bytes]) -> None:
-        """complete_load with one tier: check every record has enough pins, then unpin."""
-        get = self._levels[0].blocks.get
-        recs = [get(k) for k in keys]
-        distinct = len(set(keys)) == len(keys)
-        need: dict[bytes, int] = {}
-        for k, rec in zip(keys, recs, strict=True):
-            n = 1 if distinct else need.get(k, 0) + 1
-            if not distinct:
-                need[k] = n
-            if rec is None or rec.pins < n:
-                raise KeyError(
-                    f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
-                    "has no outstanding load"
-                )
-        for rec in recs:
-            rec.pins -= 1
-        self._loads_out -= len(keys)
+        """complete_load with one tier: check every key has enough pins, then unpin."""
+        pins = self._levels[0].pins
+        if len(set(keys)) == len(keys):  # distinct keys: one pin each suffices
+            for k in keys:
+                if k not in pins:
+                    raise KeyError(
+                        f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
+                        "has no outstanding load"
+                    )
+        else:
+            need: dict[bytes, int] = {}
+            for k in keys:
+                need[k] = need.get(k, 0) + 1
+                if pins.get(k, 0) < need[k]:
+                    raise KeyError(
+                        f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
+                        "has no outstanding load"
+                    )
+        for k in keys:
+            _unpin(pins, k)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark a chain used; its first keys end up most recently used in every tier."""
@@ -380,12 +373,10 @@ class OffloadingManager:
             self._evict(first, victims, moves)
         slots = tier.allocate(new)
         assert slots is not None, "first tier ran out of slots after eviction"
-        first.blocks.update(zip(new, map(_Rec, slots), strict=True))
-        present = self._present
-        bit = first.bit
-        if self._single:  # every new key is absent from `present` (one tier, none held)
-            present.update(dict.fromkeys(new, bit))
-        else:
+        first.slots.update(zip(new, slots, strict=True))  # with one tier: `present` too
+        if not self._single:
+            present = self._present
+            bit = first.bit
             for k in new:
                 present[k] = present.get(k, 0) | bit
         return PrepareStoreOutput(
@@ -396,24 +387,22 @@ class OffloadingManager:
         )
 
     def _protected(self, keys: Collection[bytes], level: _Level) -> Container[bytes]:
-        """What `level`'s policy may not evict: `keys`, and its pinned blocks. While no load
-        is outstanding that is just a set, whose membership test runs in C."""
-        if not self._loads_out:
+        """What `level`'s policy may not evict: `keys`, and its pinned blocks, as one set
+        (its membership test runs in C; loads are short, so few keys are pinned at once)."""
+        if not level.pins:
             return keys if isinstance(keys, set | frozenset) else set(keys)
-        return _Protected(keys, level.blocks)
+        return level.pins.keys() | keys
 
     def _evict(self, level: _Level, victims: list[bytes], moves: list[BlockMove]) -> None:
         """Remove `victims` (already taken out of the policy) from `level`, demoting those no
         lower tier holds into the next tier. Deeper moves are appended before this level's
         move, because the slots they free may be the ones this level's move writes into."""
-        blocks = level.blocks
+        slots_of = level.slots
         ready, present = self._ready, self._present
         if self._single:  # each victim is ready here and nowhere else: it just goes
-            pop = blocks.pop
-            freed_slots = [pop(k).slot for k in victims]
+            freed_slots = list(map(slots_of.pop, victims))  # `present` too, with one tier
             for k in victims:
                 del ready[k]
-                del present[k]
             level.counters.evictions += len(victims)
             level.counters.dropped += len(victims)
             self._events.append(OffloadingEvent(tuple(victims), level.medium, True))
@@ -424,8 +413,8 @@ class OffloadingManager:
         demote: list[bytes] = []
         demote_slots: list[int] = []
         for k in victims:
-            rec = blocks.pop(k)
-            freed.append(rec.slot)
+            slot = slots_of.pop(k)
+            freed.append(slot)
             m = ready[k] & ~bit
             if m:
                 ready[k] = m
@@ -440,7 +429,7 @@ class OffloadingManager:
             else:
                 del present[k]
             demote.append(k)
-            demote_slots.append(rec.slot)
+            demote_slots.append(slot)
         level.counters.evictions += len(victims)
         self._events.append(OffloadingEvent(tuple(victims), level.medium, True))
         if demote:
@@ -470,9 +459,9 @@ class OffloadingManager:
             self._evict(dst, victims, moves)
         slots = tier.allocate(keys)
         assert slots is not None, "tier ran out of slots after eviction"
-        blocks, present, bit = dst.blocks, self._present, dst.bit
+        slots_of, present, bit = dst.slots, self._present, dst.bit
         for k, s in zip(keys, slots, strict=True):
-            blocks[k] = _Rec(s, False)
+            slots_of[k] = s
             present[k] = present.get(k, 0) | bit
             self._moving.add(k)
         dst.counters.demoted_in += len(keys)
@@ -497,27 +486,28 @@ class OffloadingManager:
             return
         ready, present = self._ready, self._present
         moving = self._moving
+        single = self._single
         for lv in self._levels:
-            blocks, bit = lv.blocks, lv.bit
-            get = blocks.get
+            slots_of, bit = lv.slots, lv.bit
+            get = slots_of.get
             done: list[bytes] = []
             # Reverse order: the policy then holds a chain's head as the most recent insert.
             for k in reversed(keys):
-                rec = get(k)
-                if rec is None or rec.ready:
+                slot = get(k)
+                if slot is None or ready.get(k, 0) & bit:
                     continue
                 done.append(k)
                 if success:
-                    rec.ready = True
                     ready[k] = ready.get(k, 0) | bit
                 else:
-                    del blocks[k]
-                    lv.tier.free((rec.slot,))
-                    p = present[k] & ~bit
-                    if p:
-                        present[k] = p
-                    else:
-                        del present[k]
+                    del slots_of[k]  # with one tier, that was `present` too
+                    lv.tier.free((slot,))
+                    if not single:
+                        p = present[k] & ~bit
+                        if p:
+                            present[k] = p
+                        else:
+                            del present[k]
             if done and moving:
                 moving.difference_update(done)
             if done and success:
@@ -530,15 +520,11 @@ class OffloadingManager:
         """Successful complete_store with one tier: nothing moves, and no key completed here
         was ready before, so `ready` takes them in one update."""
         lv = self._levels[0]
-        get = lv.blocks.get
-        done: list[bytes] = []
-        for k in reversed(keys):  # reversed: the chain's head becomes the most recent insert
-            rec = get(k)
-            if rec is not None and not rec.ready:
-                rec.ready = True
-                done.append(k)
+        held, ready = lv.slots, self._ready
+        # reversed: the chain's head becomes the most recent insert
+        done = [k for k in reversed(keys) if k in held and k not in ready]
         if done:
-            self._ready.update(dict.fromkeys(done, lv.bit))
+            ready.update(dict.fromkeys(done, lv.bit))
             lv.policy.insert_many(done)
             done.reverse()
             lv.counters.stored += len(done)
@@ -559,10 +545,11 @@ class OffloadingManager:
         for src in self._levels:
             if src.tier.persistent:
                 continue
+            ready, sbit = self._ready, src.bit
             todo = [
                 k
-                for k, rec in reversed(src.blocks.items())
-                if rec.ready and k not in taken and not self._present[k] & pmask
+                for k in reversed(src.slots)
+                if ready.get(k, 0) & sbit and k not in taken and not self._present[k] & pmask
             ]
             for dst in persistent:
                 room = dst.tier.free_blocks
@@ -573,12 +560,12 @@ class OffloadingManager:
                 slots = dst.tier.allocate(batch)
                 assert slots is not None
                 for k, s in zip(batch, slots, strict=True):
-                    dst.blocks[k] = _Rec(s, False)
+                    dst.slots[k] = s
                     self._present[k] |= dst.bit
                 moves.append(
                     BlockMove(
                         tuple(batch),
-                        StoreSpec(src.index, src.medium, tuple(src.blocks[k].slot for k in batch)),
+                        StoreSpec(src.index, src.medium, tuple(src.slots[k] for k in batch)),
                         StoreSpec(dst.index, dst.medium, tuple(slots)),
                     )
                 )
@@ -594,21 +581,21 @@ class OffloadingManager:
         levels = self._levels if tier is None else [self._levels[tier]]
         for lv in levels:
             for k in keys:
-                rec = lv.blocks.get(k)
-                if rec is not None and rec.pins:
+                if k in lv.pins:
                     raise ValueError(f"discard: block {k.hex()} is being loaded from {lv.medium}")
         dropped = 0
         ready, present = self._ready, self._present
+        # With one tier, `present` is the slot map, updated by the del below.
+        masks = (ready,) if self._single else (ready, present)
         for lv in levels:
             gone: list[bytes] = []
             for k in keys:
-                rec = lv.blocks.get(k)
-                if rec is None or not rec.ready:
+                if not ready.get(k, 0) & lv.bit:
                     continue
-                del lv.blocks[k]
+                slot = lv.slots.pop(k)
                 lv.policy.remove(k)
-                lv.tier.free((rec.slot,))
-                for d in (ready, present):
+                lv.tier.free((slot,))
+                for d in masks:
                     m = d[k] & ~lv.bit
                     if m:
                         d[k] = m
@@ -623,10 +610,12 @@ class OffloadingManager:
     def _adopt(self, level: _Level, entries: Iterable[tuple[bytes, int]]) -> None:
         """Take over blocks a persistent tier recovered on open, oldest first."""
         adopted: list[bytes] = []
+        ready, present, bit = self._ready, self._present, level.bit
         for k, slot in entries:
-            level.blocks[k] = _Rec(slot, True)
-            self._ready[k] = self._ready.get(k, 0) | level.bit
-            self._present[k] = self._present.get(k, 0) | level.bit
+            level.slots[k] = slot  # with one tier, that is `present` too
+            ready[k] = ready.get(k, 0) | bit
+            if not self._single:
+                present[k] = present.get(k, 0) | bit
             level.policy.insert(k)
             adopted.append(k)
         if adopted:
@@ -650,7 +639,7 @@ class OffloadingManager:
                 "capacity_blocks": lv.tier.capacity_blocks,
                 "used_blocks": lv.tier.used_blocks,
                 "ready_blocks": len(lv.policy),
-                "pinned_blocks": sum(1 for r in lv.blocks.values() if r.pins),
+                "pinned_blocks": len(lv.pins),
                 "hits": c.hits,
                 "misses": c.misses,
                 "stored": c.stored,
