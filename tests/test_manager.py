@@ -62,6 +62,19 @@ def test_failed_store_frees_slots() -> None:
     assert m.prepare_store(chain(0, 4)).keys_to_store == tuple(chain(0, 4))
 
 
+@pytest.mark.parametrize("caps", [(4,), (4, 4)], ids=["one tier", "two tiers"])
+def test_complete_store_with_repeated_keys_completes_each_once(caps: tuple[int, ...]) -> None:
+    m = make(*caps, policy=ARCPolicy)
+    m.prepare_store(chain(0, 2))
+    # A connector may pass a key twice (e.g. one list per layer group, concatenated).
+    m.complete_store([K(0), K(1), K(0), K(1)])
+    (ev,) = m.take_events()
+    assert ev.keys == tuple(chain(0, 2))
+    assert m.stats()["t0"]["stored"] == 2
+    # One store is one access: both keys are still in ARC's T1 (seen once), not in T2.
+    assert m.policies[0].state().t1 == (K(1), K(0)) and m.policies[0].state().t2 == ()
+
+
 def test_lookup_counts_leading_ready_only() -> None:
     m = make(8)
     store(m, chain(0, 2))

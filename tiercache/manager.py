@@ -524,7 +524,10 @@ class OffloadingManager:
         # reversed: the chain's head becomes the most recent insert
         done = [k for k in reversed(keys) if k in held and k not in ready]
         if done:
+            before = len(ready)
             ready.update(dict.fromkeys(done, lv.bit))
+            if len(ready) - before != len(done):  # a key given twice completes once
+                done = list(dict.fromkeys(done))
             lv.policy.insert_many(done)
             done.reverse()
             lv.counters.stored += len(done)
