@@ -91,7 +91,7 @@ class ARCPolicy(EvictionPolicy):
             if len(t1) + len(b1) > c or len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
                 self._trim_ghosts()
 
-    def insert_many(self, keys: Sequence[bytes]) -> None:
+    def insert_many(self, keys: Sequence[bytes], *, new: bool = False) -> None:
         """insert() for each key in order; case IV and its ghost trimming are inlined (the
         manager's batched hot path), the rarer cases go through insert(). A batch of distinct
         keys that none of the four lists holds is all case IV (trimming drops only the oldest
@@ -104,9 +104,14 @@ class ARCPolicy(EvictionPolicy):
             len(keys) > 1
             and b1.keys().isdisjoint(keys)
             and b2.keys().isdisjoint(keys)
-            and t1.keys().isdisjoint(keys)
-            and t2.keys().isdisjoint(keys)
-            and len(set(keys)) == len(keys)
+            and (
+                new  # the caller vouches for the rest
+                or (
+                    t1.keys().isdisjoint(keys)
+                    and t2.keys().isdisjoint(keys)
+                    and len(set(keys)) == len(keys)
+                )
+            )
         )
         for key in keys:
             if not all_new and (key in t1 or key in t2 or key in b1 or key in b2):

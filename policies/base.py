@@ -21,6 +21,7 @@ import copy
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Container, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 
 
 class EvictionPolicy(ABC):
@@ -37,9 +38,13 @@ class EvictionPolicy(ABC):
     def insert(self, key: bytes) -> None:
         """Add `key` as most recently used; inserting a resident key behaves like touch([key])."""
 
-    def insert_many(self, keys: Sequence[bytes]) -> None:
+    def insert_many(self, keys: Sequence[bytes], *, new: bool = False) -> None:
         """`insert(k)` for each key, in order. The manager calls this once per completed store;
-        built-in policies override it with one loop, saving a method call per key."""
+        built-in policies override it with one loop, saving a method call per key.
+
+        `new=True` is the caller's promise that the keys are distinct and none is resident
+        (history such as ARC's ghosts may still hold them): the manager knows that of the
+        blocks it completes, and policies may then skip their per-key residency tests."""
         for key in keys:
             self.insert(key)
 
@@ -87,6 +92,16 @@ class EvictionPolicy(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(capacity={self.capacity}, resident={len(self)})"
+
+    @staticmethod
+    def _disjoint(protected: Container[bytes], *victims: list[bytes]) -> bool:
+        """Whether no key of `victims` is protected, tested in C when `protected` is a set
+        (the manager's case); False when it cannot tell cheaply, so the caller filters."""
+        if not protected:
+            return True
+        if not isinstance(protected, AbstractSet):
+            return False
+        return all(protected.isdisjoint(v) for v in victims)
 
     @staticmethod
     def _check_count(n: int) -> None:

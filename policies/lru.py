@@ -31,9 +31,14 @@ class LRUPolicy(EvictionPolicy):
         else:
             od[key] = None
 
-    def insert_many(self, keys: Sequence[bytes]) -> None:
-        """insert() for each key in order, in one loop (the manager's batched hot path)."""
+    def insert_many(self, keys: Sequence[bytes], *, new: bool = False) -> None:
+        """insert() for each key in order, in one loop (the manager's batched hot path);
+        with `new` (distinct keys, none resident) each key is just appended."""
         od = self._od
+        if new:
+            for key in keys:
+                od[key] = None
+            return
         move_to_end = od.move_to_end
         for key in keys:
             if key in od:
@@ -59,9 +64,8 @@ class LRUPolicy(EvictionPolicy):
         od = self._od
         if n > len(od):
             return None
-        if not protected:  # common case: the n coldest keys, no membership tests
-            victims = list(islice(od, n))
-        else:
+        victims = list(islice(od, n))  # the n coldest keys: right unless one is protected
+        if not self._disjoint(protected, victims):
             victims = list(islice(filterfalse(protected.__contains__, od), n))
             if len(victims) < n:
                 return None  # nothing was changed yet

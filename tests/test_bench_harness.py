@@ -292,14 +292,27 @@ def test_run_bench_requires_some_trace() -> None:
 # -- the fast paths the harness asked for ---------------------------------------------------
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["insert_many", "touch", "evict", "remove"]),
+        st.sampled_from(["insert_many", "insert_many_new", "touch", "evict", "protect", "remove"]),
         st.lists(st.integers(0, 15), max_size=6, unique=True),
     ),
     max_size=40,
 )
 
 
-@settings(max_examples=200, deadline=None)
+class _Filtering:
+    """A protected-key container that is not a set, so policies must filter key by key."""
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self._keys = set(keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+
+@settings(max_examples=300, deadline=None)
 @given(policy=st.sampled_from([LRUPolicy, ARCPolicy]), cap=st.integers(1, 6), steps=ops)
 def test_insert_many_equals_insert_one_by_one(policy, cap: int, steps) -> None:
     fast, slow = policy(cap), policy(cap)
@@ -309,6 +322,16 @@ def test_insert_many_equals_insert_one_by_one(policy, cap: int, steps) -> None:
             fast.insert_many(keys)
             for k in keys:
                 slow.insert(k)
+        elif op == "insert_many_new":  # what the manager vouches for: none of them resident
+            keys = [k for k in keys if k not in fast]
+            fast.insert_many(keys, new=True)
+            for k in keys:
+                slow.insert(k)
+        elif op == "protect":  # evict all but the protected keys (the slow one filters)
+            n = max(0, len(fast) - len(keys))
+            got = fast.evict(n, set(keys))
+            assert got == slow.evict(n, _Filtering(keys))
+            assert got is None or not set(got) & set(keys)
         elif op == "touch":
             fast.touch(keys)
             slow.touch(keys)

@@ -511,7 +511,7 @@ class OffloadingManager:
             if done and moving:
                 moving.difference_update(done)
             if done and success:
-                lv.policy.insert_many(done)
+                lv.policy.insert_many(done, new=True)  # not ready here: in no policy
                 done.reverse()
                 lv.counters.stored += len(done)
                 self._events.append(OffloadingEvent(tuple(done), lv.medium, False))
@@ -528,7 +528,7 @@ class OffloadingManager:
             ready.update(dict.fromkeys(done, lv.bit))
             if len(ready) - before != len(done):  # a key given twice completes once
                 done = list(dict.fromkeys(done))
-            lv.policy.insert_many(done)
+            lv.policy.insert_many(done, new=True)  # not ready here: in no policy
             done.reverse()
             lv.counters.stored += len(done)
             self._events.append(OffloadingEvent(tuple(done), lv.medium, False))
