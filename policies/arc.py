@@ -113,8 +113,16 @@ class ARCPolicy(EvictionPolicy):
                 )
             )
         )
+        if all_new:
+            # All case IV: append them, then trim once. Trimming only ever drops the oldest
+            # ghosts, and T1 only grows meanwhile, so one trim at the end drops exactly the
+            # ghosts that trimming after each insert would have dropped.
+            for key in keys:
+                t1[key] = None
+            self._trim_ghosts()
+            return
         for key in keys:
-            if not all_new and (key in t1 or key in t2 or key in b1 or key in b2):
+            if key in t1 or key in t2 or key in b1 or key in b2:
                 self.insert(key)
                 n1, n2, g1, g2 = len(t1), len(t2), len(b1), len(b2)
                 continue
@@ -205,12 +213,19 @@ class ARCPolicy(EvictionPolicy):
         """
         if n > len(self):
             return None
+        t1_turns = max(0, len(self._t1) - math.floor(self._p))
+        # Unfiltered first: the caller's own keys are rarely among the coldest, and a set
+        # tells that in C; filter key by key only when one is.
+        k1 = min(n, t1_turns)
+        first_t1 = list(islice(self._t1, k1))
+        second = list(islice(self._t2, n - k1))
+        if len(second) == n - k1 and self._disjoint(protected, first_t1, second):
+            return first_t1, second, []
         from_t1: Iterator[bytes] = iter(self._t1)
         from_t2: Iterator[bytes] = iter(self._t2)
         if protected:  # an empty set protects nothing: skip the per-key test
             from_t1 = filterfalse(protected.__contains__, from_t1)
             from_t2 = filterfalse(protected.__contains__, from_t2)
-        t1_turns = max(0, len(self._t1) - math.floor(self._p))
         first_t1 = list(islice(from_t1, min(n, t1_turns)))
         left = n - len(first_t1)
         second = list(islice(from_t2, left)) if left else []
@@ -221,11 +236,19 @@ class ARCPolicy(EvictionPolicy):
         return first_t1, second, third
 
     def _trim_ghosts(self) -> None:
-        """Drop the oldest ghosts until |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c."""
+        """Drop the oldest ghosts until |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c: B1's
+        first, then B2's (B1's once B2 is empty), counted up front rather than re-tested."""
         t1, b1, b2, c = self._t1, self._b1, self._b2, self.capacity
-        while b1 and len(t1) + len(b1) > c:
-            b1.popitem(last=False)
-        excess = len(t1) + len(self._t2) + len(b1) + len(b2) - 2 * c
-        while excess > 0 and (b1 or b2):
-            (b2 or b1).popitem(last=False)
-            excess -= 1
+        n1, g1, g2 = len(t1), len(b1), len(b2)
+        drop = min(g1, n1 + g1 - c)
+        if drop > 0:
+            for _ in range(drop):
+                b1.popitem(last=False)
+            g1 -= drop
+        excess = n1 + len(self._t2) + g1 + g2 - 2 * c
+        if excess > 0:
+            drop = min(excess, g2)
+            for _ in range(drop):
+                b2.popitem(last=False)
+            for _ in range(min(excess - drop, g1)):
+                b1.popitem(last=False)
