@@ -2,6 +2,7 @@
 
 Primitives:
     EvictionPolicy(capacity)  abstract base; capacity is counted in blocks (>= 1)
+    on_miss(keys)             the manager is about to store these absent keys (default: no-op)
     insert(key)               add a key as most recently used (idempotent: a present key is touched)
     touch(keys)               mark a prefix chain as used so that its head is evicted last
     remove(key)               forget a resident key (no-op when absent)
@@ -33,6 +34,18 @@ class EvictionPolicy(ABC):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 block, got {capacity}")
         self.capacity: int = capacity
+
+    def on_miss(self, keys: Sequence[bytes]) -> None:  # noqa: B027 (a no-op hook by design)
+        """Learn from a miss before making room for it; the default ignores it.
+
+        The manager calls this in prepare_store (and prepare_promote) with the keys it is about
+        to store into this policy's tier (distinct, none resident, in request order, head
+        first), before it calls evict() for their room and before insert_many() completes the
+        store. The store may still be refused or fail, and the keys then never arrive, so an
+        override must not change residency (len, `in`, which keys evict can pick) and must
+        stay correct when no insert follows. ARC adapts its target p here, as the paper does
+        before REPLACE.
+        """
 
     @abstractmethod
     def insert(self, key: bytes) -> None:

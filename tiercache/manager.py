@@ -357,6 +357,8 @@ class OffloadingManager:
         self, new: list[bytes], protect: Collection[bytes]
     ) -> PrepareStoreOutput | None:
         first = self._levels[0]
+        if new:  # before evict: ARC adapts p for ghost hits first, as the paper orders it
+            first.policy.on_miss(new)
         tier = first.tier
         need = len(new) - tier.free_blocks
         victims: list[bytes] = []
