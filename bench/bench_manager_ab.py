@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Run inside each child: the replay with time.perf_counter swapped for process CPU time.
 CHILD = """
 import json, sys, time
+import tiercache
 from tiercache.benchharness import replay
 from tiercache.benchharness.traces import make_trace
 name, policy, runs, requests, fraction = sys.argv[1:6]
@@ -36,7 +37,8 @@ trace = make_trace(name, int(requests), seed=0)
 cap = max(1, round(trace.unique_blocks * float(fraction)))
 replay.time.perf_counter = time.process_time
 out = [replay.replay_manager(trace, policy, cap) for _ in range(int(runs) + 1)][1:]
-print(json.dumps({"seconds": [r.seconds for r in out], "hits": out[0].hits, "cap": cap}))
+print(json.dumps({"seconds": [r.seconds for r in out], "hits": out[0].hits, "cap": cap,
+                  "from": tiercache.__file__}))
 """
 
 
@@ -60,10 +62,20 @@ def lay_out(rev: str, root: Path) -> Path:
 def run_child(path: Path, args: argparse.Namespace, trace: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(path)}
     argv = [trace, args.policy, str(args.runs), str(args.requests), str(args.fraction)]
+    # cwd: `python -c` puts it first on sys.path, and the repository root holds a tiercache/
+    # that would shadow the revision being measured.
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, *argv], env=env, check=True, capture_output=True, text=True
+        [sys.executable, "-c", CHILD, *argv],
+        env=env,
+        cwd=path,
+        check=True,
+        capture_output=True,
+        text=True,
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if not got["from"].startswith(str(path)):
+        raise SystemExit(f"measured the wrong tiercache: {got['from']} is not under {path}")
+    return got
 
 
 def main() -> None:
