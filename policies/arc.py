@@ -225,7 +225,10 @@ class ARCPolicy(EvictionPolicy):
                 del src[key]
                 ghosts[key] = None
             victims += run
-        self._trim_ghosts()  # a no-op unless more than c keys were resident
+        # Residents became ghosts: the directory's size is unchanged, and over 2c only if
+        # more than c keys were resident (a caller past capacity).
+        if len(t1) + len(t2) + len(b1) + len(b2) > 2 * self.capacity:
+            self._trim_ghosts()
         return victims
 
     def clear(self) -> None:
