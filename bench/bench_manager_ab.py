@@ -5,7 +5,9 @@ a temporary directory (`git archive`, so uncommitted changes are not included), 
 `replay_manager` runs in fresh processes that alternate between the two revisions. Each
 process replays the trace `--runs` times after one warm-up. Time is process CPU time, not
 wall time, so a neighbour on the shared 2-core VM adds noise but not its own run time. The
-hit counts are printed too: a speed change must not change what hits.
+hit counts are printed too: a speed change must not change what hits. Give a revision twice
+for a null test of the noise: on the 2-core VM, 3 rounds of 3 runs spread by up to 7 %, so
+read a difference smaller than that as none.
 
     .venv/bin/python bench/bench_manager_ab.py 1cee2bd HEAD --traces scan,rag --policy arc
 """
@@ -90,22 +92,21 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.2, help="capacity / distinct blocks")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="tiercache-ab-") as tmp:
-        paths = {
-            rev: lay_out(rev, Path(tmp) / str(i)) for i, rev in enumerate((args.old, args.new))
-        }
+        # Keyed by position, so a revision against itself (a null test of the noise) works.
+        paths = [lay_out(rev, Path(tmp) / str(i)) for i, rev in enumerate((args.old, args.new))]
         print(f"# {args.policy}, {args.requests} requests, capacity {args.fraction:.0%}")
         print("| trace | capacity | A ms | B ms | B/A time | hits A | hits B |")
         print("|---|---|---|---|---|---|---|")
         for trace in args.traces.split(","):
-            got: dict[str, list[float]] = {rev: [] for rev in paths}
-            hits: dict[str, int] = {}
+            got: list[list[float]] = [[], []]
+            hits = [0, 0]
             for _ in range(args.rounds):
-                for rev, path in paths.items():
+                for i, path in enumerate(paths):
                     r = run_child(path, args, trace)
-                    got[rev] += r["seconds"]
-                    hits[rev], cap = r["hits"], r["cap"]
-            a, b = (statistics.median(got[rev]) for rev in paths)
-            ha, hb = (hits[rev] for rev in paths)
+                    got[i] += r["seconds"]
+                    hits[i], cap = r["hits"], r["cap"]
+            a, b = (statistics.median(g) for g in got)
+            ha, hb = hits
             print(
                 f"| {trace} | {cap} | {a * 1e3:.0f} | {b * 1e3:.0f} | {b / a:.3f} | {ha} | {hb} |"
             )
