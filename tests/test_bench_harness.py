@@ -414,3 +414,10 @@ def test_targets_are_judged_from_the_measurements() -> None:
     assert speed and t == "3.00x"
     assert not hits and h.startswith("1/2 points") and "chat@20% 0.6000<0.6100" in h
     assert not belady_t and b == "0.940 of Belady"
+
+
+def test_a_point_below_target_shows_enough_digits_to_differ() -> None:
+    from tiercache.benchharness.runner import _apart
+
+    assert _apart(0.935861, 0.935889, "<") == "0.93586<0.93589"  # 4 decimals: 0.9359<0.9359
+    assert _apart(0.4741, 0.4752, "<") == "0.4741<0.4752"

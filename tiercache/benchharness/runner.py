@@ -193,8 +193,8 @@ class BenchReport:
         if pts:
             worse = [p for p in pts if p.hit_rates["tiercache arc"] < p.hit_rates["vllm arc"]]
             detail = ", ".join(
-                f"{p.trace}@{p.fraction:.0%} {p.hit_rates['tiercache arc']:.4f}<"
-                f"{p.hit_rates['vllm arc']:.4f}"
+                f"{p.trace}@{p.fraction:.0%} "
+                + _apart(p.hit_rates["tiercache arc"], p.hit_rates["vllm arc"], "<")
                 for p in worse
             )
             out.append(
@@ -240,6 +240,15 @@ def machine_description() -> str:
         f"{cpu}, {os.cpu_count()} cores{mem}, {gpu}; {platform.system()} {platform.release()}; "
         f"Python {platform.python_version()}, torch {torch.__version__}"
     )
+
+
+def _apart(a: float, b: float, op: str) -> str:
+    """`a op b` with 4 decimals, or as many more (up to 8) as it takes for them to differ."""
+    for d in range(4, 9):
+        x, y = f"{a:.{d}f}", f"{b:.{d}f}"
+        if x != y:
+            break
+    return f"{x}{op}{y}"
 
 
 def _traces(opts: BenchOptions) -> list[Trace]:
