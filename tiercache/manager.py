@@ -18,7 +18,7 @@ returns None or raises changes no state.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from tiercache.policies import EvictionPolicy
@@ -72,6 +72,28 @@ class _Level:
 
 def _seq(keys: Iterable[bytes]) -> Sequence[bytes]:
     return keys if isinstance(keys, list | tuple) else list(keys)
+
+
+def _check_loads(
+    keys: Sequence[bytes], pins: Container[bytes], loads: Callable[[bytes], int]
+) -> None:
+    """Raise KeyError, before anything is unpinned, unless every key has an outstanding load
+    for each time it is given; `pins` holds the keys with any, `loads(key)` counts them."""
+    if len(set(keys)) == len(keys):  # distinct keys: one outstanding load each suffices
+        for k in keys:
+            if k not in pins:
+                raise _no_load(k)
+        return
+    need: dict[bytes, int] = {}
+    for k in keys:
+        need[k] = need.get(k, 0) + 1
+        if loads(k) < need[k]:
+            raise _no_load(k)
+
+
+def _no_load(key: object) -> KeyError:
+    shown = key.hex() if isinstance(key, bytes) else repr(key)
+    return KeyError(f"complete_load: block {shown} has no outstanding load")
 
 
 def _unpin(pins: dict[bytes, int], key: bytes) -> None:
@@ -269,22 +291,7 @@ class OffloadingManager:
             self._complete_load_single(keys)
             return
         pins = self._pins
-        if len(set(keys)) == len(keys):  # distinct keys: one outstanding load each suffices
-            for k in keys:
-                if k not in pins:
-                    raise KeyError(
-                        f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
-                        "has no outstanding load"
-                    )
-        else:
-            need: dict[bytes, int] = {}
-            for k in keys:
-                need[k] = need.get(k, 0) + 1
-                if len(pins.get(k, ())) < need[k]:
-                    raise KeyError(
-                        f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
-                        "has no outstanding load"
-                    )
+        _check_loads(keys, pins, lambda k: len(pins.get(k, ())))  # key -> tier of each load
         levels = self._levels
         for k in keys:
             p = pins[k]
@@ -296,22 +303,7 @@ class OffloadingManager:
     def _complete_load_single(self, keys: Sequence[bytes]) -> None:
         """complete_load with one tier: check every key has enough pins, then unpin."""
         pins = self._levels[0].pins
-        if len(set(keys)) == len(keys):  # distinct keys: one pin each suffices
-            for k in keys:
-                if k not in pins:
-                    raise KeyError(
-                        f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
-                        "has no outstanding load"
-                    )
-        else:
-            need: dict[bytes, int] = {}
-            for k in keys:
-                need[k] = need.get(k, 0) + 1
-                if pins.get(k, 0) < need[k]:
-                    raise KeyError(
-                        f"complete_load: block {k.hex() if isinstance(k, bytes) else k!r} "
-                        "has no outstanding load"
-                    )
+        _check_loads(keys, pins, lambda k: pins.get(k, 0))  # key -> count of loads
         for k in keys:
             _unpin(pins, k)
 
