@@ -117,20 +117,26 @@ class ARCPolicy(EvictionPolicy):
         self._batch = len(keys)
         if (not b1 or b1.keys().isdisjoint(keys)) and (not b2 or b2.keys().isdisjoint(keys)):
             return  # the common case: no ghost hit, p stays
-        c, p, pending = self.capacity, self._p, self._pending
+        c, pending = self.capacity, self._pending
         for key in keys:
-            if key in b1:  # case II: T1 was too small for this key, so grow its target
-                p = min(p + (1.0 if len(b1) >= len(b2) else len(b2) / len(b1)), float(c))
-                del b1[key]
-            elif key in b2:  # case III: T2 was too small for this key, so shrink T1's target
-                p = max(p - (1.0 if len(b2) >= len(b1) else len(b1) / len(b2)), 0.0)
-                del b2[key]
-            else:
-                continue
-            pending[key] = None
-            if len(pending) > c:  # bounded even if stores keep failing
-                del pending[next(iter(pending))]
-        self._p = p
+            if key in b1 or key in b2:
+                self._adapt(key)
+                pending[key] = None
+                if len(pending) > c:  # bounded even if stores keep failing
+                    del pending[next(iter(pending))]
+
+    def _adapt(self, key: bytes) -> None:
+        """Cases II and III for a ghost key: adapt p by the paper's delta and take the key off
+        its ghost list (where it goes next is the caller's: pending, or T2)."""
+        b1, b2 = self._b1, self._b2
+        if key in b1:  # case II: T1 was too small for this key, so grow its target
+            delta = 1.0 if len(b1) >= len(b2) else len(b2) / len(b1)
+            self._p = min(self._p + delta, float(self.capacity))
+            del b1[key]
+        else:  # case III: T2 was too small for this key, so shrink T1's target
+            delta = 1.0 if len(b2) >= len(b1) else len(b1) / len(b2)
+            self._p = max(self._p - delta, 0.0)
+            del b2[key]
 
     def insert(self, key: bytes) -> None:
         """Add `key`: resident -> touch, pending or ghost -> T2 (a ghost adapts p), new -> T1."""
@@ -145,15 +151,8 @@ class ARCPolicy(EvictionPolicy):
             t2[key] = None  # it left its ghost list in on_miss: the directory may be over 2c
             if len(t1) + len(t2) + len(b1) + len(b2) > 2 * self.capacity:
                 self._trim_ghosts()
-        elif key in b1:  # case II without on_miss
-            delta = 1.0 if len(b1) >= len(b2) else len(b2) / len(b1)
-            self._p = min(self._p + delta, float(self.capacity))
-            del b1[key]
-            t2[key] = None
-        elif key in b2:  # case III without on_miss
-            delta = 1.0 if len(b2) >= len(b1) else len(b1) / len(b2)
-            self._p = max(self._p - delta, 0.0)
-            del b2[key]
+        elif key in b1 or key in b2:  # case II or III without on_miss
+            self._adapt(key)
             t2[key] = None
         else:  # case IV
             t1[key] = None
