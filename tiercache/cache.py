@@ -3,6 +3,16 @@
 Primitives: `open`, `hash_tokens`, `put`, `lookup`, `get`, `take_events`, `stats`, `close`,
 and `manager` for connectors. It runs the manager's plans itself, in order: demotions first
 (write-back before a slot is reused), then the store. One lock makes it thread-safe.
+
+Who calls what, in which order (the seams other code relies on):
+- A request is `lookup` then `get` (or `get` alone): its blocks count once as hits or
+  misses. `get` touches what it returns (a use); `put` touches what was already held, before
+  it stores (vLLM's scheduler order: touch, then store), so a block just stored is not "used
+  twice" and ARC keeps it in its recency list.
+- Every plan the manager hands out (`prepare_store`, `prepare_promote`) is completed here,
+  whatever is raised while it runs (`_run_plan`): no slot leaks and no key stays "moving".
+- Connectors call `manager` directly under their own lock and run their plans through the
+  transfer worker; they use this facade for `get`/`put` of whole blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +38,16 @@ from tiercache.tiers import Tier, build_tier, check_blocks
 from tiercache.tiers.base import KEY_BYTES
 
 log = logging.getLogger(__name__)
+
+
+def _rows_of(blocks: torch.Tensor, keys: Sequence[bytes], wanted: Sequence[bytes]) -> torch.Tensor:
+    """The rows of `blocks` (one per key of `keys`) for `wanted`, a subsequence of `keys`."""
+    if len(wanted) == len(keys):
+        return blocks
+    pos = {k: i for i, k in enumerate(keys)}
+    idx = torch.tensor([pos[k] for k in wanted], dtype=torch.int64, device=blocks.device)
+    return blocks.index_select(0, idx)
+
 
 # Errors a tier raises for failed I/O; anything else is a bug and propagates.
 _IO_ERRORS = (OSError, BlockCorruptError)
@@ -98,6 +118,9 @@ class TierCache:
         self._manager = OffloadingManager(self._tiers, policies, promote=config.promote)
         self._lock = threading.RLock()
         self._closed = False
+        # Per thread, the chain its last call was a `lookup` of: a `get` of that chain right
+        # after is the same request, and its blocks were counted by the lookup.
+        self._asked = threading.local()
         # With [telemetry]: events pass through _tap_events() into this buffer for
         # take_events(), and a copy goes to the telemetry thread.
         self._events_buf: list[OffloadingEvent] = []
@@ -165,11 +188,17 @@ class TierCache:
         )
 
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> int:
-        """Store the blocks of `keys` not held yet; returns how many of `keys` are now held."""
+        """Store the blocks of `keys` not held yet; returns how many of `keys` are now held.
+
+        Blocks already held count as used (touched, before the store makes room, as vLLM's
+        scheduler orders it); the new ones enter the policies once, when their store
+        completes, so a store alone is not a use."""
         keys = check_keys(keys)
         check_blocks(blocks, len(keys), self._block_bytes, "blocks")
         with self._lock:
             self._check_open()
+            self._asked.chain = None
+            self._manager.touch(keys)  # policies ignore the keys they do not hold
             plan = self._manager.prepare_store(keys)
             cap = self._tiers[0].capacity_blocks
             if plan is None and len(keys) > cap:
@@ -178,18 +207,7 @@ class TierCache:
             if plan is None:
                 log.debug("put: no room in %s (pinned blocks)", self._tiers[0].medium)
             elif plan.keys_to_store:
-                if plan.keys_to_store == tuple(keys):
-                    src = blocks
-                else:
-                    pos = {k: i for i, k in enumerate(keys)}
-                    idx = torch.tensor(
-                        [pos[k] for k in plan.keys_to_store],
-                        dtype=torch.int64,
-                        device=blocks.device,
-                    )
-                    src = blocks.index_select(0, idx)
-                self._execute(plan, src)
-            self._manager.touch(keys)
+                self._run_plan(plan, lambda: _rows_of(blocks, keys, plan.keys_to_store))
             self._tap_events()
             return self._manager.count_ready(keys)
 
@@ -198,7 +216,9 @@ class TierCache:
         keys = check_keys(keys)
         with self._lock:
             self._check_open()
-            return self._manager.lookup(keys) or 0
+            n = self._manager.lookup(keys) or 0
+            self._asked.chain = tuple(keys)
+            return n
 
     def get(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 `[k, block_bytes]` for the k leading blocks held; counts as a use.
@@ -207,11 +227,17 @@ class TierCache:
         allocation per call); the result is then its first k rows. A block that fails
         verification ends the result there (a miss), is dropped from its
         tier and counted as an error.
+
+        Hits and misses are counted here, unless this thread's previous call was a `lookup`
+        of a chain that starts with `keys`: that lookup and this get are one request, and the
+        lookup counted its blocks already.
         """
         keys = check_keys(keys)
         with self._lock:
             self._check_open()
-            n = self._manager.lookup(keys) or 0
+            asked, self._asked.chain = getattr(self._asked, "chain", None), None
+            counted = asked is not None and tuple(keys) == asked[: len(keys)]
+            n = self._manager.lookup(keys, count=not counted) or 0
             if out is None:
                 out = torch.empty((n, self._block_bytes), dtype=torch.uint8)
             else:
@@ -334,32 +360,50 @@ class TierCache:
         except _IO_ERRORS as exc:
             log.warning("read of %d blocks from %s failed: %s", len(slots), tier.medium, exc)
             return list(positions)
-        if not contiguous:
-            out.index_copy_(0, torch.tensor(positions, dtype=torch.int64), dst)
+        if not contiguous:  # indices live on the device of the tensor they index
+            idx = torch.tensor(positions, dtype=torch.int64, device=out.device)
+            out.index_copy_(0, idx, dst.to(out.device))
         return [positions[i] for i in failed]
 
     def _promote(self, chain: list[bytes], loaded: torch.Tensor) -> None:
         plan = self._manager.prepare_promote(chain)
         if plan is None:
             return
-        pos = {k: i for i, k in enumerate(chain)}
-        idx = torch.tensor([pos[k] for k in plan.keys_to_store], dtype=torch.int64)
-        self._execute(plan, loaded.index_select(0, idx))
+        self._run_plan(plan, lambda: _rows_of(loaded, chain, plan.keys_to_store))
 
-    def _execute(self, plan: PrepareStoreOutput, src: torch.Tensor) -> None:
-        """Run a store plan: its moves in order, then the write of `src` into the new slots."""
-        for move in plan.moves:
-            self._move(move)
+    def _run_plan(self, plan: PrepareStoreOutput, rows: Callable[[], torch.Tensor]) -> None:
+        """Run a store plan to its completion: its moves in order, then the write of `rows()`
+        (the bytes of `plan.keys_to_store`) into the new slots.
+
+        A failed tier write fails the store (a counted error). Anything else raised on the
+        way (a bug, a device mismatch, out of memory) first completes every key of the plan
+        not completed yet with success=False, then propagates: the reserved slots go back,
+        no key is left "moving", and the same keys can be stored again.
+        """
         tier = self._tiers[plan.store_spec.tier]
         try:
-            tier.write(plan.store_spec.slots, src, plan.keys_to_store)
-        except _IO_ERRORS as exc:
-            log.warning(
-                "store of %d blocks into %s failed: %s", len(plan.keys_to_store), tier.medium, exc
-            )
-            self._manager.record_error(plan.store_spec.tier)
+            for move in plan.moves:
+                self._move(move)
+            src = rows()
+            try:
+                tier.write(plan.store_spec.slots, src, plan.keys_to_store)
+            except _IO_ERRORS as exc:
+                log.warning(
+                    "store of %d blocks into %s failed: %s",
+                    len(plan.keys_to_store),
+                    tier.medium,
+                    exc,
+                )
+                self._manager.record_error(plan.store_spec.tier)
+                self._manager.complete_store(plan.keys_to_store, success=False)
+                return
+        except BaseException:
+            # complete_store skips keys already completed (moves that finished), so this
+            # fails exactly what is still in flight.
+            for move in plan.moves:
+                self._manager.complete_store(move.keys, success=False)
             self._manager.complete_store(plan.keys_to_store, success=False)
-            return
+            raise
         self._manager.complete_store(plan.keys_to_store, success=True)
 
     def _move(self, move: BlockMove) -> None:

@@ -156,10 +156,13 @@ class OffloadingManager:
         return sum(1 for k in keys if k in ready)
 
     # -- lookup and load -------------------------------------------------------------------
-    def lookup(self, keys: Iterable[bytes]) -> int | None:
+    def lookup(self, keys: Iterable[bytes], *, count: bool = True) -> int | None:
         """Number of leading keys ready in any tier; None when the chain continues with a block
         that is moving between tiers (it will be ready again shortly). On a miss, shared tiers
-        are asked for blocks another process stored since they opened (see `_discover`)."""
+        are asked for blocks another process stored since they opened (see `_discover`).
+
+        Each key counts as a hit or a miss per tier, unless `count` is False (a caller asking
+        again within one request, e.g. the facade's `get` after its `lookup`)."""
         keys = _seq(keys)
         get = self._ready.get
         n = 0
@@ -175,11 +178,11 @@ class OffloadingManager:
                 while n < len(keys) and get(keys[n]):
                     n += 1
                 missed = len(keys) - n
-        if self._single:
+        if count and self._single:
             c = self._levels[0].counters
             c.hits += n
             c.misses += missed
-        else:
+        elif count:
             self._count_lookup(keys, n, missed)
         if missed and keys[n] in self._moving:
             return None
@@ -349,16 +352,20 @@ class OffloadingManager:
         self, new: list[bytes], protect: Collection[bytes]
     ) -> PrepareStoreOutput | None:
         first = self._levels[0]
-        if new:  # before evict: ARC adapts p for ghost hits first, as the paper orders it
-            first.policy.on_miss(new)
         tier = first.tier
         need = len(new) - tier.free_blocks
+        # Refusals first, before the policy hears of the miss: a None changes nothing, ARC's
+        # p and ghost lists included.
+        if need > 0 and (
+            len(new) > tier.capacity_blocks or self._evictable(first, protect, need) < need
+        ):
+            return None
+        if new:  # before evict: ARC adapts p for ghost hits first, as the paper orders it
+            first.policy.on_miss(new)
         victims: list[bytes] = []
         if need > 0:
-            if len(new) > tier.capacity_blocks:
-                return None
             got = first.policy.evict(need, self._protected(protect, first))
-            if got is None:
+            if got is None:  # a policy that refuses what it holds unprotected (see _evictable)
                 return None
             victims = got
         # From here on nothing fails: every state change below is committed together.
@@ -379,6 +386,17 @@ class OffloadingManager:
             evicted_keys=tuple(victims),
             moves=tuple(moves),
         )
+
+    def _evictable(self, level: _Level, protect: Collection[bytes], need: int) -> int:
+        """How many of `level`'s ready blocks its policy may evict (not pinned, not in
+        `protect`), or any number >= `need` when that is plain without counting."""
+        pins = level.pins
+        resident = len(level.policy)
+        if resident - len(pins) - len(protect) >= need:  # `protect` may hold absent keys
+            return resident
+        ready, bit = self._ready, level.bit
+        kept = sum(1 for k in protect if ready.get(k, 0) & bit and k not in pins)
+        return resident - len(pins) - kept
 
     def _protected(self, keys: Collection[bytes], level: _Level) -> Container[bytes]:
         """What `level`'s policy may not evict: `keys`, and its pinned blocks, as one set
