@@ -33,7 +33,7 @@ from tiercache.hashing import prefix_hashes
 from tiercache.manager import OffloadingManager
 from tiercache.policies import get_policy_class
 from tiercache.records import BlockMove, OffloadingEvent, PrepareStoreOutput
-from tiercache.telemetry import Telemetry, snapshot_of
+from tiercache.telemetry import Telemetry
 from tiercache.tiers import Tier, build_tier, check_blocks
 from tiercache.tiers.base import KEY_BYTES
 
@@ -124,7 +124,7 @@ class TierCache:
         # With [telemetry]: events pass through _tap_events() into this buffer for
         # take_events(), and a copy goes to the telemetry thread.
         self._events_buf: list[OffloadingEvent] = []
-        self._telemetry = Telemetry(config.telemetry, self) if config.telemetry else None
+        self._telemetry = Telemetry(config.telemetry, self.snapshot) if config.telemetry else None
         self._tap_events()
         _OPEN.add(self)
 
@@ -289,6 +289,21 @@ class TierCache:
                 out[t.medium] = {"kind": t.kind, "block_bytes": t.block_bytes, **out[t.medium]}
             return out
 
+    def snapshot(self) -> dict[str, Any]:
+        """What telemetry's stats.json holds besides its header: namespace, block size, and
+        per tier `stats()` plus the tier's path and its own counters where it has them."""
+        with self._lock:
+            stats = self.stats()
+            for t in self._tiers:
+                path = getattr(t, "path", None)
+                if path is not None:
+                    stats[t.medium]["path"] = str(path)
+                extra = getattr(t, "stats", None)
+                if callable(extra):
+                    stats[t.medium]["tier"] = extra()
+        namespace, block_bytes = self._config.namespace, self._block_bytes
+        return {"namespace": namespace, "block_bytes": block_bytes, "tiers": stats}
+
     def flush(self) -> None:
         """Make every acknowledged block of persistent tiers durable."""
         with self._lock:
@@ -310,7 +325,7 @@ class TierCache:
             if self._telemetry is not None:
                 self._tap_events()
                 try:
-                    self._telemetry.close(snapshot_of(self))
+                    self._telemetry.close(self.snapshot())
                 except Exception:  # telemetry must never keep the tiers from closing
                     log.exception("final telemetry snapshot failed")
             for t in self._tiers:

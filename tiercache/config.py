@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.errors import ConfigError
-from tiercache.telemetry import TelemetryConfig
 
 _UNITS = {
     "": 1,
@@ -35,6 +34,7 @@ _UNITS = {
     "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_TELEMETRY_KEYS = {"dir", "interval", "events", "max_event_bytes", "prometheus"}
 _TOP_KEYS = {"block_size", "namespace", "promote", "telemetry", "tiers"}
 _TIER_COMMON_KEYS = {"kind", "name", "capacity", "blocks", "policy"}
 
@@ -69,6 +69,55 @@ def _expect(value: object, kind: type | tuple[type, ...], field_name: str, what:
     if not isinstance(value, kind):
         raise ConfigError(field_name, f"expected {what}, got {type(value).__name__}")
     return value
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """The `[telemetry]` table: where and how often a running cache reports."""
+
+    dir: str
+    interval: float = 1.0
+    events: bool = True
+    max_event_bytes: int = 16 * 2**20
+    prometheus: str | None = None
+
+    @classmethod
+    def from_mapping(cls, m: object) -> TelemetryConfig:
+        """Validate a `[telemetry]` table; ConfigError naming the field."""
+        if not isinstance(m, Mapping):
+            raise ConfigError("telemetry", f"expected a table, got {type(m).__name__}")
+        unknown = sorted(set(m) - _TELEMETRY_KEYS)
+        if unknown:
+            known = ", ".join(sorted(_TELEMETRY_KEYS))
+            raise ConfigError(f"telemetry.{unknown[0]}", f"unknown setting; known: {known}")
+        d = m.get("dir")
+        if not isinstance(d, str) or not d:
+            raise ConfigError("telemetry.dir", "required: a directory for stats.json and events")
+        interval = m.get("interval", 1.0)
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not 0.01 <= interval <= 3600
+        ):
+            raise ConfigError(
+                "telemetry.interval", f"expected seconds in 0.01..3600, got {interval!r}"
+            )
+        events = m.get("events", True)
+        if not isinstance(events, bool):
+            raise ConfigError("telemetry.events", f"expected true or false, got {events!r}")
+        max_bytes = parse_size(m.get("max_event_bytes", 16 * 2**20), "telemetry.max_event_bytes")
+        prom = m.get("prometheus")
+        if prom is not None:
+            split_addr(prom, "telemetry.prometheus")
+        return cls(d, float(interval), events, max_bytes, prom)
+
+
+def split_addr(value: object, field: str) -> tuple[str, int]:
+    """("127.0.0.1", 9464) from "127.0.0.1:9464" or ":9464" (loopback)."""
+    host, colon, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not colon or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(field, f"expected 'host:port' (e.g. '127.0.0.1:9464'), got {value!r}")
+    return host or "127.0.0.1", int(port)
 
 
 @dataclass(frozen=True)

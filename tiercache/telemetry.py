@@ -12,8 +12,11 @@ Off unless the config has a `[telemetry]` table. Then a daemon thread of the cac
 
 The cache's calls only hand their events over (a list append); all I/O runs on the thread.
 
-Primitives: `TelemetryConfig` (validated once), `Telemetry` (the writer), `read_stats(dir)`,
-`read_events(dir)`, `follow_events(dir, ...)` (the readers the CLI uses).
+Primitives: `Telemetry` (the writer, fed by the cache's `snapshot` method), `read_stats(dir)`,
+`read_events(dir)`, `follow_events(dir, ...)` (the readers the CLI uses). `TelemetryConfig`,
+the validated `[telemetry]` table, lives in `config` with the rest of the configuration.
+
+Imports read top-down: config <- telemetry <- cache; this module knows no facade.
 """
 
 from __future__ import annotations
@@ -24,75 +27,21 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tiercache.config import TelemetryConfig, split_addr
 from tiercache.errors import ConfigError
 from tiercache.records import OffloadingEvent
 
-if TYPE_CHECKING:
-    from tiercache.cache import TierCache
+__all__ = ["Telemetry", "TelemetryConfig", "follow_events", "read_events", "read_stats"]
 
 log = logging.getLogger(__name__)
 
 TELEMETRY_FORMAT, TELEMETRY_VERSION = "tiercache-telemetry", 1
 STATS_FILE, EVENTS_FILE = "stats.json", "events.jsonl"
 MAX_BUFFERED_EVENTS = 65536  # events held between two runs of the thread; beyond: dropped
-_KEYS = {"dir", "interval", "events", "max_event_bytes", "prometheus"}
-
-
-@dataclass(frozen=True)
-class TelemetryConfig:
-    """The `[telemetry]` table: where and how often a running cache reports."""
-
-    dir: str
-    interval: float = 1.0
-    events: bool = True
-    max_event_bytes: int = 16 * 2**20
-    prometheus: str | None = None
-
-    @classmethod
-    def from_mapping(cls, m: object) -> TelemetryConfig:
-        """Validate a `[telemetry]` table; ConfigError naming the field."""
-        from tiercache.config import parse_size  # config imports this module
-
-        if not isinstance(m, Mapping):
-            raise ConfigError("telemetry", f"expected a table, got {type(m).__name__}")
-        unknown = sorted(set(m) - _KEYS)
-        if unknown:
-            raise ConfigError(
-                f"telemetry.{unknown[0]}", f"unknown setting; known: {', '.join(sorted(_KEYS))}"
-            )
-        d = m.get("dir")
-        if not isinstance(d, str) or not d:
-            raise ConfigError("telemetry.dir", "required: a directory for stats.json and events")
-        interval = m.get("interval", 1.0)
-        if (
-            isinstance(interval, bool)
-            or not isinstance(interval, int | float)
-            or not 0.01 <= interval <= 3600
-        ):
-            raise ConfigError(
-                "telemetry.interval", f"expected seconds in 0.01..3600, got {interval!r}"
-            )
-        events = m.get("events", True)
-        if not isinstance(events, bool):
-            raise ConfigError("telemetry.events", f"expected true or false, got {events!r}")
-        max_bytes = parse_size(m.get("max_event_bytes", 16 * 2**20), "telemetry.max_event_bytes")
-        prom = m.get("prometheus")
-        if prom is not None:
-            _split_addr(prom, "telemetry.prometheus")
-        return cls(d, float(interval), events, max_bytes, prom)
-
-
-def _split_addr(value: object, field: str) -> tuple[str, int]:
-    """("127.0.0.1", 9464) from "127.0.0.1:9464" or ":9464" (loopback)."""
-    host, colon, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    if not colon or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(field, f"expected 'host:port' (e.g. '127.0.0.1:9464'), got {value!r}")
-    return host or "127.0.0.1", int(port)
 
 
 def event_record(event: OffloadingEvent, t: float) -> dict[str, Any]:
@@ -109,7 +58,9 @@ def event_record(event: OffloadingEvent, t: float) -> dict[str, Any]:
 class Telemetry:
     """The writer thread of one cache (see the module docstring)."""
 
-    def __init__(self, cfg: TelemetryConfig, cache: TierCache) -> None:
+    def __init__(self, cfg: TelemetryConfig, snapshot: Callable[[], Mapping[str, Any]]) -> None:
+        """`snapshot` is a bound method of the cache (e.g. `TierCache.snapshot`), held weakly:
+        the thread ends once the cache is gone."""
         self.cfg = cfg
         self._dir = Path(cfg.dir).absolute()
         if not self._dir.parent.is_dir():
@@ -120,7 +71,7 @@ class Telemetry:
             raise ConfigError("telemetry.dir", f"{self._dir}: cannot create it: {exc}") from None
         if not self._dir.is_dir() or not os.access(self._dir, os.W_OK | os.X_OK):
             raise ConfigError("telemetry.dir", f"{self._dir} is not a writable directory")
-        self._cache = weakref.ref(cache)
+        self._snapshot = weakref.WeakMethod(snapshot)  # type: ignore[arg-type]
         self._lock = threading.Lock()  # the event buffer and the files
         self._pending: list[tuple[float, OffloadingEvent]] = []
         self._dropped = 0
@@ -132,7 +83,7 @@ class Telemetry:
         if cfg.prometheus is not None:
             from tiercache.transfer.stats import PrometheusMetrics
 
-            host, port = _split_addr(cfg.prometheus, "telemetry.prometheus")
+            host, port = split_addr(cfg.prometheus, "telemetry.prometheus")
             self._metrics = PrometheusMetrics()
             self._server, _ = self._metrics.start_http_server(port, host)
         self._stop = threading.Event()
@@ -176,15 +127,15 @@ class Telemetry:
     # -- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.interval):
-            cache = self._cache()
-            if cache is None:
+            take = self._snapshot()
+            if take is None:
                 return
             try:
-                snapshot = snapshot_of(cache)
+                snapshot = take()
             except Exception:
                 log.exception("telemetry: taking a stats snapshot failed")
                 continue
-            del cache
+            del take
             with self._lock:
                 if self._closed:  # the final snapshot of close() must stay the last one
                     return
@@ -234,23 +185,6 @@ class Telemetry:
         finally:
             os.close(fd)
         self._written += len(pending)
-
-
-def snapshot_of(cache: TierCache) -> dict[str, Any]:
-    """What stats.json holds besides the header: namespace, block size, tiers' stats."""
-    stats = cache.stats()
-    for t in cache.tiers:
-        path = getattr(t, "path", None)
-        if path is not None:
-            stats[t.medium]["path"] = str(path)
-        extra = getattr(t, "stats", None)
-        if callable(extra):
-            stats[t.medium]["tier"] = extra()
-    return {
-        "namespace": cache.config.namespace,
-        "block_bytes": cache.block_bytes,
-        "tiers": stats,
-    }
 
 
 # -- readers (the CLI) -------------------------------------------------------------------------
