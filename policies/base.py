@@ -41,10 +41,11 @@ class EvictionPolicy(ABC):
         The manager calls this in prepare_store (and prepare_promote) with the keys it is about
         to store into this policy's tier (distinct, none resident, in request order, head
         first), before it calls evict() for their room and before insert_many() completes the
-        store. The store may still be refused or fail, and the keys then never arrive, so an
-        override must not change residency (len, `in`, which keys evict can pick) and must
-        stay correct when no insert follows. ARC adapts its target p here, as the paper does
-        before REPLACE.
+        store. The manager calls it only once it knows the room can be made (enough resident
+        keys outside `protected`), so a refused store changes no policy state; the store may
+        still fail, and the keys then never arrive, so an override must not change residency
+        (len, `in`, which keys evict can pick) and must stay correct when no insert follows.
+        ARC adapts its target p here, as the paper does before REPLACE.
         """
 
     @abstractmethod

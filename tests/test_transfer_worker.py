@@ -337,3 +337,79 @@ def test_build_worker_wiring_and_validation() -> None:
     with pytest.raises(ValueError, match="offloaded block"):
         build_worker(layout, [CPUTier(block_bytes=layout.block_bytes * 2, capacity_blocks=2)])
     assert not new_threads()
+
+
+# -- stream order between the pool's own copies and the worker's streams ------------------
+class _FakeEvent:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.name = name
+        log.append(f"record {name}")
+
+
+class _FakeStream:
+    """Stands in for a CUDA stream: logs what is recorded on it and what it waits for."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name, self.n = log, name, 0
+
+    def record_event(self) -> _FakeEvent:
+        self.n += 1
+        return _FakeEvent(self.log, f"{self.name}#{self.n}")
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        self.log.append(f"{self.name} waits {event.name}")
+
+
+def test_pool_copies_fence_and_the_cuda_lane_waits_for_the_fence(monkeypatch) -> None:
+    """The CPU twin runs the logic with the device's stream faked: a pool on an asynchronous
+    device records a fence after each of its own copies, and the CUDA handler's lane stream
+    waits for the compute stream and then for that fence before it copies."""
+    from tiercache.transfer.cuda_handler import CUDACopyHandler
+    from tiercache.transfer.job import Job
+
+    log: list[str] = []
+    default = _FakeStream(log, "default")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default)
+    _caches, _kv_first, layout, tier = setup("separate", "cpu", 1)
+    assert tier.fence is None  # on the CPU nothing is pending after a copy
+    tier.write([1], torch.zeros((1, layout.block_bytes), dtype=torch.uint8))
+    assert tier.fence is None and log == []
+    tier._async = True  # the pool as it behaves on a CUDA device
+    tier.write([1, 3], torch.ones((2, layout.block_bytes), dtype=torch.uint8))
+    assert log == ["record default#1"] and tier.fence.name == "default#1"
+    tier.read([3], torch.empty((1, layout.block_bytes), dtype=torch.uint8))
+    assert tier.fence.name == "default#2"  # the last own copy is the one to wait for
+
+    handler = CUDACopyHandler.__new__(CUDACopyHandler)  # no CUDA here: no real streams
+    handler.layout, handler._tiers = layout, [tier]
+    handler._streams = {"store": _FakeStream(log, "store"), "load": _FakeStream(log, "load")}
+    job = Job(1, tier_spec([3]), GPULoadStoreSpec([5]))
+    job.compute_event = _FakeEvent(log, "compute")
+    log.clear()
+    assert handler.wait_deps(job, "load")
+    assert log == ["load waits compute", "load waits default#2"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_load_waits_for_a_facade_write_into_the_gpu_pool() -> None:
+    # The facade writes into the GPU pool on the default stream behind a long sleep kernel;
+    # a load job submitted from a side stream right after must still copy those bytes.
+    from tiercache.tiers.gpu import GPUTier
+
+    caches, kv_first = make_kv("cross_layer", NB, device="cuda")
+    layout = KVLayout(caches, NB, 1)
+    tier = GPUTier(block_bytes=layout.block_bytes, capacity_blocks=8, device="cuda")
+    with build_worker(layout, [tier]) as worker:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        rows = torch.full((1, layout.block_bytes), 7, dtype=torch.uint8, device="cuda")
+        tier.write([4], rows)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # the engine's current stream is not the pool's
+            worker.transfer_async(
+                1, (TierLoadStoreSpec(0, "gpu", [4], [K(4)]), GPULoadStoreSpec([2]))
+            )
+        assert drain(worker, [1])[1].success
+    torch.cuda.synchronize()
+    (block,) = snapshot(caches, kv_first, [2])
+    assert all(bool((t.view(torch.uint8) == 7).all()) for t in block)

@@ -3,11 +3,18 @@
 Shared by the pinned-CPU tier and the GPU tier: same code, a different device. Copies are
 batched: a contiguous run of slots is one slice copy; otherwise one `index_copy_` /
 `index_select` over an int64 view (on uint8, index_copy_ runs ~9x slower, see shared/limits).
+
+Stream order: on a CUDA pool, `read`/`write` (the facade's copies, demotions) are queued on the
+device's current stream and return before they finish. Each records an event, `fence`, after
+its copy; the CUDA copy handler makes its lane stream wait on the fence of the pool it is
+about to use, so a worker job never reads a slot before the facade's write into it landed.
+On the CPU, copies are done when they return and `fence` stays None.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -57,10 +64,22 @@ class PoolTier(Tier):
             # pool to a fraction of memcpy speed (pinned and device memory are already backed).
             self._pool.zero_()
         self._pool_wide = _wide(self._pool)
+        self._async = device.type == "cuda"  # copies queue on a stream and return at once
+        self._fence: Any = None
 
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def fence(self) -> Any:
+        """The CUDA event recorded after this pool's last own copy (None: nothing pending)."""
+        return self._fence
+
+    def _mark(self) -> None:
+        """After a copy: on an asynchronous device, record where the current stream is."""
+        if self._async:
+            self._fence = torch.cuda.current_stream(self._device).record_event()
 
     @property
     def pool(self) -> torch.Tensor:
@@ -80,12 +99,13 @@ class PoolTier(Tier):
         first = _run_start(slots)
         if first is not None:
             self._pool[first : first + n].copy_(src)
-            return
-        if src.device != self._device:
-            src = src.to(self._device)
-        wide = _wide(src)
-        target = self._pool_wide if wide.dtype == self._pool_wide.dtype else self._pool
-        target.index_copy_(0, self._index(slots), wide)
+        else:
+            if src.device != self._device:
+                src = src.to(self._device)
+            wide = _wide(src)
+            target = self._pool_wide if wide.dtype == self._pool_wide.dtype else self._pool
+            target.index_copy_(0, self._index(slots), wide)
+        self._mark()
 
     def read(
         self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
@@ -97,13 +117,13 @@ class PoolTier(Tier):
         first = _run_start(slots)
         if first is not None:
             dst.copy_(self._pool[first : first + n])
-            return []
-        if dst.device != self._device:
+        elif dst.device != self._device:
             dst.copy_(self._pool.index_select(0, self._index(slots)))
-            return []
-        wide = _wide(dst)
-        source = self._pool_wide if wide.dtype == self._pool_wide.dtype else self._pool
-        torch.index_select(source, 0, self._index(slots), out=wide)
+        else:
+            wide = _wide(dst)
+            source = self._pool_wide if wide.dtype == self._pool_wide.dtype else self._pool
+            torch.index_select(source, 0, self._index(slots), out=wide)
+        self._mark()  # a later write into these slots (after they are freed) waits for this
         return []
 
     def close(self) -> None:

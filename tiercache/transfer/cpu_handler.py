@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from tiercache.tiers import Tier
 from tiercache.transfer.handler import LaneHandler
@@ -82,6 +83,13 @@ class CPUCopyHandler(LaneHandler):
                 f"{len(side.slots)} slots (block_size_factor "
                 f"{self.layout.factor})"
             )
+
+    def pool_fence(self, job: Job) -> Any:
+        """The fence of the pool tier `job` uses: an event after that pool's own last copy
+        on an asynchronous device, which the CUDA handler's stream waits on; None on the CPU
+        twin (its copies are done when they return), so there is nothing to wait for."""
+        _, side, _ = engine_sides(job)
+        return getattr(self._tiers[side.tier], "fence", None)
 
     def copy(self, job: Job, *, non_blocking: bool = False) -> None:
         """The bytes of an engine <-> pool job (shared with the CUDA handler)."""

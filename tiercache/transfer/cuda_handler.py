@@ -45,6 +45,11 @@ class CUDACopyHandler(CPUCopyHandler):
             if reads_it and not dep.ok:
                 ok = False
         stream.wait_event(job.compute_event)
+        # The pool's own copies (the facade's writes, demotions) run on the device's current
+        # stream, not this one: wait for the last of them before touching its slots.
+        fence = self.pool_fence(job)
+        if fence is not None:
+            stream.wait_event(fence)
         return ok
 
     def run(self, job: Job, lane: str) -> None:
