@@ -48,6 +48,7 @@ def work(cache: TierCache, rounds: int, start: int = 0) -> None:
         keys = cache.hash_tokens(list(range(i * 1000, i * 1000 + 32)))
         cache.put(keys, torch.full((2, BB), i % 251, dtype=torch.uint8))
         cache.get(keys)
+    cache.flush()  # the write-through copies queued by the puts have landed
 
 
 def run(*args: str) -> object:
@@ -104,7 +105,9 @@ def test_stats_of_a_running_engine_then_closed(tmp_path: Path) -> None:
         for tier in ("cpu", "nvme"):
             for c in ("hits", "misses", "stored", "evictions", "used_blocks", "capacity_blocks"):
                 assert doc["tiers"][tier][c] == live[tier][c], (tier, c)
-        assert live["cpu"]["hits"] == 60 and live["nvme"]["stored"] > 0  # 30 gets of 2 blocks
+        # 30 gets of 2 blocks, served by the cpu tier or, when write-through copies pinned
+        # its room at the put, by nvme (the put wrote around it)
+        assert live["cpu"]["hits"] + live["nvme"]["hits"] == 60 and live["nvme"]["stored"] > 0
         assert doc["tiers"]["nvme"]["path"] == str(tmp_path / "nvme")
         r = run("stats", str(tmp_path / "tel"))  # the directory itself, human form
         assert r.exit_code == 0, r.output

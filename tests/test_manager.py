@@ -120,10 +120,97 @@ def test_duplicate_keys_rejected_without_change() -> None:
     assert m.tiers[0].used_blocks == 0
 
 
-def test_store_larger_than_first_tier_returns_none() -> None:
+def test_store_larger_than_the_only_tier_keeps_its_head() -> None:
     m = make(3)
-    assert m.prepare_store(chain(0, 4)) is None
-    assert m.tiers[0].used_blocks == 0
+    out = m.prepare_store(chain(0, 4))
+    # No tier below to write around into: the head, which lookups reach, and nothing else.
+    assert out is not None and out.keys_to_store == tuple(chain(0, 3)) and not out.around
+    m.complete_store(out.stored_keys)
+    assert m.lookup(chain(0, 4)) == 3
+
+
+def test_write_around_places_what_the_first_tier_cannot_take() -> None:
+    m = make(2, 4, 8)
+    out = m.prepare_store(chain(0, 10))
+    assert out is not None
+    # Head into the first tier, then the next tiers in order, each up to its room.
+    assert out.keys_to_store == tuple(chain(0, 2))
+    assert [(w.spec.tier, w.keys) for w in out.around] == [
+        (1, tuple(chain(2, 6))),
+        (2, tuple(chain(6, 10))),
+    ]
+    assert out.stored_keys == tuple(chain(0, 10)) and not out.moves
+    assert m.lookup(chain(0, 10)) == 0  # invisible until completed
+    m.complete_store(out.stored_keys)
+    assert m.lookup(chain(0, 10)) == 10
+    assert [m.where(k) for k in chain(0, 10)] == [[0]] * 2 + [[1]] * 4 + [[2]] * 4
+    s = m.stats()
+    assert (s["t0"]["stored"], s["t1"]["stored"], s["t2"]["stored"]) == (2, 4, 4)
+
+
+def test_write_around_when_the_first_tier_is_held_by_stores_in_flight() -> None:
+    m = make(2, 8)
+    first = m.prepare_store(chain(0, 2))  # in flight: its slots are not evictable
+    second = m.prepare_store(chain(10, 13))
+    assert second is not None and not second.keys_to_store and not second.moves
+    assert [(w.spec.tier, w.keys) for w in second.around] == [(1, tuple(chain(10, 13)))]
+    m.complete_store(first.stored_keys)
+    m.complete_store(second.stored_keys)
+    assert m.lookup(chain(10, 13)) == 3 and m.lookup(chain(0, 2)) == 2
+
+
+def test_write_around_evicts_below_after_the_demotions_it_causes() -> None:
+    m = make(2, 3, 8)
+    store(m, chain(0, 2))
+    store(m, chain(2, 4))  # chain(0, 2) demoted into t1
+    out = m.prepare_store(chain(10, 14))
+    # t0 makes room by demoting chain(2, 4) into t1 (which demotes into t2 for it); the rest
+    # goes around, into t1 as far as its policy frees room, then t2. Moves come first.
+    assert out.keys_to_store == tuple(chain(10, 12))
+    assert [k for w in out.around for k in w.keys] == chain(12, 14)
+    assert {w.spec.tier for w in out.around} <= {1, 2}
+    for mv in out.moves:
+        m.complete_store(mv.keys)
+    m.complete_store(out.stored_keys)
+    assert m.lookup(chain(10, 14)) == 4 and m.lookup(chain(0, 4)) == 4
+    assert sum(s["used_blocks"] for s in m.stats().values()) == 8
+
+
+def test_write_through_copies_new_blocks_below_off_the_store_path() -> None:
+    tiers = [CPUTier(name=f"t{i}", block_bytes=8, capacity_blocks=c) for i, c in enumerate((4, 8))]
+    m = OffloadingManager(
+        tiers, [LRUPolicy(4), LRUPolicy(8)], write_through=[False, True], write_through_queue=3
+    )
+    store(m, chain(0, 4))
+    s = m.stats()["t1"]
+    # Queued up to the bound; the fourth block is dropped and counted, never waited for.
+    assert (s["through_queued"], s["through_dropped"]) == (3, 1)
+    moves = m.plan_write_through(limit=2)
+    assert [(mv.src.tier, mv.dst.tier, mv.keys) for mv in moves] == [(0, 1, tuple(chain(0, 2)))]
+    # The sources are pinned while the copy runs: a store that needs their room evicts others.
+    assert m.stats()["t0"]["pinned_blocks"] == 2
+    out = m.prepare_store(chain(20, 22))
+    assert set(out.evicted_keys) == set(chain(2, 4))
+    m.complete_store(out.stored_keys)
+    m.complete_write_through(moves[0].keys)
+    assert m.stats()["t0"]["pinned_blocks"] == 0
+    assert m.where(K(0)) == [0, 1] and m.where(K(1)) == [0, 1]
+    s = m.stats()["t1"]
+    assert (s["written_through"], s["through_dropped"]) == (2, 1)
+    # Blocks written through are not demoted again when they leave the first tier.
+    out = m.prepare_store(chain(30, 34))
+    assert all(set(mv.keys).isdisjoint(chain(0, 2)) for mv in out.moves)
+
+
+def test_failed_write_through_frees_its_slot_and_unpins() -> None:
+    tiers = [CPUTier(name=f"t{i}", block_bytes=8, capacity_blocks=c) for i, c in enumerate((4, 8))]
+    m = OffloadingManager(tiers, [LRUPolicy(4), LRUPolicy(8)], write_through=[False, True])
+    store(m, chain(0, 2))
+    (mv,) = m.plan_write_through(limit=10)
+    m.complete_write_through(mv.keys, success=False)
+    s = m.stats()
+    assert s["t0"]["pinned_blocks"] == 0 and s["t1"]["used_blocks"] == 0
+    assert s["t1"]["through_dropped"] == 2 and m.where(K(0)) == [0]
 
 
 def test_chain_is_evicted_tail_first() -> None:

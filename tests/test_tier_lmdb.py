@@ -566,7 +566,10 @@ def test_tiercache_overflow_lands_in_lmdb_and_survives_reopen(tmp_path) -> None:
         return {
             "block_size": 4,
             "namespace": namespace,
-            "tiers": [{"kind": "cpu", "blocks": 4}, {"kind": "lmdb", "blocks": 64, "path": path}],
+            "tiers": [
+                {"kind": "cpu", "blocks": 4},
+                {"kind": "lmdb", "blocks": 64, "path": path, "write_policy": "write-back"},
+            ],
         }
 
     tokens = list(range(48))  # 12 blocks of 4 tokens

@@ -820,7 +820,11 @@ def cache_cfg(path: Path, namespace: str) -> dict:
     return {
         "block_size": 4,
         "namespace": namespace,
-        "tiers": [{"kind": "cpu", "blocks": 4}, {"kind": "nvme", "blocks": 64, "path": str(path)}],
+        "tiers": [
+            {"kind": "cpu", "blocks": 4},
+            # write-back: these tests follow demotions (write-through has tests of its own)
+            {"kind": "nvme", "blocks": 64, "path": str(path), "write_policy": "write-back"},
+        ],
     }
 
 

@@ -15,6 +15,7 @@ from tiercache.records import (
     OffloadingEvent,
     PrepareStoreOutput,
     StoreSpec,
+    TierWrite,
 )
 
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ __all__ = [
     "TierCacheError",
     "TierConfig",
     "TierUnavailableError",
+    "TierWrite",
     "__version__",
     "prefix_hashes",
 ]

@@ -11,6 +11,12 @@ Who calls what, in which order (the seams other code relies on):
   twice" and ARC keeps it in its recency list.
 - Every plan the manager hands out (`prepare_store`, `prepare_promote`) is completed here,
   whatever is raised while it runs (`_run_plan`): no slot leaks and no key stays "moving".
+  A plan writes its keys into the first tier and, for what that cannot take, straight into
+  lower tiers (write-around).
+- Write-through tiers (`write_policy`) get their copies from a thread of this cache,
+  `tiercache-write-through`, off the callers' path: it plans under the lock, copies without
+  it (sources pinned, destinations reserved) and completes under it. `flush` and `close`
+  run what is still queued.
 - Connectors call `manager` directly under their own lock and run their plans through the
   transfer worker; they use this facade for `get`/`put` of whole blocks.
 """
@@ -21,7 +27,7 @@ import atexit
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +55,20 @@ def _rows_of(blocks: torch.Tensor, keys: Sequence[bytes], wanted: Sequence[bytes
     return blocks.index_select(0, idx)
 
 
+def _chunks(
+    move: BlockMove, block_bytes: int
+) -> Iterator[tuple[tuple[bytes, ...], tuple[int, ...], tuple[int, ...]]]:
+    """(keys, source slots, destination slots) of `move`, in chunks of bounded staging."""
+    step = max(1, _MOVE_CHUNK_BYTES // block_bytes)
+    for a in range(0, len(move.keys), step):
+        yield move.keys[a : a + step], move.src.slots[a : a + step], move.dst.slots[a : a + step]
+
+
 # Errors a tier raises for failed I/O; anything else is a bug and propagates.
 _IO_ERRORS = (OSError, BlockCorruptError)
 _MOVE_CHUNK_BYTES = 64 * 2**20  # staging per step of a tier-to-tier copy
+_THROUGH_BATCH = 256  # write-through copies planned at once
+_THROUGH_POLL_S = 0.2  # the copier also looks for work this often (adapters store directly)
 _OPEN: weakref.WeakSet[TierCache] = weakref.WeakSet()
 
 
@@ -115,9 +132,25 @@ class TierCache:
             get_policy_class(tc.policy)(t.capacity_blocks)
             for tc, t in zip(config.tiers, self._tiers, strict=True)
         ]
-        self._manager = OffloadingManager(self._tiers, policies, promote=config.promote)
+        self._manager = OffloadingManager(
+            self._tiers,
+            policies,
+            promote=config.promote,
+            write_through=config.write_through,
+            write_through_queue=config.write_through_queue,
+        )
         self._lock = threading.RLock()
         self._closed = False
+        self._through_wake = threading.Event()
+        # Held for a whole batch of write-through copies, so `flush` waits for the copier's
+        # batch in flight. Lock order: _through_io before _lock, never the other way round.
+        self._through_io = threading.Lock()
+        self._through_thread: threading.Thread | None = None
+        if any(config.write_through):
+            self._through_thread = threading.Thread(
+                target=self._through_loop, name="tiercache-write-through", daemon=True
+            )
+            self._through_thread.start()
         # Per thread, the chain its last call was a `lookup` of: a `get` of that chain right
         # after is the same request, and its blocks were counted by the lookup.
         self._asked = threading.local()
@@ -176,6 +209,12 @@ class TierCache:
     def tiers(self) -> list[Tier]:
         return list(self._tiers)
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every use of `manager` holds (the facade's calls take it themselves);
+        adapters that drive the manager directly take it too."""
+        return self._lock
+
     # -- API -------------------------------------------------------------------------------
     def hash_tokens(self, token_ids: Any, extra_keys: Any = None) -> list[bytes]:
         """Prefix keys of the full blocks of `token_ids`, with the config's block size and
@@ -200,14 +239,12 @@ class TierCache:
             self._asked.chain = None
             self._manager.touch(keys)  # policies ignore the keys they do not hold
             plan = self._manager.prepare_store(keys)
-            cap = self._tiers[0].capacity_blocks
-            if plan is None and len(keys) > cap:
-                # A chain longer than the first tier: keep its head, which lookups reach first.
-                plan = self._manager.prepare_store(keys[:cap])
             if plan is None:
-                log.debug("put: no room in %s (pinned blocks)", self._tiers[0].medium)
-            elif plan.keys_to_store:
-                self._run_plan(plan, lambda: _rows_of(blocks, keys, plan.keys_to_store))
+                log.debug("put: no room in any tier (pinned blocks, stores in flight)")
+            elif plan.keys_to_store or plan.around:
+                self._run_plan(plan, blocks, keys)
+                if self._through_thread is not None:
+                    self._through_wake.set()
             self._tap_events()
             return self._manager.count_ready(keys)
 
@@ -305,8 +342,14 @@ class TierCache:
         return {"namespace": namespace, "block_bytes": block_bytes, "tiers": stats}
 
     def flush(self) -> None:
-        """Make every acknowledged block of persistent tiers durable."""
+        """Run the write-through copies still queued (after the copier's batch in flight),
+        then make every acknowledged block of persistent tiers durable."""
         with self._lock:
+            self._check_open()
+        while self._run_through(_THROUGH_BATCH):
+            pass
+        with self._lock:
+            self._tap_events()
             for t in self._tiers:
                 t.flush()
 
@@ -317,6 +360,15 @@ class TierCache:
             if self._closed:
                 return
             self._closed = True
+        if self._through_thread is not None:  # it finishes the batch it is copying
+            self._through_wake.set()
+            self._through_thread.join()
+        try:
+            while self._run_through(_THROUGH_BATCH):  # what is queued, in order
+                pass
+        except Exception:  # closing must still release every tier
+            log.exception("write-through at close failed")
+        with self._lock:
             try:
                 for move in self._manager.plan_writeback():
                     self._move(move)
@@ -384,54 +436,93 @@ class TierCache:
         plan = self._manager.prepare_promote(chain)
         if plan is None:
             return
-        self._run_plan(plan, lambda: _rows_of(loaded, chain, plan.keys_to_store))
+        self._run_plan(plan, loaded, chain)
 
-    def _run_plan(self, plan: PrepareStoreOutput, rows: Callable[[], torch.Tensor]) -> None:
-        """Run a store plan to its completion: its moves in order, then the write of `rows()`
-        (the bytes of `plan.keys_to_store`) into the new slots.
+    def _run_plan(
+        self, plan: PrepareStoreOutput, blocks: torch.Tensor, keys: Sequence[bytes]
+    ) -> None:
+        """Run a store plan to its completion: its moves in order, then its writes (first
+        tier, then write-around) of the rows of `blocks` (one per key of `keys`).
 
-        A failed tier write fails the store (a counted error). Anything else raised on the
+        A failed tier write fails that write (a counted error). Anything else raised on the
         way (a bug, a device mismatch, out of memory) first completes every key of the plan
         not completed yet with success=False, then propagates: the reserved slots go back,
         no key is left "moving", and the same keys can be stored again.
         """
-        tier = self._tiers[plan.store_spec.tier]
         try:
             for move in plan.moves:
                 self._move(move)
-            src = rows()
-            try:
-                tier.write(plan.store_spec.slots, src, plan.keys_to_store)
-            except _IO_ERRORS as exc:
-                log.warning(
-                    "store of %d blocks into %s failed: %s",
-                    len(plan.keys_to_store),
-                    tier.medium,
-                    exc,
-                )
-                self._manager.record_error(plan.store_spec.tier)
-                self._manager.complete_store(plan.keys_to_store, success=False)
-                return
+            for w in plan.writes():
+                tier = self._tiers[w.spec.tier]
+                src = _rows_of(blocks, keys, w.keys)
+                try:
+                    tier.write(w.spec.slots, src, w.keys)
+                except _IO_ERRORS as exc:
+                    log.warning(
+                        "store of %d blocks into %s failed: %s", len(w.keys), tier.medium, exc
+                    )
+                    self._manager.record_error(w.spec.tier)
+                    self._manager.complete_store(w.keys, success=False)
+                    continue
+                self._manager.complete_store(w.keys, success=True)
         except BaseException:
-            # complete_store skips keys already completed (moves that finished), so this
-            # fails exactly what is still in flight.
+            # complete_store skips keys already completed (moves and writes that finished),
+            # so this fails exactly what is still in flight.
             for move in plan.moves:
                 self._manager.complete_store(move.keys, success=False)
-            self._manager.complete_store(plan.keys_to_store, success=False)
+            self._manager.complete_store(plan.stored_keys, success=False)
             raise
-        self._manager.complete_store(plan.keys_to_store, success=True)
+
+    # -- write-through ---------------------------------------------------------------------
+    def _through_loop(self) -> None:
+        """The copier thread: run queued write-through copies until the cache closes."""
+        while not self._closed:
+            self._through_wake.wait(_THROUGH_POLL_S)
+            self._through_wake.clear()
+            try:
+                while not self._closed and self._run_through(_THROUGH_BATCH):
+                    pass
+            except Exception:  # the thread must survive a bug in one batch
+                log.exception("write-through failed")
+
+    def _run_through(self, limit: int) -> bool:
+        """Plan up to `limit` write-through copies and run them; False when none was queued.
+        The I/O runs outside `_lock` (the sources are pinned and the destinations reserved
+        until the copies complete), under `_through_io`: call it without holding `_lock`."""
+        with self._through_io:
+            with self._lock:
+                moves = self._manager.plan_write_through(limit)
+            for move in moves:
+                self._run_through_move(move)
+        return bool(moves)
+
+    def _run_through_move(self, move: BlockMove) -> None:
+        """Copy one write-through move (no lock held) and complete it, whatever happens."""
+        ok: list[bytes] = []
+        errors: dict[int, int] = {}
+        try:
+            for keys, src_slots, dst_slots in _chunks(move, self._block_bytes):
+                got, errs = self._copy_chunk(
+                    keys, move.src.tier, src_slots, move.dst.tier, dst_slots
+                )
+                ok += got
+                for t, n in errs.items():
+                    errors[t] = errors.get(t, 0) + n
+        finally:  # every copy is completed and its source unpinned
+            with self._lock:
+                for t, n in errors.items():
+                    self._manager.record_error(t, n)
+                done = set(ok)
+                self._manager.complete_write_through(ok, success=True)
+                bad = [k for k in move.keys if k not in done]
+                if bad:
+                    self._manager.complete_write_through(bad, success=False)
+                self._tap_events()
 
     def _move(self, move: BlockMove) -> None:
         """Copy blocks between tiers through a host staging buffer, in bounded chunks."""
-        step = max(1, _MOVE_CHUNK_BYTES // self._block_bytes)
-        for a in range(0, len(move.keys), step):
-            self._move_chunk(
-                move.keys[a : a + step],
-                move.src.tier,
-                move.src.slots[a : a + step],
-                move.dst.tier,
-                move.dst.slots[a : a + step],
-            )
+        for keys, src_slots, dst_slots in _chunks(move, self._block_bytes):
+            self._move_chunk(keys, move.src.tier, src_slots, move.dst.tier, dst_slots)
 
     def _move_chunk(
         self,
@@ -441,36 +532,52 @@ class TierCache:
         dst: int,
         dst_slots: tuple[int, ...],
     ) -> None:
+        ok, errors = self._copy_chunk(keys, src, src_slots, dst, dst_slots)
+        for t, n in errors.items():
+            self._manager.record_error(t, n)
+        self._manager.complete_store(ok, success=True)
+        done = set(ok)
+        bad = [k for k in keys if k not in done]
+        if bad:
+            self._manager.complete_store(bad, success=False)
+
+    def _copy_chunk(
+        self,
+        keys: tuple[bytes, ...],
+        src: int,
+        src_slots: tuple[int, ...],
+        dst: int,
+        dst_slots: tuple[int, ...],
+    ) -> tuple[list[bytes], dict[int, int]]:
+        """Copy blocks between two tiers through host staging (I/O only, no bookkeeping):
+        the keys that arrived, and failures to count per tier."""
         src_tier, dst_tier = self._tiers[src], self._tiers[dst]
         staging = torch.empty((len(keys), self._block_bytes), dtype=torch.uint8)
+        errors: dict[int, int] = {}
         try:
             failed = set(src_tier.read(src_slots, staging, keys))
         except _IO_ERRORS as exc:
             log.warning("read of %d blocks from %s failed: %s", len(keys), src_tier.medium, exc)
             failed = set(range(len(keys)))
         if failed:
-            self._manager.record_error(src, len(failed))
+            errors[src] = len(failed)
         good = [i for i in range(len(keys)) if i not in failed]
         # Only rows that read back verified are written: a failed row's staging bytes are
         # garbage and must never reach a slot that would later be served.
-        ok: list[bytes] = []
-        if good:
-            rows = staging if len(good) == len(keys) else staging[good]
-            good_keys = [keys[i] for i in good]
-            try:
-                dst_tier.write([dst_slots[i] for i in good], rows, good_keys)
-                ok = good_keys
-            except _IO_ERRORS as exc:
-                log.warning(
-                    "copy of %d blocks %s -> %s failed: %s",
-                    len(good),
-                    src_tier.medium,
-                    dst_tier.medium,
-                    exc,
-                )
-                self._manager.record_error(dst)
-        self._manager.complete_store(ok, success=True)
-        done = set(ok)
-        bad = [k for k in keys if k not in done]
-        if bad:
-            self._manager.complete_store(bad, success=False)
+        if not good:
+            return [], errors
+        rows = staging if len(good) == len(keys) else staging[good]
+        good_keys = [keys[i] for i in good]
+        try:
+            dst_tier.write([dst_slots[i] for i in good], rows, good_keys)
+        except _IO_ERRORS as exc:
+            log.warning(
+                "copy of %d blocks %s -> %s failed: %s",
+                len(good),
+                src_tier.medium,
+                dst_tier.medium,
+                exc,
+            )
+            errors[dst] = errors.get(dst, 0) + 1
+            return [], errors
+        return good_keys, errors

@@ -35,8 +35,9 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _TELEMETRY_KEYS = {"dir", "interval", "events", "max_event_bytes", "prometheus"}
-_TOP_KEYS = {"block_size", "namespace", "promote", "telemetry", "tiers"}
-_TIER_COMMON_KEYS = {"kind", "name", "capacity", "blocks", "policy"}
+_TOP_KEYS = {"block_size", "namespace", "promote", "telemetry", "tiers", "write_through_queue"}
+_TIER_COMMON_KEYS = {"kind", "name", "capacity", "blocks", "policy", "write_policy"}
+WRITE_POLICIES = ("write-back", "write-through")
 
 
 def parse_size(value: object, field_name: str = "capacity") -> int:
@@ -131,6 +132,7 @@ class TierConfig:
     capacity_blocks: int | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     index: int = 0
+    write_policy: str | None = None  # None: the default, see CacheConfig.write_through
 
     @property
     def field(self) -> str:
@@ -184,6 +186,16 @@ class TierConfig:
             cap_blocks = _expect(m["blocks"], int, f"{where}.blocks", "an int")
             if cap_blocks < 1:
                 raise ConfigError(f"{where}.blocks", f"must be >= 1, got {cap_blocks}")
+        write_policy = m.get("write_policy")
+        if write_policy is not None and write_policy not in WRITE_POLICIES:
+            raise ConfigError(
+                f"{where}.write_policy",
+                f"expected one of {', '.join(map(repr, WRITE_POLICIES))}, got {write_policy!r}",
+            )
+        if write_policy == "write-through" and index == 0:
+            raise ConfigError(
+                f"{where}.write_policy", "the first tier is where stores go; it has no tier above"
+            )
         options = {k: v for k, v in m.items() if k not in _TIER_COMMON_KEYS}
         tier_cls.validate_options(options, where)
         return cls(
@@ -194,6 +206,7 @@ class TierConfig:
             capacity_blocks=cap_blocks,
             options=options,
             index=index,
+            write_policy=write_policy,
         )
 
 
@@ -206,6 +219,26 @@ class CacheConfig:
     tiers: tuple[TierConfig, ...] = ()
     promote: bool = True
     telemetry: TelemetryConfig | None = None  # off unless a [telemetry] table is given
+    write_through_queue: int = 4096  # blocks waiting for write-through, per tier
+
+    @property
+    def write_through(self) -> list[bool]:
+        """Per tier, whether new blocks are also written into it as they are stored.
+
+        A tier's `write_policy` decides; without one, a persistent tier right below a volatile
+        one is written through (what the volatile tiers hold survives a crash or a stop that
+        skips close), and every other tier is written back (demoted on eviction)."""
+        from tiercache.tiers import tier_class
+
+        persistent = [tier_class(t.kind).persistent for t in self.tiers]
+        return [
+            i > 0
+            and (
+                t.write_policy == "write-through"
+                or (t.write_policy is None and persistent[i] and not persistent[i - 1])
+            )
+            for i, t in enumerate(self.tiers)
+        ]
 
     def __post_init__(self) -> None:
         _expect(self.block_size, int, "block_size", "an int (tokens per block)")
@@ -215,6 +248,10 @@ class CacheConfig:
         if not self.namespace:
             raise ConfigError("namespace", "must not be empty")
         _expect(self.promote, bool, "promote", "true or false")
+        _expect(self.write_through_queue, int, "write_through_queue", "an int (blocks)")
+        if self.write_through_queue < 1:
+            n = self.write_through_queue
+            raise ConfigError("write_through_queue", f"must be >= 1, got {n}")
         if not self.tiers:
             raise ConfigError("tiers", "at least one tier is required")
         names = [t.name for t in self.tiers]
@@ -240,6 +277,7 @@ class CacheConfig:
             block_size=m.get("block_size", 16),
             namespace=m.get("namespace", "default"),
             promote=m.get("promote", True),
+            write_through_queue=m.get("write_through_queue", 4096),
             tiers=tuple(TierConfig.from_mapping(t, i) for i, t in enumerate(tiers)),
             telemetry=(TelemetryConfig.from_mapping(m["telemetry"]) if "telemetry" in m else None),
         )

@@ -7,7 +7,10 @@ OffloadingManager shape, on 16-byte prefix keys):
 - `prepare_load(keys) -> LoadSpec` / `complete_load(keys)`: pin blocks while they are read;
 - `touch(keys)`: mark a chain used, head most recently;
 - `prepare_store(keys) -> PrepareStoreOutput | None` / `complete_store(keys, success)`:
-  two-phase store into the first tier, with eviction and write-back demotion plans;
+  two-phase store into the first tier, with eviction and write-back demotion plans; what the
+  first tier cannot take goes straight into the next tiers with room (write-around);
+- `plan_write_through(limit)` / `complete_write_through(keys, success)`: copies of newly
+  stored blocks into write-through tiers, queued (bounded) and run off the caller's path;
 - `prepare_promote(keys)`: plan copies of lower-tier hits into the first tier;
 - `discard(keys)`: drop blocks found corrupt; `take_events()`; `stats()`.
 
@@ -28,6 +31,7 @@ from tiercache.records import (
     OffloadingEvent,
     PrepareStoreOutput,
     StoreSpec,
+    TierWrite,
 )
 from tiercache.tiers import Tier
 
@@ -45,6 +49,8 @@ class TierCounters:
     dropped: int = 0
     errors: int = 0
     discovered: int = 0  # blocks another process stored in this shared tier, found by lookup
+    written_through: int = 0  # blocks copied here by write-through, completed
+    through_dropped: int = 0  # write-through copies given up (queue full, no room, failed)
 
 
 class _Level:
@@ -109,8 +115,17 @@ class OffloadingManager:
     """Multi-tier bookkeeping: where each key lives, what may be evicted, what to move."""
 
     def __init__(
-        self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy], *, promote: bool = True
+        self,
+        tiers: Sequence[Tier],
+        policies: Sequence[EvictionPolicy],
+        *,
+        promote: bool = True,
+        write_through: Sequence[bool] = (),
+        write_through_queue: int = 4096,
     ) -> None:
+        """`write_through[i]`: every block stored into a faster tier is also copied into tier
+        i (tier 0 never; default none); at most `write_through_queue` blocks wait per tier,
+        the ones that do not fit are dropped and counted (`through_dropped`)."""
         if not tiers:
             raise ValueError("tiers: at least one tier is required")
         if len(tiers) != len(policies):
@@ -128,6 +143,18 @@ class OffloadingManager:
         self._events: list[OffloadingEvent] = []
         # Tiers other processes write into: a lookup miss asks them (see _discover).
         self._shared = [lv for lv in self._levels if lv.tier.shared]
+        through = list(write_through) or [False] * len(tiers)
+        if len(through) != len(tiers) or through[0]:
+            raise ValueError(
+                "write_through: one flag per tier, and the first tier cannot be written through"
+            )
+        if write_through_queue < 1:
+            raise ValueError(f"write_through_queue: expected >= 1, got {write_through_queue}")
+        # Write-through: per tier, keys waiting for their copy (oldest first, bounded), and
+        # the source (tier, key) pinned by each copy in flight.
+        self._through = {lv.index: dict[bytes, None]() for lv in self._levels if through[lv.index]}
+        self._through_max = write_through_queue
+        self._through_pins: dict[bytes, list[tuple[int, int]]] = {}  # key -> (src, dst) each
         for level in self._levels:
             self._adopt(level, level.tier.recover())
 
@@ -149,6 +176,10 @@ class OffloadingManager:
         """Whether `key` is held but not ready anywhere: its store (or a move) is in flight,
         so it will be readable once that completes (vLLM's HIT_PENDING), unless it fails."""
         return key not in self._ready and (key in self._present or key in self._moving)
+
+    def holds(self, key: bytes) -> bool:
+        """Whether some tier holds `key`, ready or with its store (or a move) in flight."""
+        return key in self._present or key in self._moving
 
     def count_ready(self, keys: Iterable[bytes]) -> int:
         """How many of `keys` are ready in some tier (no stats, no ordering)."""
@@ -318,10 +349,13 @@ class OffloadingManager:
 
     # -- store -----------------------------------------------------------------------------
     def prepare_store(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
-        """Reserve first-tier slots for the keys not held anywhere yet.
+        """Reserve slots for the keys not held anywhere yet, in the first tier; what it cannot
+        take (a chain longer than it, or its room held by pinned blocks and stores in flight)
+        goes straight into the next tiers with room (write-around, `plan.around`), the
+        chain's head placed first, as lookups reach it first.
 
-        Returns None (changing nothing) when the first tier cannot make room because too many
-        of its blocks are pinned. Raises ValueError on duplicate keys.
+        Keys no tier can take are left out of the plan. Returns None, changing nothing, when
+        no key can be placed at all. Raises ValueError on duplicate keys.
         """
         keys = _seq(keys)
         present = self._present
@@ -329,7 +363,75 @@ class OffloadingManager:
         distinct = set(keys)
         if len(distinct) != len(keys):
             raise ValueError("prepare_store: keys contain duplicates")
-        return self._reserve_first_tier(new, distinct)
+        plan = self._reserve_first_tier(new, distinct)
+        if plan is not None or not new:
+            return plan
+        return self._reserve_around(new, distinct)
+
+    def _reserve_around(
+        self, new: list[bytes], protect: Collection[bytes]
+    ) -> PrepareStoreOutput | None:
+        """`new` does not fit the first tier: its head goes there as far as room can be made,
+        the rest into the lower tiers in order, each making room through its policy."""
+        first = self._levels[0]
+        room = self._room(first, protect, len(new))
+        head, rest = new[:room], new[room:]
+        plan = self._reserve_first_tier(head, protect) if head else None
+        moves = list(plan.moves) if plan is not None else []
+        around: list[TierWrite] = []
+        for lv in self._levels[1:]:
+            if not rest:
+                break
+            take = rest[: self._room(lv, protect, len(rest))]
+            slots = self._make_room(lv, take, protect, moves) if take else None
+            if slots is None:
+                continue
+            self._hold(lv, take, slots)
+            around.append(TierWrite(tuple(take), StoreSpec(lv.index, lv.medium, tuple(slots))))
+            rest = rest[len(take) :]
+        if plan is None and not around:
+            return None
+        if plan is None:
+            plan = PrepareStoreOutput((), StoreSpec(0, first.medium, ()), ())
+        return PrepareStoreOutput(
+            keys_to_store=plan.keys_to_store,
+            store_spec=plan.store_spec,
+            evicted_keys=plan.evicted_keys,
+            moves=tuple(moves),
+            around=tuple(around),
+        )
+
+    def _room(self, level: _Level, protect: Collection[bytes], want: int) -> int:
+        """How many of `want` new blocks `level` can take: free slots plus evictable ones."""
+        free = level.tier.free_blocks
+        if want <= free:
+            return want
+        return min(want, free + self._evictable(level, protect, want - free))
+
+    def _make_room(
+        self, level: _Level, keys: list[bytes], protect: Collection[bytes], moves: list[BlockMove]
+    ) -> list[int] | None:
+        """Slots for `keys` in `level`, its policy's victims leaving (demoted further down by
+        `moves`); None, changing nothing, if it cannot make the room."""
+        tier = level.tier
+        need = len(keys) - tier.free_blocks
+        if need > 0:
+            if len(keys) > tier.capacity_blocks:
+                return None
+            victims = level.policy.evict(need, self._protected(protect, level))
+            if victims is None:
+                return None
+            self._evict(level, victims, moves)
+        slots = tier.allocate(keys)
+        assert slots is not None, f"{level.medium} ran out of slots after eviction"
+        return slots
+
+    def _hold(self, level: _Level, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Record `keys` as held (not ready yet) in `slots` of `level` (multi-tier only)."""
+        slots_of, present, bit = level.slots, self._present, level.bit
+        for k, s in zip(keys, slots, strict=True):
+            slots_of[k] = s
+            present[k] = present.get(k, 0) | bit
 
     def prepare_promote(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
         """Plan copies of keys ready only in lower tiers into the first tier.
@@ -460,22 +562,11 @@ class OffloadingManager:
         moves: list[BlockMove],
     ) -> bool:
         """Plan a write-back of `keys` into `dst`; False (nothing planned) if it has no room."""
-        tier = dst.tier
-        need = len(keys) - tier.free_blocks
-        if need > 0:
-            if len(keys) > tier.capacity_blocks:
-                return False
-            victims = dst.policy.evict(need, self._protected(frozenset(), dst))
-            if victims is None:
-                return False
-            self._evict(dst, victims, moves)
-        slots = tier.allocate(keys)
-        assert slots is not None, "tier ran out of slots after eviction"
-        slots_of, present, bit = dst.slots, self._present, dst.bit
-        for k, s in zip(keys, slots, strict=True):
-            slots_of[k] = s
-            present[k] = present.get(k, 0) | bit
-            self._moving.add(k)
+        slots = self._make_room(dst, keys, frozenset(), moves)
+        if slots is None:
+            return False
+        self._hold(dst, keys, slots)
+        self._moving.update(keys)
         dst.counters.demoted_in += len(keys)
         moves.append(
             BlockMove(
@@ -527,6 +618,86 @@ class OffloadingManager:
                 done.reverse()
                 lv.counters.stored += len(done)
                 self._events.append(OffloadingEvent(tuple(done), lv.medium, False))
+                if self._through:
+                    self._queue_through(lv.index, done)
+
+    # -- write-through -----------------------------------------------------------------------
+    def _queue_through(self, stored_in: int, keys: Sequence[bytes]) -> None:
+        """Keys just stored in tier `stored_in` wait for their copy into each write-through
+        tier below it that does not hold them; past the bound they are dropped, counted."""
+        present = self._present
+        for t, queue in self._through.items():
+            if t <= stored_in:
+                continue
+            bit = self._levels[t].bit
+            todo = [k for k in keys if not present[k] & bit and k not in queue]
+            room = self._through_max - len(queue)
+            if len(todo) > room:
+                self._levels[t].counters.through_dropped += len(todo) - max(room, 0)
+                todo = todo[: max(room, 0)]
+            queue.update(dict.fromkeys(todo))
+
+    def through_backlog(self) -> int:
+        """Blocks waiting for a write-through copy, over all tiers."""
+        return sum(len(q) for q in self._through.values())
+
+    def plan_write_through(self, limit: int) -> list[BlockMove]:
+        """Up to `limit` queued write-through copies, oldest first, as moves from the fastest
+        tier holding each block (pinned there until the copy completes) into its
+        write-through tier, which makes room through its policy (deeper demotions come first
+        in the list). Run them in order and complete each with `complete_write_through`."""
+        moves: list[BlockMove] = []
+        ready, present = self._ready, self._present
+        for t, queue in self._through.items():
+            dst = self._levels[t]
+            above = dst.bit - 1
+            by_src: dict[int, list[bytes]] = {}
+            while queue and limit > 0:
+                k = next(iter(queue))
+                del queue[k]
+                m = ready.get(k, 0) & above
+                if not m or present[k] & dst.bit:  # gone, or there already (stored, demoted)
+                    continue
+                by_src.setdefault((m & -m).bit_length() - 1, []).append(k)
+                limit -= 1
+            for src_index, keys in by_src.items():
+                src = self._levels[src_index]
+                slots = self._make_room(dst, keys, frozenset(keys), moves)
+                if slots is None:
+                    dst.counters.through_dropped += len(keys)
+                    continue
+                self._hold(dst, keys, slots)
+                for k in keys:  # the source slot stays put until the copy has read it
+                    src.pins[k] = src.pins.get(k, 0) + 1
+                    self._through_pins.setdefault(k, []).append((src_index, t))
+                moves.append(
+                    BlockMove(
+                        tuple(keys),
+                        StoreSpec(src_index, src.medium, tuple(src.slots[k] for k in keys)),
+                        StoreSpec(t, dst.medium, tuple(slots)),
+                    )
+                )
+        return moves
+
+    def complete_write_through(self, keys: Iterable[bytes], success: bool = True) -> None:
+        """Finish moves of `plan_write_through` (its copies and the demotions they caused):
+        the blocks become ready below, or their slots go back, and the sources are unpinned."""
+        keys = _seq(keys)
+        self.complete_store(keys, success)
+        pins = self._through_pins
+        for k in keys:
+            srcs = pins.get(k)
+            if not srcs:
+                continue  # a demotion the copy caused, not a copy
+            src, dst = srcs.pop(0)
+            if not srcs:
+                del pins[k]
+            _unpin(self._levels[src].pins, k)
+            c = self._levels[dst].counters
+            if success:
+                c.written_through += 1
+            else:
+                c.through_dropped += 1
 
     def _complete_store_single(self, keys: Sequence[bytes]) -> None:
         """Successful complete_store with one tier: nothing moves, and no key completed here
@@ -664,5 +835,8 @@ class OffloadingManager:
                 "dropped": c.dropped,
                 "errors": c.errors,
                 "discovered": c.discovered,
+                "written_through": c.written_through,
+                "through_dropped": c.through_dropped,
+                "through_queued": len(self._through.get(lv.index, ())),
             }
         return out

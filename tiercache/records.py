@@ -4,6 +4,7 @@
 - `LoadSpec`: the answer of `prepare_load`: one location per key, groupable per tier.
 - `StoreSpec`: tier and slots that `prepare_store` reserved for new blocks.
 - `BlockMove`: a copy between two tiers (a demotion) that must run before the store it precedes.
+- `TierWrite`: keys written from the source straight into a lower tier (write-around).
 - `PrepareStoreOutput`: the answer of `prepare_store`.
 - `OffloadingEvent`: blocks became ready in a tier (`removed=False`) or left it (`removed=True`).
 """
@@ -89,18 +90,42 @@ class BlockMove:
 
 
 @dataclass(frozen=True, slots=True)
+class TierWrite:
+    """Write `keys` from the source (engine buffer, caller's tensor) into `spec`'s slots, in
+    the same order: the part of a store the first tier could not take (write-around)."""
+
+    keys: tuple[bytes, ...]
+    spec: StoreSpec
+
+
+@dataclass(frozen=True, slots=True)
 class PrepareStoreOutput:
     """The plan for a store: write `keys_to_store` into `store_spec` after running `moves`.
 
     `evicted_keys` left the store's tier (some of them are demoted by `moves`, the rest dropped).
-    The caller runs the moves, writes the blocks, then calls `complete_store` with
-    `keys_to_store` and with each move's keys.
+    `around` holds what the first tier could not take (a chain longer than it, or its room
+    held by stores in flight): those keys go from the source straight into lower tiers, after
+    the moves like the main store. The caller runs the moves, writes the blocks, then calls
+    `complete_store` with `stored_keys` and with each move's keys.
     """
 
     keys_to_store: tuple[bytes, ...]
     store_spec: StoreSpec
     evicted_keys: tuple[bytes, ...]
     moves: tuple[BlockMove, ...] = ()
+    around: tuple[TierWrite, ...] = ()
+
+    @property
+    def stored_keys(self) -> tuple[bytes, ...]:
+        """Every key this plan writes from the source: `keys_to_store`, then `around`'s."""
+        if not self.around:
+            return self.keys_to_store
+        return self.keys_to_store + tuple(k for w in self.around for k in w.keys)
+
+    def writes(self) -> list[TierWrite]:
+        """The plan's writes from the source, first tier first (empty ones left out)."""
+        head = [TierWrite(self.keys_to_store, self.store_spec)] if self.keys_to_store else []
+        return head + list(self.around)
 
 
 @dataclass(frozen=True, slots=True)

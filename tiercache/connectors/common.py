@@ -276,11 +276,15 @@ class SharedStore:
 
     key: tuple[Any, ...]
     cache: TierCache
-    lock: threading.RLock = field(default_factory=threading.RLock)
+    lock: threading.RLock = field(init=False)
     refs: int = 0
     counters: dict[str, int] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
     before_close: list[Callable[[], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # The cache's own lock: its write-through thread and the adapters then take turns.
+        self.lock = self.cache.lock
 
     def close(self) -> None:
         """Run the `before_close` hooks (e.g. a worker finishing its transfers), then close

@@ -723,25 +723,20 @@ class TierCacheConnector(KVConnectorBase_V1):
         if bad is not None:
             keys, ids = keys[:bad], ids[:bad]
         plan = None
-        cache = self._shared.cache
+        absent = 0
+        manager = self._shared.cache.manager
         with self._shared.lock:
             if keys:
-                plan = cache.manager.prepare_store(keys)
-                if plan is None and any(f.kind != "load" for f in self._flights.values()):
-                    # The first tier is full of blocks still being written: finish those
-                    # (they become evictable), then plan again.
-                    self._worker.wait([j for j, f in self._flights.items() if f.kind != "load"])
-                    self._drain()
-                    plan = cache.manager.prepare_store(keys)
-                cap = cache.tiers[0].capacity_blocks
-                if plan is None and len(keys) > cap:
-                    # A chain longer than the first tier: keep its head, which lookups reach.
-                    keys, ids = keys[:cap], ids[:cap]
-                    plan = cache.manager.prepare_store(keys)
-                cache.manager.touch(keys)
-        if plan is None or (not plan.keys_to_store and not plan.moves):
-            if plan is None and keys:
-                self._count("store_skipped_blocks", len(keys))
+                # vLLM's order: what is held already is used (touched), then the rest stored.
+                # What the first tier cannot take goes straight into the lower tiers
+                # (write-around); nothing waits for stores in flight to make room.
+                manager.touch(keys)
+                absent = sum(1 for k in keys if not manager.holds(k))
+                plan = manager.prepare_store(keys)
+        stored = len(plan.stored_keys) if plan is not None else 0
+        if absent > stored:
+            self._count("store_skipped_blocks", absent - stored)
+        if plan is None or (not stored and not plan.moves):
             self._plan_done(job.req_id)
             return
         plan_id = next(self._plan_ids)

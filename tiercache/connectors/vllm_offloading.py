@@ -103,7 +103,8 @@ class TierLoadSpec(LoadStoreSpec):
 
 @dataclass(frozen=True)
 class TierStoreSpec(LoadStoreSpec):
-    """A store plan: run `plan.moves` (demotions), then write `plan.keys_to_store`."""
+    """A store plan: run `plan.moves` (demotions), then write `plan.stored_keys` (the first
+    tier's, then what went around it into lower tiers)."""
 
     plan: TierPlan
 
@@ -274,12 +275,13 @@ class TierCacheOffloadingManager(OffloadingManager):
         plan = self._manager.prepare_store(tkeys)
         if plan is None:
             return None
-        if plan.keys_to_store:
-            self._track_plan(plan, plan.keys_to_store[0])
+        stored = plan.stored_keys  # the first tier's, then what went around it
+        if stored:
+            self._track_plan(plan, stored[0])
         self._drop_events_if_unused()
         okey = self._okey
         return PrepareStoreOutput(
-            keys_to_store=[okey[k] for k in plan.keys_to_store],
+            keys_to_store=[okey[k] for k in stored],
             store_spec=TierStoreSpec(plan),
             evicted_keys=[okey[k] for k in plan.evicted_keys if k in okey],
         )
@@ -351,9 +353,9 @@ class TierCacheOffloadingManager(OffloadingManager):
         """Remember a store or promotion plan until vLLM completes the job it rides in (named
         by `anchor`: the first stored key, or the first loaded key for a promotion)."""
         moved = tuple(k for m in plan.moves for k in m.keys)
-        self._plans.setdefault(anchor, []).append((moved, plan.keys_to_store))
+        self._plans.setdefault(anchor, []).append((moved, plan.stored_keys))
         self._pending.update(moved)
-        self._pending.update(plan.keys_to_store)
+        self._pending.update(plan.stored_keys)
 
     def _complete_plan(self, anchor: bytes, success: bool) -> None:
         plans = self._plans.get(anchor)
@@ -490,7 +492,8 @@ class TierCacheOffloadingWorker(OffloadingWorker):
             raise TypeError(f"dst_spec: expected TierStoreSpec, got {type(dst_spec).__name__}")
         plan = dst_spec.plan
         block_ids = [int(b) for b in src_spec.block_ids]
-        specs = store_transfers(plan, plan.keys_to_store, block_ids, self._k)
+        # vLLM's block ids follow the keys_to_store it was given: the plan's stored_keys.
+        specs = store_transfers(plan, plan.stored_keys, block_ids, self._k)
         return self._submit(job_id, specs, 0)
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:

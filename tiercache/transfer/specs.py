@@ -95,10 +95,11 @@ def store_transfers(
     block_ids: Sequence[int],
     block_size_factor: int = 1,
 ) -> list[TransferSpec]:
-    """The plan's moves (in order), then the store of `plan.keys_to_store`: engine -> tier.
+    """The plan's moves (in order), then its writes: engine -> first tier for
+    `plan.keys_to_store`, then engine -> lower tier for each write-around part.
 
     `keys` are the keys given to `prepare_store` and `block_ids` their engine blocks
-    (`block_size_factor` per key); only the blocks of `keys_to_store` are copied. Submit the
+    (`block_size_factor` per key); only the blocks the plan writes are copied. Submit the
     list in order: the worker orders a store after the moves that read the slots it reuses.
     """
     if len(block_ids) != len(keys) * block_size_factor:
@@ -107,17 +108,17 @@ def store_transfers(
             f"for {len(keys)} keys, got {len(block_ids)}"
         )
     out = [move_transfer(m) for m in plan.moves]
-    if plan.keys_to_store:
-        pos = {k: i for i, k in enumerate(keys)}
+    pos = {k: i for i, k in enumerate(keys)}
+    for w in plan.writes():
         try:
-            positions = [pos[k] for k in plan.keys_to_store]
+            positions = [pos[k] for k in w.keys]
         except KeyError:
-            raise ValueError("keys: does not contain every key of plan.keys_to_store") from None
-        s = plan.store_spec
+            raise ValueError("keys: does not contain every key the plan stores") from None
+        s = w.spec
         out.append(
             (
                 GPULoadStoreSpec(_engine_ids(block_ids, positions, block_size_factor)),
-                TierLoadStoreSpec(s.tier, s.medium, s.slots, plan.keys_to_store),
+                TierLoadStoreSpec(s.tier, s.medium, s.slots, w.keys),
             )
         )
     return out

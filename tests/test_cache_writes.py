@@ -1,0 +1,181 @@
+"""Nothing dropped while a lower tier has room (issue 19), through the public facade, on real
+files and a real LMDB environment: write-around for chains longer than the first tier, and
+write-through, which keeps what volatile tiers hold safe from a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiercache import ConfigError, TierCache
+from tiercache.workload import block_bytes_for
+
+N = 4096
+
+
+def three_tiers(tmp: Path, **write: str) -> dict:
+    """cpu 4 blocks, nvme 64, lmdb 128, as in the issue's vLLM run; `write` sets the
+    write_policy of "nvme" and "lmdb"."""
+    tiers: list[dict] = [
+        {"kind": "cpu", "blocks": 4},
+        {"kind": "nvme", "blocks": 64, "path": str(tmp / "nvme"), "direct": False},
+        {"kind": "lmdb", "blocks": 128, "path": str(tmp / "lmdb")},
+    ]
+    for t in tiers[1:]:
+        if t["kind"] in write:
+            t["write_policy"] = write[t["kind"]]
+    return {"block_size": 4, "namespace": "writes/bf16/tp1/0", "tiers": tiers}
+
+
+def test_a_chain_ten_times_the_first_tier_is_found_whole(tmp_path: Path) -> None:
+    with TierCache.open(three_tiers(tmp_path), block_bytes=N) as cache:
+        keys = cache.hash_tokens(list(range(4 * 40)))  # 40 blocks, the first tier holds 4
+        blocks = block_bytes_for(keys, N)
+        assert cache.put(keys, blocks) == 40
+        assert cache.lookup(keys) == 40
+        assert torch.equal(cache.get(keys), blocks)
+        cache.flush()
+        s = cache.stats()
+        # The head in the first tier, the other 36 written around into nvme, and the head
+        # copied there too by write-through: each block stored once per tier, none dropped.
+        assert (s["cpu"]["stored"], s["nvme"]["stored"], s["nvme"]["written_through"]) == (4, 40, 4)
+        assert s["lmdb"]["stored"] == 0 and s["cpu"]["dropped"] == 0
+    # After a restart the whole chain is still there (persistent tiers).
+    with TierCache.open(three_tiers(tmp_path), block_bytes=N) as cache:
+        assert cache.lookup(keys) == 40
+        assert torch.equal(cache.get(keys), blocks)
+
+
+def test_chains_longer_than_every_tier_but_the_last(tmp_path: Path) -> None:
+    with TierCache.open(three_tiers(tmp_path), block_bytes=N) as cache:
+        keys = cache.hash_tokens(list(range(4 * 100)))  # 100 blocks: cpu 4 + nvme 64 + lmdb
+        blocks = block_bytes_for(keys, N)
+        assert cache.put(keys, blocks) == 100
+        assert cache.lookup(keys) == 100
+        assert torch.equal(cache.get(keys), blocks)
+
+
+def test_write_back_keeps_lower_tiers_for_evictions(tmp_path: Path) -> None:
+    cfg = three_tiers(tmp_path, nvme="write-back")
+    with TierCache.open(cfg, block_bytes=N) as cache:
+        keys = cache.hash_tokens(list(range(4 * 3)))
+        cache.put(keys, block_bytes_for(keys, N))
+        cache.flush()
+        s = cache.stats()
+        assert (s["cpu"]["used_blocks"], s["nvme"]["used_blocks"]) == (3, 0)
+        assert s["nvme"]["written_through"] == 0
+
+
+def test_write_through_is_the_default_below_a_volatile_tier(tmp_path: Path) -> None:
+    with TierCache.open(three_tiers(tmp_path), block_bytes=N) as cache:
+        assert cache.config.write_through == [False, True, False]
+        keys = cache.hash_tokens(list(range(4 * 3)))
+        blocks = block_bytes_for(keys, N)
+        cache.put(keys, blocks)
+        cache.flush()  # waits for the copier
+        s = cache.stats()
+        assert (s["cpu"]["used_blocks"], s["nvme"]["used_blocks"]) == (3, 3)
+        assert (s["nvme"]["written_through"], s["nvme"]["through_queued"]) == (3, 0)
+        assert all(cache.manager.where(k) == [0, 1] for k in keys)
+        # Evicting them from the first tier demotes nothing: nvme holds them already.
+        more = cache.hash_tokens(list(range(1000, 1000 + 4 * 4)))
+        cache.put(more, block_bytes_for(more, N))
+        cache.flush()
+        assert cache.stats()["nvme"]["demoted_in"] == 0
+        assert torch.equal(cache.get(keys), blocks)
+
+
+def test_write_policy_is_validated() -> None:
+    base = {"tiers": [{"kind": "cpu", "blocks": 4}, {"kind": "cpu", "name": "b", "blocks": 4}]}
+    bad = {**base, "tiers": [base["tiers"][0], {**base["tiers"][1], "write_policy": "often"}]}
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.write_policy: expected one of"):
+        TierCache.open(bad, block_bytes=N)
+    first = {"tiers": [{"kind": "cpu", "blocks": 4, "write_policy": "write-through"}]}
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.write_policy: the first tier"):
+        TierCache.open(first, block_bytes=N)
+    with pytest.raises(ConfigError, match="write_through_queue"):
+        TierCache.open({**base, "write_through_queue": 0}, block_bytes=N)
+
+
+def test_the_write_through_queue_is_bounded_and_drops_are_counted(tmp_path: Path) -> None:
+    cfg = {**three_tiers(tmp_path), "write_through_queue": 2}
+    cfg["tiers"][0]["blocks"] = 64
+    with TierCache.open(cfg, block_bytes=N) as cache:
+        cache._through_io.acquire()  # hold the copier, as a slow disk would
+        try:
+            keys = cache.hash_tokens(list(range(4 * 10)))
+            assert cache.put(keys, block_bytes_for(keys, N)) == 10  # never waits
+            s = cache.stats()["nvme"]
+            assert s["through_queued"] <= 2 and s["through_dropped"] >= 8
+        finally:
+            cache._through_io.release()
+        cache.flush()
+        s = cache.stats()["nvme"]
+        assert s["written_through"] + s["through_dropped"] == 10
+
+
+_CRASH_CHILD = """
+import json, os, signal, sys, time
+from tiercache import TierCache
+from tiercache.workload import block_bytes_for
+cache = TierCache.open(json.loads(sys.argv[1]), block_bytes=4096)
+chains = []
+for c in range(6):
+    keys = cache.hash_tokens(list(range(c * 1000, c * 1000 + 4 * 3)))
+    cache.put(keys, block_bytes_for(keys, 4096))
+    chains.append([k.hex() for k in keys])
+deadline = time.time() + 30
+while cache.manager.through_backlog() and time.time() < deadline:
+    time.sleep(0.01)
+time.sleep(0.2)  # the copier's last batch completes
+s = cache.stats()
+print(json.dumps({"chains": chains, "through": {m: s[m]["written_through"] for m in s}}))
+sys.stdout.flush()
+os.kill(os.getpid(), signal.SIGKILL)  # no close, no exit hook
+"""
+
+
+@pytest.mark.parametrize("kind", ["nvme", "lmdb"])
+def test_write_through_survives_sigkill(tmp_path: Path, kind: str) -> None:
+    tiers = [{"kind": "cpu", "blocks": 64}]  # everything fits the volatile tier
+    tiers.append({"kind": kind, "blocks": 64, "path": str(tmp_path / kind)})
+    if kind == "nvme":
+        tiers[-1]["direct"] = False
+    cfg = {"block_size": 4, "namespace": "crash/bf16/tp1/0", "tiers": tiers}
+    run = subprocess.run(
+        [sys.executable, "-c", _CRASH_CHILD, json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    out = json.loads(run.stdout)
+    assert out["through"][kind] == 18  # 6 chains of 3 blocks, all copied before the kill
+    with TierCache.open(cfg, block_bytes=N) as cache:
+        for chain in out["chains"]:
+            keys = [bytes.fromhex(h) for h in chain]
+            assert cache.lookup(keys) == 3
+            assert torch.equal(cache.get(keys), block_bytes_for(keys, N))
+    # The same without write-through loses what only the volatile tier held.
+    cfg["tiers"][1]["write_policy"] = "write-back"
+    cfg["tiers"][1]["path"] = str(tmp_path / f"{kind}-back")
+    run = subprocess.run(
+        [sys.executable, "-c", _CRASH_CHILD, json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    with TierCache.open(cfg, block_bytes=N) as cache:
+        keys = [bytes.fromhex(h) for h in json.loads(run.stdout)["chains"][0]]
+        assert cache.lookup(keys) == 0
+    assert os.path.isdir(tmp_path / kind)
