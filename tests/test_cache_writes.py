@@ -142,13 +142,8 @@ os.kill(os.getpid(), signal.SIGKILL)  # no close, no exit hook
 """
 
 
-@pytest.mark.parametrize("kind", ["nvme", "lmdb"])
-def test_write_through_survives_sigkill(tmp_path: Path, kind: str) -> None:
-    tiers = [{"kind": "cpu", "blocks": 64}]  # everything fits the volatile tier
-    tiers.append({"kind": kind, "blocks": 64, "path": str(tmp_path / kind)})
-    if kind == "nvme":
-        tiers[-1]["direct"] = False
-    cfg = {"block_size": 4, "namespace": "crash/bf16/tp1/0", "tiers": tiers}
+def crash_child(cfg: dict) -> dict:
+    """Run _CRASH_CHILD on `cfg`; what it printed before it SIGKILLed itself."""
     run = subprocess.run(
         [sys.executable, "-c", _CRASH_CHILD, json.dumps(cfg)],
         capture_output=True,
@@ -157,7 +152,17 @@ def test_write_through_survives_sigkill(tmp_path: Path, kind: str) -> None:
         check=False,
     )
     assert run.returncode == -signal.SIGKILL, run.stderr
-    out = json.loads(run.stdout)
+    return json.loads(run.stdout)
+
+
+@pytest.mark.parametrize("kind", ["nvme", "lmdb"])
+def test_write_through_survives_sigkill(tmp_path: Path, kind: str) -> None:
+    tiers = [{"kind": "cpu", "blocks": 64}]  # everything fits the volatile tier
+    tiers.append({"kind": kind, "blocks": 64, "path": str(tmp_path / kind)})
+    if kind == "nvme":
+        tiers[-1]["direct"] = False
+    cfg = {"block_size": 4, "namespace": "crash/bf16/tp1/0", "tiers": tiers}
+    out = crash_child(cfg)
     assert out["through"][kind] == 18  # 6 chains of 3 blocks, all copied before the kill
     with TierCache.open(cfg, block_bytes=N) as cache:
         for chain in out["chains"]:
@@ -167,15 +172,8 @@ def test_write_through_survives_sigkill(tmp_path: Path, kind: str) -> None:
     # The same without write-through loses what only the volatile tier held.
     cfg["tiers"][1]["write_policy"] = "write-back"
     cfg["tiers"][1]["path"] = str(tmp_path / f"{kind}-back")
-    run = subprocess.run(
-        [sys.executable, "-c", _CRASH_CHILD, json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert run.returncode == -signal.SIGKILL, run.stderr
+    out = crash_child(cfg)
     with TierCache.open(cfg, block_bytes=N) as cache:
-        keys = [bytes.fromhex(h) for h in json.loads(run.stdout)["chains"][0]]
+        keys = [bytes.fromhex(h) for h in out["chains"][0]]
         assert cache.lookup(keys) == 0
     assert os.path.isdir(tmp_path / kind)

@@ -510,13 +510,7 @@ class TierCache:
                     errors[t] = errors.get(t, 0) + n
         finally:  # every copy is completed and its source unpinned
             with self._lock:
-                for t, n in errors.items():
-                    self._manager.record_error(t, n)
-                done = set(ok)
-                self._manager.complete_write_through(ok, success=True)
-                bad = [k for k in move.keys if k not in done]
-                if bad:
-                    self._manager.complete_write_through(bad, success=False)
+                self._finish_copy(move.keys, ok, errors, self._manager.complete_write_through)
                 self._tap_events()
 
     def _move(self, move: BlockMove) -> None:
@@ -533,13 +527,24 @@ class TierCache:
         dst_slots: tuple[int, ...],
     ) -> None:
         ok, errors = self._copy_chunk(keys, src, src_slots, dst, dst_slots)
+        self._finish_copy(keys, ok, errors, self._manager.complete_store)
+
+    def _finish_copy(
+        self,
+        keys: Sequence[bytes],
+        ok: list[bytes],
+        errors: dict[int, int],
+        complete: Callable[..., None],
+    ) -> None:
+        """Count a copy's failures per tier and complete its keys with `complete`: those
+        that arrived, then the rest as failed (lock held)."""
         for t, n in errors.items():
             self._manager.record_error(t, n)
-        self._manager.complete_store(ok, success=True)
+        complete(ok, success=True)
         done = set(ok)
         bad = [k for k in keys if k not in done]
         if bad:
-            self._manager.complete_store(bad, success=False)
+            complete(bad, success=False)
 
     def _copy_chunk(
         self,

@@ -14,7 +14,10 @@ Run as a script: ``python tests/vllm/engine.py SPEC.json OUT.json``. The spec is
     {"model": "/path/to/model", "kv_transfer_config": {...} or null,
      "batches": [{"prompts": [[1, 2, ...], ...], "max_tokens": 16}, ...],
      "block_size": 32, "multiprocessing": false, "max_model_len": 1024,
-     "tensor_parallel_size": 1}
+     "tensor_parallel_size": 1, "sigkill": false}
+
+With ``"sigkill": true`` the script writes its result, then kills itself with SIGKILL: no
+shutdown, no close, no exit hook (a crashed or OOM-killed engine).
 
 With ``tensor_parallel_size`` > 1 vLLM runs one worker process per rank (whatever
 "multiprocessing" says; the scheduler stays in this process unless it is true), and each
@@ -252,7 +255,8 @@ def run_in_subprocess(
             timeout=timeout,
             check=False,
         )
-        if proc.returncode != 0 or not out_path.exists():
+        killed = spec.get("sigkill") and proc.returncode == -9
+        if (proc.returncode != 0 and not killed) or not out_path.exists():
             raise RuntimeError(
                 f"engine subprocess failed (status {proc.returncode}):\n"
                 f"{_errors_of(proc.stdout + proc.stderr)}\n{proc.stderr[-4000:]}"
@@ -275,6 +279,9 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     result = run_spec(spec)
     Path(argv[2]).write_text(json.dumps(result))
+    if spec.get("sigkill"):
+        sys.stdout.flush()
+        os.kill(os.getpid(), 9)
     return 0
 
 
