@@ -354,8 +354,9 @@ class TierCache:
                 t.flush()
 
     def close(self) -> None:
-        """Write volatile-only blocks down to persistent tiers' free slots, then flush and
-        close every tier; idempotent."""
+        """Run the queued write-through copies, write volatile-only blocks down to persistent
+        tiers' free slots, then flush and close every tier; idempotent. Call it without
+        holding `lock`: it waits for the write-through thread, which takes that lock."""
         with self._lock:
             if self._closed:
                 return

@@ -295,8 +295,8 @@ class SharedStore:
                 hook()
             except Exception:  # a failing hook must not keep the tiers from closing
                 log.exception("a before-close hook of the shared tiercache store failed")
-        with self.lock:
-            self.cache.close()
+        # Not under `lock`: close joins the cache's write-through thread, which takes it.
+        self.cache.close()
 
     def count(self, name: str, n: int = 1) -> None:
         """Add `n` to counter `name` (caller holds `lock` or accepts a racy count)."""
