@@ -233,7 +233,13 @@ def test_demotion_never_copies_a_row_that_failed_to_read(tmp_path) -> None:
         "namespace": "test/model/bf16/tp1/0",
         "tiers": [
             {"kind": "cpu", "blocks": 4},
-            {"kind": "nvme", "blocks": 16, "path": str(tmp_path / "nvme")},
+            # write-back: the test follows a demotion (no write-through copy beside it)
+            {
+                "kind": "nvme",
+                "blocks": 16,
+                "path": str(tmp_path / "nvme"),
+                "write_policy": "write-back",
+            },
         ],
     }
     with TierCache.open(config, block_bytes=N) as cache:

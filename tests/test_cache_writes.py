@@ -177,3 +177,71 @@ def test_write_through_survives_sigkill(tmp_path: Path, kind: str) -> None:
         keys = [bytes.fromhex(h) for h in out["chains"][0]]
         assert cache.lookup(keys) == 0
     assert os.path.isdir(tmp_path / kind)
+
+
+# -- admission on reuse (issue 16) -----------------------------------------------------------
+def two_tiers(tmp: Path, **nvme: str) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    tiers = [
+        {"kind": "cpu", "blocks": 8},
+        {"kind": "nvme", "blocks": 64, "path": str(tmp / "nvme"), "direct": False, **nvme},
+    ]
+    return {"block_size": 4, "namespace": "admit/bf16/tp1/0", "tiers": tiers}
+
+
+def scan(cache: TierCache, chains: list[list[bytes]]) -> int:
+    """get, then put of the misses, for each chain; blocks served."""
+    hits = 0
+    for keys in chains:
+        n = len(cache.get(keys))
+        if n < len(keys):
+            cache.put(keys[n:], block_bytes_for(keys[n:], N))
+        hits += n
+    cache.flush()
+    return hits
+
+
+@pytest.mark.parametrize("policy", ["write-back", "write-through"])
+def test_admission_on_reuse_keeps_a_scan_out_of_the_lower_tier(tmp_path: Path, policy: str) -> None:
+    chains = [[bytes([c, j]) * 8 for j in range(4)] for c in range(20)]  # 80 blocks, no reuse
+    with TierCache.open(two_tiers(tmp_path / "all", write_policy=policy), block_bytes=N) as c:
+        scan(c, chains)
+        written_all = c.stats()["nvme"]["stored"]
+    cfg = two_tiers(tmp_path / "reuse", write_policy=policy, admit="on-reuse")
+    with TierCache.open(cfg, block_bytes=N) as c:
+        scan(c, chains)
+        s = c.stats()["nvme"]
+        assert written_all >= 72  # every block evicted (or copied) from the 8-block cpu tier
+        assert s["stored"] == 0 and s["not_admitted"] >= 72  # a scan writes nothing below
+
+
+def test_admission_on_reuse_admits_what_comes_back(tmp_path: Path) -> None:
+    # 16 hot blocks and 40 cold ones: the sightings of the last 64 keys (the nvme tier's
+    # capacity) are remembered, so the hot ones are still known when they come back.
+    hot = [[bytes([100 + c, j]) * 8 for j in range(4)] for c in range(4)]
+    cold = [[bytes([c, j]) * 8 for j in range(4)] for c in range(10)]
+    cfg = two_tiers(tmp_path, write_policy="write-back", admit="on-reuse")
+    with TierCache.open(cfg, block_bytes=N) as c:
+        scan(c, hot)  # first sighting: stored in cpu, evicted by the next ones, not admitted
+        scan(c, cold)
+        assert c.stats()["nvme"]["stored"] == 0
+        assert scan(c, hot) == 0  # lost (not admitted); stored again: a second sighting
+        scan(c, cold)  # evicts the hot chains again: now they are admitted below
+        assert scan(c, hot) == 16  # served from nvme
+        s = c.stats()["nvme"]
+        assert s["hits"] >= 16 and s["stored"] >= 16
+
+
+def test_admission_is_validated() -> None:
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.admit: the first tier"):
+        TierCache.open(
+            {"tiers": [{"kind": "cpu", "blocks": 4, "admit": "on-reuse"}]}, block_bytes=N
+        )
+    bad = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 4},
+            {"kind": "cpu", "name": "b", "blocks": 4, "admit": "sometimes"},
+        ]
+    }
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.admit: expected one of"):
+        TierCache.open(bad, block_bytes=N)

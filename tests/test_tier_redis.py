@@ -427,6 +427,7 @@ def test_cluster_through_tiercache_config(cluster) -> None:
                 "blocks": 32,
                 "url": [f"127.0.0.1:{n.port}" for n in cluster],
                 "prefix": unique_prefix("clc"),
+                "write_policy": "write-back",  # counts demotions below
             },
         ]
     }
@@ -446,7 +447,15 @@ def _two_tier_cache(url: str, prefix: str, **redis_opts) -> TierCache:
     cfg = {
         "tiers": [
             {"kind": "cpu", "blocks": 4},
-            {"kind": "redis", "blocks": 64, "url": url, "prefix": prefix, **redis_opts},
+            # write-back: these tests follow demotions and the CPU tier's own serving
+            {
+                "kind": "redis",
+                "blocks": 64,
+                "url": url,
+                "prefix": prefix,
+                "write_policy": "write-back",
+                **redis_opts,
+            },
         ]
     }
     return TierCache.open(cfg, block_bytes=4096)

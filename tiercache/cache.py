@@ -138,6 +138,7 @@ class TierCache:
             promote=config.promote,
             write_through=config.write_through,
             write_through_queue=config.write_through_queue,
+            admit_on_reuse=config.admit_on_reuse,
         )
         self._lock = threading.RLock()
         self._closed = False

@@ -36,8 +36,9 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _TELEMETRY_KEYS = {"dir", "interval", "events", "max_event_bytes", "prometheus"}
 _TOP_KEYS = {"block_size", "namespace", "promote", "telemetry", "tiers", "write_through_queue"}
-_TIER_COMMON_KEYS = {"kind", "name", "capacity", "blocks", "policy", "write_policy"}
+_TIER_COMMON_KEYS = {"kind", "name", "capacity", "blocks", "policy", "write_policy", "admit"}
 WRITE_POLICIES = ("write-back", "write-through")
+ADMISSIONS = ("always", "on-reuse")
 
 
 def parse_size(value: object, field_name: str = "capacity") -> int:
@@ -133,6 +134,7 @@ class TierConfig:
     options: Mapping[str, Any] = field(default_factory=dict)
     index: int = 0
     write_policy: str | None = None  # None: the default, see CacheConfig.write_through
+    admit: str = "always"  # "on-reuse": only blocks sighted twice enter this tier
 
     @property
     def field(self) -> str:
@@ -196,6 +198,14 @@ class TierConfig:
             raise ConfigError(
                 f"{where}.write_policy", "the first tier is where stores go; it has no tier above"
             )
+        admit = m.get("admit", "always")
+        if admit not in ADMISSIONS:
+            raise ConfigError(
+                f"{where}.admit",
+                f"expected one of {', '.join(map(repr, ADMISSIONS))}, got {admit!r}",
+            )
+        if admit != "always" and index == 0:
+            raise ConfigError(f"{where}.admit", "the first tier admits every store")
         options = {k: v for k, v in m.items() if k not in _TIER_COMMON_KEYS}
         tier_cls.validate_options(options, where)
         return cls(
@@ -207,6 +217,7 @@ class TierConfig:
             options=options,
             index=index,
             write_policy=write_policy,
+            admit=admit,
         )
 
 
@@ -220,6 +231,11 @@ class CacheConfig:
     promote: bool = True
     telemetry: TelemetryConfig | None = None  # off unless a [telemetry] table is given
     write_through_queue: int = 4096  # blocks waiting for write-through, per tier
+
+    @property
+    def admit_on_reuse(self) -> list[bool]:
+        """Per tier, whether it takes only blocks seen twice (`admit = "on-reuse"`)."""
+        return [t.admit == "on-reuse" for t in self.tiers]
 
     @property
     def write_through(self) -> list[bool]:

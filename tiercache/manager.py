@@ -11,6 +11,9 @@ OffloadingManager shape, on 16-byte prefix keys):
   first tier cannot take goes straight into the next tiers with room (write-around);
 - `plan_write_through(limit)` / `complete_write_through(keys, success)`: copies of newly
   stored blocks into write-through tiers, queued (bounded) and run off the caller's path;
+- admission on reuse (per tier): a block enters such a tier (demotion, write-around,
+  write-through) only once it has been sighted twice (stored or loaded), remembered in a
+  bounded ghost map of keys;
 - `prepare_promote(keys)`: plan copies of lower-tier hits into the first tier;
 - `discard(keys)`: drop blocks found corrupt; `take_events()`; `stats()`.
 
@@ -21,6 +24,7 @@ returns None or raises changes no state.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +55,7 @@ class TierCounters:
     discovered: int = 0  # blocks another process stored in this shared tier, found by lookup
     written_through: int = 0  # blocks copied here by write-through, completed
     through_dropped: int = 0  # write-through copies given up (queue full, no room, failed)
+    not_admitted: int = 0  # blocks kept out: admission on reuse, sighted only once
 
 
 class _Level:
@@ -122,10 +127,13 @@ class OffloadingManager:
         promote: bool = True,
         write_through: Sequence[bool] = (),
         write_through_queue: int = 4096,
+        admit_on_reuse: Sequence[bool] = (),
     ) -> None:
         """`write_through[i]`: every block stored into a faster tier is also copied into tier
         i (tier 0 never; default none); at most `write_through_queue` blocks wait per tier,
-        the ones that do not fit are dropped and counted (`through_dropped`)."""
+        the ones that do not fit are dropped and counted (`through_dropped`).
+        `admit_on_reuse[i]`: tier i (never tier 0) takes only blocks sighted at least twice;
+        the sightings of as many keys as the largest such tier holds are remembered."""
         if not tiers:
             raise ValueError("tiers: at least one tier is required")
         if len(tiers) != len(policies):
@@ -155,6 +163,17 @@ class OffloadingManager:
         self._through = {lv.index: dict[bytes, None]() for lv in self._levels if through[lv.index]}
         self._through_max = write_through_queue
         self._through_pins: dict[bytes, list[tuple[int, int]]] = {}  # key -> (src, dst) each
+        admit = list(admit_on_reuse) or [False] * len(tiers)
+        if len(admit) != len(tiers) or admit[0]:
+            raise ValueError(
+                "admit_on_reuse: one flag per tier, and the first tier admits every store"
+            )
+        self._admit_mask = sum(lv.bit for lv in self._levels if admit[lv.index])
+        # key -> sightings (stores and loads), oldest first, bounded: the admission ghosts.
+        self._seen: dict[bytes, int] = {}
+        self._seen_max = max(
+            (lv.tier.capacity_blocks for lv in self._levels if admit[lv.index]), default=0
+        )
         for level in self._levels:
             self._adopt(level, level.tier.recover())
 
@@ -273,6 +292,10 @@ class OffloadingManager:
         keys = tuple(keys)
         if self._single:
             return self._prepare_load_single(keys)
+        if self._admit_mask:
+            self._sight(keys)
+            if self._through:  # reused now: admitted where it was kept out at its store
+                self._queue_through(0, [k for k in keys if k in self._ready])
         get = self._ready.get
         tier_of: list[int] = []
         for k in keys:
@@ -363,10 +386,13 @@ class OffloadingManager:
         distinct = set(keys)
         if len(distinct) != len(keys):
             raise ValueError("prepare_store: keys contain duplicates")
+        seen_before = self._sight(new) if self._admit_mask and new else None
         plan = self._reserve_first_tier(new, distinct)
-        if plan is not None or not new:
-            return plan
-        return self._reserve_around(new, distinct)
+        if plan is None and new:
+            plan = self._reserve_around(new, distinct)
+        if plan is None and seen_before is not None:  # a refusal changes nothing
+            self._unsight(seen_before)
+        return plan
 
     def _reserve_around(
         self, new: list[bytes], protect: Collection[bytes]
@@ -382,13 +408,15 @@ class OffloadingManager:
         for lv in self._levels[1:]:
             if not rest:
                 break
-            take = rest[: self._room(lv, protect, len(rest))]
+            fit = self._admitted(lv, rest)
+            take = fit[: self._room(lv, protect, len(fit))]
             slots = self._make_room(lv, take, protect, moves) if take else None
             if slots is None:
                 continue
             self._hold(lv, take, slots)
             around.append(TierWrite(tuple(take), StoreSpec(lv.index, lv.medium, tuple(slots))))
-            rest = rest[len(take) :]
+            taken = set(take)
+            rest = [k for k in rest if k not in taken]
         if plan is None and not around:
             return None
         if plan is None:
@@ -546,10 +574,17 @@ class OffloadingManager:
             demote_slots.append(slot)
         level.counters.evictions += len(victims)
         self._events.append(OffloadingEvent(tuple(victims), level.medium, True))
-        if demote:
-            nxt = self._levels[level.index + 1] if level.index + 1 < len(self._levels) else None
-            if nxt is None or not self._demote_into(nxt, level, demote, demote_slots, moves):
-                level.counters.dropped += len(demote)
+        nxt = self._levels[level.index + 1] if level.index + 1 < len(self._levels) else None
+        if demote and nxt is not None and nxt.bit & self._admit_mask:
+            keep = set(self._admitted(nxt, demote))
+            if len(keep) < len(demote):
+                level.counters.dropped += len(demote) - len(keep)
+                pairs = [(k, s) for k, s in zip(demote, demote_slots, strict=True) if k in keep]
+                demote, demote_slots = [k for k, _ in pairs], [s for _, s in pairs]
+        if demote and (
+            nxt is None or not self._demote_into(nxt, level, demote, demote_slots, moves)
+        ):
+            level.counters.dropped += len(demote)
         # Slots go back only after the move is planned: the move reads them first.
         level.tier.free(freed)
 
@@ -621,6 +656,40 @@ class OffloadingManager:
                 if self._through:
                     self._queue_through(lv.index, done)
 
+    # -- admission on reuse ------------------------------------------------------------------
+    def _sight(self, keys: Iterable[bytes]) -> dict[bytes, int]:
+        """Count one sighting (a store or a load) of each key, the oldest keys forgotten;
+        returns the counts as they were (for `_unsight`)."""
+        seen = self._seen
+        before: dict[bytes, int] = {}
+        for k in keys:
+            before[k] = n = seen.pop(k, 0)
+            seen[k] = n + 1
+        over = len(seen) - self._seen_max
+        if over > 0:
+            for k in list(itertools.islice(seen, over)):
+                del seen[k]
+        return before
+
+    def _unsight(self, before: dict[bytes, int]) -> None:
+        """Undo a `_sight` (its keys go back to their counts, or are forgotten)."""
+        seen = self._seen
+        for k, n in before.items():
+            if n:
+                seen[k] = n
+            else:
+                seen.pop(k, None)
+
+    def _admitted(self, level: _Level, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys `level` takes: all, or with admission on reuse those sighted twice (the
+        rest are counted as not admitted)."""
+        if not level.bit & self._admit_mask:
+            return list(keys)
+        seen = self._seen
+        out = [k for k in keys if seen.get(k, 0) >= 2]
+        level.counters.not_admitted += len(keys) - len(out)
+        return out
+
     # -- write-through -----------------------------------------------------------------------
     def _queue_through(self, stored_in: int, keys: Sequence[bytes]) -> None:
         """Keys just stored in tier `stored_in` wait for their copy into each write-through
@@ -631,6 +700,8 @@ class OffloadingManager:
                 continue
             bit = self._levels[t].bit
             todo = [k for k in keys if not present[k] & bit and k not in queue]
+            if bit & self._admit_mask:
+                todo = self._admitted(self._levels[t], todo)
             room = self._through_max - len(queue)
             if len(todo) > room:
                 self._levels[t].counters.through_dropped += len(todo) - max(room, 0)
@@ -838,5 +909,6 @@ class OffloadingManager:
                 "written_through": c.written_through,
                 "through_dropped": c.through_dropped,
                 "through_queued": len(self._through.get(lv.index, ())),
+                "not_admitted": c.not_admitted,
             }
         return out

@@ -17,7 +17,8 @@ Run as a script: ``python tests/vllm/engine.py SPEC.json OUT.json``. The spec is
      "tensor_parallel_size": 1, "sigkill": false}
 
 With ``"sigkill": true`` the script writes its result, then kills itself with SIGKILL: no
-shutdown, no close, no exit hook (a crashed or OOM-killed engine).
+shutdown, no close, no exit hook (a crashed or OOM-killed engine). ``"settle_s"`` waits that
+long after the last batch before the counters are read (and the kill).
 
 With ``tensor_parallel_size`` > 1 vLLM runs one worker process per rank (whatever
 "multiprocessing" says; the scheduler stays in this process unless it is true), and each
@@ -167,6 +168,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
                 "connector_s": spent[0] - s0,
             }
         )
+    time.sleep(float(spec.get("settle_s", 0)))  # e.g. background copies before a SIGKILL
     stores: dict[str, Any] = {}
     if spec.get("kv_transfer_config") is not None and not spec.get("multiprocessing"):
         from tiercache.connectors.common import store_snapshots

@@ -185,7 +185,10 @@ def test_a_cold_engine_matches_baseline_and_hits_after_reset(
     # vLLM received the cache's events, the tier as medium: stores into the CPU tier,
     # demotions (removed from cpu, stored in nvme).
     ev = run_a["events"]
-    assert ev["BlockStored:cpu"] >= 2 + N_PROMPTS * 4
+    # Every block was stored somewhere: into the cpu tier, or around it into nvme/lmdb while
+    # its 8 blocks were held by stores in flight (write-around).
+    stored = sum(n for kind, n in ev.items() if kind.startswith("BlockStored:"))
+    assert stored >= 2 + N_PROMPTS * 4 and ev["BlockStored:cpu"] > 0
     assert ev["BlockRemoved:cpu"] > 0 and ev["BlockStored:nvme"] > 0
 
 

@@ -96,7 +96,9 @@ def test_write_through_survives_a_sigkilled_engine(
     tiers[0]["blocks"] = 256
     if kind == "lmdb":
         del tiers[1]  # cpu -> lmdb: LMDB is the tier written through
-    killed = engine.run_in_subprocess(_spec(tiny_llama, kv, prompts, sigkill=True))
+    # One second after the requests finish (the copier's batch lands), the counters are read
+    # and the engine is killed: no shutdown, no close.
+    killed = engine.run_in_subprocess(_spec(tiny_llama, kv, prompts, sigkill=True, settle_s=1))
     assert killed["batches"][0]["outputs"] == baseline
     (store,) = killed["stores"].values()
     through = store["stats"][kind]["written_through"]
