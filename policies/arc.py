@@ -191,6 +191,17 @@ class ARCPolicy(EvictionPolicy):
         for key in keys:
             self.insert(key)
 
+    def insert_cold(self, keys: Sequence[bytes]) -> None:
+        """Absent `keys` at T1's LRU end: seen once, and the first REPLACE takes from T1
+        picks them (ghost entries of them stay: they are history)."""
+        t1, t2 = self._t1, self._t2
+        for key in reversed(keys):
+            if key not in t1 and key not in t2:
+                t1[key] = None
+                t1.move_to_end(key, last=False)
+        if len(t1) + len(t2) + len(self._b1) + len(self._b2) > 2 * self.capacity:
+            self._trim_ghosts()
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """Move resident `keys` to T2's MRU end, tail first so the chain head ends up hottest."""
         t1, t2 = self._t1, self._t2

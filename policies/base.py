@@ -4,6 +4,7 @@ Primitives:
     EvictionPolicy(capacity)  abstract base; capacity is counted in blocks (>= 1)
     on_miss(keys)             the manager is about to store these absent keys (default: no-op)
     insert(key)               add a key as most recently used (idempotent: a present key is touched)
+    insert_cold(keys)         add absent keys as the first to evict (copies kept while room allows)
     touch(keys)               mark a prefix chain as used so that its head is evicted last
     remove(key)               forget a resident key (no-op when absent)
     evict(n, protected)       atomically pick and drop n victims, or return None and change nothing
@@ -61,6 +62,12 @@ class EvictionPolicy(ABC):
         blocks it completes, and policies may then skip their per-key residency tests."""
         for key in keys:
             self.insert(key)
+
+    def insert_cold(self, keys: Sequence[bytes]) -> None:
+        """Add absent `keys` where evict() picks first: copies this tier keeps only while it
+        has room (write-through copies of blocks a faster tier still holds). The default
+        inserts them as usual; LRU and ARC put them at their least recently used end."""
+        self.insert_many(keys)
 
     @abstractmethod
     def touch(self, keys: Sequence[bytes]) -> None:

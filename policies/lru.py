@@ -46,6 +46,14 @@ class LRUPolicy(EvictionPolicy):
             else:
                 od[key] = None
 
+    def insert_cold(self, keys: Sequence[bytes]) -> None:
+        """Absent `keys` at the LRU end, the first of them evicted first."""
+        od = self._od
+        for key in reversed(keys):
+            if key not in od:
+                od[key] = None
+                od.move_to_end(key, last=False)
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """Move resident `keys` to the MRU end, tail first so the chain head ends up hottest."""
         od = self._od

@@ -67,7 +67,8 @@ def _chunks(
 # Errors a tier raises for failed I/O; anything else is a bug and propagates.
 _IO_ERRORS = (OSError, BlockCorruptError)
 _MOVE_CHUNK_BYTES = 64 * 2**20  # staging per step of a tier-to-tier copy
-_THROUGH_BATCH = 256  # write-through copies planned at once
+_THROUGH_BATCH = 64  # write-through copies planned at once, at most
+_THROUGH_PIN_SHARE = 16  # ... and at most 1/16 of the first tier's blocks
 _THROUGH_POLL_S = 0.2  # the copier also looks for work this often (adapters store directly)
 _OPEN: weakref.WeakSet[TierCache] = weakref.WeakSet()
 
@@ -493,7 +494,10 @@ class TierCache:
         until the copies complete), under `_through_io`: call it without holding `_lock`."""
         with self._through_io:
             with self._lock:
-                moves = self._manager.plan_write_through(limit)
+                # A small share of the first tier at a time: a copy pins its source block, and
+                # pinned blocks can be neither evicted nor replaced by new stores.
+                room = max(1, self._tiers[0].capacity_blocks // _THROUGH_PIN_SHARE)
+                moves = self._manager.plan_write_through(min(limit, room))
             for move in moves:
                 self._run_through_move(move)
         return bool(moves)

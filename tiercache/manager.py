@@ -68,7 +68,7 @@ class _Level:
     Whether a held key is ready is the manager's `_ready` bitmask.
     """
 
-    __slots__ = ("bit", "counters", "index", "medium", "pins", "policy", "slots", "tier")
+    __slots__ = ("bit", "cold", "counters", "index", "medium", "pins", "policy", "slots", "tier")
 
     def __init__(self, index: int, tier: Tier, policy: EvictionPolicy) -> None:
         self.index = index
@@ -78,6 +78,9 @@ class _Level:
         self.medium = tier.medium
         self.slots: dict[bytes, int] = {}
         self.pins: dict[bytes, int] = {}
+        # Write-through copies of blocks a faster tier still holds: inserted cold (evicted
+        # first), made as recent as a demotion when the block leaves the faster tiers.
+        self.cold: set[bytes] = set()
         self.counters = TierCounters()
 
 
@@ -554,6 +557,7 @@ class OffloadingManager:
         freed: list[int] = []
         demote: list[bytes] = []
         demote_slots: list[int] = []
+        below: list[bytes] = []  # held ready below already (written through): no copy
         for k in victims:
             slot = slots_of.pop(k)
             freed.append(slot)
@@ -565,6 +569,8 @@ class OffloadingManager:
             p = present[k] & ~bit
             if p & lower_mask:
                 present[k] = p
+                if m & lower_mask:
+                    below.append(k)
                 continue
             if p:
                 present[k] = p
@@ -574,6 +580,10 @@ class OffloadingManager:
             demote_slots.append(slot)
         level.counters.evictions += len(victims)
         self._events.append(OffloadingEvent(tuple(victims), level.medium, True))
+        if level.cold:
+            level.cold.difference_update(victims)
+        if below:
+            self._refresh_below(level, below)
         nxt = self._levels[level.index + 1] if level.index + 1 < len(self._levels) else None
         if demote and nxt is not None and nxt.bit & self._admit_mask:
             keep = set(self._admitted(nxt, demote))
@@ -587,6 +597,26 @@ class OffloadingManager:
             level.counters.dropped += len(demote)
         # Slots go back only after the move is planned: the move reads them first.
         level.tier.free(freed)
+
+    def _refresh_below(self, level: _Level, keys: list[bytes]) -> None:
+        """`keys` left `level` while a lower tier holds a cold write-through copy of them: in
+        that tier the copy becomes as recent as a demotion would have made it (it was kept
+        only while room allowed; now it is the block's only copy)."""
+        ready = self._ready
+        for lv in self._levels[level.index + 1 :]:
+            if not keys:
+                return
+            if not lv.cold:
+                continue
+            here = [k for k in keys if k in lv.cold and ready.get(k, 0) & lv.bit]
+            if here:
+                policy = lv.policy
+                for k in here:
+                    policy.remove(k)
+                policy.insert_many(here[::-1])  # the chain's head ends most recent
+                lv.cold.difference_update(here)
+                done = set(here)
+                keys = [k for k in keys if k not in done]
 
     def _demote_into(
         self,
@@ -622,6 +652,10 @@ class OffloadingManager:
         if success and self._single:
             self._complete_store_single(keys)
             return
+        self._complete_multi(keys, success, cold=False)
+
+    def _complete_multi(self, keys: Sequence[bytes], success: bool, *, cold: bool) -> None:
+        """complete_store with several tiers; `cold`: write-through copies (`insert_cold`)."""
         ready, present = self._ready, self._present
         moving = self._moving
         single = self._single
@@ -649,7 +683,11 @@ class OffloadingManager:
             if done and moving:
                 moving.difference_update(done)
             if done and success:
-                lv.policy.insert_many(done, new=True)  # not ready here: in no policy
+                if cold:  # tail first: the chain's tail is evicted first
+                    lv.policy.insert_cold(done)
+                    lv.cold.update(done)
+                else:
+                    lv.policy.insert_many(done, new=True)  # not ready here: in no policy
                 done.reverse()
                 lv.counters.stored += len(done)
                 self._events.append(OffloadingEvent(tuple(done), lv.medium, False))
@@ -754,8 +792,12 @@ class OffloadingManager:
         """Finish moves of `plan_write_through` (its copies and the demotions they caused):
         the blocks become ready below, or their slots go back, and the sources are unpinned."""
         keys = _seq(keys)
-        self.complete_store(keys, success)
         pins = self._through_pins
+        copies = [k for k in keys if k in pins]
+        if len(copies) < len(keys):  # demotions the copies caused: ordinary moves
+            done = set(copies)
+            self.complete_store([k for k in keys if k not in done], success)
+        self._complete_multi(copies, success, cold=True)
         for k in keys:
             srcs = pins.get(k)
             if not srcs:
@@ -851,6 +893,7 @@ class OffloadingManager:
                     continue
                 slot = lv.slots.pop(k)
                 lv.policy.remove(k)
+                lv.cold.discard(k)
                 lv.tier.free((slot,))
                 for d in masks:
                     m = d[k] & ~lv.bit
