@@ -104,7 +104,7 @@ def test_a_key_of_another_namespace_is_never_served_by_lmdb(tmp_path) -> None:
 # same store, the second tenant opening after the first stored (as a restarted or second
 # server would).
 EQUAL = [bytes([0xE0 + i]) * 16 for i in range(8)]
-PERSISTENT = ["lmdb", "redis"]
+PERSISTENT = ["nvme", "lmdb", "redis"]
 
 
 @pytest.fixture(scope="module")

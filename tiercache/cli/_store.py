@@ -218,7 +218,8 @@ def _nvme_reader(ref: StoreRef) -> Any:
 def _nvme_headers(reader: Any) -> tuple[list[BlockInfo], int]:
     """Good blocks the journal names (headers read, payloads not), and how many entries
     fail their header check."""
-    good, bad = [], 0
+    newest: dict[tuple[int, bytes], BlockInfo] = {}
+    bad = 0
     for e in reader.entries:
         try:
             h = decode_header(reader.read_slot(e.slot, HEADER_SIZE))
@@ -228,8 +229,11 @@ def _nvme_headers(reader: Any) -> tuple[list[BlockInfo], int]:
         if _header_problem(h, e.key, reader.block_bytes) or h.seq != e.seq:
             bad += 1
             continue
-        good.append(BlockInfo(h.key, h.seq, h.namespace_id, h.raw_len, h.stored_len, e.slot))
-    return good, bad
+        b = BlockInfo(h.key, h.seq, h.namespace_id, h.raw_len, h.stored_len, e.slot)
+        old = newest.get((b.namespace, b.key))
+        if old is None or b.seq > old.seq:  # an older copy a lost FREE record left behind
+            newest[(b.namespace, b.key)] = b
+    return list(newest.values()), bad
 
 
 def _lmdb_blocks(h: Any) -> tuple[list[BlockInfo], int]:
@@ -403,7 +407,7 @@ def _verify_nvme(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None
 
     with _nvme_reader(ref) as r:
         scratch = np.empty(r.block_bytes, dtype=np.uint8)
-        want = r.capacity_blocks * r.slot_bytes
+        want = r.capacity_blocks * r.slot_bytes  # at least: kept blocks add slots
         if r.slab_size < want:
             rep.problems.append(
                 Problem("slab", f"holds {r.slab_size} bytes, {want} expected for its capacity")
@@ -413,7 +417,7 @@ def _verify_nvme(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None
             rep.problems.append(Problem("index", f"{j.damaged} damaged journal records"))
         if j.out_of_range:
             rep.problems.append(
-                Problem("index", f"{j.out_of_range} records name slots beyond the capacity")
+                Problem("index", f"{j.out_of_range} records name slots beyond the slab")
             )
         bad = []
         for e in r.entries:
@@ -479,15 +483,20 @@ def open_nvme_tier(ref: StoreRef) -> Any:
 
     assert ref.path is not None
     meta = read_meta(ref.path)
+    slots = max(
+        meta["capacity_blocks"],
+        os.stat(os.path.join(ref.path, "slab")).st_size // meta["slot_bytes"],
+    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # O_DIRECT is not asked for
             return NVMeTier(
                 name=ref.name,
                 block_bytes=meta["block_bytes"],
-                capacity_blocks=meta["capacity_blocks"],
+                capacity_blocks=slots,  # every slot, kept ones included
                 path=ref.path,
                 fsync="batch",
+                namespace=None,  # every namespace's blocks; never writes
                 direct=False,
             )
     except ConfigError as exc:
