@@ -106,7 +106,7 @@ def lmdb_layout(store: Path) -> dict[int, list[tuple[int, int]]]:
         blocks_db = env.open_db(lmdb_tier.BLOCKS_DB, create=False)
         with env.begin() as txn:
             entries = {
-                int.from_bytes(k, "big"): (bytes(h), bytes(txn.get(k, db=blocks_db)))
+                int.from_bytes(k[-16:], "big"): (bytes(h), bytes(txn.get(k, db=blocks_db)))
                 for k, h in txn.cursor(db=heads_db)
             }
     finally:

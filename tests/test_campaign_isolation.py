@@ -12,7 +12,9 @@ import ast
 import os
 import pickle
 import random
+import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ import torch
 from tests.campaign_support import REPO, blocks, report
 from tiercache import TierCache
 from tiercache.errors import ConfigError
+from tiercache.tiers.format import namespace_id
 
 BB = 4096
 
@@ -93,6 +96,105 @@ def test_a_key_of_another_namespace_is_never_served_by_lmdb(tmp_path) -> None:
         assert t.read([0], out, k) == [0]
     finally:
         t.close()
+
+
+# -- equal caller-supplied keys on one shared store, every persistent tier -------------------
+# Keys derived from the namespace can never be equal across tenants, so the test above cannot
+# see a tier that mixes tenants up. These give two namespaces the SAME 16-byte keys, on the
+# same store, the second tenant opening after the first stored (as a restarted or second
+# server would).
+EQUAL = [bytes([0xE0 + i]) * 16 for i in range(8)]
+PERSISTENT = ["nvme", "lmdb", "redis"]
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    from tests.test_tier_redis import REDIS_SERVER, RedisServer
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (CI installs Debian's redis-server package)")
+    d = Path(tempfile.mkdtemp(prefix="tc-iso-redis-"))
+    srv = RedisServer(d, "--appendonly", "no")
+    yield srv.url
+    srv.kill()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def store(request, tmp_path):
+    """A function (namespace, blocks) -> config mapping of one shared store of this kind."""
+    kind = request.param
+    opts = {"path": str(tmp_path / kind)}
+    if kind == "redis":
+        opts = {"url": request.getfixturevalue("redis_url"), "prefix": f"iso:{tmp_path.name}:"}
+
+    def make(namespace: str, blocks: int) -> dict:
+        tier = {"kind": kind, "blocks": blocks, **opts}
+        return {"block_size": 4, "namespace": namespace, "tiers": [tier]}
+
+    make.kind = kind
+    return make
+
+
+def held(cache: TierCache) -> tuple[int, int]:
+    (st,) = cache.stats().values()
+    return st["used_blocks"], st["ready_blocks"]
+
+
+@pytest.mark.parametrize("store", PERSISTENT, indirect=True)
+def test_equal_keys_of_two_namespaces_never_meet(store) -> None:
+    # 1. Tenant A stores 6 blocks under the shared keys.
+    with TierCache.open(store("tenant-a", 8), block_bytes=BB) as a:
+        assert a.put(EQUAL[:6], blocks(range(6), BB)) == 6
+    # 2. Tenant B opens the same store: A's blocks are neither served nor counted.
+    with TierCache.open(store("tenant-b", 8), block_bytes=BB) as b:
+        assert b.lookup(EQUAL[:6]) == 0
+        assert len(b.get(EQUAL[:6])) == 0
+        assert held(b) == (0, 0)
+        # 3. B stores 3 of the same keys with its own bytes, and reads back exactly those.
+        assert b.put(EQUAL[:3], blocks(range(100, 103), BB)) == 3
+        assert torch.equal(b.get(EQUAL[:3]), blocks(range(100, 103), BB))
+        assert held(b) == (3, 3)
+    # 4. A's blocks are untouched by B's stores of equal keys: exact bytes, all 6.
+    with TierCache.open(store("tenant-a", 8), block_bytes=BB) as a:
+        assert a.lookup(EQUAL[:6]) == 6
+        assert torch.equal(a.get(EQUAL[:6]), blocks(range(6), BB))
+        assert held(a) == (6, 6)
+    # 5. And B's blocks coexist with A's under the same keys.
+    with TierCache.open(store("tenant-b", 8), block_bytes=BB) as b:
+        assert torch.equal(b.get(EQUAL[:3]), blocks(range(100, 103), BB))
+        assert held(b) == (3, 3)
+
+
+@pytest.mark.parametrize("store", PERSISTENT, indirect=True)
+def test_opening_a_store_deletes_nothing(store) -> None:
+    with TierCache.open(store("tenant-a", 8), block_bytes=BB) as a:
+        assert a.put(EQUAL[:6], blocks(range(6), BB)) == 6
+    # Tenant C opens with a capacity of 2 and does nothing; then A itself opens with 2.
+    TierCache.open(store("tenant-c", 2), block_bytes=BB).close()
+    with TierCache.open(store("tenant-a", 2), block_bytes=BB) as a:
+        assert held(a)[0] <= 2  # the capacity bounds what this opener holds...
+    # ... but nothing was deleted: A at its old capacity finds all 6, exact.
+    with TierCache.open(store("tenant-a", 8), block_bytes=BB) as a:
+        assert a.lookup(EQUAL[:6]) == 6
+        assert torch.equal(a.get(EQUAL[:6]), blocks(range(6), BB))
+
+
+@pytest.mark.parametrize("store", PERSISTENT, indirect=True)
+def test_foreign_blocks_are_never_evicted(store) -> None:
+    with TierCache.open(store("tenant-a", 8), block_bytes=BB) as a:
+        assert a.put(EQUAL[:6], blocks(range(6), BB)) == 6
+    # Tenant B churns three times its capacity of 4, equal keys included: its policy evicts
+    # only its own blocks, and it never counts more than its own.
+    with TierCache.open(store("tenant-b", 4), block_bytes=BB) as b:
+        others = [bytes([0xB0 + i]) * 16 for i in range(8)]
+        for i, ks in enumerate([EQUAL[:4], others[:4], EQUAL[2:6], others[4:]]):
+            assert b.put(ks, blocks(range(200 + 4 * i, 204 + 4 * i), BB)) == 4
+            used, ready = held(b)
+            assert used == ready <= 4
+        assert torch.equal(b.get(others[4:]), blocks(range(212, 216), BB))
+    with TierCache.open(store("tenant-a", 8), block_bytes=BB) as a:
+        assert torch.equal(a.get(EQUAL[:6]), blocks(range(6), BB))
 
 
 # -- file modes and ownership ----------------------------------------------------------------------
@@ -213,7 +315,8 @@ def test_planted_payloads_never_run(tmp_path) -> None:
         meta_db = env.open_db(lmdb_tier.META_DB)
         blocks_db = env.open_db(lmdb_tier.BLOCKS_DB)
         with env.begin(write=True) as txn:
-            txn.put(b"a" * 16, payload.ljust(BB, b"\0"), db=blocks_db)
+            real_key = lmdb_tier.store_key(namespace_id("ns"), b"a" * 16)
+            txn.put(real_key, payload.ljust(BB, b"\0"), db=blocks_db)
             good = txn.get(lmdb_tier.META_KEY, db=meta_db)
             txn.put(lmdb_tier.META_KEY, payload, db=meta_db)
     finally:

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from tiercache.cli import main
 from tiercache.tiers.format import HEADER_SIZE, namespace_id
-from tiercache.tiers.lmdb import LMDBTier
+from tiercache.tiers.lmdb import LMDBTier, store_key
 from tiercache.tiers.nvme import NVMeTier
 
 BB = 4096  # block bytes
@@ -261,17 +261,18 @@ def test_verify_nvme_finds_and_repairs_corruption(tmp_path: Path) -> None:
 def test_verify_lmdb_finds_and_repairs_corruption(tmp_path: Path) -> None:
     store = tmp_path / "lmdb"
     keys = make_lmdb(store, 10)
+    sk = [store_key(namespace_id("ns-a"), k) for k in keys]  # the LMDB keys
     env = lmdb.open(str(store), max_dbs=3, map_size=0)
     heads, blocks = env.open_db(b"heads"), env.open_db(b"blocks")
     with env.begin(write=True) as txn:
-        v = bytearray(txn.get(keys[2], db=blocks))
+        v = bytearray(txn.get(sk[2], db=blocks))
         v[len(v) // 2] ^= 1
-        txn.put(keys[2], bytes(v), db=blocks)  # a flipped payload byte
-        txn.delete(keys[4], db=heads)  # a payload without its header
-        txn.delete(keys[6], db=blocks)  # a header without its payload
-        h = bytearray(txn.get(keys[8], db=heads))
+        txn.put(sk[2], bytes(v), db=blocks)  # a flipped payload byte
+        txn.delete(sk[4], db=heads)  # a payload without its header
+        txn.delete(sk[6], db=blocks)  # a header without its payload
+        h = bytearray(txn.get(sk[8], db=heads))
         h[30] ^= 1  # the namespace id, covered by the checksum
-        txn.put(keys[8], bytes(h), db=heads)
+        txn.put(sk[8], bytes(h), db=heads)
     env.close()
     r = run("verify", str(store), "--json", "--no-progress")
     assert r.exit_code == 1, r.output

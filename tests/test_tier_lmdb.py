@@ -27,8 +27,8 @@ from tiercache import TierCache
 from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError
 from tiercache.tiers import lmdb as lmdb_tier
-from tiercache.tiers.format import HEADER_SIZE
-from tiercache.tiers.lmdb import LMDBTier
+from tiercache.tiers.format import HEADER_SIZE, namespace_id
+from tiercache.tiers.lmdb import LMDBTier, store_key
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,9 +39,15 @@ def bf16_blocks(n: int, block_bytes: int, seed: int = 0) -> torch.Tensor:
     return torch.randn((n, block_bytes // 2), generator=g).to(torch.bfloat16).view(torch.uint8)
 
 
+def sk(key: bytes, namespace: str = "") -> bytes:
+    """The LMDB key of block `key` of `namespace` (the tiers' default namespace is "")."""
+    return store_key(namespace_id(namespace), key)
+
+
 def corrupt_value(env_dir: Path, key: bytes, nbytes: int = 3) -> None:
     """Flip the last `nbytes` of a stored value, opening the environment with py-lmdb."""
     env = lmdb.open(str(env_dir), max_dbs=3, mode=0o600)
+    key = sk(key)
     try:
         db = env.open_db(b"blocks", create=False)
         with env.begin(write=True, db=db) as txn:
@@ -121,8 +127,8 @@ def test_random_bytes_are_stored_raw(tmp_path) -> None:
         t.close()
     env = lmdb.open(str(tmp_path / "r"), max_dbs=3, readonly=True, lock=False)
     with env.begin() as txn:
-        payload = txn.get(keys[0], db=env.open_db(b"blocks", txn=txn, create=False))
-        head = txn.get(keys[0], db=env.open_db(b"heads", txn=txn, create=False))
+        payload = txn.get(sk(keys[0]), db=env.open_db(b"blocks", txn=txn, create=False))
+        head = txn.get(sk(keys[0]), db=env.open_db(b"heads", txn=txn, create=False))
         assert len(payload) == 4096 and len(head) == HEADER_SIZE
         assert head[6] == 0  # codec byte: raw
     env.close()
@@ -153,7 +159,7 @@ def test_value_stored_under_another_key_is_a_miss(tmp_path) -> None:
     env = t._shared.env  # the process's one handle (a second open here is refused)
     with env.begin(write=True) as txn:  # a valid block (header + payload), wrong key
         for db in (t._shared.heads, t._shared.blocks):
-            txn.put(keys[1], txn.get(keys[0], db=db), db=db)
+            txn.put(sk(keys[1]), txn.get(sk(keys[0]), db=db), db=db)
     out = torch.empty((2, 4096), dtype=torch.uint8)
     assert t.read([0, 1], out, keys) == [1]
     t.close()
@@ -169,15 +175,15 @@ def test_half_written_entries_are_dropped_at_open(tmp_path) -> None:
     keys = keys_for(3)
     t.write(t.allocate(keys), rand_blocks(3, 4096, 12), keys)
     with t._shared.env.begin(write=True) as txn:  # as another program might leave them
-        txn.delete(keys[0], db=t._shared.heads)  # a payload without its header
-        txn.delete(keys[1], db=t._shared.blocks)  # a header without its payload
+        txn.delete(sk(keys[0]), db=t._shared.heads)  # a payload without its header
+        txn.delete(sk(keys[1]), db=t._shared.blocks)  # a header without its payload
     t.close()
     t = open_tier(tmp_path / "h", capacity=8)
     try:
         assert [k for k, _ in t.recover()] == keys[2:]
         with t._shared.env.begin() as txn:
-            assert txn.get(keys[0], db=t._shared.blocks) is None
-            assert txn.get(keys[1], db=t._shared.heads) is None
+            assert txn.get(sk(keys[0]), db=t._shared.blocks) is None
+            assert txn.get(sk(keys[1]), db=t._shared.heads) is None
     finally:
         t.close()
 
@@ -189,7 +195,7 @@ def test_truncated_payload_is_a_miss(tmp_path, compression) -> None:
     data = bf16_blocks(2, 4096, seed=13)
     t.write(t.allocate(keys), data, keys)
     with t._shared.env.begin(write=True, db=t._shared.blocks) as txn:
-        txn.put(keys[1], txn.get(keys[1])[:-100])
+        txn.put(sk(keys[1]), txn.get(sk(keys[1]))[:-100])
     out = torch.empty_like(data)
     assert t.read([0, 1], out, keys) == [1]
     assert torch.equal(out[0], data[0])
@@ -267,38 +273,73 @@ def test_same_path_twice_in_one_process_shares_the_environment(tmp_path) -> None
     c.close()
 
 
-def test_reopen_with_smaller_capacity_drops_the_oldest(tmp_path, caplog) -> None:
+def test_reopen_with_smaller_capacity_deletes_nothing_until_it_stores(tmp_path, caplog) -> None:
     t = open_tier(tmp_path / "x", capacity=8)
     keys = keys_for(8)[::-1]  # written in descending key order: age is not key order
     for i, k in enumerate(keys):
         t.write(t.allocate([k]), rand_blocks(1, 4096, i), [k])
     t.close()
+    # 1. A smaller opener indexes the newest 5 and deletes nothing, even at close.
     with caplog.at_level(logging.WARNING, logger="tiercache.tiers.lmdb"):
         t = open_tier(tmp_path / "x", capacity=5)
     try:
         assert [k for k, _ in t.recover()] == keys[3:]
         assert t.used_blocks == 5 and t.allocate(keys_for(1, 50)) is None
-        assert "deleting the 3 oldest" in caplog.text
+        assert "the 3 oldest are deleted at this tier's first store" in caplog.text
+        assert t.open_report["blocks_over_capacity"] == 3
     finally:
         t.close()
     t = open_tier(tmp_path / "x", capacity=8)
-    assert len(t.recover()) == 5  # they were deleted, not hidden
+    assert len(t.recover()) == 8  # all there
     t.close()
-
-
-def test_blocks_of_another_namespace_are_adopted_but_never_served(tmp_path) -> None:
-    t = open_tier(tmp_path / "ns", capacity=8, namespace="model-a")
-    keys = keys_for(2)
-    t.write(t.allocate(keys), rand_blocks(2, 4096, 11), keys)
-    t.close()
-    t = open_tier(tmp_path / "ns", capacity=8, namespace="model-b")
+    # 2. Its first store trims what is over its capacity: the 3 oldest.
+    t = open_tier(tmp_path / "x", capacity=5)
     try:
-        rec = t.recover()  # counted against capacity, aged out by the policy
-        assert sorted(k for k, _ in rec) == keys and t.used_blocks == 2
-        out = torch.empty((2, 4096), dtype=torch.uint8)
-        assert t.read([s for _, s in rec], out, [k for k, _ in rec]) == [0, 1]
+        rec = t.recover()
+        t.free([rec[0][1]])  # make room, as the manager's policy would
+        k = keys_for(1, 50)
+        t.write(t.allocate(k), rand_blocks(1, 4096, 50), k)
     finally:
         t.close()
+    t = open_tier(tmp_path / "x", capacity=8)
+    assert [k for k, _ in t.recover()] == keys[4:] + keys_for(1, 50)
+    t.close()
+
+
+def test_blocks_of_another_namespace_are_neither_counted_nor_served(tmp_path) -> None:
+    t = open_tier(tmp_path / "ns", capacity=8, namespace="model-a")
+    keys = keys_for(2)
+    data = rand_blocks(2, 4096, 11)
+    t.write(t.allocate(keys), data, keys)
+    t.close()
+    t = open_tier(tmp_path / "ns", capacity=2, namespace="model-b")
+    try:
+        assert t.recover() == [] and t.used_blocks == 0 and t.probe(keys) == 0
+        out = torch.empty((2, 4096), dtype=torch.uint8)
+        assert t.read([0, 1], out, keys) == [0, 1]
+        t.write(t.allocate(keys), rand_blocks(2, 4096, 12), keys)  # equal keys, side by side
+    finally:
+        t.close()
+    t = open_tier(tmp_path / "ns", capacity=8, namespace="model-a")
+    try:
+        out = torch.empty((2, 4096), dtype=torch.uint8)
+        assert t.read([s for _, s in t.recover()], out, keys) == []
+        assert torch.equal(out, data)
+    finally:
+        t.close()
+
+
+def test_a_store_of_format_version_1_is_refused(tmp_path) -> None:
+    open_tier(tmp_path / "v1", capacity=4).close()
+    env = lmdb.open(str(tmp_path / "v1"), max_dbs=3, map_size=0)
+    with env.begin(write=True) as txn:
+        db = env.open_db(b"meta", txn=txn)
+        m = json.loads(txn.get(b"store", db=db))
+        m["version"] = 1  # blocks keyed without their namespace
+        txn.put(b"store", json.dumps(m).encode(), db=db)
+    env.close()
+    with pytest.raises(ConfigError, match="format version 1; this build reads version 2"):
+        open_tier(tmp_path / "v1", capacity=4)
 
 
 @pytest.mark.parametrize("sync", ["always", "never"])

@@ -114,14 +114,27 @@ class TestNVMeTier(PersistentTierConformance):
         t = self.make_tier(16, BB, tmp_path)  # grow: every block back, 10 slots free
         assert sorted(s for _, s in t.recover()) == slots and t.free_blocks == 10
         t.close()
-        t = self.make_tier(4, BB, tmp_path)  # shrink: the blocks of slots 4 and 5 are gone
+        # Shrink: the newest 4 are used; the 2 oldest are kept (opening deletes nothing),
+        # neither counted nor handed out, and the slab keeps their slots.
+        t = self.make_tier(4, BB, tmp_path)
         rec = t.recover()
-        assert rec == list(zip(keys[:4], slots[:4], strict=True))
+        assert rec == list(zip(keys[2:], slots[2:], strict=True)) and t.free_blocks == 0
+        assert t.open_report["blocks_over_capacity"] == 2
         out, bad = read_back(t, rec)
-        assert bad == [] and torch.equal(out, data[:4])
+        assert bad == [] and torch.equal(out, data[2:])
         t.close()
         meta = json.loads((tmp_path / "nvme" / "meta.json").read_text())
         assert meta["capacity_blocks"] == 4
+        assert (tmp_path / "nvme" / "slab").stat().st_size == 6 * meta["slot_bytes"]
+        t = self.make_tier(8, BB, tmp_path)  # all 6 are back
+        rec = t.recover()
+        assert rec == list(zip(keys, slots, strict=True))
+        out, bad = read_back(t, rec)
+        assert bad == [] and torch.equal(out, data)
+        t.free([s for _, s in rec])
+        t.close()
+        t = self.make_tier(4, BB, tmp_path)  # nothing held: the slab shrinks to its capacity
+        t.close()
         assert (tmp_path / "nvme" / "slab").stat().st_size == 4 * meta["slot_bytes"]
 
     def test_order_survives_two_restarts(self, tmp_path) -> None:
@@ -452,9 +465,9 @@ def test_torn_overwrite_is_never_served(tmp_path) -> None:
         t.close()
 
 
-def test_blocks_of_another_namespace_are_adopted(tmp_path) -> None:
-    # Documented choice: recover() hands them to the manager like ours (their keys, derived
-    # from their namespace, never match our lookups; the policy evicts them when cold).
+def test_blocks_of_another_namespace_are_kept_never_used(tmp_path) -> None:
+    # One directory, two namespaces one after the other: b neither recovers, counts, reads
+    # nor overwrites a's blocks (equal keys included); its capacity is other slots.
     store = tmp_path / "nvme"
     t = open_tier(store, namespace="a")
     keys = keys_for(2)
@@ -464,8 +477,20 @@ def test_blocks_of_another_namespace_are_adopted(tmp_path) -> None:
     t.close()
     t = open_tier(store, namespace="b")
     try:
+        assert t.recover() == [] and t.used_blocks == 0 and t.free_blocks == 8
+        assert t.open_report["blocks_of_other_namespaces"] == 2
+        out = torch.empty((2, BB), dtype=torch.uint8)
+        with pytest.raises(ValueError, match="not a slot of this tier"):
+            t.read(slots, out, keys)  # a's slots are not b's to read
+        mine = t.allocate(keys_for(8))
+        assert not set(mine) & set(slots)
+        t.write(mine, rand_blocks(8, BB, 96), keys_for(8))  # equal keys, other slots
+    finally:
+        t.close()
+    t = open_tier(store, namespace="a")
+    try:
         rec = t.recover()
-        assert rec == list(zip(keys, slots, strict=True)) and t.free_blocks == 6
+        assert rec == list(zip(keys, slots, strict=True))
         out, bad = read_back(t, rec)
         assert bad == [] and torch.equal(out, data)
     finally:

@@ -12,16 +12,29 @@ Primitives (on top of the `Tier` ABC):
 - `recover()`: (key, slot) of every stored block, oldest first by the header's write seq.
 - `flush()`, `close()`, `stats()`.
 
-Layout. Databases "meta" (JSON: store format, version, block_bytes), "heads" (key -> the
-64-byte `tiers.format` header) and "blocks" (key -> stored payload), header and payload put
+Layout. Databases "meta" (JSON: store format, version, block_bytes), "heads" (store key ->
+the 64-byte `tiers.format` header) and "blocks" (store key -> stored payload), header and
+payload put
 in the same write transaction. Not one header+payload value: py-lmdb has no MDB_RESERVE, so
 a joined value costs a 2 MiB staging copy per block; with two values the payload goes from
 the caller's tensor straight into the map (2 MiB blocks, batches of 32, same run: 0.64 vs
 0.82 of raw py-lmdb put throughput), and the open-time scan reads only header pages, never
 payloads. The checksum still covers header and payload together.
 
-Slots are logical handles: LMDB addresses blocks by their 16-byte key; the tier keeps a
-slot -> key map only so that `free` knows which key to delete. A read goes by key.
+The store key is the 8-byte namespace id (big-endian, as `tiers.format.namespace_id` gives
+it) followed by the 16-byte block key (`store_key`): tenants with different namespaces hold
+equal block keys side by side, a tier reads, counts, scans and deletes only keys under its
+own namespace's prefix, and never touches another's. (Version 1 stores keyed by the block
+key alone are refused at open, with the format-version error.)
+
+Slots are logical handles: LMDB addresses blocks by key; the tier keeps a slot -> key map
+only so that `free` knows which key to delete. A read goes by key.
+
+Opening deletes no good block. A tier indexes the newest `capacity` blocks of its namespace;
+older ones of its namespace beyond that (a store written with a larger capacity) stay until
+this tier's first store, which deletes them (capacity bounds what this tier keeps, not what
+an opener may destroy). Only malformed entries under its own prefix (a bad header, a
+payload without header) are dropped at open: they could never be served.
 
 Sharing. One `lmdb.Environment` per real path per process, reference counted (LMDB refuses a
 second open of an environment in one process; vLLM's scheduler and worker connectors live in
@@ -78,7 +91,8 @@ from tiercache.tiers.keyed import KeyedTier
 log = logging.getLogger(__name__)
 
 STORE_FORMAT = "tiercache-lmdb"
-STORE_VERSION = 1  # bump when the environment layout (databases, metadata) changes
+STORE_VERSION = 2  # bump when the environment layout (databases, metadata, keys) changes
+NS_BYTES = 8  # the namespace-id prefix of every store key
 META_DB, HEADS_DB, BLOCKS_DB = b"meta", b"heads", b"blocks"
 META_KEY = b"store"
 _OUR_FILES = frozenset({"data.mdb", "lock.mdb"})
@@ -92,6 +106,18 @@ MAX_READERS = 512  # reader-table slots: one per open read txn, across all proce
 MIN_TXN_OPS = 64
 _RETRIES = 8
 _PARALLEL_MIN_BYTES = 64 * 1024  # blocks at least this big are decoded on the thread pool
+
+
+def store_key(namespace: int, key: bytes) -> bytes:
+    """The LMDB key of block `key` of the namespace with id `namespace`."""
+    return namespace.to_bytes(NS_BYTES, "big") + key
+
+
+def split_store_key(skey: bytes) -> tuple[int, bytes] | None:
+    """(namespace id, block key) of a store key; None when it is not one."""
+    if len(skey) != NS_BYTES + KEY_BYTES:
+        return None
+    return int.from_bytes(skey[:NS_BYTES], "big"), skey[NS_BYTES:]
 
 
 def txn_ops_for(capacity_blocks: int) -> int:
@@ -394,6 +420,18 @@ def _parse_meta(path: str, raw: bytes) -> dict[str, Any]:
     return meta
 
 
+def _under(cursor: Any, prefix: bytes, values: bool) -> Iterator[Any]:
+    """(key, value) - or, without `values`, the key - of every entry of `cursor`'s database
+    whose key starts with `prefix`, in key order (keys as bytes)."""
+    if not cursor.set_range(prefix):
+        return
+    for item in cursor.iternext(values=values):
+        k = bytes(item[0] if values else item)
+        if not k.startswith(prefix):
+            return
+        yield (k, item[1]) if values else k
+
+
 # -- the tier --------------------------------------------------------------------------------
 
 
@@ -436,6 +474,8 @@ class LMDBTier(KeyedTier):
         self._element_size = element_size
         self._sync = sync
         self._ns = namespace_id(namespace)
+        self._nsb = self._ns.to_bytes(NS_BYTES, "big")  # prefix of every store key of ours
+        self._excess: list[bytes] = []  # store keys over capacity at open: deleted at 1st store
         self._txn_ops = txn_ops_for(capacity_blocks)
         self.open_report: dict[str, int] = {}  # what _scan found: dropped, recovered blocks
         self._counts = dict.fromkeys(
@@ -520,7 +560,8 @@ class LMDBTier(KeyedTier):
     def free(self, slots: Sequence[int]) -> None:
         """Return slots; their keys are deleted from LMDB at the next write txn or flush,
         not now: a demotion planned together with the eviction still reads them."""
-        gone = [k for k in (self._slot_key.pop(s, None) for s in slots) if k is not None]
+        nsb = self._nsb
+        gone = [nsb + k for k in (self._slot_key.pop(s, None) for s in slots) if k is not None]
         if gone:
             with self._shared.state_lock:
                 self._shared.pending.update(gone)
@@ -541,9 +582,10 @@ class LMDBTier(KeyedTier):
             return 0
         try:
             for k in keys:
-                if k in pending:
+                sk = self._nsb + k
+                if sk in pending:
                     break
-                head = txn.get(k, db=shared.heads)
+                head = txn.get(sk, db=shared.heads)
                 if not is_header_of(head, k, self._ns, self.block_bytes):
                     break
                 n += 1
@@ -563,7 +605,7 @@ class LMDBTier(KeyedTier):
         shared = self._shared
         with shared.state_lock:
             if shared.pending:
-                shared.pending.difference_update(keys)
+                shared.pending.difference_update(self._nsb + k for k in keys)
 
     # -- write -----------------------------------------------------------------------------
     def write(
@@ -583,8 +625,11 @@ class LMDBTier(KeyedTier):
             old = self._slot_key.get(s)
             if old != k:
                 if old is not None:
-                    replaced.append(old)
+                    replaced.append(self._nsb + old)
                 self._slot_key[s] = k
+        if self._excess:  # capacity bounds what this tier keeps: the first store trims
+            replaced += self._excess
+            self._excess = []
         if replaced:
             with self._shared.state_lock:
                 self._shared.pending.update(replaced)
@@ -606,14 +651,15 @@ class LMDBTier(KeyedTier):
         if self._compression == "zstd":
             # Compress before the write txn: the writer lock is held for puts only.
             encoded = self._map(encode, n, parallel=self.block_bytes >= _PARALLEL_MIN_BYTES)
-            self._commit(keys, encoded.__getitem__)
+            self._commit([self._nsb + k for k in keys], encoded.__getitem__)
         else:
             # Raw: the header's checksum pass pulls the row into cache just before LMDB
             # copies it into the map; the payload is put from the caller's tensor as is.
-            self._commit(keys, encode)
+            self._commit([self._nsb + k for k in keys], encode)
 
-    def _commit(self, keys: Sequence[bytes], encoded: Callable[[int], tuple[bytes, Any]]) -> None:
-        """Apply the pending deletes, then put each (header, payload); at most `txn_ops` of
+    def _commit(self, skeys: Sequence[bytes], encoded: Callable[[int], tuple[bytes, Any]]) -> None:
+        """Apply the pending deletes, then put each (header, payload) under its store key
+        (`skeys`, namespace-prefixed); at most `txn_ops` of
         either per txn (one txn per call in practice). Raises OSError; pending deletes stay
         pending unless their txn committed."""
         shared = self._shared
@@ -621,7 +667,7 @@ class LMDBTier(KeyedTier):
         with shared.write_lock:
             with shared.state_lock:
                 ops: list[tuple[bytes, int]] = [(k, -1) for k in shared.pending]
-            ops += [(k, i) for i, k in enumerate(keys)]
+            ops += [(k, i) for i, k in enumerate(skeys)]
             stored = 0
             for start in range(0, len(ops), self._txn_ops):
                 chunk = ops[start : start + self._txn_ops]
@@ -645,8 +691,8 @@ class LMDBTier(KeyedTier):
                         shared.pending.difference_update(done)
                 self._after_commit()
         with self._counts_lock:
-            self._counts["blocks_written"] += len(keys)
-            self._counts["raw_bytes"] += len(keys) * self.block_bytes
+            self._counts["blocks_written"] += len(skeys)
+            self._counts["raw_bytes"] += len(skeys) * self.block_bytes
             self._counts["stored_bytes"] += stored
 
     def _txn(
@@ -734,14 +780,15 @@ class LMDBTier(KeyedTier):
             return []
         out = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
         out_np = out.numpy()
-        heads = self._shared.heads
+        heads, nsb = self._shared.heads, self._nsb
         failed: list[int] = []
         found: list[tuple[int, bytes, memoryview, memoryview]] = []
         txn = self._begin(write=False)
         try:
             for i, k in enumerate(keys):
+                sk = nsb + k
                 try:
-                    h, v = txn.get(k, db=heads), txn.get(k)
+                    h, v = txn.get(sk, db=heads), txn.get(sk)
                 except lmdb.Error:
                     h = v = None
                 if h is None or v is None:
@@ -765,6 +812,8 @@ class LMDBTier(KeyedTier):
         h = decode_header(head)
         if h.key != key:
             raise BlockCorruptError("header key differs from the LMDB key")
+        if h.namespace_id != self._ns:
+            raise BlockCorruptError("block of another namespace")
         if h.raw_len != self.block_bytes or payload_len != h.stored_len:
             raise BlockCorruptError("length mismatch")
         return h
@@ -775,8 +824,6 @@ class LMDBTier(KeyedTier):
         i, key, head, v = item
         try:
             h = self._header(key, head, len(v))
-            if h.namespace_id != self._ns:
-                raise BlockCorruptError("block of another namespace")
             if h.codec == CODEC_RAW:
                 # Copy, then checksum the copy while it is in cache: one pass over memory,
                 # and what is verified is exactly what the caller gets.
@@ -816,25 +863,26 @@ class LMDBTier(KeyedTier):
 
     # -- recovery and lifecycle ------------------------------------------------------------
     def _scan(self) -> None:
-        """Index what the environment holds from the headers (payload pages stay untouched):
-        drop malformed or orphaned entries and the oldest blocks beyond capacity, hand out
-        slots oldest first, continue the write seq."""
-        shared = self._shared
+        """Index this namespace's blocks from their headers (payload pages stay untouched;
+        keys of other namespaces are never visited): drop malformed entries under our prefix,
+        index the newest `capacity` good ones as slots oldest first and leave older ones to
+        the first store (see the module docstring), continue the write seq."""
+        shared, nsb = self._shared, self._nsb
         good: list[tuple[int, bytes]] = []
-        bad: list[bytes] = []
+        bad: list[bytes] = []  # store keys
         txn = self._begin(write=False)
         try:
-            for k, head in txn.cursor(db=shared.heads):
-                key = bytes(k)
-                v = txn.get(key)
+            for sk, head in _under(txn.cursor(db=shared.heads), nsb, values=True):
+                key = sk[NS_BYTES:]
+                v = txn.get(sk)
                 try:
                     if v is None or len(key) != KEY_BYTES:
                         raise BlockCorruptError("no payload")
-                    good.append((self._header(key, head, len(v)).seq, key))
+                    good.append((self._header(key, head, len(v)).seq, sk))
                 except BlockCorruptError:
-                    bad.append(key)
+                    bad.append(sk)
             have = {k for _, k in good}
-            bad += [bytes(k) for k in txn.cursor().iternext(values=False) if bytes(k) not in have]
+            bad += [k for k in _under(txn.cursor(), nsb, values=False) if k not in have]
         except lmdb.Error as exc:
             raise ConfigError("path", damaged(self._path, exc)) from None
         finally:
@@ -843,29 +891,29 @@ class LMDBTier(KeyedTier):
         excess = max(0, len(good) - self.capacity_blocks)
         if bad:
             log.warning("%s: dropping %d malformed entries found at open", self._path, len(bad))
+            with shared.state_lock:
+                shared.pending.update(bad)
+            self._commit([], lambda i: (b"", b""))
         if excess:
             log.warning(
-                "%s: holds %d blocks, capacity is %d: deleting the %d oldest",
+                "%s: holds %d blocks of this namespace, capacity is %d: indexing the newest; "
+                "the %d oldest are deleted at this tier's first store",
                 self._path,
                 len(good),
                 self.capacity_blocks,
                 excess,
             )
-        drop = set(bad) | {k for _, k in good[:excess]}
-        if drop:
-            with shared.state_lock:
-                shared.pending.update(drop)
-            self._commit([], lambda i: (b"", b""))
+        self._excess = [k for _, k in good[:excess]]
         kept = good[excess:]
         self.open_report = {
             "blocks_dropped": len(set(bad)),  # a bad header's payload is listed twice
             "blocks_over_capacity": excess,
             "blocks_recovered": len(kept),
         }
-        if kept:
+        if good:
             with shared.state_lock:
-                shared.seq = max(shared.seq, kept[-1][0] + 1)
-        self._take_found([k for _, k in kept])
+                shared.seq = max(shared.seq, good[-1][0] + 1)
+        self._take_found([k[NS_BYTES:] for _, k in kept])
 
     def flush(self) -> None:
         """Apply pending deletes; then fsync unless sync = "never"."""

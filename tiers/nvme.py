@@ -4,7 +4,8 @@ checksummed append-only index journal that says which key lives in which slot.
 Layout under `path` (a private directory, 0700; every file 0600):
 - `meta.json`: format tag and version, block_bytes, capacity_blocks, slot_bytes (JSON, never
   pickle; written to `meta.json.tmp`, fsynced, renamed).
-- `slab`: `capacity_blocks * slot_bytes` bytes, preallocated (posix_fallocate). Slot i starts
+- `slab`: `capacity_blocks * slot_bytes` bytes, preallocated (posix_fallocate), plus the slots
+  of blocks it keeps for other namespaces (see Tenants). Slot i starts
   at `i * slot_bytes` and holds a `tiers.format` record: the 64-byte header (key, namespace id,
   length, write sequence, xxh3 checksum over header and payload), the raw payload, zero
   padding. `slot_bytes` = HEADER_SIZE + block_bytes rounded up to 4096, so every slot offset
@@ -29,11 +30,16 @@ fdatasynced at `flush()`/`close()`, after every BATCH_SYNC_BLOCKS blocks written
 BATCH_SYNC_SECONDS after an unsynced write (a timer); "never" = no fsync at all, not even at
 `flush()` (the OS writes back when it likes; a power loss may lose the whole index).
 
-Other choices: blocks stamped with another namespace are adopted by `recover` like ours (keys
-are derived from the namespace, so they can never answer our lookups, and the policy evicts
-them like any cold block, which gives their space back). A different capacity on reopen
-resizes the slab: growing adds free slots; shrinking drops the blocks of the cut-off slots.
-Two processes may not open one directory (flock on it; `shared = False`).
+Tenants. Processes with different namespaces may use one directory one after the other
+(flock: never at once). Opening deletes nothing: blocks stamped with another namespace, and
+blocks of ours beyond `capacity` (the oldest, when reopened smaller), are *kept*: not served
+(a read checks the header's namespace as well as its key), not counted in `used_blocks`,
+never handed out as free slots, never evicted, and carried over by every journal rewrite.
+This tier's `capacity` slots are the other ones; the slab holds both, so it grows past
+`capacity * slot_bytes` while it keeps blocks (reserved at open like any slot). Equal keys
+of two namespaces live in two slots. Dropping another namespace's blocks is an operator's
+decision (`tiercache evict/clear --namespace`). The slab shrinks only by slots that hold
+nothing.
 """
 
 from __future__ import annotations
@@ -142,7 +148,7 @@ class NVMeTier(Tier):
         capacity_blocks: int,
         path: str | os.PathLike[str],
         fsync: str = "batch",
-        namespace: str = "",
+        namespace: str | None = "",
         io_threads: int = 4,
         direct: bool = True,
     ) -> None:
@@ -153,7 +159,10 @@ class NVMeTier(Tier):
             raise ConfigError("path", f"expected a directory path, got {path!r}")
         self._path = os.path.abspath(os.fspath(path))
         self._fsync = fsync
-        self._ns = namespace_id(namespace)
+        # None: an offline tool's view (the CLI), where every namespace's blocks are indexed.
+        self._ns = None if namespace is None else namespace_id(namespace)
+        self._kept: dict[int, tuple[bytes, int]] = {}  # slot -> (key, seq) kept, not ours
+        self._nslots = capacity_blocks  # slots in the slab: ours (capacity) + kept
         self._slot_bytes = -(-(HEADER_SIZE + block_bytes) // ALIGN) * ALIGN
         self._lock = threading.Lock()  # guards the journal, the index map and the counter
         self._index: dict[int, tuple[bytes, int]] = {}  # slot -> (key, seq) of live blocks
@@ -244,8 +253,12 @@ class NVMeTier(Tier):
         if index_missing:
             self.open_report["index_missing"] = 1
             log.warning("%s: the index journal is missing; its blocks are forgotten", self._path)
-        self._resize_slab(grow_only=False)  # after the compaction forgot the cut-off slots
-        if meta is not None and meta.get("capacity_blocks") != self.capacity_blocks:
+        self._resize_slab(grow_only=False)  # only slots past every held block are cut off
+        if (
+            meta is not None
+            and meta.get("capacity_blocks") != self.capacity_blocks
+            and self._ns is not None
+        ):
             self._write_meta()
 
     def _open_file(self, name: str, flags: int) -> int:
@@ -339,7 +352,7 @@ class NVMeTier(Tier):
         )
 
     def _resize_slab(self, *, grow_only: bool) -> None:
-        target = self.capacity_blocks * self._slot_bytes
+        target = max(self.capacity_blocks, self._nslots) * self._slot_bytes
         size = os.fstat(self._fd).st_size
         if size < target:
             try:  # reserve the space now: a full disk shows at open, not halfway through a store
@@ -364,49 +377,95 @@ class NVMeTier(Tier):
         size = os.fstat(self._jfd).st_size
         if size:
             data = os.pread(self._jfd, size, 0)
-        entries, report = replay_journal(data, self.capacity_blocks)
-        items = [(e.slot, e.key, e.seq) for e in entries]
         fd, sb = self._fd, self._slot_bytes
-        ok = self._pipeline(
+        entries, report = replay_journal(data, os.fstat(fd).st_size // sb, per_key=False)
+        items = [(e.slot, e.key, e.seq) for e in entries]
+        ns_of = self._pipeline(
             len(items),
             lambda i, buf: os.preadv(fd, [buf.view[:ALIGN]], items[i][0] * sb),
             lambda i, buf: None,
             lambda i, buf, got: (
-                not isinstance(got, BaseException) and self._header_ok(buf, got, *items[i])
+                None if isinstance(got, BaseException) else self._header_ns(buf, got, *items[i])
             ),
         )
-        self._index = {
-            slot: (key, seq) for (slot, key, seq), good in zip(items, ok, strict=True) if good
+        # One slot per (namespace, key), the newest: a lost FREE record can leave an older
+        # copy behind. Equal keys of two namespaces are two blocks.
+        newest: dict[tuple[int, bytes], tuple[int, int]] = {}
+        superseded = 0
+        for (slot, key, seq), ns in zip(items, ns_of, strict=True):
+            if ns is None:
+                continue
+            old = newest.get((ns, key))
+            if old is None or seq > old[0]:
+                newest[(ns, key)] = (seq, slot)
+            superseded += old is not None
+        ours = sorted(
+            (seq, slot, key) for (ns, key), (seq, slot) in newest.items() if ns == self._ns
+        )
+        if self._ns is None:
+            ours = sorted((seq, slot, key) for (_, key), (seq, slot) in newest.items())
+        over = max(0, len(ours) - self.capacity_blocks)
+        self._index = {slot: (key, seq) for seq, slot, key in ours[over:]}
+        self._kept = {
+            slot: (key, seq) for (ns, key), (seq, slot) in newest.items() if slot not in self._index
         }
+        self._place()
         self._seq = report.top_seq
         skipped = report.damaged
-        puts = len(items) + report.out_of_range + report.superseded
         self.open_report = {
             "records_skipped": skipped,
-            "blocks_dropped": puts - len(self._index),
+            # bad headers, stale copies of a key, slots past the slab's end
+            "blocks_dropped": report.out_of_range + len(items) - len(newest),
             "blocks_recovered": len(self._index),
+            "blocks_over_capacity": over,
+            "blocks_of_other_namespaces": len(self._kept) - over,
         }
-        if skipped or len(items) != len(self._index):
+        if over:
+            log.warning(
+                "%s: holds %d blocks of this namespace, capacity is %d: the %d oldest are "
+                "kept but not used",
+                self._path,
+                len(ours),
+                self.capacity_blocks,
+                over,
+            )
+        if skipped or len(items) != len(newest) + superseded:
             log.warning(
                 "%s: index journal had %d damaged records; %d indexed blocks failed "
                 "their header check and were dropped",
                 self._path,
                 skipped,
-                len(items) - len(self._index),
+                len(items) - len(newest) - superseded,
             )
 
-    def _header_ok(self, buf: _Buffer, got: int, slot: int, key: bytes, seq: int) -> bool:
+    def _place(self) -> None:
+        """This tier's free slots: the lowest ones that hold neither one of its blocks nor a
+        kept one, as many as its capacity leaves; the slab covers them and every held slot."""
+        taken = self._index.keys() | self._kept.keys()
+        need = max(0, self.capacity_blocks - len(self._index))
+        free: list[int] = []
+        s = 0
+        while len(free) < need:
+            if s not in taken:
+                free.append(s)
+            s += 1
+        self._nslots = max(s, max(taken, default=-1) + 1)
+        self._free = free[::-1]  # popped from the end: ascending slots
+
+    def _header_ns(self, buf: _Buffer, got: int, slot: int, key: bytes, seq: int) -> int | None:
+        """The namespace id of the slot's header if it agrees with its journal entry."""
         try:
             h = decode_header(buf.view[:HEADER_SIZE]) if got >= HEADER_SIZE else None
         except BlockCorruptError:
-            return False
-        return (
+            return None
+        ok = (
             h is not None
             and h.key == key
             and h.seq == seq
             and h.codec == CODEC_RAW
             and h.raw_len == self.block_bytes
         )
+        return h.namespace_id if ok and h is not None else None
 
     # -- bytes -----------------------------------------------------------------------------
     # The pool threads only run pread/pwrite syscalls (they release the GIL); the caller's
@@ -460,6 +519,8 @@ class NVMeTier(Tier):
         check_blocks(src, n, self.block_bytes, "src")
         keys = _check_keys(keys, n)
         self._check_slots(slots, unique=True)
+        if self._ns is None:
+            raise ValueError("namespace: a tier opened for every namespace (None) cannot write")
         if n == 0:
             return
         rows = (src if src.device.type == "cpu" else src.cpu()).numpy()
@@ -537,6 +598,8 @@ class NVMeTier(Tier):
                 h = decode_header(buf.view[:HEADER_SIZE])
                 if h.key != keys[i]:
                     return BlockCorruptError(f"slot holds key {h.key.hex()}")
+                if self._ns is not None and h.namespace_id != self._ns:
+                    return BlockCorruptError("slot holds a block of another namespace")
                 # Verifies the checksum over header + payload, then one copy into the row.
                 decode_payload(h, buf.view[HEADER_SIZE : HEADER_SIZE + h.stored_len], rows[i])
             except BlockCorruptError as exc:
@@ -602,7 +665,7 @@ class NVMeTier(Tier):
 
     def _after_append(self, blocks: int) -> None:
         """Batch syncing and journal compaction, after an append (lock held)."""
-        if self._jlen // REC_SIZE > 2 * self.capacity_blocks + COMPACT_SLACK:
+        if self._jlen // REC_SIZE > 2 * self._nslots + COMPACT_SLACK:
             self._compact()
         elif self._fsync == "batch" and blocks:
             self._unsynced += blocks
@@ -638,10 +701,10 @@ class NVMeTier(Tier):
             self._timer = None
 
     def _compact(self) -> None:
-        """Rewrite the journal as BASE + the live PUTs, oldest first (lock held)."""
+        """Rewrite the journal as BASE + the live and kept PUTs, oldest first (lock held)."""
         if self._fsync != "never":
             os.fdatasync(self._fd)  # the blocks are durable before a fresh index names them
-        live = sorted(self._index.items(), key=lambda kv: kv[1][1])
+        live = sorted([*self._index.items(), *self._kept.items()], key=lambda kv: kv[1][1])
         data = b"".join(
             [_record(_OP_BASE, 0, self._seq, _NO_KEY)]
             + [_record(_OP_PUT, s, seq, k) for s, (k, seq) in live]
@@ -699,10 +762,15 @@ class NVMeTier(Tier):
 
     def _check_slots(self, slots: Sequence[int], *, unique: bool) -> None:
         self._check_open()
-        cap = self.capacity_blocks
+        cap = self._nslots
         for s in slots:
-            if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < cap:
-                raise ValueError(f"slots: {s!r} is not a slot of this tier (0..{cap - 1})")
+            if (
+                isinstance(s, bool)
+                or not isinstance(s, int)
+                or not 0 <= s < cap
+                or (s in self._kept and self._ns is not None)
+            ):
+                raise ValueError(f"slots: {s!r} is not a slot of this tier")
         if unique and len(set(slots)) != len(slots):
             raise ValueError("slots: a write names the same slot twice")
 
@@ -841,10 +909,14 @@ class JournalReport:
     top_seq: int
 
 
-def replay_journal(data: bytes, capacity: int) -> tuple[list[JournalEntry], JournalReport]:
-    """The live entries of a journal image (per slot the highest seq wins; one slot per key,
-    the newest, since a lost FREE record can leave an older copy behind), oldest first, with
-    counts of what was skipped. Pure: reads no slot. The tier's open and the CLI share it."""
+def replay_journal(
+    data: bytes, capacity: int, *, per_key: bool = True
+) -> tuple[list[JournalEntry], JournalReport]:
+    """The live entries of a journal image in slots below `capacity` (per slot the highest
+    seq wins; with `per_key`, one slot per key, the newest, since a lost FREE record can
+    leave an older copy behind; the tier dedups per namespace and key instead, once it has
+    read the headers), oldest first, with counts of what was skipped. Pure: reads no slot.
+    The tier's open and the CLI share it."""
     best: dict[int, tuple[int, int, bytes]] = {}
     damaged, top = int(len(data) % REC_SIZE != 0), 0
     for off in range(0, len(data) - REC_SIZE + 1, REC_SIZE):
@@ -856,19 +928,23 @@ def replay_journal(data: bytes, capacity: int) -> tuple[list[JournalEntry], Jour
         top = max(top, seq)
         if op != _OP_BASE and (slot not in best or seq > best[slot][0]):
             best[slot] = (seq, op, key)
-    newest: dict[bytes, tuple[int, int]] = {}
+    newest: dict[bytes, tuple[int, int]] = {}  # key -> (seq, slot)
+    live: list[JournalEntry] = []
     out_of_range = superseded = 0
     for slot, (seq, op, key) in best.items():
         if op != _OP_PUT:
             continue
         if slot >= capacity:
             out_of_range += 1
+        elif not per_key:
+            live.append(JournalEntry(slot, key, seq))
         elif key not in newest or seq > newest[key][0]:
             superseded += key in newest
             newest[key] = (seq, slot)
         else:
             superseded += 1
-    entries = sorted((JournalEntry(s, k, q) for k, (q, s) in newest.items()), key=lambda e: e.seq)
+    live += (JournalEntry(s, k, q) for k, (q, s) in newest.items())
+    entries = sorted(live, key=lambda e: e.seq)
     return entries, JournalReport(len(data) // REC_SIZE, damaged, out_of_range, superseded, top)
 
 
@@ -908,7 +984,14 @@ class NVMeStoreReader:
         else:
             with os.fdopen(fd, "rb") as f:
                 data = f.read()
-        self.entries, self.journal = replay_journal(data, self.capacity_blocks)
+        # Every slot of the slab (it holds kept blocks past the capacity); every live slot,
+        # equal keys of two namespaces included.
+        self.entries, self.journal = replay_journal(data, self.slots, per_key=False)
+
+    @property
+    def slots(self) -> int:
+        """Slots in the slab: the capacity, or more while it keeps other blocks."""
+        return max(self.capacity_blocks, self.slab_size // self.slot_bytes)
 
     @property
     def slab_size(self) -> int:
@@ -952,10 +1035,8 @@ class NVMeStoreReader:
 
     def read_slot(self, slot: int, nbytes: int | None = None) -> bytes:
         """The first `nbytes` (default: all) bytes of `slot`; short at the slab's end."""
-        if not 0 <= slot < self.capacity_blocks:
-            raise ValueError(
-                f"slot: {slot} is not a slot of this store (0..{self.capacity_blocks - 1})"
-            )
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot: {slot} is not a slot of this store (0..{self.slots - 1})")
         return os.pread(self._fd, nbytes or self.slot_bytes, slot * self.slot_bytes)
 
     def close(self) -> None:

@@ -28,7 +28,6 @@ import torch
 
 from tiercache.config import CacheConfig
 from tiercache.errors import BlockCorruptError, ConfigError, TierCacheError
-from tiercache.tiers.base import KEY_BYTES
 from tiercache.tiers.format import (
     CODEC_RAW,
     FORMAT_VERSION,
@@ -179,6 +178,7 @@ class Problem:
     what: str
     key: bytes | None = None
     slot: int | None = None
+    entry: bytes | None = None  # LMDB: the store key (namespace id + block key) to delete
 
 
 @dataclass
@@ -193,6 +193,11 @@ class VerifyReport:
     @property
     def bad_keys(self) -> list[bytes]:
         return [p.key for p in self.problems if p.key is not None]
+
+    @property
+    def bad_entries(self) -> list[bytes]:
+        """LMDB store keys of the bad entries."""
+        return [p.entry for p in self.problems if p.entry is not None]
 
 
 def _header_problem(h: BlockHeader, key: bytes, block_bytes: int) -> str | None:
@@ -213,7 +218,8 @@ def _nvme_reader(ref: StoreRef) -> Any:
 def _nvme_headers(reader: Any) -> tuple[list[BlockInfo], int]:
     """Good blocks the journal names (headers read, payloads not), and how many entries
     fail their header check."""
-    good, bad = [], 0
+    newest: dict[tuple[int, bytes], BlockInfo] = {}
+    bad = 0
     for e in reader.entries:
         try:
             h = decode_header(reader.read_slot(e.slot, HEADER_SIZE))
@@ -223,27 +229,32 @@ def _nvme_headers(reader: Any) -> tuple[list[BlockInfo], int]:
         if _header_problem(h, e.key, reader.block_bytes) or h.seq != e.seq:
             bad += 1
             continue
-        good.append(BlockInfo(h.key, h.seq, h.namespace_id, h.raw_len, h.stored_len, e.slot))
-    return good, bad
+        b = BlockInfo(h.key, h.seq, h.namespace_id, h.raw_len, h.stored_len, e.slot)
+        old = newest.get((b.namespace, b.key))
+        if old is None or b.seq > old.seq:  # an older copy a lost FREE record left behind
+            newest[(b.namespace, b.key)] = b
+    return list(newest.values()), bad
 
 
 def _lmdb_blocks(h: Any) -> tuple[list[BlockInfo], int]:
     """Good blocks of an open LMDB store (headers and payload lengths), and the number of
     malformed or orphaned entries."""
-    from tiercache.tiers.lmdb import iter_entries
+    from tiercache.tiers.lmdb import iter_entries, split_store_key
 
     bb = h.meta["block_bytes"]
     good, bad = [], 0
-    for key, head, payload in iter_entries(h):
-        if head is None or payload is None or len(key) != KEY_BYTES:
+    for skey, head, payload in iter_entries(h):
+        split = split_store_key(skey)
+        if head is None or payload is None or split is None:
             bad += 1
             continue
+        ns, key = split
         try:
             hd = decode_header(head)
         except BlockCorruptError:
             bad += 1
             continue
-        if _header_problem(hd, key, bb) or hd.stored_len != len(payload):
+        if _header_problem(hd, key, bb) or hd.stored_len != len(payload) or hd.namespace_id != ns:
             bad += 1
             continue
         good.append(BlockInfo(key, hd.seq, hd.namespace_id, hd.raw_len, hd.stored_len))
@@ -396,7 +407,7 @@ def _verify_nvme(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None
 
     with _nvme_reader(ref) as r:
         scratch = np.empty(r.block_bytes, dtype=np.uint8)
-        want = r.capacity_blocks * r.slot_bytes
+        want = r.capacity_blocks * r.slot_bytes  # at least: kept blocks add slots
         if r.slab_size < want:
             rep.problems.append(
                 Problem("slab", f"holds {r.slab_size} bytes, {want} expected for its capacity")
@@ -406,7 +417,7 @@ def _verify_nvme(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None
             rep.problems.append(Problem("index", f"{j.damaged} damaged journal records"))
         if j.out_of_range:
             rep.problems.append(
-                Problem("index", f"{j.out_of_range} records name slots beyond the capacity")
+                Problem("index", f"{j.out_of_range} records name slots beyond the slab")
             )
         bad = []
         for e in r.entries:
@@ -432,16 +443,18 @@ def _verify_lmdb(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None
     import numpy as np
     import zstandard
 
-    from tiercache.tiers.lmdb import iter_entries, open_store
+    from tiercache.tiers.lmdb import iter_entries, open_store, split_store_key
 
     dz = zstandard.ZstdDecompressor()
     with open_store(ref.path or "") as h:
         bb = h.meta["block_bytes"]
         scratch = np.empty(bb, dtype=np.uint8)
-        for key, head, payload in iter_entries(h):
+        for skey, head, payload in iter_entries(h):
             what = None
-            if len(key) != KEY_BYTES:
-                what = f"a key of {len(key)} bytes"
+            split = split_store_key(skey)
+            ns, key = split if split is not None else (None, skey)
+            if split is None:
+                what = f"a store key of {len(skey)} bytes"
             elif head is None:
                 what = "payload without a header (orphan)"
             elif payload is None:
@@ -452,13 +465,15 @@ def _verify_lmdb(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None
                     what = _header_problem(hd, key, bb)
                     if what is None:
                         decode_payload(hd, payload, scratch, decompressor=dz)
+                    if what is None and hd.namespace_id != ns:
+                        what = f"a block of namespace id:{hd.namespace_id:016x} under id:{ns:016x}"
                 except BlockCorruptError as exc:
                     what = str(exc)
             if head is not None:
                 rep.checked += 1
                 advance(1)
             if what:
-                rep.problems.append(Problem(f"key {key.hex()}", what, key))
+                rep.problems.append(Problem(f"key {key.hex()}", what, key, entry=skey))
 
 
 def open_nvme_tier(ref: StoreRef) -> Any:
@@ -468,15 +483,20 @@ def open_nvme_tier(ref: StoreRef) -> Any:
 
     assert ref.path is not None
     meta = read_meta(ref.path)
+    slots = max(
+        meta["capacity_blocks"],
+        os.stat(os.path.join(ref.path, "slab")).st_size // meta["slot_bytes"],
+    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # O_DIRECT is not asked for
             return NVMeTier(
                 name=ref.name,
                 block_bytes=meta["block_bytes"],
-                capacity_blocks=meta["capacity_blocks"],
+                capacity_blocks=slots,  # every slot, kept ones included
                 path=ref.path,
                 fsync="batch",
+                namespace=None,  # every namespace's blocks; never writes
                 direct=False,
             )
     except ConfigError as exc:
@@ -497,7 +517,7 @@ def repair_store(ref: StoreRef, rep: VerifyReport) -> int:
         from tiercache.tiers.lmdb import delete_entries, open_store
 
         with open_store(ref.path or "", write=True) as h:
-            return delete_entries(h, set(rep.bad_keys))
+            return delete_entries(h, set(rep.bad_entries))
     tier = open_nvme_tier(ref)
     try:
         dropped = tier.open_report.get("blocks_dropped", 0)
@@ -536,19 +556,21 @@ def list_blocks(ref: StoreRef) -> list[BlockInfo]:
     return sorted(blocks, key=lambda b: b.seq)
 
 
-def drop_blocks(ref: StoreRef, keys: Iterable[bytes]) -> int:
-    """Remove these blocks from the store; the number removed."""
-    want = set(keys)
-    if not want:
+def drop_blocks(ref: StoreRef, victims: Iterable[BlockInfo]) -> int:
+    """Remove these blocks (as `list_blocks` gave them) from the store; the number removed.
+    Only the given namespace's block goes where tenants hold equal keys."""
+    victims = list(victims)
+    if not victims:
         return 0
     if ref.kind == "lmdb":
-        from tiercache.tiers.lmdb import delete_entries, open_store
+        from tiercache.tiers.lmdb import delete_entries, open_store, store_key
 
         with open_store(ref.path or "", write=True) as h:
-            return delete_entries(h, want)
+            return delete_entries(h, {store_key(b.namespace, b.key) for b in victims})
+    want = {(b.key, b.slot) for b in victims}
     tier = open_nvme_tier(ref)
     try:
-        slots = [s for k, s in tier.recover() if k in want]
+        slots = [s for k, s in tier.recover() if (k, s) in want]
         tier.free(slots)
         return len(slots)
     finally:

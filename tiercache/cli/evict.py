@@ -74,7 +74,7 @@ def _apply(
     for s, victims, held in plan:
         out.print(f"{s.name} ({s.kind}) {s.path}: {verb} {len(victims)} of {held} blocks")
     confirm(f"{verb.capitalize()} {total} blocks?", yes)
-    dropped = {s.name: drop_blocks(s, [b.key for b in victims]) for s, victims, _ in plan}
+    dropped = {s.name: drop_blocks(s, victims) for s, victims, _ in plan}
     if as_json:
         echo_json({"dropped": dropped})
     else:
