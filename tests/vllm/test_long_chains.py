@@ -73,6 +73,7 @@ def test_a_fresh_process_hits_chains_longer_than_the_first_tier(
     assert batch["outputs"] == baseline
     full = sum(FULL_BLOCKS) * BLOCK
     hit = sum(batch["num_cached_tokens"])
+    print(f"long chains ({'mp' if load_mp else 'in-process'} load): {hit} of {full} tokens hit")
     # Before write-around: 4 blocks per prompt, 768 of 2,592 (30 %).
     assert hit >= 0.9 * full, (hit, full, batch["num_cached_tokens"])
     if not store_mp:  # the in-process engine reports its cache's counters
@@ -107,6 +108,7 @@ def test_write_through_survives_a_sigkilled_engine(
     (batch,) = fresh["batches"]
     assert batch["outputs"] == baseline
     hit_blocks = sum(batch["num_cached_tokens"]) // BLOCK
+    print(f"sigkill {kind}: {through} blocks written through, {hit_blocks} hit after restart")
     # Blocks copied down before the kill come back (the copier may have finished more
     # between the snapshot and the kill, never fewer).
     assert hit_blocks >= 0.9 * through, (hit_blocks, through, store["stats"][kind])
