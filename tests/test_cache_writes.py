@@ -9,11 +9,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import tiercache.cache as cache_module
 from tiercache import ConfigError, TierCache
 from tiercache.workload import block_bytes_for
 
@@ -90,6 +92,29 @@ def test_write_through_is_the_default_below_a_volatile_tier(tmp_path: Path) -> N
         cache.flush()
         assert cache.stats()["nvme"]["demoted_in"] == 0
         assert torch.equal(cache.get(keys), blocks)
+
+
+def test_an_adapter_wakes_the_write_through_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The vLLM connectors drive the manager themselves (no `put` to wake the copier): after
+    # `complete_store` they call `wake_write_through`, so a block is copied down at once
+    # instead of at the thread's next poll (what a server killed right after a response
+    # loses). With the poll made a minute long, only the wake can start the copies.
+    monkeypatch.setattr(cache_module, "_THROUGH_POLL_S", 60.0)
+    with TierCache.open(three_tiers(tmp_path), block_bytes=N) as cache:
+        keys = cache.hash_tokens(list(range(4 * 3)))
+        with cache.lock:  # as an adapter does: plan, transfer (skipped here), complete
+            plan = cache.manager.prepare_store(keys)
+            assert plan is not None and len(plan.stored_keys) == 3
+            cache.manager.complete_store(plan.stored_keys, success=True)
+        time.sleep(0.5)
+        assert cache.stats()["nvme"]["written_through"] == 0  # queued, the thread asleep
+        cache.wake_write_through()
+        deadline = time.monotonic() + 30
+        while cache.stats()["nvme"]["written_through"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cache.stats()["nvme"]["written_through"] == 3
 
 
 def test_write_policy_is_validated() -> None:

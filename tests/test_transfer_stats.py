@@ -110,6 +110,29 @@ def test_prometheus_tier_metrics_from_cache_stats() -> None:
     )
 
 
+def test_prometheus_write_through_metrics(tmp_path) -> None:
+    # cpu -> nvme: NVMe is written through by default; its copies and queue are exported.
+    m = PrometheusMetrics()
+    cfg = {
+        "block_size": 4,
+        "namespace": "ns",
+        "tiers": [
+            {"kind": "cpu", "blocks": 8},
+            {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 8},
+        ],
+    }
+    with TierCache.open(cfg, block_bytes=64) as cache:
+        keys = cache.hash_tokens(list(range(12)))
+        cache.put(keys, torch.zeros((3, 64), dtype=torch.uint8))
+        cache.flush()  # runs what the write-through thread has not copied yet
+        m.observe_tiers(cache.stats())
+    s = samples(m)
+    nvme = (("tier", "nvme"),)
+    assert s[("tiercache_tier_written_through_total", nvme)] == 3
+    assert s[("tiercache_tier_through_dropped_total", nvme)] == 0
+    assert s[("tiercache_tier_through_queued", nvme)] == 0
+
+
 def test_http_server_serves_and_stops() -> None:
     m = PrometheusMetrics()
     m.observe({"GPU_to_cpu": [TransferOp(10, 0.1)]})

@@ -16,7 +16,8 @@ Who calls what, in which order (the seams other code relies on):
 - Write-through tiers (`write_policy`) get their copies from a thread of this cache,
   `tiercache-write-through`, off the callers' path: it plans under the lock, copies without
   it (sources pinned, destinations reserved) and completes under it. `flush` and `close`
-  run what is still queued.
+  run what is still queued. `put` wakes it; adapters that complete stores on the manager
+  themselves call `wake_write_through()` (otherwise it finds the work within 0.2 s).
 - Connectors call `manager` directly under their own lock and run their plans through the
   transfer worker; they use this facade for `get`/`put` of whole blocks.
 """
@@ -216,6 +217,13 @@ class TierCache:
         """The lock every use of `manager` holds (the facade's calls take it themselves);
         adapters that drive the manager directly take it too."""
         return self._lock
+
+    def wake_write_through(self) -> None:
+        """Start the write-through copies now (an adapter completed stores on `manager`
+        itself): the sooner a block is on disk, the less a killed process loses. Cheap (an
+        event set); a no-op without write-through tiers."""
+        if self._through_thread is not None:
+            self._through_wake.set()
 
     # -- API -------------------------------------------------------------------------------
     def hash_tokens(self, token_ids: Any, extra_keys: Any = None) -> list[bytes]:

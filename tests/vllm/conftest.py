@@ -3,6 +3,8 @@
 - `tiny_llama` (session): a directory with a random-weight Llama (see `engine.py`).
 - `engine` (session): the `engine.py` module: `run_in_subprocess(spec)`, `make_prompts`,
   `write_tiny_llama`, `run_spec`.
+- `server` (session): the `server.py` module: `Server` (vLLM's OpenAI-compatible server in
+  its own process group), `free_port`, `get`.
 
 Engines run in fresh subprocesses (`engine.run_in_subprocess`): every run starts clean, like a
 server restart, and the test process never holds an engine's memory. Test modules skip
@@ -21,13 +23,13 @@ import pytest
 _HERE = Path(__file__).resolve().parent
 
 
-def _load_engine() -> ModuleType:
+def _load(stem: str) -> ModuleType:
     # Loaded by path: pytest runs with --import-mode=importlib, so tests/vllm is not on
-    # sys.path, and the module must also run as a plain script in the subprocesses.
-    name = "tiercache_tests_vllm_engine"
+    # sys.path, and engine.py must also run as a plain script in the subprocesses.
+    name = f"tiercache_tests_vllm_{stem}"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _HERE / "engine.py")
+    spec = importlib.util.spec_from_file_location(name, _HERE / f"{stem}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -38,7 +40,13 @@ def _load_engine() -> ModuleType:
 @pytest.fixture(scope="session")
 def engine() -> ModuleType:
     """The `tests/vllm/engine.py` module."""
-    return _load_engine()
+    return _load("engine")
+
+
+@pytest.fixture(scope="session")
+def server() -> ModuleType:
+    """The `tests/vllm/server.py` module."""
+    return _load("server")
 
 
 @pytest.fixture(scope="session")

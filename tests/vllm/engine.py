@@ -14,7 +14,7 @@ Run as a script: ``python tests/vllm/engine.py SPEC.json OUT.json``. The spec is
     {"model": "/path/to/model", "kv_transfer_config": {...} or null,
      "batches": [{"prompts": [[1, 2, ...], ...], "max_tokens": 16}, ...],
      "block_size": 32, "multiprocessing": false, "max_model_len": 1024,
-     "tensor_parallel_size": 1, "sigkill": false}
+     "tensor_parallel_size": 1, "sigkill": false, "disable_hybrid_kv_cache_manager": false}
 
 With ``"sigkill": true`` the script writes its result, then kills itself with SIGKILL: no
 shutdown, no close, no exit hook (a crashed or OOM-killed engine). ``"settle_s"`` waits that
@@ -132,6 +132,10 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         _record_events(events)
         _time_connector(spent)
     kwargs: dict[str, Any] = {}
+    if spec.get("disable_hybrid_kv_cache_manager"):
+        # What vLLM does itself for a connector without hybrid support: a baseline without a
+        # connector then runs the same KV cache manager as the connector run.
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     if spec.get("kv_transfer_config") is not None:
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     t0 = time.perf_counter()

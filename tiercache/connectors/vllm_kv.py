@@ -755,6 +755,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         any had finished."""
         assert self._worker is not None and self._shared is not None
         manager = self._shared.cache.manager
+        stored = False
         with self._shared.lock:
             results = self._worker.get_finished()
             for r in results:
@@ -780,6 +781,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                 else:
                     ok = [k for i, k in enumerate(f.keys) if i not in failed]
                     manager.complete_store(ok, success=True)
+                    stored = stored or bool(ok)
                     if bad:
                         manager.complete_store(bad, success=False)
                         manager.record_error(f.tier, len(bad))
@@ -800,6 +802,8 @@ class TierCacheConnector(KVConnectorBase_V1):
                 except ValueError:
                     continue
                 del self._bad[k]
+        if stored:  # copy them down now, not at the write-through thread's next poll
+            self._shared.cache.wake_write_through()
         return bool(results)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

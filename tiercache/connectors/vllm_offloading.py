@@ -296,6 +296,8 @@ class TierCacheOffloadingManager(OffloadingManager):
             self._complete_plan(k, success)
         self._store.count("offload_stored" if success else "offload_store_failures", len(tkeys))
         self._drop_events_if_unused()
+        if success and tkeys:  # copy them down now, not at the write-through thread's next poll
+            self._cache.wake_write_through()
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()  # chunk level: blocks already offloaded are skipped
