@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -68,7 +69,8 @@ def _chunks(
 # Errors a tier raises for failed I/O; anything else is a bug and propagates.
 _IO_ERRORS = (OSError, BlockCorruptError)
 _MOVE_CHUNK_BYTES = 64 * 2**20  # staging per step of a tier-to-tier copy
-_THROUGH_BATCH = 64  # write-through copies planned at once, at most
+_THROUGH_BATCH = 32  # write-through copies planned at once, at most
+_THROUGH_YIELD_S = 0.001  # the copier's pause between batches (the engine's thread runs)
 _THROUGH_PIN_SHARE = 16  # ... and at most 1/16 of the first tier's blocks
 _THROUGH_POLL_S = 0.2  # the copier also looks for work this often (adapters store directly)
 _OPEN: weakref.WeakSet[TierCache] = weakref.WeakSet()
@@ -486,13 +488,18 @@ class TierCache:
 
     # -- write-through ---------------------------------------------------------------------
     def _through_loop(self) -> None:
-        """The copier thread: run queued write-through copies until the cache closes."""
+        """The copier thread: run queued write-through copies until the cache closes.
+
+        The copies are insurance against a crash and must not slow the engine they run
+        beside: the thread copies small batches and sleeps briefly between them, so it never
+        holds the GIL (or the cache lock) for long while the engine's thread waits for it.
+        What it cannot keep up with is dropped and counted."""
         while not self._closed:
             self._through_wake.wait(_THROUGH_POLL_S)
             self._through_wake.clear()
             try:
                 while not self._closed and self._run_through(_THROUGH_BATCH):
-                    pass
+                    time.sleep(_THROUGH_YIELD_S)
             except Exception:  # the thread must survive a bug in one batch
                 log.exception("write-through failed")
 
