@@ -16,6 +16,8 @@ from tiercache.connectors.common import (
     derive_namespace,
     extra_keys_for,
     find_store,
+    kv_settings,
+    kv_settings_digest,
     namespace_from_vllm,
     per_rank_config,
     prepare_rank_dirs,
@@ -29,9 +31,31 @@ from tiercache.errors import ConfigError
 from tiercache.hashing import prefix_hashes
 
 
+class _HFConfig:
+    """Stands in for a transformers config: `to_dict()` of its attributes."""
+
+    def __init__(self, **fields: object) -> None:
+        self.fields = {
+            "_name_or_path": "/models/llama",
+            "transformers_version": "5.0.0",
+            "num_attention_heads": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            **fields,
+        }
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.fields)
+
+
 def _vllm_config(**over: object) -> SimpleNamespace:
-    model = SimpleNamespace(model="org/llama", revision=None, dtype="torch.bfloat16")
-    cache = SimpleNamespace(cache_dtype="auto", block_size=32)
+    model = SimpleNamespace(
+        model="org/llama",
+        revision=None,
+        dtype="torch.bfloat16",
+        hf_config=_HFConfig(),
+        quantization=None,
+    )
+    cache = SimpleNamespace(cache_dtype="auto", block_size=32, calculate_kv_scales=False)
     parallel = SimpleNamespace(tensor_parallel_size=1)
     cfg = SimpleNamespace(model_config=model, cache_config=cache, parallel_config=parallel)
     for path, value in over.items():
@@ -93,9 +117,24 @@ def test_resolve_config_fills_block_size_and_prefixes_namespace() -> None:
 def test_namespace_from_vllm_names_what_makes_kv_incompatible() -> None:
     base = namespace_from_vllm(_vllm_config(), layout="NHD/cpu")
     assert base == derive_namespace(
-        model="org/llama", kv_dtype="bfloat16", block_size=32, layout="NHD/cpu"
+        model="org/llama",
+        kv_dtype="bfloat16",
+        block_size=32,
+        layout="NHD/cpu",
+        settings=kv_settings_digest(_vllm_config()),
     )
+    rope = {"rope_type": "default", "rope_theta": 500.0}
     variants = [
+        # Settings that change the KV bytes without changing the model's name (issue 14:
+        # an hf_overrides of rope_theta was served another engine's KV).
+        namespace_from_vllm(
+            _vllm_config(model_config__hf_config=_HFConfig(rope_parameters=rope)), layout="NHD/cpu"
+        ),
+        namespace_from_vllm(
+            _vllm_config(model_config__hf_config=_HFConfig(sliding_window=64)), layout="NHD/cpu"
+        ),
+        namespace_from_vllm(_vllm_config(model_config__quantization="fp8"), layout="NHD/cpu"),
+        namespace_from_vllm(_vllm_config(cache_config__calculate_kv_scales=True), layout="NHD/cpu"),
         namespace_from_vllm(_vllm_config(model_config__model="org/other"), layout="NHD/cpu"),
         namespace_from_vllm(_vllm_config(model_config__revision="v2"), layout="NHD/cpu"),
         namespace_from_vllm(_vllm_config(cache_config__cache_dtype="fp8"), layout="NHD/cpu"),
@@ -110,6 +149,13 @@ def test_namespace_from_vllm_names_what_makes_kv_incompatible() -> None:
     assert len({base, *variants}) == len(variants) + 1
     # Deterministic: the same inputs give the same string (it is hashed into every key).
     assert namespace_from_vllm(_vllm_config(), layout="NHD/cpu") == base
+    # What only names or annotates the model changes nothing, nor does an object whose repr
+    # holds a memory address (another process would print another one).
+    cosmetic = _HFConfig(_name_or_path="/elsewhere", transformers_version="5.1", odd=object())
+    same = _vllm_config(model_config__hf_config=cosmetic)
+    again = _vllm_config(model_config__hf_config=_HFConfig(odd=object()))
+    assert kv_settings_digest(same) == kv_settings_digest(again)
+    assert "odd" in kv_settings(same)["hf_config"]
 
 
 # -- tensor parallel ranks ---------------------------------------------------------------------

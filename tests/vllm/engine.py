@@ -138,6 +138,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["disable_hybrid_kv_cache_manager"] = True
     if spec.get("kv_transfer_config") is not None:
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    if spec.get("hf_overrides") is not None:
+        kwargs["hf_overrides"] = spec["hf_overrides"]
     t0 = time.perf_counter()
     llm = LLM(
         model=spec["model"],

@@ -331,6 +331,31 @@ def test_events_translate_to_vllm_offloading_events(pairs, tmp_path: Path) -> No
     assert list(pair.manager.take_events()) == []
 
 
+def test_key_maps_stay_as_large_as_the_store(pairs) -> None:
+    """Keys vLLM only looks up or touches are not remembered (issue 14: ~290 B per key, 56 MiB
+    after 200k keys); blocks stored are, until they leave every tier."""
+    pair = pairs(_offloading_config({"tiers": [{"kind": "cpu", "blocks": 4}]}))
+    manager = pair.manager
+    for i in range(20_000):
+        key = make_offload_key(i.to_bytes(32, "big"), 0)
+        assert manager.lookup(key, CTX) is LookupResult.MISS
+        manager.touch([key], CTX)
+    assert len(manager._tkey) == len(manager._okey) == 0
+    keys = _keys("a", "b", "c", "d")
+    pair.store(keys, [1, 2, 3, 4])
+    assert len(manager._tkey) == len(manager._okey) == 4
+    # Four more evict the first four from the only tier: they are forgotten with them.
+    pair.store(_keys("e", "f", "g", "h"), [5, 6, 7, 8])
+    list(manager.take_events())
+    assert len(manager._tkey) == len(manager._okey) == 4
+    # A store refused for room (every block pinned) leaves nothing behind either.
+    spec = manager.prepare_load(_keys("e", "f", "g", "h"), CTX)
+    assert spec is not None
+    assert manager.prepare_store(_keys("x", "y"), CTX) is None
+    assert len(manager._tkey) == len(manager._okey) == 4
+    manager.complete_load(_keys("e", "f", "g", "h"), CTX)
+
+
 def test_keys_are_deterministic_and_namespaced() -> None:
     (k,) = _keys("a")
     assert offload_key_to_key("ns", k) == offload_key_to_key("ns", bytes(k))

@@ -7,7 +7,8 @@ Primitives:
   block size and the derived namespace filled in (a namespace the user gives is kept as a
   prefix; a block size that disagrees with vLLM's is an error).
 - `derive_namespace(...)` / `namespace_from_vllm(vllm_config, *, layout, tp_rank)`: what makes
-  KV bytes incompatible (model, KV dtype, block size, layout, TP size and rank).
+  KV bytes incompatible (model, KV dtype, block size, layout, TP size and rank, and a digest
+  of every other KV-affecting setting: `kv_settings(vllm_config)`, see docs/vllm.md).
 - `per_rank_config(user, *, tp_rank, tp_size) -> dict` / `resolve_rank_config(...)
   -> RankConfig`: tensor parallelism. Every rank hashes the same block keys (key namespace:
   TP size, rank 0) but keeps its own shard in its own store (store namespace: its rank;
@@ -25,6 +26,7 @@ Primitives:
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import tomllib
@@ -32,6 +34,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from xxhash import xxh3_128_hexdigest
 
 from tiercache.cache import TierCache, register_exit_hook
 from tiercache.config import CacheConfig
@@ -102,8 +106,10 @@ def derive_namespace(
     layout: str,
     tp_size: int = 1,
     tp_rank: int = 0,
+    settings: str = "",
 ) -> str:
-    """The namespace of KV blocks that are byte-compatible (see `make_namespace`)."""
+    """The namespace of KV blocks that are byte-compatible (see `make_namespace`);
+    `settings` is `kv_settings_digest` of the engine's configuration."""
     return make_namespace(
         model=model,
         dtype=kv_dtype,
@@ -111,7 +117,69 @@ def derive_namespace(
         layout=layout,
         tp_size=tp_size,
         tp_rank=tp_rank,
+        extra=f"kv-settings={settings}" if settings else "",
     )
+
+
+# Keys of the model's (effective) Hugging Face config that name or annotate it without
+# changing what its attention computes; everything else in it is part of the digest.
+_HF_COSMETIC = frozenset(
+    {
+        "_name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "_attn_implementation_internal",
+        "name_or_path",
+    }
+)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-able and the same in every process: containers walked, scalars kept, any other
+    object by its type name (its repr could hold a memory address)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items() if str(k) not in _HF_COSMETIC}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = [_plain(v) for v in value]
+        return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        return _plain(to_dict())
+    name = type(value).__module__ + "." + type(value).__qualname__
+    if name.startswith("torch."):
+        return str(value)  # a dtype or device prints the same in every process
+    return f"<{name}>"
+
+
+def kv_settings(vllm_config: Any) -> dict[str, Any]:
+    """Every setting of a vLLM `VllmConfig` that changes the KV bytes a prompt produces,
+    besides the model name, dtypes, block size, layout and TP (in the namespace itself):
+
+    - the model's effective Hugging Face config (`model_config.hf_config`, after
+      `hf_overrides`): rope parameters and scaling, sliding windows, head counts and sizes,
+      layer types, norms, quantization_config, ... (only the names above are left out);
+    - `model_config.quantization` (online quantization) and `model_config.revision`;
+    - `cache_config.cache_dtype` and `cache_config.calculate_kv_scales` (fp8 KV scales).
+    """
+    mc = vllm_config.model_config
+    cc = vllm_config.cache_config
+    return {
+        "hf_config": _plain(getattr(mc, "hf_config", None)),
+        "quantization": _plain(getattr(mc, "quantization", None)),
+        "revision": _plain(getattr(mc, "revision", None)),
+        "cache_dtype": _plain(getattr(cc, "cache_dtype", None)),
+        "calculate_kv_scales": _plain(getattr(cc, "calculate_kv_scales", None)),
+    }
+
+
+def kv_settings_digest(vllm_config: Any) -> str:
+    """A short, process-independent digest of `kv_settings(vllm_config)`."""
+    body = json.dumps(kv_settings(vllm_config), sort_keys=True, separators=(",", ":"))
+    return xxh3_128_hexdigest(body.encode())[:16]
 
 
 def _dtype_name(dtype: object) -> str:
@@ -123,7 +191,8 @@ def namespace_from_vllm(vllm_config: Any, *, layout: str, tp_rank: int = 0) -> s
     """`derive_namespace` from a vLLM `VllmConfig` (read by attribute; no vLLM import).
 
     The model is its name or path plus revision; the KV dtype is the cache dtype, or the
-    model dtype when the cache dtype is ``"auto"``.
+    model dtype when the cache dtype is ``"auto"``; every other KV-affecting setting enters
+    through `kv_settings_digest`.
     """
     model_cfg = vllm_config.model_config
     cache_cfg = vllm_config.cache_config
@@ -141,6 +210,7 @@ def namespace_from_vllm(vllm_config: Any, *, layout: str, tp_rank: int = 0) -> s
         layout=layout,
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         tp_rank=tp_rank,
+        settings=kv_settings_digest(vllm_config),
     )
 
 

@@ -50,6 +50,7 @@ from tiercache.cache import TierCache
 from tiercache.connectors.common import (
     acquire_store,
     derive_namespace,
+    kv_settings_digest,
     read_user_config,
     release_store,
     resolve_config,
@@ -192,6 +193,7 @@ class TierCacheECConnector(ECConnectorBase):
                 kv_dtype=str(mc.dtype).removeprefix("torch."),
                 block_size=bb,
                 layout="vllm-encoder-output/v1",
+                settings=kv_settings_digest(vllm_config),
             ),
         )
         self.namespace = config.namespace

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ from tiercache.connectors.common import (
     SharedStore,
     acquire_store,
     derive_namespace,
+    kv_settings_digest,
     read_user_config,
     release_store,
     resolve_config,
@@ -195,15 +197,26 @@ class TierCacheOffloadingManager(OffloadingManager):
 
     # -- keys ------------------------------------------------------------------------------
     def _key(self, okey: bytes) -> bytes:
+        """The tiercache key of `okey` (remembered only for blocks held: see `_named`)."""
         k = self._tkey.get(okey)
-        if k is None:
-            k = offload_key_to_key(self._ns, okey)
-            self._tkey[okey] = k
-            self._okey[k] = OffloadKey(bytes(okey))
-        return k
+        return offload_key_to_key(self._ns, okey) if k is None else k
 
     def _keys(self, okeys: Iterable[bytes]) -> list[bytes]:
         return [self._key(k) for k in okeys]
+
+    def _named(self, okeys: Iterable[bytes]) -> list[bytes]:
+        """`_keys`, remembering both directions for blocks being stored or loaded: events
+        name them in vLLM's terms until they leave every tier (`_forget`). Keys vLLM only
+        looks up or touches are never remembered, so the maps stay as large as the store."""
+        out = []
+        tkey, okey = self._tkey, self._okey
+        for o in okeys:
+            k = tkey.get(o)
+            if k is None:
+                k = tkey[o] = offload_key_to_key(self._ns, o)
+                okey[k] = OffloadKey(bytes(o))
+            out.append(k)
+        return out
 
     def _apply_worker_reports(self) -> None:
         failed, errors, load_failures = self._bridge.drain()
@@ -234,7 +247,7 @@ class TierCacheOffloadingManager(OffloadingManager):
 
     @_locked
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TierLoadSpec:
-        tkeys = self._keys(keys)
+        tkeys = self._named(keys)
         load = self._manager.prepare_load(tkeys)
         promote = None
         if any(load.tiers):
@@ -264,7 +277,7 @@ class TierCacheOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         self._apply_worker_reports()
-        tkeys = self._keys(keys)
+        tkeys = self._named(keys)
         where = self._manager.where
         for k in tkeys:
             # A key held already is not stored again. If its copy sits unverified in a
@@ -273,6 +286,11 @@ class TierCacheOffloadingManager(OffloadingManager):
             if where(k):
                 self._verify(k)
         plan = self._manager.prepare_store(tkeys)
+        holds = self._manager.holds
+        for o, k in zip(keys, tkeys, strict=True):  # placed nowhere: nothing to name later
+            if not holds(k) and k not in self._pending:
+                self._tkey.pop(o, None)
+                self._okey.pop(k, None)
         if plan is None:
             return None
         stored = plan.stored_keys  # the first tier's, then what went around it
@@ -611,7 +629,8 @@ class TierCacheOffloadingSpec(OffloadingSpec):
         self.tokens_per_chunk = config.groups[0].tokens_per_block * self.blocks_per_chunk
         self.block_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         # vLLM's OffloadKeys already hash tokens and extras; the namespace adds what makes the
-        # bytes of one key differ: model, KV dtype, block size, layout, TP size and rank.
+        # bytes of one key differ: model, KV dtype, block size, layout, TP size and rank, and
+        # the digest of every other KV-affecting setting (hf_overrides, quantization, ...).
         self.cache_config = resolve_config(
             read_user_config(config.extra_config),
             block_size=self.tokens_per_chunk,
@@ -622,6 +641,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 layout=f"vllm-offload/{config.kv_cache_layout or 'default'}/{self.block_bytes}",
                 tp_size=config.parallel.tp_size,
                 tp_rank=config.parallel.rank,
+                settings=_engine_settings_digest(config.model.name),
             ),
         )
         self.namespace = self.cache_config.namespace
@@ -647,3 +667,38 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 release_store(store)
                 raise
         return self._worker
+
+
+def _engine_settings_digest(model: str) -> str:
+    """`kv_settings_digest` of the engine building this spec. vLLM hands a spec only its
+    `OffloadingConfig` (model name and dtype). The full `VllmConfig` is vLLM's current
+    config where the engine has set one, else the `vllm_config` argument of the
+    `OffloadingConnector` being built, found on the call stack (vLLM 0.32 and 0.33 build the
+    spec inside `OffloadingConnector.__init__(vllm_config, ...)`). A spec built outside an
+    engine (tests) has neither: it logs a warning and the namespace goes without the digest."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    found = get_current_vllm_config_or_none()
+    if not _is_config_of(found, model):
+        frame = sys._getframe(1)
+        found = None
+        for _ in range(12):  # the connector's __init__ is a few frames up
+            if frame is None:
+                break
+            candidate = frame.f_locals.get("vllm_config")
+            if _is_config_of(candidate, model):
+                found = candidate
+                break
+            frame = frame.f_back
+    if found is None:
+        log.warning(
+            "TierCacheOffloadingSpec built outside a vLLM engine: its namespace carries no "
+            "digest of the KV-affecting settings (hf_overrides, quantization, ...)"
+        )
+        return ""
+    return kv_settings_digest(found)
+
+
+def _is_config_of(config: Any, model: str) -> bool:
+    mc = getattr(config, "model_config", None)
+    return mc is not None and str(getattr(mc, "model", "")) == str(model)
