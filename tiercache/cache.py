@@ -260,16 +260,19 @@ class TierCache:
             self._tap_events()
             return self._manager.count_ready(keys)
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Leading blocks of `keys` held in any tier."""
+    def lookup(self, keys: Sequence[bytes], *, count: bool = True) -> int:
+        """Leading blocks of `keys` held in any tier. `count=False` leaves the hit and miss
+        counters alone (a caller checking blocks it asked for already)."""
         keys = check_keys(keys)
         with self._lock:
             self._check_open()
-            n = self._manager.lookup(keys) or 0
-            self._asked.chain = tuple(keys)
+            n = self._manager.lookup(keys, count=count) or 0
+            self._asked.chain = tuple(keys) if count else None
             return n
 
-    def get(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def get(
+        self, keys: Sequence[bytes], *, out: torch.Tensor | None = None, count: bool = True
+    ) -> torch.Tensor:
         """uint8 `[k, block_bytes]` for the k leading blocks held; counts as a use.
 
         `out`, if given, is a uint8 `[len(keys), block_bytes]` tensor to read into (saves an
@@ -279,13 +282,14 @@ class TierCache:
 
         Hits and misses are counted here, unless this thread's previous call was a `lookup`
         of a chain that starts with `keys`: that lookup and this get are one request, and the
-        lookup counted its blocks already.
+        lookup counted its blocks already. `count=False` never counts (a caller reading
+        blocks it counted itself, or checking them).
         """
         keys = check_keys(keys)
         with self._lock:
             self._check_open()
             asked, self._asked.chain = getattr(self._asked, "chain", None), None
-            counted = asked is not None and tuple(keys) == asked[: len(keys)]
+            counted = not count or (asked is not None and tuple(keys) == asked[: len(keys)])
             n = self._manager.lookup(keys, count=not counted) or 0
             if out is None:
                 out = torch.empty((n, self._block_bytes), dtype=torch.uint8)

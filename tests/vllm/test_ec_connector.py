@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,41 @@ def test_an_image_seen_once_is_loaded_not_encoded(tiny_llama: Path, instances) -
     for mm_hash, expected in encoder.items():
         got = inst.encoder_cache[mm_hash]
         assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
+def test_counters_count_each_block_once(tiny_llama: Path, instances) -> None:
+    """Issue 14: block 0 of a hit was counted three times, and every save counted misses."""
+    inst = instances(_vllm_config(tiny_llama, {"tiers": [{"kind": "cpu", "capacity": "1MiB"}]}))
+    encoder = {"img-a": _embeds(1, 40), "img-b": _embeds(2, 3)}  # 3 blocks and 1 block
+
+    def counts() -> tuple[int, int]:
+        s = inst.scheduler.cache.stats()["cpu"]
+        return s["hits"], s["misses"]
+
+    inst.step(_request("r1", ("img-a", 40), ("img-b", 3)), encoder)
+    assert counts() == (0, 2)  # two items asked for: block 0 of each missed; saves count none
+    inst.encoder_cache.clear()
+    inst.step(_request("r2", ("img-b", 3), ("img-a", 40)), encoder)
+    assert counts() == (4, 2)  # every block of both items hit once
+
+
+def test_a_forged_item_size_is_a_counted_miss(tiny_llama: Path, instances, tmp_path) -> None:
+    """A checksum-valid header in a shared store claiming a huge item: a miss and a counted
+    error, never ~10^15 keys."""
+    from tiercache.connectors.vllm_ec import _HEADER, _MAGIC, _MAX_DIMS, _VERSION, item_keys
+
+    cfg = {"tiers": [{"kind": "lmdb", "path": str(tmp_path / "ec"), "capacity": "4MiB"}]}
+    inst = instances(_vllm_config(tiny_llama, cfg))
+    cache = inst.scheduler.cache
+    dims = [2**40, 2**20] + [0] * (_MAX_DIMS - 2)
+    header = _HEADER.pack(_MAGIC, _VERSION, 2, b"bfloat16", 2**61, *dims)
+    block = torch.zeros((1, cache.block_bytes), dtype=torch.uint8)
+    block[0, : len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    cache.put(item_keys(inst.scheduler.namespace, "img-forged", 1), block)  # a valid record
+    t0 = time.monotonic()
+    assert not inst.scheduler.has_cache_item("img-forged")
+    assert time.monotonic() - t0 < 5
+    assert cache.stats()["lmdb"]["errors"] == 1
 
 
 def test_seed_has_caches_answers_per_item(tiny_llama: Path, instances) -> None:

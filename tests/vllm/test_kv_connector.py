@@ -203,6 +203,10 @@ def test_b_restart_hits_persistent_tiers(
     (store,) = local["stores"].values()
     assert store["counters"]["verified_blocks"] >= 2 + N_PROMPTS * 4
     assert _errors(local) == 0
+    # One block looked up once is one hit, in the tier that served it: reading persistent
+    # blocks to verify them before reporting the hit counts nothing more (issue 14).
+    hits = sum(int(t["hits"]) for t in store["stats"].values())
+    assert hits == store["counters"]["lookup_hit_blocks"], store
     # What the persistent tiers recovered at start-up is announced to vLLM as stored.
     assert local["events"]["BlockStored:nvme"] > 0 and local["events"]["BlockStored:lmdb"] > 0
     # Multiprocess mode: the scheduler knows the worker's keys from the handshake.

@@ -199,6 +199,8 @@ class TierCacheECConnector(ECConnectorBase):
         self.namespace = config.namespace
         self._store = acquire_store(config, bb)
         self._cache = self._store.cache
+        # No item is larger than every tier together (a bound on sizes read from a store).
+        self._max_item_bytes = sum(t.capacity_blocks for t in self._cache.tiers) * bb
         self._max_staged = staged
         # Scheduler side: verified items read by has_cache_item, waiting for their request to be
         # scheduled (mm_hash -> (tensor, step)), and this step's loads.
@@ -299,9 +301,8 @@ class TierCacheECConnector(ECConnectorBase):
     # -- internals -------------------------------------------------------------------------
     def _read(self, mm_hash: str) -> torch.Tensor | None:
         """The stored item, verified; None if missing, partial or corrupt (a miss)."""
+        # One request: block 0 counts once (hit or miss), the rest once each after it.
         first = item_keys(self.namespace, mm_hash, 1)
-        if not self._cache.lookup(first):
-            return None
         head = self._cache.get(first)
         if len(head) == 0:
             return None
@@ -310,11 +311,28 @@ class TierCacheECConnector(ECConnectorBase):
         except ValueError as exc:
             log.warning("encoder item %s: %s; encoding it again", mm_hash, exc)
             return None
+        if nbytes > self._max_item_bytes:
+            # A checksum-valid header from a shared store is still only what some process
+            # wrote: a size past what the store can hold is refused before any key is made.
+            log.warning(
+                "encoder item %s: header claims %d payload bytes, more than the store holds "
+                "(%d); treated as a miss",
+                mm_hash,
+                nbytes,
+                self._max_item_bytes,
+            )
+            where = self._cache.manager.where(first[0])
+            self._cache.manager.record_error(where[0] if where else 0)
+            self._store.count("ec_bad_headers")
+            return None
         n = _blocks_for(nbytes, self.block_bytes)
         keys = item_keys(self.namespace, mm_hash, n)
-        blocks = self._cache.get(keys) if n > 1 else head
-        if len(blocks) < n:
-            return None
+        blocks = head
+        if n > 1:
+            rest = self._cache.get(keys[1:])
+            if len(rest) < n - 1:
+                return None
+            blocks = torch.cat([head, rest])
         try:
             return decode_item(blocks)
         except ValueError as exc:
@@ -355,9 +373,9 @@ class TierCacheECConnector(ECConnectorBase):
                 # Blocks of an earlier copy may still be held although the item was a miss
                 # (e.g. its header block failed verification): put() would keep them, so read
                 # each one first, which drops those that fail their checksum.
-                for k in keys:
-                    if self._cache.lookup((k,)):
-                        self._cache.get((k,))
+                for k in keys:  # a check, not a request: no hit or miss is counted
+                    if self._cache.lookup((k,), count=False):
+                        self._cache.get((k,), count=False)
                 if self._cache.put(keys, blocks) < len(keys):
                     log.debug("encoder item %s: stored %s only in part", mm_hash, len(keys))
             except Exception:  # a save is best effort: the item is encoded again next time
