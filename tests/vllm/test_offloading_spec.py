@@ -214,7 +214,13 @@ def test_demotion_to_a_persistent_tier_and_restart(pairs, tmp_path: Path) -> Non
     cfg = {
         "tiers": [
             {"kind": "cpu", "blocks": 2},
-            {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 8},
+            # write-back: the test follows demotions (write-through has tests of its own)
+            {
+                "kind": "nvme",
+                "path": str(tmp_path / "nvme"),
+                "blocks": 8,
+                "write_policy": "write-back",
+            },
         ]
     }
     pair = pairs(_offloading_config(cfg))
