@@ -17,7 +17,7 @@ from hypothesis.stateful import initialize
 
 import tests.test_manager as tm
 from tiercache.benchharness.belady import belady, next_uses
-from tiercache.benchharness.replay import replay_cache, replay_manager, replay_vllm, vllm_available
+from tiercache.benchharness.replay import replay_cache, replay_manager
 from tiercache.benchharness.runner import BenchOptions, run_bench
 from tiercache.benchharness.traces import GENERATORS, TraceError, load_jsonl, make_trace
 from tiercache.cli import main
@@ -231,16 +231,6 @@ def test_replay_cache_moves_checked_bytes_through_real_tiers(tmp_path) -> None:
     assert lm.write_bytes == r.stats["lmdb"]["stored"] * 256 > 0
     assert lm.hits > 0 and cpu.hits > 0
     assert r.bytes_moved == sum(io.read_bytes + io.write_bytes for io in r.tiers)
-
-
-@pytest.mark.skipif(not vllm_available(), reason="vLLM is not importable in this venv")
-def test_vllm_manager_replay_runs_and_agrees_on_lru() -> None:
-    t = make_trace("rag", 60)
-    ours = replay_manager(t, "lru", 500)
-    theirs = replay_vllm(t, "lru", 500)
-    assert theirs is not None and theirs.ops == ours.ops
-    # Both are LRU over the same chains: their hit rates should be close.
-    assert abs(theirs.hit_rate - ours.hit_rate) < 0.02
 
 
 # -- the command --------------------------------------------------------------------------
