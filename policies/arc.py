@@ -78,6 +78,7 @@ class ARCState:
     b2: tuple[bytes, ...]
     p: float
     pending: tuple[bytes, ...] = ()
+    cold: tuple[bytes, ...] = ()
 
 
 class ARCPolicy(EvictionPolicy):
@@ -91,6 +92,9 @@ class ARCPolicy(EvictionPolicy):
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
         self._pending: dict[bytes, None] = {}
+        # insert_cold: copies kept while room allows, evicted before any REPLACE, outside
+        # T1/T2/p and the ghost lists (they never were a miss or a hit of this tier).
+        self._cold: OrderedDict[bytes, None] = OrderedDict()
         self._p = 0.0
         self._batch = 0  # keys in the last on_miss batch, 0 when there is none
 
@@ -108,6 +112,7 @@ class ARCPolicy(EvictionPolicy):
             tuple(self._b2),
             self._p,
             tuple(self._pending),
+            tuple(self._cold),
         )
 
     def on_miss(self, keys: Sequence[bytes]) -> None:
@@ -141,6 +146,9 @@ class ARCPolicy(EvictionPolicy):
     def insert(self, key: bytes) -> None:
         """Add `key`: resident -> touch, pending or ghost -> T2 (a ghost adapts p), new -> T1."""
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if self._cold and self._cold.pop(key, 0) is None:
+            t1[key] = None  # a cold copy in use now: as a new key
+            return
         if key in t2:  # case I
             t2.move_to_end(key)
         elif key in t1:  # case I
@@ -174,6 +182,7 @@ class ARCPolicy(EvictionPolicy):
             and b1.keys().isdisjoint(keys)
             and b2.keys().isdisjoint(keys)
             and (not pending or pending.keys().isdisjoint(keys))
+            and (not self._cold or self._cold.keys().isdisjoint(keys))
             and (
                 new
                 or (
@@ -192,24 +201,24 @@ class ARCPolicy(EvictionPolicy):
             self.insert(key)
 
     def insert_cold(self, keys: Sequence[bytes]) -> None:
-        """Absent `keys` at T1's LRU end: seen once, and the first REPLACE takes from T1
-        picks them (ghost entries of them stay: they are history)."""
-        t1, t2 = self._t1, self._t2
-        for key in reversed(keys):
-            if key not in t1 and key not in t2:
-                t1[key] = None
-                t1.move_to_end(key, last=False)
-        if len(t1) + len(t2) + len(self._b1) + len(self._b2) > 2 * self.capacity:
-            self._trim_ghosts()
+        """Absent `keys` on the cold list, evicted before any REPLACE, the first key first;
+        they leave it for T1 (insert) or T2 (touch) once used."""
+        t1, t2, cold = self._t1, self._t2, self._cold
+        for key in keys:
+            if key not in t1 and key not in t2 and key not in cold:
+                cold[key] = None
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Move resident `keys` to T2's MRU end, tail first so the chain head ends up hottest."""
-        t1, t2 = self._t1, self._t2
+        t1, t2, cold = self._t1, self._t2, self._cold
         for key in reversed(keys):
             if key in t2:
                 t2.move_to_end(key)
             elif key in t1:
                 del t1[key]
+                t2[key] = None
+            elif cold and key in cold:
+                del cold[key]
                 t2[key] = None
 
     def remove(self, key: bytes) -> None:
@@ -217,13 +226,23 @@ class ARCPolicy(EvictionPolicy):
         self._t1.pop(key, None)
         self._t2.pop(key, None)
         self._pending.pop(key, None)
+        self._cold.pop(key, None)
 
     def evict(self, n: int, protected: Container[bytes] = frozenset()) -> list[bytes] | None:
         """Apply REPLACE n times, moving victims to the MRU end of B1 or B2; None if impossible."""
         self._check_count(n)
-        plan = self._plan_runs(n, protected)
+        cold: list[bytes] = []
+        if self._cold and n:
+            keep = protected.__contains__ if protected else None
+            it = iter(self._cold) if keep is None else filterfalse(keep, self._cold)
+            cold = list(islice(it, n))
+        plan = self._plan_runs(n - len(cold), protected)
         if plan is None:
             return None
+        for key in cold:  # copies: they leave no ghost
+            del self._cold[key]
+        if cold and len(cold) == n:
+            return cold
         self._batch = 0  # this was the eviction the batch described
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         victims: list[bytes] = []
@@ -235,6 +254,7 @@ class ARCPolicy(EvictionPolicy):
                 del src[key]
                 ghosts[key] = None
             victims += run
+        victims = cold + victims
         # Residents became ghosts: the directory's size is unchanged, and over 2c only if
         # more than c keys were resident (a caller past capacity).
         if len(t1) + len(t2) + len(b1) + len(b2) > 2 * self.capacity:
@@ -243,27 +263,27 @@ class ARCPolicy(EvictionPolicy):
 
     def clear(self) -> None:
         """Forget every key, all ghosts, pending hits and the learned p."""
-        for od in (self._t1, self._t2, self._b1, self._b2, self._pending):
+        for od in (self._t1, self._t2, self._b1, self._b2, self._pending, self._cold):
             od.clear()
         self._p = 0.0
         self._batch = 0
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        return len(self._t1) + len(self._t2) + len(self._cold)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._t1 or key in self._t2
+        return key in self._t1 or key in self._t2 or key in self._cold
 
     def keys_in_eviction_order(self) -> Iterator[bytes]:
         """Resident keys in the order successive REPLACE steps would evict them."""
-        plan = self._plan_runs(len(self), frozenset())
+        plan = self._plan_runs(len(self._t1) + len(self._t2), frozenset())
         assert plan is not None, "evicting every resident key cannot fail"
-        return iter([k for run, _ in plan for k in run])
+        return iter([*self._cold, *(k for run, _ in plan for k in run)])
 
     def _plan_runs(self, n: int, protected: Container[bytes]) -> _Plan | None:
         """The victims of n REPLACE steps as runs of one list each, without mutating anything
         (so evict can stay atomic); None when fewer than n keys are unprotected."""
-        if n > len(self):
+        if n > len(self._t1) + len(self._t2):
             return None
         k = self._batch
         if n > k:  # no batch (or not this eviction's): n REPLACEs, nothing arriving between
