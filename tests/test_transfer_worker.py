@@ -158,6 +158,35 @@ def test_independent_jobs_are_not_serialised_across_directions() -> None:
         worker.close()
 
 
+def test_expedited_load_does_not_queue_behind_regular_loads() -> None:
+    # Two regular loads queue on the load lane (the first held at the gate); an expedited load
+    # of other slots finishes before either, on its own lane. One that reads what a queued
+    # store writes still waits for that store (ordering beats priority).
+    caches, kv_first, layout, tier = setup("separate", "cpu", 1)
+    gate = {1: threading.Event(), 5: threading.Event()}
+    worker = slow_worker(layout, tier, gate=gate)
+    try:
+        worker.transfer_async(1, (tier_spec([0]), GPULoadStoreSpec([10])))  # held at the gate
+        worker.transfer_async(2, (tier_spec([1]), GPULoadStoreSpec([11])))
+        worker.transfer_async(3, (tier_spec([2]), GPULoadStoreSpec([12])), expedited=True)
+        worker.wait([3])
+        assert [r.job_id for r in worker.get_finished()] == [3]
+        want = snapshot(caches, kv_first, [4])
+        worker.transfer_async(5, (GPULoadStoreSpec([4]), tier_spec([6])))  # held at the gate
+        worker.transfer_async(6, (tier_spec([6]), GPULoadStoreSpec([13])), expedited=True)
+        assert not worker._jobs[6][0].issued.wait(0.2)  # follows store 5
+        gate[5].set()
+        assert drain(worker, [5, 6])[6].success
+        assert_blocks(caches, kv_first, [13], want)
+        gate[1].set()
+        drain(worker, [1, 2])
+    finally:
+        for g in gate.values():
+            g.set()
+        worker.close()
+    assert not any(t.name.endswith("-expedited") and t.is_alive() for t in threading.enumerate())
+
+
 # -- failures ------------------------------------------------------------------------------
 def test_failing_handler_reports_failure_and_dependents_fail() -> None:
     caches, kv_first, layout, tier = setup("separate", "cpu", 1)

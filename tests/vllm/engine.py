@@ -5,7 +5,10 @@
 - `make_prompts(n, length, seed, shared_prefix=0)`: token-id prompts (lists of ints).
 - `run_spec(spec) -> dict`: build one `LLM` in this process, generate every batch of the
   spec greedily, return outputs, `num_cached_tokens`, wall and CPU times, tiercache's
-  counters and (in-process engines) the KV events the connector gave vLLM.
+  counters (multiprocess engines: those of the engine-core process, TP 1 only) and
+  (in-process engines) the KV events the connector gave vLLM. A batch with
+  ``"reset_prefix_cache": true`` resets vLLM's prefix cache after it, once the connector's
+  saves of the batch are done (see `_reset_prefix_cache`).
 - `run_in_subprocess(spec, python=sys.executable) -> dict`: the same in a fresh interpreter
   (what the tests use: every engine starts from a clean process, as a restart would).
 
@@ -119,6 +122,11 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") else "0"
     tp = int(spec.get("tensor_parallel_size", 1))
+    remote = bool(spec.get("multiprocessing")) and spec.get("kv_transfer_config") is not None
+    if remote:
+        # The counters live in the engine-core process: fetched with a function sent over
+        # vLLM's RPC, which vLLM pickles only when allowed to.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _omp_bind(tp))
     t0 = time.perf_counter()
@@ -164,7 +172,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         if batch.get("reset_prefix_cache"):
-            llm.reset_prefix_cache()
+            _reset_prefix_cache(llm, TokensPrompt)
         batches.append(
             {
                 "outputs": [list(o.outputs[0].token_ids) for o in outs],
@@ -180,6 +188,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         from tiercache.connectors.common import store_snapshots
 
         stores = store_snapshots()
+    elif remote and tp == 1:
+        stores = llm.collective_rpc(_worker_snapshots)[0]
     return {
         "batches": batches,
         "import_s": t_import,
@@ -187,6 +197,35 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         "stores": stores,
         "events": events,
     }
+
+
+def _reset_prefix_cache(llm: Any, tokens_prompt: Any, deadline_s: float = 120) -> None:
+    """Reset vLLM's prefix cache, waiting for the connector's saves first.
+
+    `generate()` returns once every request has its output, but a connector may still be
+    saving a finished request's blocks: vLLM then keeps them (`request_finished` returned
+    True) and `reset_prefix_cache()` refuses (returns False) while any block is held. vLLM
+    frees them only in a later engine step, after the worker reports the saves done, so
+    step the engine with a one-token prompt (no full block: nothing is looked up or stored)
+    until the reset succeeds. Afterwards every save of the batch has completed, so the next
+    batch is served by the connector, not by vLLM's own cache, and counters are settled.
+    """
+    from vllm import SamplingParams
+
+    tick = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
+    end = time.monotonic() + deadline_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > end:
+            raise RuntimeError(f"reset_prefix_cache still refused after {deadline_s} s")
+        llm.generate([tokens_prompt(prompt_token_ids=[3])], tick, use_tqdm=False)
+        time.sleep(0.01)
+
+
+def _worker_snapshots(worker: Any) -> dict[str, Any]:
+    """`store_snapshots()` of the process that runs vLLM's worker (sent by value)."""
+    from tiercache.connectors.common import store_snapshots
+
+    return store_snapshots()
 
 
 def _omp_bind(tp: int) -> str:

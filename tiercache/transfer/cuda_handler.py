@@ -1,10 +1,11 @@
 """`CUDACopyHandler`: the CPU handler's twin on CUDA, a stream per direction.
 
-Each lane thread waits (on the device, not the host) for the previous jobs a job follows and
-for the caller's compute stream as it was at submission, queues the job's batched copies on
-its lane's stream (`non_blocking`; the pinned CPU tier makes them asynchronous DMAs), and
-records an event. `get_finished()` polls the events in order; `Job.wait()` synchronizes only
-that job's event. Index and layout logic is `KVLayout`'s, shared with the CPU path.
+Each lane thread (expedited jobs have a stream of their own) waits (on the device, not the
+host) for the previous jobs a job follows and for the caller's compute stream as it was at
+submission, queues the job's batched copies on its lane's stream (`non_blocking`; the pinned
+CPU tier makes them asynchronous DMAs), and records an event. `get_finished()` polls the
+events in order; `Job.wait()` synchronizes only that job's event. Index and layout logic is
+`KVLayout`'s, shared with the CPU path.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from tiercache.tiers import Tier
 from tiercache.transfer.cpu_handler import CPUCopyHandler
+from tiercache.transfer.handler import EXPEDITED
 from tiercache.transfer.job import Job
 from tiercache.transfer.kv_layout import KVLayout
 
@@ -27,7 +29,9 @@ class CUDACopyHandler(CPUCopyHandler):
             raise ValueError(
                 f"layout: the engine buffer is on {layout.device}, not CUDA; use CPUCopyHandler"
             )
-        self._streams = {lane: torch.cuda.Stream(layout.device) for lane in ("store", "load")}
+        self._streams = {
+            lane: torch.cuda.Stream(layout.device) for lane in ("store", "load", EXPEDITED)
+        }
         super().__init__(layout, tiers, name=name)
 
     def prepare(self, job: Job) -> None:

@@ -7,7 +7,10 @@ Primitives:
 - `LaneHandler`: the shared machinery of the copy handlers. Jobs go to a named lane (e.g. one
   per direction); each lane is a FIFO served by its own thread(s), which wait for a job's
   dependencies, run it, and mark it issued. Subclasses say which lane a job takes (`lane_of`),
-  check it on the caller's thread (`check`, `prepare`) and do the work (`run`).
+  check it on the caller's thread (`check`, `prepare`) and do the work (`run`). An expedited
+  job (`Job.expedited`: a load the engine waits for within its step) skips the FIFOs: it runs
+  on the `EXPEDITED` lane, whose own thread starts on first use, so it never queues behind
+  regular jobs (only behind the jobs it depends on, which ordering requires).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Mapping
 from tiercache.transfer.job import Job
 
 log = logging.getLogger(__name__)
+
+EXPEDITED = "expedited"  # the lane of expedited jobs (see the module docstring)
 
 
 class TransferHandler(ABC):
@@ -50,6 +55,9 @@ class LaneHandler(TransferHandler):
     def __init__(self, lanes: Mapping[str, int], *, name: str) -> None:
         self._lock = threading.Lock()
         self._closed = False
+        if EXPEDITED in lanes:
+            raise ValueError(f"lanes: {EXPEDITED!r} is reserved for expedited jobs")
+        self._name = name
         self._lanes = dict(lanes)
         self._queues: dict[str, queue.SimpleQueue[Job | None]] = {}
         self._issued: dict[str, deque[Job]] = {}
@@ -94,8 +102,28 @@ class LaneHandler(TransferHandler):
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
         self.prepare(job)
-        self._queues[self.lane_of(job)].put(job)
+        lane = self._expedited_lane() if job.expedited else self.lane_of(job)
+        self._queues[lane].put(job)
         return True
+
+    def _expedited_lane(self) -> str:
+        """The expedited lane, its thread started on first use (most engines never expedite)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{type(self).__name__} is closed")
+            if EXPEDITED not in self._queues:
+                self._queues[EXPEDITED] = queue.SimpleQueue()
+                self._issued[EXPEDITED] = deque()
+                self._lanes[EXPEDITED] = 1
+                t = threading.Thread(
+                    target=self._serve,
+                    args=(EXPEDITED,),
+                    daemon=True,
+                    name=f"tiercache-xfer-{self._name}-{EXPEDITED}",
+                )
+                self._threads.append(t)
+                t.start()
+        return EXPEDITED
 
     def get_finished(self) -> list[Job]:
         out: list[Job] = []
@@ -109,7 +137,8 @@ class LaneHandler(TransferHandler):
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        with self._lock:  # no expedited lane starts after this
+            self._closed = True
         for lane, n in self._lanes.items():
             for _ in range(n):
                 self._queues[lane].put(None)  # one stop marker per thread, behind queued jobs

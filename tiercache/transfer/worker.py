@@ -1,15 +1,18 @@
 """`OffloadingWorker`: the worker side of offloading; dispatches jobs to copy handlers.
 
 Primitives: `register_handler(src_medium, dst_medium, handler)`, `transfer_async(job_id,
-(src_spec, dst_spec)) -> bool`, `get_finished() -> list[TransferResult]`, `wait(job_ids)`,
-`take_stats()`, `close()`. One handler per (source medium, destination medium); one handler
-object may serve several pairs. Call it from one thread (the engine's worker thread).
+(src_spec, dst_spec), expedited=False) -> bool`, `get_finished() -> list[TransferResult]`,
+`wait(job_ids)`, `take_stats()`, `close()`. One handler per (source medium, destination
+medium); one handler object may serve several pairs. Call it from one thread (the engine's
+worker thread).
 
 Ordering: handlers run in parallel, so the worker records, for each job, the jobs still in
 flight that touch the same tier slots or engine blocks (`DependencyTracker`), and the handler
 starts it only after them. Submission order is therefore the only contract: a load submitted
 after a store of the same slots reads the stored bytes, and a store submitted after the
-demotion moves of its plan overwrites their slots only once they have been read.
+demotion moves of its plan overwrites their slots only once they have been read. An
+`expedited` job (a load the engine waits for within its step) still follows the jobs it
+depends on, but not the handler's queue of regular jobs (`LaneHandler`).
 
 An adapter (e.g. vLLM's connector worker) uses it like this:
 
@@ -72,8 +75,9 @@ class OffloadingWorker:
             )
         self._handlers[pair] = handler
 
-    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        """Start a transfer without blocking; False if no handler serves its mediums."""
+    def transfer_async(self, job_id: int, spec: TransferSpec, *, expedited: bool = False) -> bool:
+        """Start a transfer without blocking; False if no handler serves its mediums.
+        `expedited`: the caller will wait for it soon; it does not queue behind regular jobs."""
         src, dst = spec
         for s in (src, dst):
             if not isinstance(s, GPULoadStoreSpec | TierLoadStoreSpec):
@@ -83,7 +87,7 @@ class OffloadingWorker:
         handler = self._handlers.get((src.medium, dst.medium))
         if handler is None:
             return False
-        job = Job(job_id, src, dst)
+        job = Job(job_id, src, dst, expedited=expedited)
         with self._lock:
             if self._closed:
                 raise RuntimeError("OffloadingWorker is closed")
