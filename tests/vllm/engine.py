@@ -5,7 +5,7 @@
 - `make_prompts(n, length, seed, shared_prefix=0)`: token-id prompts (lists of ints).
 - `run_spec(spec) -> dict`: build one `LLM` in this process, generate every batch of the
   spec greedily, return outputs, `num_cached_tokens`, wall and CPU times, tiercache's
-  counters (multiprocess engines: those of the engine-core process, TP 1 only) and
+  counters (multiprocess engines: those of the process running vLLM's worker, TP 1 only) and
   (in-process engines) the KV events the connector gave vLLM. A batch with
   ``"reset_prefix_cache": true`` resets vLLM's prefix cache after it, once the connector's
   saves of the batch are done (see `_reset_prefix_cache`).
@@ -124,8 +124,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     tp = int(spec.get("tensor_parallel_size", 1))
     remote = bool(spec.get("multiprocessing")) and spec.get("kv_transfer_config") is not None
     if remote:
-        # The counters live in the engine-core process: fetched with a function sent over
-        # vLLM's RPC, which vLLM pickles only when allowed to.
+        # The counters live in the worker's process: fetched with a function sent over vLLM's
+        # RPC, which vLLM pickles only when allowed to.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _omp_bind(tp))
