@@ -655,7 +655,8 @@ class OffloadingManager:
         self._complete_multi(keys, success, cold=False)
 
     def _complete_multi(self, keys: Sequence[bytes], success: bool, *, cold: bool) -> None:
-        """complete_store with several tiers; `cold`: write-through copies (`insert_cold`)."""
+        """complete_store, except a successful one with a single tier (that has its own fast
+        path); `cold`: the keys are write-through copies (`insert_cold`)."""
         ready, present = self._ready, self._present
         moving = self._moving
         single = self._single
