@@ -189,7 +189,11 @@ def test_a_cold_engine_matches_baseline_and_hits_after_reset(
     # its 8 blocks were held by stores in flight (write-around).
     stored = sum(n for kind, n in ev.items() if kind.startswith("BlockStored:"))
     assert stored >= 2 + N_PROMPTS * 4 and ev["BlockStored:cpu"] > 0
-    assert ev["BlockRemoved:cpu"] > 0 and ev["BlockStored:nvme"] > 0
+    # The cpu tier holds 8 blocks: every block stored into it past 8 made room by a removal
+    # (a demotion, or a drop of a block already written through). How many went around it
+    # depends on timing, so whether it overflowed at all does too.
+    assert ev.get("BlockRemoved:cpu", 0) >= ev["BlockStored:cpu"] - 8
+    assert ev["BlockStored:nvme"] > 0
 
 
 def test_b_restart_hits_persistent_tiers(
