@@ -3,6 +3,8 @@ registry. No vLLM needed (vLLM's config objects are stood in for by plain namesp
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -59,8 +61,8 @@ def _vllm_config(**over: object) -> SimpleNamespace:
     parallel = SimpleNamespace(tensor_parallel_size=1)
     cfg = SimpleNamespace(model_config=model, cache_config=cache, parallel_config=parallel)
     for path, value in over.items():
-        section, attr = path.split("__")
-        setattr(getattr(cfg, section), attr, value)
+        section, _, attr = path.rpartition("__")
+        setattr(getattr(cfg, section) if section else cfg, attr, value)
     return cfg
 
 
@@ -156,6 +158,49 @@ def test_namespace_from_vllm_names_what_makes_kv_incompatible() -> None:
     again = _vllm_config(model_config__hf_config=_HFConfig(odd=object()))
     assert kv_settings_digest(same) == kv_settings_digest(again)
     assert "odd" in kv_settings(same)["hf_config"]
+
+
+class _Backend(enum.Enum):
+    FLASH_ATTN = 1
+    FLASHINFER = 2
+
+
+@dataclasses.dataclass
+class _QuantArgs:
+    method: str = "fp8"
+    activation_scheme: str = "dynamic"
+
+
+def test_settings_beside_the_hf_config_change_the_namespace() -> None:
+    """Settings outside the HF config that change KV bytes (issue 14, item 4). With an fp8 KV
+    cache the namespace's dtype is the cache dtype, so the compute dtype must come from the
+    digest; separate weights, online quantization arguments, the implementation, sliding
+    windows switched off, layers kept out of fp8 and the attention backend all change K/V."""
+    fp8 = {"cache_config__cache_dtype": "fp8"}
+    base = namespace_from_vllm(_vllm_config(**fp8), layout="NHD/cuda")
+    variants = [
+        _vllm_config(**fp8, model_config__dtype="torch.float16"),
+        _vllm_config(**fp8, model_config__model_weights="/weights/finetuned"),
+        _vllm_config(**fp8, model_config__code_revision="abc123"),
+        _vllm_config(**fp8, model_config__quantization_config=_QuantArgs()),
+        _vllm_config(**fp8, model_config__quantization_config=_QuantArgs(activation_scheme="s")),
+        _vllm_config(**fp8, model_config__model_impl="transformers"),
+        _vllm_config(**fp8, model_config__disable_sliding_window=True),
+        _vllm_config(**fp8, cache_config__kv_cache_dtype_skip_layers=["0"]),
+        _vllm_config(**fp8, attention_config=SimpleNamespace(backend=_Backend.FLASH_ATTN)),
+        _vllm_config(**fp8, attention_config=SimpleNamespace(backend=_Backend.FLASHINFER)),
+    ]
+    names = [namespace_from_vllm(v, layout="NHD/cuda") for v in variants]
+    assert len({base, *names}) == len(names) + 1
+    # Deterministic: equal settings, equal namespaces; an enum reads by its name.
+    again = _vllm_config(**fp8, attention_config=SimpleNamespace(backend=_Backend.FLASH_ATTN))
+    assert namespace_from_vllm(again, layout="NHD/cuda") == names[8]
+    settings = kv_settings(variants[8])
+    assert settings["attention_config.backend"].endswith("_Backend.FLASH_ATTN")
+    assert kv_settings(variants[3])["model_config.quantization_config"] == {
+        "method": "fp8",
+        "activation_scheme": "dynamic",
+    }
 
 
 # -- tensor parallel ranks ---------------------------------------------------------------------

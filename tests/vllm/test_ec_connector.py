@@ -36,11 +36,13 @@ from vllm.v1.worker.ec_connector_model_runner_mixin import (
     ECConnectorModelRunnerMixin,
 )
 
+from tiercache.connectors.common import store_snapshots
 from tiercache.connectors.vllm_ec import (
     HEADER_BYTES,
     TierCacheECConnector,
     decode_item,
     encode_item,
+    item_keys,
 )
 
 MODULE = "tiercache.connectors.vllm"  # the module vLLM loads; re-exports the connector
@@ -179,23 +181,93 @@ def test_counters_count_each_block_once(tiny_llama: Path, instances) -> None:
     assert counts() == (4, 2)  # every block of both items hit once
 
 
+def _forge(inst: Instance, mm_hash: str, nbytes: int, *dims: int) -> None:
+    """Store a checksum-valid block 0 for `mm_hash` whose header claims a bf16 item of shape
+    `dims` and `nbytes` payload bytes (what any process sharing the store could write)."""
+    from tiercache.connectors.vllm_ec import _HEADER, _MAGIC, _MAX_DIMS, _VERSION, item_keys
+
+    cache = inst.scheduler.cache
+    padded = list(dims) + [0] * (_MAX_DIMS - len(dims))
+    header = _HEADER.pack(_MAGIC, _VERSION, len(dims), b"bfloat16", nbytes, *padded)
+    block = torch.zeros((1, cache.block_bytes), dtype=torch.uint8)
+    block[0, : len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    assert cache.put(item_keys(inst.scheduler.namespace, mm_hash, 1), block) == 1
+
+
+def _counter(inst: Instance, name: str) -> int:
+    return store_snapshots()[inst.scheduler.namespace]["counters"].get(name, 0)
+
+
 def test_a_forged_item_size_is_a_counted_miss(tiny_llama: Path, instances, tmp_path) -> None:
     """A checksum-valid header in a shared store claiming a huge item: a miss and a counted
     error, never ~10^15 keys."""
-    from tiercache.connectors.vllm_ec import _HEADER, _MAGIC, _MAX_DIMS, _VERSION, item_keys
-
     cfg = {"tiers": [{"kind": "lmdb", "path": str(tmp_path / "ec"), "capacity": "4MiB"}]}
     inst = instances(_vllm_config(tiny_llama, cfg))
-    cache = inst.scheduler.cache
-    dims = [2**40, 2**20] + [0] * (_MAX_DIMS - 2)
-    header = _HEADER.pack(_MAGIC, _VERSION, 2, b"bfloat16", 2**61, *dims)
-    block = torch.zeros((1, cache.block_bytes), dtype=torch.uint8)
-    block[0, : len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    cache.put(item_keys(inst.scheduler.namespace, "img-forged", 1), block)  # a valid record
+    _forge(inst, "img-forged", 2**61, 2**40, 2**20)
     t0 = time.monotonic()
     assert not inst.scheduler.has_cache_item("img-forged")
     assert time.monotonic() - t0 < 5
-    assert cache.stats()["lmdb"]["errors"] == 1
+    assert inst.scheduler.cache.stats()["lmdb"]["errors"] == 1
+
+
+def test_item_sizes_are_bounded_by_max_item_bytes_and_a_bad_header_is_replaced(
+    tiny_llama: Path, instances, tmp_path
+) -> None:
+    """Issue 14, item 6: a size read from a store is checked against `max_item_bytes`, not
+    only against what the store could hold (a 4 TiB LMDB tier would still allow ~10^7 keys of
+    lookups per check). A violation is a miss and a counted error, and the bad block 0 is
+    dropped so that the item's next save stores it again (a save keeps blocks it finds held,
+    so the forged header used to make the item uncacheable for good)."""
+    cfg = {"tiers": [{"kind": "lmdb", "path": str(tmp_path / "ec"), "capacity": "4MiB"}]}
+    inst = instances(_vllm_config(tiny_llama, cfg, max_item_bytes=64 * 1024))
+    lmdb = lambda: inst.scheduler.cache.stats()["lmdb"]  # noqa: E731
+    # 1 MiB: within the 4 MiB store, past the 64 KiB bound.
+    _forge(inst, "img", 2**20, 512, 1024)
+    assert not inst.scheduler.has_cache_item("img")
+    assert lmdb()["errors"] == 1 and _counter(inst, "ec_bad_headers") == 1
+    assert lmdb()["ready_blocks"] == 0  # the forged block is gone
+    # The image is encoded and saved again, then loads.
+    encoder = {"img": _embeds(8, 40)}  # 10 KiB: 3 blocks
+    inst.step(_request("r1", ("img", 40)), encoder)
+    inst.encoder_cache.clear()
+    inst.step(_request("r2", ("img", 40)), encoder)
+    assert inst.encoded == ["img"]
+    assert torch.equal(inst.encoder_cache["img"], encoder["img"])
+    assert lmdb()["errors"] == 1 and _counter(inst, "ec_bad_headers") == 1
+
+
+def test_an_item_larger_than_max_item_bytes_is_not_saved(tiny_llama: Path, instances) -> None:
+    """It could never be read back (the read refuses its size): saving it is refused too."""
+    cfg = {"tiers": [{"kind": "cpu", "capacity": "1MiB"}]}
+    inst = instances(_vllm_config(tiny_llama, cfg, max_item_bytes=8 * 1024))
+    encoder = {"big": _embeds(9, 40), "small": _embeds(10, 3)}  # 10 KiB and 768 B
+    inst.step(_request("r1", ("big", 40), ("small", 3)), encoder)
+    assert inst.scheduler.cache.stats()["cpu"]["ready_blocks"] == 1  # "small" only
+    assert _counter(inst, "ec_items_too_large") == 1
+    inst.encoder_cache.clear()
+    inst.step(_request("r2", ("big", 40), ("small", 3)), encoder)
+    assert inst.encoded == ["big", "small", "big"]
+    with pytest.raises(ValueError, match="max_item_bytes"):
+        TierCacheECConnector(
+            _vllm_config(tiny_llama, cfg, max_item_bytes=0), ECConnectorRole.SCHEDULER
+        )
+
+
+def test_a_save_is_not_a_use_and_a_hit_is_one(tiny_llama: Path, instances) -> None:
+    """Issue 14, item 1, through the EC connector: an item saved once sits in ARC's recency
+    list (T1); loading it is its first use (T2). The save used to touch what it had just
+    stored, so every saved item went straight to T2 and ARC behaved as LRU."""
+    cfg = {"tiers": [{"kind": "cpu", "capacity": "1MiB", "policy": "arc"}]}
+    inst = instances(_vllm_config(tiny_llama, cfg))
+    arc = inst.scheduler.cache.manager.policies[0]
+    encoder = {"img-a": _embeds(1, 40)}  # 3 blocks
+    inst.step(_request("r1", ("img-a", 40)), encoder)
+    keys = set(item_keys(inst.scheduler.namespace, "img-a", 3))
+    assert (set(arc.state().t1), set(arc.state().t2)) == (keys, set())
+    inst.encoder_cache.clear()
+    inst.step(_request("r2", ("img-a", 40)), encoder)
+    assert inst.encoded == ["img-a"]
+    assert (set(arc.state().t1), set(arc.state().t2)) == (set(), keys)
 
 
 def test_seed_has_caches_answers_per_item(tiny_llama: Path, instances) -> None:

@@ -6,6 +6,7 @@ import pickle
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -15,12 +16,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from tiercache.connectors.common import acquire_store, release_store, resolve_config
 from tiercache.connectors.vllm import (
     TierCacheConnector,
     TierCacheConnectorMetadata,
     TierCacheConnectorStats,
 )
 from tiercache.connectors.vllm_kv import (
+    _SETTLE,
     LoadJob,
     StoreJob,
     TierCacheHandshake,
@@ -142,3 +145,31 @@ def test_stats_aggregate_and_reduce() -> None:
     assert s.reduce() == {"loaded_blocks": 5, "bytes": 10}
     s.reset()
     assert s.is_empty()
+
+
+def test_a_lookup_that_waits_for_a_store_counts_each_block_once() -> None:
+    """Issue 14, item 5: when a chain continues with blocks the worker is still storing, the
+    scheduler waits for them (`settle`) and looks again. The second look used to count every
+    block a second time; each block asked for once is now one hit or one miss."""
+    config = resolve_config({"tiers": [{"kind": "cpu", "blocks": 8}]}, block_size=4, namespace="t")
+    shared = acquire_store(config, 64)
+    try:
+        cache, manager = shared.cache, shared.cache.manager
+        keys = cache.hash_tokens(list(range(16)))  # 4 blocks
+        cache.put(keys[:2], torch.zeros((2, 64), dtype=torch.uint8))
+        assert manager.prepare_store(keys[2:]) is not None  # the worker is storing these
+
+        def settle(key: bytes) -> bool:  # the worker finishes the store it was running
+            manager.complete_store(keys[2:])
+            return True
+
+        shared.state[_SETTLE] = settle
+        c = object.__new__(TierCacheConnector)
+        c._shared, c._stats = shared, {}
+        before = cache.stats()["cpu"]
+        assert c._lookup_local(keys) == 4
+        after = cache.stats()["cpu"]
+        # Counted once, as the tier held them when asked: 2 ready, 2 still being stored.
+        assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (2, 2)
+    finally:
+        release_store(shared)

@@ -563,6 +563,45 @@ def test_engine_outputs_hits_restart_and_corruption(
     assert store["counters"]["offload_verify_errors"] >= PROMPTS
 
 
+ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
+
+
+def test_engine_override_that_changes_kv_never_hits_another_engines_store(
+    engine: ModuleType, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Issue 14, item 4, through vLLM's OffloadingConnector: its OffloadKeys are vLLM's block
+    hashes (tokens and extras only), so the spec's namespace must carry the settings digest.
+    vLLM hands the spec only an OffloadingConfig (model name and dtype); the digest comes
+    from the engine's VllmConfig, which this test checks is found inside a real engine."""
+    prompts = engine.make_prompts(PROMPTS, PROMPT_TOKENS, seed=29)
+    config = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 8},
+            {"kind": "nvme", "path": str(tmp_path / "nvme"), "capacity": "8MiB"},
+        ]
+    }
+    kv = _connector(config)
+
+    def spec(kv: dict[str, Any] | None, **kw: Any) -> dict[str, Any]:
+        one = {"prompts": prompts, "max_tokens": 12}
+        return {"model": str(tiny_llama), "kv_transfer_config": kv, "batches": [one], **kw}
+
+    wrote = engine.run_in_subprocess(spec(kv))
+    plain = wrote["batches"][0]["outputs"]
+    want = engine.run_in_subprocess(spec(None, hf_overrides=ROPE))["batches"][0]["outputs"]
+    assert want != plain  # the override changes the model's outputs (and so its KV)
+    got = engine.run_in_subprocess(spec(kv, hf_overrides=ROPE))
+    (batch,) = got["batches"]
+    # Without the digest: every prompt hit the other engine's blocks, and outputs differed.
+    assert batch["num_cached_tokens"] == [0] * PROMPTS
+    assert batch["outputs"] == want
+    assert _nvme_stats(got)["hits"] == 0
+    control = engine.run_in_subprocess(spec(kv))
+    (batch,) = control["batches"]
+    assert batch["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
+    assert batch["outputs"] == plain
+
+
 # vLLM >= 0.33 loads a hit within the step (an expedited load) while the step's budget lasts.
 SYNC_LOADS = "expedited" in inspect.signature(OffloadingWorker.submit_load).parameters
 # Room for every hit of a step (the test model has 512 bytes of KV per token). With a smaller

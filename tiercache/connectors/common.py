@@ -26,6 +26,8 @@ Primitives:
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import logging
 import threading
@@ -137,8 +139,9 @@ _HF_COSMETIC = frozenset(
 
 
 def _plain(value: Any) -> Any:
-    """JSON-able and the same in every process: containers walked, scalars kept, any other
-    object by its type name (its repr could hold a memory address)."""
+    """JSON-able and the same in every process: containers walked, scalars kept, enums by
+    name, dataclasses and objects with `to_dict()` by their fields, any other object by its
+    type name (its repr could hold a memory address)."""
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items() if str(k) not in _HF_COSMETIC}
     if isinstance(value, list | tuple | set | frozenset):
@@ -146,34 +149,74 @@ def _plain(value: Any) -> Any:
         return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
     if value is None or isinstance(value, bool | int | float | str):
         return value
+    name = type(value).__module__ + "." + type(value).__qualname__
+    if isinstance(value, enum.Enum):
+        return f"{name}.{value.name}"
     to_dict = getattr(value, "to_dict", None)
     if callable(to_dict):
         return _plain(to_dict())
-    name = type(value).__module__ + "." + type(value).__qualname__
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name, None)) for f in dataclasses.fields(value)}
     if name.startswith("torch."):
         return str(value)  # a dtype or device prints the same in every process
     return f"<{name}>"
 
 
+# Settings outside the Hugging Face config that change the KV bytes (or, for the encoder
+# connector, the encoder outputs), by the `VllmConfig` section they live in. Left out on
+# purpose: what only bounds or schedules work (max_model_len, memory, limits, cache sizes,
+# enforce_eager/compilation, seeds, tokenizer), and what is a per-request extra key of every
+# block already (LoRA, cache_salt, multimodal inputs).
+_KV_FIELDS: dict[str, tuple[str, ...]] = {
+    "model_config": (
+        "dtype",  # the compute dtype: K/V are computed in it (the cache dtype may differ)
+        "revision",
+        "code_revision",
+        "model_weights",  # weights loaded from elsewhere than `model`
+        "quantization",  # online quantization
+        "quantization_config",
+        "model_impl",  # vLLM's or transformers' implementation
+        "model_class_overrides",
+        "runner",
+        "convert",
+        "disable_sliding_window",
+    ),
+    "cache_config": ("cache_dtype", "calculate_kv_scales", "kv_cache_dtype_skip_layers"),
+    "attention_config": ("backend", "backend_per_kind"),
+    "multimodal_config": (
+        "language_model_only",
+        "mm_processor_kwargs",
+        "mm_device_do_normalize",
+        "mm_encoder_attn_backend",
+        "mm_encoder_attn_dtype",
+        "video_pruning_rate",
+        "video_pruning_method",
+    ),
+}
+
+
 def kv_settings(vllm_config: Any) -> dict[str, Any]:
     """Every setting of a vLLM `VllmConfig` that changes the KV bytes a prompt produces,
-    besides the model name, dtypes, block size, layout and TP (in the namespace itself):
+    besides the model name, KV dtype, block size, layout and TP (in the namespace itself):
 
     - the model's effective Hugging Face config (`model_config.hf_config`, after
       `hf_overrides`): rope parameters and scaling, sliding windows, head counts and sizes,
       layer types, norms, quantization_config, ... (only the names above are left out);
-    - `model_config.quantization` (online quantization) and `model_config.revision`;
-    - `cache_config.cache_dtype` and `cache_config.calculate_kv_scales` (fp8 KV scales).
+    - the fields in `_KV_FIELDS` (compute dtype, revisions, separate weights, online
+      quantization, implementation, KV cache dtype and fp8 scales, attention backend, the
+      multimodal encoder's settings); a field this vLLM version lacks reads as None.
+
+    docs/vllm.md lists them for users.
     """
     mc = vllm_config.model_config
-    cc = vllm_config.cache_config
-    return {
-        "hf_config": _plain(getattr(mc, "hf_config", None)),
-        "quantization": _plain(getattr(mc, "quantization", None)),
-        "revision": _plain(getattr(mc, "revision", None)),
-        "cache_dtype": _plain(getattr(cc, "cache_dtype", None)),
-        "calculate_kv_scales": _plain(getattr(cc, "calculate_kv_scales", None)),
-    }
+    out: dict[str, Any] = {"hf_config": _plain(getattr(mc, "hf_config", None))}
+    for section, names in _KV_FIELDS.items():
+        cfg = getattr(vllm_config, section, None)
+        if section == "multimodal_config":
+            cfg = getattr(mc, "multimodal_config", None)
+        for f in names:
+            out[f"{section}.{f}"] = _plain(getattr(cfg, f, None)) if cfg is not None else None
+    return out
 
 
 def kv_settings_digest(vllm_config: Any) -> str:

@@ -16,7 +16,11 @@ Primitives:
 
 Layout: an item is one or more fixed-size blocks under keys ``xxh3_128(prefix, namespace,
 mm_hash, i)``. Block 0 starts with a 64-byte header (magic, version, dtype name, shape, payload
-bytes); the payload follows, then zero padding. Nothing is pickled.
+bytes); the payload follows, then zero padding. Nothing is pickled. A header is only what some
+process wrote into a (possibly shared) store: its size is checked against ``max_item_bytes``
+(extra config, default 1 GiB) and the store's capacity before any key is made, and a header
+that fails a check is a miss, a counted error (``ec_bad_headers``), and is dropped so that the
+item's next save replaces it. Items larger than ``max_item_bytes`` are not saved.
 
 Why the scheduler side reads the bytes: once `has_cache_item` answers True, vLLM will not run
 the encoder for that item, and a load that then fails would leave the model without its
@@ -30,6 +34,7 @@ write it to the tiers on a background thread, off the forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import struct
@@ -87,6 +92,10 @@ _DTYPES = {
 }
 DEFAULT_BLOCK_BYTES = 256 * 1024
 DEFAULT_STAGED_BYTES = 256 * 2**20
+# The largest item saved or read (payload bytes). A size read from a store is checked against
+# it (and against what the store can hold) before any key is made: a checksum-valid header in
+# a shared store is still only what some process wrote.
+DEFAULT_MAX_ITEM_BYTES = 2**30
 
 
 def item_keys(namespace: str, mm_hash: str, n: int) -> list[bytes]:
@@ -179,6 +188,12 @@ class TierCacheECConnector(ECConnectorBase):
                 "ec_connector_extra_config.max_staged_bytes",
                 f"expected an int >= 0, got {staged!r}",
             )
+        max_item = extra.get("max_item_bytes", DEFAULT_MAX_ITEM_BYTES)
+        if isinstance(max_item, bool) or not isinstance(max_item, int) or max_item < 1:
+            raise ConfigError(
+                "ec_connector_extra_config.max_item_bytes",
+                f"expected an int >= 1, got {max_item!r}",
+            )
         mc = vllm_config.model_config
         if mc is None:
             raise ValueError("vllm_config.model_config: required to name the encoder outputs")
@@ -199,8 +214,10 @@ class TierCacheECConnector(ECConnectorBase):
         self.namespace = config.namespace
         self._store = acquire_store(config, bb)
         self._cache = self._store.cache
-        # No item is larger than every tier together (a bound on sizes read from a store).
-        self._max_item_bytes = sum(t.capacity_blocks for t in self._cache.tiers) * bb
+        # Sizes read from a store are bounded by `max_item_bytes` and by what every tier
+        # together holds (an item is not split across requests).
+        store_bytes = sum(t.capacity_blocks for t in self._cache.tiers) * bb - HEADER_BYTES
+        self._max_item_bytes = max(0, min(max_item, store_bytes))
         self._max_staged = staged
         # Scheduler side: verified items read by has_cache_item, waiting for their request to be
         # scheduled (mm_hash -> (tensor, step)), and this step's loads.
@@ -308,22 +325,15 @@ class TierCacheECConnector(ECConnectorBase):
             return None
         try:
             _, _, nbytes = _read_header(head[0])
+            if nbytes > self._max_item_bytes:
+                # Checked before any key is made: a forged size must not make the scheduler
+                # build (and look up) ~10^15 keys.
+                raise ValueError(
+                    f"header claims {nbytes} payload bytes, more than max_item_bytes or the "
+                    f"store allows ({self._max_item_bytes})"
+                )
         except ValueError as exc:
-            log.warning("encoder item %s: %s; encoding it again", mm_hash, exc)
-            return None
-        if nbytes > self._max_item_bytes:
-            # A checksum-valid header from a shared store is still only what some process
-            # wrote: a size past what the store can hold is refused before any key is made.
-            log.warning(
-                "encoder item %s: header claims %d payload bytes, more than the store holds "
-                "(%d); treated as a miss",
-                mm_hash,
-                nbytes,
-                self._max_item_bytes,
-            )
-            where = self._cache.manager.where(first[0])
-            self._cache.manager.record_error(where[0] if where else 0)
-            self._store.count("ec_bad_headers")
+            self._reject(mm_hash, first[0], exc)
             return None
         n = _blocks_for(nbytes, self.block_bytes)
         keys = item_keys(self.namespace, mm_hash, n)
@@ -336,8 +346,23 @@ class TierCacheECConnector(ECConnectorBase):
         try:
             return decode_item(blocks)
         except ValueError as exc:
-            log.warning("encoder item %s: %s; encoding it again", mm_hash, exc)
+            self._reject(mm_hash, first[0], exc)
             return None
+
+    def _reject(self, mm_hash: str, key0: bytes, why: Exception) -> None:
+        """Block 0 of `mm_hash` passed its checksum but is not a valid item header: a miss,
+        an error counted in the tier holding it, and the block is dropped, so that the item's
+        next save writes a good one (a save keeps the blocks it finds held)."""
+        log.warning("encoder item %s: %s; encoding it again", mm_hash, why)
+        manager = self._cache.manager
+        with self._store.lock:
+            where = manager.where(key0)
+            manager.record_error(where[0] if where else 0)
+            if where:
+                # Pinned by a read right now (ValueError): the next miss drops it.
+                with contextlib.suppress(ValueError):
+                    manager.discard((key0,))
+        self._store.count("ec_bad_headers")
 
     def _stage(self, mm_hash: str, tensor: torch.Tensor) -> None:
         self._staged[mm_hash] = (tensor, self._step)
@@ -368,6 +393,10 @@ class TierCacheECConnector(ECConnectorBase):
                 if item is None:
                     return
                 mm_hash, tensor = item
+                if _nbytes(tensor) > self._max_item_bytes:  # it could never be read back
+                    log.debug("encoder item %s: larger than max_item_bytes, not saved", mm_hash)
+                    self._store.count("ec_items_too_large")
+                    continue
                 blocks = encode_item(tensor, self.block_bytes)
                 keys = item_keys(self.namespace, mm_hash, blocks.shape[0])
                 # Blocks of an earlier copy may still be held although the item was a miss

@@ -410,8 +410,9 @@ class TierCacheConnector(KVConnectorBase_V1):
             settle = self._shared.state.get(_SETTLE)
             if (n is None or n < len(keys)) and settle is not None and settle(keys[n or 0]):
                 # The chain continued with a block the worker was still storing or
-                # demoting; it has now finished: look again.
-                n = manager.lookup(keys)
+                # demoting; it has now finished: look again. Not counted: the first look
+                # counted each block once already (as the tiers held it when asked).
+                n = manager.lookup(keys, count=False)
             return None if n is None else self._verify(keys[:n])
 
     def _verify(self, keys: list[bytes]) -> int:
