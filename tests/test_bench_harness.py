@@ -209,6 +209,39 @@ def test_replay_manager_counts_ops_and_hits() -> None:
     assert r.seconds > 0 and r.ops_per_s > 0
 
 
+def test_replay_manager_calls_in_vllm_scheduler_order(monkeypatch) -> None:
+    """Per request: lookup, touch (of what is held: the hits count as used before the store
+    makes room), load of the hits, store of the rest. Nothing is touched after its store."""
+    from tiercache.manager import OffloadingManager
+
+    calls: list[tuple[str, tuple[bytes, ...]]] = []
+    names = ("lookup", "touch", "prepare_load", "complete_load", "prepare_store", "complete_store")
+    for name in names:
+        real = getattr(OffloadingManager, name)
+
+        def rec(self, keys, *a, _n=name, _r=real, **kw):
+            calls.append((_n, tuple(keys)))
+            return _r(self, keys, *a, **kw)
+
+        monkeypatch.setattr(OffloadingManager, name, rec)
+    t = make_trace("chat", 40)
+    run = replay_manager(t, "arc", 200)
+    per_req: list[list[tuple[str, tuple[bytes, ...]]]] = []
+    for c in calls:
+        if c[0] == "lookup":
+            per_req.append([])
+        per_req[-1].append(c)
+    assert len(per_req) == len(t.requests)
+    for req, keys in zip(per_req, t.requests, strict=True):
+        hit = len(dict(req).get("prepare_load", ()))
+        order = [n for n, _ in req]
+        expect = ["lookup", "touch"] + ["prepare_load", "complete_load"] * bool(hit)
+        expect += ["prepare_store", "complete_store"] * (hit < len(keys))
+        assert order in (expect, expect[:-1])  # a refused store completes nothing
+        assert dict(req)["touch"] == keys
+    assert run.hits == sum(len(dict(r).get("prepare_load", ())) for r in per_req)
+
+
 def test_replay_cache_moves_checked_bytes_through_real_tiers(tmp_path) -> None:
     t = make_trace("chat", 40)
     longest = max(map(len, t.requests))

@@ -2,14 +2,18 @@
 through a whole `TierCache` with real tiers.
 
 Primitives:
-- `replay_manager(trace, policy, capacity) -> ManagerRun`: the bookkeeping call sequence a
-  connector makes per request (lookup, prepare_load/complete_load of the hit prefix,
-  prepare_store of the rest, touch, complete_store) on one tier of `capacity` blocks.
+- `replay_manager(trace, policy, capacity) -> ManagerRun`: per request, the calls a connector
+  makes on tiercache's manager, in vLLM's scheduler order (lookup; touch of what is held, so
+  the hits count as used before the store makes room; prepare_load/complete_load of the hit
+  prefix; prepare_store/complete_store of the rest) on one tier of `capacity` blocks. A
+  block is never touched after its own store: a store is not a use.
 - `replay_vllm(trace, policy, capacity) -> ManagerRun | None`: the same requests through vLLM
-  0.32's `CPUOffloadingManager` (per-key lookups, a `ReqContext` per request, request
-  finalisation as its scheduler does); None when vLLM is not importable.
-- `replay_cache(trace, config, block_bytes) -> CacheRun`: `get` the prefix, check each row is
-  the bytes stored for its key, `put` the rest, on real tiers; per-tier hits, bytes, seconds.
+  0.32's `CPUOffloadingManager`, called exactly as its OffloadingConnector scheduler calls it
+  for a request served alone (`VLLM_SCHEDULER_CALLS`; `tests/vllm/test_bench_agreement.py`
+  records a real scheduler and compares); None when vLLM is not importable.
+- `replay_cache(trace, config, block_bytes) -> CacheRun`: `get` the prefix (a use: it touches
+  what it returns), check each row is the bytes stored for its key, `put` the rest (touches
+  only what was already held, then stores), on real tiers; per-tier hits, bytes, seconds.
 
 A block-op is one key passed to one manager call; both managers are charged the same count
 for a request (2 per key, plus 2 per hit key and 2 per stored key), so ops/s compare like for
@@ -76,7 +80,8 @@ def _ops(n_keys: int, n_hit: int) -> int:
 
 
 def replay_manager(trace: Trace, policy: str, capacity: int) -> ManagerRun:
-    """Drive a fresh one-tier `OffloadingManager` with `policy` over the trace."""
+    """Drive a fresh one-tier `OffloadingManager` with `policy` over the trace, one request
+    at a time, as a connector drives it in vLLM's scheduler order (see the module doc)."""
     tier = CPUTier(block_bytes=1, capacity_blocks=capacity, pin_memory=False)
     m = OffloadingManager([tier], [get_policy_class(policy)(capacity)])
     lookup, prep_load, done_load = m.lookup, m.prepare_load, m.complete_load
@@ -86,14 +91,19 @@ def replay_manager(trace: Trace, policy: str, capacity: int) -> ManagerRun:
         t0 = time.perf_counter()
         for keys in trace.requests:
             n = lookup(keys) or 0
+            # The request uses what is held: the hit prefix, and any later block of its chain
+            # still held (vLLM's manager counts those as reused too). The policies ignore the
+            # keys they do not hold, so the blocks about to be stored are not touched: a store
+            # is not a use. Touched before the store makes room, as a use precedes its store.
+            touch(keys)
             if n:
                 head = keys[:n]
                 prep_load(head)
                 done_load(head)
-            out = prep_store(keys[n:]) if n < len(keys) else None
-            touch(keys)
-            if out is not None:
-                done_store(out.keys_to_store)
+            if n < len(keys):
+                out = prep_store(keys[n:])
+                if out is not None:
+                    done_store(out.keys_to_store)
             hits += n
             ops += _ops(len(keys), n)
         secs = time.perf_counter() - t0
@@ -109,23 +119,71 @@ def vllm_available() -> bool:
     return True
 
 
+# What vLLM 0.32's OffloadingConnector scheduler (vllm/distributed/kv_transfer/kv_connector/
+# v1/offloading/scheduler.py) calls on its manager for one request served alone, full
+# attention, one KV cache group, one block per chunk, vLLM's own prefix cache missing:
+#   on_new_request                 when the request arrives (on_new_request)
+#   lookup, key by key             get_num_new_matched_tokens, from the first block, up to
+#                                  and including the first MISS (HIT_PENDING/RETRY defer)
+#   prepare_load(hit prefix)       update_state_after_alloc, if anything hit
+#   complete_load(hit prefix)      update_connector_output, once the load job is done
+#   prepare_store(the rest)        build_connector_meta, for the blocks the step computed
+#                                  (chunk level: the loaded prefix is skipped)
+#   on_request_finished            build_connector_meta of the step after the last token;
+#                                  the manager applies the request's accesses to its policy
+#                                  here (LRU recency; ARC: reuse moves T1 -> T2)
+#   complete_store(stored keys)    update_connector_output of that step: a prompt's store
+#                                  issued in the request's last step completes after it
+#                                  finishes (vLLM passes a set; order is not defined)
+# It never calls `touch` (0.32 applies recency at on_request_finished). A refused
+# prepare_store is asked again in each later step of the request; with nothing completing
+# in between the retry gets the same answer and changes no state, so it is not replayed.
+# Per-step hooks (`on_schedule_end`, `has_pending_work`) and metrics (`get_stats`,
+# `get_load_source`) are no-ops in CPUOffloadingManager and are left out.
+VLLM_SCHEDULER_CALLS = (
+    "on_new_request",
+    "lookup",
+    "prepare_load",
+    "complete_load",
+    "prepare_store",
+    "on_request_finished",
+    "complete_store",
+)
+
+
+def vllm_request_contexts(trace: Trace) -> list[tuple[list[bytes], Any]]:
+    """Per request: vLLM offload keys (group 0) and the `ReqContext` its scheduler builds,
+    with each key's end-token position (`update_offload_keys`), which the manager reads to
+    order the request's keys when it finishes. Scheduler work, so built outside the timing."""
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    out = []
+    bs = trace.block_size
+    for i, r in enumerate(trace.requests):
+        keys = [make_offload_key(k, 0) for k in r]
+        ctx = ReqContext(req_id=str(i))
+        for j, k in enumerate(keys, 1):
+            ctx.set_offload_key_position(k, j * bs)
+        out.append((keys, ctx))
+    return out
+
+
 def replay_vllm(trace: Trace, policy: str, capacity: int) -> ManagerRun | None:
     """Drive vLLM's `CPUOffloadingManager(num_chunks=capacity, cache_policy=policy)` over the
-    trace the way its 0.32 scheduler does; None when vLLM is not importable."""
+    trace, one request at a time, with the calls `VLLM_SCHEDULER_CALLS` lists, in its order;
+    None when vLLM is not importable."""
     if not vllm_available():
         return None
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+    from vllm.v1.kv_offload.base import LookupResult
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     m = CPUOffloadingManager(num_chunks=capacity, cache_policy=policy)
     hit = LookupResult.HIT
-    # vLLM keys carry a 4-byte KV-group index; convert outside the timed loop.
-    reqs = [[make_offload_key(k, 0) for k in r] for r in trace.requests]
+    reqs = vllm_request_contexts(trace)
     hits = ops = 0
     with frozen_heap():
         t0 = time.perf_counter()
-        for i, keys in enumerate(reqs):
-            ctx = ReqContext(req_id=str(i))
+        for keys, ctx in reqs:
             m.on_new_request(ctx)
             n = 0
             for k in keys:
@@ -136,11 +194,10 @@ def replay_vllm(trace: Trace, policy: str, capacity: int) -> ManagerRun | None:
                 head = keys[:n]
                 m.prepare_load(head, ctx)
                 m.complete_load(head, ctx)
-            if n < len(keys):
-                out = m.prepare_store(keys[n:], ctx)
-                if out is not None and out.keys_to_store:
-                    m.complete_store(out.keys_to_store, ctx)
+            out = m.prepare_store(keys[n:], ctx) if n < len(keys) else None
             m.on_request_finished(ctx)
+            if out is not None and out.keys_to_store:
+                m.complete_store(out.keys_to_store, ctx)
             hits += n
             ops += _ops(len(keys), n)
         secs = time.perf_counter() - t0
@@ -255,6 +312,9 @@ def replay_cache(
             hits += n
             if progress is not None and i % 64 == 0:
                 progress(i)
+        # Drain the write-through copier: a copy it has written but not yet completed would
+        # count bytes at the tier and no store in the stats (part of the replay's work).
+        cache.flush()
         secs = time.perf_counter() - t0
         stats = cache.stats()
         ios = [replace(io) for io in ios]  # as of now: close() writes back more
