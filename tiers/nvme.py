@@ -17,6 +17,14 @@ Layout under `path` (a private directory, 0700; every file 0600):
   against its slot's header (key, seq, length) before it is recovered. The journal is then
   rewritten compactly (BASE + live PUTs), and again on close and whenever it grows past
   `2 * capacity + COMPACT_SLACK` records.
+- `index.img`: the index image, written with every compaction (tmp, fsync, renamed after the
+  journal): the live and kept entries as fixed-width arrays (slot, seq, namespace, key), the
+  journal bytes it covers with their xxh3, and the namespace of the tier that appends after
+  it; checksummed as a whole. An open loads it and replays only the journal records appended
+  after it (no slot is read: those PUTs are the writer's, and a read verifies key, namespace,
+  seq and checksum). A missing, damaged or stale image, or a journal whose covered bytes
+  changed, falls back to the full replay with header checks above (logged). An open after a
+  clean close by the same namespace rewrites nothing.
 
 Crash ordering: a store writes the data of all its slots, then (fsync="always") fdatasyncs the
 slab, and only then appends its PUT records (and fdatasyncs the journal). A crash before the
