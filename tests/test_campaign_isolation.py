@@ -357,6 +357,15 @@ def test_crafted_keys_and_namespaces_never_escape_the_store(tmp_path) -> None:
     after = sorted(p for p in tmp_path.rglob("*") if root not in p.parents and p != root)
     assert after == outside
     names = {p.name for p in root.rglob("*")}
-    assert names <= {"nvme", "lmdb", "meta.json", "slab", "index", "data.mdb", "lock.mdb"}, names
+    assert names <= {
+        "nvme",
+        "lmdb",
+        "meta.json",
+        "slab",
+        "index",
+        "index.img",
+        "data.mdb",
+        "lock.mdb",
+    }, names
     assert not Path("/tmp/escape").exists()
     report("isolation", crafted_keys=len(crafted), crafted_namespaces=3, files_outside=0)

@@ -17,6 +17,14 @@ Layout under `path` (a private directory, 0700; every file 0600):
   against its slot's header (key, seq, length) before it is recovered. The journal is then
   rewritten compactly (BASE + live PUTs), and again on close and whenever it grows past
   `2 * capacity + COMPACT_SLACK` records.
+- `index.img`: the index image, written with every compaction (tmp, fsync, renamed after the
+  journal): the live and kept entries as fixed-width arrays (slot, seq, namespace, key), the
+  journal bytes it covers with their xxh3, and the namespace of the tier that appends after
+  it; checksummed as a whole. An open loads it and replays only the journal records appended
+  after it (no slot is read: those PUTs are the writer's, and a read verifies key, namespace,
+  seq and checksum). A missing, damaged or stale image, or a journal whose covered bytes
+  changed, falls back to the full replay with header checks above (logged). An open after a
+  clean close by the same namespace rewrites nothing.
 
 Crash ordering: a store writes the data of all its slots, then (fsync="always") fdatasyncs the
 slab, and only then appends its PUT records (and fdatasyncs the journal). A crash before the
@@ -83,8 +91,8 @@ BATCH_SYNC_BLOCKS = 256  # fsync="batch": sync after this many blocks written si
 BATCH_SYNC_SECONDS = 1.0  # ... and at most this long after the first unsynced write
 COMPACT_SLACK = 1024  # journal records allowed beyond 2 * capacity before a rewrite
 
-_META, _SLAB, _INDEX = "meta.json", "slab", "index"
-_OURS = {_META, _META + ".tmp", _SLAB, _INDEX, _INDEX + ".tmp"}
+_META, _SLAB, _INDEX, _IMAGE = "meta.json", "slab", "index", "index.img"
+_OURS = {_META, _META + ".tmp", _SLAB, _INDEX, _INDEX + ".tmp", _IMAGE, _IMAGE + ".tmp"}
 _STORE_FORMAT, _STORE_VERSION = "tiercache-nvme", 1
 
 _OP_PUT, _OP_FREE, _OP_BASE = 1, 2, 3
@@ -110,6 +118,99 @@ def _parse_record(buf: bytes, off: int) -> tuple[int, int, int, bytes] | None:
     if magic != _REC_MAGIC or version != _REC_VERSION or op not in (_OP_PUT, _OP_FREE, _OP_BASE):
         return None
     return op, slot, seq, key
+
+
+# The index image: what an open would learn from the journal and every slot header, as
+# fixed-width arrays. Header: magic, version, flags (bit 0: the writer's namespace is set),
+# journal bytes covered, xxh3_64 of those bytes, top seq, writer namespace id, slots in the
+# slab, entries, namespaces; then the namespace table (u64 each), then per entry (oldest
+# first) slot u32, seq u64, namespace number u32, key 16 bytes; then xxh3_64 of all before.
+_IMG_MAGIC, _IMG_VERSION = b"TIMG", 1
+_IMG_HEAD = struct.Struct("<4sHHQQQQQII")
+_IMG_WRITER = 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Image:
+    covered: int  # journal bytes it covers (a record boundary)
+    journal_hash: int  # xxh3_64 of those bytes
+    top_seq: int
+    writer: int | None  # namespace id of the tier that appends after `covered`
+    slots: np.ndarray  # u32
+    seqs: np.ndarray  # u64
+    ns: np.ndarray  # u64 namespace id per entry
+    keys: bytes  # 16 bytes per entry
+
+
+def encode_image(
+    journal: bytes,
+    top_seq: int,
+    writer: int | None,
+    nslots: int,
+    entries: Sequence[tuple[int, bytes, int, int]],
+) -> bytes:
+    """The image of `entries` (slot, key, seq, namespace id; oldest first) covering all of
+    `journal`."""
+    n = len(entries)
+    table = sorted({e[3] for e in entries})
+    number = {v: i for i, v in enumerate(table)}
+    head = _IMG_HEAD.pack(
+        _IMG_MAGIC,
+        _IMG_VERSION,
+        _IMG_WRITER if writer is not None else 0,
+        len(journal),
+        xxhash.xxh3_64_intdigest(journal),
+        top_seq,
+        writer or 0,
+        nslots,
+        n,
+        len(table),
+    )
+    body = b"".join(
+        [
+            head,
+            np.array(table, dtype="<u8").tobytes(),
+            np.fromiter((e[0] for e in entries), dtype="<u4", count=n).tobytes(),
+            np.fromiter((e[2] for e in entries), dtype="<u8", count=n).tobytes(),
+            np.fromiter((number[e[3]] for e in entries), dtype="<u4", count=n).tobytes(),
+            b"".join(e[1] for e in entries),
+        ]
+    )
+    return body + _REC_SUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_image(data: bytes) -> _Image | None:
+    """The image in `data`, or None when it is damaged, foreign or of another version."""
+    if len(data) < _IMG_HEAD.size + _REC_SUM.size:
+        return None
+    body = memoryview(data)[: -_REC_SUM.size]
+    (digest,) = _REC_SUM.unpack_from(data, len(body))
+    if xxhash.xxh3_64_intdigest(body) != digest:
+        return None
+    magic, version, flags, covered, jhash, top, writer, _nslots, n, nt = _IMG_HEAD.unpack_from(data)
+    if magic != _IMG_MAGIC or version != _IMG_VERSION or covered % REC_SIZE:
+        return None
+    off = _IMG_HEAD.size
+    if len(body) != off + 8 * nt + (4 + 8 + 4 + KEY_BYTES) * n:
+        return None
+    table = np.frombuffer(data, dtype="<u8", count=nt, offset=off)
+    off += 8 * nt
+    slots = np.frombuffer(data, dtype="<u4", count=n, offset=off)
+    seqs = np.frombuffer(data, dtype="<u8", count=n, offset=off + 4 * n)
+    number = np.frombuffer(data, dtype="<u4", count=n, offset=off + 12 * n)
+    if n and int(number.max()) >= nt:
+        return None
+    keys = bytes(body[off + 16 * n : off + 32 * n])
+    return _Image(
+        covered,
+        jhash,
+        top,
+        writer if flags & _IMG_WRITER else None,
+        slots,
+        seqs,
+        table[number] if n else np.zeros(0, dtype="<u8"),
+        keys,
+    )
 
 
 def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
@@ -161,7 +262,9 @@ class NVMeTier(Tier):
         self._fsync = fsync
         # None: an offline tool's view (the CLI), where every namespace's blocks are indexed.
         self._ns = None if namespace is None else namespace_id(namespace)
-        self._kept: dict[int, tuple[bytes, int]] = {}  # slot -> (key, seq) kept, not ours
+        # slot -> (key, seq, namespace id) of blocks kept, not ours
+        self._kept: dict[int, tuple[bytes, int, int]] = {}
+        self._ns_of: dict[int, int] = {}  # slot -> namespace id, only when namespace is None
         self._nslots = capacity_blocks  # slots in the slab: ours (capacity) + kept
         self._slot_bytes = -(-(HEADER_SIZE + block_bytes) // ALIGN) * ALIGN
         self._lock = threading.Lock()  # guards the journal, the index map and the counter
@@ -248,8 +351,15 @@ class NVMeTier(Tier):
         index_missing = meta is not None and not os.path.exists(os.path.join(self._path, _INDEX))
         self._jfd = self._open_file(_INDEX, os.O_RDWR)
         with self._lock:
-            self._load_index()
-            self._compact()
+            size = os.fstat(self._jfd).st_size
+            journal = os.pread(self._jfd, size, 0) if size else b""
+            current = self._load_image(journal)
+            if current is None:
+                self._load_index(journal)
+            if current:  # the image covers the whole journal and names us as its writer
+                self._jlen = len(journal)
+            else:
+                self._compact()
         if index_missing:
             self.open_report["index_missing"] = 1
             log.warning("%s: the index journal is missing; its blocks are forgotten", self._path)
@@ -371,14 +481,87 @@ class NVMeTier(Tier):
         elif size > target and not grow_only:
             os.ftruncate(self._fd, target)
 
-    def _load_index(self) -> None:
+    def _load_image(self, journal: bytes) -> bool | None:
+        """Load the index from the image plus the journal records appended after it, reading
+        no slot (lock held). None when the image is missing, damaged, or does not cover this
+        journal (then the caller reads every header); True when it covers all of it and this
+        tier wrote it (the journal is kept as is), False when a compaction should follow.
+
+        The tail needs no header check: its PUTs were written by the image's writer (every
+        open and every compaction writes a fresh image), and a read verifies key, namespace
+        and checksum, so an entry whose data never landed is a miss there, never bytes."""
+        try:
+            with open(os.path.join(self._path, _IMAGE), "rb", opener=_nofollow) as f:
+                img = decode_image(f.read())
+        except FileNotFoundError:
+            if journal:
+                log.warning("%s: no index image; reading every slot header", self._path)
+            return None
+        except OSError as exc:
+            log.warning("%s: the index image is unreadable (%s)", self._path, exc)
+            return None
+        if img is None:
+            log.warning("%s: the index image is damaged; reading every slot header", self._path)
+            return None
+        if img.covered > len(journal) or (
+            xxhash.xxh3_64_intdigest(memoryview(journal)[: img.covered]) != img.journal_hash
+        ):
+            log.warning(
+                "%s: the index image does not match the journal (stale, or the journal was "
+                "damaged); reading every slot header",
+                self._path,
+            )
+            return None
+        tail = memoryview(journal)[img.covered :]
+        best: dict[int, tuple[int, int, bytes]] = {}
+        damaged, top = int(len(tail) % REC_SIZE != 0), img.top_seq
+        for off in range(0, len(tail) - REC_SIZE + 1, REC_SIZE):
+            rec = _parse_record(tail, off)
+            if rec is None:
+                damaged += 1
+                continue
+            op, slot, seq, key = rec
+            top = max(top, seq)
+            if op != _OP_BASE and (slot not in best or seq > best[slot][0]):
+                best[slot] = (seq, op, key)
+        if img.writer is None and any(op == _OP_PUT for _, op, _ in best.values()):
+            log.warning("%s: the index image names no writer; reading every header", self._path)
+            return None
+        cap = os.fstat(self._fd).st_size // self._slot_bytes
+        keys = img.keys
+        items = {
+            slot: (keys[16 * i : 16 * i + 16], seq, ns)
+            for i, (slot, seq, ns) in enumerate(
+                zip(img.slots.tolist(), img.seqs.tolist(), img.ns.tolist(), strict=True)
+            )
+        }
+        out_of_range = 0
+        for slot, (seq, op, key) in best.items():
+            cur = items.get(slot)
+            if cur is not None and cur[1] >= seq:
+                continue
+            if op == _OP_PUT:
+                assert img.writer is not None
+                items[slot] = (key, seq, img.writer)
+            else:
+                items.pop(slot, None)
+        for slot in [s for s in items if s >= cap]:
+            del items[slot]
+            out_of_range += 1
+        self._settle(
+            [(slot, key, seq, ns) for slot, (key, seq, ns) in items.items()],
+            skipped=damaged,
+            dropped=out_of_range,
+            top_seq=top,
+        )
+        self.open_report["index_image"] = 1
+        self.open_report["headers_read"] = 0
+        return not tail and img.writer == self._ns and self._ns is not None
+
+    def _load_index(self, journal: bytes) -> None:
         """Replay the journal, then keep only entries whose slot header agrees (lock held)."""
-        data = b""
-        size = os.fstat(self._jfd).st_size
-        if size:
-            data = os.pread(self._jfd, size, 0)
         fd, sb = self._fd, self._slot_bytes
-        entries, report = replay_journal(data, os.fstat(fd).st_size // sb, per_key=False)
+        entries, report = replay_journal(journal, os.fstat(fd).st_size // sb, per_key=False)
         items = [(e.slot, e.key, e.seq) for e in entries]
         ns_of = self._pipeline(
             len(items),
@@ -388,34 +571,59 @@ class NVMeTier(Tier):
                 None if isinstance(got, BaseException) else self._header_ns(buf, got, *items[i])
             ),
         )
+        checked = [(*it, ns) for it, ns in zip(items, ns_of, strict=True) if ns is not None]
+        self._settle(
+            checked,
+            skipped=report.damaged,
+            dropped=report.out_of_range + len(items) - len(checked),
+            top_seq=report.top_seq,
+        )
+        self.open_report["index_image"] = 0
+        self.open_report["headers_read"] = len(items)
+        if len(items) != len(checked):
+            log.warning(
+                "%s: %d indexed blocks failed their header check and were dropped",
+                self._path,
+                len(items) - len(checked),
+            )
+
+    def _settle(
+        self,
+        items: list[tuple[int, bytes, int, int]],
+        *,
+        skipped: int,
+        dropped: int,
+        top_seq: int,
+    ) -> None:
+        """Index (slot, key, seq, namespace id) entries: ours up to the capacity, the rest
+        kept (lock held). `skipped`: damaged records; `dropped`: entries already dropped."""
         # One slot per (namespace, key), the newest: a lost FREE record can leave an older
         # copy behind. Equal keys of two namespaces are two blocks.
         newest: dict[tuple[int, bytes], tuple[int, int]] = {}
-        superseded = 0
-        for (slot, key, seq), ns in zip(items, ns_of, strict=True):
-            if ns is None:
-                continue
+        for slot, key, seq, ns in items:
             old = newest.get((ns, key))
             if old is None or seq > old[0]:
                 newest[(ns, key)] = (seq, slot)
-            superseded += old is not None
         ours = sorted(
-            (seq, slot, key) for (ns, key), (seq, slot) in newest.items() if ns == self._ns
+            (seq, slot, key)
+            for (ns, key), (seq, slot) in newest.items()
+            if ns == self._ns or self._ns is None
         )
-        if self._ns is None:
-            ours = sorted((seq, slot, key) for (_, key), (seq, slot) in newest.items())
         over = max(0, len(ours) - self.capacity_blocks)
         self._index = {slot: (key, seq) for seq, slot, key in ours[over:]}
         self._kept = {
-            slot: (key, seq) for (ns, key), (seq, slot) in newest.items() if slot not in self._index
+            slot: (key, seq, ns)
+            for (ns, key), (seq, slot) in newest.items()
+            if slot not in self._index
         }
+        if self._ns is None:
+            self._ns_of = {slot: ns for (ns, _), (_, slot) in newest.items()}
         self._place()
-        self._seq = report.top_seq
-        skipped = report.damaged
+        self._seq = top_seq
         self.open_report = {
             "records_skipped": skipped,
             # bad headers, stale copies of a key, slots past the slab's end
-            "blocks_dropped": report.out_of_range + len(items) - len(newest),
+            "blocks_dropped": dropped + len(items) - len(newest),
             "blocks_recovered": len(self._index),
             "blocks_over_capacity": over,
             "blocks_of_other_namespaces": len(self._kept) - over,
@@ -429,14 +637,8 @@ class NVMeTier(Tier):
                 self.capacity_blocks,
                 over,
             )
-        if skipped or len(items) != len(newest) + superseded:
-            log.warning(
-                "%s: index journal had %d damaged records; %d indexed blocks failed "
-                "their header check and were dropped",
-                self._path,
-                skipped,
-                len(items) - len(newest) - superseded,
-            )
+        if skipped:
+            log.warning("%s: index journal had %d damaged records", self._path, skipped)
 
     def _place(self) -> None:
         """This tier's free slots: the lowest ones that hold neither one of its blocks nor a
@@ -586,7 +788,7 @@ class NVMeTier(Tier):
             return []
         host = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
         rows = host.numpy()
-        fd, sb = self._fd, self._slot_bytes
+        fd, sb, index = self._fd, self._slot_bytes, self._index
 
         def decode(i: int, buf: _Buffer, got: int | BaseException) -> BaseException | None:
             """Check and decode slot i into its row; the error instead of raising it."""
@@ -600,6 +802,13 @@ class NVMeTier(Tier):
                     return BlockCorruptError(f"slot holds key {h.key.hex()}")
                 if self._ns is not None and h.namespace_id != self._ns:
                     return BlockCorruptError("slot holds a block of another namespace")
+                # An indexed slot serves exactly the write its entry names: an entry loaded
+                # from the image is not checked against the header at open, and a failed
+                # rewrite of the same key can leave another write in the slot. (A slot freed
+                # since has no entry; its bytes stay readable until rewritten.)
+                want = index.get(slots[i])
+                if want is not None and want[0] == h.key and want[1] != h.seq:
+                    return BlockCorruptError(f"slot holds write {h.seq}, indexed {want[1]}")
                 # Verifies the checksum over header + payload, then one copy into the row.
                 decode_payload(h, buf.view[HEADER_SIZE : HEADER_SIZE + h.stored_len], rows[i])
             except BlockCorruptError as exc:
@@ -704,16 +913,31 @@ class NVMeTier(Tier):
         """Rewrite the journal as BASE + the live and kept PUTs, oldest first (lock held)."""
         if self._fsync != "never":
             os.fdatasync(self._fd)  # the blocks are durable before a fresh index names them
-        live = sorted([*self._index.items(), *self._kept.items()], key=lambda kv: kv[1][1])
+        mine, ns_of = self._ns, self._ns_of
+        live = [
+            (s, k, seq, mine if mine is not None else ns_of.get(s, 0))
+            for s, (k, seq) in self._index.items()
+        ]
+        live += [(s, k, seq, ns) for s, (k, seq, ns) in self._kept.items()]
+        live.sort(key=lambda e: e[2])
         data = b"".join(
             [_record(_OP_BASE, 0, self._seq, _NO_KEY)]
-            + [_record(_OP_PUT, s, seq, k) for s, (k, seq) in live]
+            + [_record(_OP_PUT, s, seq, k) for s, k, seq, _ in live]
         )
+        image = encode_image(data, self._seq, self._ns, self._nslots, live)
         fd = self._open_file(_INDEX + ".tmp", os.O_RDWR | os.O_TRUNC)
         try:
             _write_all(fd, data, 0)
             self._sync(fd)  # complete and durable before the rename replaces the old journal
+            # The image of the new journal, durable before either rename. A crash between
+            # the two renames leaves an image that matches no journal: the next open reads
+            # every header (slow, never wrong).
+            fresh = self._write_image(image)
             os.replace(os.path.join(self._path, _INDEX + ".tmp"), os.path.join(self._path, _INDEX))
+            if fresh:
+                os.replace(
+                    os.path.join(self._path, _IMAGE + ".tmp"), os.path.join(self._path, _IMAGE)
+                )
         except BaseException:
             os.close(fd)
             raise
@@ -721,6 +945,24 @@ class NVMeTier(Tier):
         os.close(old)
         self._unsynced = 0
         self._sync(self._dirfd)  # and the rename itself survives a power loss
+
+    def _write_image(self, image: bytes) -> bool:
+        """Write `image` to the image's temporary file, durably; on failure remove the old
+        image (it could name this tier as the writer of a journal it no longer covers) and
+        return False (lock held)."""
+        try:
+            fd = self._open_file(_IMAGE + ".tmp", os.O_WRONLY | os.O_TRUNC)
+            try:
+                _write_all(fd, image, 0)
+                self._sync(fd)
+            finally:
+                os.close(fd)
+            return True
+        except OSError as exc:
+            log.warning("%s: writing the index image failed: %s", self.medium, exc)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self._path, _IMAGE))
+            return False
 
     # -- lifecycle -------------------------------------------------------------------------
     def flush(self) -> None:
@@ -799,6 +1041,10 @@ def _check_fsync(value: object, field: str) -> None:
 def _check_io_threads(value: object, field: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
         raise ConfigError(field, f"expected an int in 1..64, got {value!r}")
+
+
+def _nofollow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
 def _prepare_dir(path: str) -> None:
