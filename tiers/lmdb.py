@@ -6,9 +6,10 @@ Primitives (on top of the `Tier` ABC):
   before the transaction, on a thread pool, and is kept only when it pays.
 - `read(slots, dst, keys)`: one read transaction, zero-copy `buffers=True` gets, header and
   key checks, checksum verified on every block; a missing or bad block is a failed position.
-- `free(slots)`: the base free list plus a pending delete of the freed keys, applied in the
-  next write transaction or at `flush()` (a demotion planned with the eviction reads them
-  first); a key stored again meanwhile is dropped from the pending deletes.
+- `free(slots)`: the base free list; a block this tier stored since it opened is also
+  deleted in the next write transaction or at `flush()` (a demotion planned with the
+  eviction reads it first); blocks found at open or adopted are only forgotten.
+- `take_gone(keys)`: which failed reads were plain misses (the store evicted the block).
 - `recover()`: (key, slot) of every stored block, oldest first by the header's write seq.
 - `flush()`, `close()`, `stats()`.
 
@@ -30,18 +31,23 @@ key alone are refused at open, with the format-version error.)
 Slots are logical handles: LMDB addresses blocks by key; the tier keeps a slot -> key map
 only so that `free` knows which key to delete. A read goes by key.
 
-Opening deletes no good block. A tier indexes the newest `capacity` blocks of its namespace;
-older ones of its namespace beyond that (a store written with a larger capacity) stay until
-this tier's first store, which deletes them (capacity bounds what this tier keeps, not what
-an opener may destroy). Only malformed entries under its own prefix (a bad header, a
-payload without header) are dropped at open: they could never be served.
+Version 3 adds the "order" database (namespace prefix + order seq -> block key) and the
+8-byte order seq after each header in "heads"; "meta" keeps each namespace's block count and
+the environment's next seq. All change in the write transactions that change the blocks
+(`_StoreTxn`), so capacity and eviction belong to the store: every transaction that stores
+evicts its namespace's oldest blocks beyond the capacity, whichever process runs it.
+
+Opening deletes no good block: a tier indexes the newest `capacity` blocks of its namespace
+from the order entries (headers only); only malformed entries under its own prefix are
+dropped at open. A measured caveat (10k-100k blocks, after fadvise DONTNEED): the open still
+reads about the whole data file from disk (read_bytes ~= file size) although no payload is
+read by the code; the cause (kernel read-around on the header leaves, or LMDB) is not found.
 
 Sharing. One `lmdb.Environment` per real path per process, reference counted (LMDB refuses a
-second open of an environment in one process; vLLM's scheduler and worker connectors live in
-one process). Other processes may open the same directory: LMDB's reader table and writer
-mutex keep them consistent. Each tier object builds its slot map at open: a process sees
-blocks another process wrote only after it reopens, and a block another process deleted
-reads as a miss. Run one writing process per directory (capacity is counted per process).
+second open of an environment in one process). Any number of processes may open and write
+the same directory: LMDB's writer mutex serializes the write transactions and readers never
+block. A process sees blocks another stored through `probe` on a lookup miss; a block another
+process evicted reads as a plain miss (`take_gone`).
 
 Durability (`sync`): "always" opens the environment with sync and metasync (a write is
 durable when it returns); "batch" commits without fsync, starts a background `env.sync` every
