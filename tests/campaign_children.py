@@ -186,3 +186,68 @@ def lmdb_writer(
 
 def store_files(path: str) -> list[str]:
     return sorted(p.name for p in Path(path).iterdir())
+
+
+# -- several processes sharing one LMDB store through the facade ------------------------------
+def lmdb_cache_writer(
+    path: str, bb: int, cap: int, proc: int, nprocs: int, per: int, seconds: float, seed: int
+) -> dict:
+    """Put chains of this process's ids into a shared LMDB store through a TierCache, and get
+    ids another process stores; every block served must be exact. Returns counters and the
+    largest block count the store reported for the namespace while running."""
+    from tiercache import TierCache
+    from tiercache.tiers.lmdb import COUNT_PREFIX, _u64
+
+    rnd = random.Random(seed)
+    config = {"namespace": "fleet", "tiers": [{"kind": "lmdb", "blocks": cap, "path": path}]}
+    cache = TierCache.open(config, block_bytes=bb)
+    tier = cache.tiers[-1]
+    puts = own_hits = other_hits = misses = wrong = peak = 0
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            mine = [proc * per + i for i in rnd.sample(range(per), 4)]
+            cache.put([key(i) for i in mine], blocks(mine, bb))
+            puts += 1
+            other = rnd.choice([p for p in range(nprocs) if p != proc])
+            for i in (proc * per + rnd.randrange(per), other * per + rnd.randrange(per)):
+                got = cache.get([key(i)])
+                if len(got) == 0:
+                    misses += 1
+                elif not np.array_equal(got[0].numpy(), payload(i, bb)):
+                    wrong += 1
+                elif i // per == proc:
+                    own_hits += 1
+                else:
+                    other_hits += 1
+            with tier._shared.env.begin() as txn:
+                count = txn.get(COUNT_PREFIX + tier._nsb, db=tier._shared.meta)
+                peak = max(peak, _u64(count))
+        errors = cache.stats()[tier.medium]["errors"]
+    finally:
+        cache.close()
+    return dict(
+        puts=puts,
+        own_hits=own_hits,
+        other_hits=other_hits,
+        misses=misses,
+        wrong=wrong,
+        errors=errors,
+        peak=peak,
+    )
+
+
+def lmdb_churn(path: str, bb: int, cap: int, namespace: str, ids: list[int]) -> dict:
+    """Open a TierCache on a store another process already wrote, then store `ids`."""
+    from tiercache import TierCache
+
+    config = {"namespace": namespace, "tiers": [{"kind": "lmdb", "blocks": cap, "path": path}]}
+    cache = TierCache.open(config, block_bytes=bb)
+    try:
+        for a in range(0, len(ids), 4):
+            chunk = ids[a : a + 4]
+            cache.put([key(i) for i in chunk], blocks(chunk, bb))
+        stats = cache.stats()[cache.tiers[-1].medium]
+    finally:
+        cache.close()
+    return {"errors": stats["errors"]}

@@ -195,13 +195,13 @@ def install_nvme_faults(monkeypatch, faults: Faults) -> None:
 def install_lmdb_faults(monkeypatch, faults: Faults) -> None:
     real_txn, real_begin = lmdb_tier.LMDBTier._txn, lmdb_tier.LMDBTier._begin
 
-    def txn(self, chunk, encoded, heads):
+    def txn(self, chunk, encoded):
         try:
             faults.maybe("write txn")
         except OSError as exc:
             err = lmdb.MapFullError if exc.errno == errno.ENOSPC else lmdb.DiskError
             raise err(str(exc)) from None
-        return real_txn(self, chunk, encoded, heads)
+        return real_txn(self, chunk, encoded)
 
     def begin(self, write):
         if not write:

@@ -28,7 +28,7 @@ from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError
 from tiercache.tiers import lmdb as lmdb_tier
 from tiercache.tiers.format import HEADER_SIZE, namespace_id
-from tiercache.tiers.lmdb import LMDBTier, store_key
+from tiercache.tiers.lmdb import SEQ_BYTES, LMDBTier, store_key
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def test_random_bytes_are_stored_raw(tmp_path) -> None:
     with env.begin() as txn:
         payload = txn.get(sk(keys[0]), db=env.open_db(b"blocks", txn=txn, create=False))
         head = txn.get(sk(keys[0]), db=env.open_db(b"heads", txn=txn, create=False))
-        assert len(payload) == 4096 and len(head) == HEADER_SIZE
+        assert len(payload) == 4096 and len(head) == HEADER_SIZE + SEQ_BYTES
         assert head[6] == 0  # codec byte: raw
     env.close()
 
@@ -285,14 +285,15 @@ def test_reopen_with_smaller_capacity_deletes_nothing_until_it_stores(tmp_path, 
     try:
         assert [k for k, _ in t.recover()] == keys[3:]
         assert t.used_blocks == 5 and t.allocate(keys_for(1, 50)) is None
-        assert "the 3 oldest are deleted at this tier's first store" in caplog.text
+        assert "the store evicts the 3 oldest at its next write" in caplog.text
         assert t.open_report["blocks_over_capacity"] == 3
     finally:
         t.close()
     t = open_tier(tmp_path / "x", capacity=8)
     assert len(t.recover()) == 8  # all there
     t.close()
-    # 2. Its first store trims what is over its capacity: the 3 oldest.
+    # 2. Its first store trims the namespace to its capacity, oldest first; the block it
+    #    freed to make room was found at open, so it was only forgotten, and goes with them.
     t = open_tier(tmp_path / "x", capacity=5)
     try:
         rec = t.recover()
@@ -338,7 +339,7 @@ def test_a_store_of_format_version_1_is_refused(tmp_path) -> None:
         m["version"] = 1  # blocks keyed without their namespace
         txn.put(b"store", json.dumps(m).encode(), db=db)
     env.close()
-    with pytest.raises(ConfigError, match="format version 1; this build reads version 2"):
+    with pytest.raises(ConfigError, match="format version 1; this build reads version 3"):
         open_tier(tmp_path / "v1", capacity=4)
 
 

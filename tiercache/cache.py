@@ -316,7 +316,9 @@ class TierCache:
                 self._manager.complete_load(chain)
             k = n
             for tier, bad_keys in bad.items():
-                self._manager.record_error(tier, len(bad_keys))
+                gone = self._tiers[tier].take_gone(bad_keys)  # evicted by the store: a miss
+                if len(bad_keys) > len(gone):
+                    self._manager.record_error(tier, len(bad_keys) - len(gone))
                 self._manager.discard(bad_keys, tier)
                 k = min(k, min(chain.index(b) for b in bad_keys))
             out = out[:k]
@@ -589,8 +591,9 @@ class TierCache:
         except _IO_ERRORS as exc:
             log.warning("read of %d blocks from %s failed: %s", len(keys), src_tier.medium, exc)
             failed = set(range(len(keys)))
-        if failed:
-            errors[src] = len(failed)
+        gone = src_tier.take_gone([keys[i] for i in failed]) if failed else ()
+        if len(failed) > len(gone):  # blocks the shared store evicted are plain misses
+            errors[src] = len(failed) - len(gone)
         good = [i for i in range(len(keys)) if i not in failed]
         # Only rows that read back verified are written: a failed row's staging bytes are
         # garbage and must never reach a slot that would later be served.

@@ -122,6 +122,12 @@ class Tier(ABC):
         (the bytes are already stored). None, and nothing reserved, when too few are free."""
         return self.allocate(keys)
 
+    def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
+        """Of `keys` whose `read` just failed, those that were plain misses, not errors: a
+        shared store no longer held them (its capacity, agreed by every process, evicted
+        them). The caller drops them without counting an error. A private tier: none."""
+        return set()
+
     # -- bytes -----------------------------------------------------------------------------
     @abstractmethod
     def write(

@@ -6,9 +6,10 @@ Primitives (on top of the `Tier` ABC):
   before the transaction, on a thread pool, and is kept only when it pays.
 - `read(slots, dst, keys)`: one read transaction, zero-copy `buffers=True` gets, header and
   key checks, checksum verified on every block; a missing or bad block is a failed position.
-- `free(slots)`: the base free list plus a pending delete of the freed keys, applied in the
-  next write transaction or at `flush()` (a demotion planned with the eviction reads them
-  first); a key stored again meanwhile is dropped from the pending deletes.
+- `free(slots)`: the base free list; a block this tier stored since it opened is also
+  deleted in the next write transaction or at `flush()` (a demotion planned with the
+  eviction reads it first); blocks found at open or adopted are only forgotten.
+- `take_gone(keys)`: which failed reads were plain misses (the store evicted the block).
 - `recover()`: (key, slot) of every stored block, oldest first by the header's write seq.
 - `flush()`, `close()`, `stats()`.
 
@@ -30,18 +31,23 @@ key alone are refused at open, with the format-version error.)
 Slots are logical handles: LMDB addresses blocks by key; the tier keeps a slot -> key map
 only so that `free` knows which key to delete. A read goes by key.
 
-Opening deletes no good block. A tier indexes the newest `capacity` blocks of its namespace;
-older ones of its namespace beyond that (a store written with a larger capacity) stay until
-this tier's first store, which deletes them (capacity bounds what this tier keeps, not what
-an opener may destroy). Only malformed entries under its own prefix (a bad header, a
-payload without header) are dropped at open: they could never be served.
+Version 3 adds the "order" database (namespace prefix + order seq -> block key) and the
+8-byte order seq after each header in "heads"; "meta" keeps each namespace's block count and
+the environment's next seq. All change in the write transactions that change the blocks
+(`_StoreTxn`), so capacity and eviction belong to the store: every transaction that stores
+evicts its namespace's oldest blocks beyond the capacity, whichever process runs it.
+
+Opening deletes no good block: a tier indexes the newest `capacity` blocks of its namespace
+from the order entries (headers only); only malformed entries under its own prefix are
+dropped at open. A measured caveat (10k-100k blocks, after fadvise DONTNEED): the open still
+reads about the whole data file from disk (read_bytes ~= file size) although no payload is
+read by the code; the cause (kernel read-around on the header leaves, or LMDB) is not found.
 
 Sharing. One `lmdb.Environment` per real path per process, reference counted (LMDB refuses a
-second open of an environment in one process; vLLM's scheduler and worker connectors live in
-one process). Other processes may open the same directory: LMDB's reader table and writer
-mutex keep them consistent. Each tier object builds its slot map at open: a process sees
-blocks another process wrote only after it reopens, and a block another process deleted
-reads as a miss. Run one writing process per directory (capacity is counted per process).
+second open of an environment in one process). Any number of processes may open and write
+the same directory: LMDB's writer mutex serializes the write transactions and readers never
+block. A process sees blocks another stored through `probe` on a lookup miss; a block another
+process evicted reads as a plain miss (`take_gone`).
 
 Durability (`sync`): "always" opens the environment with sync and metasync (a write is
 durable when it returns); "batch" commits without fsync, starts a background `env.sync` every
@@ -78,6 +84,7 @@ from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.base import KEY_BYTES, Tier, check_blocks
 from tiercache.tiers.format import (
     CODEC_RAW,
+    HEADER_SIZE,
     BlockHeader,
     decode_header,
     decode_payload,
@@ -91,10 +98,14 @@ from tiercache.tiers.keyed import KeyedTier
 log = logging.getLogger(__name__)
 
 STORE_FORMAT = "tiercache-lmdb"
-STORE_VERSION = 2  # bump when the environment layout (databases, metadata, keys) changes
+STORE_VERSION = 3  # bump when the environment layout (databases, metadata, keys) changes
 NS_BYTES = 8  # the namespace-id prefix of every store key
-META_DB, HEADS_DB, BLOCKS_DB = b"meta", b"heads", b"blocks"
+SEQ_BYTES = 8  # the store's order sequence number, big-endian, after each header
+META_DB, HEADS_DB, BLOCKS_DB, ORDER_DB = b"meta", b"heads", b"blocks", b"order"
+DB_NAMES = (META_DB, HEADS_DB, BLOCKS_DB, ORDER_DB)
 META_KEY = b"store"
+SEQ_KEY = b"seq"  # meta: the next order sequence number of the environment
+COUNT_PREFIX = b"count:"  # meta: + namespace prefix -> that namespace's block count
 _OUR_FILES = frozenset({"data.mdb", "lock.mdb"})
 
 COMPRESSIONS = ("none", "zstd")
@@ -104,7 +115,9 @@ SYNC_EVERY_TXNS = 64
 SYNC_EVERY_S = 1.0
 MAX_READERS = 512  # reader-table slots: one per open read txn, across all processes
 MIN_TXN_OPS = 64
+MAX_TXN_OPS = 256
 _RETRIES = 8
+_GONE_MAX = 1 << 16
 _PARALLEL_MIN_BYTES = 64 * 1024  # blocks at least this big are decoded on the thread pool
 
 
@@ -122,27 +135,48 @@ def split_store_key(skey: bytes) -> tuple[int, bytes] | None:
 
 def txn_ops_for(capacity_blocks: int) -> int:
     """Most block puts + deletes in one write transaction."""
-    return max(MIN_TXN_OPS, math.ceil(capacity_blocks / 8))
+    return min(MAX_TXN_OPS, max(MIN_TXN_OPS, math.ceil(capacity_blocks / 8)))
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(SEQ_BYTES, "big")
+
+
+def head_seq(head: bytes | memoryview | None) -> int | None:
+    """The order sequence number stored after a header; None when there is none."""
+    if head is None or len(head) != HEADER_SIZE + SEQ_BYTES:
+        return None
+    return int.from_bytes(head[HEADER_SIZE:], "big")
+
+
+def _u64(raw: bytes | memoryview | None) -> int:
+    return 0 if raw is None or len(raw) != 8 else int.from_bytes(raw, "big")
 
 
 def map_size_for(capacity_blocks: int, block_bytes: int, page_size: int | None = None) -> int:
     """LMDB map size (bytes) for `capacity_blocks` blocks of `block_bytes`.
 
-    A payload of V bytes takes ceil((V + 16) / page) overflow pages; one more page per block
-    covers its header entry and its share of leaf, branch and freelist pages (and, for small
-    payloads stored inline, half-empty leaves). LMDB reuses a freed page only two
-    transactions later, never in the transaction that freed it, so with at most
-    K = `txn_ops_for` puts + deletes per transaction the file peaks near C + 2K blocks.
-    Measured with churn (each txn deletes the b oldest and puts b new; C = 16 and 256;
-    256 KiB and 2 MiB values, fixed and zstd-like variable sizes): peak = C + 2b + 1..3
-    blocks, no extra growth from variable sizes. The map allows C + 3K + 16 blocks (one K
-    for a snapshot a concurrent reader pins) + 8 MiB, all reserved on disk at open
+    A payload of V bytes stored out of line takes ceil((V + 16) / page) overflow pages (a
+    16-byte page header: a 4 KiB block takes two pages, a 64 KiB one 17); a small one stored
+    inline takes up to twice its node in a half-full leaf. On top, per block, `ENTRY_BYTES`
+    cover its "heads", "blocks" and "order" entries (~100 + 40 + 40 bytes of nodes) in leaves
+    filled 50-70% by random keys, branch pages and its share of the freelist. LMDB reuses a
+    freed page only two transactions later, so with at most K = `txn_ops_for` puts + deletes
+    per transaction the file peaks near C + 2K blocks; the map allows C + 3K + 16 blocks (one
+    K for a snapshot a concurrent reader pins) + 8 MiB, all reserved on disk at open
     (`_reserve`: with writemap, a write into a hole of a sparse file on a full disk is a
-    SIGBUS, not an error).
+    SIGBUS, not an error). K is at most `MAX_TXN_OPS`: before version 3 it grew with the
+    capacity (C/8) and the map with it, 1.55x the payload with 64 KiB blocks.
     """
     page = page_size or max(4096, os.sysconf("SC_PAGE_SIZE"))
-    per_block = (math.ceil((block_bytes + 16) / page) + 1) * page
+    node = 8 + NS_BYTES + KEY_BYTES + block_bytes  # a leaf node holding the payload inline
+    inline = node <= (page - 16) // 2  # LMDB's largest inline node (me_nodemax)
+    payload = 2 * node if inline else math.ceil((block_bytes + 16) / page) * page
+    per_block = payload + ENTRY_BYTES
     return (capacity_blocks + 3 * txn_ops_for(capacity_blocks) + 16) * per_block + (8 << 20)
+
+
+ENTRY_BYTES = 512
 
 
 _POOLS: dict[str, ThreadPoolExecutor] = {}
@@ -233,20 +267,22 @@ class _SharedEnv:
         self,
         path: str,
         env: lmdb.Environment,
-        dbs: tuple[Any, Any],
+        dbs: tuple[Any, Any, Any, Any],
         block_bytes: int,
         map_size: int,
         durable: bool,
     ) -> None:
         self.path, self.env = path, env
-        self.heads, self.blocks = dbs
+        self.meta, self.heads, self.blocks, self.order = dbs
         self.block_bytes = block_bytes
         self.map_size = map_size
         self.durable = durable  # opened with sync + metasync: every commit is durable
         self.refs = 0
         self.write_lock = threading.Lock()  # one write txn at a time from this process
         self.state_lock = threading.Lock()  # pending, seq, sync counters
-        self.pending: set[bytes] = set()  # freed keys still stored (see LMDBTier.free)
+        # store key -> the order seq of the entry to delete (None: whatever is there): blocks
+        # found corrupt or malformed, deleted in the next write txn (see LMDBTier.read).
+        self.pending: dict[bytes, int | None] = {}
         self.seq = 0
         self.txns_since_sync = 0
         self.last_sync = time.monotonic()
@@ -324,7 +360,7 @@ def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> _SharedE
             path,
             map_size=map_size,
             subdir=True,
-            max_dbs=3,
+            max_dbs=len(DB_NAMES),
             mode=0o600,
             writemap=True,
             sync=durable,
@@ -375,14 +411,14 @@ def _reserve(path: str, map_size: int) -> None:
         os.close(fd)
 
 
-def _init_store(env: lmdb.Environment, path: str, block_bytes: int) -> tuple[Any, Any]:
+def _init_store(env: lmdb.Environment, path: str, block_bytes: int) -> tuple[Any, Any, Any, Any]:
     """Validate (or, in an empty environment, create) our metadata; the db handles.
 
     In a write txn: LMDB's writer lock makes two processes creating one store at the same
     moment see each other's metadata instead of both writing it."""
     with env.begin(write=True) as txn:
         names = set(txn.cursor().iternext(values=False))
-        if names - {META_DB, HEADS_DB, BLOCKS_DB} or (names and META_DB not in names):
+        if names - set(DB_NAMES) or (names and META_DB not in names):
             raise ConfigError(
                 "path",
                 f"{path} is an LMDB environment of another program (no tiercache "
@@ -398,7 +434,7 @@ def _init_store(env: lmdb.Environment, path: str, block_bytes: int) -> tuple[Any
         else:
             meta = _parse_meta(path, raw)
             _check_block_bytes(path, meta["block_bytes"], block_bytes)
-        return (env.open_db(HEADS_DB, txn=txn), env.open_db(BLOCKS_DB, txn=txn))
+        return (meta_db, *(env.open_db(n, txn=txn) for n in (HEADS_DB, BLOCKS_DB, ORDER_DB)))
 
 
 def _parse_meta(path: str, raw: bytes) -> dict[str, Any]:
@@ -430,6 +466,86 @@ def _under(cursor: Any, prefix: bytes, values: bool) -> Iterator[Any]:
         if not k.startswith(prefix):
             return
         yield (k, item[1]) if values else k
+
+
+class _StoreTxn:
+    """The bookkeeping of one write transaction, shared by every process: blocks put and
+    deleted with their "order" entries (namespace prefix + order seq -> block key, oldest
+    first), each namespace's block count and the environment's next order seq in "meta"."""
+
+    def __init__(self, txn: lmdb.Transaction, meta: Any, heads: Any, blocks: Any, order: Any):
+        self.txn, self.meta, self.heads, self.blocks, self.order = txn, meta, heads, blocks, order
+        self.seq = self.seq0 = _u64(txn.get(SEQ_KEY, db=meta))
+        self.counts: dict[bytes, int] = {}  # namespace prefix -> its count (read when used)
+        self.dirty: set[bytes] = set()
+        self.evicted = 0
+
+    def count(self, nsb: bytes) -> int:
+        c = self.counts.get(nsb)
+        if c is None:
+            c = self.counts[nsb] = _u64(self.txn.get(COUNT_PREFIX + nsb, db=self.meta))
+        return c
+
+    def _add(self, nsb: bytes, d: int) -> None:
+        self.counts[nsb] = max(0, self.count(nsb) + d)
+        self.dirty.add(nsb)
+
+    def _drop(self, sk: bytes, head: bytes, order_too: bool = True) -> None:
+        txn = self.txn
+        txn.delete(sk, db=self.heads)
+        txn.delete(sk, db=self.blocks)
+        seq = head_seq(head)
+        if order_too and seq is not None:
+            ok = sk[:NS_BYTES] + seq_bytes(seq)
+            if txn.get(ok, db=self.order) == sk[NS_BYTES:]:  # a copied header points elsewhere
+                txn.delete(ok, db=self.order)
+        self._add(sk[:NS_BYTES], -1)
+
+    def delete(self, sk: bytes, want: int | None) -> None:
+        """Delete the block under `sk`; with `want`, only if its order seq is still that (a
+        block stored again since it was found bad stays)."""
+        head = self.txn.get(sk, db=self.heads)
+        if head is None:
+            self.txn.delete(sk, db=self.blocks)  # an orphan payload: never counted
+        elif want is None or head_seq(head) == want:
+            self._drop(sk, head)
+
+    def put(self, sk: bytes, header: bytes, payload: Any) -> None:
+        txn, nsb = self.txn, sk[:NS_BYTES]
+        old = head_seq(txn.get(sk, db=self.heads))
+        if old is None:
+            self._add(nsb, 1)  # (a malformed old header was never counted either)
+        else:
+            txn.delete(nsb + seq_bytes(old), db=self.order)
+        sb = seq_bytes(self.seq)
+        self.seq += 1
+        txn.put(sk, header + sb, db=self.heads)
+        txn.put(sk, payload, db=self.blocks)
+        txn.put(nsb + sb, sk[NS_BYTES:], db=self.order)
+
+    def evict(self, nsb: bytes, capacity: int) -> None:
+        """Delete the namespace's oldest blocks while it holds more than `capacity`."""
+        if self.count(nsb) <= capacity:
+            return
+        cur = self.txn.cursor(db=self.order)
+        if not cur.set_range(nsb):
+            return
+        while self.counts[nsb] > capacity:
+            ok = cur.key()
+            if not ok.startswith(nsb) or len(ok) != NS_BYTES + SEQ_BYTES:
+                break  # the count ran ahead of the entries (damage): nothing more to evict
+            sk = nsb + cur.value()
+            cur.delete()  # the cursor moves to the next entry
+            head = self.txn.get(sk, db=self.heads)
+            if head is not None and head_seq(head) == int.from_bytes(ok[NS_BYTES:], "big"):
+                self._drop(sk, head, order_too=False)
+                self.evicted += 1
+
+    def finish(self) -> None:
+        if self.seq != self.seq0:
+            self.txn.put(SEQ_KEY, self.seq.to_bytes(8, "big"), db=self.meta)
+        for nsb in self.dirty:
+            self.txn.put(COUNT_PREFIX + nsb, self.counts[nsb].to_bytes(8, "big"), db=self.meta)
 
 
 # -- the tier --------------------------------------------------------------------------------
@@ -475,11 +591,21 @@ class LMDBTier(KeyedTier):
         self._sync = sync
         self._ns = namespace_id(namespace)
         self._nsb = self._ns.to_bytes(NS_BYTES, "big")  # prefix of every store key of ours
-        self._excess: list[bytes] = []  # store keys over capacity at open: deleted at 1st store
+        self._gone: set[bytes] = set()  # keys a read found absent (see take_gone)
+        self._own: set[int] = set()  # slots of blocks this tier stored (free deletes them)
         self._txn_ops = txn_ops_for(capacity_blocks)
         self.open_report: dict[str, int] = {}  # what _scan found: dropped, recovered blocks
         self._counts = dict.fromkeys(
-            ("blocks_written", "raw_bytes", "stored_bytes", "blocks_read", "read_failures"), 0
+            (
+                "blocks_written",
+                "raw_bytes",
+                "stored_bytes",
+                "blocks_read",
+                "read_failures",
+                "blocks_gone",
+                "store_evictions",
+            ),
+            0,
         )
         self._counts_lock = threading.Lock()
         self._path = prepare_dir(path)
@@ -554,14 +680,22 @@ class LMDBTier(KeyedTier):
         slots = super().allocate(keys)
         if slots:
             self._slot_key.update(zip(slots, keys, strict=True))
+            self._own.update(slots)
             self._unpend(keys)
         return slots
 
     def free(self, slots: Sequence[int]) -> None:
-        """Return slots; their keys are deleted from LMDB at the next write txn or flush,
-        not now: a demotion planned together with the eviction still reads them."""
-        nsb = self._nsb
-        gone = [nsb + k for k in (self._slot_key.pop(s, None) for s in slots) if k is not None]
+        """Return slots. A block this tier stored since it opened is deleted at the next
+        write txn or flush (not now: a demotion planned with the eviction still reads it);
+        one found at open or adopted from another process is only forgotten: the store's
+        shared capacity decides when it goes (see the module docstring)."""
+        gone: dict[bytes, int | None] = {}
+        for s in slots:
+            k = self._slot_key.pop(s, None)
+            if s in self._own:
+                self._own.discard(s)
+                if k is not None:
+                    gone[self._nsb + k] = None
         if gone:
             with self._shared.state_lock:
                 self._shared.pending.update(gone)
@@ -574,7 +708,7 @@ class LMDBTier(KeyedTier):
             return 0
         shared = self._shared
         with shared.state_lock:
-            pending = set(shared.pending) if shared.pending else ()
+            pending = set(shared.pending) if shared.pending else set()
         n = 0
         try:
             txn = self._begin(write=False)
@@ -605,7 +739,8 @@ class LMDBTier(KeyedTier):
         shared = self._shared
         with shared.state_lock:
             if shared.pending:
-                shared.pending.difference_update(self._nsb + k for k in keys)
+                for k in keys:
+                    shared.pending.pop(self._nsb + k, None)
 
     # -- write -----------------------------------------------------------------------------
     def write(
@@ -620,16 +755,14 @@ class LMDBTier(KeyedTier):
         if src.device.type != "cpu":
             src = src.cpu()
         rows = src.numpy()
-        replaced = []
+        replaced: dict[bytes, int | None] = {}
         for s, k in zip(slots, keys, strict=True):
             old = self._slot_key.get(s)
             if old != k:
-                if old is not None:
-                    replaced.append(self._nsb + old)
+                if old is not None and s in self._own:
+                    replaced[self._nsb + old] = None
                 self._slot_key[s] = k
-        if self._excess:  # capacity bounds what this tier keeps: the first store trims
-            replaced += self._excess
-            self._excess = []
+        self._own.update(slots)
         if replaced:
             with self._shared.state_lock:
                 self._shared.pending.update(replaced)
@@ -659,11 +792,10 @@ class LMDBTier(KeyedTier):
 
     def _commit(self, skeys: Sequence[bytes], encoded: Callable[[int], tuple[bytes, Any]]) -> None:
         """Apply the pending deletes, then put each (header, payload) under its store key
-        (`skeys`, namespace-prefixed); at most `txn_ops` of
-        either per txn (one txn per call in practice). Raises OSError; pending deletes stay
-        pending unless their txn committed."""
+        (`skeys`, namespace-prefixed), at most `txn_ops` of either per txn (one txn per call
+        in practice); each txn also evicts this namespace's oldest blocks beyond its capacity.
+        Raises OSError; pending deletes stay pending unless their txn committed."""
         shared = self._shared
-        heads = shared.heads
         with shared.write_lock:
             with shared.state_lock:
                 ops: list[tuple[bytes, int]] = [(k, -1) for k in shared.pending]
@@ -673,69 +805,78 @@ class LMDBTier(KeyedTier):
                 chunk = ops[start : start + self._txn_ops]
                 done = [k for k, i in chunk if i < 0]
                 try:
-                    stored += self._txn(chunk, encoded, heads)
+                    stored += self._txn(chunk, encoded)
                 except lmdb.Error as exc:
                     if not done or isinstance(exc, lmdb.MapFullError):
                         raise self._os_error("write", exc) from None  # deletes stay pending
                     # A delete LMDB cannot do (a damaged overflow page: MDB_CORRUPTED) must
                     # not fail this and every later write: delete one key per txn, give up
                     # on those that fail, then retry the puts alone.
-                    self._delete_each(done, heads)
+                    self._delete_each(done)
                     done = []  # _delete_each settled them
                     try:
-                        stored += self._txn([op for op in chunk if op[1] >= 0], encoded, heads)
+                        stored += self._txn([op for op in chunk if op[1] >= 0], encoded)
                     except lmdb.Error as exc2:
                         raise self._os_error("write", exc2) from None
                 if done:
-                    with shared.state_lock:
-                        shared.pending.difference_update(done)
+                    self._settle(done)
                 self._after_commit()
         with self._counts_lock:
             self._counts["blocks_written"] += len(skeys)
             self._counts["raw_bytes"] += len(skeys) * self.block_bytes
             self._counts["stored_bytes"] += stored
 
+    def _settle(self, done: Iterable[bytes]) -> None:
+        with self._shared.state_lock:
+            for k in done:
+                self._shared.pending.pop(k, None)
+
     def _txn(
-        self,
-        chunk: Sequence[tuple[bytes, int]],
-        encoded: Callable[[int], tuple[bytes, Any]],
-        heads: Any,
+        self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]
     ) -> int:
-        """One write txn: delete (i < 0) or put `encoded(i)`; the payload bytes put. Aborts
-        and re-raises on any error."""
+        """One write txn: delete (i < 0) or put `encoded(i)`, keeping each namespace's block
+        count and the order database in step, then evict this namespace's oldest blocks
+        beyond `capacity_blocks`; the payload bytes put. Aborts and re-raises on any error."""
+        sh = self._shared
         stored = 0
         txn = self._begin(write=True)
         try:
+            store = _StoreTxn(txn, sh.meta, sh.heads, sh.blocks, sh.order)
+            with sh.state_lock:
+                pending = dict(sh.pending)
             for k, i in chunk:
                 if i < 0:
-                    txn.delete(k, db=heads)
-                    txn.delete(k)
+                    store.delete(k, pending.get(k))
                 else:
                     header, payload = encoded(i)
-                    txn.put(k, header, db=heads)
-                    txn.put(k, payload)
+                    store.put(k, header, payload)
                     stored += len(payload)
+            if any(i >= 0 for _, i in chunk):  # deletes alone never make room to trim
+                store.evict(self._nsb, self.capacity_blocks)
+            store.finish()
             txn.commit()
         except BaseException:
             txn.abort()
             raise
+        if store.evicted:
+            with self._counts_lock:
+                self._counts["store_evictions"] += store.evicted
         return stored
 
-    def _delete_each(self, keys: Sequence[bytes], heads: Any) -> None:
+    def _delete_each(self, keys: Sequence[bytes]) -> None:
         """Delete keys one txn each; a key LMDB cannot delete stays (a leak of its pages, its
         block already a counted miss) and leaves the pending deletes; one that failed for
         want of map space stays pending (write lock held)."""
         done = []
         for k in keys:
             try:
-                self._txn([(k, -1)], lambda i: (b"", b""), heads)
+                self._txn([(k, -1)], lambda i: (b"", b""))
             except lmdb.MapFullError:
                 continue
             except lmdb.Error as exc:
                 log.warning("%s: cannot delete damaged entry %s: %s", self._path, k.hex(), exc)
             done.append(k)
-        with self._shared.state_lock:
-            self._shared.pending.difference_update(done)
+        self._settle(done)
 
     def _after_commit(self) -> None:
         shared = self._shared
@@ -771,7 +912,9 @@ class LMDBTier(KeyedTier):
         self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> list[int]:
         """Read blocks by key (slots are only handles here); a missing key or a foreign or
-        corrupt block is a failed position. OSError when no read txn can be had."""
+        corrupt block is a failed position. A missing key is a plain miss (the store evicted
+        it, see `take_gone`); a bad block is deleted at the next write txn. OSError when no
+        read txn can be had."""
         n = len(slots)
         check_blocks(dst, n, self.block_bytes, "dst")
         keys = self._check_keys(keys, n)
@@ -782,6 +925,8 @@ class LMDBTier(KeyedTier):
         out_np = out.numpy()
         heads, nsb = self._shared.heads, self._nsb
         failed: list[int] = []
+        gone: list[bytes] = []
+        bad: dict[bytes, int | None] = {}  # store key -> order seq: deleted at the next write
         found: list[tuple[int, bytes, memoryview, memoryview]] = []
         txn = self._begin(write=False)
         try:
@@ -790,23 +935,50 @@ class LMDBTier(KeyedTier):
                 try:
                     h, v = txn.get(sk, db=heads), txn.get(sk)
                 except lmdb.Error:
-                    h = v = None
-                if h is None or v is None:
                     failed.append(i)
+                    continue
+                if h is None:
+                    failed.append(i)
+                    if v is None:
+                        gone.append(k)  # evicted by the store (this or another process)
+                    else:
+                        bad[sk] = None  # a payload without its header
+                elif v is None:
+                    failed.append(i)
+                    bad[sk] = head_seq(h)
                 else:
                     found.append((i, k, h, v))
             parallel = self.block_bytes >= _PARALLEL_MIN_BYTES
             ok = self._map(lambda j: self._decode(found[j], out_np), len(found), parallel)
-            failed += [found[j][0] for j, good in enumerate(ok) if not good]
+            for (i, k, h, _), good in zip(found, ok, strict=True):
+                if not good:
+                    failed.append(i)
+                    bad[nsb + k] = head_seq(h)
         finally:
             txn.abort()  # the zero-copy views die here, after every copy above finished
         if out is not dst:
             dst.copy_(out)
         failed.sort()
+        if bad:
+            with self._shared.state_lock:
+                self._shared.pending.update(bad)
         with self._counts_lock:
             self._counts["blocks_read"] += n - len(failed)
-            self._counts["read_failures"] += len(failed)
+            self._counts["read_failures"] += len(failed) - len(gone)
+            self._counts["blocks_gone"] += len(gone)
+            if gone:
+                if len(self._gone) > _GONE_MAX:  # nobody asks: keep the set bounded
+                    self._gone.clear()
+                self._gone.update(gone)
         return failed
+
+    def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
+        """Of `keys` whose read failed, those that were plain misses: the store no longer
+        held them (its shared capacity evicted them, in this process or another)."""
+        with self._counts_lock:
+            found = self._gone.intersection(keys)
+            self._gone.difference_update(found)
+        return found
 
     def _header(self, key: bytes, head: memoryview, payload_len: int) -> BlockHeader:
         h = decode_header(head)
@@ -863,57 +1035,101 @@ class LMDBTier(KeyedTier):
 
     # -- recovery and lifecycle ------------------------------------------------------------
     def _scan(self) -> None:
-        """Index this namespace's blocks from their headers (payload pages stay untouched;
-        keys of other namespaces are never visited): drop malformed entries under our prefix,
-        index the newest `capacity` good ones as slots oldest first and leave older ones to
-        the first store (see the module docstring), continue the write seq."""
+        """Index this namespace's newest `capacity` blocks, walking its "order" entries newest
+        first and checking each header (64 + 8 bytes, in leaf pages) and its payload's length
+        (from the payload's leaf node: py-lmdb's zero-copy get points into the map and
+        touches no payload page). Other namespaces' entries and older blocks of this one are
+        never visited. Only when the databases disagree in size (an entry without its
+        partner: damage, or another program) are this namespace's entries scanned to find
+        and drop the malformed ones. Opening deletes no good block."""
         shared, nsb = self._shared, self._nsb
-        good: list[tuple[int, bytes]] = []
-        bad: list[bytes] = []  # store keys
+        kept: list[bytes] = []  # block keys, newest first
+        bad: dict[bytes, int | None] = {}
         txn = self._begin(write=False)
         try:
-            for sk, head in _under(txn.cursor(db=shared.heads), nsb, values=True):
-                key = sk[NS_BYTES:]
+            sizes = [txn.stat(db)["entries"] for db in (shared.heads, shared.blocks)]
+            sizes.append(txn.stat(shared.order)["entries"])
+            count = _u64(txn.get(COUNT_PREFIX + nsb, db=shared.meta))
+            next_seq = _u64(txn.get(SEQ_KEY, db=shared.meta))
+            if len(set(sizes)) > 1:
+                bad.update(self._malformed(txn))
+            cur = txn.cursor(db=shared.order)
+            if nsb == b"\xff" * NS_BYTES:
+                at = cur.last()
+            elif cur.set_range((int.from_bytes(nsb, "big") + 1).to_bytes(NS_BYTES, "big")):
+                at = cur.prev()  # the last entry before the next namespace's first
+            else:
+                at = cur.last()
+            while at and len(kept) < self.capacity_blocks:
+                ok = bytes(cur.key())
+                if not ok.startswith(nsb):
+                    break
+                key, sk = bytes(cur.value()), nsb + bytes(cur.value())
+                at = cur.prev()
+                head = txn.get(sk, db=shared.heads)
+                if head is None or sk in bad:
+                    continue  # a stale order entry (the next eviction passing it drops it)
+                if head_seq(head) != int.from_bytes(ok[NS_BYTES:], "big"):
+                    bad[sk] = head_seq(head)  # the entries disagree: damage (the seq is not
+                    continue  # covered by the checksum), never written so by a tier
                 v = txn.get(sk)
                 try:
                     if v is None or len(key) != KEY_BYTES:
                         raise BlockCorruptError("no payload")
-                    good.append((self._header(key, head, len(v)).seq, sk))
+                    self._header(key, head, len(v))
                 except BlockCorruptError:
-                    bad.append(sk)
-            have = {k for _, k in good}
-            bad += [k for k in _under(txn.cursor(), nsb, values=False) if k not in have]
+                    bad[sk] = head_seq(head)
+                    continue
+                kept.append(key)
         except lmdb.Error as exc:
             raise ConfigError("path", damaged(self._path, exc)) from None
         finally:
             txn.abort()
-        good.sort()
-        excess = max(0, len(good) - self.capacity_blocks)
         if bad:
             log.warning("%s: dropping %d malformed entries found at open", self._path, len(bad))
             with shared.state_lock:
                 shared.pending.update(bad)
             self._commit([], lambda i: (b"", b""))
+        excess = max(0, count - len(bad) - self.capacity_blocks)
         if excess:
             log.warning(
                 "%s: holds %d blocks of this namespace, capacity is %d: indexing the newest; "
-                "the %d oldest are deleted at this tier's first store",
+                "the store evicts the %d oldest at its next write of this namespace",
                 self._path,
-                len(good),
+                count,
                 self.capacity_blocks,
                 excess,
             )
-        self._excess = [k for _, k in good[:excess]]
-        kept = good[excess:]
         self.open_report = {
-            "blocks_dropped": len(set(bad)),  # a bad header's payload is listed twice
+            "blocks_dropped": len(bad),
             "blocks_over_capacity": excess,
             "blocks_recovered": len(kept),
         }
-        if good:
-            with shared.state_lock:
-                shared.seq = max(shared.seq, good[-1][0] + 1)
-        self._take_found([k[NS_BYTES:] for _, k in kept])
+        with shared.state_lock:
+            shared.seq = max(shared.seq, next_seq)
+        kept.reverse()
+        self._take_found(kept)
+
+    def _malformed(self, txn: lmdb.Transaction) -> dict[bytes, int | None]:
+        """Store keys of this namespace whose entries are malformed or incomplete (a header
+        without payload or order entry, a payload without header), with their order seq."""
+        shared, nsb = self._shared, self._nsb
+        bad: dict[bytes, int | None] = {}
+        for sk, head in _under(txn.cursor(db=shared.heads), nsb, values=True):
+            key, seq = sk[NS_BYTES:], head_seq(head)
+            v = txn.get(sk)
+            try:
+                if v is None or len(key) != KEY_BYTES or seq is None:
+                    raise BlockCorruptError("no payload")
+                if txn.get(nsb + seq_bytes(seq), db=shared.order) != key:
+                    raise BlockCorruptError("no order entry")
+                self._header(key, head, len(v))
+            except BlockCorruptError:
+                bad[sk] = seq
+        for sk in _under(txn.cursor(), nsb, values=False):
+            if txn.get(sk, db=shared.heads) is None:
+                bad[sk] = None
+        return bad
 
     def flush(self) -> None:
         """Apply pending deletes; then fsync unless sync = "never"."""
@@ -982,6 +1198,16 @@ class StoreHandle:
     blocks: Any
     meta: dict[str, Any]
     write_lock: threading.Lock
+    meta_db: Any = None
+    order: Any = None
+
+    def counts(self) -> dict[int, int]:
+        """Namespace id -> the block count the store keeps for it (what its capacity bounds)."""
+        out = {}
+        with self.env.begin(write=False) as txn:
+            for k, v in _under(txn.cursor(db=self.meta_db), COUNT_PREFIX, values=True):
+                out[int.from_bytes(k[len(COUNT_PREFIX) :], "big")] = _u64(v)
+        return out
 
 
 @contextlib.contextmanager
@@ -1006,7 +1232,14 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
                 meta_db = shared.env.open_db(META_DB, txn=txn, create=False)
                 meta = _parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
             yield StoreHandle(
-                real, shared.env, shared.heads, shared.blocks, meta, shared.write_lock
+                real,
+                shared.env,
+                shared.heads,
+                shared.blocks,
+                meta,
+                shared.write_lock,
+                shared.meta,
+                shared.order,
             )
         finally:
             _detach(shared)
@@ -1016,7 +1249,7 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
             real,
             map_size=0,  # the size recorded in the environment
             subdir=True,
-            max_dbs=3,
+            max_dbs=len(DB_NAMES),
             readonly=not write,
             writemap=write,  # as the tiers open it
             lock=True,
@@ -1035,13 +1268,13 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
                     )
                 meta_db = env.open_db(META_DB, txn=txn, create=False)
                 meta = _parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
-            if not {HEADS_DB, BLOCKS_DB} <= names:
-                raise ConfigError("path", f"{real}: the heads or blocks database is missing")
+            if not {HEADS_DB, BLOCKS_DB, ORDER_DB} <= names:
+                raise ConfigError("path", f"{real}: the heads, blocks or order database is missing")
             # Outside that txn: a handle opened in a read txn dies with it.
-            dbs = [env.open_db(n, create=False) for n in (HEADS_DB, BLOCKS_DB)]
+            dbs = [env.open_db(n, create=False) for n in DB_NAMES]
         except lmdb.Error as exc:
             raise ConfigError("path", f"{real}: unreadable LMDB environment: {exc}") from None
-        yield StoreHandle(real, env, dbs[0], dbs[1], meta, threading.Lock())
+        yield StoreHandle(real, env, dbs[1], dbs[2], meta, threading.Lock(), dbs[0], dbs[3])
     finally:
         env.close()
 
@@ -1077,18 +1310,21 @@ def iter_entries(
 
 
 def delete_entries(h: StoreHandle, keys: Iterable[bytes]) -> int:
-    """Delete the header and payload of each key, in write transactions of at most
-    `MIN_TXN_OPS` keys; the number of keys that had either. A process holding the store open
-    reads a deleted block as a miss."""
+    """Delete the header, payload and order entry of each key (and its namespace's count),
+    in write transactions of at most `MIN_TXN_OPS` keys; the number of keys that had a header
+    or a payload. A process holding the store open reads a deleted block as a miss."""
     todo = list(keys)
     gone = 0
     with h.write_lock:
         for a in range(0, len(todo), MIN_TXN_OPS):
             try:
                 with h.env.begin(write=True) as txn:
+                    store = _StoreTxn(txn, h.meta_db, h.heads, h.blocks, h.order)
                     for k in todo[a : a + MIN_TXN_OPS]:
-                        hit = txn.delete(k, db=h.heads)
-                        gone += txn.delete(k, db=h.blocks) or hit
+                        had = any(txn.get(k, db=d) is not None for d in (h.heads, h.blocks))
+                        store.delete(k, None)
+                        gone += had
+                    store.finish()
             except lmdb.Error as exc:
                 raise OSError(errno.EIO, f"{h.path}: LMDB delete failed: {exc}") from None
     return gone

@@ -463,8 +463,9 @@ class TierCacheOffloadingManager(OffloadingManager):
             if not failed:
                 self._checked.add((k, t))
                 return True
-            self._manager.record_error(t, 1)
-            self._store.count("offload_verify_errors")
+            if not self._cache.tiers[t].take_gone((k,)):  # else evicted by the shared store
+                self._manager.record_error(t, 1)
+                self._store.count("offload_verify_errors")
             try:
                 self._manager.discard((k,), t)
             except ValueError:  # another request is loading it right now

@@ -1,0 +1,112 @@
+"""One LMDB store shared by several processes, its capacity and eviction kept in the store:
+N writers at once never push it over capacity, serve each other's blocks exactly, and a
+process that opened after another stored (the order that used to delete the other's blocks)
+leaves them served exactly, or plain misses where the shared capacity evicted them.
+
+TIERCACHE_LMDB_WRITERS_SECONDS (default 15) bounds the writers' run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tests.campaign_children import lmdb_cache_writer, lmdb_churn
+from tests.campaign_support import blocks, cli_verify, key, payload, report, scale, start_child
+from tiercache import TierCache
+
+BB, CAP = 16 * 1024, 64
+
+
+def inspect(path: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "tiercache", "inspect", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def test_three_writers_at_once_keep_the_store_within_capacity(tmp_path: Path) -> None:
+    seconds = scale("lmdb_writers_seconds", 15)
+    path = tmp_path / "fleet"
+    n, per = 3, 200
+    kids = [
+        start_child(lmdb_cache_writer, str(path), BB, CAP, p, n, per, seconds, 40 + p)
+        for p in range(n)
+    ]
+    got = [k.result(120 + 3 * seconds) for k in kids]
+    # After every process closed, before anything reopens the store: what it holds.
+    (st,) = inspect(path)["tiers"]
+    figures = dict(
+        seconds=seconds,
+        puts=sum(g["puts"] for g in got),
+        other_hits=[g["other_hits"] for g in got],
+        wrong=sum(g["wrong"] for g in got),
+        errors=sum(g["errors"] for g in got),
+        peak=max(g["peak"] for g in got),
+        final_blocks=st["blocks"],
+    )
+    report("lmdb-shared-writers", **figures)
+    assert figures["wrong"] == 0 and figures["errors"] == 0, figures
+    assert figures["peak"] <= CAP and st["blocks"] <= CAP, figures
+    assert all(h > 0 for h in figures["other_hits"]), figures
+    v = cli_verify(path)
+    assert v is not None and v["returncode"] == 0, v
+
+
+def open_cache(path: Path, namespace: str) -> TierCache:
+    config = {"namespace": namespace, "tiers": [{"kind": "lmdb", "blocks": 32, "path": str(path)}]}
+    return TierCache.open(config, block_bytes=BB)
+
+
+def served(cache: TierCache, ids: list[int]) -> tuple[int, int, int]:
+    """(exact, missed, wrong) over single-block gets of `ids`."""
+    exact = missed = wrong = 0
+    for i in ids:
+        got = cache.get([key(i)])
+        if len(got) == 0:
+            missed += 1
+        elif np.array_equal(got[0].numpy(), payload(i, BB)):
+            exact += 1
+        else:
+            wrong += 1
+    return exact, missed, wrong
+
+
+def test_a_replica_that_opens_later_and_churns_leaves_plain_misses(tmp_path: Path) -> None:
+    path, mine = tmp_path / "s", list(range(8))
+    a = open_cache(path, "fleet")
+    try:
+        a.put([key(i) for i in mine], blocks(mine, BB))
+        # 1. B opens after A stored (it finds A's blocks) and stores a few: within capacity,
+        #    its own evictions never delete what A stored.
+        assert start_child(lmdb_churn, str(path), BB, 32, "fleet", list(range(100, 120))).result(
+            120
+        ) == {"errors": 0}
+        assert served(a, mine) == (8, 0, 0)
+        # 2. B churns far past the capacity: the store evicts the oldest, A's blocks among
+        #    them. A sees plain misses, never wrong bytes, and counts no error.
+        start_child(lmdb_churn, str(path), BB, 32, "fleet", list(range(200, 300))).result(120)
+        exact, missed, wrong = served(a, mine)
+        assert wrong == 0 and exact + missed == 8 and missed > 0
+        assert a.stats()["lmdb"]["errors"] == 0
+    finally:
+        a.close()
+
+
+def test_a_tenant_that_opens_later_and_churns_never_evicts_another(tmp_path: Path) -> None:
+    path, mine = tmp_path / "t", list(range(8))
+    a = open_cache(path, "tenant-a")
+    try:
+        a.put([key(i) for i in mine], blocks(mine, BB))
+        start_child(lmdb_churn, str(path), BB, 32, "tenant-b", list(range(200, 300))).result(120)
+        assert served(a, mine) == (8, 0, 0)
+        assert a.stats()["lmdb"]["errors"] == 0
+    finally:
+        a.close()
