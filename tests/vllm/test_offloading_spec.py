@@ -209,6 +209,22 @@ def test_store_then_load_round_trips_the_bytes(pairs) -> None:
     assert [_block(pair.kv, b) for b in (10, 11, 12)] == expected
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_load_is_a_use_for_the_policy(pairs, policy: str) -> None:
+    """vLLM's scheduler never calls `touch`: a loaded prefix must still count as used, or the
+    next store evicts the prefix that was just reused instead of the one never reused."""
+    tiers = [{"kind": "cpu", "blocks": 4, "policy": policy}]
+    pair = pairs(_offloading_config({"tiers": tiers}))
+    reused, once, new = _keys("a", "b"), _keys("c", "d"), _keys("e", "f")
+    pair.store(reused, [1, 2])
+    pair.store(once, [3, 4])
+    assert pair.hits(reused) == 2
+    assert pair.load(reused, [10, 11])
+    assert pair.store(new, [5, 6]) == new
+    assert pair.hits(reused) == 2  # kept: it was used
+    assert pair.hits(once) == 0  # evicted: stored once, never used
+
+
 def test_block_whose_store_is_in_flight_is_hit_pending(pairs) -> None:
     """Like vLLM's own CPU manager: a block being stored is HIT_PENDING (the scheduler defers
     and asks again), not MISS (which would recompute a block that is about to be there)."""

@@ -281,6 +281,10 @@ class TierCacheOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TierLoadSpec:
         tkeys = self._named(keys)
         load = self._manager.prepare_load(tkeys)
+        # A load is the hit's use. vLLM's scheduler never calls `touch` (0.32 and 0.33), so
+        # this is where the policies learn of reuse: before this request's store makes room,
+        # so a store cannot evict the prefix the same request is loading (ARC: T1 -> T2).
+        self._manager.touch(tkeys)
         promote = None
         if any(load.tiers):
             # Hits below the first tier are copied up from the engine blocks they load into
