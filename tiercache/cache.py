@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tiercache.breaker import CircuitBreaker
 from tiercache.config import CacheConfig
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.hashing import prefix_hashes
@@ -143,6 +144,11 @@ class TierCache:
             write_through=config.write_through,
             write_through_queue=config.write_through_queue,
             admit_on_reuse=config.admit_on_reuse,
+            breaker=CircuitBreaker(
+                len(self._tiers),
+                backoff=config.deadlines.backoff,
+                backoff_max=config.deadlines.backoff_max,
+            ),
         )
         self._lock = threading.RLock()
         self._closed = False

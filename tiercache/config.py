@@ -35,7 +35,16 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _TELEMETRY_KEYS = {"dir", "interval", "events", "max_event_bytes", "prometheus"}
-_TOP_KEYS = {"block_size", "namespace", "promote", "telemetry", "tiers", "write_through_queue"}
+_TOP_KEYS = {
+    "block_size",
+    "deadlines",
+    "namespace",
+    "promote",
+    "telemetry",
+    "tiers",
+    "write_through_queue",
+}
+_DEADLINE_KEYS = {"load_timeout", "backoff", "backoff_max"}
 _TIER_COMMON_KEYS = {"kind", "name", "capacity", "blocks", "policy", "write_policy", "admit"}
 WRITE_POLICIES = ("write-back", "write-through")
 ADMISSIONS = ("always", "on-reuse")
@@ -112,6 +121,41 @@ class TelemetryConfig:
         if prom is not None:
             split_addr(prom, "telemetry.prometheus")
         return cls(d, float(interval), events, max_bytes, prom)
+
+
+@dataclass(frozen=True)
+class DeadlineConfig:
+    """The `[deadlines]` table: how long an engine waits for a load, and the circuit breaker.
+
+    A load into the engine not finished `load_timeout` seconds after the engine started
+    waiting for it is abandoned (its blocks are recomputed) and its tier is suspended for
+    `backoff` seconds, doubling per repeated miss up to `backoff_max`."""
+
+    load_timeout: float = 5.0
+    backoff: float = 1.0
+    backoff_max: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("load_timeout", "backoff", "backoff_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 3600:
+                raise ConfigError(f"deadlines.{name}", f"expected seconds in (0, 3600], got {v!r}")
+        if self.backoff > self.backoff_max:
+            raise ConfigError(
+                "deadlines.backoff",
+                f"must not exceed backoff_max ({self.backoff_max}), got {self.backoff}",
+            )
+
+    @classmethod
+    def from_mapping(cls, m: object) -> DeadlineConfig:
+        """Validate a `[deadlines]` table; ConfigError naming the field."""
+        if not isinstance(m, Mapping):
+            raise ConfigError("deadlines", f"expected a table, got {type(m).__name__}")
+        unknown = sorted(set(m) - _DEADLINE_KEYS)
+        if unknown:
+            known = ", ".join(sorted(_DEADLINE_KEYS))
+            raise ConfigError(f"deadlines.{unknown[0]}", f"unknown setting; known: {known}")
+        return cls(**{k: m[k] for k in _DEADLINE_KEYS if k in m})
 
 
 def split_addr(value: object, field: str) -> tuple[str, int]:
@@ -231,6 +275,7 @@ class CacheConfig:
     promote: bool = True
     telemetry: TelemetryConfig | None = None  # off unless a [telemetry] table is given
     write_through_queue: int = 4096  # blocks waiting for write-through, per tier
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
 
     @property
     def admit_on_reuse(self) -> list[bool]:
@@ -264,6 +309,7 @@ class CacheConfig:
         if not self.namespace:
             raise ConfigError("namespace", "must not be empty")
         _expect(self.promote, bool, "promote", "true or false")
+        _expect(self.deadlines, DeadlineConfig, "deadlines", "a DeadlineConfig")
         _expect(self.write_through_queue, int, "write_through_queue", "an int (blocks)")
         if self.write_through_queue < 1:
             n = self.write_through_queue
@@ -296,6 +342,7 @@ class CacheConfig:
             write_through_queue=m.get("write_through_queue", 4096),
             tiers=tuple(TierConfig.from_mapping(t, i) for i, t in enumerate(tiers)),
             telemetry=(TelemetryConfig.from_mapping(m["telemetry"]) if "telemetry" in m else None),
+            deadlines=DeadlineConfig.from_mapping(m.get("deadlines", {})),
         )
 
     @classmethod

@@ -15,7 +15,10 @@ OffloadingManager shape, on 16-byte prefix keys):
   write-through) only once it has been sighted twice (stored or loaded), remembered in a
   bounded ghost map of keys;
 - `prepare_promote(keys)`: plan copies of lower-tier hits into the first tier;
-- `discard(keys)`: drop blocks found corrupt; `take_events()`; `stats()`.
+- `discard(keys)`: drop blocks found corrupt; `take_events()`; `stats()`;
+- `suspend(tier)` / `record_ok(tier)`: the circuit breaker (`tiercache.breaker`). A tier that
+  missed a load deadline is skipped by lookups (and by loads, where a faster or slower copy
+  exists) for a back-off period, then tried again by itself.
 
 Invariants: a block being stored is invisible to lookup until complete_store(success=True);
 a pinned block is never evicted; a key already held is not stored again; a prepare that
@@ -28,6 +31,7 @@ import itertools
 from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from dataclasses import dataclass
 
+from tiercache.breaker import CircuitBreaker
 from tiercache.policies import EvictionPolicy
 from tiercache.records import (
     BlockMove,
@@ -56,6 +60,7 @@ class TierCounters:
     written_through: int = 0  # blocks copied here by write-through, completed
     through_dropped: int = 0  # write-through copies given up (queue full, no room, failed)
     not_admitted: int = 0  # blocks kept out: admission on reuse, sighted only once
+    suspensions: int = 0  # times the circuit breaker opened this tier (a missed deadline)
 
 
 class _Level:
@@ -131,8 +136,10 @@ class OffloadingManager:
         write_through: Sequence[bool] = (),
         write_through_queue: int = 4096,
         admit_on_reuse: Sequence[bool] = (),
+        breaker: CircuitBreaker | None = None,
     ) -> None:
-        """`write_through[i]`: every block stored into a faster tier is also copied into tier
+        """`breaker`: the tiers' circuit breaker (default: 1 s back-off doubling to 30 s).
+        `write_through[i]`: every block stored into a faster tier is also copied into tier
         i (tier 0 never; default none); at most `write_through_queue` blocks wait per tier,
         the ones that do not fit are dropped and counted (`through_dropped`).
         `admit_on_reuse[i]`: tier i (never tier 0) takes only blocks sighted at least twice;
@@ -145,6 +152,7 @@ class OffloadingManager:
         self._levels = [_Level(i, t, p) for i, (t, p) in pairs]
         self._promote = promote
         self._single = len(self._levels) == 1
+        self._breaker = breaker or CircuitBreaker(len(tiers))
         self._ready: dict[bytes, int] = {}  # key -> bitmask of tiers where it is ready
         # key -> bitmask of tiers holding it (ready or not). With one tier that is exactly
         # the tier's slot map, so the map serves as both and the bitmask is never built.
@@ -217,7 +225,14 @@ class OffloadingManager:
         Each key counts as a hit or a miss per tier, unless `count` is False (a caller asking
         again within one request, e.g. the facade's `get` after its `lookup`)."""
         keys = _seq(keys)
+        off = self._breaker.mask()
         get = self._ready.get
+        if off:  # suspended tiers serve nothing: a block held only there is a miss
+            ready = self._ready
+
+            def get(k: bytes) -> int:  # type: ignore[misc]
+                return ready.get(k, 0) & ~off
+
         n = 0
         for k in keys:
             if not get(k):
@@ -225,7 +240,7 @@ class OffloadingManager:
             n += 1
         missed = len(keys) - n
         if missed and self._shared and keys[n] not in self._moving:
-            got = self._discover(keys, n)
+            got = self._discover(keys, n, off)
             if got:
                 n += got
                 while n < len(keys) and get(keys[n]):
@@ -236,16 +251,17 @@ class OffloadingManager:
             c.hits += n
             c.misses += missed
         elif count:
-            self._count_lookup(keys, n, missed)
+            self._count_lookup(keys, n, missed, off)
         if missed and keys[n] in self._moving:
             return None
         return n
 
-    def _discover(self, keys: Sequence[bytes], n: int) -> int:
+    def _discover(self, keys: Sequence[bytes], n: int, off: int = 0) -> int:
         """`lookup` missed at keys[n]: ask the shared tiers, fastest first, for blocks another
         process stored there after they opened, and adopt the leading run one of them holds.
         Room comes from free slots; in the last tier also from eviction (its victims just
-        go, as when it stores). Returns how many keys became ready."""
+        go, as when it stores). Suspended tiers (`off`) are not asked. Returns how many keys
+        became ready."""
         present = self._present
         tail: list[bytes] = []
         for k in keys[n:]:
@@ -256,6 +272,8 @@ class OffloadingManager:
             return 0
         last = self._levels[-1]
         for lv in self._shared:
+            if off & lv.bit:
+                continue
             tier = lv.tier
             found = tier.probe(tail)
             if not found:
@@ -275,11 +293,11 @@ class OffloadingManager:
             return len(take)
         return 0
 
-    def _count_lookup(self, keys: Sequence[bytes], n: int, missed: int) -> None:
+    def _count_lookup(self, keys: Sequence[bytes], n: int, missed: int, off: int = 0) -> None:
         ready = self._ready
         per_tier = [0] * len(self._levels)
         for k in keys[:n]:
-            m = ready[k]
+            m = ready[k] & ~off
             per_tier[(m & -m).bit_length() - 1] += 1
         served_below = n
         for lv, hits in zip(self._levels, per_tier, strict=True):
@@ -300,6 +318,7 @@ class OffloadingManager:
             if self._through:  # reused now: admitted where it was kept out at its store
                 self._queue_through(0, [k for k in keys if k in self._ready])
         get = self._ready.get
+        off = self._breaker.mask()
         tier_of: list[int] = []
         for k in keys:
             m = get(k)
@@ -308,6 +327,7 @@ class OffloadingManager:
                     f"prepare_load: block {k.hex() if isinstance(k, bytes) else k!r} "
                     "is not ready in any tier"
                 )
+            m = (m & ~off) or m  # from a tier not suspended, where one holds it
             tier_of.append((m & -m).bit_length() - 1)
         levels = self._levels
         pins = self._pins
@@ -926,6 +946,23 @@ class OffloadingManager:
         """Count failed transfers or verifications against a tier."""
         self._levels[tier].counters.errors += n
 
+    def suspend(self, tier: int) -> float:
+        """Open the circuit breaker of `tier` (a load from it missed its deadline): lookups
+        skip it until the back-off ends. Returns the seconds it stays suspended."""
+        breaker = self._breaker
+        before = breaker.trips[tier]
+        seconds = breaker.trip(tier)
+        self._levels[tier].counters.suspensions += breaker.trips[tier] - before
+        return seconds
+
+    def record_ok(self, tier: int) -> None:
+        """A load from `tier` completed in time: its next suspension starts short again."""
+        self._breaker.succeeded(tier)
+
+    def suspended(self) -> list[float]:
+        """Per tier, seconds it stays suspended (0.0: serving)."""
+        return self._breaker.remaining()
+
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call, oldest first."""
         events, self._events = self._events, []
@@ -934,6 +971,7 @@ class OffloadingManager:
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier (by medium): capacity, usage and counters."""
         out: dict[str, dict[str, int]] = {}
+        remaining = self._breaker.remaining()
         for lv in self._levels:
             c = lv.counters
             out[lv.medium] = {
@@ -954,5 +992,7 @@ class OffloadingManager:
                 "through_dropped": c.through_dropped,
                 "through_queued": len(self._through.get(lv.index, ())),
                 "not_admitted": c.not_admitted,
+                "suspensions": c.suspensions,
+                "suspended_ms": int(remaining[lv.index] * 1000),
             }
         return out

@@ -43,12 +43,21 @@ reported them (vLLM sums the workers' metadata with `TierCacheWorkerMetadata.agg
 vLLM's `KVOutputAggregator` reports a request finished sending or receiving only when every
 worker did; a block one rank cannot load is that rank's load error, and vLLM recomputes it.
 Pipeline (and context) parallel size must be 1.
+
+Deadlines (config ``[deadlines]``): a load into the engine not finished `load_timeout` seconds
+after it was due (a synchronous one: when the forward needs it; an asynchronous one: after
+its submission) is abandoned. The transfer engine stops it writing engine blocks
+(`OffloadingWorker.cancel`), its blocks are reported as load errors (vLLM recomputes them;
+an asynchronous request stops waiting), they are counted (`load_deadline_blocks`), and the
+tier is suspended by the manager's circuit breaker, so the following lookups in this process
+skip it until its back-off ends. Copies from the CPU tier (memory) are never abandoned.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -209,6 +218,8 @@ class _Flight:
     plan: int = -1  # store plan id (stores and moves)
     block_ids: tuple[int, ...] = ()  # engine blocks (loads)
     req_id: str = ""  # the request of an asynchronous load
+    due: float = 0.0  # loads: time.monotonic() by which it must have finished
+    abandoned: bool = False  # a load past its deadline: its blocks were reported as errors
 
 
 # -- the connector -----------------------------------------------------------------------------
@@ -655,6 +666,8 @@ class TierCacheConnector(KVConnectorBase_V1):
     def _submit(self, flight: _Flight, spec: Any) -> int:
         assert self._worker is not None and self._shared is not None
         job_id = next(self._job_ids)
+        if flight.kind == "load":
+            flight.due = time.monotonic() + self._shared.cache.config.deadlines.load_timeout
         with self._shared.lock:
             if not self._worker.transfer_async(job_id, spec):
                 raise RuntimeError(f"no transfer handler for {spec[0].medium} -> {spec[1].medium}")
@@ -695,11 +708,48 @@ class TierCacheConnector(KVConnectorBase_V1):
             if remote and not self._recving[job.req_id]:
                 del self._recving[job.req_id]
                 self._recv_done.add(job.req_id)
-        # A synchronous load is read by this step's forward, so it completes first. Whole
-        # blocks carry every layer, so wait_for_layer_load has nothing left to wait for.
+        # A synchronous load is read by this step's forward, so it completes first, or is
+        # abandoned at its deadline (its blocks recomputed). Whole blocks carry every layer,
+        # so wait_for_layer_load has nothing left to wait for.
         if sync_jobs:
-            self._worker.wait(sync_jobs)
+            timeout = self._shared.cache.config.deadlines.load_timeout
+            late = self._worker.wait(sync_jobs, timeout)
+            if late:
+                self._abandon(late)
+                # Not abandoned: copies from memory, which end soon.
+                self._worker.wait([j for j in late if not self._flights[j].abandoned])
         self._drain()
+
+    def _abandon(self, job_ids: Iterable[int]) -> None:
+        """Loads past their deadline: stop them writing engine blocks, report their blocks as
+        load errors (vLLM recomputes them), suspend their tiers (see the module doc)."""
+        assert self._worker is not None and self._shared is not None
+        manager = self._shared.cache.manager
+        for j in job_ids:
+            f = self._flights.get(j)
+            if f is None or f.kind != "load" or f.abandoned or not self._worker.cancel(j):
+                continue
+            f.abandoned = True
+            self._load_errors.update(f.block_ids)
+            self._count("load_deadline_blocks", len(f.keys))
+            with self._shared.lock:
+                seconds = manager.suspend(f.tier)
+            log.warning(
+                "tiercache: a load of %d blocks from tier %d missed its deadline; vLLM "
+                "recomputes them, and the tier is skipped for %.1f s",
+                len(f.keys),
+                f.tier,
+                seconds,
+            )
+            if f.req_id:
+                self._received(f.req_id)
+
+    def _received(self, req_id: str) -> None:
+        """One load job of an asynchronous request ended (or was abandoned)."""
+        self._recving[req_id] -= 1
+        if not self._recving[req_id]:
+            del self._recving[req_id]
+            self._recv_done.add(req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -779,18 +829,19 @@ class TierCacheConnector(KVConnectorBase_V1):
                 bad = [f.keys[i] for i in sorted(failed)]
                 if f.kind == "load":
                     manager.complete_load(f.keys)
+                    if f.abandoned:  # reported at its deadline; now only unpinned
+                        continue
                     if bad:
                         # Corrupt or unreadable: out of the index, counted, recomputed by vLLM.
                         manager.record_error(f.tier, len(bad))
                         self._bad.update((k, f.tier) for k in bad)
                         self._load_errors.update(f.block_ids[i] for i in sorted(failed))
                         self._count("load_error_blocks", len(bad))
+                    else:
+                        manager.record_ok(f.tier)
                     self._count("loaded_blocks", len(f.keys) - len(bad))
                     if f.req_id:
-                        self._recving[f.req_id] -= 1
-                        if not self._recving[f.req_id]:
-                            del self._recving[f.req_id]
-                            self._recv_done.add(f.req_id)
+                        self._received(f.req_id)
                 else:
                     ok = [k for i, k in enumerate(f.keys) if i not in failed]
                     manager.complete_store(ok, success=True)
@@ -822,6 +873,14 @@ class TierCacheConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is not None:
             self._drain()
+            now = time.monotonic()
+            late = [
+                j
+                for j, f in self._flights.items()
+                if f.kind == "load" and f.req_id and not f.abandoned and now >= f.due
+            ]
+            if late:
+                self._abandon(late)
         recved, self._recv_done = self._recv_done, set()
         if not self._watch:
             return None, (recved or None)

@@ -29,6 +29,12 @@ fastest copy is persistent before calling it a hit (a corrupt block is a miss, r
 failed store is reported to vLLM as done and to tiercache as failed (a future miss), and a
 failed load is reported as failed, which stops the engine rather than letting it compute on
 garbage. See docs/vllm-offloading.md.
+
+Deadlines: for the same reason a late load cannot be abandoned here (vLLM would stop on the
+failure). A load not finished `[deadlines] load_timeout` seconds after its submission
+suspends its tier (the manager's circuit breaker): lookups skip the tier until its back-off
+ends, so later requests recompute instead of queueing behind it; the late load itself is
+still waited for. Use `TierCacheConnector` where a load must never hold a request back.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import functools
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -516,6 +523,7 @@ class _Part:
     keys: tuple[bytes, ...]
     tier: int  # the tier side of the copy (source of a load, destination of a store/move)
     is_load: bool  # tier -> engine (its failure fails the vLLM job)
+    due: float = 0.0  # loads: time.monotonic() by which it should have finished
 
 
 class TierCacheOffloadingWorker(OffloadingWorker):
@@ -553,6 +561,8 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         self._vjobs: dict[int, _VJob] = {}
         self._parts: dict[int, _Part] = {}
         self._done: list[TransferResult] = []
+        self._timeout = store.cache.config.deadlines.load_timeout
+        self._late: set[int] = set()  # load parts past their deadline, tier suspended
         self._closed = False
 
     @property
@@ -604,11 +614,41 @@ class TierCacheOffloadingWorker(OffloadingWorker):
             # for what is left of them (see __init__).
             loads = [p for p, part in self._parts.items() if part.is_load]
             if loads:
-                self._worker.wait(loads)
+                late = self._worker.wait(loads, self._timeout)
+                if late:
+                    self._suspend_late(late)
+                    self._worker.wait(late)  # vLLM cannot take a failed load: see module doc
         for r in self._worker.get_finished():
             self._finish_part(r)
+        now = time.monotonic()
+        late = {
+            p
+            for p, part in self._parts.items()
+            if part.is_load and p not in self._late and now >= part.due
+        }
+        if late:
+            self._suspend_late(late)
         done, self._done = self._done, []
         return done
+
+    def _suspend_late(self, part_ids: Iterable[int]) -> None:
+        """Load parts past their deadline: suspend their tiers (once per part)."""
+        manager = self._store.cache.manager
+        for p in part_ids:
+            part = self._parts.get(p)
+            if part is None or p in self._late:
+                continue
+            self._late.add(p)
+            self._store.count("offload_late_load_blocks", len(part.keys))
+            with self._store.lock:
+                seconds = manager.suspend(part.tier)
+            log.warning(
+                "tiercache: a load of %d blocks from tier %d missed its deadline; the tier is "
+                "skipped by lookups for %.1f s",
+                len(part.keys),
+                part.tier,
+                seconds,
+            )
 
     def wait(self, job_ids: set[int]) -> None:
         parts = [p for j in job_ids if j in self._vjobs for p in self._vjobs[j].parts]
@@ -643,7 +683,8 @@ class TierCacheOffloadingWorker(OffloadingWorker):
                     "the worker was built for other tiers"
                 )
             vjob.parts.add(part_id)
-            self._parts[part_id] = _Part(job_id, tier_side.keys, tier_side.tier, loads)
+            due = time.monotonic() + self._timeout if loads else 0.0
+            self._parts[part_id] = _Part(job_id, tier_side.keys, tier_side.tier, loads, due)
         self._vjobs[job_id] = vjob
         if not vjob.parts:  # nothing to copy (cannot come from vLLM, but stays well-defined)
             del self._vjobs[job_id]
@@ -652,6 +693,11 @@ class TierCacheOffloadingWorker(OffloadingWorker):
 
     def _finish_part(self, r: TierResult) -> None:
         part = self._parts.pop(r.job_id)
+        was_late = r.job_id in self._late
+        self._late.discard(r.job_id)
+        if part.is_load and r.success and not was_late:
+            with self._store.lock:
+                self._store.cache.manager.record_ok(part.tier)
         vjob = self._vjobs[part.vjob]
         vjob.parts.discard(r.job_id)
         vjob.size += r.transfer_size

@@ -6,9 +6,13 @@ manager's demotions and write-backs, which run here as ordinary jobs):
 - engine -> tier: `KVLayout.gather` into the staging buffer, `tier.write`;
 - tier -> engine: `tier.read` into the staging buffer, `KVLayout.scatter` of the rows that
   arrived (each staged chunk synchronized before the buffer is reused when CUDA is involved).
-It works on any `Tier`, so it knows nothing about files or LMDB. A pool of threads (one lane)
-keeps slow devices off the engine's thread; the worker's dependencies order jobs that touch
-the same slots. Staging buffers are per thread, bounded by `chunk_bytes`, pinned with CUDA.
+It works on any `Tier`, so it knows nothing about files or LMDB. Threads keep slow devices off
+the engine's thread: `threads` per lane, one lane per tier for engine transfers and one per
+pair of tiers for copies between them, so a tier that hangs stalls only jobs that touch it.
+The worker's dependencies order jobs that touch the same slots. A load into the engine can
+be cancelled (`Job.cancel`, the engine's deadline): each chunk is scattered under the job's
+fence only while it is not cancelled, so an abandoned load never writes engine blocks later.
+Staging buffers are per thread, bounded by `chunk_bytes`, pinned with CUDA.
 A failed or corrupt read fails only its blocks: a move still lands the rest, and a block that
 did not arrive is never written anywhere.
 """
@@ -24,7 +28,7 @@ import torch
 from tiercache.errors import BlockCorruptError
 from tiercache.tiers import Tier
 from tiercache.transfer.cpu_handler import check_ranges, tier_of
-from tiercache.transfer.handler import LaneHandler
+from tiercache.transfer.handler import EXPEDITED, LaneHandler
 from tiercache.transfer.job import Job
 from tiercache.transfer.kv_layout import KVLayout
 from tiercache.transfer.specs import GPULoadStoreSpec, TierLoadStoreSpec
@@ -56,10 +60,18 @@ class DiskHandler(LaneHandler):
         self._cuda = layout is not None and layout.device.type == "cuda"
         self._pin = torch.cuda.is_available()
         self._local = threading.local()
-        super().__init__({"io": threads}, name=name)
+        super().__init__({}, name=name, lane_threads=threads)
+
+    cancellable = True
 
     def lane_of(self, job: Job) -> str:
-        return "io"
+        src, dst = job.src, job.dst
+        if isinstance(src, TierLoadStoreSpec) and isinstance(dst, TierLoadStoreSpec):
+            return f"io:{src.medium}>{dst.medium}"
+        return f"io:{(src if isinstance(src, TierLoadStoreSpec) else dst).medium}"
+
+    def expedited_lane_of(self, job: Job) -> str:
+        return f"{EXPEDITED}:{self.lane_of(job)}"
 
     def check(self, job: Job) -> None:
         sides = [s for s in (job.src, job.dst) if isinstance(s, TierLoadStoreSpec)]
@@ -131,6 +143,9 @@ class DiskHandler(LaneHandler):
             self._stream().wait_event(job.compute_event)
         for a in range(0, n, step):
             b = min(n, a + step)
+            if job.cancelled:  # the engine gave up on it: read nothing more
+                failed.extend(range(a, n))
+                break
             buf = self._staging(b - a, bb)
             # 1. source -> staging; `bad` are chunk positions whose bytes did not arrive.
             if isinstance(src, TierLoadStoreSpec):
@@ -156,7 +171,11 @@ class DiskHandler(LaneHandler):
                     failed.extend(a + i for i in good)
             else:
                 ids = [dst.block_ids[(a + i) * f + j] for i in good for j in range(f)]
-                self._scatter(ids, rows)
+                with job.fence:  # after Job.cancel, no byte reaches the engine
+                    if job.cancelled:
+                        failed.extend(a + i for i in good)
+                    else:
+                        self._scatter(ids, rows)
         job.size = (n - len(failed)) * bb
         if failed:
             job.fail(tuple(sorted(failed)))

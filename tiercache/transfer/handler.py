@@ -9,8 +9,13 @@ Primitives:
   dependencies, run it, and mark it issued. Subclasses say which lane a job takes (`lane_of`),
   check it on the caller's thread (`check`, `prepare`) and do the work (`run`). An expedited
   job (`Job.expedited`: a load the engine waits for within its step) skips the FIFOs: it runs
-  on the `EXPEDITED` lane, whose own thread starts on first use, so it never queues behind
-  regular jobs (only behind the jobs it depends on, which ordering requires).
+  on an expedited lane (`EXPEDITED`, or one per lane where `expedited_lane_of` says so), whose
+  own thread starts on first use, so it never queues behind regular jobs (only behind the
+  jobs it depends on, which ordering requires). Lanes not declared up front are made on
+  first use with `lane_threads` threads (e.g. one per tier, so a hung tier stalls only its
+  own lane).
+- Cancellation (`cancellable`): a handler that honours `Job.cancel` between chunks, so that an
+  engine that gave up on a load can recompute its blocks safely.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ EXPEDITED = "expedited"  # the lane of expedited jobs (see the module docstring)
 class TransferHandler(ABC):
     """Moves the bytes of jobs between two mediums."""
 
+    # Whether `Job.cancel` stops this handler's engine writes (see `tiercache.transfer.job`).
+    cancellable = False
+
     def check(self, job: Job) -> None:  # noqa: B027 - optional hook
         """Validate `job` on the caller's thread before it is accepted; raise ValueError if
         it is malformed (e.g. a slot count that does not match)."""
@@ -52,7 +60,8 @@ class TransferHandler(ABC):
 class LaneHandler(TransferHandler):
     """Jobs run in FIFO order per lane, each lane served by `threads` threads."""
 
-    def __init__(self, lanes: Mapping[str, int], *, name: str) -> None:
+    def __init__(self, lanes: Mapping[str, int], *, name: str, lane_threads: int = 1) -> None:
+        self._lane_threads = lane_threads
         self._lock = threading.Lock()
         self._closed = False
         if EXPEDITED in lanes:
@@ -81,6 +90,10 @@ class LaneHandler(TransferHandler):
     def lane_of(self, job: Job) -> str:
         """The lane `job` runs on."""
 
+    def expedited_lane_of(self, job: Job) -> str:
+        """The lane of `job` when it is expedited (default: the one `EXPEDITED` lane)."""
+        return EXPEDITED
+
     def prepare(self, job: Job) -> None:
         """Caller-thread work at submission (e.g. mark the compute stream's position)."""
 
@@ -102,33 +115,36 @@ class LaneHandler(TransferHandler):
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
         self.prepare(job)
-        lane = self._expedited_lane() if job.expedited else self.lane_of(job)
+        lane = self.expedited_lane_of(job) if job.expedited else self.lane_of(job)
+        if lane not in self._queues:
+            self._start_lane(lane, 1 if job.expedited else self._lane_threads)
         self._queues[lane].put(job)
         return True
 
-    def _expedited_lane(self) -> str:
-        """The expedited lane, its thread started on first use (most engines never expedite)."""
+    def _start_lane(self, lane: str, threads: int) -> None:
+        """Make a lane on first use, its threads started (most engines never expedite)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{type(self).__name__} is closed")
-            if EXPEDITED not in self._queues:
-                self._queues[EXPEDITED] = queue.SimpleQueue()
-                self._issued[EXPEDITED] = deque()
-                self._lanes[EXPEDITED] = 1
+            if lane in self._queues:
+                return
+            self._queues[lane] = queue.SimpleQueue()
+            self._issued[lane] = deque()
+            self._lanes[lane] = threads
+            for i in range(threads):
                 t = threading.Thread(
                     target=self._serve,
-                    args=(EXPEDITED,),
+                    args=(lane,),
                     daemon=True,
-                    name=f"tiercache-xfer-{self._name}-{EXPEDITED}",
+                    name=f"tiercache-xfer-{self._name}-{lane}-{i}",
                 )
                 self._threads.append(t)
                 t.start()
-        return EXPEDITED
 
     def get_finished(self) -> list[Job]:
         out: list[Job] = []
         with self._lock:
-            for issued in self._issued.values():
+            for issued in list(self._issued.values()):
                 # Per lane, jobs finish in issue order (one thread or stream per lane).
                 while issued and issued[0].done():
                     out.append(issued.popleft())

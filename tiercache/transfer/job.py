@@ -3,6 +3,12 @@
 A job is *issued* once its work has been started or done (`issued` is set): a host copy is then
 finished, a CUDA copy is queued on a stream and finishes when `end_event` completes. Other
 handlers order themselves after a job with `wait()` (host threads) or `end_event` (streams).
+
+A job that writes engine blocks may be *cancelled* (`cancel()`) when the engine gives up
+waiting for it (a load past its deadline): a handler that supports it writes each chunk into
+the engine under `fence` and only while `cancelled` is unset, so once `cancel()` returns no
+byte of the job reaches the engine any more. The job still runs to its end (a hung read
+cannot be interrupted) and is reported, failed, like any other.
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ class Job:
     """A transfer between two specs, its dependencies and its outcome."""
 
     __slots__ = (
+        "cancelled",
         "compute_event",
         "deps",
         "dst",
         "end_event",
         "expedited",
         "failed",
+        "fence",
         "issued",
         "job_id",
         "ok",
@@ -55,6 +63,8 @@ class Job:
         self.start_event: Any = None
         self.end_event: Any = None
         self.issued = threading.Event()
+        self.fence = threading.Lock()  # held by a handler while it writes engine blocks
+        self.cancelled = False
         self.ok = True
         self.failed: tuple[int, ...] = ()
         self.size = 0
@@ -72,12 +82,20 @@ class Job:
         self.ok = False
         self.failed = tuple(range(self.num_blocks)) if positions is None else positions
 
-    def wait(self) -> bool:
-        """Block until the job's bytes are in place (or it failed); True if it succeeded."""
-        self.issued.wait()
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job's bytes are in place (or it failed); True if it succeeded.
+        With `timeout` (seconds), False also when it has not finished by then (see `done`)."""
+        if not self.issued.wait(timeout):
+            return False
         if self.end_event is not None:
             self.end_event.synchronize()
         return self.ok
+
+    def cancel(self) -> None:
+        """Stop the job writing engine blocks: when this returns, none of its chunks is being
+        written and none will be (the handler checks `cancelled` under `fence`)."""
+        with self.fence:
+            self.cancelled = True
 
     def done(self) -> bool:
         """Finished, without blocking."""

@@ -75,7 +75,15 @@ class TransferStats:
 
 # Transfer sizes in bytes: a 16 KiB block up to a 1 GiB batch.
 SIZE_BUCKETS = tuple(float(2**p) for p in range(14, 31, 2))
-TIER_COUNTERS = ("hits", "misses", "evictions", "errors", "written_through", "through_dropped")
+TIER_COUNTERS = (
+    "hits",
+    "misses",
+    "evictions",
+    "errors",
+    "written_through",
+    "through_dropped",
+    "suspensions",
+)
 TIER_GAUGES = ("used_blocks", "capacity_blocks", "through_queued")
 
 

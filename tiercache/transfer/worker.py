@@ -2,9 +2,10 @@
 
 Primitives: `register_handler(src_medium, dst_medium, handler)`, `transfer_async(job_id,
 (src_spec, dst_spec), expedited=False) -> bool`, `get_finished() -> list[TransferResult]`,
-`wait(job_ids)`, `take_stats()`, `close()`. One handler per (source medium, destination
-medium); one handler object may serve several pairs. Call it from one thread (the engine's
-worker thread).
+`wait(job_ids, timeout=None) -> set[int]` (the ids still running), `cancel(job_id) -> bool`
+(an engine load given up at its deadline), `take_stats()`, `close()`. One handler per
+(source medium, destination medium); one handler object may serve several pairs. Call it
+from one thread (the engine's worker thread).
 
 Ordering: handlers run in parallel, so the worker records, for each job, the jobs still in
 flight that touch the same tier slots or engine blocks (`DependencyTracker`), and the handler
@@ -41,6 +42,7 @@ mediums; it raises ValueError for a malformed spec or a job id still in flight.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 
 from tiercache.transfer.handler import TransferHandler
@@ -117,13 +119,35 @@ class OffloadingWorker:
                     out.append(r)
         return out
 
-    def wait(self, job_ids: Iterable[int]) -> None:
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> set[int]:
         """Block until the named jobs have finished (their results still come from
-        `get_finished`). Ids not in flight (unknown or already reported) are ignored."""
+        `get_finished`), or `timeout` seconds have passed; returns the ids still running.
+        Ids not in flight (unknown or already reported) are ignored."""
         with self._lock:
             jobs = [self._jobs[i][0] for i in job_ids if i in self._jobs]
+        if timeout is None:
+            for job in jobs:
+                job.wait()
+            return set()
+        deadline = time.monotonic() + timeout
         for job in jobs:
-            job.wait()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            job.wait(left)
+        return {job.job_id for job in jobs if not job.done()}
+
+    def cancel(self, job_id: int) -> bool:
+        """Give up on a job that writes engine blocks (a load past its deadline): True if its
+        handler stops it, so that once this returns it writes no engine block any more (its
+        result still comes from `get_finished`, failed, when it ends). False if it is not in
+        flight or its handler cannot stop it (host and device pool copies: wait for them)."""
+        with self._lock:
+            entry = self._jobs.get(job_id)
+        if entry is None or not entry[1].cancellable:
+            return False
+        entry[0].cancel()
+        return True
 
     def take_stats(self) -> TransferStats | None:
         """Transfer stats since the last call (None when empty), as vLLM's connector reports
