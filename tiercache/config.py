@@ -82,6 +82,17 @@ def _expect(value: object, kind: type | tuple[type, ...], field_name: str, what:
     return value
 
 
+def _table(m: object, name: str, known: set[str]) -> Mapping[str, Any]:
+    """`m` as the table `name`, whose settings are all in `known`; ConfigError otherwise."""
+    if not isinstance(m, Mapping):
+        raise ConfigError(name, f"expected a table, got {type(m).__name__}")
+    unknown = sorted(set(m) - known)
+    if unknown:
+        listed = ", ".join(sorted(known))
+        raise ConfigError(f"{name}.{unknown[0]}", f"unknown setting; known: {listed}")
+    return m
+
+
 @dataclass(frozen=True)
 class TelemetryConfig:
     """The `[telemetry]` table: where and how often a running cache reports."""
@@ -95,12 +106,7 @@ class TelemetryConfig:
     @classmethod
     def from_mapping(cls, m: object) -> TelemetryConfig:
         """Validate a `[telemetry]` table; ConfigError naming the field."""
-        if not isinstance(m, Mapping):
-            raise ConfigError("telemetry", f"expected a table, got {type(m).__name__}")
-        unknown = sorted(set(m) - _TELEMETRY_KEYS)
-        if unknown:
-            known = ", ".join(sorted(_TELEMETRY_KEYS))
-            raise ConfigError(f"telemetry.{unknown[0]}", f"unknown setting; known: {known}")
+        m = _table(m, "telemetry", _TELEMETRY_KEYS)
         d = m.get("dir")
         if not isinstance(d, str) or not d:
             raise ConfigError("telemetry.dir", "required: a directory for stats.json and events")
@@ -149,12 +155,7 @@ class DeadlineConfig:
     @classmethod
     def from_mapping(cls, m: object) -> DeadlineConfig:
         """Validate a `[deadlines]` table; ConfigError naming the field."""
-        if not isinstance(m, Mapping):
-            raise ConfigError("deadlines", f"expected a table, got {type(m).__name__}")
-        unknown = sorted(set(m) - _DEADLINE_KEYS)
-        if unknown:
-            known = ", ".join(sorted(_DEADLINE_KEYS))
-            raise ConfigError(f"deadlines.{unknown[0]}", f"unknown setting; known: {known}")
+        m = _table(m, "deadlines", _DEADLINE_KEYS)
         return cls(**{k: m[k] for k in _DEADLINE_KEYS if k in m})
 
 

@@ -41,6 +41,8 @@ IO_ERRORS = (OSError, BlockCorruptError)
 class DiskHandler(LaneHandler):
     """Tier <-> tier and engine <-> tier through host staging, on a pool of threads."""
 
+    cancellable = True  # `Job.cancel` is honoured between chunks (see the module doc)
+
     def __init__(
         self,
         tiers: Sequence[Tier],
@@ -61,8 +63,6 @@ class DiskHandler(LaneHandler):
         self._pin = torch.cuda.is_available()
         self._local = threading.local()
         super().__init__({}, name=name, lane_threads=threads)
-
-    cancellable = True
 
     def lane_of(self, job: Job) -> str:
         src, dst = job.src, job.dst

@@ -67,23 +67,12 @@ class LaneHandler(TransferHandler):
         if EXPEDITED in lanes:
             raise ValueError(f"lanes: {EXPEDITED!r} is reserved for expedited jobs")
         self._name = name
-        self._lanes = dict(lanes)
+        self._lanes: dict[str, int] = {}
         self._queues: dict[str, queue.SimpleQueue[Job | None]] = {}
         self._issued: dict[str, deque[Job]] = {}
         self._threads: list[threading.Thread] = []
         for lane, n in lanes.items():
-            self._queues[lane] = queue.SimpleQueue()
-            self._issued[lane] = deque()
-            for i in range(n):
-                t = threading.Thread(
-                    target=self._serve,
-                    args=(lane,),
-                    daemon=True,
-                    name=f"tiercache-xfer-{name}-{lane}-{i}",
-                )
-                self._threads.append(t)
-        for t in self._threads:
-            t.start()
+            self._start_lane(lane, n)
 
     # -- subclass hooks --------------------------------------------------------------------
     @abstractmethod
@@ -122,7 +111,8 @@ class LaneHandler(TransferHandler):
         return True
 
     def _start_lane(self, lane: str, threads: int) -> None:
-        """Make a lane on first use, its threads started (most engines never expedite)."""
+        """Make a lane and start its threads: the declared ones at construction, the others
+        on first use (most engines never expedite)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{type(self).__name__} is closed")
