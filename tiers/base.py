@@ -5,7 +5,8 @@ A tier knows bytes, never policies or other tiers. Primitives:
 - `write(slots, src)` / `read(slots, dst)`: batched copies of uint8 tensors
   `[len(slots), block_bytes]` (the only abstract methods besides `from_config`);
 - `recover()`: what a persistent tier already holds when it opens (key, slot) pairs;
-- capability flags: `persistent`, `shared` (between processes);
+- capability flags: `persistent`, `shared` (between processes); shared tiers also `probe`,
+  `adopt`, `take_gone`, and `open_probe` (a read-only `StoreProbe` for another process);
 - `flush()` / `close()`.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -35,6 +36,17 @@ def check_blocks(t: object, n: int, block_bytes: int, name: str) -> torch.Tensor
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor")
     return t
+
+
+class StoreProbe(Protocol):
+    """Read-only presence checks on a shared store (`Tier.open_probe`): `probe(keys)` is how
+    many leading `keys` the store holds with a well-formed header of the namespace (payloads
+    are verified when a tier reads them); 0 when the store cannot be reached. Bounded in
+    time by the tier's own timeouts."""
+
+    def probe(self, keys: Sequence[bytes]) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class Tier(ABC):
@@ -121,6 +133,13 @@ class Tier(ABC):
         """Index blocks `probe` found: one slot per key, as `allocate`, but no write follows
         (the bytes are already stored). None, and nothing reserved, when too few are free."""
         return self.allocate(keys)
+
+    @classmethod
+    def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> StoreProbe | None:
+        """A read-only `StoreProbe` of the shared store a validated `TierConfig` names, for a
+        process that does not hold the store as a tier (vLLM's scheduler, whose worker runs
+        in another process); None for a tier no other process writes into."""
+        return None
 
     def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
         """Of `keys` whose `read` just failed, those that were plain misses, not errors: a

@@ -47,7 +47,8 @@ Sharing. One `lmdb.Environment` per real path per process, reference counted (LM
 second open of an environment in one process). Any number of processes may open and write
 the same directory: LMDB's writer mutex serializes the write transactions and readers never
 block. A process sees blocks another stored through `probe` on a lookup miss; a block another
-process evicted reads as a plain miss (`take_gone`).
+process evicted reads as a plain miss (`take_gone`). A process that does not hold the store
+as a tier (vLLM's scheduler) asks it through `LMDBProbe`: headers only, read-only.
 
 Durability (`sync`): "always" opens the environment with sync and metasync (a write is
 durable when it returns); "batch" commits without fsync, starts a background `env.sync` every
@@ -70,7 +71,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -709,25 +710,18 @@ class LMDBTier(KeyedTier):
         shared = self._shared
         with shared.state_lock:
             pending = set(shared.pending) if shared.pending else set()
-        n = 0
         try:
             txn = self._begin(write=False)
         except OSError:
             return 0
         try:
-            for k in keys:
-                sk = self._nsb + k
-                if sk in pending:
-                    break
-                head = txn.get(sk, db=shared.heads)
-                if not is_header_of(head, k, self._ns, self.block_bytes):
-                    break
-                n += 1
-        except lmdb.Error:
-            pass  # what was counted stands; a read verifies each block anyway
+            return _leading_heads(txn, shared.heads, keys, self._ns, self.block_bytes, pending)
         finally:
             txn.abort()
-        return n
+
+    @classmethod
+    def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> LMDBProbe:
+        return LMDBProbe(cfg.options["path"], block_bytes, namespace=namespace)
 
     def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
         """Slots for blocks another process stored: not recorded as ours, so evicting them
@@ -1277,6 +1271,84 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
         yield StoreHandle(real, env, dbs[1], dbs[2], meta, threading.Lock(), dbs[0], dbs[3])
     finally:
         env.close()
+
+
+def _leading_heads(
+    txn: lmdb.Transaction,
+    heads: Any,
+    keys: Sequence[bytes],
+    ns: int,
+    block_bytes: int,
+    stop: Collection[bytes] = (),
+) -> int:
+    """How many leading `keys` have a well-formed header of namespace `ns` in `heads` (up to
+    a store key in `stop`: one being deleted)."""
+    nsb = ns.to_bytes(NS_BYTES, "big")
+    n = 0
+    try:
+        for k in keys:
+            sk = nsb + k
+            if sk in stop or not is_header_of(txn.get(sk, db=heads), k, ns, block_bytes):
+                break
+            n += 1
+    except lmdb.Error:
+        pass  # what was counted stands; a read verifies each block anyway
+    return n
+
+
+class LMDBProbe:
+    """A read-only `StoreProbe` of an LMDB store (`LMDBTier.open_probe`): the environment is
+    opened read-only (`open_store`; borrowed when a tier of this process has it open) when
+    first asked, and again after a failure at most once a second; it never writes."""
+
+    RETRY_S = 1.0
+
+    def __init__(self, path: str, block_bytes: int, *, namespace: str = "") -> None:
+        self._path = path
+        self._block_bytes = block_bytes
+        self._ns = namespace_id(namespace)
+        self._stack: contextlib.ExitStack | None = None
+        self._handle: StoreHandle | None = None
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+
+    def _open(self) -> StoreHandle | None:
+        if self._handle is None and time.monotonic() >= self._retry_at:
+            stack = contextlib.ExitStack()
+            try:
+                self._handle = stack.enter_context(open_store(self._path))
+                self._stack = stack
+            except (ConfigError, OSError) as exc:
+                stack.close()
+                self._retry_at = time.monotonic() + self.RETRY_S
+                log.debug("LMDB probe of %s: not open yet (%s)", self._path, exc)
+        return self._handle
+
+    def probe(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            h = self._open()
+            if h is None or not keys:
+                return 0
+            try:
+                txn = h.env.begin(write=False)
+            except lmdb.MapResizedError:
+                # A writer grew the map since we opened: adopt its size and go on.
+                h.env.set_mapsize(0)
+                txn = h.env.begin(write=False)
+            except lmdb.Error as exc:
+                log.debug("LMDB probe of %s: %s", self._path, exc)
+                return 0
+            try:
+                return _leading_heads(txn, h.heads, keys, self._ns, self._block_bytes)
+            finally:
+                txn.abort()
+
+    def close(self) -> None:
+        with self._lock:
+            stack, self._stack, self._handle = self._stack, None, None
+            self._retry_at = float("inf")
+        if stack is not None:
+            stack.close()
 
 
 def iter_entries(

@@ -262,6 +262,7 @@ class RedisTier(KeyedTier):
         timeout: float = 0.5,
         backoff_max: float = 5.0,
         namespace: str = "",
+        index_at_open: bool = True,
     ) -> None:
         super().__init__(
             name=name,
@@ -307,6 +308,8 @@ class RedisTier(KeyedTier):
         self._retry_at = 0.0
         self._backoff = BACKOFF_START_S
         self._last_error = ""
+        # False: a probe (`open_probe`), indexing nothing and writing nothing at open.
+        self._index_at_open = index_at_open
         try:
             self._open()
         except BaseException:
@@ -334,6 +337,20 @@ class RedisTier(KeyedTier):
             if not exc.field.startswith("tiers["):
                 raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
             raise
+
+    @classmethod
+    def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> RedisTier:
+        """The tier without its index (no SCAN and no metadata write at open): its `probe`
+        is one pipelined GETRANGE of the headers, bounded by `timeout`, and answers 0 at once
+        during a back-off after a failure. An unreachable server is not an error here."""
+        return cls(
+            name=cfg.name,
+            block_bytes=block_bytes,
+            capacity_blocks=cfg.capacity_in_blocks(block_bytes),
+            namespace=namespace,
+            index_at_open=False,
+            **dict(cfg.options),
+        )
 
     # -- connection and availability -------------------------------------------------------
     def _make_client(self) -> Any:
@@ -373,8 +390,9 @@ class RedisTier(KeyedTier):
             client = self._make_client()
             self._client = client
             client.ping()
-            self._check_meta(client)
-            self._scan(client)
+            if self._index_at_open:
+                self._check_meta(client)
+                self._scan(client)
         except AuthenticationError as exc:
             raise self._auth_error(exc) from None
         except ResponseError as exc:

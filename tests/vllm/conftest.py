@@ -3,6 +3,7 @@
 - `tiny_llama` (session): a directory with a random-weight Llama (see `engine.py`).
 - `engine` (session): the `engine.py` module: `run_in_subprocess(spec)`, `make_prompts`,
   `write_tiny_llama`, `run_spec`.
+- `redis_url` (session): a real redis-server on a free loopback port.
 - `server` (session): the `server.py` module: `Server` (vLLM's OpenAI-compatible server in
   its own process group), `free_port`, `get`.
 
@@ -14,13 +15,19 @@ themselves with ``pytest.importorskip("vllm")`` when vLLM is not installed.
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 _HERE = Path(__file__).resolve().parent
+REDIS_SERVER = shutil.which("redis-server")
 
 
 def _load(stem: str) -> ModuleType:
@@ -53,3 +60,40 @@ def server() -> ModuleType:
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory, engine: ModuleType) -> Path:
     """A random-weight Llama model directory for vLLM (config.json + model.safetensors)."""
     return engine.write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on a free loopback port (skips where it is not installed)."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (CI installs Debian's redis-server package)")
+    d = tmp_path_factory.mktemp("redis")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert REDIS_SERVER is not None
+    proc = subprocess.Popen(
+        [
+            *(REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d)),
+            *("--save", "", "--appendonly", "no", "--daemonize", "no"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()

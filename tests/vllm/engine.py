@@ -10,7 +10,8 @@
   ``"reset_prefix_cache": true`` resets vLLM's prefix cache after it, once the connector's
   saves of the batch are done (see `_reset_prefix_cache`).
 - `run_in_subprocess(spec, python=sys.executable) -> dict`: the same in a fresh interpreter
-  (what the tests use: every engine starts from a clean process, as a restart would).
+  (what the tests use: every engine starts from a clean process, as a restart would);
+  `start_in_subprocess(spec) -> RunningEngine` starts one without waiting (`.result()`).
 
 Run as a script: ``python tests/vllm/engine.py SPEC.json OUT.json``. The spec is JSON::
 
@@ -18,6 +19,10 @@ Run as a script: ``python tests/vllm/engine.py SPEC.json OUT.json``. The spec is
      "batches": [{"prompts": [[1, 2, ...], ...], "max_tokens": 16}, ...],
      "block_size": 32, "multiprocessing": false, "max_model_len": 1024,
      "tensor_parallel_size": 1, "sigkill": false, "disable_hybrid_kv_cache_manager": false}
+
+A batch may also say ``"wait_for": PATH`` (start it only once PATH exists: another engine
+finished something) and ``"touch": PATH`` (create PATH after it): engines started together
+with `start_in_subprocess` then run in a set order, each in its own process.
 
 With ``"sigkill": true`` the script writes its result, then kills itself with SIGKILL: no
 shutdown, no close, no exit hook (a crashed or OOM-killed engine). ``"settle_s"`` waits that
@@ -164,6 +169,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     t_init = time.perf_counter() - t0
     batches = []
     for batch in spec["batches"]:
+        if batch.get("wait_for"):
+            _wait_for(Path(batch["wait_for"]))
         params = SamplingParams(
             temperature=0, max_tokens=batch.get("max_tokens", 16), ignore_eos=True, detokenize=False
         )
@@ -182,6 +189,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
                 "connector_s": spent[0] - s0,
             }
         )
+        if batch.get("touch"):
+            Path(batch["touch"]).touch()
     time.sleep(float(spec.get("settle_s", 0)))  # e.g. background copies before a SIGKILL
     stores: dict[str, Any] = {}
     if spec.get("kv_transfer_config") is not None and not spec.get("multiprocessing"):
@@ -288,30 +297,73 @@ def _record_events(counts: dict[str, int]) -> None:
     TierCacheConnector.take_events = counting  # type: ignore[method-assign]
 
 
+def _wait_for(path: Path, timeout: float = 600) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
+
+
+class RunningEngine:
+    """An engine process started by `start_in_subprocess`; `result()` waits for its output."""
+
+    def __init__(self, spec: dict[str, Any], python: str) -> None:
+        self._spec = spec
+        self._dir = tempfile.TemporaryDirectory(prefix="tiercache-engine-")
+        spec_path, self._out = Path(self._dir.name, "spec.json"), Path(self._dir.name, "out.json")
+        spec_path.write_text(json.dumps(spec))
+        # Files, not pipes: a chatty engine never blocks on a full pipe nobody reads yet.
+        logs = [Path(self._dir.name, n).open("w+") for n in ("stdout", "stderr")]  # noqa: SIM115
+        self._logs = logs
+        self.proc = subprocess.Popen(
+            [python, __file__, str(spec_path), str(self._out)], stdout=logs[0], stderr=logs[1]
+        )
+
+    def result(self, timeout: float = 300) -> dict[str, Any]:
+        """The engine's `run_spec` result; raises with its error lines if it failed."""
+        try:
+            returncode = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        try:
+            stdout, stderr = (f.seek(0) or f.read() for f in self._logs)
+            killed = self._spec.get("sigkill") and returncode == -9
+            if (returncode != 0 and not killed) or not self._out.exists():
+                raise RuntimeError(
+                    f"engine subprocess failed (status {returncode}):\n"
+                    f"{_errors_of(stdout + stderr)}\n{stderr[-4000:]}"
+                )
+            result: dict[str, Any] = json.loads(self._out.read_text())
+            result["stderr"], result["stdout"] = stderr, stdout
+            return result
+        finally:
+            self._close()
+
+    def kill(self) -> None:
+        """Stop the engine (and vLLM's engine-core and worker children) if still running."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._close()
+
+    def _close(self) -> None:
+        for f in self._logs:
+            f.close()
+        self._dir.cleanup()
+
+
+def start_in_subprocess(spec: dict[str, Any], python: str = sys.executable) -> RunningEngine:
+    """`run_spec(spec)` in a fresh interpreter, not waited for (engines that run together)."""
+    return RunningEngine(spec, python)
+
+
 def run_in_subprocess(
     spec: dict[str, Any], python: str = sys.executable, timeout: float = 300
 ) -> dict[str, Any]:
     """`run_spec(spec)` in a fresh interpreter; raises with its stderr tail if it fails."""
-    with tempfile.TemporaryDirectory(prefix="tiercache-engine-") as d:
-        spec_path, out_path = Path(d, "spec.json"), Path(d, "out.json")
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [python, __file__, str(spec_path), str(out_path)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        killed = spec.get("sigkill") and proc.returncode == -9
-        if (proc.returncode != 0 and not killed) or not out_path.exists():
-            raise RuntimeError(
-                f"engine subprocess failed (status {proc.returncode}):\n"
-                f"{_errors_of(proc.stdout + proc.stderr)}\n{proc.stderr[-4000:]}"
-            )
-        result: dict[str, Any] = json.loads(out_path.read_text())
-        result["stderr"] = proc.stderr
-        result["stdout"] = proc.stdout
-        return result
+    return start_in_subprocess(spec, python).result(timeout)
 
 
 def _errors_of(log: str) -> str:

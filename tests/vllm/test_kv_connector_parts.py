@@ -173,3 +173,54 @@ def test_a_lookup_that_waits_for_a_store_counts_each_block_once() -> None:
         assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (2, 2)
     finally:
         release_store(shared)
+
+
+def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> None:
+    """Issue 15, item 2: in multiprocess mode the scheduler's index knows only its own
+    workers' keys. Where it ends, the scheduler probes the shared tiers (read-only) for
+    blocks other engines stored, per rank, as the worker's discovery will adopt them."""
+    from tiercache.connectors.common import open_probes
+
+    chain = [bytes([i]) * 16 for i in range(1, 7)]
+    stores, probes = [], []
+    for r in range(2):  # each TP rank keeps its shard in a store of its own
+        config = resolve_config(
+            {
+                "tiers": [
+                    {"kind": "cpu", "blocks": 4},
+                    {"kind": "lmdb", "blocks": 32, "path": str(tmp_path / f"r{r}")},
+                ]
+            },
+            block_size=4,
+            namespace=f"rank{r}",
+        )
+        stores.append(acquire_store(config, 64))
+        probes.append(open_probes(config, 64))
+    try:
+        # "Another engine" stored chain[1:4] for rank 0 and chain[1:3] for rank 1.
+        stores[0].cache.put(chain[1:4], torch.zeros((3, 64), dtype=torch.uint8))
+        stores[1].cache.put(chain[1:3], torch.zeros((2, 64), dtype=torch.uint8))
+        for s in stores:
+            s.cache.flush()  # the write-through copies into LMDB done
+        c = _scheduler(2)
+        c._stats = {}
+        # This engine's workers hold chain[0] (both ranks) and chain[3] (rank 1 only).
+        c.update_connector_output(
+            _out(
+                TierCacheWorkerMetadata(events=[(0, (chain[0],), "cpu", False)]),
+                TierCacheWorkerMetadata(events=[(1, (chain[0], chain[3]), "cpu", False)]),
+            )
+        )
+        c._probes = []
+        assert c._lookup_remote(chain) == 1  # the index alone
+        c._probes = probes
+        # rank 0: index 1, probe 3 -> 4; rank 1: index 1, probe 2, index 1 -> 4.
+        assert c._lookup_remote(chain) == 4
+        assert c._stats["probe_hit_blocks"] == 3
+        c._probes = [probes[0], []]  # rank 1 without a shared tier: the index only
+        assert c._lookup_remote(chain) == 1
+    finally:
+        for p in (p for ps in probes for p in ps):
+            p.close()
+        for s in stores:
+            release_store(s)

@@ -11,10 +11,6 @@ tiercache.
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -32,40 +28,6 @@ N_PROMPTS = 8
 PROMPT_LEN = 200  # 6 full blocks of 32 per prompt
 SHARED = 64  # two blocks common to all prompts
 DISTINCT_BLOCKS = 2 + N_PROMPTS * 4
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    d = tmp_path_factory.mktemp("redis")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    assert REDIS_SERVER is not None
-    proc = subprocess.Popen(
-        [
-            *(REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d)),
-            *("--save", "", "--appendonly", "no", "--daemonize", "no"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def _kv(tiers: list[dict[str, Any]]) -> dict[str, Any]:

@@ -22,6 +22,9 @@ Primitives:
 - `extra_keys_for(...)`: the per-block extra keys of a request (LoRA name, cache salt,
   multimodal inputs) in the form `tiercache.hashing.prefix_hashes` takes.
 - `store_snapshots() -> dict`: stats and counters of every open shared store (tests, benches).
+- `open_probes(config, block_bytes) -> list[StoreProbe]` / `probe_chain(probes, keys)`:
+  read-only probes of a config's shared tiers (LMDB, Redis), for a scheduler whose worker
+  (and so whose cache) runs in another process.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from tiercache.cache import TierCache, register_exit_hook
 from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError
 from tiercache.hashing import make_namespace
+from tiercache.tiers import tier_class
+from tiercache.tiers.base import StoreProbe
 
 log = logging.getLogger(__name__)
 
@@ -500,3 +505,28 @@ def _close_all() -> None:
 
 
 register_exit_hook(_close_all)  # before concurrent.futures stops taking work
+
+
+def open_probes(config: CacheConfig, block_bytes: int) -> list[StoreProbe]:
+    """Read-only probes of `config`'s shared tiers, fastest first (`Tier.open_probe`). A tier
+    whose probe cannot be made is left out with a warning: probing only finds more hits."""
+    probes: list[StoreProbe] = []
+    for t in config.tiers:
+        try:
+            probe = tier_class(t.kind).open_probe(t, block_bytes, namespace=config.namespace)
+        except (ConfigError, OSError) as exc:
+            log.warning("tiercache: no probe of tier %s (%s): %s", t.name, t.kind, exc)
+            continue
+        if probe is not None:
+            probes.append(probe)
+    return probes
+
+
+def probe_chain(probes: Sequence[StoreProbe], keys: Sequence[bytes]) -> int:
+    """How many leading `keys` the first probe that holds any of them holds: as the manager's
+    discovery adopts them (one shared tier's leading run per lookup miss)."""
+    for p in probes:
+        n = p.probe(keys)
+        if n:
+            return n
+    return 0

@@ -28,9 +28,17 @@ Two placements, chosen when the scheduler role starts:
   promote them), so a corrupt block shortens the hit instead of reaching vLLM.
 - remote (vLLM's default multiprocess mode: the worker runs in its own process): the worker
   owns the cache; the scheduler answers lookups from an index of the keys the worker holds
-  (its recovered keys in the handshake metadata, then its events each step). Loads are
-  asynchronous, so a request's blocks reach vLLM's prefix cache only once loaded, and a
-  block that cannot be loaded is a load error: set ``kv_load_failure_policy="recompute"``.
+  (its recovered keys in the handshake metadata, then its events each step) and, where the
+  index ends, from read-only probes of the shared tiers (LMDB opened read-only, Redis with
+  one pipelined header read bounded by the tier's `timeout`): blocks other engines stored
+  since this one started are hits too, and the worker's lookup adopts them (the manager's
+  discovery) and loads them verified. Loads are asynchronous, so a request's blocks reach
+  vLLM's prefix cache only once loaded, and a block that cannot be loaded is a load error:
+  set ``kv_load_failure_policy="recompute"``.
+
+Roles (``kv_role``): "kv_both" loads and stores; "kv_producer" only stores (a prefill
+engine), "kv_consumer" only loads (a decode engine reading what producers stored in a shared
+tier).
 
 Tensor parallel (TP > 1): every worker process holds one shard of each block (its KV heads)
 and keeps it in its own store: the store namespace carries the worker's rank, tier paths get a
@@ -74,18 +82,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tiercache.connectors.common import (
+    RankConfig,
     SharedStore,
     acquire_store,
     extra_keys_for,
     find_store,
     namespace_from_vllm,
+    open_probes,
     prepare_rank_dirs,
+    probe_chain,
     read_user_config,
     release_store,
     resolve_rank_config,
 )
 from tiercache.hashing import prefix_hashes
 from tiercache.records import LoadSpec
+from tiercache.tiers.base import StoreProbe
 from tiercache.transfer import (
     KVLayout,
     OffloadingWorker,
@@ -257,15 +269,22 @@ class TierCacheConnector(KVConnectorBase_V1):
         layout = f"{kv_cache_config.kv_cache_layout or 'default'}/{device}/{type(spec).__name__}"
         self._tp_size = tp_size
         self._tp_rank = _worker_tp_rank() if role == KVConnectorRole.WORKER and tp_size > 1 else 0
-        extra = self._kv_transfer_config.kv_connector_extra_config
-        rank = resolve_rank_config(
-            read_user_config(extra),
-            block_size=self._block_size,
-            key_namespace=namespace_from_vllm(vllm_config, layout=layout, tp_rank=0),
-            store_namespace=namespace_from_vllm(vllm_config, layout=layout, tp_rank=self._tp_rank),
-            tp_rank=self._tp_rank,
-            tp_size=tp_size,
-        )
+        ktc = self._kv_transfer_config
+        # kv_role: "kv_producer" stores only, "kv_consumer" loads only, "kv_both" does both.
+        self._loads_on, self._stores_on = bool(ktc.is_kv_consumer), bool(ktc.is_kv_producer)
+        user = read_user_config(ktc.kv_connector_extra_config)
+
+        def rank_config(r: int) -> RankConfig:
+            return resolve_rank_config(
+                user,
+                block_size=self._block_size,
+                key_namespace=namespace_from_vllm(vllm_config, layout=layout, tp_rank=0),
+                store_namespace=namespace_from_vllm(vllm_config, layout=layout, tp_rank=r),
+                tp_rank=r,
+                tp_size=tp_size,
+            )
+
+        rank = rank_config(self._tp_rank)
         self._config = rank.config
         self._namespace = self._config.namespace  # this rank's store
         self._key_namespace = rank.key_namespace  # block keys: the same on every rank
@@ -282,6 +301,16 @@ class TierCacheConnector(KVConnectorBase_V1):
             if local is not None and _SETTLE in local.state:
                 self._shared = acquire_store(self._config, self._block_bytes)
         self.local = self._shared is not None
+        # Remote placement: read-only probes of each rank's shared tiers. The index knows only
+        # what this engine's workers hold; on an index miss the probes find blocks other
+        # engines stored in a shared store since (see `_lookup_remote`).
+        self._probes: list[list[StoreProbe]] = []
+        if role == KVConnectorRole.SCHEDULER and not self.local and self._loads_on:
+            self._probes = [
+                open_probes(rank_config(r).config, self._block_bytes) for r in range(tp_size)
+            ]
+            if not any(self._probes):
+                self._probes = []
         # scheduler role
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
@@ -347,6 +376,9 @@ class TierCacheConnector(KVConnectorBase_V1):
         """Finish in-flight transfers, then drop this role's reference to the store (the last
         one closes it: write-back and flush)."""
         self._finish_transfers()
+        probes, self._probes = self._probes, []
+        for p in (p for rank in probes for p in rank):
+            p.close()
         shared, self._shared = self._shared, None
         if shared is not None:
             release_store(shared)
@@ -395,11 +427,16 @@ class TierCacheConnector(KVConnectorBase_V1):
         # Never the block holding the last token: vLLM must compute at least one token.
         limit = (request.num_tokens - 1) // bs
         start = num_computed_tokens // bs
-        if limit <= start or st.skip or getattr(request, "skip_reading_prefix_cache", False):
+        if (
+            limit <= start
+            or st.skip
+            or not self._loads_on
+            or getattr(request, "skip_reading_prefix_cache", False)
+        ):
             return 0, False
         keys = self._keys(st, limit)[start:]
         if self._shared is None:
-            n = sum(1 for _ in itertools.takewhile(self._held_by_all, keys))
+            n = self._lookup_remote(keys)
         else:
             n = self._lookup_local(keys)
             if n is None:
@@ -412,6 +449,30 @@ class TierCacheConnector(KVConnectorBase_V1):
         # out of the prefix cache, until the worker reports the load, so a block that fails
         # is recomputed by this request alone, never read by another one in the meantime.
         return n * bs, self._shared is None
+
+    def _lookup_remote(self, keys: list[bytes]) -> int:
+        """Leading `keys` every rank holds: in the index of its worker's keys, or else in a
+        shared tier, as the probes find them where the index ends (as the worker's lookup
+        then adopts them: `probe_chain`, once per rank)."""
+        n = sum(1 for _ in itertools.takewhile(self._held_by_all, keys))
+        if n == len(keys) or not self._probes:
+            return n
+        index = self._index
+        found = len(keys)
+        for rank, probes in enumerate(self._probes):
+            j = n
+            while j < len(keys) and rank in index.get(keys[j], ()):
+                j += 1
+            if j < len(keys):
+                j += probe_chain(probes, keys[j:])
+                while j < len(keys) and rank in index.get(keys[j], ()):
+                    j += 1
+            found = min(found, j)
+            if found == n:
+                break
+        if found > n:
+            self._count("probe_hit_blocks", found - n)
+        return found
 
     def _lookup_local(self, keys: list[bytes]) -> int | None:
         assert self._shared is not None
@@ -486,6 +547,8 @@ class TierCacheConnector(KVConnectorBase_V1):
             new = cached.new_block_ids[i]
             resumed = req_id in cached.resumed_req_ids
             steps.append((req_id, new[0] if new else None, resumed, cached.num_computed_tokens[i]))
+        if not self._stores_on:  # kv_consumer: loads only
+            steps = []
         for req_id, new_ids, replace, computed in steps:
             st = self._reqs.get(req_id)
             if st is None or st.skip:  # never asked about (prefix caching off), or embeddings

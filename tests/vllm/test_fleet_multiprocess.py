@@ -1,0 +1,112 @@
+"""Two engines sharing one store, live, in vLLM's default multiprocess mode (issue 15).
+
+Engine B starts first and serves unrelated prompts; engine A, started while B runs, serves
+7 prompts and exits; then B serves A's prompts. B's scheduler runs in vLLM's engine-core
+process and its worker in another: its index knows only its own worker's keys, so it finds
+A's blocks by probing the shared tier (read-only), and its worker adopts and loads them,
+verified. `kv_load_failure_policy = "fail"`: a block B's scheduler promised and its worker
+could not load would fail the request. Outputs equal an engine without a connector.
+
+Roles: with Redis, A is a prefill engine (`kv_producer`: stores, never loads) and B a decode
+engine (`kv_consumer`: loads, never stores), the shape of prefill/decode disaggregation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+N_PROMPTS = 7
+BLOCK = 32
+
+
+def _kv(tiers: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connectors.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {"config": {"namespace": "fleet-e2e", "tiers": tiers}},
+    }
+
+
+def _counter(result: dict[str, Any], name: str) -> int:
+    return sum(int(s["counters"].get(name, 0)) for s in result["stores"].values())
+
+
+@pytest.mark.parametrize(
+    ("shared", "role_a", "role_b"),
+    [("lmdb", "kv_both", "kv_both"), ("redis", "kv_producer", "kv_consumer")],
+)
+def test_an_engine_started_first_hits_what_another_stored_later(
+    engine: ModuleType,
+    tiny_llama: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    shared: str,
+    role_a: str,
+    role_b: str,
+) -> None:
+    rng_lengths = [300, 320, 340, 360, 380, 390, 400]
+    prompts = [engine.make_prompts(1, n, seed=100 + i)[0] for i, n in enumerate(rng_lengths)]
+    other = engine.make_prompts(4, 200, seed=7)
+    loadable = sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
+    baseline = engine.run_in_subprocess(
+        {"model": str(tiny_llama), "batches": [{"prompts": prompts, "max_tokens": 8}]}
+    )
+    want = baseline["batches"][0]["outputs"]
+
+    if shared == "lmdb":
+        tier = {"kind": "lmdb", "path": str(tmp_path / "shared"), "blocks": 512}
+    else:
+        url = request.getfixturevalue("redis_url")
+        tier = {"kind": "redis", "url": url, "blocks": 512, "prefix": f"fleet-{tmp_path.name}:"}
+    a_done, b_ready = tmp_path / "a-done", tmp_path / "b-ready"
+
+    def spec(role: str, batches: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "model": str(tiny_llama),
+            "multiprocessing": True,  # vLLM's default, as under `vllm serve`
+            "kv_transfer_config": _kv([{"kind": "cpu", "blocks": 16}, tier], role),
+            "batches": batches,
+        }
+
+    b = engine.start_in_subprocess(
+        spec(
+            role_b,
+            [
+                {"prompts": other, "max_tokens": 4, "touch": str(b_ready)},
+                {"prompts": prompts, "max_tokens": 8, "wait_for": str(a_done)},
+            ],
+        )
+    )
+    try:
+        # A opens the store after B stored (B's first batch), the unlucky order.
+        a = engine.run_in_subprocess(
+            spec(
+                role_a,
+                [{"prompts": prompts, "max_tokens": 8, "wait_for": str(b_ready)}],
+            )
+        )
+        a_done.touch()
+        assert a["batches"][0]["outputs"] == want
+        result_b = b.result(600)
+    finally:
+        b.kill()
+    _first, second = result_b["batches"]
+    assert second["outputs"] == want  # identical outputs, with the policy "fail"
+    hit = sum(second["num_cached_tokens"])
+    assert hit >= loadable // 2, (hit, loadable)  # B never saw these prompts: all tiercache
+    # The worker's counters (the scheduler's live in the engine-core process): it loaded
+    # them all, none failed.
+    assert _counter(result_b, "loaded_blocks") * BLOCK >= hit
+    assert _counter(result_b, "load_error_blocks") == 0
+    if role_b == "kv_consumer":
+        assert _counter(result_b, "stored_blocks") == 0  # a consumer never stores
+    else:
+        assert _counter(result_b, "stored_blocks") > 0
