@@ -34,7 +34,7 @@ def _files(path: Path) -> dict[str, tuple[int, int]]:
 def test_lmdb_probe_finds_what_another_process_stored_after_it_opened(tmp_path: Path) -> None:
     path = tmp_path / "store"
     lmdb = {"kind": "lmdb", "blocks": 64, "path": str(path)}
-    (probe,) = open_probes(_config([{"kind": "cpu", "blocks": 4}, lmdb], "fleet"), BB)
+    ((_, probe),) = open_probes(_config([{"kind": "cpu", "blocks": 4}, lmdb], "fleet"), BB)
     other = tier_class("lmdb").open_probe(
         _config([lmdb], "tenant-b").tiers[0], BB, namespace="tenant-b"
     )
@@ -51,7 +51,8 @@ def test_lmdb_probe_finds_what_another_process_stored_after_it_opened(tmp_path: 
         assert probe.probe(chain) == 4  # leading blocks only
         assert probe.probe(chain[1:]) == 3
         assert probe.probe([key(99), *chain]) == 0
-        assert probe_chain([probe], chain) == 4
+        assert probe_chain([("lmdb", probe)], chain) == 4
+        assert probe_chain([("lmdb", probe)], chain, off={"lmdb"}) == 0  # suspended
         # Another tenant's equal keys are not its blocks.
         other._retry_at = 0.0  # type: ignore[attr-defined]
         assert other.probe(chain) == 0
@@ -70,7 +71,7 @@ def test_lmdb_probe_borrows_the_environment_of_a_tier_in_this_process(tmp_path: 
     # LMDB forbids a second open of one environment in a process: the probe shares it.
     config = {"namespace": "n", "tiers": [{"kind": "lmdb", "blocks": 16, "path": str(tmp_path)}]}
     cache = TierCache.open(config, block_bytes=BB)
-    (probe,) = open_probes(cache.config, BB)
+    ((_, probe),) = open_probes(cache.config, BB)
     try:
         cache.put([key(1), key(2)], blocks([1, 2], BB))
         assert probe.probe([key(1), key(2), key(3)]) == 2
@@ -97,7 +98,7 @@ def test_redis_probe_finds_later_stores_and_answers_soon_when_the_server_hangs()
     redis = {"kind": "redis", "url": srv.url, "blocks": 64, "prefix": prefix, "timeout": 0.3}
     cfg = _config([{"kind": "cpu", "blocks": 4}, redis], "fleet")
     try:
-        (probe,) = open_probes(cfg, BB)
+        ((_, probe),) = open_probes(cfg, BB)
         chain = [key(i) for i in range(5)]
         assert probe.probe(chain) == 0
         keys_before = srv.client().dbsize()

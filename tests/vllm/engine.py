@@ -170,7 +170,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     batches = []
     for batch in spec["batches"]:
         if batch.get("wait_for"):
-            _wait_for(Path(batch["wait_for"]))
+            wait_for_file(Path(batch["wait_for"]))
         params = SamplingParams(
             temperature=0, max_tokens=batch.get("max_tokens", 16), ignore_eos=True, detokenize=False
         )
@@ -297,7 +297,8 @@ def _record_events(counts: dict[str, int]) -> None:
     TierCacheConnector.take_events = counting  # type: ignore[method-assign]
 
 
-def _wait_for(path: Path, timeout: float = 600) -> None:
+def wait_for_file(path: Path, timeout: float = 600) -> None:
+    """Wait until `path` exists; TimeoutError after `timeout` seconds."""
     end = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > end:

@@ -57,7 +57,7 @@ def _scheduler(tp_size: int) -> TierCacheConnector:
     c = object.__new__(TierCacheConnector)
     c._tp_size = tp_size
     c._shared = None
-    c._index, c._events, c._pending = {}, [], {}
+    c._index, c._events, c._pending, c._off = {}, [], {}, {}
     return c
 
 
@@ -219,8 +219,20 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
         assert c._stats["probe_hit_blocks"] == 3
         c._probes = [probes[0], []]  # rank 1 without a shared tier: the index only
         assert c._lookup_remote(chain) == 1
+        # A worker's circuit breaker suspended the cpu tier (a load missed its deadline):
+        # what only it holds is no hit, or vLLM would ask, fail and ask again in a loop.
+        c._probes = probes
+        c.update_connector_output(
+            _out(
+                TierCacheWorkerMetadata(suspended={"cpu": 60.0}),
+                TierCacheWorkerMetadata(suspended={"cpu": 1.0, "lmdb": 0.0}),
+            )
+        )
+        assert c._lookup_remote(chain) == 0 and not c._held_by_all(chain[0], frozenset({"cpu"}))
+        c._off["cpu"] = 0.0  # its back-off is over
+        assert c._lookup_remote(chain) == 4
     finally:
-        for p in (p for ps in probes for p in ps):
+        for _, p in (p for ps in probes for p in ps):
             p.close()
         for s in stores:
             release_store(s)

@@ -35,7 +35,7 @@ import json
 import logging
 import threading
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -507,10 +507,11 @@ def _close_all() -> None:
 register_exit_hook(_close_all)  # before concurrent.futures stops taking work
 
 
-def open_probes(config: CacheConfig, block_bytes: int) -> list[StoreProbe]:
-    """Read-only probes of `config`'s shared tiers, fastest first (`Tier.open_probe`). A tier
-    whose probe cannot be made is left out with a warning: probing only finds more hits."""
-    probes: list[StoreProbe] = []
+def open_probes(config: CacheConfig, block_bytes: int) -> list[tuple[str, StoreProbe]]:
+    """Read-only probes of `config`'s shared tiers, fastest first (`Tier.open_probe`), with
+    each tier's medium. A tier whose probe cannot be made is left out with a warning:
+    probing only finds more hits."""
+    probes: list[tuple[str, StoreProbe]] = []
     for t in config.tiers:
         try:
             probe = tier_class(t.kind).open_probe(t, block_bytes, namespace=config.namespace)
@@ -518,14 +519,21 @@ def open_probes(config: CacheConfig, block_bytes: int) -> list[StoreProbe]:
             log.warning("tiercache: no probe of tier %s (%s): %s", t.name, t.kind, exc)
             continue
         if probe is not None:
-            probes.append(probe)
+            probes.append((t.name, probe))
     return probes
 
 
-def probe_chain(probes: Sequence[StoreProbe], keys: Sequence[bytes]) -> int:
+def probe_chain(
+    probes: Sequence[tuple[str, StoreProbe]],
+    keys: Sequence[bytes],
+    off: Collection[str] = (),
+) -> int:
     """How many leading `keys` the first probe that holds any of them holds: as the manager's
-    discovery adopts them (one shared tier's leading run per lookup miss)."""
-    for p in probes:
+    discovery adopts them (one shared tier's leading run per lookup miss). Mediums in `off`
+    (suspended) are not asked."""
+    for medium, p in probes:
+        if medium in off:
+            continue
         n = p.probe(keys)
         if n:
             return n

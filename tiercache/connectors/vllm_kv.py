@@ -57,12 +57,16 @@ after it was due (a synchronous one: when the forward needs it; an asynchronous 
 its submission) is abandoned. The transfer engine stops it writing engine blocks
 (`OffloadingWorker.cancel`), its blocks are reported as load errors (vLLM recomputes them;
 an asynchronous request stops waiting), they are counted (`load_deadline_blocks`), and the
-tier is suspended by the manager's circuit breaker, so the following lookups in this process
-skip it until its back-off ends. Copies from the CPU tier (memory) are never abandoned.
+tier is suspended by the manager's circuit breaker, so the following lookups skip it until
+its back-off ends: the worker's, and in the remote placement the scheduler's (the worker
+metadata carries the suspension; otherwise vLLM would reschedule the request, the index would
+offer the same blocks, and their load would fail at once, in a loop until the tier
+recovers). Copies from the CPU tier (memory) are never abandoned.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -163,18 +167,22 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler, one step: the cache's events (rank, keys, medium, removed) and
-    the number of store plans finished per request. `aggregate` combines the workers' (TP
-    ranks'): events of every rank, plan counts summed (the scheduler expects one report per
-    plan and rank)."""
+    the number of store plans finished per request, and the tiers (by medium) the worker's
+    circuit breaker suspended, with for how many seconds. `aggregate` combines the workers'
+    (TP ranks'): events of every rank, plan counts summed (the scheduler expects one report
+    per plan and rank), the longest suspension per medium."""
 
     events: list[_RankEvent] = field(default_factory=list)
     plans_done: dict[str, int] = field(default_factory=dict)
+    suspended: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierCacheWorkerMetadata)
         self.events.extend(other.events)
         for r, n in other.plans_done.items():
             self.plans_done[r] = self.plans_done.get(r, 0) + n
+        for m, sec in other.suspended.items():
+            self.suspended[m] = max(sec, self.suspended.get(m, 0.0))
         return self
 
 
@@ -304,7 +312,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         # Remote placement: read-only probes of each rank's shared tiers. The index knows only
         # what this engine's workers hold; on an index miss the probes find blocks other
         # engines stored in a shared store since (see `_lookup_remote`).
-        self._probes: list[list[StoreProbe]] = []
+        self._probes: list[list[tuple[str, StoreProbe]]] = []
         if role == KVConnectorRole.SCHEDULER and not self.local and self._loads_on:
             self._probes = [
                 open_probes(rank_config(r).config, self._block_bytes) for r in range(tp_size)
@@ -318,6 +326,8 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._delayed: list[str] = []  # request_finished returned True; tell the worker
         # remote placement: key -> rank -> mediums holding it
         self._index: dict[bytes, dict[int, set[str]]] = {}
+        # remote placement: medium -> monotonic time its suspension (worker's breaker) ends
+        self._off: dict[str, float] = {}
         self._events: list[_Event] = []
         # worker role
         self._worker: OffloadingWorker | None = None
@@ -333,6 +343,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._bad: dict[bytes, int] = {}  # keys that failed a load -> tier, to discard
         self._journal: list[_Event] = []
         self._held: dict[bytes, set[str]] = {}  # until the first step: for the handshake
+        self._suspensions: dict[str, float] = {}  # medium -> seconds, for the scheduler
         log.info(
             "TierCacheConnector (%s, %s, TP rank %d of %d): namespace %s, %d-byte blocks of "
             "%d tokens",
@@ -377,7 +388,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         one closes it: write-back and flush)."""
         self._finish_transfers()
         probes, self._probes = self._probes, []
-        for p in (p for rank in probes for p in rank):
+        for _, p in (p for rank in probes for p in rank):
             p.close()
         shared, self._shared = self._shared, None
         if shared is not None:
@@ -454,25 +465,42 @@ class TierCacheConnector(KVConnectorBase_V1):
         """Leading `keys` every rank holds: in the index of its worker's keys, or else in a
         shared tier, as the probes find them where the index ends (as the worker's lookup
         then adopts them: `probe_chain`, once per rank)."""
-        n = sum(1 for _ in itertools.takewhile(self._held_by_all, keys))
+        off = self._suspended_mediums()
+        held = self._held_by_all if not off else functools.partial(self._held_by_all, off=off)
+        n = sum(1 for _ in itertools.takewhile(held, keys))
         if n == len(keys) or not self._probes:
             return n
-        index = self._index
         found = len(keys)
         for rank, probes in enumerate(self._probes):
-            j = n
-            while j < len(keys) and rank in index.get(keys[j], ()):
-                j += 1
+            j = self._rank_run(keys, n, rank, off)
             if j < len(keys):
-                j += probe_chain(probes, keys[j:])
-                while j < len(keys) and rank in index.get(keys[j], ()):
-                    j += 1
+                j = self._rank_run(keys, j + probe_chain(probes, keys[j:], off), rank, off)
             found = min(found, j)
             if found == n:
                 break
         if found > n:
             self._count("probe_hit_blocks", found - n)
         return found
+
+    def _suspended_mediums(self) -> frozenset[str]:
+        """Mediums the workers' circuit breakers suspended, for now: their blocks are no hits
+        (a load from them would fail again at once, and vLLM would ask again: a loop)."""
+        if not self._off:
+            return frozenset()
+        now = time.monotonic()
+        self._off = {m: t for m, t in self._off.items() if t > now}
+        return frozenset(self._off)
+
+    def _rank_run(self, keys: list[bytes], j: int, rank: int, off: frozenset[str]) -> int:
+        """The end of the run of keys from `j` on that the index says `rank` holds in a tier
+        not suspended."""
+        index = self._index
+        while j < len(keys):
+            ms = index.get(keys[j], {}).get(rank)
+            if not ms or (off and ms <= off):
+                break
+            j += 1
+        return j
 
     def _lookup_local(self, keys: list[bytes]) -> int | None:
         assert self._shared is not None
@@ -577,6 +605,9 @@ class TierCacheConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, TierCacheWorkerMetadata):
             return
+        now = time.monotonic()
+        for medium, seconds in meta.suspended.items():
+            self._off[medium] = max(self._off.get(medium, 0.0), now + seconds)
         for req_id, n in meta.plans_done.items():
             left = self._pending.get(req_id, 0) - n
             if left > 0:
@@ -589,9 +620,12 @@ class TierCacheConnector(KVConnectorBase_V1):
             if self._shared is None:
                 self._index_event(rank, keys, medium, removed)
 
-    def _held_by_all(self, key: bytes) -> bool:
-        """Remote placement: every rank holds `key` (in some tier of its own)."""
-        return len(self._index.get(key, ())) == self._tp_size
+    def _held_by_all(self, key: bytes, off: frozenset[str] = frozenset()) -> bool:
+        """Remote placement: every rank holds `key` (in some tier of its own not in `off`)."""
+        ranks = self._index.get(key, ())
+        if len(ranks) != self._tp_size:
+            return False
+        return not off or all(not ms <= off for ms in ranks.values())
 
     def _index_event(self, rank: int, keys: tuple[bytes, ...], medium: str, removed: bool) -> None:
         """Remote placement: `rank` now holds (or no longer holds) `keys` in `medium`. With
@@ -699,11 +733,13 @@ class TierCacheConnector(KVConnectorBase_V1):
         if self._shared is None:
             return None
         self._collect_events()
-        if not self._journal and not self._plans_done:
+        if not self._journal and not self._plans_done and not self._suspensions:
             return None
         events = [(self._tp_rank, keys, medium, removed) for keys, medium, removed in self._journal]
-        meta = TierCacheWorkerMetadata(events=events, plans_done=self._plans_done)
-        self._journal, self._plans_done = [], {}
+        meta = TierCacheWorkerMetadata(
+            events=events, plans_done=self._plans_done, suspended=self._suspensions
+        )
+        self._journal, self._plans_done, self._suspensions = [], {}, {}
         # The held set is only needed for the handshake; later it would just grow.
         self._held = {}
         return meta
@@ -797,6 +833,8 @@ class TierCacheConnector(KVConnectorBase_V1):
             self._count("load_deadline_blocks", len(f.keys))
             with self._shared.lock:
                 seconds = manager.suspend(f.tier)
+            medium = self._shared.cache.tiers[f.tier].medium
+            self._suspensions[medium] = max(seconds, self._suspensions.get(medium, 0.0))
             log.warning(
                 "tiercache: a load of %d blocks from tier %d missed its deadline; vLLM "
                 "recomputes them, and the tier is skipped for %.1f s",

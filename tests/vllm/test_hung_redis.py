@@ -1,0 +1,133 @@
+"""A hung Redis under a serving engine (issue 16): every request still completes, with the
+outputs of an engine without tiercache, and hits come back once Redis does.
+
+Engine A stores two prompt sets into a cpu + Redis store and exits. Engine B (vLLM's default
+multiprocess mode) opens the store, so its index holds A's blocks, all of them only in
+Redis. The test then SIGSTOPs the redis-server: B's loads of the first set cannot finish
+(the Redis tier's socket timeout, or the connector's `[deadlines] load_timeout`, whichever
+comes first), vLLM recomputes those blocks (`kv_load_failure_policy = "recompute"`), and the
+batch ends within a bound far below "forever". After SIGCONT and the back-off, the second
+set hits Redis again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+BLOCK = 32
+
+
+def _redis_pid(url: str) -> int:
+    """The pid of the server at `url`, from the server itself."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.info("server")["process_id"])
+    finally:
+        client.close()
+
+
+def _counter(result: dict[str, Any], name: str) -> int:
+    return sum(int(s["counters"].get(name, 0)) for s in result["stores"].values())
+
+
+def test_a_hung_redis_never_hangs_the_engine(
+    engine: ModuleType, tiny_llama: Path, redis_url: str, tmp_path: Path
+) -> None:
+    first = engine.make_prompts(4, 260, seed=31)
+    second = engine.make_prompts(4, 260, seed=32)
+    warm = engine.make_prompts(1, 40, seed=33)
+    base = engine.run_in_subprocess(
+        {
+            "model": str(tiny_llama),
+            "batches": [{"prompts": first, "max_tokens": 8}, {"prompts": second, "max_tokens": 8}],
+        }
+    )
+    want1, want2 = (b["outputs"] for b in base["batches"])
+    tiers = [
+        {"kind": "cpu", "blocks": 4},
+        {
+            "kind": "redis",
+            "url": redis_url,
+            "blocks": 256,
+            "prefix": f"hung-{tmp_path.name}:",
+            "timeout": 1.0,
+            "backoff_max": 1.0,
+        },
+    ]
+    kv = {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "config": {
+                "namespace": "hung-e2e",
+                "tiers": tiers,
+                "deadlines": {"load_timeout": 0.5, "backoff": 1.0, "backoff_max": 2.0},
+            }
+        },
+    }
+    engine.run_in_subprocess(
+        {
+            "model": str(tiny_llama),
+            "multiprocessing": True,
+            "kv_transfer_config": kv,
+            "batches": [{"prompts": first + second, "max_tokens": 8}],
+        }
+    )
+    ready, stopped, one_done, resumed = (tmp_path / n for n in ("r", "s", "1", "c"))
+    b = engine.start_in_subprocess(
+        {
+            "model": str(tiny_llama),
+            "multiprocessing": True,
+            "kv_transfer_config": kv,
+            "batches": [
+                {"prompts": warm, "max_tokens": 2, "touch": str(ready)},
+                {
+                    "prompts": first,
+                    "max_tokens": 8,
+                    "wait_for": str(stopped),
+                    "touch": str(one_done),
+                },
+                {"prompts": second, "max_tokens": 8, "wait_for": str(resumed)},
+            ],
+        }
+    )
+    pid = _redis_pid(redis_url)
+    paused = False
+    try:
+        engine.wait_for_file(ready, 300)
+        # B's index holds A's blocks, only in Redis. Now Redis hangs.
+        os.kill(pid, signal.SIGSTOP)
+        paused = True
+        stopped.touch()
+        # "Never stuck": the batch ends while Redis is still hung. The bound is generous (a
+        # hung engine would wait for ever); the deadline is 0.5 s, the socket timeout 1 s.
+        engine.wait_for_file(one_done, 120)
+        os.kill(pid, signal.SIGCONT)
+        paused = False
+        time.sleep(3.0)  # the Redis tier's and the circuit breaker's back-off end
+        resumed.touch()
+        result = b.result(300)
+    finally:
+        if paused:
+            os.kill(pid, signal.SIGCONT)
+        b.kill()
+    _, hung, after = result["batches"]
+    assert hung["outputs"] == want1  # recomputed, identical
+    late = _counter(result, "load_deadline_blocks") + _counter(result, "load_error_blocks")
+    assert late > 0  # the loads from the hung Redis were given up, not waited for
+    assert after["outputs"] == want2
+    loadable = sum((len(p) - 1) // BLOCK * BLOCK for p in second)
+    assert sum(after["num_cached_tokens"]) >= loadable // 2  # Redis serves again
