@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -58,7 +60,15 @@ def _scheduler(tp_size: int) -> TierCacheConnector:
     c._tp_size = tp_size
     c._shared = None
     c._index, c._events, c._pending, c._off = {}, [], {}, {}
+    c._probes, c._probe_pool, c._probing, c._stats = [], None, {}, {}
     return c
+
+
+def _ask(c: TierCacheConnector, keys: list[bytes]) -> int:
+    """`_lookup_remote` as vLLM calls it: again while it answers None (a probe still runs)."""
+    while (n := c._lookup_remote(keys, "req")) is None:
+        pass
+    return n
 
 
 def _out(*metas: TierCacheWorkerMetadata) -> SimpleNamespace:
@@ -203,7 +213,6 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
         for s in stores:
             s.cache.flush()  # the write-through copies into LMDB done
         c = _scheduler(2)
-        c._stats = {}
         # This engine's workers hold chain[0] (both ranks) and chain[3] (rank 1 only).
         c.update_connector_output(
             _out(
@@ -211,14 +220,13 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
                 TierCacheWorkerMetadata(events=[(1, (chain[0], chain[3]), "cpu", False)]),
             )
         )
-        c._probes = []
-        assert c._lookup_remote(chain) == 1  # the index alone
-        c._probes = probes
+        assert _ask(c, chain) == 1  # the index alone
+        c._probes, c._probe_pool = probes, ThreadPoolExecutor(1)
         # rank 0: index 1, probe 3 -> 4; rank 1: index 1, probe 2, index 1 -> 4.
-        assert c._lookup_remote(chain) == 4
+        assert _ask(c, chain) == 4
         assert c._stats["probe_hit_blocks"] == 3
         c._probes = [probes[0], []]  # rank 1 without a shared tier: the index only
-        assert c._lookup_remote(chain) == 1
+        assert _ask(c, chain) == 1
         # A worker's circuit breaker suspended the cpu tier (a load missed its deadline):
         # what only it holds is no hit, or vLLM would ask, fail and ask again in a loop.
         c._probes = probes
@@ -228,11 +236,51 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
                 TierCacheWorkerMetadata(suspended={"cpu": 1.0, "lmdb": 0.0}),
             )
         )
-        assert c._lookup_remote(chain) == 0 and not c._held_by_all(chain[0], frozenset({"cpu"}))
+        assert _ask(c, chain) == 0 and not c._held_by_all(chain[0], frozenset({"cpu"}))
         c._off["cpu"] = 0.0  # its back-off is over
-        assert c._lookup_remote(chain) == 4
+        assert _ask(c, chain) == 4
     finally:
+        if c._probe_pool is not None:
+            c._probe_pool.shutdown()
         for _, p in (p for ps in probes for p in ps):
             p.close()
         for s in stores:
             release_store(s)
+
+
+class _HungProbe:
+    """A store that answers only once released (a hung Redis)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.release, self.calls = n, threading.Event(), 0
+
+    def probe(self, keys: list[bytes]) -> int:
+        self.calls += 1
+        self.release.wait(60)
+        return min(self.n, len(keys))
+
+    def close(self) -> None:
+        self.release.set()
+
+
+def test_a_slow_probe_never_stalls_the_scheduler() -> None:
+    """Issue 16: lookups must never stall scheduling. A probe that does not answer within
+    PROBE_WAIT_S makes the lookup answer None (vLLM asks again next step) while the probe
+    goes on; once it answers, the next lookup uses it, without probing twice."""
+    chain = [bytes([i]) * 16 for i in range(1, 5)]
+    hung = _HungProbe(3)
+    c = _scheduler(1)
+    c._probes, c._probe_pool = [[("redis", hung)]], ThreadPoolExecutor(1)
+    try:
+        assert c._lookup_remote(chain, "r") is None
+        assert c._lookup_remote(chain, "r") is None  # still waiting: the same probe
+        assert c._stats["probe_waits"] == 2
+        hung.release.set()
+        assert _ask(c, chain) == 3  # another request: a probe of its own
+        while (n := c._lookup_remote(chain, "r")) is None:
+            pass
+        assert n == 3
+        assert hung.calls == 2  # request "r" probed once, `_ask`'s request once
+        assert c._probing == {}
+    finally:
+        c._probe_pool.shutdown()

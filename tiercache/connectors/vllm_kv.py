@@ -71,6 +71,8 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +125,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PROBE_WAIT_S = 0.02  # how long a lookup waits for the shared tiers' probes (see _lookup_remote)
 _SETTLE = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
 
 # A cache event: (keys, medium, removed); in worker metadata, first the worker's TP rank.
@@ -319,6 +322,12 @@ class TierCacheConnector(KVConnectorBase_V1):
             ]
             if not any(self._probes):
                 self._probes = []
+        # Probes run on a thread of their own: a lookup waits for them at most PROBE_WAIT_S,
+        # then tells vLLM to ask again (None), so a slow or hung store never stalls a step.
+        self._probe_pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="tiercache-probe") if self._probes else None
+        )
+        self._probing: dict[str, tuple[tuple[Any, ...], Future[list[int]]]] = {}
         # scheduler role
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
@@ -388,6 +397,8 @@ class TierCacheConnector(KVConnectorBase_V1):
         one closes it: write-back and flush)."""
         self._finish_transfers()
         probes, self._probes = self._probes, []
+        if self._probe_pool is not None:
+            self._probe_pool.shutdown(wait=True)  # a probe in flight ends within its timeout
         for _, p in (p for rank in probes for p in rank):
             p.close()
         shared, self._shared = self._shared, None
@@ -447,11 +458,11 @@ class TierCacheConnector(KVConnectorBase_V1):
             return 0, False
         keys = self._keys(st, limit)[start:]
         if self._shared is None:
-            n = self._lookup_remote(keys)
+            n = self._lookup_remote(keys, request.request_id)
         else:
             n = self._lookup_local(keys)
-            if n is None:
-                return None, False  # a block is moving between tiers: vLLM asks again
+        if n is None:  # a block is moving between tiers, or a probe is slow: vLLM asks again
+            return None, False
         if n == 0:
             return 0, False
         st.hit = (start, n)
@@ -461,26 +472,42 @@ class TierCacheConnector(KVConnectorBase_V1):
         # is recomputed by this request alone, never read by another one in the meantime.
         return n * bs, self._shared is None
 
-    def _lookup_remote(self, keys: list[bytes]) -> int:
+    def _lookup_remote(self, keys: list[bytes], req_id: str = "") -> int | None:
         """Leading `keys` every rank holds: in the index of its worker's keys, or else in a
         shared tier, as the probes find them where the index ends (as the worker's lookup
-        then adopts them: `probe_chain`, once per rank)."""
+        then adopts them: `probe_chain`, once per rank). None while the probes run longer
+        than PROBE_WAIT_S (vLLM asks again next step; the probe goes on meanwhile)."""
         off = self._suspended_mediums()
         held = self._held_by_all if not off else functools.partial(self._held_by_all, off=off)
         n = sum(1 for _ in itertools.takewhile(held, keys))
-        if n == len(keys) or not self._probes:
+        if n == len(keys) or self._probe_pool is None:
             return n
-        found = len(keys)
-        for rank, probes in enumerate(self._probes):
-            j = self._rank_run(keys, n, rank, off)
-            if j < len(keys):
-                j = self._rank_run(keys, j + probe_chain(probes, keys[j:], off), rank, off)
-            found = min(found, j)
-            if found == n:
-                break
+        starts = [self._rank_run(keys, n, r, off) for r in range(len(self._probes))]
+        ask = (keys[n], len(keys), tuple(starts), off)
+        pending = self._probing.get(req_id)
+        if pending is None or pending[0] != ask:
+            fut = self._probe_pool.submit(self._probe_ranks, keys, starts, off)
+            pending = self._probing[req_id] = (ask, fut)
+        try:
+            runs = pending[1].result(timeout=PROBE_WAIT_S)
+        except FutureTimeout:
+            self._count("probe_waits")
+            return None
+        del self._probing[req_id]
+        found = min(
+            self._rank_run(keys, j + got, rank, off) if got else j
+            for rank, (j, got) in enumerate(zip(starts, runs, strict=True))
+        )
         if found > n:
             self._count("probe_hit_blocks", found - n)
         return found
+
+    def _probe_ranks(self, keys: list[bytes], starts: list[int], off: frozenset[str]) -> list[int]:
+        """On the probe thread: per rank, the run of keys from its start its shared tiers hold."""
+        return [
+            probe_chain(probes, keys[j:], off) if j < len(keys) else 0
+            for probes, j in zip(self._probes, starts, strict=True)
+        ]
 
     def _suspended_mediums(self) -> frozenset[str]:
         """Mediums the workers' circuit breakers suspended, for now: their blocks are no hits
@@ -666,6 +693,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
+        self._probing.pop(request.request_id, None)
         if self._pending.get(request.request_id, 0) > 0:
             self._delayed.append(request.request_id)
             return True, None
