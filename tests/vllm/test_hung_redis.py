@@ -3,11 +3,11 @@ outputs of an engine without tiercache, and hits come back once Redis does.
 
 Engine A stores two prompt sets into a cpu + Redis store and exits. Engine B (vLLM's default
 multiprocess mode) opens the store, so its index holds A's blocks, all of them only in
-Redis. The test then SIGSTOPs the redis-server: B's loads of the first set cannot finish
-(the Redis tier's socket timeout, or the connector's `[deadlines] load_timeout`, whichever
-comes first), vLLM recomputes those blocks (`kv_load_failure_policy = "recompute"`), and the
-batch ends within a bound far below "forever". After SIGCONT and the back-off, the second
-set hits Redis again.
+Redis. The test then SIGSTOPs the redis-server: B's hits on the first set cannot be had
+(the scheduler's probe, which confirms what the index says a shared tier holds, times out
+on its own thread; a load already promised would miss its `[deadlines] load_timeout`), vLLM
+recomputes those blocks, and the batch ends within a bound far below "forever". After
+SIGCONT and the back-off, the second set hits Redis again.
 """
 
 from __future__ import annotations
@@ -126,8 +126,11 @@ def test_a_hung_redis_never_hangs_the_engine(
         b.kill()
     _, hung, after = result["batches"]
     assert hung["outputs"] == want1  # recomputed, identical
-    late = _counter(result, "load_deadline_blocks") + _counter(result, "load_error_blocks")
-    assert late > 0  # the loads from the hung Redis were given up, not waited for
+    # Nothing came from the hung Redis: the scheduler's probe (it confirms what the index
+    # says a shared tier holds) timed out, or a load missed its deadline; either way vLLM
+    # recomputed, and nothing waited for Redis.
+    assert sum(hung["num_cached_tokens"]) == 0
+    assert _counter(result, "loaded_blocks") * BLOCK <= sum(after["num_cached_tokens"])
     assert after["outputs"] == want2
     loadable = sum((len(p) - 1) // BLOCK * BLOCK for p in second)
     assert sum(after["num_cached_tokens"]) >= loadable // 2  # Redis serves again

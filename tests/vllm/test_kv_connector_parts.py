@@ -61,6 +61,7 @@ def _scheduler(tp_size: int) -> TierCacheConnector:
     c._shared = None
     c._index, c._events, c._pending, c._off = {}, [], {}, {}
     c._probes, c._probe_pool, c._probing, c._stats = [], None, {}, {}
+    c._shared_mediums = frozenset()
     return c
 
 
@@ -222,6 +223,7 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
         )
         assert _ask(c, chain) == 1  # the index alone
         c._probes, c._probe_pool = probes, ThreadPoolExecutor(1)
+        c._shared_mediums = frozenset({"lmdb"})
         # rank 0: index 1, probe 3 -> 4; rank 1: index 1, probe 2, index 1 -> 4.
         assert _ask(c, chain) == 4
         assert c._stats["probe_hit_blocks"] == 3
@@ -239,6 +241,19 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
         assert _ask(c, chain) == 0 and not c._held_by_all(chain[0], frozenset({"cpu"}))
         c._off["cpu"] = 0.0  # its back-off is over
         assert _ask(c, chain) == 4
+        # The workers hold chain[0] in LMDB too, by their events, but the shared store no
+        # longer does (another engine's stores evicted it): the probes decide, not the index.
+        c.update_connector_output(
+            _out(
+                TierCacheWorkerMetadata(events=[(0, (chain[0],), "cpu", True)]),
+                TierCacheWorkerMetadata(
+                    events=[(r, (chain[0],), "lmdb", False) for r in (0, 1)]
+                    + [(1, (chain[0],), "cpu", True)]
+                ),
+            )
+        )
+        assert set(c._index[chain[0]][0]) == {"lmdb"}
+        assert _ask(c, chain) == 0  # a plain miss, not a load that fails
     finally:
         if c._probe_pool is not None:
             c._probe_pool.shutdown()
@@ -251,13 +266,13 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
 class _HungProbe:
     """A store that answers only once released (a hung Redis)."""
 
-    def __init__(self, n: int) -> None:
-        self.n, self.release, self.calls = n, threading.Event(), 0
+    def __init__(self, held: list[bytes]) -> None:
+        self.held, self.release, self.calls = set(held), threading.Event(), 0
 
     def probe(self, keys: list[bytes]) -> int:
         self.calls += 1
         self.release.wait(60)
-        return min(self.n, len(keys))
+        return next((i for i, k in enumerate(keys) if k not in self.held), len(keys))
 
     def close(self) -> None:
         self.release.set()
@@ -268,7 +283,7 @@ def test_a_slow_probe_never_stalls_the_scheduler() -> None:
     PROBE_WAIT_S makes the lookup answer None (vLLM asks again next step) while the probe
     goes on; once it answers, the next lookup uses it, without probing twice."""
     chain = [bytes([i]) * 16 for i in range(1, 5)]
-    hung = _HungProbe(3)
+    hung = _HungProbe(chain[:3])
     c = _scheduler(1)
     c._probes, c._probe_pool = [[("redis", hung)]], ThreadPoolExecutor(1)
     try:
@@ -280,7 +295,7 @@ def test_a_slow_probe_never_stalls_the_scheduler() -> None:
         while (n := c._lookup_remote(chain, "r")) is None:
             pass
         assert n == 3
-        assert hung.calls == 2  # request "r" probed once, `_ask`'s request once
+        assert hung.calls == 4  # per request: its run, then where the run ended
         assert c._probing == {}
     finally:
         c._probe_pool.shutdown()

@@ -327,6 +327,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._probe_pool = (
             ThreadPoolExecutor(1, thread_name_prefix="tiercache-probe") if self._probes else None
         )
+        self._shared_mediums = frozenset(m for rank in self._probes for m, _ in rank)
         self._probing: dict[str, tuple[tuple[Any, ...], Future[list[int]]]] = {}
         # scheduler role
         self._reqs: dict[str, _Req] = {}
@@ -476,17 +477,23 @@ class TierCacheConnector(KVConnectorBase_V1):
         """Leading `keys` every rank holds: in the index of its worker's keys, or else in a
         shared tier, as the probes find them where the index ends (as the worker's lookup
         then adopts them: `probe_chain`, once per rank). None while the probes run longer
-        than PROBE_WAIT_S (vLLM asks again next step; the probe goes on meanwhile)."""
-        off = self._suspended_mediums()
+        than PROBE_WAIT_S (vLLM asks again next step; the probe goes on meanwhile).
+
+        With probes, the index is trusted only for private tiers: what a worker holds in a
+        shared tier, another engine's stores may have evicted since (the store's capacity
+        is shared), so the probes confirm it; a block gone is a plain miss, never a load
+        error (which `kv_load_failure_policy = "fail"` would turn into a failed request)."""
+        suspended = self._suspended_mediums()
+        off = suspended | self._shared_mediums  # the index is not enough for these
         held = self._held_by_all if not off else functools.partial(self._held_by_all, off=off)
         n = sum(1 for _ in itertools.takewhile(held, keys))
         if n == len(keys) or self._probe_pool is None:
             return n
         starts = [self._rank_run(keys, n, r, off) for r in range(len(self._probes))]
-        ask = (keys[n], len(keys), tuple(starts), off)
+        ask = (keys[n], len(keys), tuple(starts), suspended)
         pending = self._probing.get(req_id)
         if pending is None or pending[0] != ask:
-            fut = self._probe_pool.submit(self._probe_ranks, keys, starts, off)
+            fut = self._probe_pool.submit(self._probe_ranks, keys, starts, suspended)
             pending = self._probing[req_id] = (ask, fut)
         try:
             runs = pending[1].result(timeout=PROBE_WAIT_S)
@@ -503,11 +510,15 @@ class TierCacheConnector(KVConnectorBase_V1):
         return found
 
     def _probe_ranks(self, keys: list[bytes], starts: list[int], off: frozenset[str]) -> list[int]:
-        """On the probe thread: per rank, the run of keys from its start its shared tiers hold."""
-        return [
-            probe_chain(probes, keys[j:], off) if j < len(keys) else 0
-            for probes, j in zip(self._probes, starts, strict=True)
-        ]
+        """On the probe thread: per rank, the run of keys from its start its shared tiers hold
+        (one tier's run after another, as the worker's lookups adopt them)."""
+        runs = []
+        for probes, start in zip(self._probes, starts, strict=True):
+            j = start
+            while j < len(keys) and (got := probe_chain(probes, keys[j:], off)):
+                j += got
+            runs.append(j - start)
+        return runs
 
     def _suspended_mediums(self) -> frozenset[str]:
         """Mediums the workers' circuit breakers suspended, for now: their blocks are no hits
