@@ -82,3 +82,44 @@ def test_large_batch_is_one_copy_not_a_loop() -> None:
     out = torch.empty_like(data)
     t.read(picked, out)
     assert torch.equal(out, data)
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_cpu_pool_is_faulted_in_behind_writes_without_touching_them() -> None:
+    """Start-up (issue 16, item 5): the pool's pages are backed on a background thread, not
+    in the constructor; blocks written meanwhile keep their bytes (MADV_POPULATE_WRITE backs
+    pages without writing them, unlike the zeroing it replaces)."""
+    import tiercache.tiers.pool as pool_mod
+
+    bb, cap = 64 * 1024, 4096  # 256 MiB
+    before = _rss_kib()
+    t = CPUTier(block_bytes=bb, capacity_blocks=cap)
+    try:
+        slots = [cap - 1, cap // 2, 7, cap - 2]  # far from the first chunk, faulted in later
+        data = rand_blocks(len(slots), bb)
+        t.write(slots, data)
+        t._prefault.done.wait(60)  # type: ignore[union-attr]
+        assert t.prefaulted
+        out = torch.empty_like(data)
+        t.read(slots, out)
+        assert torch.equal(out, data)
+        assert _rss_kib() - before > 0.9 * cap * bb / 1024  # every page is backed now
+    finally:
+        t.close()
+    assert cap * bb > pool_mod.POPULATE_CHUNK  # the test spans several chunks
+
+
+def test_cpu_pool_zeroes_where_the_kernel_refuses_to_prefault(monkeypatch) -> None:
+    import tiercache.tiers.pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows
+    t = CPUTier(block_bytes=4096, capacity_blocks=64)
+    try:
+        assert t._prefault is None and t.prefaulted
+        assert int(t.pool.sum()) == 0  # zeroed in the constructor, as before
+    finally:
+        t.close()
