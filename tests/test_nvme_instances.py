@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from tiercache import CacheConfig, TierCache
+from tiercache.cli import main
 from tiercache.connectors.common import per_dp_rank_config, resolve_rank_config
 from tiercache.errors import ConfigError
 
@@ -98,6 +100,23 @@ def test_replicas_with_one_config_take_their_own_instance_and_get_it_back(tmp_pa
     finally:
         a.stop()
         b.stop()
+    # `tiercache inspect` on the config shows every instance as a store of its own.
+    toml = tmp_path / "c.toml"
+    toml.write_text(
+        f'namespace = "m"\n[[tiers]]\nkind = "nvme"\npath = "{store}"\nblocks = 16\ninstances = 3\n'
+    )
+    r = CliRunner().invoke(main, ["inspect", str(toml), "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["tiers"]
+    assert [(t["instance"], t["path"], t["blocks"]) for t in rows] == [
+        (0, str(store), 4),
+        (1, str(store / "instance1"), 4),
+        (2, str(store / "instance2"), 4),
+    ]
+    r = CliRunner().invoke(main, ["clear", str(toml), "--yes", "--json"])
+    assert json.loads(r.stdout) == {
+        "dropped": {"nvme": 4, "nvme/instance1": 4, "nvme/instance2": 4}
+    }
 
 
 def test_without_instances_a_second_process_is_refused_and_the_layout_is_unchanged(
