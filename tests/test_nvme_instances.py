@@ -190,7 +190,10 @@ def test_per_dp_rank_config_sets_only_the_nvme_instance() -> None:
     with pytest.raises(ValueError, match="dp_rank"):
         per_dp_rank_config(user, dp_rank=2, dp_size=2)
     pinned = {"tiers": [{"kind": "nvme", "path": "/p", "blocks": 8, "instance": 0}]}
-    with pytest.raises(ConfigError, match=r"tiers\[0\]\.instance: set by the data-parallel"):
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.instance: the data-parallel rank"):
+        per_dp_rank_config(pinned, dp_rank=0, dp_size=2)
+    pinned = {"tiers": [{"kind": "nvme", "path": "/p", "blocks": 8, "instance_env": "R"}]}
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.instance_env: the data-parallel"):
         per_dp_rank_config(pinned, dp_rank=0, dp_size=2)
     # Under TP the instance is one of the rank's own directory; namespaces as without DP.
     rank = resolve_rank_config(
@@ -221,9 +224,18 @@ def test_per_dp_rank_config_sets_only_the_nvme_instance() -> None:
         ({"instance": 256}, "instance"),
         ({"instance": "env:RANK"}, "instance"),
         ({"instance": False}, "instance"),
+        ({"instance_env": "NOT A NAME"}, "instance_env"),
+        ({"instance_env": 3}, "instance_env"),
+        ({"instance_env": "TC_TEST_INSTANCE", "instance": 1}, "instance_env"),
+        ({"instance_env": "TC_TEST_BAD_INSTANCE"}, "instance_env"),  # set to "two" below
+        ({"instance_env": "TC_TEST_BIG_INSTANCE"}, "instance_env"),  # set to "256" below
     ],
 )
-def test_bad_instance_options_name_the_field(tmp_path: Path, options: dict, field: str) -> None:
+def test_bad_instance_options_name_the_field(
+    tmp_path: Path, options: dict, field: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TC_TEST_BAD_INSTANCE", "two")
+    monkeypatch.setenv("TC_TEST_BIG_INSTANCE", "256")
     with pytest.raises(ConfigError, match=rf"^tiers\[0\]\.{field}: "):
         CacheConfig.from_mapping(config(tmp_path / "nvme", **options))
     assert not (tmp_path / "nvme").exists()
@@ -236,3 +248,17 @@ def test_an_explicit_instance_opens_that_one_only(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=r"tiers\[0\]\.path: .*\(instance 2\) is in use"):
             TierCache.open(config(store, instance=2), block_bytes=BB)
     assert sorted(p.name for p in store.iterdir()) == ["instance2"]  # only its directory
+
+
+def test_instance_env_opens_the_instance_its_variable_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tmp_path / "nvme"
+    cfg = config(store, instance_env="TC_TEST_INSTANCE", instances=2)
+    monkeypatch.setenv("TC_TEST_INSTANCE", " 3 ")
+    with TierCache.open(cfg, block_bytes=BB) as c:
+        assert (c.tiers[0].path, c.tiers[0].instance) == (str(store / "instance3"), 3)
+    # Unset: as without the option (here: the first free of 2 instances).
+    monkeypatch.delenv("TC_TEST_INSTANCE")
+    with TierCache.open(cfg, block_bytes=BB) as c, TierCache.open(cfg, block_bytes=BB) as d:
+        assert (c.tiers[0].instance, d.tiers[0].instance) == (0, 1)

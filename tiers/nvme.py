@@ -44,9 +44,10 @@ data-parallel ranks) each need a directory of their own: with `instances = N` a 
 `path` is held by another live process takes the first free of `path/instance1` ..
 `path/instance{N-1}` (instance 0 is `path` itself, so the default layout is unchanged and
 switching the option on keeps the blocks there); with `instance = k` it opens instance k and
-nothing else (a data-parallel rank; `connectors.common.per_dp_rank_config` sets it). A
-restarted replica takes a free instance back, with its blocks. Locks die with their process,
-so an instance held by a killed process is free again at once.
+nothing else (a data-parallel rank; `connectors.common.per_dp_rank_config` sets it), and
+with `instance_env = "VAR"` the instance named by that environment variable (unset: as
+without it). A restarted replica takes a free instance back, with its blocks. Locks die
+with their process, so an instance held by a killed process is free again at once.
 
 Tenants. Processes with different namespaces may use one directory one after the other
 (flock: never at once). Opening deletes nothing: blocks stamped with another namespace, and
@@ -107,6 +108,7 @@ _OURS = {_META, _META + ".tmp", _SLAB, _INDEX, _INDEX + ".tmp", _IMAGE, _IMAGE +
 _STORE_FORMAT, _STORE_VERSION = "tiercache-nvme", 1
 MAX_INSTANCES = 256  # `instances` and `instance` bound: directories tried at open
 _INSTANCE_DIR = re.compile(r"instance[1-9][0-9]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _OP_PUT, _OP_FREE, _OP_BASE = 1, 2, 3
 _REC_MAGIC, _REC_VERSION = b"TJ", 1
@@ -259,6 +261,7 @@ class NVMeTier(Tier):
         "direct": bool,
         "instances": int,
         "instance": int,
+        "instance_env": str,
     }
 
     def __init__(
@@ -328,11 +331,11 @@ class NVMeTier(Tier):
                 io_threads=o.get("io_threads", 4),
                 direct=o.get("direct", True),
                 instances=o.get("instances", 1),
-                instance=o.get("instance"),
+                instance=o.get("instance", instance_from_env(o.get("instance_env"))),
             )
         except ConfigError as exc:
             fields = ("path", "fsync", "io_threads", "capacity", "block_bytes", "instances")
-            if exc.field in (*fields, "instance"):
+            if exc.field in (*fields, "instance", "instance_env"):
                 raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
             raise
 
@@ -346,6 +349,12 @@ class NVMeTier(Tier):
         if "io_threads" in options:
             _check_io_threads(options["io_threads"], f"{where}.io_threads")
         check_instances(options.get("instances", 1), options.get("instance"), where)
+        if "instance_env" in options:
+            if "instance" in options:
+                raise ConfigError(
+                    f"{where}.instance_env", "give 'instance' or 'instance_env', not both"
+                )
+            instance_from_env(options["instance_env"], where)
 
     @property
     def path(self) -> str:
@@ -1111,6 +1120,27 @@ def check_instances(instances: object, instance: object, where: str = "") -> Non
         raise ConfigError(
             f"{p}instance", f"expected an int in 0..{MAX_INSTANCES - 1}, got {instance!r}"
         )
+
+
+def instance_from_env(name: object, where: str = "") -> int | None:
+    """The instance an `instance_env` option names: the number in environment variable
+    `name` (e.g. "LOCAL_RANK"), or None when `name` is None or the variable is unset;
+    ConfigError naming `instance_env` for a bad name or value."""
+    if name is None:
+        return None
+    field = f"{where}.instance_env" if where else "instance_env"
+    if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+        raise ConfigError(field, f"expected an environment variable name, got {name!r}")
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    digits = raw.strip()
+    k = int(digits) if digits.isascii() and digits.isdigit() else -1
+    if not 0 <= k < MAX_INSTANCES:
+        raise ConfigError(
+            field, f"${name} is {raw!r}, not an instance number in 0..{MAX_INSTANCES - 1}"
+        )
+    return k
 
 
 def instance_path(path: str, k: int) -> str:

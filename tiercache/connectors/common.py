@@ -314,7 +314,7 @@ def per_dp_rank_config(user: Mapping[str, Any], *, dp_rank: int, dp_size: int) -
     path itself, rank r > 0 ``path/instance{r}``); everything else is unchanged: the ranks
     share the namespace, the LMDB and Redis stores (and their capacity) and differ only in
     their private tiers. With `dp_size` 1 the mapping is returned unchanged. ConfigError when
-    the user set an NVMe tier's `instance` (the rank decides it)."""
+    the user set an NVMe tier's `instance` or `instance_env` (the rank decides it)."""
     if not (isinstance(dp_size, int) and isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
         raise ValueError(f"expected 0 <= dp_rank < dp_size, got {dp_rank=}, {dp_size=}")
     m = dict(user)
@@ -324,11 +324,12 @@ def per_dp_rank_config(user: Mapping[str, Any], *, dp_rank: int, dp_size: int) -
     out = []
     for i, t in enumerate(tiers):
         if isinstance(t, Mapping) and t.get("kind") == "nvme":
-            if "instance" in t:
-                raise ConfigError(
-                    f"tiers[{i}].instance",
-                    f"set by the data-parallel rank ({dp_size} ranks); leave it out",
-                )
+            for opt in ("instance", "instance_env"):
+                if opt in t:
+                    raise ConfigError(
+                        f"tiers[{i}].{opt}",
+                        f"the data-parallel rank sets the instance ({dp_size} ranks); leave it out",
+                    )
             t = {**t, "instance": dp_rank}
         out.append(t)
     m["tiers"] = out
