@@ -37,6 +37,10 @@ the environment's next seq. All change in the write transactions that change the
 (`_StoreTxn`), so capacity and eviction belong to the store: every transaction that stores
 evicts its namespace's oldest blocks beyond the capacity, whichever process runs it.
 
+Each tier also records its namespace's capacity and name and an attach entry (pid, host,
+opened at) in "meta" at open, deleting the entry at close (tiers/lmdb_attach.py): what
+`tiercache inspect` shows. A store without these records reads as "not recorded".
+
 Opening deletes no good block: a tier indexes the newest `capacity` blocks of its namespace
 from the order entries (headers only); only malformed entries under its own prefix are
 dropped at open. A measured caveat (10k-100k blocks, after fadvise DONTNEED): the open still
@@ -82,6 +86,7 @@ import torch
 import zstandard
 
 from tiercache.errors import BlockCorruptError, ConfigError
+from tiercache.tiers import lmdb_attach
 from tiercache.tiers.base import KEY_BYTES, Tier, check_blocks
 from tiercache.tiers.format import (
     CODEC_RAW,
@@ -612,8 +617,10 @@ class LMDBTier(KeyedTier):
         self._path = prepare_dir(path)
         map_size = map_size_for(capacity_blocks, block_bytes)
         self._shared = _attach(self._path, block_bytes, map_size, sync)
+        self._token: bytes | None = None  # our attach entry (tiers/lmdb_attach.py)
         try:
             self._scan()
+            self._register(namespace)
         except BaseException:
             self._closed = True
             _detach(self._shared)
@@ -1125,6 +1132,43 @@ class LMDBTier(KeyedTier):
                 bad[sk] = None
         return bad
 
+    def _register(self, namespace: str) -> None:
+        """Record this namespace's capacity and name and this tier's attach entry (see
+        tiers/lmdb_attach.py): what `tiercache inspect` shows. Its own write txn, after the
+        scan: the records never change a block."""
+        shared = self._shared
+        with shared.write_lock:
+            txn = self._begin(write=True)
+            try:
+                self._token = lmdb_attach.register(
+                    txn,
+                    shared.meta,
+                    nsb=self._nsb,
+                    namespace=namespace,
+                    capacity=self.capacity_blocks,
+                )
+                txn.commit()
+            except lmdb.MapFullError:
+                txn.abort()
+                log.warning("%s: map full: this tier is not shown as attached", self._path)
+            except lmdb.Error as exc:
+                txn.abort()
+                raise ConfigError("path", damaged(self._path, exc)) from None
+            except BaseException:
+                txn.abort()
+                raise
+
+    def _unregister(self) -> None:
+        token, self._token = self._token, None
+        if token is None:
+            return
+        shared = self._shared
+        try:
+            with shared.write_lock, shared.env.begin(write=True) as txn:
+                lmdb_attach.unregister(txn, shared.meta, token)
+        except lmdb.Error as exc:  # the entry stays; inspect shows it stale once we exit
+            log.warning("%s: attach entry not removed at close: %s", self._path, exc)
+
     def flush(self) -> None:
         """Apply pending deletes; then fsync unless sync = "never"."""
         if self._closed:
@@ -1144,6 +1188,7 @@ class LMDBTier(KeyedTier):
         except OSError as exc:
             log.warning("%s: pending deletes not applied at close: %s", self._path, exc)
         finally:
+            self._unregister()
             _detach(self._shared)  # syncs and closes the environment with its last user
         self._slot_key.clear()
 

@@ -38,6 +38,17 @@ fdatasynced at `flush()`/`close()`, after every BATCH_SYNC_BLOCKS blocks written
 BATCH_SYNC_SECONDS after an unsynced write (a timer); "never" = no fsync at all, not even at
 `flush()` (the OS writes back when it likes; a power loss may lose the whole index).
 
+Instances. One process per directory (an exclusive flock, taken at open; the index lives in
+that process's memory). Several engines on one host given one config (replicas, vLLM
+data-parallel ranks) each need a directory of their own: with `instances = N` a tier whose
+`path` is held by another live process takes the first free of `path/instance1` ..
+`path/instance{N-1}` (instance 0 is `path` itself, so the default layout is unchanged and
+switching the option on keeps the blocks there); with `instance = k` it opens instance k and
+nothing else (a data-parallel rank; `connectors.common.per_dp_rank_config` sets it), and
+with `instance_env = "VAR"` the instance named by that environment variable (unset: as
+without it). A restarted replica takes a free instance back, with its blocks. Locks die
+with their process, so an instance held by a killed process is free again at once.
+
 Tenants. Processes with different namespaces may use one directory one after the other
 (flock: never at once). Opening deletes nothing: blocks stamped with another namespace, and
 blocks of ours beyond `capacity` (the oldest, when reopened smaller), are *kept*: not served
@@ -59,6 +70,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import stat
 import struct
 import threading
@@ -94,6 +106,9 @@ COMPACT_SLACK = 1024  # journal records allowed beyond 2 * capacity before a rew
 _META, _SLAB, _INDEX, _IMAGE = "meta.json", "slab", "index", "index.img"
 _OURS = {_META, _META + ".tmp", _SLAB, _INDEX, _INDEX + ".tmp", _IMAGE, _IMAGE + ".tmp"}
 _STORE_FORMAT, _STORE_VERSION = "tiercache-nvme", 1
+MAX_INSTANCES = 256  # `instances` and `instance` bound: directories tried at open
+_INSTANCE_DIR = re.compile(r"instance[1-9][0-9]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _OP_PUT, _OP_FREE, _OP_BASE = 1, 2, 3
 _REC_MAGIC, _REC_VERSION = b"TJ", 1
@@ -239,7 +254,15 @@ class NVMeTier(Tier):
     kind: ClassVar[str] = "nvme"
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = False
-    OPTIONS: ClassVar = {"path": str, "fsync": str, "io_threads": int, "direct": bool}
+    OPTIONS: ClassVar = {
+        "path": str,
+        "fsync": str,
+        "io_threads": int,
+        "direct": bool,
+        "instances": int,
+        "instance": int,
+        "instance_env": str,
+    }
 
     def __init__(
         self,
@@ -252,13 +275,19 @@ class NVMeTier(Tier):
         namespace: str | None = "",
         io_threads: int = 4,
         direct: bool = True,
+        instances: int = 1,
+        instance: int | None = None,
     ) -> None:
         super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks)
         _check_fsync(fsync, "fsync")
         _check_io_threads(io_threads, "io_threads")
+        check_instances(instances, instance)
         if not isinstance(path, str | os.PathLike) or not os.fspath(path):
             raise ConfigError("path", f"expected a directory path, got {path!r}")
-        self._path = os.path.abspath(os.fspath(path))
+        self._base = os.path.abspath(os.fspath(path))  # the configured path: instance 0
+        self._path = self._base  # the directory this tier holds, set by _take_instance
+        self._instances, self._instance = instances, instance
+        self.instance = 0  # which instance this tier opened
         self._fsync = fsync
         # None: an offline tool's view (the CLI), where every namespace's blocks are indexed.
         self._ns = None if namespace is None else namespace_id(namespace)
@@ -301,9 +330,12 @@ class NVMeTier(Tier):
                 namespace=namespace,
                 io_threads=o.get("io_threads", 4),
                 direct=o.get("direct", True),
+                instances=o.get("instances", 1),
+                instance=o.get("instance", instance_from_env(o.get("instance_env"))),
             )
         except ConfigError as exc:
-            if exc.field in ("path", "fsync", "io_threads", "capacity", "block_bytes"):
+            fields = ("path", "fsync", "io_threads", "capacity", "block_bytes", "instances")
+            if exc.field in (*fields, "instance", "instance_env"):
                 raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
             raise
 
@@ -316,6 +348,13 @@ class NVMeTier(Tier):
             _check_fsync(options["fsync"], f"{where}.fsync")
         if "io_threads" in options:
             _check_io_threads(options["io_threads"], f"{where}.io_threads")
+        check_instances(options.get("instances", 1), options.get("instance"), where)
+        if "instance_env" in options:
+            if "instance" in options:
+                raise ConfigError(
+                    f"{where}.instance_env", "give 'instance' or 'instance_env', not both"
+                )
+            instance_from_env(options["instance_env"], where)
 
     @property
     def path(self) -> str:
@@ -326,17 +365,37 @@ class NVMeTier(Tier):
         return self._slot_bytes
 
     # -- open ------------------------------------------------------------------------------
-    def _open(self, direct: bool, io_threads: int) -> None:
-        _prepare_dir(self._path)
-        self._dirfd = os.open(self._path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:  # one process per store: the index lives in this process's memory
-            fcntl.flock(self._dirfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    def _take_instance(self) -> None:
+        """Lock the store directory (one process per store: the index lives in this
+        process's memory): `instance` when given, else the first free of `instances`; sets
+        `_path`, `_dirfd` and `instance`. ConfigError when none is free."""
+        wanted = [self._instance] if self._instance is not None else range(self._instances)
+        for k in wanted:
+            path = instance_path(self._base, k)
+            if k:
+                _prepare_dir(self._base)  # it holds the instance directories
+            _prepare_dir(path)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._path, self._dirfd, self.instance = path, fd, k
+            return
+        held = "(another process or an unclosed tier)"
+        if self._instance is None and self._instances > 1:
             raise ConfigError(
                 "path",
-                f"{self._path!r} is in use by another NVMe tier "
-                "(another process or an unclosed tier)",
-            ) from None
+                f"{self._base!r}: all {self._instances} instances are in use by other NVMe "
+                f"tiers {held}; raise 'instances' or stop one",
+            )
+        where = instance_path(self._base, wanted[0])
+        which = f" (instance {self._instance})" if self._instance else ""
+        raise ConfigError("path", f"{where!r}{which} is in use by another NVMe tier {held}")
+
+    def _open(self, direct: bool, io_threads: int) -> None:
+        self._take_instance()
         meta = self._load_meta()
         if meta is None:
             # meta.json first: from here on the directory is recognisably ours.
@@ -1043,6 +1102,65 @@ def _check_io_threads(value: object, field: str) -> None:
         raise ConfigError(field, f"expected an int in 1..64, got {value!r}")
 
 
+def check_instances(instances: object, instance: object, where: str = "") -> None:
+    """`instances` in 1..MAX_INSTANCES, `instance` None or in 0..MAX_INSTANCES-1; ConfigError
+    naming the field. (With `instance` given, `instances` is not used.)"""
+    p = f"{where}." if where else ""
+
+    def bad(v: object, top: int) -> bool:
+        return isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < top
+
+    if bad(instances, MAX_INSTANCES + 1) or instances == 0:
+        raise ConfigError(
+            f"{p}instances",
+            f"expected how many processes may share this path at once, an int in "
+            f"1..{MAX_INSTANCES}, got {instances!r}",
+        )
+    if instance is not None and bad(instance, MAX_INSTANCES):
+        raise ConfigError(
+            f"{p}instance", f"expected an int in 0..{MAX_INSTANCES - 1}, got {instance!r}"
+        )
+
+
+def instance_from_env(name: object, where: str = "") -> int | None:
+    """The instance an `instance_env` option names: the number in environment variable
+    `name` (e.g. "LOCAL_RANK"), or None when `name` is None or the variable is unset;
+    ConfigError naming `instance_env` for a bad name or value."""
+    if name is None:
+        return None
+    field = f"{where}.instance_env" if where else "instance_env"
+    if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+        raise ConfigError(field, f"expected an environment variable name, got {name!r}")
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    digits = raw.strip()
+    k = int(digits) if digits.isascii() and digits.isdigit() else -1
+    if not 0 <= k < MAX_INSTANCES:
+        raise ConfigError(
+            field, f"${name} is {raw!r}, not an instance number in 0..{MAX_INSTANCES - 1}"
+        )
+    return k
+
+
+def instance_path(path: str, k: int) -> str:
+    """The directory of instance `k` of an NVMe store configured at `path`: `path` itself
+    for 0, ``path/instance{k}`` above."""
+    return path if k == 0 else os.path.join(path, f"instance{k}")
+
+
+def instance_dirs(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """(k, directory) of the instances k >= 1 present under an NVMe store path, by k."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    found = [
+        (int(n[8:]), os.path.join(os.fspath(path), n)) for n in names if _INSTANCE_DIR.fullmatch(n)
+    ]
+    return sorted(f for f in found if os.path.isdir(f[1]))
+
+
 def _nofollow(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
 
@@ -1076,7 +1194,7 @@ def _prepare_dir(path: str) -> None:
         )
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError("path", f"{path!r} is not writable by this user")
-    names = set(os.listdir(path))
+    names = {n for n in os.listdir(path) if not _INSTANCE_DIR.fullmatch(n)}
     if names and _META not in names and not names <= _OURS:
         shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
         raise ConfigError(

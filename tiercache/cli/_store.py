@@ -3,6 +3,7 @@
 Primitives:
 - `resolve(target)` -> `Target`: a TOML config (its tiers and telemetry directory), one store
   directory (NVMe: has meta.json; LMDB: has data.mdb) or a telemetry directory (stats.json).
+  An NVMe store's instances (``path/instance{k}``, tiers/nvme.py) are stores of their own.
 - `inspect_store(ref, names)`: what a store holds, read-only (works beside a running engine).
 - `verify_store(ref, advance)`: every block read and checked; `repair_store` drops bad ones.
 - `list_blocks(ref)` / `drop_blocks(ref, keys)`: what `evict` and `clear` choose from and drop.
@@ -14,12 +15,13 @@ an LMDB store may stay open elsewhere (its owner then reads dropped blocks as mi
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import struct
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,10 +57,18 @@ class StoreRef:
     path: str | None = None
     capacity_blocks: int | None = None  # from the config, once the block size is known
     capacity_bytes: int | None = None
+    instance: int = 0  # NVMe: which instance of the configured path (0: the path itself)
+    # Redis: the tier options (credentials too: kept out of repr)
+    options: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def persistent(self) -> bool:
         return self.kind in PERSISTENT_KINDS
+
+    @property
+    def label(self) -> str:
+        """The name in output: the tier's, with ``/instance{k}`` for an NVMe instance k > 0."""
+        return f"{self.name}/instance{self.instance}" if self.instance else self.name
 
 
 @dataclass(frozen=True)
@@ -72,15 +82,14 @@ class Target:
 
     def stores(self, names: Sequence[str] = ()) -> list[StoreRef]:
         """The persistent tiers, or those named (ValueError for a name not in the target)."""
-        known = {t.name: t for t in self.tiers}
+        known = list(dict.fromkeys(t.name for t in self.tiers))
         for n in names:
             if n not in known:
                 raise ValueError(
                     f"--tier: no tier named {n!r} in {self.source} "
                     f"(tiers: {', '.join(known) or 'none'})"
                 )
-        picked = [known[n] for n in names] if names else list(self.tiers)
-        return [t for t in picked if t.persistent]
+        return [t for t in self.tiers if t.persistent and (not names or t.name in names)]
 
 
 def resolve(target: str | os.PathLike[str]) -> Target:
@@ -91,20 +100,23 @@ def resolve(target: str | os.PathLike[str]) -> Target:
         refs = []
         for tc in cfg.tiers:
             path = tc.options.get("path")
-            refs.append(
-                StoreRef(
-                    tc.name,
-                    tc.kind,
-                    os.path.abspath(path) if path else None,
-                    tc.capacity_blocks,
-                    tc.capacity_bytes,
-                )
+            ref = StoreRef(
+                tc.name,
+                tc.kind,
+                os.path.abspath(path) if path else None,
+                tc.capacity_blocks,
+                tc.capacity_bytes,
+                options=tc.options if tc.kind == "redis" else {},
             )
+            refs += _with_instances(ref)
         tel = cfg.telemetry.dir if cfg.telemetry else None
         return Target(str(p), cfg, tuple(refs), os.path.abspath(tel) if tel else None)
     if p.is_dir():
-        if (p / "meta.json").is_file():
-            return Target(str(p), None, (StoreRef("nvme", "nvme", str(p.absolute())),))
+        nvme = _with_instances(StoreRef("nvme", "nvme", str(p.absolute())))
+        if (p / "meta.json").is_file() or len(nvme) > 1:
+            if not (p / "meta.json").is_file():
+                nvme = nvme[1:]  # only instances k >= 1 were ever opened
+            return Target(str(p), None, tuple(nvme))
         if (p / "data.mdb").is_file():
             return Target(str(p), None, (StoreRef("lmdb", "lmdb", str(p.absolute())),))
         if (p / "stats.json").is_file() or (p / "events.jsonl").is_file():
@@ -116,6 +128,27 @@ def resolve(target: str | os.PathLike[str]) -> Target:
     if not p.exists():
         raise ValueError(f"{p}: no such file or directory")
     raise ValueError(f"{p} is neither a TOML config nor a directory")
+
+
+def _with_instances(ref: StoreRef) -> list[StoreRef]:
+    """`ref` and, for an NVMe path, a ref per instance directory found under it."""
+    if ref.kind != "nvme" or ref.path is None:
+        return [ref]
+    from tiercache.tiers.nvme import instance_dirs
+
+    extra = [
+        dataclasses.replace(ref, path=d, instance=k)
+        for k, d in instance_dirs(ref.path)
+        if os.path.isfile(os.path.join(d, "meta.json"))
+    ]
+    return [ref, *extra]
+
+
+def has_store(ref: StoreRef) -> bool:
+    """Whether the store exists (an NVMe path that only holds instances of it has none)."""
+    if ref.path is None or not os.path.exists(ref.path):
+        return False
+    return ref.kind != "nvme" or os.path.exists(os.path.join(ref.path, "meta.json"))
 
 
 def capacity_of(ref: StoreRef, block_bytes: int) -> int | None:
@@ -303,17 +336,34 @@ def _summary(blocks: list[BlockInfo], names: dict[int, str]) -> dict[str, Any]:
     }
 
 
-def inspect_store(ref: StoreRef, names: dict[int, str]) -> dict[str, Any]:
-    """One tier's description; for persistent tiers what is on disk, read-only."""
+def inspect_store(
+    ref: StoreRef, names: dict[int, str], *, namespace: str | None = None, redis_scan: bool = False
+) -> dict[str, Any]:
+    """One tier's description; for persistent tiers what is on disk, read-only; for Redis
+    what the server tells cheaply (`redis_scan`: keys per namespace, O(keys)), `namespace`
+    naming the config's."""
     out: dict[str, Any] = {"name": ref.name, "kind": ref.kind, "path": ref.path}
+    if ref.kind == "redis":
+        import redis
+
+        from tiercache.cli._redis import inspect_redis
+
+        out.update(capacity_blocks=ref.capacity_blocks, capacity_bytes=ref.capacity_bytes)
+        try:
+            out.update(inspect_redis(ref.options, namespace, scan=redis_scan))
+        except (redis.RedisError, OSError) as exc:
+            out["note"] = f"the server did not answer: {exc}"
+        return out
+    if ref.kind == "nvme":
+        out["instance"] = ref.instance
     if not ref.persistent:
         out["capacity_bytes"] = ref.capacity_bytes
         out["capacity_blocks"] = ref.capacity_blocks
         out["note"] = "volatile: contents live in the engine (see `tiercache stats`)"
         return out
     assert ref.path is not None
-    if not os.path.exists(ref.path):
-        out["note"] = "no store yet (the directory does not exist)"
+    if not has_store(ref):
+        out["note"] = "no store yet"
         return out
     if ref.kind == "nvme":
         with _nvme_reader(ref) as r:
@@ -338,6 +388,8 @@ def inspect_store(ref: StoreRef, names: dict[int, str]) -> dict[str, Any]:
         holder = lmdb_holder(ref.path)
         with open_store(ref.path) as h:
             blocks, bad = _lmdb_blocks(h)
+            sharing = _lmdb_sharing(h, blocks, names, own=holder == os.getpid())
+            names = {**sharing.pop("names"), **names}
             info, st = h.env.info(), h.env.stat()
             bb = h.meta["block_bytes"]
             cap = capacity_of(ref, bb)
@@ -353,8 +405,62 @@ def inspect_store(ref: StoreRef, names: dict[int, str]) -> dict[str, Any]:
                 last_modified=os.stat(os.path.join(h.path, "data.mdb")).st_mtime,
                 in_use=holder is not None,
                 holder_pid=holder,
+                **sharing,
             )
     return out
+
+
+def _lmdb_sharing(
+    h: Any, blocks: list[BlockInfo], names: dict[int, str], own: bool
+) -> dict[str, Any]:
+    """Per-namespace usage (blocks found, the store's count, the recorded capacity), the
+    attach entries and LMDB's reader table of an open store; `names` for labels, completed
+    by the names the store recorded (returned under "names"). `own`: this process holds the
+    store open through a tier (its reader slots are then shown too)."""
+    from tiercache.tiers import lmdb_attach
+
+    with h.env.begin(write=False) as txn:
+        rec = lmdb_attach.read_records(txn, h.meta_db)
+    counts = h.counts()
+    names = {**rec.names, **names}
+    found = Counter(b.namespace for b in blocks)
+    attached = [(a, a.state) for a in rec.attached]
+    live = Counter(a.namespace_id for a, st in attached if st != "stale")
+    usage = []
+    for ns in sorted(set(found) | set(counts) | set(rec.capacities) | set(live)):
+        cap = rec.capacities.get(ns)
+        usage.append(
+            {
+                "namespace": namespace_label(ns, names),
+                "id": f"{ns:016x}",
+                "blocks": found.get(ns, 0),
+                "counted": counts.get(ns),
+                "capacity_blocks": cap,
+                "used": found.get(ns, 0) / cap if cap else None,
+                "attached": live.get(ns, 0),
+            }
+        )
+    me = os.getpid()
+    return {
+        "names": rec.names,
+        "namespace_usage": usage,
+        "attached": [
+            {
+                "pid": a.pid,
+                "host": a.host,
+                "namespace": namespace_label(a.namespace_id, names),
+                "opened_at": a.opened_at,
+                "capacity_blocks": a.capacity_blocks,
+                "state": st,
+            }
+            for a, st in attached
+        ],
+        "readers": [
+            {"pid": r.pid, "thread": r.thread, "txn": r.txn}
+            for r in lmdb_attach.readers(h.env)
+            if own or r.pid != me  # not the slot of this inspection's own read
+        ],
+    }
 
 
 # -- verify and repair ---------------------------------------------------------------------------
@@ -392,7 +498,7 @@ def verify_store(ref: StoreRef, advance: Callable[[int], None] = lambda n: None)
     """Read every block of `ref` and check it (header, key, length, checksum, decompression)
     and the index (damaged records, entries without data); read-only."""
     rep = VerifyReport(ref)
-    if ref.path is None or not os.path.exists(ref.path):
+    if not has_store(ref):
         rep.notes.append("no store yet")
         return rep
     if ref.kind == "nvme":
@@ -543,7 +649,7 @@ def repair_store(ref: StoreRef, rep: VerifyReport) -> int:
 
 def list_blocks(ref: StoreRef) -> list[BlockInfo]:
     """The good blocks of a store, oldest first."""
-    if ref.path is None or not os.path.exists(ref.path):
+    if not has_store(ref):
         return []
     if ref.kind == "nvme":
         with _nvme_reader(ref) as r:
@@ -579,7 +685,7 @@ def drop_blocks(ref: StoreRef, victims: Iterable[BlockInfo]) -> int:
 
 def check_owner_free(ref: StoreRef) -> None:
     """StoreError early when an NVMe store is held by another process (before prompting)."""
-    if ref.kind == "nvme" and ref.path and os.path.exists(ref.path):
+    if ref.kind == "nvme" and has_store(ref):
         with _nvme_reader(ref) as r:
             if r.in_use():
                 raise StoreError(

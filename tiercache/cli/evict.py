@@ -67,14 +67,14 @@ def _apply(
     total = sum(len(v) for _, v, _ in plan)
     if total == 0:
         if as_json:
-            echo_json({"dropped": {s.name: 0 for s, _, _ in plan}})
+            echo_json({"dropped": {s.label: 0 for s, _, _ in plan}})
         else:
             out.print(f"nothing to {verb}")
         return
     for s, victims, held in plan:
-        out.print(f"{s.name} ({s.kind}) {s.path}: {verb} {len(victims)} of {held} blocks")
+        out.print(f"{s.label} ({s.kind}) {s.path}: {verb} {len(victims)} of {held} blocks")
     confirm(f"{verb.capitalize()} {total} blocks?", yes)
-    dropped = {s.name: drop_blocks(s, victims) for s, victims, _ in plan}
+    dropped = {s.label: drop_blocks(s, victims) for s, victims, _ in plan}
     if as_json:
         echo_json({"dropped": dropped})
     else:

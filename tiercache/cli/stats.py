@@ -67,7 +67,7 @@ def stats(target: str, tiers: tuple[str, ...], as_json: bool) -> None:
                     "add a [telemetry] table to the config"
                 )
             names = known_names(tgt)
-            doc = {"source": "disk", "tiers": {s.name: inspect_store(s, names) for s in stores}}
+            doc = {"source": "disk", "tiers": {s.label: inspect_store(s, names) for s in stores}}
         if tiers and doc["source"] != "disk":
             missing = [t for t in tiers if t not in doc["tiers"]]
             if missing:

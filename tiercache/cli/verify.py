@@ -62,19 +62,19 @@ def verify(
     dropped: dict[str, int] = {}
     if repair and any(r.problems for r in reports):
         for rep in reports:
-            dropped[rep.ref.name] = repair_store(rep.ref, rep)
+            dropped[rep.ref.label] = repair_store(rep.ref, rep)
         reports = _run(stores, disable=no_progress)
     if as_json:
         echo_json(
             {
                 "source": tgt.source,
                 "ok": not any(r.problems for r in reports),
-                "stores": [_doc(r, dropped.get(r.ref.name)) for r in reports],
+                "stores": [_doc(r, dropped.get(r.ref.label)) for r in reports],
             }
         )
     else:
         for rep in reports:
-            _show(out, rep, dropped.get(rep.ref.name))
+            _show(out, rep, dropped.get(rep.ref.label))
     if any(r.problems for r in reports):
         raise SystemExit(1)
 
@@ -95,14 +95,14 @@ def _run(stores: list[Any], *, disable: bool) -> list[VerifyReport]:
     with progress:
         task = progress.add_task("", total=total)
         for s in stores:
-            progress.update(task, description=s.name)
+            progress.update(task, description=s.label)
             reports.append(verify_store(s, lambda n: progress.advance(task, n)))
     return reports
 
 
 def _doc(rep: VerifyReport, dropped: int | None) -> dict[str, Any]:
     return {
-        "name": rep.ref.name,
+        "name": rep.ref.label,
         "kind": rep.ref.kind,
         "path": rep.ref.path,
         "checked": rep.checked,
@@ -117,7 +117,7 @@ def _doc(rep: VerifyReport, dropped: int | None) -> dict[str, Any]:
 
 
 def _show(out: Any, rep: VerifyReport, dropped: int | None) -> None:
-    head = f"{rep.ref.name} ({rep.ref.kind}) {rep.ref.path}: {rep.checked} blocks checked"
+    head = f"{rep.ref.label} ({rep.ref.kind}) {rep.ref.path}: {rep.checked} blocks checked"
     if dropped is not None:
         head += f", {dropped} bad entries dropped"
     for note in rep.notes:

@@ -13,6 +13,12 @@ Primitives:
   -> RankConfig`: tensor parallelism. Every rank hashes the same block keys (key namespace:
   TP size, rank 0) but keeps its own shard in its own store (store namespace: its rank;
   tier paths in a ``tp{rank}of{size}`` subdirectory, Redis prefixes with the same suffix).
+- `per_dp_rank_config(user, *, dp_rank, dp_size) -> dict`: data parallelism (and replicas
+  given a rank). Ranks share the store namespace and the shared tiers (LMDB, Redis), so each
+  finds what the others stored; each NVMe tier opens its own instance of the configured
+  path (`instance = dp_rank`: rank 0 the path itself, rank r ``path/instance{r}``), so a
+  restarted rank finds its blocks again. `resolve_rank_config(..., dp_rank=, dp_size=)`
+  applies it under the TP resolution (NVMe paths ``path/tp{t}of{n}/instance{r}``).
 - `acquire_store(config, block_bytes) -> SharedStore` / `release_store(store)` / `find_store`:
   one `TierCache`
   per process and configuration, shared by reference count. vLLM builds a scheduler-role and a
@@ -302,6 +308,34 @@ def per_rank_config(user: Mapping[str, Any], *, tp_rank: int, tp_size: int) -> d
     return m
 
 
+def per_dp_rank_config(user: Mapping[str, Any], *, dp_rank: int, dp_size: int) -> dict[str, Any]:
+    """The user's config mapping for data-parallel rank `dp_rank` of `dp_size` engines on one
+    host: every NVMe tier gets ``instance = dp_rank`` (see tiers/nvme.py: rank 0 opens the
+    path itself, rank r > 0 ``path/instance{r}``); everything else is unchanged: the ranks
+    share the namespace, the LMDB and Redis stores (and their capacity) and differ only in
+    their private tiers. With `dp_size` 1 the mapping is returned unchanged. ConfigError when
+    the user set an NVMe tier's `instance` or `instance_env` (the rank decides it)."""
+    if not (isinstance(dp_size, int) and isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
+        raise ValueError(f"expected 0 <= dp_rank < dp_size, got {dp_rank=}, {dp_size=}")
+    m = dict(user)
+    tiers = m.get("tiers")
+    if dp_size == 1 or not isinstance(tiers, list | tuple):
+        return m  # (a malformed tiers list: resolve_config reports the problem)
+    out = []
+    for i, t in enumerate(tiers):
+        if isinstance(t, Mapping) and t.get("kind") == "nvme":
+            for opt in ("instance", "instance_env"):
+                if opt in t:
+                    raise ConfigError(
+                        f"tiers[{i}].{opt}",
+                        f"the data-parallel rank sets the instance ({dp_size} ranks); leave it out",
+                    )
+            t = {**t, "instance": dp_rank}
+        out.append(t)
+    m["tiers"] = out
+    return m
+
+
 @dataclass(frozen=True)
 class RankConfig:
     """One TP rank's view: `config` is its own store (namespace with its rank, per-rank
@@ -312,6 +346,8 @@ class RankConfig:
     key_namespace: str
     tp_rank: int
     tp_size: int
+    dp_rank: int = 0
+    dp_size: int = 1
 
 
 def resolve_rank_config(
@@ -322,17 +358,22 @@ def resolve_rank_config(
     store_namespace: str,
     tp_rank: int,
     tp_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
 ) -> RankConfig:
-    """`resolve_config` for one TP rank: `store_namespace` (derived with the rank) names the
-    rank's store, `key_namespace` (derived with rank 0) the keys; a namespace the user gives
-    prefixes both. With `tp_size` 1 both namespaces are equal and the paths unchanged."""
+    """`resolve_config` for one TP rank of one data-parallel rank: `store_namespace` (derived
+    with the TP rank) names the rank's store, `key_namespace` (derived with TP rank 0) the
+    keys; a namespace the user gives prefixes both. With `tp_size` 1 both namespaces are
+    equal and the paths unchanged; with `dp_size` > 1 each NVMe tier opens instance `dp_rank`
+    of its (per-TP-rank) path (`per_dp_rank_config`)."""
+    mapping = per_rank_config(user, tp_rank=tp_rank, tp_size=tp_size)
     config = resolve_config(
-        per_rank_config(user, tp_rank=tp_rank, tp_size=tp_size),
+        per_dp_rank_config(mapping, dp_rank=dp_rank, dp_size=dp_size),
         block_size=block_size,
         namespace=store_namespace,
     )
     keys = _user_prefixed(user, key_namespace)
-    return RankConfig(config=config, key_namespace=keys, tp_rank=tp_rank, tp_size=tp_size)
+    return RankConfig(config, keys, tp_rank, tp_size, dp_rank, dp_size)
 
 
 def prepare_rank_dirs(rank: RankConfig) -> None:
