@@ -38,9 +38,11 @@ This module imports vLLM only inside `run_spec`, so importing it to write a mode
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -317,8 +319,13 @@ class RunningEngine:
         # Files, not pipes: a chatty engine never blocks on a full pipe nobody reads yet.
         logs = [Path(self._dir.name, n).open("w+") for n in ("stdout", "stderr")]  # noqa: SIM115
         self._logs = logs
+        # A session of its own: `kill` stops vLLM's engine-core and worker processes too (an
+        # orphaned worker spins on its message queue, eating a core, until killed).
         self.proc = subprocess.Popen(
-            [python, __file__, str(spec_path), str(self._out)], stdout=logs[0], stderr=logs[1]
+            [python, __file__, str(spec_path), str(self._out)],
+            stdout=logs[0],
+            stderr=logs[1],
+            start_new_session=True,
         )
 
     def result(self, timeout: float = 300) -> dict[str, Any]:
@@ -342,10 +349,23 @@ class RunningEngine:
         finally:
             self._close()
 
+    def wait_for(self, path: Path, timeout: float = 300) -> None:
+        """Wait until `path` exists (a batch of this engine touched it); if the engine exits
+        first, raise with its errors."""
+        end = time.monotonic() + timeout
+        while not path.exists():
+            if self.proc.poll() is not None:
+                self.result(0)  # raises with the engine's errors
+                raise RuntimeError(f"the engine exited without creating {path}")
+            if time.monotonic() > end:
+                raise TimeoutError(f"{path} did not appear within {timeout} s")
+            time.sleep(0.05)
+
     def kill(self) -> None:
         """Stop the engine (and vLLM's engine-core and worker children) if still running."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine and every child it left
         if self.proc.poll() is None:
-            self.proc.kill()
             self.proc.wait()
         self._close()
 

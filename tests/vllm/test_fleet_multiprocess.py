@@ -13,6 +13,7 @@ engine (`kv_consumer`: loads, never stores), the shape of prefill/decode disaggr
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -39,6 +40,21 @@ def _counter(result: dict[str, Any], name: str) -> int:
     return sum(int(s["counters"].get(name, 0)) for s in result["stores"].values())
 
 
+@pytest.fixture(scope="module")
+def prompts(engine: ModuleType) -> list[list[int]]:
+    lengths = [300, 320, 340, 360, 380, 390, 400]
+    return [engine.make_prompts(1, n, seed=100 + i)[0] for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def want(engine: ModuleType, tiny_llama: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """The outputs of an engine without a connector."""
+    base = engine.run_in_subprocess(
+        {"model": str(tiny_llama), "batches": [{"prompts": prompts, "max_tokens": 8}]}
+    )
+    return base["batches"][0]["outputs"]
+
+
 @pytest.mark.parametrize(
     ("shared", "role_a", "role_b"),
     [("lmdb", "kv_both", "kv_both"), ("redis", "kv_producer", "kv_consumer")],
@@ -48,18 +64,14 @@ def test_an_engine_started_first_hits_what_another_stored_later(
     tiny_llama: Path,
     tmp_path: Path,
     request: pytest.FixtureRequest,
+    prompts: list[list[int]],
+    want: list[list[int]],
     shared: str,
     role_a: str,
     role_b: str,
 ) -> None:
-    rng_lengths = [300, 320, 340, 360, 380, 390, 400]
-    prompts = [engine.make_prompts(1, n, seed=100 + i)[0] for i, n in enumerate(rng_lengths)]
     other = engine.make_prompts(4, 200, seed=7)
     loadable = sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
-    baseline = engine.run_in_subprocess(
-        {"model": str(tiny_llama), "batches": [{"prompts": prompts, "max_tokens": 8}]}
-    )
-    want = baseline["batches"][0]["outputs"]
 
     if shared == "lmdb":
         tier = {"kind": "lmdb", "path": str(tmp_path / "shared"), "blocks": 512}
@@ -110,3 +122,60 @@ def test_an_engine_started_first_hits_what_another_stored_later(
         assert _counter(result_b, "stored_blocks") == 0  # a consumer never stores
     else:
         assert _counter(result_b, "stored_blocks") > 0
+
+
+def test_replicas_with_one_config_each_get_an_nvme_instance_and_share_lmdb(
+    engine: ModuleType,
+    tiny_llama: Path,
+    tmp_path: Path,
+    prompts: list[list[int]],
+    want: list[list[int]],
+) -> None:
+    """Issue 15, item 4: two engines on one host given the same config, running at once.
+    The second is not refused by the NVMe tier's lock: it takes `path/instance1`, and it
+    hits what the first stored in the shared LMDB tier."""
+    nvme = tmp_path / "nvme"
+    tiers = [
+        {"kind": "cpu", "blocks": 8},
+        # Small: most of A's blocks are demoted into the shared LMDB tier while A runs.
+        {"kind": "nvme", "path": str(nvme), "blocks": 8, "instances": 2},
+        {"kind": "lmdb", "path": str(tmp_path / "shared"), "blocks": 512},
+    ]
+    a_stored, b_done = tmp_path / "a-stored", tmp_path / "b-done"
+
+    def spec(batches: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "model": str(tiny_llama),
+            "multiprocessing": True,
+            "kv_transfer_config": _kv(tiers, "kv_both"),
+            "batches": batches,
+            "settle_s": 0.5,
+        }
+
+    # A holds `path` open for its whole run; B starts while it does.
+    a = engine.start_in_subprocess(
+        spec(
+            [
+                {"prompts": prompts, "max_tokens": 8, "touch": str(a_stored)},
+                {"prompts": prompts[:1], "max_tokens": 2, "wait_for": str(b_done)},
+            ]
+        )
+    )
+    try:
+        a.wait_for(a_stored, 300)
+        time.sleep(1.0)  # A's write-through copies reach LMDB
+        b = engine.run_in_subprocess(
+            spec([{"prompts": prompts, "max_tokens": 8, "touch": str(b_done)}])
+        )
+        result_a = a.result(300)
+    finally:
+        a.kill()
+    assert result_a["batches"][0]["outputs"] == want
+    (batch,) = b["batches"]
+    assert batch["outputs"] == want
+    loadable = sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
+    assert sum(batch["num_cached_tokens"]) >= loadable // 2  # from A's blocks in LMDB
+    # Each engine opened its own NVMe instance of the one configured path.
+    assert (nvme / "meta.json").exists() and (nvme / "instance1" / "meta.json").exists()
+    (store,) = b["stores"].values()
+    assert store["counters"].get("load_error_blocks", 0) == 0

@@ -107,14 +107,14 @@ def test_a_hung_redis_never_hangs_the_engine(
     pid = _redis_pid(redis_url)
     paused = False
     try:
-        engine.wait_for_file(ready, 300)
+        b.wait_for(ready, 300)
         # B's index holds A's blocks, only in Redis. Now Redis hangs.
         os.kill(pid, signal.SIGSTOP)
         paused = True
         stopped.touch()
         # "Never stuck": the batch ends while Redis is still hung. The bound is generous (a
         # hung engine would wait for ever); the deadline is 0.5 s, the socket timeout 1 s.
-        engine.wait_for_file(one_done, 120)
+        b.wait_for(one_done, 120)
         os.kill(pid, signal.SIGCONT)
         paused = False
         time.sleep(3.0)  # the Redis tier's and the circuit breaker's back-off end

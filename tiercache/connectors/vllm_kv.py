@@ -293,6 +293,10 @@ class TierCacheConnector(KVConnectorBase_V1):
                 store_namespace=namespace_from_vllm(vllm_config, layout=layout, tp_rank=r),
                 tp_rank=r,
                 tp_size=tp_size,
+                # Data-parallel ranks (and replicas) share the shared tiers; each opens an
+                # NVMe instance of its own (`per_dp_rank_config`).
+                dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+                dp_size=int(getattr(parallel, "data_parallel_size", 1) or 1),
             )
 
         rank = rank_config(self._tp_rank)
@@ -489,36 +493,50 @@ class TierCacheConnector(KVConnectorBase_V1):
         n = sum(1 for _ in itertools.takewhile(held, keys))
         if n == len(keys) or self._probe_pool is None:
             return n
-        starts = [self._rank_run(keys, n, r, off) for r in range(len(self._probes))]
-        ask = (keys[n], len(keys), tuple(starts), suspended)
+        # Per rank, which keys from n on the index vouches for (a private tier holds them):
+        # taken here, so the probe thread never reads the index while this thread changes it.
+        private = [
+            tuple(self._rank_run(keys, j, r, off) > j for j in range(n, len(keys)))
+            for r in range(len(self._probes))
+        ]
+        ask = (keys[n], len(keys), tuple(private), suspended)
         pending = self._probing.get(req_id)
         if pending is None or pending[0] != ask:
-            fut = self._probe_pool.submit(self._probe_ranks, keys, starts, suspended)
+            fut = self._probe_pool.submit(self._probe_ranks, keys, n, private, suspended)
             pending = self._probing[req_id] = (ask, fut)
         try:
-            runs = pending[1].result(timeout=PROBE_WAIT_S)
+            ends = pending[1].result(timeout=PROBE_WAIT_S)
         except FutureTimeout:
             self._count("probe_waits")
             return None
         del self._probing[req_id]
-        found = min(
-            self._rank_run(keys, j + got, rank, off) if got else j
-            for rank, (j, got) in enumerate(zip(starts, runs, strict=True))
-        )
+        found = min(ends)
         if found > n:
             self._count("probe_hit_blocks", found - n)
         return found
 
-    def _probe_ranks(self, keys: list[bytes], starts: list[int], off: frozenset[str]) -> list[int]:
-        """On the probe thread: per rank, the run of keys from its start its shared tiers hold
-        (one tier's run after another, as the worker's lookups adopt them)."""
-        runs = []
-        for probes, start in zip(self._probes, starts, strict=True):
-            j = start
-            while j < len(keys) and (got := probe_chain(probes, keys[j:], off)):
-                j += got
-            runs.append(j - start)
-        return runs
+    def _probe_ranks(
+        self,
+        keys: list[bytes],
+        n: int,
+        private: list[tuple[bool, ...]],
+        off: frozenset[str],
+    ) -> list[int]:
+        """On the probe thread: per rank, where its run of keys from `n` ends, walking keys a
+        private tier holds (`private`, from the index) and runs its shared tiers hold (one
+        tier's run after another, as the worker's lookups adopt them)."""
+        ends = []
+        for probes, mine in zip(self._probes, private, strict=True):
+            j = n
+            while j < len(keys):
+                if mine[j - n]:
+                    j += 1
+                elif got := probe_chain(probes, keys[j:], off):
+                    j += got
+                else:
+                    break
+            ends.append(j)
+        return ends
 
     def _suspended_mediums(self) -> frozenset[str]:
         """Mediums the workers' circuit breakers suspended, for now: their blocks are no hits
