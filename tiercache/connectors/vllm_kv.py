@@ -598,7 +598,8 @@ class TierCacheConnector(KVConnectorBase_V1):
                 fastest = [min(order.get(m, last) for m in ms) for ms in ranks.values() if ms]
                 tiers.append(names[max(fastest, default=last)])
         d = self._gate.decide(tiers, block_bytes=self._block_bytes, block_tokens=self._block_size)
-        self._count("loading_blocks", d.load)
+        if d.load:
+            self._count("loading_blocks", d.load)
         if d.declined:
             self._count("loading_declined_blocks", d.declined)
             log.debug(
