@@ -8,7 +8,15 @@ import torch
 
 from tiercache import TierCache
 from tiercache.config import CacheConfig, LoadingConfig
-from tiercache.costs import Estimates, Line, LinearFit, LoadCosts, LoadGate, plan_load
+from tiercache.costs import (
+    Estimates,
+    ForwardTimer,
+    Line,
+    LinearFit,
+    LoadCosts,
+    LoadGate,
+    plan_load,
+)
 from tiercache.errors import ConfigError
 from tiercache.transfer.stats import PrometheusMetrics
 
@@ -135,6 +143,21 @@ def test_gate_applies_the_mode_to_measured_costs() -> None:
     always = LoadGate(LoadingConfig(mode="always"), costs)
     assert auto.decide(["redis"] * 10, block_bytes=BLOCK, block_tokens=TOKENS).load == 0
     assert always.decide(["redis"] * 10, block_bytes=BLOCK, block_tokens=TOKENS).load == 10
+
+
+def test_forward_timer_on_the_host_clock() -> None:
+    clock = iter([1.0, 1.25, 2.0, 3.0, 3.5, 4.0]).__next__
+    timer = ForwardTimer(clock=clock)
+    timer.stop(100)  # never started: nothing
+    timer.start()
+    timer.stop(100)
+    timer.start()
+    timer.stop(0)  # no tokens (a step without a forward): nothing
+    timer.start()
+    timer.start()  # started again (synchronous loads ran before the forward): from here
+    timer.stop(300)
+    assert timer.take() == [(100, 0.25), (300, 0.5)]
+    assert timer.take() == []
 
 
 # -- configuration ----------------------------------------------------------------------------

@@ -9,6 +9,8 @@ Primitives:
   `estimates()` -> `Estimates`; `tier_stats()` / `engine_stats()` for the stats and the
   Prometheus gauges. Thread-safe.
 - `plan_load(tiers, ...)`: the pure decision -> `LoadDecision` (leading blocks to load).
+- `ForwardTimer`: times the engine's forward passes (host clock; CUDA events on a GPU, read
+  once done, never waited for) for `LoadCosts.observe_forward`.
 - `LoadGate`: the mode and margin of a `LoadingConfig` over a `LoadCosts`; what an adapter
   asks (`decide`). Adapters count the decisions (loading_blocks, loading_declined_blocks,
   loading_cold_blocks).
@@ -23,8 +25,10 @@ Recomputing a block saves only the forward's marginal cost (`per_unit`), never i
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tiercache.config import LoadingConfig
 
@@ -212,6 +216,54 @@ class LoadCosts:
                 "step_overhead_ms": round(line.fixed * 1e3, 4),
                 "forward_steps": self._forward.samples,
             }
+
+
+class ForwardTimer:
+    """(tokens, seconds) of the engine's forward passes: `start` before one, `stop(tokens)`
+    after, `take()` the finished ones. On a GPU the host returns before the kernels ran, so
+    with `cuda` the two ends are CUDA events on the current stream, read once the end event
+    completed (never synchronised: a step's timing arrives a step or so later)."""
+
+    MAX_PENDING = 64  # CUDA timings not done yet; older ones are dropped beyond this
+
+    def __init__(self, cuda: bool = False, clock: Callable[[], float] = time.perf_counter):
+        self._cuda = cuda
+        self._clock = clock
+        self._start: Any = None
+        self._pending: list[tuple[int, Any, Any]] = []  # CUDA: (tokens, start, end event)
+        self._done: list[tuple[int, float]] = []
+
+    def start(self) -> None:
+        if self._cuda:
+            import torch
+
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = self._clock()
+
+    def stop(self, tokens: int) -> None:
+        """The forward that `start` began is over (on the host); it computed `tokens`."""
+        start, self._start = self._start, None
+        if start is None or tokens <= 0:
+            return
+        if not self._cuda:
+            self._done.append((tokens, self._clock() - start))
+            return
+        import torch
+
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((tokens, start, end))
+        del self._pending[: -self.MAX_PENDING]
+
+    def take(self) -> list[tuple[int, float]]:
+        """The timings finished since the last call, oldest first."""
+        while self._pending and self._pending[0][2].query():
+            tokens, start, end = self._pending.pop(0)
+            self._done.append((tokens, start.elapsed_time(end) / 1e3))
+        done, self._done = self._done, []
+        return done
 
 
 def _rate(line: Line) -> float:

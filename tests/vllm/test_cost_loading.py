@@ -18,8 +18,8 @@ pytest.importorskip("vllm")
 from tiercache.config import CacheConfig
 from tiercache.connectors.common import SharedStore, acquire_store, release_store, resolve_config
 from tiercache.connectors.vllm import TierCacheConnector
-from tiercache.connectors.vllm_kv import TierCacheWorkerMetadata
-from tiercache.costs import LoadGate
+from tiercache.connectors.vllm_kv import TierCacheConnectorMetadata, TierCacheWorkerMetadata
+from tiercache.costs import ForwardTimer, LoadGate
 
 BLOCK_BYTES = 64
 BLOCK_TOKENS = 4
@@ -31,7 +31,7 @@ def _connector(config: CacheConfig, shared: SharedStore | None) -> TierCacheConn
     c = object.__new__(TierCacheConnector)
     c._shared, c._stats, c._config = shared, {}, config
     c._block_bytes, c._block_size, c._tp_size = BLOCK_BYTES, BLOCK_TOKENS, 1
-    c._index, c._events, c._pending = {}, [], {}
+    c._index, c._events, c._pending, c._off = {}, [], {}, {}
     c._gate = LoadGate(config.loading, shared.cache.load_costs if shared else None)
     return c
 
@@ -97,21 +97,23 @@ def test_worker_samples_reach_a_remote_scheduler_and_decide_there(tmp_path: Path
     try:
         w = object.__new__(TierCacheConnector)
         w._shared, w._tp_rank = worker_shared, 0
-        w._journal, w._plans_done, w._held = [], {}, {}
-        w._load_samples, w._forward_samples, w._forward_t0 = [], [], None
+        w._journal, w._plans_done, w._held, w._suspensions = [], {}, {}, {}
+        w._load_samples, w._forward_samples = [], []
+        clock = iter([10.0, 10.1, 20.0, 20.2]).__next__  # two forwards: 0.1 s and 0.2 s
+        w._timer = ForwardTimer(clock=clock)
         # Measured in the worker: the redis tier, 20 ms per job then 0.5 ms per block ...
         for n in (1, 2, 4, 8):
             w._load_samples.append(("redis", n * BLOCK_BYTES, 0.020 + n * 0.0005))
-        # ... and one forward (its duration is whatever this step took).
-        w._forward_t0 = time.perf_counter()
-        w._forward_done(256)
-        assert w._forward_t0 is None and w._forward_samples[0][0] == 256
-        # The forward's line from two more steps: 1 ms per block's 4 tokens past 10 ms.
-        w._forward_samples = [(400, 0.110), (800, 0.210)]
+        # ... and two forwards, bound then saved as vLLM calls them: 1 ms per block's 4 tokens
+        # past 10 ms.
+        for tokens in (400, 800):
+            w.bind_connector_metadata(TierCacheConnectorMetadata())
+            w._timer.stop(tokens)
         meta = pickle.loads(pickle.dumps(w.build_connector_worker_meta()))  # across processes
     finally:
         release_store(worker_shared)
     assert isinstance(meta, TierCacheWorkerMetadata) and len(meta.load_samples) == 4
+    assert meta.forward_samples == [(400, pytest.approx(0.1)), (800, pytest.approx(0.2))]
     c = _connector(sched_cfg, None)
     k = [bytes([i]) * 16 for i in range(100)]
     c.update_connector_output(

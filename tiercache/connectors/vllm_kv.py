@@ -65,9 +65,10 @@ recovers). Copies from the CPU tier (memory) are never abandoned.
 
 Cost-aware loading (config ``[loading]``, `tiercache.costs`): the scheduler loads only the part
 of a hit that is cheaper to load than to recompute (`_affordable`; local placement: before it
-reads persistent blocks). The worker measures each load job and each forward (between
-`start_load_kv` and `wait_for_save`, with the step's token count from the metadata) into the
-cache's `load_costs`, and sends the samples back in its metadata for a remote scheduler.
+reads persistent blocks). The worker measures each load job and each forward (from
+`bind_connector_metadata`, or the end of synchronous loads, to `wait_for_save`, with the
+step's token count from the metadata; CUDA events on a GPU) into the cache's `load_costs`,
+and sends the samples back in its metadata for a remote scheduler.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ from tiercache.connectors.common import (
     release_store,
     resolve_rank_config,
 )
-from tiercache.costs import LoadGate
+from tiercache.costs import ForwardTimer, LoadGate
 from tiercache.hashing import prefix_hashes
 from tiercache.records import LoadSpec
 from tiercache.tiers.base import StoreProbe
@@ -376,7 +377,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         )
         self._load_samples: list[tuple[str, int, float]] = []
         self._forward_samples: list[tuple[int, float]] = []
-        self._forward_t0: float | None = None
+        self._timer = ForwardTimer()  # CUDA events once register_kv_caches sees a GPU
         log.info(
             "TierCacheConnector (%s, %s, TP rank %d of %d): namespace %s, %d-byte blocks of "
             "%d tokens",
@@ -808,6 +809,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                 f"kv_cache_config says {self._block_bytes}; layout not supported"
             )
         self._worker = build_worker(layout, self._shared.cache.tiers)
+        self._timer = ForwardTimer(cuda=any(t.is_cuda for t in kv_caches.values()))
         # At exit (or the last release) finish in-flight stores before the cache closes.
         self._shared.before_close.append(self._finish_transfers)
         self._shared.state[_SETTLE] = self._settle
@@ -841,6 +843,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         if self._shared is None:
             return None
         self._collect_events()
+        self._forward_samples_done()
         loads, forwards = self._load_samples, self._forward_samples
         if (
             not self._journal
@@ -895,7 +898,6 @@ class TierCacheConnector(KVConnectorBase_V1):
         assert isinstance(meta, TierCacheConnectorMetadata)
         self._watch.update(meta.delayed)
         if not meta.loads:
-            self._forward_t0 = time.perf_counter()  # the forward starts (cost samples)
             return
         assert self._shared is not None and self._worker is not None
         manager = self._shared.cache.manager
@@ -935,8 +937,8 @@ class TierCacheConnector(KVConnectorBase_V1):
                 self._abandon(late)
                 # Not abandoned: copies from memory, which end soon.
                 self._worker.wait([j for j in late if not self._flights[j].abandoned])
+            self._timer.start()  # the forward follows these loads (cost samples)
         self._drain()
-        self._forward_t0 = time.perf_counter()  # the forward starts (cost samples)
 
     def _abandon(self, job_ids: Iterable[int]) -> None:
         """Loads past their deadline: stop them writing engine blocks, report their blocks as
@@ -994,7 +996,7 @@ class TierCacheConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierCacheConnectorMetadata)
-        self._forward_done(meta.step_tokens)
+        self._timer.stop(meta.step_tokens)  # the forward is over (cost samples)
         for job in meta.stores:
             self._save(job)
 
@@ -1038,14 +1040,18 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._shared.cache.load_costs.observe_load(medium, nbytes, seconds)
         self._load_samples.append((medium, nbytes, seconds))
 
-    def _forward_done(self, tokens: int) -> None:
-        """The forward ended (`wait_for_save`): its cost per token, as for `_load_sample`."""
-        t0, self._forward_t0 = self._forward_t0, None
-        if t0 is None or tokens <= 0 or self._shared is None:
-            return
-        seconds = time.perf_counter() - t0
-        self._shared.cache.load_costs.observe_forward(tokens, seconds)
-        self._forward_samples.append((tokens, seconds))
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # vLLM binds right before the forward (and starts asynchronous loads after it, then
+        # calls wait_for_save): the forward's timing starts here (cost samples).
+        self._timer.start()
+
+    def _forward_samples_done(self) -> None:
+        """Forward timings that finished: into the cache's estimates and the metadata."""
+        assert self._shared is not None
+        for tokens, seconds in self._timer.take():
+            self._shared.cache.load_costs.observe_forward(tokens, seconds)
+            self._forward_samples.append((tokens, seconds))
 
     def _plan_done(self, req_id: str) -> None:
         self._plans_done[req_id] = self._plans_done.get(req_id, 0) + 1
