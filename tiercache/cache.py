@@ -37,6 +37,7 @@ import torch
 
 from tiercache.breaker import CircuitBreaker
 from tiercache.config import CacheConfig
+from tiercache.costs import LoadCosts
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.hashing import prefix_hashes
 from tiercache.manager import OffloadingManager
@@ -152,6 +153,8 @@ class TierCache:
         )
         self._lock = threading.RLock()
         self._closed = False
+        # Moving load and forward costs, fed by adapters (`tiercache.costs`), shown in stats.
+        self.load_costs = LoadCosts()
         self._through_wake = threading.Event()
         # Held for a whole batch of write-through copies, so `flush` waits for the copier's
         # batch in flight. Lock order: _through_io before _lock, never the other way round.
@@ -343,11 +346,18 @@ class TierCache:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per tier (by medium name): capacity_blocks, used_blocks, hits, misses, evictions,
-        errors, and more counters."""
+        errors, and more counters; once an engine loaded from it, load_latency_ms,
+        load_mb_per_s and load_jobs (`LoadCosts.tier_stats`)."""
+        costs = self.load_costs.tier_stats()
         with self._lock:
             out: dict[str, dict[str, Any]] = self._manager.stats()
             for t in self._tiers:
-                out[t.medium] = {"kind": t.kind, "block_bytes": t.block_bytes, **out[t.medium]}
+                out[t.medium] = {
+                    "kind": t.kind,
+                    "block_bytes": t.block_bytes,
+                    **out[t.medium],
+                    **costs.get(t.medium, {}),
+                }
             return out
 
     def snapshot(self) -> dict[str, Any]:
@@ -363,7 +373,11 @@ class TierCache:
                 if callable(extra):
                     stats[t.medium]["tier"] = extra()
         namespace, block_bytes = self._config.namespace, self._block_bytes
-        return {"namespace": namespace, "block_bytes": block_bytes, "tiers": stats}
+        out = {"namespace": namespace, "block_bytes": block_bytes, "tiers": stats}
+        engine = self.load_costs.engine_stats()
+        if engine:  # an engine ran forwards beside this cache: its recompute rate
+            out["engine"] = engine
+        return out
 
     def flush(self) -> None:
         """Run the write-through copies still queued (after the copier's batch in flight),

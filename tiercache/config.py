@@ -38,6 +38,7 @@ _TELEMETRY_KEYS = {"dir", "interval", "events", "max_event_bytes", "prometheus"}
 _TOP_KEYS = {
     "block_size",
     "deadlines",
+    "loading",
     "namespace",
     "promote",
     "telemetry",
@@ -45,6 +46,8 @@ _TOP_KEYS = {
     "write_through_queue",
 }
 _DEADLINE_KEYS = {"load_timeout", "backoff", "backoff_max"}
+_LOADING_KEYS = {"mode", "margin"}
+LOADING_MODES = ("auto", "always", "never")
 _TIER_COMMON_KEYS = {"kind", "name", "capacity", "blocks", "policy", "write_policy", "admit"}
 WRITE_POLICIES = ("write-back", "write-through")
 ADMISSIONS = ("always", "on-reuse")
@@ -157,6 +160,35 @@ class DeadlineConfig:
         """Validate a `[deadlines]` table; ConfigError naming the field."""
         m = _table(m, "deadlines", _DEADLINE_KEYS)
         return cls(**{k: m[k] for k in _DEADLINE_KEYS if k in m})
+
+
+@dataclass(frozen=True)
+class LoadingConfig:
+    """The `[loading]` table: whether an engine loads a hit or recomputes it (`costs`).
+
+    "auto" loads the leading part of a hit whose estimated load time, times `margin`, is
+    below the engine's estimated time to recompute it (measured as the engine runs; before
+    the first measurement everything is loaded); "always" (the default) loads every hit;
+    "never" none."""
+
+    mode: str = "always"
+    margin: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in LOADING_MODES:
+            raise ConfigError(
+                "loading.mode",
+                f"expected one of {', '.join(map(repr, LOADING_MODES))}, got {self.mode!r}",
+            )
+        m = self.margin
+        if isinstance(m, bool) or not isinstance(m, int | float) or not 0 < m <= 100:
+            raise ConfigError("loading.margin", f"expected a factor in (0, 100], got {m!r}")
+
+    @classmethod
+    def from_mapping(cls, m: object) -> LoadingConfig:
+        """Validate a `[loading]` table; ConfigError naming the field."""
+        m = _table(m, "loading", _LOADING_KEYS)
+        return cls(**{k: m[k] for k in _LOADING_KEYS if k in m})
 
 
 def split_addr(value: object, field: str) -> tuple[str, int]:
@@ -277,6 +309,7 @@ class CacheConfig:
     telemetry: TelemetryConfig | None = None  # off unless a [telemetry] table is given
     write_through_queue: int = 4096  # blocks waiting for write-through, per tier
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    loading: LoadingConfig = field(default_factory=LoadingConfig)
 
     @property
     def admit_on_reuse(self) -> list[bool]:
@@ -311,6 +344,7 @@ class CacheConfig:
             raise ConfigError("namespace", "must not be empty")
         _expect(self.promote, bool, "promote", "true or false")
         _expect(self.deadlines, DeadlineConfig, "deadlines", "a DeadlineConfig")
+        _expect(self.loading, LoadingConfig, "loading", "a LoadingConfig")
         _expect(self.write_through_queue, int, "write_through_queue", "an int (blocks)")
         if self.write_through_queue < 1:
             n = self.write_through_queue
@@ -344,6 +378,7 @@ class CacheConfig:
             tiers=tuple(TierConfig.from_mapping(t, i) for i, t in enumerate(tiers)),
             telemetry=(TelemetryConfig.from_mapping(m["telemetry"]) if "telemetry" in m else None),
             deadlines=DeadlineConfig.from_mapping(m.get("deadlines", {})),
+            loading=LoadingConfig.from_mapping(m.get("loading", {})),
         )
 
     @classmethod

@@ -161,6 +161,7 @@ class Telemetry:
         }
         if self._metrics is not None:
             self._metrics.observe_tiers(snapshot["tiers"])
+            self._metrics.observe_engine(snapshot.get("engine", {}))
         tmp = self._dir / (STATS_FILE + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:

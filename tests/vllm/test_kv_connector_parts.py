@@ -31,6 +31,7 @@ from tiercache.connectors.vllm_kv import (
     TierCacheHandshake,
     TierCacheWorkerMetadata,
 )
+from tiercache.costs import LoadGate
 
 
 def test_connector_implements_every_abstract_method_of_vllms_base() -> None:
@@ -177,6 +178,8 @@ def test_a_lookup_that_waits_for_a_store_counts_each_block_once() -> None:
         shared.state[_SETTLE] = settle
         c = object.__new__(TierCacheConnector)
         c._shared, c._stats = shared, {}
+        c._config, c._block_bytes, c._block_size = config, 64, 4
+        c._gate = LoadGate(config.loading, cache.load_costs)
         before = cache.stats()["cpu"]
         assert c._lookup_local(keys) == 4
         after = cache.stats()["cpu"]

@@ -62,6 +62,13 @@ its back-off ends: the worker's, and in the remote placement the scheduler's (th
 metadata carries the suspension; otherwise vLLM would reschedule the request, the index would
 offer the same blocks, and their load would fail at once, in a loop until the tier
 recovers). Copies from the CPU tier (memory) are never abandoned.
+
+Cost-aware loading (config ``[loading]``, `tiercache.costs`): the scheduler loads only the part
+of a hit that is cheaper to load than to recompute (`_affordable`; local placement: before it
+reads persistent blocks). The worker measures each load job and each forward (from
+`bind_connector_metadata`, or the end of synchronous loads, to `wait_for_save`, with the
+step's token count from the metadata; CUDA events on a GPU) into the cache's `load_costs`,
+and sends the samples back in its metadata for a remote scheduler.
 """
 
 from __future__ import annotations
@@ -101,6 +108,7 @@ from tiercache.connectors.common import (
     release_store,
     resolve_rank_config,
 )
+from tiercache.costs import ForwardTimer, LoadGate
 from tiercache.hashing import prefix_hashes
 from tiercache.records import LoadSpec
 from tiercache.tiers.base import StoreProbe
@@ -165,6 +173,7 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
     stores: list[StoreJob] = field(default_factory=list)
     delayed: list[str] = field(default_factory=list)
     preempted: bool = False
+    step_tokens: int = 0  # tokens this step computes: the worker times its forward
 
 
 @dataclass
@@ -178,10 +187,16 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
     events: list[_RankEvent] = field(default_factory=list)
     plans_done: dict[str, int] = field(default_factory=dict)
     suspended: dict[str, float] = field(default_factory=dict)
+    # Cost samples (`tiercache.costs`): (tier, bytes, seconds) per load job, (tokens,
+    # seconds) per forward.
+    load_samples: list[tuple[str, int, float]] = field(default_factory=list)
+    forward_samples: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierCacheWorkerMetadata)
         self.events.extend(other.events)
+        self.load_samples.extend(other.load_samples)
+        self.forward_samples.extend(other.forward_samples)
         for r, n in other.plans_done.items():
             self.plans_done[r] = self.plans_done.get(r, 0) + n
         for m, sec in other.suspended.items():
@@ -358,6 +373,15 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._journal: list[_Event] = []
         self._held: dict[bytes, set[str]] = {}  # until the first step: for the handshake
         self._suspensions: dict[str, float] = {}  # medium -> seconds, for the scheduler
+        # Cost-aware loading ([loading], `tiercache.costs`). Scheduler: the gate, over the
+        # shared cache's estimates (local) or its own, fed by the worker's samples (remote).
+        # Worker: samples for the cache's estimates and the scheduler.
+        self._gate = LoadGate(
+            self._config.loading, self._shared.cache.load_costs if self.local else None
+        )
+        self._load_samples: list[tuple[str, int, float]] = []
+        self._forward_samples: list[tuple[int, float]] = []
+        self._timer = ForwardTimer()  # CUDA events once register_kv_caches sees a GPU
         log.info(
             "TierCacheConnector (%s, %s, TP rank %d of %d): namespace %s, %d-byte blocks of "
             "%d tokens",
@@ -468,6 +492,8 @@ class TierCacheConnector(KVConnectorBase_V1):
             n = self._lookup_local(keys)
         if n is None:  # a block is moving between tiers, or a probe is slow: vLLM asks again
             return None, False
+        if self._shared is None:  # cost-aware loading (local placement: in _lookup_local)
+            n = self._affordable(keys, n)
         if n == 0:
             return 0, False
         st.hit = (start, n)
@@ -569,7 +595,43 @@ class TierCacheConnector(KVConnectorBase_V1):
                 # demoting; it has now finished: look again. Not counted: the first look
                 # counted each block once already (as the tiers held it when asked).
                 n = manager.lookup(keys, count=False)
-            return None if n is None else self._verify(keys[:n])
+            return None if n is None else self._verify(keys[: self._affordable(keys, n)])
+
+    def _affordable(self, keys: list[bytes], n: int) -> int:
+        """Cost-aware loading: how many of the `n` leading hit `keys` to load (the rest is
+        recomputed), by the tier each block would load from: the first tier holding it (with
+        TP, the slowest rank's); a block the index does not place (found by a probe of a
+        shared tier) counts as the last tier's."""
+        if n == 0:
+            return 0
+        names = [t.name for t in self._config.tiers]
+        if self._shared is not None:
+            manager = self._shared.cache.manager
+            tiers = [names[(manager.where(k) or [-1])[0]] for k in keys[:n]]
+        else:
+            last = len(names) - 1
+            order = {m: i for i, m in enumerate(names)}
+            tiers = []
+            for k in keys[:n]:
+                ranks = self._index.get(k, {})
+                fastest = [min(order.get(m, last) for m in ms) for ms in ranks.values() if ms]
+                tiers.append(names[max(fastest, default=last)])
+        d = self._gate.decide(tiers, block_bytes=self._block_bytes, block_tokens=self._block_size)
+        if d.load:
+            self._count("loading_blocks", d.load)
+        if d.declined:
+            self._count("loading_declined_blocks", d.declined)
+            log.debug(
+                "tiercache: loading %d of %d hit blocks (%.4f s) and recomputing the rest "
+                "(their load estimated slower than the %.4f s recompute it saves)",
+                d.load,
+                d.hit,
+                d.load_s,
+                d.recompute_s,
+            )
+        if d.cold:
+            self._count("loading_cold_blocks", d.load)
+        return d.load
 
     def _verify(self, keys: list[bytes]) -> int:
         """Leading `keys` whose bytes are known good: blocks held only in persistent tiers are
@@ -584,8 +646,12 @@ class TierCacheConnector(KVConnectorBase_V1):
         if first_disk == len(keys):
             return len(keys)
         errors_before = self._tier_errors()
+        tier = cache.tiers[cache.manager.where(keys[first_disk])[0]].medium
+        t0 = time.perf_counter()
         # The manager's lookup counted these blocks already: reading them is not a request.
         got = cache.get(keys[first_disk:], count=False).shape[0]
+        # Here, in the local placement, the read is the load (it promotes): its cost.
+        cache.load_costs.observe_load(tier, got * self._block_bytes, time.perf_counter() - t0)
         bad = self._tier_errors() - errors_before
         if bad:
             self._count("verify_errors", bad)
@@ -621,6 +687,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         meta = TierCacheConnectorMetadata(loads=self._loads, delayed=self._delayed)
         self._loads, self._delayed = [], []
         meta.preempted = bool(scheduler_output.preempted_req_ids)
+        meta.step_tokens = int(scheduler_output.total_num_scheduled_tokens)
         bs = self._block_size
         steps: list[tuple[str, list[int] | None, bool, int]] = [
             (r.req_id, r.block_ids[0], True, r.num_computed_tokens)
@@ -664,6 +731,9 @@ class TierCacheConnector(KVConnectorBase_V1):
         now = time.monotonic()
         for medium, seconds in meta.suspended.items():
             self._off[medium] = max(self._off.get(medium, 0.0), now + seconds)
+        if self._shared is None and (meta.load_samples or meta.forward_samples):
+            # Cost samples (remote placement; local shares the cache's estimates).
+            self._gate.costs.absorb(meta.load_samples, meta.forward_samples)
         for req_id, n in meta.plans_done.items():
             left = self._pending.get(req_id, 0) - n
             if left > 0:
@@ -757,6 +827,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                 f"kv_cache_config says {self._block_bytes}; layout not supported"
             )
         self._worker = build_worker(layout, self._shared.cache.tiers)
+        self._timer = ForwardTimer(cuda=any(t.is_cuda for t in kv_caches.values()))
         # At exit (or the last release) finish in-flight stores before the cache closes.
         self._shared.before_close.append(self._finish_transfers)
         self._shared.state[_SETTLE] = self._settle
@@ -790,13 +861,23 @@ class TierCacheConnector(KVConnectorBase_V1):
         if self._shared is None:
             return None
         self._collect_events()
-        if not self._journal and not self._plans_done and not self._suspensions:
+        self._forward_samples_done()
+        loads, forwards = self._load_samples, self._forward_samples
+        if (
+            not self._journal
+            and not self._plans_done
+            and not self._suspensions
+            and not loads
+            and not forwards
+        ):
             return None
         events = [(self._tp_rank, keys, medium, removed) for keys, medium, removed in self._journal]
         meta = TierCacheWorkerMetadata(
             events=events, plans_done=self._plans_done, suspended=self._suspensions
         )
+        meta.load_samples, meta.forward_samples = loads, forwards  # cost samples
         self._journal, self._plans_done, self._suspensions = [], {}, {}
+        self._load_samples, self._forward_samples = [], []
         # The held set is only needed for the handshake; later it would just grow.
         self._held = {}
         return meta
@@ -874,6 +955,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                 self._abandon(late)
                 # Not abandoned: copies from memory, which end soon.
                 self._worker.wait([j for j in late if not self._flights[j].abandoned])
+            self._timer.start()  # the forward follows these loads (cost samples)
         self._drain()
 
     def _abandon(self, job_ids: Iterable[int]) -> None:
@@ -932,6 +1014,7 @@ class TierCacheConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierCacheConnectorMetadata)
+        self._timer.stop(meta.step_tokens)  # the forward is over (cost samples)
         for job in meta.stores:
             self._save(job)
 
@@ -968,6 +1051,26 @@ class TierCacheConnector(KVConnectorBase_V1):
             kind = "move" if isinstance(src, TierLoadStoreSpec) else "store"
             self._submit(_Flight(kind, dst.keys, dst.tier, plan=plan_id), (src, dst))
 
+    def _load_sample(self, tier: int, nbytes: int, seconds: float) -> None:
+        """A load job finished whole: its cost, for the cache's estimates and the scheduler."""
+        assert self._shared is not None
+        medium = self._shared.cache.tiers[tier].medium
+        self._shared.cache.load_costs.observe_load(medium, nbytes, seconds)
+        self._load_samples.append((medium, nbytes, seconds))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # vLLM binds right before the forward (and starts asynchronous loads after it, then
+        # calls wait_for_save): the forward's timing starts here (cost samples).
+        self._timer.start()
+
+    def _forward_samples_done(self) -> None:
+        """Forward timings that finished: into the cache's estimates and the metadata."""
+        assert self._shared is not None
+        for tokens, seconds in self._timer.take():
+            self._shared.cache.load_costs.observe_forward(tokens, seconds)
+            self._forward_samples.append((tokens, seconds))
+
     def _plan_done(self, req_id: str) -> None:
         self._plans_done[req_id] = self._plans_done.get(req_id, 0) + 1
 
@@ -997,6 +1100,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                         self._count("load_error_blocks", len(bad))
                     else:
                         manager.record_ok(f.tier)
+                        self._load_sample(f.tier, r.transfer_size, r.transfer_time)
                     self._count("loaded_blocks", len(f.keys) - len(bad))
                     if f.req_id:
                         self._received(f.req_id)

@@ -698,6 +698,10 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         if part.is_load and r.success and not was_late:
             with self._store.lock:
                 self._store.cache.manager.record_ok(part.tier)
+            # The tier's moving load cost, for stats and metrics (`tiercache.costs`).
+            cache = self._store.cache
+            medium = cache.tiers[part.tier].medium
+            cache.load_costs.observe_load(medium, r.transfer_size, r.transfer_time)
         vjob = self._vjobs[part.vjob]
         vjob.parts.discard(r.job_id)
         vjob.size += r.transfer_size

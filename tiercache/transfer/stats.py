@@ -85,6 +85,15 @@ TIER_COUNTERS = (
     "suspensions",
 )
 TIER_GAUGES = ("used_blocks", "capacity_blocks", "through_queued")
+# Moving load costs per tier (`tiercache.costs`), and the engine's forward.
+TIER_COST_GAUGES = {
+    "load_latency_ms": "Fixed part of a load job from the tier, ms (moving fit)",
+    "load_mb_per_s": "Load rate from the tier beyond the fixed part, MB/s (moving fit)",
+}
+ENGINE_GAUGES = {
+    "prefill_tokens_per_s": "Engine forward: marginal tokens per second (moving fit)",
+    "step_overhead_ms": "Engine forward: fixed part of a step, ms (moving fit)",
+}
 
 
 class PrometheusMetrics:
@@ -118,6 +127,16 @@ class PrometheusMetrics:
         self.tier_gauges = {
             g: Gauge(f"{ns}_tier_{g}", f"Blocks: {g.replace('_', ' ')}", tier_names, registry=reg)
             for g in TIER_GAUGES
+        }
+        self.tier_gauges.update(
+            {
+                g: Gauge(f"{ns}_tier_{g}", doc, tier_names, registry=reg)
+                for g, doc in TIER_COST_GAUGES.items()
+            }
+        )
+        self.engine_gauges = {
+            g: Gauge(f"{ns}_engine_{g}", doc, list(self._labels), registry=reg)
+            for g, doc in ENGINE_GAUGES.items()
         }
         self.tier_counters = {
             c: Counter(f"{ns}_tier_{c}", f"Block {c} per tier", tier_names, registry=reg)
@@ -162,6 +181,13 @@ class PrometheusMetrics:
                     child = counter.labels(*values)  # the series exists from the start
                     if delta:
                         child.inc(delta)
+
+    def observe_engine(self, engine: Mapping[str, Any]) -> None:
+        """Set the engine gauges from `LoadCosts.engine_stats()` (missing keys: left as is)."""
+        base = list(self._labels.values())
+        for g, gauge in self.engine_gauges.items():
+            if g in engine:
+                (gauge.labels(*base) if base else gauge).set(engine[g])
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""
