@@ -73,6 +73,8 @@ def corrupt_records(path: Path, *, payload: bool, round: int = 0) -> int:
     an LMDB value (LMDB's own pages stay intact) and is covered by the checksum. Each `round`
     flips a different byte, so a second round never undoes the first.
     """
+    if (path / "data.mdb").exists() and not payload:
+        return _corrupt_lmdb_headers(path, round)
     flipped = 0
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
         data = bytearray(f.read_bytes())
@@ -85,6 +87,28 @@ def corrupt_records(path: Path, *, payload: bool, round: int = 0) -> int:
                 flipped += 1
             at = data.find(MAGIC, at + 64)
         f.write_bytes(bytes(data))
+    return flipped
+
+
+def _corrupt_lmdb_headers(path: Path, round: int) -> int:
+    """Flip byte 41 + `round` (the write-sequence field, under the checksum) of every block
+    header in an LMDB store, written back through LMDB: the values are damaged, LMDB's own
+    pages stay intact (flipping bytes found in data.mdb could hit a page reused as a branch,
+    whose unused space still holds old headers)."""
+    from tiercache.tiers.lmdb import open_store
+
+    flipped = 0
+    with open_store(path, write=True) as h, h.env.begin(write=True) as txn:
+        cur = txn.cursor(db=h.heads)
+        changed = []
+        for k, v in cur:
+            if v[:4] == MAGIC and len(v) >= 64:
+                b = bytearray(v)
+                b[41 + round] ^= 0xFF
+                changed.append((bytes(k), bytes(b)))
+        for k, v in changed:
+            txn.put(k, v, db=h.heads)
+            flipped += 1
     return flipped
 
 

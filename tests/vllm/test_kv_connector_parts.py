@@ -62,7 +62,7 @@ def _scheduler(tp_size: int) -> TierCacheConnector:
     c._shared = None
     c._index, c._events, c._pending, c._off = {}, [], {}, {}
     c._probes, c._probe_pool, c._probing, c._stats = [], None, {}, {}
-    c._shared_mediums = frozenset()
+    c._shared_mediums, c._bad_keys = frozenset(), {}
     return c
 
 
@@ -257,6 +257,15 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
         )
         assert set(c._index[chain[0]][0]) == {"lmdb"}
         assert _ask(c, chain) == 0  # a plain miss, not a load that fails
+        # A worker found chain[2] damaged (its header well-formed, its checksum not): the
+        # probes stop before it, or vLLM would be offered it, fail and ask again, for ever.
+        c._index.pop(chain[0])
+        c.update_connector_output(
+            _out(TierCacheWorkerMetadata(events=[(r, (chain[0],), "cpu", False) for r in (0, 1)]))
+        )
+        assert _ask(c, chain) == 4
+        c.update_connector_output(_out(TierCacheWorkerMetadata(bad=[chain[2]])))
+        assert _ask(c, chain) == 2
     finally:
         if c._probe_pool is not None:
             c._probe_pool.shutdown()

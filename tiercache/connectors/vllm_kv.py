@@ -133,6 +133,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+BAD_KEYS_MAX = 1 << 16  # damaged keys the scheduler remembers (see _probe_ranks)
 PROBE_WAIT_S = 0.02  # how long a lookup waits for the shared tiers' probes (see _lookup_remote)
 _SETTLE = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
 
@@ -191,12 +192,16 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
     # seconds) per forward.
     load_samples: list[tuple[str, int, float]] = field(default_factory=list)
     forward_samples: list[tuple[int, float]] = field(default_factory=list)
+    # Keys whose bytes failed verification at a load: a shared store may still hold them
+    # (damaged), so the scheduler's probes must not offer them again.
+    bad: list[bytes] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierCacheWorkerMetadata)
         self.events.extend(other.events)
         self.load_samples.extend(other.load_samples)
         self.forward_samples.extend(other.forward_samples)
+        self.bad.extend(other.bad)
         for r, n in other.plans_done.items():
             self.plans_done[r] = self.plans_done.get(r, 0) + n
         for m, sec in other.suspended.items():
@@ -380,6 +385,9 @@ class TierCacheConnector(KVConnectorBase_V1):
             self._config.loading, self._shared.cache.load_costs if self.local else None
         )
         self._load_samples: list[tuple[str, int, float]] = []
+        self._bad_report: list[bytes] = []  # keys that failed verification, for the scheduler
+        # scheduler: keys a worker found damaged (bounded, oldest first out)
+        self._bad_keys: dict[bytes, None] = {}
         self._forward_samples: list[tuple[int, float]] = []
         self._timer = ForwardTimer()  # CUDA events once register_kv_caches sees a GPU
         log.info(
@@ -551,14 +559,17 @@ class TierCacheConnector(KVConnectorBase_V1):
         """On the probe thread: per rank, where its run of keys from `n` ends, walking keys a
         private tier holds (`private`, from the index) and runs its shared tiers hold (one
         tier's run after another, as the worker's lookups adopt them)."""
+        bad = self._bad_keys
         ends = []
         for probes, mine in zip(self._probes, private, strict=True):
             j = n
             while j < len(keys):
                 if mine[j - n]:
                     j += 1
-                elif got := probe_chain(probes, keys[j:], off):
-                    j += got
+                elif keys[j] not in bad and (got := probe_chain(probes, keys[j:], off)):
+                    # Never past a key a worker found damaged: the store may still hold it,
+                    # its header well-formed, and offering it again would fail again.
+                    j += next((i for i in range(got) if keys[j + i] in bad), got)
                 else:
                     break
             ends.append(j)
@@ -731,6 +742,10 @@ class TierCacheConnector(KVConnectorBase_V1):
         now = time.monotonic()
         for medium, seconds in meta.suspended.items():
             self._off[medium] = max(self._off.get(medium, 0.0), now + seconds)
+        for k in meta.bad:
+            self._bad_keys[k] = None
+            if len(self._bad_keys) > BAD_KEYS_MAX:
+                del self._bad_keys[next(iter(self._bad_keys))]
         if self._shared is None and (meta.load_samples or meta.forward_samples):
             # Cost samples (remote placement; local shares the cache's estimates).
             self._gate.costs.absorb(meta.load_samples, meta.forward_samples)
@@ -869,6 +884,7 @@ class TierCacheConnector(KVConnectorBase_V1):
             and not self._suspensions
             and not loads
             and not forwards
+            and not self._bad_report
         ):
             return None
         events = [(self._tp_rank, keys, medium, removed) for keys, medium, removed in self._journal]
@@ -876,6 +892,7 @@ class TierCacheConnector(KVConnectorBase_V1):
             events=events, plans_done=self._plans_done, suspended=self._suspensions
         )
         meta.load_samples, meta.forward_samples = loads, forwards  # cost samples
+        meta.bad, self._bad_report = self._bad_report, []
         self._journal, self._plans_done, self._suspensions = [], {}, {}
         self._load_samples, self._forward_samples = [], []
         # The held set is only needed for the handshake; later it would just grow.
@@ -1096,6 +1113,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                         # Corrupt or unreadable: out of the index, counted, recomputed by vLLM.
                         manager.record_error(f.tier, len(bad))
                         self._bad.update((k, f.tier) for k in bad)
+                        self._bad_report.extend(bad)
                         self._load_errors.update(f.block_ids[i] for i in sorted(failed))
                         self._count("load_error_blocks", len(bad))
                     else:
