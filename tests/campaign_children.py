@@ -237,12 +237,12 @@ def lmdb_cache_writer(
     )
 
 
-def lmdb_churn(path: str, bb: int, cap: int, namespace: str, ids: list[int]) -> dict:
-    """Open a TierCache on a store another process already wrote, then store `ids`."""
+def churn(tier: dict, bb: int, namespace: str, ids: list[int]) -> dict:
+    """Open a TierCache of one tier (`tier`: its config table) on a store another process
+    already wrote, then store `ids` four at a time; the tier's error count."""
     from tiercache import TierCache
 
-    config = {"namespace": namespace, "tiers": [{"kind": "lmdb", "blocks": cap, "path": path}]}
-    cache = TierCache.open(config, block_bytes=bb)
+    cache = TierCache.open({"namespace": namespace, "tiers": [tier]}, block_bytes=bb)
     try:
         for a in range(0, len(ids), 4):
             chunk = ids[a : a + 4]

@@ -5,7 +5,8 @@
   named by `TIERCACHE_CAMPAIGN_REPORT` (how the long runs' figures reach the README's
   Guarantees section).
 - `key(i)`, `payload(i, bb)`, `blocks(ids, bb)`: deterministic block contents, so any block a
-  store serves can be checked byte for byte against what was written for its key.
+  store serves can be checked byte for byte against what was written for its key;
+  `served(cache, ids)`: (exact, missed, wrong) over gets of `ids` through a TierCache.
 - `run_child(fn, *args)`: run `fn` in a fresh process forked from a zygote process that has
   torch and the tiers imported (a new interpreter costs ~1.4 s here, a fork a few ms), and
   return its result. Requests and results are JSON (nothing is unpickled). A child that dies
@@ -88,6 +89,20 @@ def blocks(ids: Iterable[int], bb: int) -> torch.Tensor:
     if not rows:
         return torch.empty((0, bb), dtype=torch.uint8)
     return torch.from_numpy(np.stack(rows))
+
+
+def served(cache: Any, ids: Iterable[int]) -> tuple[int, int, int]:
+    """(exact, missed, wrong) over single-block gets of `ids` through a TierCache."""
+    exact = missed = wrong = 0
+    for i in ids:
+        got = cache.get([key(i)])
+        if len(got) == 0:
+            missed += 1
+        elif np.array_equal(got[0].numpy(), payload(i, cache.block_bytes)):
+            exact += 1
+        else:
+            wrong += 1
+    return exact, missed, wrong
 
 
 # -- tiers -----------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ import torch
 import zstandard
 
 from tiercache.errors import BlockCorruptError, ConfigError
-from tiercache.tiers.base import KEY_BYTES, Tier, check_blocks
+from tiercache.tiers.base import KEY_BYTES, check_blocks
 from tiercache.tiers.format import (
     CODEC_RAW,
     HEADER_SIZE,
@@ -117,7 +117,6 @@ MAX_READERS = 512  # reader-table slots: one per open read txn, across all proce
 MIN_TXN_OPS = 64
 MAX_TXN_OPS = 256
 _RETRIES = 8
-_GONE_MAX = 1 << 16
 _PARALLEL_MIN_BYTES = 64 * 1024  # blocks at least this big are decoded on the thread pool
 
 
@@ -591,8 +590,6 @@ class LMDBTier(KeyedTier):
         self._sync = sync
         self._ns = namespace_id(namespace)
         self._nsb = self._ns.to_bytes(NS_BYTES, "big")  # prefix of every store key of ours
-        self._gone: set[bytes] = set()  # keys a read found absent (see take_gone)
-        self._own: set[int] = set()  # slots of blocks this tier stored (free deletes them)
         self._txn_ops = txn_ops_for(capacity_blocks)
         self.open_report: dict[str, int] = {}  # what _scan found: dropped, recovered blocks
         self._counts = dict.fromkeys(
@@ -728,11 +725,6 @@ class LMDBTier(KeyedTier):
         finally:
             txn.abort()
         return n
-
-    def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
-        """Slots for blocks another process stored: not recorded as ours, so evicting them
-        later only forgets them; the process that wrote them decides when they are deleted."""
-        return Tier.allocate(self, keys)
 
     def _unpend(self, keys: Iterable[bytes]) -> None:
         """Keys stored again are live: no pending delete may remove them any more."""
@@ -966,19 +958,8 @@ class LMDBTier(KeyedTier):
             self._counts["blocks_read"] += n - len(failed)
             self._counts["read_failures"] += len(failed) - len(gone)
             self._counts["blocks_gone"] += len(gone)
-            if gone:
-                if len(self._gone) > _GONE_MAX:  # nobody asks: keep the set bounded
-                    self._gone.clear()
-                self._gone.update(gone)
+        self._note_gone(gone)
         return failed
-
-    def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
-        """Of `keys` whose read failed, those that were plain misses: the store no longer
-        held them (its shared capacity evicted them, in this process or another)."""
-        with self._counts_lock:
-            found = self._gone.intersection(keys)
-            self._gone.difference_update(found)
-        return found
 
     def _header(self, key: bytes, head: memoryview, payload_len: int) -> BlockHeader:
         h = decode_header(head)
