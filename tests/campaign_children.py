@@ -251,3 +251,14 @@ def churn(tier: dict, bb: int, namespace: str, ids: list[int]) -> dict:
     finally:
         cache.close()
     return {"errors": stats["errors"]}
+
+
+def lmdb_die_in_read_txn(path: str, bb: int, cap: int) -> None:
+    """Open a shared LMDB store, begin a read transaction and die in it (SIGKILL): the
+    reader table keeps this dead process's slot, pinning that snapshot's pages."""
+    import signal
+
+    t = open_tier("lmdb", path, bb, cap, namespace="fleet")
+    txn = t._shared.env.begin()
+    txn.get(b"x")
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -12,8 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.campaign_children import churn, lmdb_cache_writer
+import pytest
+
+from tests.campaign_children import churn, lmdb_cache_writer, lmdb_die_in_read_txn
 from tests.campaign_support import (
+    ChildDied,
     blocks,
     cli_verify,
     key,
@@ -102,5 +105,28 @@ def test_a_tenant_that_opens_later_and_churns_never_evicts_another(tmp_path: Pat
         start_child(churn, tier, BB, "tenant-b", list(range(200, 300))).result(120)
         assert served(a, mine) == (8, 0, 0)
         assert a.stats()["lmdb"]["errors"] == 0
+    finally:
+        a.close()
+
+
+def test_a_reader_killed_in_its_transaction_does_not_fill_the_map(tmp_path: Path) -> None:
+    # A process SIGKILLed inside a read transaction leaves its reader slot behind, and LMDB
+    # never reuses pages freed after that snapshot: the map filled, and every later store of
+    # every process failed (found by test_campaign_fleet: 596 failed stores in one run). The
+    # tier now clears dead readers (reader_check) when it opens the environment and when a
+    # write finds the map full.
+    path = tmp_path / "s"
+    tier = {"kind": "lmdb", "blocks": 32, "path": str(path)}
+    assert start_child(churn, tier, BB, "fleet", list(range(8))).result(120) == {"errors": 0}
+    a = open_cache(path, "fleet")  # open before the reader dies: no open clears it for us
+    try:
+        with pytest.raises(ChildDied):
+            start_child(lmdb_die_in_read_txn, str(path), BB, 32).result(120)
+        ids = list(range(100, 100 + 40 * 32))  # 40 times the capacity
+        for at in range(0, len(ids), 4):
+            chunk = ids[at : at + 4]
+            a.put([key(i) for i in chunk], blocks(chunk, BB))
+        assert a.stats()["lmdb"]["errors"] == 0
+        assert served(a, ids[-8:]) == (8, 0, 0)
     finally:
         a.close()

@@ -373,6 +373,7 @@ def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> _SharedE
         raise ConfigError("path", f"{path}: cannot open as an LMDB environment: {exc}") from None
     try:
         _reserve(path, map_size)
+        env.reader_check()  # slots of processes that died in a read txn (see LMDBTier._txn)
         dbs = _init_store(env, path, block_bytes)
     except lmdb.Error as exc:
         env.close()
@@ -601,6 +602,7 @@ class LMDBTier(KeyedTier):
                 "read_failures",
                 "blocks_gone",
                 "store_evictions",
+                "dead_readers_cleared",
             ),
             0,
         )
@@ -797,7 +799,7 @@ class LMDBTier(KeyedTier):
                 chunk = ops[start : start + self._txn_ops]
                 done = [k for k, i in chunk if i < 0]
                 try:
-                    stored += self._txn(chunk, encoded)
+                    stored += self._txn_clearing(chunk, encoded)
                 except lmdb.Error as exc:
                     if not done or isinstance(exc, lmdb.MapFullError):
                         raise self._os_error("write", exc) from None  # deletes stay pending
@@ -854,6 +856,24 @@ class LMDBTier(KeyedTier):
             with self._counts_lock:
                 self._counts["store_evictions"] += store.evicted
         return stored
+
+    def _txn_clearing(
+        self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]
+    ) -> int:
+        """`_txn`; when the map is full and dead processes' reader slots are found, once more.
+        A process SIGKILLed inside a read txn leaves its slot in the reader table, and LMDB
+        reuses no page freed after that snapshot: without this every later write of every
+        process failed with a full map (tests/test_campaign_fleet.py found it)."""
+        try:
+            return self._txn(chunk, encoded)
+        except lmdb.MapFullError:
+            cleared = self._shared.env.reader_check()
+            if not cleared:
+                raise
+            log.warning("%s: cleared %d readers of dead processes", self._path, cleared)
+            with self._counts_lock:
+                self._counts["dead_readers_cleared"] += cleared
+            return self._txn(chunk, encoded)
 
     def _delete_each(self, keys: Sequence[bytes]) -> None:
         """Delete keys one txn each; a key LMDB cannot delete stays (a leak of its pages, its
