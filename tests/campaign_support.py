@@ -6,7 +6,8 @@
   Guarantees section).
 - `key(i)`, `payload(i, bb)`, `blocks(ids, bb)`: deterministic block contents, so any block a
   store serves can be checked byte for byte against what was written for its key;
-  `served(cache, ids)`: (exact, missed, wrong) over gets of `ids` through a TierCache.
+  `gets(cache, ids)` / `served(cache, ids)`: the ids (counts) read exact, missed and wrong
+  through a TierCache; `lmdb_entries(store)`: each block's header and payload bytes.
 - `run_child(fn, *args)`: run `fn` in a fresh process forked from a zygote process that has
   torch and the tiers imported (a new interpreter costs ~1.4 s here, a fork a few ms), and
   return its result. Requests and results are JSON (nothing is unpickled). A child that dies
@@ -91,18 +92,46 @@ def blocks(ids: Iterable[int], bb: int) -> torch.Tensor:
     return torch.from_numpy(np.stack(rows))
 
 
-def served(cache: Any, ids: Iterable[int]) -> tuple[int, int, int]:
-    """(exact, missed, wrong) over single-block gets of `ids` through a TierCache."""
-    exact = missed = wrong = 0
+def gets(cache: Any, ids: Iterable[int]) -> tuple[list[int], list[int], list[int]]:
+    """Get each of `ids` alone through a TierCache: (ids read exact, missed, served wrong)."""
+    hit: list[int] = []
+    miss: list[int] = []
+    wrong: list[int] = []
     for i in ids:
         got = cache.get([key(i)])
         if len(got) == 0:
-            missed += 1
+            miss.append(i)
         elif np.array_equal(got[0].numpy(), payload(i, cache.block_bytes)):
-            exact += 1
+            hit.append(i)
         else:
-            wrong += 1
-    return exact, missed, wrong
+            wrong.append(i)
+    return hit, miss, wrong
+
+
+def served(cache: Any, ids: Iterable[int]) -> tuple[int, int, int]:
+    """(exact, missed, wrong) over single-block gets of `ids` through a TierCache."""
+    hit, miss, wrong = gets(cache, ids)
+    return len(hit), len(miss), len(wrong)
+
+
+def lmdb_entries(store: str | Path) -> dict[int, tuple[bytes, bytes]]:
+    """Block id -> (its "heads" value, its stored payload) in an LMDB store, read without
+    a lock (the campaigns then locate these bytes in data.mdb)."""
+    import lmdb
+
+    from tiercache.tiers import lmdb as lmdb_tier
+
+    env = lmdb.open(str(store), readonly=True, lock=False, max_dbs=4, subdir=True)
+    try:
+        heads = env.open_db(lmdb_tier.HEADS_DB, create=False)
+        blocks_db = env.open_db(lmdb_tier.BLOCKS_DB, create=False)
+        with env.begin() as txn:
+            return {
+                key_id(bytes(k[-16:])): (bytes(h), bytes(txn.get(k, db=blocks_db)))
+                for k, h in txn.cursor(db=heads)
+            }
+    finally:
+        env.close()
 
 
 # -- tiers -----------------------------------------------------------------------------------

@@ -117,6 +117,7 @@ MAX_READERS = 512  # reader-table slots: one per open read txn, across all proce
 MIN_TXN_OPS = 64
 MAX_TXN_OPS = 256
 _RETRIES = 8
+MAP_FULL_TRIES = 9  # a write that finds the map full waits 1+2+...+128 ms for readers to end
 _PARALLEL_MIN_BYTES = 64 * 1024  # blocks at least this big are decoded on the thread pool
 
 
@@ -603,6 +604,7 @@ class LMDBTier(KeyedTier):
                 "blocks_gone",
                 "store_evictions",
                 "dead_readers_cleared",
+                "map_full_retries",
             ),
             0,
         )
@@ -860,20 +862,27 @@ class LMDBTier(KeyedTier):
     def _txn_clearing(
         self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]
     ) -> int:
-        """`_txn`; when the map is full and dead processes' reader slots are found, once more.
-        A process SIGKILLed inside a read txn leaves its slot in the reader table, and LMDB
-        reuses no page freed after that snapshot: without this every later write of every
-        process failed with a full map (tests/test_campaign_fleet.py found it)."""
-        try:
-            return self._txn(chunk, encoded)
-        except lmdb.MapFullError:
-            cleared = self._shared.env.reader_check()
-            if not cleared:
-                raise
-            log.warning("%s: cleared %d readers of dead processes", self._path, cleared)
-            with self._counts_lock:
-                self._counts["dead_readers_cleared"] += cleared
-            return self._txn(chunk, encoded)
+        """`_txn`, again while the map is full for a moment. A reader pins the pages freed
+        after its snapshot: a process SIGKILLed inside a read txn leaves its slot in the
+        reader table and pins them for good (every later write of every process failed with
+        a full map; tests/test_campaign_fleet.py found it), so dead readers are cleared; a
+        live reader of another process, descheduled mid-txn while others write, pins them
+        until it ends, so the write waits for it (at most ~255 ms) before it fails."""
+        for attempt in range(MAP_FULL_TRIES):
+            try:
+                return self._txn(chunk, encoded)
+            except lmdb.MapFullError:
+                if attempt == MAP_FULL_TRIES - 1:
+                    raise
+                cleared = self._shared.env.reader_check()
+                if cleared:
+                    log.warning("%s: cleared %d readers of dead processes", self._path, cleared)
+                with self._counts_lock:
+                    self._counts["dead_readers_cleared"] += cleared
+                    self._counts["map_full_retries"] += 1
+                if not cleared:
+                    time.sleep(0.001 * 2**attempt)
+        raise AssertionError("unreachable")
 
     def _delete_each(self, keys: Sequence[bytes]) -> None:
         """Delete keys one txn each; a key LMDB cannot delete stays (a leak of its pages, its
