@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import random
 import time
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.campaign_support import blocks, key, key_id, open_tier, payload, read_all
+from tests.campaign_support import blocks, gets, key, key_id, open_tier, payload, read_all
 
 
 # -- crash -----------------------------------------------------------------------------------
@@ -80,17 +81,7 @@ def probe_cache(config: dict, bb: int, ids: list[int], extra_ids: list[int]) -> 
     try:
         tier = cache.tiers[-1]
         report = dict(getattr(tier, "open_report", {}))
-        hit: list[int] = []
-        miss: list[int] = []
-        wrong: list[int] = []
-        for i in ids:
-            got = cache.get([key(i)])
-            if len(got) == 0:
-                miss.append(i)
-            elif np.array_equal(got[0].numpy(), payload(i, bb)):
-                hit.append(i)
-            else:
-                wrong.append(i)
+        hit, miss, wrong = gets(cache, ids)
         errors = cache.stats()[tier.medium]["errors"]
         # Still serving: new blocks go in and come back exact.
         ks = [key(i) for i in extra_ids]
@@ -190,13 +181,34 @@ def store_files(path: str) -> list[str]:
 
 # -- several processes sharing one LMDB store through the facade ------------------------------
 def lmdb_cache_writer(
-    path: str, bb: int, cap: int, proc: int, nprocs: int, per: int, seconds: float, seed: int
+    path: str,
+    bb: int,
+    cap: int,
+    proc: int,
+    nprocs: int,
+    per: int,
+    seconds: float,
+    seed: int,
+    stop_file: str = "",
+    log_path: str = "",
 ) -> dict:
     """Put chains of this process's ids into a shared LMDB store through a TierCache, and get
-    ids another process stores; every block served must be exact. Returns counters and the
-    largest block count the store reported for the namespace while running."""
+    ids another process stores; every block served must be exact. Runs for `seconds`, or
+    until `stop_file` exists. Returns counters and the largest block count the store reported
+    for the namespace while running.
+
+    With `log_path` (for the crash campaign, which SIGKILLs writers): "W" before each put,
+    "A" once it returned with every block held ("F" when some failed), "X id" for a block
+    served with wrong bytes, "C n" for a namespace count over `cap` (one os.write per line:
+    a SIGKILL never loses a line already written)."""
     from tiercache import TierCache
     from tiercache.tiers.lmdb import COUNT_PREFIX, _u64
+
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if log_path else -1
+
+    def log(line: str) -> None:
+        if fd >= 0:
+            os.write(fd, f"{line}\n".encode())
 
     rnd = random.Random(seed)
     config = {"namespace": "fleet", "tiers": [{"kind": "lmdb", "blocks": cap, "path": path}]}
@@ -205,9 +217,11 @@ def lmdb_cache_writer(
     puts = own_hits = other_hits = misses = wrong = peak = 0
     deadline = time.monotonic() + seconds
     try:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop_file and os.path.exists(stop_file)):
             mine = [proc * per + i for i in rnd.sample(range(per), 4)]
-            cache.put([key(i) for i in mine], blocks(mine, bb))
+            log("W")
+            held = cache.put([key(i) for i in mine], blocks(mine, bb))
+            log("A" if held == len(mine) else "F")
             puts += 1
             other = rnd.choice([p for p in range(nprocs) if p != proc])
             for i in (proc * per + rnd.randrange(per), other * per + rnd.randrange(per)):
@@ -216,16 +230,22 @@ def lmdb_cache_writer(
                     misses += 1
                 elif not np.array_equal(got[0].numpy(), payload(i, bb)):
                     wrong += 1
+                    log(f"X {i}")
                 elif i // per == proc:
                     own_hits += 1
                 else:
                     other_hits += 1
             with tier._shared.env.begin() as txn:
-                count = txn.get(COUNT_PREFIX + tier._nsb, db=tier._shared.meta)
-                peak = max(peak, _u64(count))
+                count = _u64(txn.get(COUNT_PREFIX + tier._nsb, db=tier._shared.meta))
+            if count > cap:
+                log(f"C {count}")
+            peak = max(peak, count)
         errors = cache.stats()[tier.medium]["errors"]
+        tstats = tier.stats()
     finally:
         cache.close()
+        if fd >= 0:
+            os.close(fd)
     return dict(
         puts=puts,
         own_hits=own_hits,
@@ -234,15 +254,52 @@ def lmdb_cache_writer(
         wrong=wrong,
         errors=errors,
         peak=peak,
+        read_failures=tstats["read_failures"],
+        blocks_gone=tstats["blocks_gone"],
     )
 
 
-def lmdb_churn(path: str, bb: int, cap: int, namespace: str, ids: list[int]) -> dict:
-    """Open a TierCache on a store another process already wrote, then store `ids`."""
+def lmdb_snapshot_check(path: str, bb: int, cap: int) -> dict:
+    """A fresh opener of a store other processes are writing: in one read txn, the namespace's
+    block count the store keeps, the entries it really holds and how many there are over the
+    capacity; then every block a tier recovers is read, verified: exact, a plain miss (another
+    process evicted it meanwhile), a counted failure or wrong bytes."""
+    from tiercache.tiers.lmdb import COUNT_PREFIX, _u64, _under
+
+    t = open_tier("lmdb", path, bb, cap, namespace="fleet")
+    try:
+        sh = t._shared
+        with sh.env.begin() as txn:
+            count = _u64(txn.get(COUNT_PREFIX + t._nsb, db=sh.meta))
+            heads = sum(1 for _ in _under(txn.cursor(db=sh.heads), t._nsb, values=False))
+            order = sum(1 for _ in _under(txn.cursor(db=sh.order), t._nsb, values=False))
+        rec = t.recover()
+        out = torch.empty((1, bb), dtype=torch.uint8)
+        exact = gone = failed = wrong = 0
+        for k, s in rec:
+            if t.read([s], out, [k]):
+                if t.take_gone([k]):
+                    gone += 1
+                else:
+                    failed += 1
+            elif np.array_equal(out[0].numpy(), payload(key_id(k), bb)):
+                exact += 1
+            else:
+                wrong += 1
+    finally:
+        t.close()
+    return dict(
+        count=count, heads=heads, order=order, exact=exact, gone=gone, failed=failed,
+        wrong=wrong,
+    )  # fmt: skip
+
+
+def churn(tier: dict, bb: int, namespace: str, ids: list[int]) -> dict:
+    """Open a TierCache of one tier (`tier`: its config table) on a store another process
+    already wrote, then store `ids` four at a time; the tier's error count."""
     from tiercache import TierCache
 
-    config = {"namespace": namespace, "tiers": [{"kind": "lmdb", "blocks": cap, "path": path}]}
-    cache = TierCache.open(config, block_bytes=bb)
+    cache = TierCache.open({"namespace": namespace, "tiers": [tier]}, block_bytes=bb)
     try:
         for a in range(0, len(ids), 4):
             chunk = ids[a : a + 4]
@@ -251,3 +308,46 @@ def lmdb_churn(path: str, bb: int, cap: int, namespace: str, ids: list[int]) -> 
     finally:
         cache.close()
     return {"errors": stats["errors"]}
+
+
+def _wait_for(path: str, bound: float = 300.0) -> None:
+    deadline = time.monotonic() + bound
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.002)
+
+
+def lmdb_holder(path: str, bb: int, cap: int, w: int, ids: list[int], ctl: str) -> dict:
+    """One of several processes holding a shared LMDB store open while the campaign damages
+    it: store `ids` (this process's blocks), touch `ctl/stored-w`; once `ctl/read` exists,
+    get every id 0..`max` alone (others' blocks are discovered on the lookup miss), touch
+    `ctl/read-w`; once `ctl/store` exists, store and read back four new blocks (the store
+    keeps serving; this write transaction also deletes the bad blocks this process found)."""
+    from tiercache import TierCache
+
+    config = {"namespace": "fleet", "tiers": [{"kind": "lmdb", "blocks": cap, "path": path}]}
+    with TierCache.open(config, block_bytes=bb) as cache:
+        cache.put([key(i) for i in ids], blocks(ids, bb))
+        Path(ctl, f"stored-{w}").touch()
+        _wait_for(os.path.join(ctl, "read"))
+        hit, miss, wrong = gets(cache, json.loads(Path(ctl, "read").read_text()))
+        errors = cache.stats()["lmdb"]["errors"]
+        Path(ctl, f"read-{w}").touch()
+        _wait_for(os.path.join(ctl, "store"))
+        extra = [1_000_000 + 10 * w + j for j in range(4)]
+        cache.put([key(i) for i in extra], blocks(extra, bb))
+        back = cache.get([key(i) for i in extra])
+        serving = len(back) == 4 and torch.equal(back, blocks(extra, bb))
+    return {"hit": hit, "miss": miss, "wrong": wrong, "errors": errors, "serving": serving}
+
+
+def lmdb_die_in_read_txn(path: str, bb: int, cap: int) -> None:
+    """Open a shared LMDB store, begin a read transaction and die in it (SIGKILL): the
+    reader table keeps this dead process's slot, pinning that snapshot's pages."""
+    import signal
+
+    t = open_tier("lmdb", path, bb, cap, namespace="fleet")
+    txn = t._shared.env.begin()
+    txn.get(b"x")
+    os.kill(os.getpid(), signal.SIGKILL)

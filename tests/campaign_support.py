@@ -5,7 +5,9 @@
   named by `TIERCACHE_CAMPAIGN_REPORT` (how the long runs' figures reach the README's
   Guarantees section).
 - `key(i)`, `payload(i, bb)`, `blocks(ids, bb)`: deterministic block contents, so any block a
-  store serves can be checked byte for byte against what was written for its key.
+  store serves can be checked byte for byte against what was written for its key;
+  `gets(cache, ids)` / `served(cache, ids)`: the ids (counts) read exact, missed and wrong
+  through a TierCache; `lmdb_entries(store)`: each block's header and payload bytes.
 - `run_child(fn, *args)`: run `fn` in a fresh process forked from a zygote process that has
   torch and the tiers imported (a new interpreter costs ~1.4 s here, a fork a few ms), and
   return its result. Requests and results are JSON (nothing is unpickled). A child that dies
@@ -88,6 +90,48 @@ def blocks(ids: Iterable[int], bb: int) -> torch.Tensor:
     if not rows:
         return torch.empty((0, bb), dtype=torch.uint8)
     return torch.from_numpy(np.stack(rows))
+
+
+def gets(cache: Any, ids: Iterable[int]) -> tuple[list[int], list[int], list[int]]:
+    """Get each of `ids` alone through a TierCache: (ids read exact, missed, served wrong)."""
+    hit: list[int] = []
+    miss: list[int] = []
+    wrong: list[int] = []
+    for i in ids:
+        got = cache.get([key(i)])
+        if len(got) == 0:
+            miss.append(i)
+        elif np.array_equal(got[0].numpy(), payload(i, cache.block_bytes)):
+            hit.append(i)
+        else:
+            wrong.append(i)
+    return hit, miss, wrong
+
+
+def served(cache: Any, ids: Iterable[int]) -> tuple[int, int, int]:
+    """(exact, missed, wrong) over single-block gets of `ids` through a TierCache."""
+    hit, miss, wrong = gets(cache, ids)
+    return len(hit), len(miss), len(wrong)
+
+
+def lmdb_entries(store: str | Path) -> dict[int, tuple[bytes, bytes]]:
+    """Block id -> (its "heads" value, its stored payload) in an LMDB store, read without
+    a lock (the campaigns then locate these bytes in data.mdb)."""
+    import lmdb
+
+    from tiercache.tiers import lmdb as lmdb_tier
+
+    env = lmdb.open(str(store), readonly=True, lock=False, max_dbs=4, subdir=True)
+    try:
+        heads = env.open_db(lmdb_tier.HEADS_DB, create=False)
+        blocks_db = env.open_db(lmdb_tier.BLOCKS_DB, create=False)
+        with env.begin() as txn:
+            return {
+                key_id(bytes(k[-16:])): (bytes(h), bytes(txn.get(k, db=blocks_db)))
+                for k, h in txn.cursor(db=heads)
+            }
+    finally:
+        env.close()
 
 
 # -- tiers -----------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.campaign_children import probe_cache
-from tests.campaign_support import blocks, key, open_tier, report, run_child, scale
+from tests.campaign_support import blocks, key, lmdb_entries, open_tier, report, run_child, scale
 from tiercache import TierCache
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers import format as fmt
@@ -100,17 +100,7 @@ def nvme_layout(store: Path) -> tuple[int, dict[int, int], dict[int, int]]:
 
 def lmdb_layout(store: Path) -> dict[int, list[tuple[int, int]]]:
     """Block id -> the (offset, length) ranges of its header and stored value in data.mdb."""
-    env = lmdb.open(str(store), readonly=True, lock=False, max_dbs=3, subdir=True)
-    try:
-        heads_db = env.open_db(lmdb_tier.HEADS_DB, create=False)
-        blocks_db = env.open_db(lmdb_tier.BLOCKS_DB, create=False)
-        with env.begin() as txn:
-            entries = {
-                int.from_bytes(k[-16:], "big"): (bytes(h), bytes(txn.get(k, db=blocks_db)))
-                for k, h in txn.cursor(db=heads_db)
-            }
-    finally:
-        env.close()
+    entries = lmdb_entries(store)
     raw = (store / "data.mdb").read_bytes()
     out = {}
     for i, (h, v) in entries.items():

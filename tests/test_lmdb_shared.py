@@ -12,10 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
+import pytest
 
-from tests.campaign_children import lmdb_cache_writer, lmdb_churn
-from tests.campaign_support import blocks, cli_verify, key, payload, report, scale, start_child
+from tests.campaign_children import churn, lmdb_cache_writer, lmdb_die_in_read_txn
+from tests.campaign_support import (
+    ChildDied,
+    blocks,
+    cli_verify,
+    key,
+    report,
+    scale,
+    served,
+    start_child,
+)
 from tiercache import TierCache
 
 BB, CAP = 16 * 1024, 64
@@ -65,20 +74,6 @@ def open_cache(path: Path, namespace: str) -> TierCache:
     return TierCache.open(config, block_bytes=BB)
 
 
-def served(cache: TierCache, ids: list[int]) -> tuple[int, int, int]:
-    """(exact, missed, wrong) over single-block gets of `ids`."""
-    exact = missed = wrong = 0
-    for i in ids:
-        got = cache.get([key(i)])
-        if len(got) == 0:
-            missed += 1
-        elif np.array_equal(got[0].numpy(), payload(i, BB)):
-            exact += 1
-        else:
-            wrong += 1
-    return exact, missed, wrong
-
-
 def test_a_replica_that_opens_later_and_churns_leaves_plain_misses(tmp_path: Path) -> None:
     path, mine = tmp_path / "s", list(range(8))
     a = open_cache(path, "fleet")
@@ -86,13 +81,14 @@ def test_a_replica_that_opens_later_and_churns_leaves_plain_misses(tmp_path: Pat
         a.put([key(i) for i in mine], blocks(mine, BB))
         # 1. B opens after A stored (it finds A's blocks) and stores a few: within capacity,
         #    its own evictions never delete what A stored.
-        assert start_child(lmdb_churn, str(path), BB, 32, "fleet", list(range(100, 120))).result(
-            120
-        ) == {"errors": 0}
+        tier = {"kind": "lmdb", "blocks": 32, "path": str(path)}
+        assert start_child(churn, tier, BB, "fleet", list(range(100, 120))).result(120) == {
+            "errors": 0
+        }
         assert served(a, mine) == (8, 0, 0)
         # 2. B churns far past the capacity: the store evicts the oldest, A's blocks among
         #    them. A sees plain misses, never wrong bytes, and counts no error.
-        start_child(lmdb_churn, str(path), BB, 32, "fleet", list(range(200, 300))).result(120)
+        start_child(churn, tier, BB, "fleet", list(range(200, 300))).result(120)
         exact, missed, wrong = served(a, mine)
         assert wrong == 0 and exact + missed == 8 and missed > 0
         assert a.stats()["lmdb"]["errors"] == 0
@@ -105,8 +101,32 @@ def test_a_tenant_that_opens_later_and_churns_never_evicts_another(tmp_path: Pat
     a = open_cache(path, "tenant-a")
     try:
         a.put([key(i) for i in mine], blocks(mine, BB))
-        start_child(lmdb_churn, str(path), BB, 32, "tenant-b", list(range(200, 300))).result(120)
+        tier = {"kind": "lmdb", "blocks": 32, "path": str(path)}
+        start_child(churn, tier, BB, "tenant-b", list(range(200, 300))).result(120)
         assert served(a, mine) == (8, 0, 0)
         assert a.stats()["lmdb"]["errors"] == 0
+    finally:
+        a.close()
+
+
+def test_a_reader_killed_in_its_transaction_does_not_fill_the_map(tmp_path: Path) -> None:
+    # A process SIGKILLed inside a read transaction leaves its reader slot behind, and LMDB
+    # never reuses pages freed after that snapshot: the map filled, and every later store of
+    # every process failed (found by test_campaign_fleet: 596 failed stores in one run). The
+    # tier now clears dead readers (reader_check) when it opens the environment and when a
+    # write finds the map full.
+    path = tmp_path / "s"
+    tier = {"kind": "lmdb", "blocks": 32, "path": str(path)}
+    assert start_child(churn, tier, BB, "fleet", list(range(8))).result(120) == {"errors": 0}
+    a = open_cache(path, "fleet")  # open before the reader dies: no open clears it for us
+    try:
+        with pytest.raises(ChildDied):
+            start_child(lmdb_die_in_read_txn, str(path), BB, 32).result(120)
+        ids = list(range(100, 100 + 40 * 32))  # 40 times the capacity
+        for at in range(0, len(ids), 4):
+            chunk = ids[at : at + 4]
+            a.put([key(i) for i in chunk], blocks(chunk, BB))
+        assert a.stats()["lmdb"]["errors"] == 0
+        assert served(a, ids[-8:]) == (8, 0, 0)
     finally:
         a.close()

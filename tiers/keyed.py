@@ -1,8 +1,13 @@
 """`KeyedTier`: what the tiers whose store is addressed by block key share (LMDB, Redis).
 
 In such a store slots are only handles: a block lives under its key. Shared here:
-- `_slot_key`: slot -> key of the blocks this instance stored or found at open (evicting
-  one deletes its key; blocks adopted later from another process are not in it);
+- `_slot_key`: slot -> key of the blocks this instance stored or found at open (blocks
+  adopted later from another process are not in it);
+- `_own`: the slots of blocks this instance stored since it opened: the only ones its
+  evictions delete. Blocks found at open or adopted (`adopt`) are only forgotten: other
+  processes may be serving them, and the store's capacity decides when they go;
+- `_note_gone(keys)` / `take_gone(keys)`: reads that found no block at all (another process
+  or the store's own capacity evicted it): plain misses, not errors;
 - `_take_found(keys)` / `recover()`: what the store held at open, as slots 0..n-1;
 - `_check_open()`, `_check_keys(keys, n)`: errors naming the store;
 - `_compressor()`, `_decompressor()`: zstd contexts per thread (they are not thread-safe).
@@ -18,6 +23,8 @@ import zstandard
 
 from tiercache.tiers.base import Tier
 
+_GONE_MAX = 1 << 16  # take_gone's memory of plain misses nobody asked about
+
 
 class KeyedTier(Tier):
     """A tier whose store keeps each block under its key (see the module docstring)."""
@@ -31,11 +38,37 @@ class KeyedTier(Tier):
         self._compression, self._level = compression, level
         self._tls = threading.local()  # per thread: zstd compressor and decompressor
         self._slot_key: dict[int, bytes] = {}
+        self._own: set[int] = set()  # slots of blocks this instance stored (evicting deletes)
         self._recovered: list[tuple[bytes, int]] = []
+        self._gone: set[bytes] = set()  # keys a read found absent (see take_gone)
+        self._gone_lock = threading.Lock()
+
+    def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
+        """Slots for blocks another process stored: not recorded as ours, so evicting them
+        later only forgets them."""
+        return Tier.allocate(self, keys)
+
+    def _note_gone(self, keys: Sequence[bytes]) -> None:
+        """Keys a read found absent from the store (see `take_gone`)."""
+        if not keys:
+            return
+        with self._gone_lock:
+            if len(self._gone) > _GONE_MAX:  # nobody asks: keep the set bounded
+                self._gone.clear()
+            self._gone.update(keys)
+
+    def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
+        """Of `keys` whose read failed, those that were plain misses: the store no longer
+        held them (another process deleted them, or the store's capacity evicted them)."""
+        with self._gone_lock:
+            found = self._gone.intersection(keys)
+            self._gone.difference_update(found)
+        return found
 
     def _take_found(self, keys: Sequence[bytes]) -> None:
-        """Index the blocks found in the store at open (oldest first) as slots 0..n-1, owned
-        by this instance. Claimed here, not in recover(): they occupy the store either way."""
+        """Index the blocks found in the store at open (oldest first) as slots 0..n-1; not
+        `_own`: evicting them only forgets them. Claimed here, not in recover(): they
+        occupy the store either way."""
         self._recovered = [(k, s) for s, k in enumerate(keys)]
         self._slot_key.update((s, k) for k, s in self._recovered)
         self._claim(range(len(keys)))

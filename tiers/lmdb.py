@@ -87,7 +87,7 @@ import zstandard
 
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers import lmdb_attach
-from tiercache.tiers.base import KEY_BYTES, Tier, check_blocks
+from tiercache.tiers.base import KEY_BYTES, check_blocks
 from tiercache.tiers.format import (
     CODEC_RAW,
     HEADER_SIZE,
@@ -123,7 +123,7 @@ MAX_READERS = 512  # reader-table slots: one per open read txn, across all proce
 MIN_TXN_OPS = 64
 MAX_TXN_OPS = 256
 _RETRIES = 8
-_GONE_MAX = 1 << 16
+MAP_FULL_TRIES = 9  # a write that finds the map full waits 1+2+...+128 ms for readers to end
 _PARALLEL_MIN_BYTES = 64 * 1024  # blocks at least this big are decoded on the thread pool
 
 
@@ -380,6 +380,7 @@ def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> _SharedE
         raise ConfigError("path", f"{path}: cannot open as an LMDB environment: {exc}") from None
     try:
         _reserve(path, map_size)
+        env.reader_check()  # slots of processes that died in a read txn (see LMDBTier._txn)
         dbs = _init_store(env, path, block_bytes)
     except lmdb.Error as exc:
         env.close()
@@ -597,8 +598,6 @@ class LMDBTier(KeyedTier):
         self._sync = sync
         self._ns = namespace_id(namespace)
         self._nsb = self._ns.to_bytes(NS_BYTES, "big")  # prefix of every store key of ours
-        self._gone: set[bytes] = set()  # keys a read found absent (see take_gone)
-        self._own: set[int] = set()  # slots of blocks this tier stored (free deletes them)
         self._txn_ops = txn_ops_for(capacity_blocks)
         self.open_report: dict[str, int] = {}  # what _scan found: dropped, recovered blocks
         self._counts = dict.fromkeys(
@@ -610,6 +609,8 @@ class LMDBTier(KeyedTier):
                 "read_failures",
                 "blocks_gone",
                 "store_evictions",
+                "dead_readers_cleared",
+                "map_full_retries",
             ),
             0,
         )
@@ -730,11 +731,6 @@ class LMDBTier(KeyedTier):
     def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> LMDBProbe:
         return LMDBProbe(cfg.options["path"], block_bytes, namespace=namespace)
 
-    def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
-        """Slots for blocks another process stored: not recorded as ours, so evicting them
-        later only forgets them; the process that wrote them decides when they are deleted."""
-        return Tier.allocate(self, keys)
-
     def _unpend(self, keys: Iterable[bytes]) -> None:
         """Keys stored again are live: no pending delete may remove them any more."""
         shared = self._shared
@@ -806,7 +802,7 @@ class LMDBTier(KeyedTier):
                 chunk = ops[start : start + self._txn_ops]
                 done = [k for k, i in chunk if i < 0]
                 try:
-                    stored += self._txn(chunk, encoded)
+                    stored += self._txn_clearing(chunk, encoded)
                 except lmdb.Error as exc:
                     if not done or isinstance(exc, lmdb.MapFullError):
                         raise self._os_error("write", exc) from None  # deletes stay pending
@@ -863,6 +859,31 @@ class LMDBTier(KeyedTier):
             with self._counts_lock:
                 self._counts["store_evictions"] += store.evicted
         return stored
+
+    def _txn_clearing(
+        self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]
+    ) -> int:
+        """`_txn`, again while the map is full for a moment. A reader pins the pages freed
+        after its snapshot: a process SIGKILLed inside a read txn leaves its slot in the
+        reader table and pins them for good (every later write of every process failed with
+        a full map; tests/test_campaign_fleet.py found it), so dead readers are cleared; a
+        live reader of another process, descheduled mid-txn while others write, pins them
+        until it ends, so the write waits for it (at most ~255 ms) before it fails."""
+        for attempt in range(MAP_FULL_TRIES):
+            try:
+                return self._txn(chunk, encoded)
+            except lmdb.MapFullError:
+                if attempt == MAP_FULL_TRIES - 1:
+                    raise
+                cleared = self._shared.env.reader_check()
+                if cleared:
+                    log.warning("%s: cleared %d readers of dead processes", self._path, cleared)
+                with self._counts_lock:
+                    self._counts["dead_readers_cleared"] += cleared
+                    self._counts["map_full_retries"] += 1
+                if not cleared:
+                    time.sleep(0.001 * 2**attempt)
+        raise AssertionError("unreachable")
 
     def _delete_each(self, keys: Sequence[bytes]) -> None:
         """Delete keys one txn each; a key LMDB cannot delete stays (a leak of its pages, its
@@ -967,19 +988,8 @@ class LMDBTier(KeyedTier):
             self._counts["blocks_read"] += n - len(failed)
             self._counts["read_failures"] += len(failed) - len(gone)
             self._counts["blocks_gone"] += len(gone)
-            if gone:
-                if len(self._gone) > _GONE_MAX:  # nobody asks: keep the set bounded
-                    self._gone.clear()
-                self._gone.update(gone)
+        self._note_gone(gone)
         return failed
-
-    def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
-        """Of `keys` whose read failed, those that were plain misses: the store no longer
-        held them (its shared capacity evicted them, in this process or another)."""
-        with self._counts_lock:
-            found = self._gone.intersection(keys)
-            self._gone.difference_update(found)
-        return found
 
     def _header(self, key: bytes, head: memoryview, payload_len: int) -> BlockHeader:
         h = decode_header(head)

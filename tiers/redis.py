@@ -7,8 +7,10 @@ Primitives (on top of the `Tier` ABC):
   keep hot blocks alive); header, key, namespace and checksum verified on every block. A
   missing key (expired, evicted by Redis's maxmemory policy, deleted by another instance) or
   a corrupt or foreign value is a failed position: a miss, counted, never an error.
-- `free(slots)`: the base free list plus a pending DEL of the freed keys, sent with the next
-  write or at `flush()` (a demotion planned with the eviction reads them first).
+- `free(slots)`: the base free list plus, for blocks this instance stored since it opened, a
+  pending DEL sent with the next write or at `flush()` (a demotion planned with the eviction
+  reads them first). Blocks found at open or adopted are only forgotten.
+- `take_gone(keys)`: which failed reads were plain misses (no value under the key).
 - `recover()`: blocks of this namespace already in Redis when the tier opened (SCAN + a
   pipelined GETRANGE of each 64-byte header), newest `capacity` of them, oldest first.
 - `available`, `stats()`, `flush()`, `close()`.
@@ -18,12 +20,16 @@ header then stored payload in one string (the checksum covers both). A store-lev
 `prefix + namespace + "#meta"` holds JSON (format, version, block_bytes): a reopen with
 another block size is refused, like the other persistent tiers.
 
-Sharing. Like the LMDB tier, the manager's index learns what the store holds when the tier
-opens (`recover`): an instance sees every block any instance stored before it opened, and
-blocks stored later only after it reopens. Capacity is this instance's share: its policy
-evicts its own blocks (DEL), and a block it indexed that another instance deleted or Redis
-evicted reads as a miss. Two instances storing one block at once write identical bytes;
-SET is atomic, so a reader sees one whole record or none.
+Sharing. The manager's index learns what the store holds when the tier opens (`recover`)
+and, on a lookup miss, what other instances stored since (`probe`, `adopt`). Capacity of
+the store belongs to the server: `maxmemory` with an LRU (or LFU) policy bounds it and evicts
+what no instance reads, since every instance's GET refreshes a key's recency on the server
+(docs/redis.md says why not a shared index). The tier's `blocks` is this instance's index:
+its policy decides what it remembers; evicting deletes (DEL) only a block this instance
+stored since it opened, never one it found at open or adopted, so no instance deletes
+another's blocks. A block another instance deleted, or the server evicted or expired,
+reads as a plain miss (`take_gone`), never a counted error. Two instances storing one block
+at once write identical bytes; SET is atomic, so a reader sees one whole record or none.
 
 Failures. Every socket operation has a bounded timeout (`timeout`). A connection error or
 timeout marks the tier unavailable: calls during the backoff window (0.1 s doubling up to
@@ -648,13 +654,17 @@ class RedisTier(KeyedTier):
         return n
 
     def free(self, slots: Sequence[int]) -> None:
-        """Return slots; the keys this instance stored there are deleted from Redis with the
-        next write or at flush, not now: a demotion planned with the eviction reads them."""
+        """Return slots; the keys this instance stored there since it opened are deleted from
+        Redis with the next write or at flush, not now: a demotion planned with the eviction
+        reads them. Blocks found at open or adopted are only forgotten: other instances may
+        serve them, and the server's maxmemory policy decides when they go."""
         with self._lock:
             for s in slots:
                 k = self._slot_key.pop(s, None)
-                if k is None:
-                    continue  # never stored by us (a failed write): another copy may exist
+                if s not in self._own or k is None:
+                    self._own.discard(s)
+                    continue  # not stored by us (found, adopted, or a failed write)
+                self._own.discard(s)
                 if k in self._keep:
                     self._keep.discard(k)  # dropped only because Redis was unreachable
                 else:
@@ -716,9 +726,10 @@ class RedisTier(KeyedTier):
         with self._lock:
             for s, k in zip(slots, keys, strict=True):
                 old = self._slot_key.get(s)
-                if old is not None and old != k:
+                if old is not None and old != k and s in self._own:
                     self._pending.add(old)
                 self._slot_key[s] = k
+                self._own.add(s)
                 self._keep.discard(k)
             self._pending.difference_update(keys)
             c = self._counts
@@ -759,7 +770,9 @@ class RedisTier(KeyedTier):
         out_np = out.numpy()
         px = self._ttl_ms
         failed: list[int] = []
-        missing = corrupt = 0
+        gone: list[bytes] = []
+        damaged: list[bytes] = []  # a block of ours whose bytes fail verification
+        corrupt = 0
         try:
             for a, b in self._chunks(n):
                 if px:
@@ -770,11 +783,15 @@ class RedisTier(KeyedTier):
                 vals = self._run(client, cmds, "read")
                 for i, v in zip(range(a, b), vals, strict=True):
                     if v is None:
-                        missing += 1
+                        gone.append(keys[i])
                         failed.append(i)
                     elif isinstance(v, Exception) or not self._decode(keys[i], v, out_np[i]):
                         corrupt += 1
                         failed.append(i)
+                        if isinstance(v, bytes) and is_header_of(
+                            v[:HEADER_SIZE], keys[i], self._ns, self.block_bytes
+                        ):
+                            damaged.append(keys[i])
         except OSError:
             self._keep_keys(keys)
             raise
@@ -783,8 +800,13 @@ class RedisTier(KeyedTier):
         with self._lock:
             c = self._counts
             c["blocks_read"] += n - len(failed)
-            c["missing"] += missing
+            c["missing"] += len(gone)
             c["corrupt"] += corrupt
+            # No instance can use a damaged block of ours: deleted with the next write or
+            # flush, whoever stored it (probe stops at it meanwhile). A value that is not a
+            # block of ours (another type, a foreign string) is never deleted.
+            self._pending.update(damaged)
+        self._note_gone(gone)  # expired, evicted by the server, deleted by another instance
         if corrupt:
             log.warning("%s: %d corrupt or foreign values read as misses", self.medium, corrupt)
         return failed
