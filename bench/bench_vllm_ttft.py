@@ -36,15 +36,17 @@ than wall time does. Ratios are taken within a round, then the median over round
 with each round's value. Outputs (one greedy token per request) are compared with the baseline's.
 
 Run: .venv-vllm/bin/python bench/bench_vllm_ttft.py [--rounds 3] [--prompts 8] [--len 2048]
-     [--load-timeout 1.0] [--quick] [--overhead] [--compare PATH]
+     [--load-timeout 1.0] [--quick] [--overhead] [--compare PATH] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import mmap
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -132,11 +134,11 @@ def one_round(
     one = {"max_tokens": 1, "one_by_one": True}
     base = {"model": str(model), "dtype": "float32", "max_model_len": args.len + 64}
     nvme_tiers = [
-        {"kind": "cpu", "capacity": "1GiB"},
-        {"kind": "nvme", "path": str(work / "nvme"), "capacity": "1GiB"},
+        {"kind": "cpu", "capacity": "512MiB"},
+        {"kind": "nvme", "path": str(work / "nvme"), "capacity": "512MiB"},
     ]
-    lmdb = {"kind": "lmdb", "path": str(work / "lmdb"), "capacity": "1GiB"}
-    rtier = {"kind": "redis", "url": url, "prefix": f"ttft{rnd}:", "capacity": "1GiB"}
+    lmdb = {"kind": "lmdb", "path": str(work / "lmdb"), "capacity": "512MiB"}
+    rtier = {"kind": "redis", "url": url, "prefix": f"ttft{rnd}:", "capacity": "512MiB"}
     out: dict[str, Any] = {}
 
     def run(name: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -212,7 +214,7 @@ def one_round(
         "populate",
         {
             "kv_transfer_config": connector(
-                [{"kind": "cpu", "capacity": "1GiB"}, {**lmdb, **through}, {**rtier, **through}]
+                [{"kind": "cpu", "capacity": "512MiB"}, {**lmdb, **through}, {**rtier, **through}]
             ),
             "batches": [{"prompts": a + b, "max_tokens": 1}],
         },
@@ -220,7 +222,7 @@ def one_round(
     (hits,) = run(
         "lmdb",
         {
-            "kv_transfer_config": connector([{"kind": "cpu", "capacity": "1GiB"}, lmdb]),
+            "kv_transfer_config": connector([{"kind": "cpu", "capacity": "512MiB"}, lmdb]),
             "batches": [{"prompts": a, **one}],
         },
     )
@@ -231,7 +233,7 @@ def one_round(
         "redis",
         {
             "kv_transfer_config": connector(
-                [{"kind": "cpu", "capacity": "1GiB"}, rtier], **deadlines
+                [{"kind": "cpu", "capacity": "512MiB"}, rtier], **deadlines
             ),
             "batches": [{"prompts": a, **one}, {"prompts": b, **one, "stop_pid": proc.pid}],
         },
@@ -252,6 +254,7 @@ def main() -> int:
     ap.add_argument("--load-timeout", type=float, default=1.0)
     ap.add_argument("--dir", help="directory for the model and stores (default: under /tmp)")
     ap.add_argument("--quick", action="store_true", help="1 round of 5 prompts")
+    ap.add_argument("--json", metavar="PATH", help="also write every round's raw figures there")
     ap.add_argument(
         "--compare",
         metavar="PATH",
@@ -279,8 +282,13 @@ def main() -> int:
                 work = Path(tmp) / f"round{rnd}"
                 work.mkdir()
                 rounds.append(one_round(eng, model, work, rnd, args, redis))
+                shutil.rmtree(work)  # the next round's stores need the room
+                if args.json:  # kept round by round: a later failure loses only its round
+                    Path(args.json).write_text(json.dumps({"rate": [rate], "rounds": rounds}))
             os.kill(redis[1].pid, signal.SIGCONT)  # in case a run died while it was stopped
         rate_after = raw_read_rate(Path(tmp), nvme, blocks=4 * (args.len // BLOCK))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rate": [rate, rate_after], "rounds": rounds}))
     report(rounds, args, rate, rate_after, time.perf_counter() - t_start)
     return 0
 
@@ -352,38 +360,25 @@ def report(
                 )
     print()
     floor = lambda r: _med(r["floor"])  # noqa: E731
-    targets = [
-        ("miss/recompute (issue 23 overhead)", "miss", lambda r: _med(r["recompute"]), "< 1.03"),
-        (
-            "batch miss/recompute (same, batched)",
-            "batch_miss",
-            lambda r: r["batch_recompute"][0],
-            "< 1.03",
-        ),
-        ("cpu/floor", "cpu", floor, "<= 1.2"),
-        ("compare: miss/recompute", "compare_miss", lambda r: _med(r["recompute"]), "< 1.03"),
-        (
-            "compare: batch miss/recompute",
-            "compare_batch_miss",
-            lambda r: r["batch_recompute"][0],
-            "< 1.03",
-        ),
-        ("compare: cpu/floor", "compare_cpu", floor, "<= 1.2"),
+    recompute, batch = (lambda r: _med(r["recompute"])), (lambda r: r["batch_recompute"][0])
+    cpu_ref = (lambda r: _med(r["cpu_recompute"]), lambda r: r["cpu_batch_recompute"][0])
+    targets = []
+    for tag in ("", "compare_"):  # this tree, then the --compare revision
+        name = "compare: " if tag else ""
+        targets += [
+            (f"{name}miss/recompute (issue 23 overhead)", tag + "miss", recompute, "< 1.03"),
+            (f"{name}batch miss/recompute (same, batched)", tag + "batch_miss", batch, "< 1.03"),
+            (f"{name}cpu/floor", tag + "cpu", floor, "<= 1.2"),
+        ]
+        targets += [
+            (f"{name}CPU time: miss/recompute", f"cpu_{tag}miss", cpu_ref[0], "report"),
+            (f"{name}CPU time: batch/recompute", f"cpu_{tag}batch_miss", cpu_ref[1], "report"),
+        ]
+    targets += [
         ("nvme/(floor+raw read)", "nvme", lambda r: floor(r) + raw_s, "<= 1.2"),
         ("lmdb/(floor+raw read)", "lmdb", lambda r: floor(r) + raw_s, "report"),
         ("redis/floor", "redis", floor, "report"),
     ]
-    cpu = [
-        ("CPU time: miss/recompute", "cpu_miss", "cpu_recompute"),
-        ("CPU time: batch miss/recompute", "cpu_batch_miss", "cpu_batch_recompute"),
-        ("compare: CPU time: miss/recompute", "cpu_compare_miss", "cpu_recompute"),
-        (
-            "compare: CPU time: batch miss/recompute",
-            "cpu_compare_batch_miss",
-            "cpu_batch_recompute",
-        ),
-    ]
-    targets += [(n, k, lambda r, ref=ref: _med(r[ref]), "report") for n, k, ref in cpu]
     if args.compare:
         targets += [
             ("miss/compare miss", "miss", lambda r: _med(r["compare_miss"]), "report"),
