@@ -42,6 +42,13 @@ KiB, MiB = 1 << 10, 1 << 20
 
 @contextmanager
 def local_server() -> Iterator[str]:
+    with redis_server() as (url, _):
+        yield url
+
+
+@contextmanager
+def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
+    """A redis-server of its own (no persistence) on a free loopback port: (url, process)."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("redis-server is not installed; pass --url")
@@ -65,7 +72,7 @@ def local_server() -> Iterator[str]:
             except redis.ConnectionError:
                 time.sleep(0.02)
         c.close()
-        yield f"redis://127.0.0.1:{port}/0"
+        yield f"redis://127.0.0.1:{port}/0", proc
     finally:
         proc.kill()
         proc.wait()

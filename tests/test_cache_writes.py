@@ -94,6 +94,39 @@ def test_write_through_is_the_default_below_a_volatile_tier(tmp_path: Path) -> N
         assert torch.equal(cache.get(keys), blocks)
 
 
+def test_write_through_from_runs_and_scattered_cpu_slots(tmp_path: Path) -> None:
+    # Copies out of the CPU tier hand its rows to NVMe in place when the source slots form a
+    # few runs, and go through staging when they are scattered: both reach the disk exactly.
+    config = {
+        "block_size": 4,
+        "namespace": "writes/bf16/tp1/0",
+        "tiers": [
+            {"kind": "cpu", "blocks": 32, "policy": "lru"},
+            {"kind": "nvme", "blocks": 64, "path": str(tmp_path / "nvme"), "direct": False},
+        ],
+    }
+    chains = [list(range(i, i + 4 * n)) for i, n in ((0, 24), (1000, 8), (2000, 12))]
+    with TierCache.open(config, block_bytes=N) as cache:
+        cpu = cache.tiers[0]
+        assert cache_module._host_runs(cpu, list(range(16))) == [(0, 16)]
+        assert cache_module._host_runs(cpu, [*range(8), *range(20, 28)]) == [(0, 8), (8, 16)]
+        assert cache_module._host_runs(cpu, list(range(0, 32, 2))) is None  # scattered
+        assert cache_module._host_runs(cache.tiers[1], list(range(16))) is None  # not memory
+        a, b, c = (cache.hash_tokens(t) for t in chains)
+        cache.put(a, block_bytes_for(a, N))  # slots 0..23: one run
+        cache.flush()
+        cache.get(a[1::2])  # a's odd blocks are used: its even ones are now the oldest
+        cache.put(b, block_bytes_for(b, N))  # slots 24..31: the CPU tier is full
+        cache.put(c, block_bytes_for(c, N))  # into the slots of a's even blocks: scattered
+        cache.flush()
+        s = cache.stats()
+        assert s["nvme"]["written_through"] == 44 and s["nvme"]["errors"] == 0
+    with TierCache.open(config, block_bytes=N) as cache:  # restarted: only NVMe has them
+        for keys in (a, b, c):
+            assert cache.lookup(keys) == len(keys)
+            assert torch.equal(cache.get(keys), block_bytes_for(keys, N))
+
+
 def test_an_adapter_wakes_the_write_through_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -46,6 +46,7 @@ from tiercache.records import BlockMove, OffloadingEvent, PrepareStoreOutput
 from tiercache.telemetry import Telemetry
 from tiercache.tiers import Tier, build_tier, check_blocks
 from tiercache.tiers.base import KEY_BYTES
+from tiercache.tiers.pool import PoolTier
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,21 @@ def _chunks(
     step = max(1, _MOVE_CHUNK_BYTES // block_bytes)
     for a in range(0, len(move.keys), step):
         yield move.keys[a : a + step], move.src.slots[a : a + step], move.dst.slots[a : a + step]
+
+
+def _host_runs(tier: Tier, slots: Sequence[int]) -> list[tuple[int, int]] | None:
+    """[a, b) index ranges of `slots` that are runs of consecutive slots, when `tier` is a
+    pool in host memory and the runs are few (at most one per 8 blocks, so a scattered copy
+    does not become many small writes below); else None (copy through staging)."""
+    if not isinstance(tier, PoolTier) or tier.device.type != "cpu" or not slots:
+        return None
+    runs, a = [], 0
+    for i in range(1, len(slots)):
+        if slots[i] != slots[i - 1] + 1:
+            runs.append((a, i))
+            a = i
+    runs.append((a, len(slots)))
+    return runs if len(runs) <= max(1, len(slots) // 8) else None
 
 
 # Errors a tier raises for failed I/O; anything else is a bug and propagates.
@@ -604,8 +620,33 @@ class TierCache:
         """Copy blocks between two tiers through host staging (I/O only, no bookkeeping):
         the keys that arrived, and failures to count per tier."""
         src_tier, dst_tier = self._tiers[src], self._tiers[dst]
-        staging = torch.empty((len(keys), self._block_bytes), dtype=torch.uint8)
         errors: dict[int, int] = {}
+        runs = _host_runs(src_tier, src_slots)
+        if runs is not None:
+            # The source rows are host memory already: the destination reads them in place
+            # (the callers pin the sources or hold the lock, so nothing rewrites them now).
+            # A staging copy here cost more than the NVMe tier's own per-block work: a fresh
+            # buffer's page faults, and torch's intra-op threads beside the engine's.
+            pool = src_tier.pool  # type: ignore[attr-defined]
+            done: list[bytes] = []
+            for a, b in runs:
+                try:
+                    dst_tier.write(
+                        dst_slots[a:b], pool[src_slots[a] : src_slots[a] + b - a], keys[a:b]
+                    )
+                except _IO_ERRORS as exc:
+                    log.warning(
+                        "copy of %d blocks %s -> %s failed: %s",
+                        b - a,
+                        src_tier.medium,
+                        dst_tier.medium,
+                        exc,
+                    )
+                    errors[dst] = errors.get(dst, 0) + 1
+                    continue
+                done += keys[a:b]
+            return done, errors
+        staging = torch.empty((len(keys), self._block_bytes), dtype=torch.uint8)
         try:
             failed = set(src_tier.read(src_slots, staging, keys))
         except _IO_ERRORS as exc:

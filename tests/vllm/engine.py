@@ -1,7 +1,9 @@
 """A tiny random-weight Llama and a runner for one vLLM CPU engine, for tests and benchmarks.
 
-- `write_tiny_llama(path, seed=0)`: config.json + model.safetensors (hidden 128, 2 layers, 4
-  heads, 2 KV heads, head_dim 32, vocab 4096, bf16; about 1.3 M parameters). No model hub.
+- `write_tiny_llama(path, seed=0, **shape)`: config.json + model.safetensors (by default
+  hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32, vocab 4096, bf16; about 1.3 M
+  parameters; keyword arguments give other shapes and dtypes, e.g. the TTFT benchmark's
+  6 layers, hidden 512, fp32). No model hub.
 - `make_prompts(n, length, seed, shared_prefix=0)`: token-id prompts (lists of ints).
 - `run_spec(spec) -> dict`: build one `LLM` in this process, generate every batch of the
   spec greedily, return outputs, `num_cached_tokens`, wall and CPU times, tiercache's
@@ -18,7 +20,14 @@ Run as a script: ``python tests/vllm/engine.py SPEC.json OUT.json``. The spec is
     {"model": "/path/to/model", "kv_transfer_config": {...} or null,
      "batches": [{"prompts": [[1, 2, ...], ...], "max_tokens": 16}, ...],
      "block_size": 32, "multiprocessing": false, "max_model_len": 1024,
-     "tensor_parallel_size": 1, "sigkill": false, "disable_hybrid_kv_cache_manager": false}
+     "tensor_parallel_size": 1, "sigkill": false, "disable_hybrid_kv_cache_manager": false,
+     "dtype": "bfloat16"}
+
+A batch with ``"one_by_one": true`` sends its prompts one request at a time and records each
+request's wall time in ``request_s`` (with ``max_tokens`` 1: its time to first token) and
+this process's CPU time over it (all threads) in ``request_cpu_s``. A batch
+with ``"stop_pid": PID`` sends SIGSTOP to that process before the batch and SIGCONT after it
+(a hung server, e.g. Redis, during exactly that batch).
 
 A batch may also say ``"wait_for": PATH`` (start it only once PATH exists: another engine
 finished something) and ``"touch": PATH`` (create PATH after it): engines started together
@@ -59,28 +68,42 @@ VOCAB = 4096
 INTERMEDIATE = 256
 
 
-def write_tiny_llama(path: str | Path, seed: int = 0) -> Path:
+def write_tiny_llama(
+    path: str | Path,
+    seed: int = 0,
+    *,
+    layers: int = LAYERS,
+    hidden: int = HIDDEN,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+    head_dim: int = HEAD_DIM,
+    intermediate: int = INTERMEDIATE,
+    vocab: int = VOCAB,
+    dtype: str = "bfloat16",
+    max_positions: int = 2048,
+) -> Path:
     """Write a random-weight Llama (config.json + model.safetensors) into `path`."""
     import torch
     from safetensors.torch import save_file
 
+    torch_dtype = getattr(torch, dtype)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 2048,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
+        "torch_dtype": dtype,
         "tie_word_embeddings": False,
         "bos_token_id": 1,
         "eos_token_id": 2,
@@ -89,27 +112,27 @@ def write_tiny_llama(path: str | Path, seed: int = 0) -> Path:
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=g) * std).to(torch_dtype)
 
     # Larger-than-usual weights so that attention (and so the KV cache) visibly steers the
     # greedy tokens: wrong KV bytes would change the outputs the tests compare.
     tensors = {
-        "model.embed_tokens.weight": w(VOCAB, HIDDEN, std=1.0),
-        "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
-        "lm_head.weight": w(VOCAB, HIDDEN, std=0.2),
+        "model.embed_tokens.weight": w(vocab, hidden, std=1.0),
+        "model.norm.weight": torch.ones(hidden, dtype=torch_dtype),
+        "lm_head.weight": w(vocab, hidden, std=0.2),
     }
-    for i in range(LAYERS):
+    for i in range(layers):
         p = f"model.layers.{i}."
         tensors |= {
-            p + "self_attn.q_proj.weight": w(HEADS * HEAD_DIM, HIDDEN, std=0.25),
-            p + "self_attn.k_proj.weight": w(KV_HEADS * HEAD_DIM, HIDDEN, std=0.25),
-            p + "self_attn.v_proj.weight": w(KV_HEADS * HEAD_DIM, HIDDEN, std=0.25),
-            p + "self_attn.o_proj.weight": w(HIDDEN, HEADS * HEAD_DIM, std=0.1),
-            p + "mlp.gate_proj.weight": w(INTERMEDIATE, HIDDEN, std=0.1),
-            p + "mlp.up_proj.weight": w(INTERMEDIATE, HIDDEN, std=0.1),
-            p + "mlp.down_proj.weight": w(HIDDEN, INTERMEDIATE, std=0.1),
-            p + "input_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden, std=0.25),
+            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden, std=0.25),
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden, std=0.25),
+            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim, std=0.1),
+            p + "mlp.gate_proj.weight": w(intermediate, hidden, std=0.1),
+            p + "mlp.up_proj.weight": w(intermediate, hidden, std=0.1),
+            p + "mlp.down_proj.weight": w(hidden, intermediate, std=0.1),
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch_dtype),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch_dtype),
         }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -162,7 +185,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         enable_prefix_caching=spec.get("enable_prefix_caching", True),
         max_model_len=spec.get("max_model_len", 1024),
         block_size=spec.get("block_size", 32),
-        dtype="bfloat16",
+        dtype=spec.get("dtype", "bfloat16"),
         enforce_eager=True,
         seed=0,
         tensor_parallel_size=tp,
@@ -177,9 +200,23 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
             temperature=0, max_tokens=batch.get("max_tokens", 16), ignore_eos=True, detokenize=False
         )
         prompts = [TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]]
+        if batch.get("stop_pid"):
+            os.kill(batch["stop_pid"], signal.SIGSTOP)
         t0, c0, s0 = time.perf_counter(), time.process_time(), spent[0]
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        request_s: list[float] = []
+        request_cpu_s: list[float] = []
+        if batch.get("one_by_one"):
+            outs = []
+            for p in prompts:
+                t1, c1 = time.perf_counter(), time.process_time()
+                outs += llm.generate([p], params, use_tqdm=False)
+                request_s.append(time.perf_counter() - t1)
+                request_cpu_s.append(time.process_time() - c1)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if batch.get("stop_pid"):
+            os.kill(batch["stop_pid"], signal.SIGCONT)
         if batch.get("reset_prefix_cache"):
             _reset_prefix_cache(llm, TokensPrompt)
         batches.append(
@@ -189,6 +226,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
                 "wall_s": wall,
                 "cpu_s": cpu,
                 "connector_s": spent[0] - s0,
+                "request_s": request_s,
+                "request_cpu_s": request_cpu_s,
             }
         )
         if batch.get("touch"):
