@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.campaign_children import lmdb_churn
+from tests.campaign_children import churn
 from tests.campaign_support import blocks, key, start_child
 from tiercache import TierCache
 from tiercache.config import CacheConfig
@@ -43,9 +43,7 @@ def test_lmdb_probe_finds_what_another_process_stored_after_it_opened(tmp_path: 
         chain = [key(i) for i in range(6)]
         assert probe.probe(chain) == 0  # no store yet: not an error
         # Another engine's process stores the first 4 blocks of the chain.
-        assert start_child(lmdb_churn, str(path), BB, 64, "fleet", list(range(4))).result(120) == {
-            "errors": 0
-        }
+        assert start_child(churn, lmdb, BB, "fleet", list(range(4))).result(120) == {"errors": 0}
         probe._retry_at = 0.0  # type: ignore[attr-defined]  # the once-a-second retry, now
         before = _files(path)
         assert probe.probe(chain) == 4  # leading blocks only
@@ -57,7 +55,7 @@ def test_lmdb_probe_finds_what_another_process_stored_after_it_opened(tmp_path: 
         other._retry_at = 0.0  # type: ignore[attr-defined]
         assert other.probe(chain) == 0
         # The store grows after the probe opened: found too.
-        start_child(lmdb_churn, str(path), BB, 64, "fleet", list(range(4, 6))).result(120)
+        start_child(churn, lmdb, BB, "fleet", list(range(4, 6))).result(120)
         assert probe.probe(chain) == 6
         # Read-only: the data file is as the writer left it (lock.mdb holds reader slots).
         assert _files(path)["data.mdb"][0] == before["data.mdb"][0]
