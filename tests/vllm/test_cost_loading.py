@@ -32,6 +32,8 @@ def _connector(config: CacheConfig, shared: SharedStore | None) -> TierCacheConn
     c._shared, c._stats, c._config = shared, {}, config
     c._block_bytes, c._block_size, c._tp_size = BLOCK_BYTES, BLOCK_TOKENS, 1
     c._index, c._events, c._pending, c._off = {}, [], {}, {}
+    c._probes, c._probe_pool, c._probing = [], None, {}
+    c._shared_mediums, c._bad_keys = frozenset(), {}
     c._gate = LoadGate(config.loading, shared.cache.load_costs if shared else None)
     return c
 
@@ -98,7 +100,7 @@ def test_worker_samples_reach_a_remote_scheduler_and_decide_there(tmp_path: Path
         w = object.__new__(TierCacheConnector)
         w._shared, w._tp_rank = worker_shared, 0
         w._journal, w._plans_done, w._held, w._suspensions = [], {}, {}, {}
-        w._load_samples, w._forward_samples = [], []
+        w._load_samples, w._forward_samples, w._bad_report = [], [], []
         clock = iter([10.0, 10.1, 20.0, 20.2]).__next__  # two forwards: 0.1 s and 0.2 s
         w._timer = ForwardTimer(clock=clock)
         # Measured in the worker: the redis tier, 20 ms per job then 0.5 ms per block ...
