@@ -530,7 +530,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         # Per rank, which keys from n on the index vouches for (a private tier holds them):
         # taken here, so the probe thread never reads the index while this thread changes it.
         private = [
-            tuple(self._rank_run(keys, j, r, off) > j for j in range(n, len(keys)))
+            tuple(self._rank_holds(k, r, off) for k in keys[n:])
             for r in range(len(self._probes))
         ]
         ask = (keys[n], len(keys), tuple(private), suspended)
@@ -584,16 +584,10 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._off = {m: t for m, t in self._off.items() if t > now}
         return frozenset(self._off)
 
-    def _rank_run(self, keys: list[bytes], j: int, rank: int, off: frozenset[str]) -> int:
-        """The end of the run of keys from `j` on that the index says `rank` holds in a tier
-        not suspended."""
-        index = self._index
-        while j < len(keys):
-            ms = index.get(keys[j], {}).get(rank)
-            if not ms or (off and ms <= off):
-                break
-            j += 1
-        return j
+    def _rank_holds(self, key: bytes, rank: int, off: frozenset[str]) -> bool:
+        """The index says `rank` holds `key` in a tier not in `off`."""
+        ms = self._index.get(key, {}).get(rank)
+        return bool(ms) and not (off and ms <= off)
 
     def _lookup_local(self, keys: list[bytes]) -> int | None:
         assert self._shared is not None
