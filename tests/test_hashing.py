@@ -22,7 +22,13 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiercache.hashing import FORMAT_VERSION, make_namespace, prefix_hashes, root_hash
+from tiercache.hashing import (
+    FORMAT_VERSION,
+    group_keys,
+    make_namespace,
+    prefix_hashes,
+    root_hash,
+)
 
 NS = "test-ns"
 TOKENS = list(range(1, 11))  # block_size 4 -> two full blocks, a partial block of 2
@@ -454,3 +460,30 @@ def test_bad_make_namespace(kwargs, exc, match):
     base = {"model": "m", "dtype": "bfloat16", "block_size": 16}
     with pytest.raises(exc, match=match):
         make_namespace(**{**base, **kwargs})
+
+
+# --- group keys (hybrid models: one key per block and KV cache group) ---------------------
+
+
+def test_group_keys_empty_group_is_the_plain_keys():
+    # A single-group store keeps its keys: the empty group name changes nothing.
+    keys = prefix_hashes(list(range(64)), 16, namespace="m")
+    assert group_keys(keys, "") == keys
+
+
+def test_group_keys_golden_and_distinct_per_group():
+    keys = prefix_hashes(list(range(32)), 16, namespace="m")
+    g = "sliding_window/64/model.layers.0.self_attn.attn"
+    name = g.encode()
+    want = [
+        xxhash.xxh3_128_digest(b"tiercache/group/v1\x00" + struct.pack("<Q", len(name)) + name + k)
+        for k in keys
+    ]
+    assert group_keys(keys, g) == want
+    other = group_keys(keys, "full_attention/model.layers.2.self_attn.attn")
+    assert len(set(want) | set(other) | set(keys)) == 3 * len(keys)
+
+
+def test_group_keys_rejects_non_str_group():
+    with pytest.raises(TypeError, match="group"):
+        group_keys([b"x" * 16], b"g")  # type: ignore[arg-type]

@@ -4,6 +4,8 @@ Primitives
 ----------
 - ``prefix_hashes(token_ids, block_size, *, namespace, extra_keys=None) -> list[bytes]``
 - ``root_hash(namespace) -> bytes``: the parent of block 0 (``key[-1]``).
+- ``group_keys(keys, group) -> list[bytes]``: the keys of one KV cache group of a model
+  with several (vLLM's hybrid KV cache manager); group ``""`` leaves the keys as they are.
 - ``make_namespace(*, model, dtype, block_size, layout, tp_size, tp_rank, extra) -> str``
 - ``FORMAT_VERSION``: the version of the byte format below; bump it on any change.
 
@@ -41,6 +43,16 @@ which is the extra of block 0 and so changes every key, or a mapping
 ``{block_index: sequence}`` for per-block inputs such as multimodal hashes.
 Indices at or beyond the number of full blocks are unused.
 
+Group keys (a model whose layers form several KV cache groups, e.g. sliding-window and
+full attention): the same block of tokens is stored once per group, under::
+
+    gkey[i] = H(b"tiercache/group/v1\x00" + u64(len(G)) + G + key[i])
+
+where ``G`` is the group's UTF-8 name (its attention kind, window and layer names, so a
+key says which layers its bytes hold). The empty name is no group: ``gkey = key``, so a
+single-group store keeps the keys it always had. Group keys are not chained among
+themselves: ``gkey[i]`` commits to the whole prefix through ``key[i]``.
+
 Python's ``hash()`` is never used, so keys are equal across processes, machines
 and ``PYTHONHASHSEED`` values. See ``docs/hashing.md``.
 """
@@ -59,12 +71,20 @@ from typing import Any
 import numpy as np
 from xxhash import xxh3_128_digest
 
-__all__ = ["FORMAT_VERSION", "KEY_SIZE", "make_namespace", "prefix_hashes", "root_hash"]
+__all__ = [
+    "FORMAT_VERSION",
+    "KEY_SIZE",
+    "group_keys",
+    "make_namespace",
+    "prefix_hashes",
+    "root_hash",
+]
 
 FORMAT_VERSION = 1
 KEY_SIZE = 16
 _ROOT_PREFIX = f"tiercache/prefix/v{FORMAT_VERSION}\x00".encode()
 _NAMESPACE_PREFIX = f"tiercache-ns/v{FORMAT_VERSION}:"
+_GROUP_PREFIX = b"tiercache/group/v1\x00"
 _TOKEN_LIMIT = 2**32
 _U64 = struct.Struct("<Q").pack
 _F64 = struct.Struct("<d").pack
@@ -147,6 +167,19 @@ def prefix_hashes(
         start = j + 1
     _chain(buf[start * step : n_blocks * step], step, parent, out)
     return out
+
+
+def group_keys(keys: Sequence[bytes], group: str) -> list[bytes]:
+    """The keys of KV cache group `group` for the prefix `keys` (see the module docstring);
+    ``""`` returns them unchanged."""
+    if not isinstance(group, str):
+        raise TypeError(f"group: expected a str, got {type(group).__name__}")
+    if not group:
+        return list(keys)
+    name = group.encode("utf-8")
+    head = _GROUP_PREFIX + _U64(len(name)) + name
+    digest = xxh3_128_digest
+    return [digest(head + k) for k in keys]
 
 
 def _chain(buf: memoryview, step: int, parent: bytes, out: list[bytes]) -> bytes:
