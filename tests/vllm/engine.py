@@ -21,7 +21,10 @@ Run as a script: ``python tests/vllm/engine.py SPEC.json OUT.json``. The spec is
      "batches": [{"prompts": [[1, 2, ...], ...], "max_tokens": 16}, ...],
      "block_size": 32, "multiprocessing": false, "max_model_len": 1024,
      "tensor_parallel_size": 1, "sigkill": false, "disable_hybrid_kv_cache_manager": false,
-     "dtype": "bfloat16"}
+     "dtype": "bfloat16", "kv_groups": false, "speculative_config": null}
+
+``"kv_groups": true`` returns the KV cache groups vLLM built (``kv_cache_groups``: spec class
+and layer names per group).
 
 A batch with ``"one_by_one": true`` sends its prompts one request at a time and records each
 request's wall time in ``request_s`` (with ``max_tokens`` 1: its time to first token) and
@@ -138,6 +141,68 @@ def write_tiny_llama(
     return out
 
 
+GEMMA_LAYER_TYPES = ("s", "s", "f", "s", "s", "f")
+
+
+def write_tiny_gemma3(
+    path: str | Path,
+    seed: int = 0,
+    *,
+    layer_types: tuple[str, ...] = GEMMA_LAYER_TYPES,
+    sliding_window: int = 64,
+    vocab: int = VOCAB,
+    hidden: int = HIDDEN,
+    dtype: str = "bfloat16",
+) -> Path:
+    """Write a random-weight Gemma 3 text model (`Gemma3ForCausalLM`, transformers' config
+    class and `save_pretrained`) into `path`: layers "s" (sliding window) and "f" (full
+    attention) as `layer_types` says. vLLM serves it with one KV cache group per layer kind
+    and group size (three for s s f s s f) when its hybrid KV cache manager is on."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    kinds = {"s": "sliding_attention", "f": "full_attention"}
+    config = Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=2048,
+        sliding_window=sliding_window,
+        layer_types=[kinds[t] for t in layer_types],
+        query_pre_attn_scalar=HEAD_DIM,
+        tie_word_embeddings=False,
+        torch_dtype=dtype,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config)
+    # Larger-than-usual weights, as in `write_tiny_llama` (transformers' initialisation gives a
+    # model repeating one token whatever the prompt): wrong KV changes the outputs.
+    std = {"q_proj": 0.25, "k_proj": 0.25, "v_proj": 0.25, "o_proj": 0.1, "mlp.": 0.1}
+    std |= {"embed_tokens": 0.3, "lm_head": 0.2, "norm": 0.3}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            s = next((v for k, v in std.items() if k in name), None)
+            if s is not None:
+                param.normal_(0.0, s)
+    model = model.to(getattr(torch, dtype))
+    out = Path(path)
+    model.save_pretrained(out)
+    # transformers writes a derived `_sliding_window_pattern` that vLLM would read instead of
+    # `layer_types`: drop it.
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("_sliding_window_pattern", None)
+    cfg.pop("sliding_window_pattern", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
 def make_prompts(n: int, length: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
     """`n` prompts of `length` token ids; the first `shared_prefix` ids are common to all."""
     rng = random.Random(seed)
@@ -153,7 +218,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") else "0"
     tp = int(spec.get("tensor_parallel_size", 1))
     remote = bool(spec.get("multiprocessing")) and spec.get("kv_transfer_config") is not None
-    if remote:
+    if remote or spec.get("kv_groups"):
         # The counters live in the worker's process: fetched with a function sent over vLLM's
         # RPC, which vLLM pickles only when allowed to.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -176,6 +241,9 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["disable_hybrid_kv_cache_manager"] = True
     if spec.get("kv_transfer_config") is not None:
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    if spec.get("speculative_config") is not None:
+        kwargs["speculative_config"] = spec["speculative_config"]
+        kwargs["disable_log_stats"] = False
     if spec.get("hf_overrides") is not None:
         kwargs["hf_overrides"] = spec["hf_overrides"]
     t0 = time.perf_counter()
@@ -240,8 +308,16 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         stores = store_snapshots()
     elif remote and tp == 1:
         stores = llm.collective_rpc(_worker_snapshots)[0]
+    groups = llm.collective_rpc(_kv_groups)[0] if spec.get("kv_groups") else []
+    spec_decode: dict[str, int] = {}  # draft and accepted tokens (speculative decoding)
+    if spec.get("speculative_config") is not None:
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
+                spec_decode[m.name] = spec_decode.get(m.name, 0) + int(m.value)
     return {
         "batches": batches,
+        "kv_cache_groups": groups,
+        "spec_decode": spec_decode,
         "import_s": t_import,
         "init_s": t_init,
         "stores": stores,
@@ -269,6 +345,12 @@ def _reset_prefix_cache(llm: Any, tokens_prompt: Any, deadline_s: float = 120) -
             raise RuntimeError(f"reset_prefix_cache still refused after {deadline_s} s")
         llm.generate([tokens_prompt(prompt_token_ids=[3])], tick, use_tqdm=False)
         time.sleep(0.01)
+
+
+def _kv_groups(worker: Any) -> list[list[Any]]:
+    """The KV cache groups vLLM built (spec class, layer names), read in the worker."""
+    config = worker.model_runner.kv_cache_config
+    return [[type(g.kv_cache_spec).__name__, list(g.layer_names)] for g in config.kv_cache_groups]
 
 
 def _worker_snapshots(worker: Any) -> dict[str, Any]:

@@ -73,6 +73,7 @@ and sends the samples back in its metadata for a remote scheduler.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -90,16 +91,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tiercache.connectors.common import (
+    KVGroup,
     RankConfig,
     SharedStore,
     acquire_store,
     extra_keys_for,
     find_store,
+    hit_end,
+    kv_groups,
     namespace_from_vllm,
     open_probes,
     prepare_rank_dirs,
@@ -107,9 +113,10 @@ from tiercache.connectors.common import (
     read_user_config,
     release_store,
     resolve_rank_config,
+    window_positions,
 )
 from tiercache.costs import ForwardTimer, LoadGate
-from tiercache.hashing import prefix_hashes
+from tiercache.hashing import group_keys, prefix_hashes
 from tiercache.records import LoadSpec
 from tiercache.tiers.base import StoreProbe
 from tiercache.transfer import (
@@ -154,6 +161,7 @@ class LoadJob:
     block_ids: tuple[int, ...]
     spec: LoadSpec | None = None
     remote: bool = False
+    asynchronous: bool = False  # hybrid models: reported by get_finished even when local
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +171,7 @@ class StoreJob:
     req_id: str
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    groups: tuple[int, ...] = ()  # hybrid models: the KV cache group of each key
 
 
 @dataclass
@@ -249,6 +258,13 @@ class _Req:
     stored: int = 0  # leading blocks already handed to the worker for saving
     skip: bool = False  # prompt embeddings: token ids do not identify the KV, never cached
     hit: tuple[int, int] = (0, 0)  # (first block, number of blocks) of the last lookup
+    # Hybrid models (several KV cache groups): keys and engine block ids per group, what
+    # the last hit loads as (group, block position, key), and block positions where a hit
+    # is likely to end later (see `_window_keep`).
+    gkeys: dict[int, list[bytes]] = field(default_factory=dict)
+    gblock_ids: list[list[int]] = field(default_factory=list)
+    hit_plan: tuple[tuple[int, int, bytes], ...] = ()
+    marks: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -266,7 +282,7 @@ class _Flight:
 
 
 # -- the connector -----------------------------------------------------------------------------
-class TierCacheConnector(KVConnectorBase_V1):
+class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     """A `KVConnectorBase_V1` over a tiercache `TierCache` (see the module docstring)."""
 
     def __init__(
@@ -286,18 +302,19 @@ class TierCacheConnector(KVConnectorBase_V1):
                 f"TierCacheConnector: parallel world size {world} with tensor parallel size "
                 f"{tp_size} is not supported; pipeline (and context) parallel size must be 1"
             )
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(
-                f"TierCacheConnector: {len(groups)} KV cache groups; only models with one "
-                "(full attention) group are supported"
-            )
-        spec = groups[0].kv_cache_spec
+        # One KV cache group, or several (a hybrid model under vLLM's hybrid KV cache
+        # manager): refused with a clear error where tiercache cannot serve them right.
+        self._groups: tuple[KVGroup, ...] = kv_groups(kv_cache_config)
+        self._hma = len(self._groups) > 1
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self._block_size = int(spec.block_size)
         self._num_blocks = int(kv_cache_config.num_blocks)
-        self._block_bytes = int(spec.page_size_bytes) * len(groups[0].layer_names)
+        self._block_bytes = self._groups[0].block_bytes
         device = str(vllm_config.device_config.device_type)
         layout = f"{kv_cache_config.kv_cache_layout or 'default'}/{device}/{type(spec).__name__}"
+        if self._hma:  # blocks of one group's layers: not interchangeable with one group's
+            kinds = "+".join(f"{g.kind}:{len(g.layers)}" for g in self._groups)
+            layout = f"{layout}/groups:{kinds}"
         self._tp_size = tp_size
         self._tp_rank = _worker_tp_rank() if role == KVConnectorRole.WORKER and tp_size > 1 else 0
         ktc = self._kv_transfer_config
@@ -371,6 +388,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._job_ids = itertools.count()
         self._plan_ids = itertools.count()
         self._load_errors: set[int] = set()
+        self._failed_recv: set[str] = set()  # hybrid models: requests whose load failed
         self._watch: set[str] = set()  # delayed requests to report from get_finished
         self._recving: dict[str, int] = {}  # async loads: req id -> load jobs in flight
         self._recv_done: set[str] = set()
@@ -390,6 +408,12 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._bad_keys: dict[bytes, None] = {}
         self._forward_samples: list[tuple[int, float]] = []
         self._timer = ForwardTimer()  # CUDA events once register_kv_caches sees a GPU
+        if self._hma:
+            log.info(
+                "TierCacheConnector: %d KV cache groups (%s), one key per block and group",
+                len(self._groups),
+                ", ".join(f"{g.kind} x{len(g.layers)}" for g in self._groups),
+            )
         log.info(
             "TierCacheConnector (%s, %s, TP rank %d of %d): namespace %s, %d-byte blocks of "
             "%d tokens",
@@ -493,6 +517,8 @@ class TierCacheConnector(KVConnectorBase_V1):
             or getattr(request, "skip_reading_prefix_cache", False)
         ):
             return 0, False
+        if self._hma:
+            return self._match_groups(st, start, limit)
         keys = self._keys(st, limit)[start:]
         if self._shared is None:
             n = self._lookup_remote(keys, request.request_id)
@@ -510,6 +536,74 @@ class TierCacheConnector(KVConnectorBase_V1):
         # out of the prefix cache, until the worker reports the load, so a block that fails
         # is recomputed by this request alone, never read by another one in the meantime.
         return n * bs, self._shared is None
+
+    def _gkeys(self, st: _Req, group: KVGroup, n_blocks: int) -> list[bytes]:
+        """The first `n_blocks` keys of `group` (hybrid models), extended as blocks fill."""
+        have = st.gkeys.setdefault(group.index, [])
+        if len(have) < n_blocks:
+            base = self._keys(st, n_blocks)
+            have.extend(group_keys(base[len(have) :], group.name))
+        return have[:n_blocks]
+
+    def _has_fn(self) -> Any:
+        """Hybrid lookups: a quick "is this key worth asking for" predicate (local: the
+        manager holds it ready; remote: the index, or any key not known damaged when shared
+        tiers can be probed). The real lookup then confirms (`_match_groups`)."""
+        if self._shared is not None:
+            manager = self._shared.cache.manager
+            return lambda k: bool(manager.where(k))
+        if self._probe_pool is not None:
+            return lambda k: self._held_by_all(k) or k not in self._bad_keys
+        return self._held_by_all
+
+    def _match_groups(self, st: _Req, start: int, limit: int) -> tuple[int | None, bool]:
+        """`get_num_new_matched_tokens` for several KV cache groups: the longest hit from
+        block `start` every group can serve (full-attention groups: every block; sliding
+        windows: the blocks of the window before the hit's end), confirmed by the usual
+        lookup (local: pinned-free lookup, settle, cost gate, verified persistent reads;
+        remote: index and probes) over exactly the keys it loads. Loads are asynchronous, so
+        a failed one is reported for the request (vLLM cannot take block-level load errors
+        with several groups) and recomputed whole."""
+        bs = self._block_size
+        gk = {g.index: self._gkeys(st, g, limit) for g in self._groups}
+        full = [g for g in self._groups if not g.window_blocks]
+        has = self._has_fn()
+        end, plan = limit, ()
+        lock = self._shared.lock if self._shared is not None else contextlib.nullcontext()
+        while end > start:
+            with lock:
+                f = start
+                while f < end and all(has(gk[g.index][f]) for g in full):
+                    f += 1
+                st.marks.add(f)  # where the stored prefix ends: a later hit may end here
+                end = hit_end(self._groups, start, f, lambda g, p: has(gk[g][p]))
+            if end == start:
+                break
+            plan = tuple(
+                (g.index, p, gk[g.index][p])
+                for p in range(start, end)
+                for g in self._groups
+                if p in window_positions(g, start, end)
+            )
+            keys = [k for _, _, k in plan]
+            if self._shared is None:
+                m = self._lookup_remote(keys, st.request.request_id)
+                if m is not None:
+                    m = self._affordable(keys, m)
+            else:
+                m = self._lookup_local(keys)
+            if m is None:  # moving between tiers, or a probe is slow: vLLM asks again
+                return None, False
+            if m == len(keys):
+                break
+            end = plan[m][1]  # blocks before the first key not served; windows shift
+        n = end - start
+        if n <= 0:
+            return 0, False
+        st.hit, st.hit_plan = (start, n), plan
+        st.marks.add(end)
+        self._count("lookup_hit_blocks", n)
+        return n * bs, True
 
     def _lookup_remote(self, keys: list[bytes], req_id: str = "") -> int | None:
         """Leading `keys` every rank holds: in the index of its worker's keys, or else in a
@@ -530,8 +624,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         # Per rank, which keys from n on the index vouches for (a private tier holds them):
         # taken here, so the probe thread never reads the index while this thread changes it.
         private = [
-            tuple(self._rank_holds(k, r, off) for k in keys[n:])
-            for r in range(len(self._probes))
+            tuple(self._rank_holds(k, r, off) for k in keys[n:]) for r in range(len(self._probes))
         ]
         ask = (keys[n], len(keys), tuple(private), suspended)
         pending = self._probing.get(req_id)
@@ -675,8 +768,16 @@ class TierCacheConnector(KVConnectorBase_V1):
         st = self._reqs[request.request_id]
         start, n = st.hit
         assert n * self._block_size == num_external_tokens, (st.hit, num_external_tokens)
-        targets = tuple(blocks.get_block_ids()[0][start : start + n])
-        keys = tuple(st.keys[start : start + n])
+        if self._hma:
+            # Per group, the blocks vLLM allocated; a sliding window's blocks before its
+            # window are vLLM's null block (id 0), and the plan has none of them.
+            ids = blocks.get_block_ids()
+            pairs = [(k, ids[g][p]) for g, p, k in st.hit_plan if ids[g][p] != 0]
+            keys, targets = tuple(k for k, _ in pairs), tuple(b for _, b in pairs)
+            st.hit_plan = ()
+        else:
+            targets = tuple(blocks.get_block_ids()[0][start : start + n])
+            keys = tuple(st.keys[start : start + n])
         spec = None
         if self._shared is not None:
             # Pin now (a block evicted since the lookup is left to the worker to report).
@@ -685,7 +786,9 @@ class TierCacheConnector(KVConnectorBase_V1):
                 m = sum(1 for _ in itertools.takewhile(manager.where, keys))
                 spec = manager.prepare_load(keys[:m]) if m else None
         remote = self._shared is None
-        self._loads.append(LoadJob(request.request_id, keys, targets, spec, remote))
+        self._loads.append(
+            LoadJob(request.request_id, keys, targets, spec, remote, asynchronous=self._hma)
+        )
         st.hit = (0, 0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -694,21 +797,29 @@ class TierCacheConnector(KVConnectorBase_V1):
         meta.preempted = bool(scheduler_output.preempted_req_ids)
         meta.step_tokens = int(scheduler_output.total_num_scheduled_tokens)
         bs = self._block_size
-        steps: list[tuple[str, list[int] | None, bool, int]] = [
-            (r.req_id, r.block_ids[0], True, r.num_computed_tokens)
+        # Block ids per KV cache group, as vLLM hands them over.
+        steps: list[tuple[str, tuple[list[int], ...] | None, bool, int]] = [
+            (r.req_id, tuple(r.block_ids), True, r.num_computed_tokens)
             for r in scheduler_output.scheduled_new_reqs
         ]
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new = cached.new_block_ids[i]
             resumed = req_id in cached.resumed_req_ids
-            steps.append((req_id, new[0] if new else None, resumed, cached.num_computed_tokens[i]))
+            ids = tuple(new) if new else None
+            steps.append((req_id, ids, resumed, cached.num_computed_tokens[i]))
         if not self._stores_on:  # kv_consumer: loads only
             steps = []
-        for req_id, new_ids, replace, computed in steps:
+        planned: set[bytes] = set()  # hybrid: full-attention keys stored by this step
+        for req_id, new_groups, replace, computed in steps:
             st = self._reqs.get(req_id)
             if st is None or st.skip:  # never asked about (prefix caching off), or embeddings
                 continue
+            if self._hma:
+                scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                self._plan_groups(meta, st, new_groups, replace, computed, scheduled, planned)
+                continue
+            new_ids = new_groups[0] if new_groups else None
             if replace:
                 st.block_ids = list(new_ids or [])
             elif new_ids:
@@ -728,6 +839,95 @@ class TierCacheConnector(KVConnectorBase_V1):
                 self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
             st.stored = done
         return meta
+
+    def _plan_groups(
+        self,
+        meta: TierCacheConnectorMetadata,
+        st: _Req,
+        new_groups: tuple[list[int], ...] | None,
+        replace: bool,
+        computed: int,
+        scheduled: int,
+        planned: set[bytes],
+    ) -> None:
+        """`build_connector_meta` for several KV cache groups: the blocks this step completes,
+        every one for full-attention groups, for sliding windows those `_window_keep` keeps.
+        Only blocks completed by this step are stored: vLLM frees a sliding window's blocks
+        once they leave the window, without telling the connector."""
+        bs = self._block_size
+        req_id = st.request.request_id
+        if replace or not st.gblock_ids:
+            st.gblock_ids = [list(ids) for ids in (new_groups or [[] for _ in self._groups])]
+        elif new_groups:
+            for have, add in zip(st.gblock_ids, new_groups, strict=True):
+                have.extend(add)
+        st.stored = min(st.stored, computed // bs)
+        done = (computed + scheduled) // bs
+        done = min(done, *(len(ids) for ids in st.gblock_ids), st.request.num_tokens // bs)
+        if done <= st.stored:
+            return
+        keep = self._window_keep(st, st.stored, done, planned)
+        keys: list[bytes] = []
+        ids: list[int] = []
+        groups: list[int] = []
+        for g in self._groups:
+            gk = self._gkeys(st, g, done)
+            for p in range(st.stored, done):
+                b = st.gblock_ids[g.index][p]
+                if b == 0 or (g.window_blocks and p not in keep[g.index]):
+                    continue  # null block (vLLM does not hold it), or outside every window
+                keys.append(gk[p])
+                ids.append(b)
+                groups.append(g.index)
+                if not g.window_blocks:
+                    planned.add(gk[p])
+        if keys:
+            meta.stores.append(StoreJob(req_id, tuple(keys), tuple(ids), tuple(groups)))
+            self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
+        st.stored = done
+
+    def _window_keep(self, st: _Req, lo: int, hi: int, planned: set[bytes]) -> dict[int, set[int]]:
+        """Per sliding-window group, the block positions in [lo, hi) to store: those inside
+        the window before a block where a later hit is likely to end, so that stored bytes
+        stay bounded by the window instead of growing with the prompt:
+
+        - the end of the prompt's hit (the block before the one holding its last token: the
+          same prompt again),
+        - where this request's lookup found the stored prefix ending (`_Req.marks`),
+        - where this request leaves what the store holds or another request of this step
+          stores (a shared prefix ends there: the next request sharing it hits there).
+
+        A hit ending elsewhere is served by the nearest such block before it."""
+        bs = self._block_size
+        n_keys = len(st.request.all_token_ids) // bs
+        marks = set(st.marks)
+        prompt_end = (st.request.num_prompt_tokens - 1) // bs
+        if prompt_end > 0:
+            marks.add(prompt_end)
+        full = [g for g in self._groups if not g.window_blocks]
+        if full:
+            wmax = max(g.window_blocks for g in self._groups)
+            top = min(hi + wmax, n_keys)
+            gk = self._gkeys(st, full[0], top)
+            known = self._known_fn(planned)
+            seen = {p: known(gk[p]) for p in range(lo, top)}
+            for c in range(lo + 1, top):
+                if seen[c - 1] and not seen[c]:
+                    marks.add(c)
+        out: dict[int, set[int]] = {}
+        for g in self._groups:
+            if g.window_blocks:
+                out[g.index] = {
+                    p for c in marks for p in range(max(lo, c - g.window_blocks), min(hi, c))
+                }
+        return out
+
+    def _known_fn(self, planned: set[bytes]) -> Any:
+        """Whether a key is stored (or being stored) already, or planned by this step."""
+        if self._shared is not None:
+            manager = self._shared.cache.manager
+            return lambda k: k in planned or manager.holds(k)
+        return lambda k: k in planned or k in self._index
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -797,6 +997,13 @@ class TierCacheConnector(KVConnectorBase_V1):
                 for medium, keys in m.held.items():
                     self._index_event(m.rank, tuple(keys), medium, False)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls this instead of `request_finished` (`SupportsHMA`), with every group's
+        block ids; what is stored was planned step by step, so it is the same."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -829,7 +1036,10 @@ class TierCacheConnector(KVConnectorBase_V1):
     # ==========================================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._shared is not None
-        layout = KVLayout(kv_caches, self._num_blocks)
+        if self._hma:
+            layout = _group_layout(kv_caches, self._groups, self._num_blocks)
+        else:
+            layout = KVLayout(kv_caches, self._num_blocks)
         if layout.block_bytes != self._block_bytes:
             raise ValueError(
                 f"register_kv_caches: the engine's blocks are {layout.block_bytes} bytes, but "
@@ -933,27 +1143,28 @@ class TierCacheConnector(KVConnectorBase_V1):
         sync_jobs: list[int] = []
         for job in meta.loads:
             spec, remote = job.spec, job.remote
+            asynchronous = remote or job.asynchronous  # reported by get_finished
             if remote:  # planned here, loaded asynchronously
                 with self._shared.lock:
                     n = manager.lookup(job.keys) or 0
                     spec = manager.prepare_load(job.keys[:n]) if n else None
             n = len(spec.keys) if spec is not None else 0
             if n < len(job.keys):  # gone since the scheduler looked: vLLM recomputes them
-                self._load_errors.update(job.block_ids[n:])
+                self._load_failed(job.req_id, job.block_ids[n:])
                 self._count("load_error_blocks", len(job.keys) - n)
-            if remote:
+            if asynchronous:
                 self._recving[job.req_id] = 0
             if spec is not None:
                 for src, dst in load_transfers(spec, job.block_ids[:n]):
                     assert isinstance(src, TierLoadStoreSpec)
                     flight = _Flight("load", src.keys, src.tier, block_ids=dst.block_ids)
-                    if remote:
+                    if asynchronous:
                         flight.req_id = job.req_id
                         self._recving[job.req_id] += 1
                     job_id = self._submit(flight, (src, dst))
-                    if not remote:
+                    if not asynchronous:
                         sync_jobs.append(job_id)
-            if remote and not self._recving[job.req_id]:
+            if asynchronous and not self._recving[job.req_id]:
                 del self._recving[job.req_id]
                 self._recv_done.add(job.req_id)
         # A synchronous load is read by this step's forward, so it completes first, or is
@@ -979,7 +1190,7 @@ class TierCacheConnector(KVConnectorBase_V1):
             if f is None or f.kind != "load" or f.abandoned or not self._worker.cancel(j):
                 continue
             f.abandoned = True
-            self._load_errors.update(f.block_ids)
+            self._load_failed(f.req_id, f.block_ids)
             self._count("load_deadline_blocks", len(f.keys))
             with self._shared.lock:
                 seconds = manager.suspend(f.tier)
@@ -994,6 +1205,14 @@ class TierCacheConnector(KVConnectorBase_V1):
             )
             if f.req_id:
                 self._received(f.req_id)
+
+    def _load_failed(self, req_id: str, block_ids: Iterable[int]) -> None:
+        """Blocks that could not be loaded: never saved this step; vLLM recomputes them (with
+        several KV cache groups vLLM takes no block-level errors: the whole request is
+        reported as a failed receive, and recomputed)."""
+        self._load_errors.update(block_ids)
+        if self._hma and req_id:
+            self._failed_recv.add(req_id)
 
     def _received(self, req_id: str) -> None:
         """One load job of an asynchronous request ended (or was abandoned)."""
@@ -1049,6 +1268,11 @@ class TierCacheConnector(KVConnectorBase_V1):
                 absent = sum(1 for k in keys if not manager.holds(k))
                 plan = manager.prepare_store(keys)
         stored = len(plan.stored_keys) if plan is not None else 0
+        if stored and job.groups:  # hybrid models: blocks stored per KV cache group
+            written = set(plan.stored_keys)
+            for k, g in zip(keys, job.groups, strict=False):
+                if k in written:
+                    self._count(f"stored_blocks_g{g}")
         if absent > stored:
             self._count("store_skipped_blocks", absent - stored)
         if plan is None or (not stored and not plan.moves):
@@ -1108,7 +1332,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                         manager.record_error(f.tier, len(bad))
                         self._bad.update((k, f.tier) for k in bad)
                         self._bad_report.extend(bad)
-                        self._load_errors.update(f.block_ids[i] for i in sorted(failed))
+                        self._load_failed(f.req_id, [f.block_ids[i] for i in sorted(failed)])
                         self._count("load_error_blocks", len(bad))
                     else:
                         manager.record_ok(f.tier)
@@ -1163,9 +1387,45 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._watch -= done
         return (done or None), (recved or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        recved = set(recving or ())
+        # Hybrid models: a request whose load failed is reported with its receive finished.
+        failed, self._failed_recv = self._failed_recv & recved, self._failed_recv - recved
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=recved, failed_recving=failed
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
+        if self._hma:  # reported per request (get_transfer_results), never per block
+            return set()
         return errors
+
+
+def _group_layout(
+    kv_caches: dict[str, torch.Tensor], groups: tuple[KVGroup, ...], num_blocks: int
+) -> KVLayout:
+    """The block layout of a hybrid model's KV caches: vLLM overlays its groups (layer j of
+    every group is a view of one tensor; a block id is owned by one group at a time), so one
+    group's layout, copied by block id, serves every group. Anything else is refused."""
+    layouts = [KVLayout({n: kv_caches[n] for n in g.layers}, num_blocks) for g in groups]
+
+    def shape(layout: KVLayout) -> tuple[Any, ...]:
+        return tuple(
+            (s.rows.data_ptr(), tuple(s.rows.shape), tuple(s.rows.stride()), s.offset)
+            for s in layout.segments
+        )
+
+    first = shape(layouts[0])
+    for g, layout in zip(groups[1:], layouts[1:], strict=True):
+        if shape(layout) != first:
+            raise ValueError(
+                f"register_kv_caches: KV cache group {g.index} ({g.kind}) does not share the "
+                "block layout of group 0 (vLLM did not overlay the groups' tensors); "
+                "not supported"
+            )
+    return layouts[0]
 
 
 def _worker_tp_rank() -> int:

@@ -1,0 +1,248 @@
+"""`TierCacheConnector` on a hybrid-attention model with vLLM's hybrid KV cache manager on.
+
+A tiny random Gemma 3 text model (layers s s f s s f: sliding window 64, full attention;
+block size 32), each engine in a fresh process, persistent tiers (NVMe + LMDB) in a temporary
+directory:
+
+- baseline: no connector; the store prompts, then (vLLM's prefix cache reset) the load
+  prompts. vLLM builds three KV cache groups (two sliding-window, one full attention).
+- store: the connector, in process; the same three groups; outputs equal the baseline.
+- load (fresh process): in process, then in vLLM's default multiprocess mode; outputs equal
+  the baseline and external hits cover at least half of the loadable full-block tokens:
+  prompts seen before (hit up to the block before their last token), prompts sharing a
+  prefix longer than the window with them (hit in the middle, at the shared prefix's end),
+  a prompt continuing one seen before.
+- corrupted: a byte flipped in every stored record; multiprocess (the worker finds the bad
+  blocks, the request is reported as a failed receive and recomputed whole) and in process
+  with vLLM's default load-failure policy (the scheduler verifies before it reports a hit).
+- long prompt: sliding-window groups store a bounded number of blocks (the window before the
+  prompt's end), full attention every block; bytes per token per group.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import shutil
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+BS = 32
+WINDOW = 64
+WINDOW_BLOCKS = -(-(WINDOW - 1) // BS)  # blocks before a hit's end a sliding layer reads
+PREFIX = 160  # shared by the "shared" prompts: 5 blocks, longer than the window
+MAX_TOKENS = 12
+GROUPS = [
+    ["SlidingWindowSpec", ["model.layers.0.self_attn.attn", "model.layers.3.self_attn.attn"]],
+    ["SlidingWindowSpec", ["model.layers.1.self_attn.attn", "model.layers.4.self_attn.attn"]],
+    ["FullAttentionSpec", ["model.layers.2.self_attn.attn", "model.layers.5.self_attn.attn"]],
+]
+
+
+def _kv_module() -> ModuleType:
+    """`test_kv_connector` (its store-corrupting helper), loaded by path as conftest does."""
+    path = Path(__file__).resolve().parent / "test_kv_connector.py"
+    spec = importlib.util.spec_from_file_location("tiercache_tests_vllm_kv_corrupt", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _kv_config(root: Path, *, policy: str | None) -> dict[str, Any]:
+    tiers = [
+        {"kind": "cpu", "blocks": 8},
+        {"kind": "nvme", "path": str(root / "nvme"), "blocks": 16},
+        {"kind": "lmdb", "path": str(root / "lmdb"), "blocks": 512, "compression": "none"},
+    ]
+    cfg: dict[str, Any] = {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config": {"namespace": "hybrid", "tiers": tiers}},
+    }
+    if policy is not None:
+        cfg["kv_load_failure_policy"] = policy
+    return cfg
+
+
+def _prompts() -> tuple[list[list[int]], list[list[int]]]:
+    """(store prompts, load prompts)."""
+    rng = random.Random(17)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 4096) for _ in range(n)]
+
+    prefix = tokens(PREFIX)
+    shared = [prefix + tokens(96) for _ in range(3)]  # 256 tokens
+    solo = [tokens(230), tokens(250)]
+    store = shared + solo
+    middle = [prefix + tokens(90), prefix + tokens(70)]  # hit at the shared prefix's end
+    cont = [solo[0][: 7 * BS] + tokens(40)]  # continues a prompt seen before
+    return store, store + middle + cont
+
+
+def _loadable(prompt: list[int], seen: list[list[int]]) -> int:
+    """Full-block tokens of `prompt` a store holding `seen` could serve: the longest common
+    full-block prefix with a prompt seen, never the block holding its last token."""
+    limit = (len(prompt) - 1) // BS
+    best = 0
+    for s in seen:
+        n = 0
+        while (
+            n < min(limit, len(s) // BS)
+            and prompt[n * BS : (n + 1) * BS] == s[n * BS : (n + 1) * BS]
+        ):
+            n += 1
+        best = max(best, n)
+    return best * BS
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory, engine: ModuleType) -> Path:
+    return engine.write_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiercache-hybrid")
+
+
+def _spec(model: Path, kv: dict[str, Any] | None, batches: list[dict[str, Any]], **kw: Any):
+    return {
+        "model": str(model),
+        "kv_transfer_config": kv,
+        "batches": batches,
+        "block_size": BS,
+        "kv_groups": True,
+        **kw,
+    }
+
+
+@pytest.fixture(scope="module")
+def baseline(engine: ModuleType, gemma: Path) -> dict[str, Any]:
+    store, load = _prompts()
+    batches = [
+        {"prompts": store, "max_tokens": MAX_TOKENS, "reset_prefix_cache": True},
+        {"prompts": load, "max_tokens": MAX_TOKENS},
+    ]
+    out = engine.run_in_subprocess(_spec(gemma, None, batches))
+    # The model is a useful oracle only if different prompts give different tokens.
+    outputs = out["batches"][1]["outputs"]
+    assert len({tuple(o) for o in outputs}) == len(load)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_store(engine: ModuleType, gemma: Path, store_root: Path) -> dict[str, Any]:
+    store, _ = _prompts()
+    kv = _kv_config(store_root, policy="recompute")
+    return engine.run_in_subprocess(
+        _spec(gemma, kv, [{"prompts": store, "max_tokens": MAX_TOKENS}])
+    )
+
+
+@pytest.fixture(scope="module")
+def run_load(
+    engine: ModuleType,
+    gemma: Path,
+    store_root: Path,
+    run_store: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fresh processes on the store run's store: in process, then multiprocess (on a copy
+    taken before the first load run, whose own stores would serve the second)."""
+    _, load = _prompts()
+    copy = tmp_path_factory.mktemp("tiercache-hybrid-copy") / "store"
+    shutil.copytree(store_root, copy)
+    one = [{"prompts": load, "max_tokens": MAX_TOKENS}]
+    local = engine.run_in_subprocess(_spec(gemma, _kv_config(store_root, policy="recompute"), one))
+    remote_kv = _kv_config(copy, policy="recompute")
+    remote = engine.run_in_subprocess(_spec(gemma, remote_kv, one, multiprocessing=True))
+    return local, remote
+
+
+def test_same_kv_cache_groups_with_and_without_the_connector(
+    baseline: dict[str, Any], run_store: dict[str, Any]
+) -> None:
+    # The hybrid manager stays on with the connector (SupportsHMA): three groups, not one.
+    assert baseline["kv_cache_groups"] == GROUPS
+    assert run_store["kv_cache_groups"] == GROUPS
+
+
+def test_store_run_matches_baseline(baseline: dict[str, Any], run_store: dict[str, Any]) -> None:
+    assert run_store["batches"][0]["outputs"] == baseline["batches"][0]["outputs"]
+
+
+def test_fresh_process_loads_match_baseline_and_hit(
+    baseline: dict[str, Any], run_load: tuple[dict[str, Any], dict[str, Any]]
+) -> None:
+    store, load = _prompts()
+    want = baseline["batches"][1]["outputs"]
+    loadable = [_loadable(p, store) for p in load]
+    assert all(n > WINDOW for n in loadable)  # every load prompt can hit past the window
+    for run in run_load:
+        batch = run["batches"][0]
+        assert batch["outputs"] == want
+        hits = batch["num_cached_tokens"]
+        # Every prompt hits: seen ones near their end, the others in the middle.
+        assert all(h > 0 for h in hits), hits
+        assert sum(hits) >= 0.5 * sum(loadable), (hits, loadable)
+        assert all(h <= n for h, n in zip(hits, loadable, strict=True)), (hits, loadable)
+
+
+def test_corrupted_store_still_matches_baseline(
+    engine: ModuleType,
+    gemma: Path,
+    store_root: Path,
+    baseline: dict[str, Any],
+    run_load: Any,
+) -> None:
+    _, load = _prompts()
+    kvmod = _kv_module()
+    one = [{"prompts": load, "max_tokens": MAX_TOKENS}]
+    flipped = kvmod.corrupt_records(store_root / "nvme", payload=True) + kvmod.corrupt_records(
+        store_root / "lmdb", payload=False
+    )
+    assert flipped > 0
+    want = baseline["batches"][1]["outputs"]
+    kv = _kv_config(store_root, policy="recompute")
+    remote = engine.run_in_subprocess(_spec(gemma, kv, one, multiprocessing=True))
+    assert remote["batches"][0]["outputs"] == want
+    kvmod.corrupt_records(store_root / "nvme", payload=True, round=1)
+    kvmod.corrupt_records(store_root / "lmdb", payload=False, round=1)
+    local = engine.run_in_subprocess(_spec(gemma, _kv_config(store_root, policy=None), one))
+    assert local["batches"][0]["outputs"] == want
+    # The damage was seen (counted), not served.
+    errors = sum(
+        int(t["errors"]) for s in local["stores"].values() for t in s["stats"].values()
+    ) + sum(int(s["counters"].get("load_error_blocks", 0)) for s in remote["stores"].values())
+    assert errors > 0
+
+
+def test_long_prompt_sliding_window_bytes_stay_bounded(
+    engine: ModuleType, gemma: Path, tmp_path: Path
+) -> None:
+    rng = random.Random(5)
+    lengths = (400, 900)
+    prompts = [[rng.randrange(3, 4096) for _ in range(n)] for n in lengths]
+    one = [{"prompts": prompts, "max_tokens": 4}]
+    base = engine.run_in_subprocess(_spec(gemma, None, one, kv_groups=False))
+    kv = _kv_config(tmp_path, policy="recompute")
+    run = engine.run_in_subprocess(_spec(gemma, kv, one, kv_groups=False))
+    assert run["batches"][0]["outputs"] == base["batches"][0]["outputs"]
+    (snap,) = run["stores"].values()
+    c = {g: int(snap["counters"].get(f"stored_blocks_g{g}", 0)) for g in range(3)}
+    block_bytes = 2 * 2 * 32 * 2 * 32 * 2  # 2 layers x (2 KV heads x 32 tokens x K,V x 32) bf16
+    tokens = sum(n // BS * BS for n in lengths)
+    per_token = {g: c[g] * block_bytes / tokens for g in c}
+    # Full attention: every full block of both prompts. Sliding windows: the window before
+    # each prompt's hit end, whatever the prompt's length.
+    assert c[2] == sum(n // BS for n in lengths), (c, per_token)
+    assert c[0] == c[1] == WINDOW_BLOCKS * len(lengths), (c, per_token)
+    assert per_token[0] < per_token[2] / 5, per_token
