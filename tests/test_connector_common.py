@@ -18,6 +18,8 @@ from tiercache.connectors.common import (
     derive_namespace,
     extra_keys_for,
     find_store,
+    hit_end,
+    kv_groups,
     kv_settings,
     kv_settings_digest,
     namespace_from_vllm,
@@ -28,6 +30,7 @@ from tiercache.connectors.common import (
     resolve_config,
     resolve_rank_config,
     store_snapshots,
+    window_positions,
 )
 from tiercache.errors import ConfigError
 from tiercache.hashing import prefix_hashes
@@ -368,3 +371,62 @@ def test_exit_backstop_closes_open_stores_and_runs_hooks(tmp_path: Path) -> None
     assert ran.is_set() and find_store(cfg) is None
     with pytest.raises(RuntimeError, match="closed"):
         s.cache.lookup([b"\0" * 16])
+
+
+# -- KV cache groups (vLLM's hybrid KV cache manager) ---------------------------------------
+class FullAttentionSpec:  # named as vLLM's spec classes: kv_groups reads names, not types
+    def __init__(self, block_size: int = 32, page: int = 8192) -> None:
+        self.block_size, self.page_size_bytes = block_size, page
+
+
+class SlidingWindowSpec(FullAttentionSpec):
+    def __init__(self, window: int, block_size: int = 32, extra: int = 0) -> None:
+        super().__init__(block_size)
+        self.sliding_window, self.extra_retained_tokens = window, extra
+
+
+class MambaSpec(FullAttentionSpec):
+    pass
+
+
+def _config(*specs: object, layers: int = 2) -> SimpleNamespace:
+    groups = [
+        SimpleNamespace(kv_cache_spec=s, layer_names=[f"l{i}.{j}" for j in range(layers)])
+        for i, s in enumerate(specs)
+    ]
+    return SimpleNamespace(kv_cache_groups=groups)
+
+
+def test_kv_groups_single_group_has_no_name() -> None:
+    # One group: the plain prefix keys (group name ""), as before hybrid support.
+    (g,) = kv_groups(_config(FullAttentionSpec(), layers=6))
+    assert (g.name, g.kind, g.window_blocks, g.block_bytes) == ("", "full_attention", 0, 6 * 8192)
+
+
+def test_kv_groups_hybrid_names_kinds_and_windows() -> None:
+    groups = kv_groups(_config(SlidingWindowSpec(64), SlidingWindowSpec(64), FullAttentionSpec()))
+    assert [g.kind for g in groups] == ["sliding_window"] * 2 + ["full_attention"]
+    assert [g.window_blocks for g in groups] == [2, 2, 0]
+    assert groups[0].name == "sliding_window/64/l0.0,l0.1"
+    assert len({g.name for g in groups}) == 3
+    # vLLM's retained tokens (e.g. speculative lookahead) widen the window.
+    (_, g) = kv_groups(_config(FullAttentionSpec(), SlidingWindowSpec(64, extra=8)))
+    assert g.window_blocks == 3
+
+
+def test_kv_groups_refuses_non_attention_and_mixed_blocks() -> None:
+    with pytest.raises(ValueError, match="MambaSpec"):
+        kv_groups(_config(FullAttentionSpec(), MambaSpec()))
+    with pytest.raises(ValueError, match="block sizes"):
+        kv_groups(_config(FullAttentionSpec(), SlidingWindowSpec(64, block_size=16)))
+
+
+def test_hit_end_is_the_longest_prefix_every_group_serves() -> None:
+    groups = kv_groups(_config(SlidingWindowSpec(64), FullAttentionSpec()))
+    held = {(0, 3), (0, 4)}  # the sliding group holds blocks 3 and 4 only
+    has = lambda g, p: (g, p) in held  # noqa: E731
+    assert hit_end(groups, 0, 7, has) == 5  # the window before block 5 is blocks 3, 4
+    assert hit_end(groups, 0, 4, has) == 0  # before block 4 it needs 2, 3: no hit
+    assert list(window_positions(groups[0], 0, 5)) == [3, 4]
+    assert list(window_positions(groups[1], 2, 5)) == [2, 3, 4]
+    assert hit_end(groups, 4, 5, has) == 5  # block 3 is before the start: vLLM holds it

@@ -246,3 +246,44 @@ def test_long_prompt_sliding_window_bytes_stay_bounded(
     assert c[2] == sum(n // BS for n in lengths), (c, per_token)
     assert c[0] == c[1] == WINDOW_BLOCKS * len(lengths), (c, per_token)
     assert per_token[0] < per_token[2] / 5, per_token
+
+
+# -- speculative decoding ------------------------------------------------------------------
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1,
+}
+
+
+def test_ngram_speculative_decoding_matches_and_hits(
+    engine: ModuleType, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """n-gram speculation on the hybrid model: with the connector, greedy outputs equal the
+    same engine without it, cold and when tiercache serves the prompts (after vLLM's prefix
+    cache is reset), and drafts are proposed (a 64-token vocabulary and repetitive prompts)."""
+    model = engine.write_tiny_gemma3(tmp_path_factory.mktemp("gemma-v64"), vocab=64)
+    rng = random.Random(9)
+    prompts = []
+    for _ in range(4):
+        motif = [rng.randrange(3, 64) for _ in range(12)]
+        repeated = [t for _ in range(20) for t in motif][:230]
+        prompts.append([*repeated, rng.randrange(3, 64)])
+    batches = [
+        {"prompts": prompts, "max_tokens": 24, "reset_prefix_cache": True},
+        {"prompts": prompts, "max_tokens": 24},
+    ]
+    base = engine.run_in_subprocess(
+        _spec(model, None, batches, speculative_config=NGRAM, kv_groups=False)
+    )
+    kv = _kv_config(tmp_path_factory.mktemp("tiercache-spec"), policy="recompute")
+    run = engine.run_in_subprocess(_spec(model, kv, batches, speculative_config=NGRAM))
+    assert run["kv_cache_groups"] == GROUPS
+    for got, want in zip(run["batches"], base["batches"], strict=True):
+        assert got["outputs"] == want["outputs"]
+    assert base["batches"][0]["outputs"] == base["batches"][1]["outputs"]
+    # Cold: no hits between the prompts (they share nothing); then tiercache serves them.
+    assert all(h == 7 * BS for h in run["batches"][1]["num_cached_tokens"])
+    drafts = run["spec_decode"].get("vllm:spec_decode_num_draft_tokens", 0)
+    assert drafts > 0, run["spec_decode"]

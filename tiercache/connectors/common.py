@@ -440,8 +440,8 @@ class KVGroup:
 
     `name` goes into the group keys (`tiercache.hashing.group_keys`; "" for a model with one
     group, whose keys stay the plain prefix keys). `window_blocks` is 0 for full attention;
-    for a sliding window, how many blocks before a hit's end its layers read
-    (``ceil((window - 1) / block_size)``, as vLLM's sliding-window manager keeps)."""
+    for a sliding window, how many blocks before a hit's end its layers read (what vLLM's
+    sliding-window manager keeps, at least ``ceil(window / block_size)``)."""
 
     index: int
     name: str
@@ -470,8 +470,11 @@ def kv_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
             kind, window = "full_attention", 0
         elif kind_name in _WINDOW_SPECS:
             kind = "sliding_window"
-            w = int(spec.sliding_window)
-            window = max(1, -(-(w - 1) // int(spec.block_size)))
+            # vLLM keeps ``sliding_window - 1 + extra_retained_tokens`` tokens before the
+            # next one (its sliding-window manager); never fewer than the window's blocks.
+            w, bs = int(spec.sliding_window), int(spec.block_size)
+            extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+            window = max(1, -(-w // bs), -(-(w - 1 + extra) // bs))
         else:
             raise ValueError(
                 f"TierCacheConnector: KV cache group {i} is {kind_name} (layers "

@@ -52,6 +52,16 @@ vLLM's `KVOutputAggregator` reports a request finished sending or receiving only
 worker did; a block one rank cannot load is that rank's load error, and vLLM recomputes it.
 Pipeline (and context) parallel size must be 1.
 
+Hybrid models (`SupportsHMA`: vLLM keeps its hybrid KV cache manager on, several KV cache
+groups): each block is stored once per group, under `hashing.group_keys` (one group: the plain
+keys). Full-attention groups store every block; sliding-window groups only the window before
+blocks where a later hit is likely to end (`_window_keep`), and only blocks completed this step
+(vLLM frees blocks leaving the window without asking). A hit is the longest prefix every group
+serves (`_match_groups`). Loads are asynchronous, and a failed one is the request's failed
+receive (vLLM takes no block-level errors with several groups): it is recomputed whole. The
+groups share one block layout (vLLM overlays them); non-attention groups are refused
+(`common.kv_groups`). See docs/vllm.md#hybrid-attention-models.
+
 Deadlines (config ``[deadlines]``): a load into the engine not finished `load_timeout` seconds
 after it was due (a synchronous one: when the forward needs it; an asynchronous one: after
 its submission) is abandoned. The transfer engine stops it writing engine blocks
@@ -389,6 +399,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._plan_ids = itertools.count()
         self._load_errors: set[int] = set()
         self._failed_recv: set[str] = set()  # hybrid models: requests whose load failed
+        self._volatile: list[int] = []  # hybrid: store jobs reading sliding-window blocks
         self._watch: set[str] = set()  # delayed requests to report from get_finished
         self._recving: dict[str, int] = {}  # async loads: req id -> load jobs in flight
         self._recv_done: set[str] = set()
@@ -1281,10 +1292,16 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         plan_id = next(self._plan_ids)
         specs = store_transfers(plan, keys, ids)
         self._plans[plan_id] = (job.req_id, len(specs))
+        # vLLM frees a sliding window's blocks as they leave the window, without asking the
+        # connector, and may hand them to another request in the next step: stores reading
+        # them must finish before the next forward (bind_connector_metadata waits for them).
+        volatile = any(self._groups[g].window_blocks for g in job.groups)
         for src, dst in specs:
             assert isinstance(dst, TierLoadStoreSpec)
             kind = "move" if isinstance(src, TierLoadStoreSpec) else "store"
-            self._submit(_Flight(kind, dst.keys, dst.tier, plan=plan_id), (src, dst))
+            job_id = self._submit(_Flight(kind, dst.keys, dst.tier, plan=plan_id), (src, dst))
+            if volatile and kind == "store":
+                self._volatile.append(job_id)
 
     def _load_sample(self, tier: int, nbytes: int, seconds: float) -> None:
         """A load job finished whole: its cost, for the cache's estimates and the scheduler."""
@@ -1295,6 +1312,11 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        if self._volatile and self._worker is not None:
+            # Hybrid models: the last step's stores of sliding-window blocks (see `_save`).
+            volatile, self._volatile = self._volatile, []
+            self._worker.wait(volatile)
+            self._drain()
         # vLLM binds right before the forward (and starts asynchronous loads after it, then
         # calls wait_for_save): the forward's timing starts here (cost samples).
         self._timer.start()

@@ -35,6 +35,13 @@ failure). A load not finished `[deadlines] load_timeout` seconds after its submi
 suspends its tier (the manager's circuit breaker): lookups skip the tier until its back-off
 ends, so later requests recompute instead of queueing behind it; the late load itself is
 still waited for. Use `TierCacheConnector` where a load must never hold a request back.
+
+Hybrid models (several KV cache groups): vLLM's `OffloadingConnector` keeps the hybrid KV
+cache manager on (`SupportsHMA`), chooses per group what to store and load (sliding windows:
+the window only), gives the manager one `OffloadKey` per block and group, and gives the worker
+each group's blocks (`GPULoadStoreSpec.group_sizes`, `block_indices`) and tensors
+(`CanonicalKVCaches.group_data_refs`). This spec serves one group and refuses more at start-up;
+run hybrid models with ``disable_hybrid_kv_cache_manager=True`` or `TierCacheConnector`.
 """
 
 from __future__ import annotations
@@ -738,9 +745,14 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 f"{config.parallel.world_size}); use TierCacheConnector for TP/PP > 1"
             )
         if len(config.groups) != 1:
+            # vLLM's OffloadingConnector keeps the hybrid KV cache manager on (SupportsHMA)
+            # and hands the worker each group's blocks (GPULoadStoreSpec.group_sizes) with
+            # each group's tensors (CanonicalKVCaches.group_data_refs); this worker copies
+            # one group's layout only. See docs/vllm-offloading.md#hybrid-models.
             raise ValueError(
                 "TierCacheOffloadingSpec: one KV cache group is supported, "
-                f"got {len(config.groups)}"
+                f"got {len(config.groups)} (a hybrid model: set "
+                "disable_hybrid_kv_cache_manager=True, or use TierCacheConnector)"
             )
         window = getattr(config.groups[0], "sliding_window_size_in_chunks", None)
         if window is not None:
