@@ -95,7 +95,9 @@ class LaneHandler(TransferHandler):
         """Block until the jobs `job` follows have finished; False if one it reads failed."""
         ok = True
         for dep, reads_it in job.deps:
-            if not dep.wait() and reads_it:
+            if reads_it is None:  # only overwrites what `dep` reads: its reads are enough
+                dep.wait_reads()
+            elif not dep.wait() and reads_it:
                 ok = False
         return ok
 
@@ -159,10 +161,14 @@ class LaneHandler(TransferHandler):
 
     def _execute(self, job: Job, lane: str) -> None:
         try:
-            if self.wait_deps(job, lane):
+            ok = self.wait_deps(job, lane)
+            with job.fence:  # `Job.cancel` before this point stops it whatever the handler
+                go = ok and not job.cancelled
+                job.started = go
+            if go:
                 self.run(job, lane)
             else:
-                job.fail()
+                job.fail()  # a dependency it reads failed, or the engine gave up on it
         except Exception as exc:
             # The thread boundary: any failure of a copy becomes success=False for its job
             # (the blocks are then recomputed or not stored); it must never kill the lane.
@@ -172,4 +178,5 @@ class LaneHandler(TransferHandler):
         finally:
             with self._lock:
                 self._issued[lane].append(job)
+            job.read_done.set()
             job.issued.set()
