@@ -43,6 +43,7 @@ from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.hashing import prefix_hashes
 from tiercache.manager import OffloadingManager
 from tiercache.policies import get_policy_class
+from tiercache.priority import lower_this_thread
 from tiercache.records import BlockMove, OffloadingEvent, PrepareStoreOutput
 from tiercache.telemetry import Telemetry
 from tiercache.tiers import Tier, build_tier, check_blocks
@@ -545,7 +546,9 @@ class TierCache:
         The copies are insurance against a crash and must not slow the engine they run
         beside: the thread copies small batches and sleeps briefly between them, so it never
         holds the GIL (or the cache lock) for long while the engine's thread waits for it.
-        What it cannot keep up with is dropped and counted."""
+        What it cannot keep up with is dropped and counted. It runs at a lower priority
+        than the engine's threads (`tiercache.priority`)."""
+        lower_this_thread()
         while not self._closed:
             self._through_wake.wait(_THROUGH_POLL_S)
             self._through_wake.clear()

@@ -73,6 +73,9 @@ class DiskHandler(LaneHandler):
             return f"io:{src.medium}>{dst.medium}"
         return f"io:{(src if isinstance(src, TierLoadStoreSpec) else dst).medium}"
 
+    def background(self, lane: str) -> bool:
+        return ">" in lane  # tier -> tier: demotions and write-backs, nothing waits on them
+
     def expedited_lane_of(self, job: Job) -> str:
         return f"{EXPEDITED}:{self.lane_of(job)}"
 

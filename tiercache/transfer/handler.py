@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping
 
+from tiercache.priority import lower_this_thread
 from tiercache.transfer.job import Job
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,11 @@ class LaneHandler(TransferHandler):
     def expedited_lane_of(self, job: Job) -> str:
         """The lane of `job` when it is expedited (default: the one `EXPEDITED` lane)."""
         return EXPEDITED
+
+    def background(self, lane: str) -> bool:
+        """Whether nothing waits for `lane`'s jobs soon (copies between tiers): its threads
+        run at a lower priority than the engine's (`tiercache.priority`)."""
+        return False
 
     def prepare(self, job: Job) -> None:
         """Caller-thread work at submission (e.g. mark the compute stream's position)."""
@@ -155,6 +161,8 @@ class LaneHandler(TransferHandler):
 
     # -- lane threads ----------------------------------------------------------------------
     def _serve(self, lane: str) -> None:
+        if self.background(lane):
+            lower_this_thread()
         q = self._queues[lane]
         while (job := q.get()) is not None:
             self._execute(job, lane)
