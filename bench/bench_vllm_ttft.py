@@ -146,6 +146,7 @@ def one_round(
         r = eng.run_in_subprocess({**base, **spec}, timeout=900)
         print(f"  round {rnd} {name:9s} {time.perf_counter() - t0:5.1f} s", flush=True)
         out[f"{name}_stores"] = r["stores"]
+        out[f"{name}_init"] = [r["init_s"]]  # LLM() start-up, the tiers' open included
         return r["batches"]
 
     def baseline() -> None:
@@ -246,6 +247,49 @@ def one_round(
     return out
 
 
+OPEN_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from tiercache import TierCache
+t1 = time.perf_counter()
+cache = TierCache.open(json.loads(sys.argv[1]), block_bytes=int(sys.argv[2]))
+t2 = time.perf_counter()
+cache.close()
+print(json.dumps({"import_s": t1 - t0, "open_s": t2 - t1}))
+"""
+
+
+def startup(work: Path) -> dict[str, list[float]]:
+    """Seconds `TierCache.open` takes in a fresh process (issue 16, item 5): the benchmark's
+    tiers (CPU 512 MiB, NVMe 512 MiB) against the issue's large ones (CPU 2 GiB, NVMe 8 GiB,
+    LMDB 8 GiB), each opened first (files made, space reserved) and then again (reopen)."""
+    import subprocess
+
+    sizes = {"small": ("512MiB", "512MiB", "512MiB"), "large": ("2GiB", "8GiB", "8GiB")}
+    out: dict[str, list[float]] = {}
+    for name, (cpu, disk, lmdb) in sizes.items():
+        root = work / f"startup-{name}"
+        root.mkdir()
+        config = {
+            "namespace": "startup",
+            "tiers": [
+                {"kind": "cpu", "capacity": cpu},
+                {"kind": "nvme", "path": str(root / "nvme"), "capacity": disk},
+                {"kind": "lmdb", "path": str(root / "lmdb"), "capacity": lmdb},
+            ],
+        }
+        for when in ("first", "reopen"):
+            r = subprocess.run(
+                [sys.executable, "-c", OPEN_CHILD, json.dumps(config), str(block_bytes())],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            out[f"{name}_{when}"] = [json.loads(r.stdout.splitlines()[-1])["open_s"]]
+        shutil.rmtree(root)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -277,6 +321,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tc-bench-ttft-", dir=args.dir) as tmp:
         model = eng.write_tiny_llama(Path(tmp) / "model", **MODEL)
         rate = raw_read_rate(Path(tmp), nvme, blocks=4 * (args.len // BLOCK))
+        opens = startup(Path(tmp))
         with bredis.redis_server() as redis:
             for rnd in range(args.rounds):
                 work = Path(tmp) / f"round{rnd}"
@@ -290,6 +335,27 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"rate": [rate, rate_after], "rounds": rounds}))
     report(rounds, args, rate, rate_after, time.perf_counter() - t_start)
+    print(
+        "\nstart-up (issue 16, item 5): TierCache.open in a fresh process, CPU + NVMe + LMDB; "
+        + "; ".join(
+            f"{size} ({'2 + 8 + 8 GiB' if size == 'large' else '3 x 512 MiB'}): first "
+            f"{opens[size + '_first'][0]:.3f} s, reopen {opens[size + '_reopen'][0]:.3f} s"
+            for size in ("small", "large")
+        )
+    )
+    inits = {
+        k[: -len("_init")]: statistics.median(r[k][0] for r in rounds)
+        for k in rounds[0]
+        if k.endswith("_init")
+    }
+    if "baseline" in inits:
+        print(
+            "LLM() start-up, median over rounds: "
+            + ", ".join(
+                f"{k} {v:.2f} s" + (f" ({v - inits['baseline']:+.2f})" if k != "baseline" else "")
+                for k, v in inits.items()
+            )
+        )
     return 0
 
 

@@ -196,3 +196,162 @@ def test_pool_copies_are_not_cancellable(tmp_path: Path) -> None:
         worker.wait([1])
         assert not worker.cancel(1)  # reported or a memory copy: nothing to give up
         worker.get_finished()
+
+
+# -- stores past their deadline --------------------------------------------------------------
+class HangWrites:
+    """Makes a tier's writes block until released (a hung disk), after counting them."""
+
+    def __init__(self, tier) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        write = tier.write
+
+        def hung_write(slots, blocks, keys=None):
+            self.entered.set()
+            self.release.wait(30)
+            return write(slots, blocks, keys)
+
+        tier.write = hung_write
+
+
+def test_a_store_past_its_deadline_reads_no_more_engine_blocks(tmp_path: Path) -> None:
+    """The engine gives up on a store into a hung disk: from `cancel` on, no engine block is
+    read (vLLM reuses them at once); the chunk read before still lands, exact, and the
+    blocks not read are failed, never written."""
+    nb = 8
+    caches, _ = make_kv("separate", nb, device="cpu")
+    layout = KVLayout(caches, nb, 1)
+    bb = layout.block_bytes
+    nvme = NVMeTier(path=str(tmp_path / "nvme"), block_bytes=bb, capacity_blocks=8, fsync="never")
+    keys = [K(i) for i in range(4)]
+    slots = nvme.allocate(keys)
+    assert slots is not None
+    want = torch.empty((4, bb), dtype=torch.uint8)
+    layout.gather(range(4), want)
+    hang = HangWrites(nvme)
+    with build_worker(layout, [nvme], disk_threads=1, chunk_bytes=2 * bb) as worker:
+        assert worker.transfer_async(
+            1, (GPULoadStoreSpec(list(range(4))), TierLoadStoreSpec(0, "nvme", slots, keys))
+        )
+        # Queued behind it on the hung lane: cancelled before it starts, it never runs.
+        assert worker.transfer_async(
+            2, (GPULoadStoreSpec([4]), TierLoadStoreSpec(0, "nvme", (slots[0],), (K(9),)))
+        )
+        assert hang.entered.wait(10)  # chunk 1 (blocks 0-1) read, its write hangs
+        assert worker.wait([1, 2], timeout=0.05) == {1, 2}
+        assert worker.cancel(1) and worker.cancel(2)
+        # vLLM reuses the blocks: these bytes must reach no tier.
+        for t in caches.values():
+            t.fill_(7)
+        hang.release.set()
+        assert worker.wait([1, 2], timeout=10) == set()
+        results = {r.job_id: r for r in worker.get_finished()}
+    assert sorted(results[1].failed) == [2, 3] and sorted(results[2].failed) == [0]
+    got = torch.empty((2, bb), dtype=torch.uint8)
+    assert nvme.read(slots[:2], got, keys[:2]) == []
+    assert torch.equal(got, want[:2])  # the chunk read before the deadline, exact
+    assert not new_threads()
+    nvme.close()
+
+
+def test_a_store_waits_for_a_hung_demotion_only_until_it_has_read(tmp_path: Path) -> None:
+    """A store into a slot that a move into a hung disk demotes from waits until that move
+    has read the slot, not for its write (write after read)."""
+    caches, _ = make_kv("separate", 8, device="cpu")
+    layout = KVLayout(caches, 8, 1)
+    bb = layout.block_bytes
+    cpu = CPUTier(block_bytes=bb, capacity_blocks=2)
+    nvme = NVMeTier(path=str(tmp_path / "nvme"), block_bytes=bb, capacity_blocks=8, fsync="never")
+    old = cpu.allocate([K(0)])
+    assert old is not None
+    old_bytes = torch.full((1, bb), 5, dtype=torch.uint8)
+    cpu.write(old, old_bytes, [K(0)])
+    down = nvme.allocate([K(0)])
+    assert down is not None
+    hang = HangWrites(nvme)
+    with build_worker(layout, [cpu, nvme]) as worker:
+        assert worker.transfer_async(
+            1,
+            (TierLoadStoreSpec(0, "cpu", old, [K(0)]), TierLoadStoreSpec(1, "nvme", down, [K(0)])),
+        )
+        assert worker.transfer_async(
+            2, (GPULoadStoreSpec([3]), TierLoadStoreSpec(0, "cpu", old, [K(1)]))
+        )
+        assert worker.wait([2], timeout=10) == set()  # done while the demotion still hangs
+        assert worker.wait([1], timeout=0) == {1}
+        hang.release.set()
+        assert worker.wait([1], timeout=10) == set()
+        assert all(r.success for r in worker.get_finished())
+    got = torch.empty((1, bb), dtype=torch.uint8)
+    assert nvme.read(down, got, [K(0)]) == [] and torch.equal(got, old_bytes)  # the old bytes
+    want = torch.empty((1, bb), dtype=torch.uint8)
+    layout.gather([3], want)
+    assert cpu.read(old, got, [K(1)]) == [] and torch.equal(got, want)
+    nvme.close()
+
+
+def test_a_pool_copy_that_has_not_started_can_be_given_up(tmp_path: Path) -> None:
+    """A memory copy waiting on a hung disk job (a load of slots a hung move fills) is
+    cancelled before it starts: it never writes engine blocks."""
+    caches, _ = make_kv("separate", 8, device="cpu")
+    layout = KVLayout(caches, 8, 1)
+    bb = layout.block_bytes
+    cpu = CPUTier(block_bytes=bb, capacity_blocks=2)
+    nvme = NVMeTier(path=str(tmp_path / "nvme"), block_bytes=bb, capacity_blocks=8, fsync="never")
+    src = nvme.allocate([K(0)])
+    assert src is not None
+    nvme.write(src, torch.full((1, bb), 3, dtype=torch.uint8), [K(0)])
+    dst = cpu.allocate([K(0)])
+    assert dst is not None
+    hang = Hang(nvme)
+    before = torch.empty((1, bb), dtype=torch.uint8)
+    layout.gather([2], before)
+    with build_worker(layout, [cpu, nvme]) as worker:
+        assert worker.transfer_async(
+            1,
+            (TierLoadStoreSpec(1, "nvme", src, [K(0)]), TierLoadStoreSpec(0, "cpu", dst, [K(0)])),
+        )
+        assert worker.transfer_async(
+            2, (TierLoadStoreSpec(0, "cpu", dst, [K(0)]), GPULoadStoreSpec([2]))
+        )
+        assert hang.entered.wait(10)
+        assert worker.cancel(2)
+        hang.release.set()
+        assert worker.wait([1, 2], timeout=10) == set()
+        results = {r.job_id: r for r in worker.get_finished()}
+    assert results[1].success and not results[2].success
+    after = torch.empty((1, bb), dtype=torch.uint8)
+    layout.gather([2], after)
+    assert torch.equal(after, before)
+    nvme.close()
+
+
+def test_a_suspended_tier_takes_no_store_demotion_or_write_through(tmp_path: Path) -> None:
+    clock = Clock()
+    m = _manager(tmp_path, clock)
+    _store(m, [K(0), K(1)])  # cpu full; both written through to nvme
+    m.suspend(1)
+    # Write-around into nvme is off: the chain longer than cpu stores only what cpu takes.
+    out = m.prepare_store([K(i) for i in range(10, 14)])
+    assert out is not None
+    assert not out.around and not out.moves  # no write-around, no demotion into nvme
+    assert len(out.stored_keys) == 2
+    m.complete_store(out.stored_keys)
+    assert m.plan_write_through(64) == []  # the copies wait for the tier
+    clock.t += 1.0  # back: the queued copies go down
+    plan = m.plan_write_through(64)
+    assert sorted(k for mv in plan for k in mv.keys) == sorted(out.stored_keys)
+    m.complete_write_through([k for mv in plan for k in mv.keys])
+    # A suspended first tier (a single-tier disk store) takes nothing at all.
+    solo = OffloadingManager(
+        [NVMeTier(path=str(tmp_path / "solo"), block_bytes=64, capacity_blocks=4, fsync="never")],
+        [LRUPolicy(4)],
+        breaker=CircuitBreaker(1, clock=clock),
+    )
+    solo.suspend(0)
+    assert solo.prepare_store([K(20)]) is None
+    clock.t += 1.0
+    assert solo.prepare_store([K(20)]) is not None
+    for t in [*m.tiers, *solo.tiers]:
+        t.close()

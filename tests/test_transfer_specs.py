@@ -68,7 +68,8 @@ def test_tracker_read_after_write_write_after_read_and_release() -> None:
     other = job(4, GPULoadStoreSpec([2]), TierLoadStoreSpec(0, "cpu", (4,), (K(4),)))
     assert store.deps == []
     assert load.deps == [(store, True)]  # reads what the store writes: fails with it
-    assert {(j.job_id, r) for j, r in over.deps} == {(1, False), (2, False)}
+    # Overwrites what the store wrote (after it) and what the load reads (after its reads).
+    assert {(j.job_id, r) for j, r in over.deps} == {(1, False), (2, None)}
     assert other.deps == []
     for j in (store, load, over, other):
         tr.release(j)

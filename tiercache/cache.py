@@ -25,6 +25,7 @@ Who calls what, in which order (the seams other code relies on):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 import time
@@ -42,6 +43,7 @@ from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.hashing import prefix_hashes
 from tiercache.manager import OffloadingManager
 from tiercache.policies import get_policy_class
+from tiercache.priority import lower_this_thread
 from tiercache.records import BlockMove, OffloadingEvent, PrepareStoreOutput
 from tiercache.telemetry import Telemetry
 from tiercache.tiers import Tier, build_tier, check_blocks
@@ -325,26 +327,35 @@ class TierCache:
                 return out
             chain = keys[:n]
             spec = self._manager.prepare_load(chain)
-            bad: dict[int, list[bytes]] = {}
-            try:
-                for g in spec.groups():
-                    failed = self._read_group(
-                        self._tiers[g.tier],
-                        g.slots,
-                        g.positions,
-                        [chain[p] for p in g.positions],
-                        out,
-                    )
-                    if failed:
-                        bad[g.tier] = [chain[p] for p in failed]
-            finally:
+        # The reads run without the lock: the blocks are pinned (no store or eviction reuses
+        # their slots before complete_load), and a slow or hung tier then stalls this call
+        # alone, not every other user of the cache (an engine's scheduler, its transfers).
+        bad: dict[int, list[bytes]] = {}
+        try:
+            for g in spec.groups():
+                failed = self._read_group(
+                    self._tiers[g.tier],
+                    g.slots,
+                    g.positions,
+                    [chain[p] for p in g.positions],
+                    out,
+                )
+                if failed:
+                    bad[g.tier] = [chain[p] for p in failed]
+        except BaseException:
+            with self._lock:
                 self._manager.complete_load(chain)
+            raise
+        with self._lock:
+            self._manager.complete_load(chain)
             k = n
             for tier, bad_keys in bad.items():
                 gone = self._tiers[tier].take_gone(bad_keys)  # evicted by the store: a miss
                 if len(bad_keys) > len(gone):
                     self._manager.record_error(tier, len(bad_keys) - len(gone))
-                self._manager.discard(bad_keys, tier)
+                # If another load pins them, it fails on them too and drops them.
+                with contextlib.suppress(ValueError):
+                    self._manager.discard(bad_keys, tier)
                 k = min(k, min(chain.index(b) for b in bad_keys))
             out = out[:k]
             if k:
@@ -535,7 +546,9 @@ class TierCache:
         The copies are insurance against a crash and must not slow the engine they run
         beside: the thread copies small batches and sleeps briefly between them, so it never
         holds the GIL (or the cache lock) for long while the engine's thread waits for it.
-        What it cannot keep up with is dropped and counted."""
+        What it cannot keep up with is dropped and counted. It runs at a lower priority
+        than the engine's threads (`tiercache.priority`)."""
+        lower_this_thread()
         while not self._closed:
             self._through_wake.wait(_THROUGH_POLL_S)
             self._through_wake.clear()

@@ -45,7 +45,7 @@ _TOP_KEYS = {
     "tiers",
     "write_through_queue",
 }
-_DEADLINE_KEYS = {"load_timeout", "backoff", "backoff_max"}
+_DEADLINE_KEYS = {"load_timeout", "store_timeout", "backoff", "backoff_max"}
 _LOADING_KEYS = {"mode", "margin"}
 LOADING_MODES = ("auto", "always", "never")
 _TIER_COMMON_KEYS = {"kind", "name", "capacity", "blocks", "policy", "write_policy", "admit"}
@@ -134,18 +134,23 @@ class TelemetryConfig:
 
 @dataclass(frozen=True)
 class DeadlineConfig:
-    """The `[deadlines]` table: how long an engine waits for a load, and the circuit breaker.
+    """The `[deadlines]` table: how long an engine waits for a load or a store, and the
+    circuit breaker.
 
     A load into the engine not finished `load_timeout` seconds after the engine started
     waiting for it is abandoned (its blocks are recomputed) and its tier is suspended for
-    `backoff` seconds, doubling per repeated miss up to `backoff_max`."""
+    `backoff` seconds, doubling per repeated miss up to `backoff_max`. A store that has not
+    read its blocks out of the engine `store_timeout` seconds after it started is abandoned
+    too: the engine gets its blocks back (what was not read is not stored), and its tier is
+    suspended the same way."""
 
     load_timeout: float = 5.0
+    store_timeout: float = 10.0
     backoff: float = 1.0
     backoff_max: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("load_timeout", "backoff", "backoff_max"):
+        for name in ("load_timeout", "store_timeout", "backoff", "backoff_max"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 3600:
                 raise ConfigError(f"deadlines.{name}", f"expected seconds in (0, 3600], got {v!r}")

@@ -410,20 +410,24 @@ class OffloadingManager:
         if len(distinct) != len(keys):
             raise ValueError("prepare_store: keys contain duplicates")
         seen_before = self._sight(new) if self._admit_mask and new else None
-        plan = self._reserve_first_tier(new, distinct)
+        # A suspended tier (its circuit breaker open: it hung) takes no store: its blocks would
+        # hold the engine's until it came back. They go around it, or are not stored.
+        off = self._breaker.mask()
+        plan = None if off & 1 else self._reserve_first_tier(new, distinct)
         if plan is None and new:
-            plan = self._reserve_around(new, distinct)
+            plan = self._reserve_around(new, distinct, off)
         if plan is None and seen_before is not None:  # a refusal changes nothing
             self._unsight(seen_before)
         return plan
 
     def _reserve_around(
-        self, new: list[bytes], protect: Collection[bytes]
+        self, new: list[bytes], protect: Collection[bytes], off: int = 0
     ) -> PrepareStoreOutput | None:
         """`new` does not fit the first tier: its head goes there as far as room can be made,
-        the rest into the lower tiers in order, each making room through its policy."""
+        the rest into the lower tiers in order, each making room through its policy. Tiers
+        in the breaker mask `off` are skipped."""
         first = self._levels[0]
-        room = self._room(first, protect, len(new))
+        room = 0 if off & first.bit else self._room(first, protect, len(new))
         head, rest = new[:room], new[room:]
         plan = self._reserve_first_tier(head, protect) if head else None
         moves = list(plan.moves) if plan is not None else []
@@ -431,6 +435,8 @@ class OffloadingManager:
         for lv in self._levels[1:]:
             if not rest:
                 break
+            if off & lv.bit:
+                continue
             fit = self._admitted(lv, rest)
             take = fit[: self._room(lv, protect, len(fit))]
             slots = self._make_room(lv, take, protect, moves) if take else None
@@ -605,6 +611,8 @@ class OffloadingManager:
         if below:
             self._refresh_below(level, below)
         nxt = self._levels[level.index + 1] if level.index + 1 < len(self._levels) else None
+        if nxt is not None and nxt.bit & self._breaker.mask():
+            nxt = None  # suspended (it hung): a demotion would wait on it; the victims go
         if demote and nxt is not None and nxt.bit & self._admit_mask:
             keep = set(self._admitted(nxt, demote))
             if len(keep) < len(demote):
@@ -778,8 +786,11 @@ class OffloadingManager:
         in the list). Run them in order and complete each with `complete_write_through`."""
         moves: list[BlockMove] = []
         ready, present = self._ready, self._present
+        off = self._breaker.mask()
         for t, queue in self._through.items():
             dst = self._levels[t]
+            if off & dst.bit:  # suspended (it hung): its copies wait in the queue
+                continue
             above = dst.bit - 1
             by_src: dict[int, list[bytes]] = {}
             while queue and limit > 0:

@@ -32,9 +32,14 @@ this process's CPU time over it (all threads) in ``request_cpu_s``. A batch
 with ``"stop_pid": PID`` sends SIGSTOP to that process before the batch and SIGCONT after it
 (a hung server, e.g. Redis, during exactly that batch).
 
-A batch may also say ``"wait_for": PATH`` (start it only once PATH exists: another engine
+A batch may also say ``"wait_s": S`` (sleep S seconds before it), ``"wait_for": PATH``
+(start it only once PATH exists: another engine
 finished something) and ``"touch": PATH`` (create PATH after it): engines started together
 with `start_in_subprocess` then run in a set order, each in its own process.
+
+With ``"hang_writes": PATH`` every NVMe tier write in the engine's process blocks until PATH
+exists (a hung disk; in-process engines only), and ``"num_gpu_blocks_override": N`` gives
+vLLM N KV cache blocks (so blocks a connector holds are missed by later requests).
 
 With ``"sigkill": true`` the script writes its result, then kills itself with SIGKILL: no
 shutdown, no close, no exit hook (a crashed or OOM-killed engine). ``"settle_s"`` waits that
@@ -234,7 +239,11 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("kv_transfer_config") is not None and not spec.get("multiprocessing"):
         _record_events(events)
         _time_connector(spent)
+    if spec.get("hang_writes"):
+        _hang_writes(Path(spec["hang_writes"]))
     kwargs: dict[str, Any] = {}
+    if spec.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks_override"])
     if spec.get("disable_hybrid_kv_cache_manager"):
         # What vLLM does itself for a connector without hybrid support: a baseline without a
         # connector then runs the same KV cache manager as the connector run.
@@ -264,6 +273,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     for batch in spec["batches"]:
         if batch.get("wait_for"):
             wait_for_file(Path(batch["wait_for"]))
+        time.sleep(float(batch.get("wait_s", 0)))
         params = SamplingParams(
             temperature=0, max_tokens=batch.get("max_tokens", 16), ignore_eos=True, detokenize=False
         )
@@ -402,6 +412,20 @@ def _time_connector(spent: list[float]) -> None:
                 spent[0] += time.perf_counter() - t0
 
         setattr(TierCacheConnector, name, timed)
+
+
+def _hang_writes(release: Path) -> None:
+    """Make every NVMe tier's writes in this process block until `release` exists: a hung
+    disk, as the transfer engine's threads see it (in-process engines only)."""
+    from tiercache.tiers.nvme import NVMeTier
+
+    write = NVMeTier.write
+
+    def hung_write(self: Any, *a: Any, **kw: Any) -> Any:
+        wait_for_file(release, timeout=300)
+        return write(self, *a, **kw)
+
+    NVMeTier.write = hung_write  # type: ignore[method-assign]
 
 
 def _record_events(counts: dict[str, int]) -> None:

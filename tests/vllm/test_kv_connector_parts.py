@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -180,6 +181,7 @@ def test_a_lookup_that_waits_for_a_store_counts_each_block_once() -> None:
         c._shared, c._stats = shared, {}
         c._config, c._block_bytes, c._block_size = config, 64, 4
         c._gate = LoadGate(config.loading, cache.load_costs)
+        c._verify_pools, c._verifying = {}, {}
         before = cache.stats()["cpu"]
         assert c._lookup_local(keys) == 4
         after = cache.stats()["cpu"]
@@ -311,3 +313,59 @@ def test_a_slow_probe_never_stalls_the_scheduler() -> None:
         assert c._probing == {}
     finally:
         c._probe_pool.shutdown()
+
+
+def test_a_hung_verifying_read_never_stalls_scheduling(tmp_path) -> None:
+    """Issue 16: in the local placement the scheduler reads blocks held only on disk before
+    it promises them. With the disk hung, the lookup answers None within about
+    VERIFY_WAIT_S (vLLM asks again), the cache stays usable meanwhile (the read does not hold
+    its lock), and after `load_timeout` the hit ends before the hung blocks and the tier is
+    suspended."""
+    from tiercache.connectors.vllm_kv import VERIFY_WAIT_S
+
+    config = resolve_config(
+        {
+            "tiers": [{"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 16}],
+            "deadlines": {"load_timeout": 0.5, "backoff": 5.0, "backoff_max": 5.0},
+        },
+        block_size=4,
+        namespace="hung-verify",
+    )
+    shared = acquire_store(config, 64)
+    release = threading.Event()
+    try:
+        cache = shared.cache
+        keys = cache.hash_tokens(list(range(16)))
+        cache.put(keys, torch.ones((4, 64), dtype=torch.uint8))
+        nvme = cache.tiers[0]
+        read = nvme.read
+
+        def hung_read(slots, dst, keys=None):
+            release.wait(30)
+            return read(slots, dst, keys)
+
+        nvme.read = hung_read
+        c = object.__new__(TierCacheConnector)
+        c._shared, c._stats = shared, {}
+        c._config, c._block_bytes, c._block_size = config, 64, 4
+        c._gate = LoadGate(config.loading, cache.load_costs)
+        c._verify_pools, c._verifying = {}, {}
+        t0 = time.monotonic()
+        answers = []
+        while (n := c._lookup_local(keys, "r1")) is None:
+            answers.append(time.monotonic())
+            # The engine's other calls take the cache's lock while the read hangs.
+            assert cache.stats()["nvme"]["used_blocks"] == 4
+        elapsed = time.monotonic() - t0
+        assert n == 0 and 0.5 <= elapsed < 2.0
+        gaps = [b - a for a, b in zip([t0, *answers], answers, strict=False)]
+        assert max(gaps) < VERIFY_WAIT_S + 0.2  # each ask returned promptly
+        assert c._stats["verify_deadline_blocks"] == 4 and c._stats["verify_waits"] >= 5
+        assert cache.manager.suspended()[0] > 0
+        assert c._lookup_local(keys, "r2") == 0  # suspended: no hit, no read
+        release.set()
+    finally:
+        release.set()
+        for pool in c._verify_pools.values():
+            pool.shutdown(wait=True)
+        release_store(shared)

@@ -71,7 +71,17 @@ tier is suspended by the manager's circuit breaker, so the following lookups ski
 its back-off ends: the worker's, and in the remote placement the scheduler's (the worker
 metadata carries the suspension; otherwise vLLM would reschedule the request, the index would
 offer the same blocks, and their load would fail at once, in a loop until the tier
-recovers). Copies from the CPU tier (memory) are never abandoned.
+recovers). Copies from the CPU tier (memory) are abandoned only while they have not
+started (they wait behind a job of a hung tier).
+
+A store that holds engine blocks (vLLM keeps a finished request's blocks until its stores
+report done) is given `store_timeout` seconds: one past it is cancelled, so that it reads no
+more engine blocks (what it read already still reaches its tier: the right bytes for its
+keys), the request is reported done (vLLM frees its blocks), the blocks not read are counted
+(`store_deadline_blocks`) and never stored, and the tier is suspended: the manager plans no
+store, demotion or write-through copy into a suspended tier. A move between tiers past the
+deadline suspends its destination the same way. A store waits for an earlier move only until
+that move has read its source (`Job.read_done`), never for a hung write.
 
 Cost-aware loading (config ``[loading]``, `tiercache.costs`): the scheduler loads only the part
 of a hit that is cheaper to load than to recompute (`_affordable`; local placement: before it
@@ -153,6 +163,8 @@ log = logging.getLogger(__name__)
 BAD_KEYS_MAX = 1 << 16  # damaged keys the scheduler remembers (see _probe_ranks)
 PROBE_WAIT_S = 0.02  # how long a lookup waits for the shared tiers' probes (see _lookup_remote)
 _SETTLE = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
+SETTLE_WAIT_S = 0.5  # how long a local lookup waits for a store of the key it reached
+VERIFY_WAIT_S = 0.05  # how long a local lookup waits for its verifying read (see _lookup_local)
 
 # A cache event: (keys, medium, removed); in worker metadata, first the worker's TP rank.
 _Event = tuple[tuple[bytes, ...], str, bool]
@@ -287,8 +299,21 @@ class _Flight:
     plan: int = -1  # store plan id (stores and moves)
     block_ids: tuple[int, ...] = ()  # engine blocks (loads)
     req_id: str = ""  # the request of an asynchronous load
-    due: float = 0.0  # loads: time.monotonic() by which it must have finished
-    abandoned: bool = False  # a load past its deadline: its blocks were reported as errors
+    due: float = 0.0  # time.monotonic() by which it must have finished (not for moves)
+    # Past its deadline and given up: a load's blocks were reported as errors; a store or a
+    # move no longer holds its request (its plan counted it done).
+    abandoned: bool = False
+
+
+@dataclass(frozen=True)
+class _Verifying:
+    """Scheduler-side (local placement): a lookup's verifying read in flight."""
+
+    keys: tuple[bytes, ...]  # the hit it verifies
+    first_disk: int  # keys before this are held in memory tiers (good without a read)
+    tier: int  # the persistent tier of keys[first_disk]
+    started: float  # time.monotonic() it was submitted
+    future: Future[int]
 
 
 # -- the connector -----------------------------------------------------------------------------
@@ -380,6 +405,10 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._shared_mediums = frozenset(m for rank in self._probes for m, _ in rank)
         self._probing: dict[str, tuple[tuple[Any, ...], Future[list[int]]]] = {}
+        # Local placement: verifying reads of persistent tiers, one thread per tier (a hung
+        # one stalls only its own), and per request the read in flight (see _lookup_local).
+        self._verify_pools: dict[int, ThreadPoolExecutor] = {}
+        self._verifying: dict[str, _Verifying] = {}
         # scheduler role
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
@@ -471,6 +500,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         probes, self._probes = self._probes, []
         if self._probe_pool is not None:
             self._probe_pool.shutdown(wait=True)  # a probe in flight ends within its timeout
+        for pool in self._verify_pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)  # a hung read must not stall exit
         for _, p in (p for rank in probes for p in rank):
             p.close()
         shared, self._shared = self._shared, None
@@ -534,7 +565,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._shared is None:
             n = self._lookup_remote(keys, request.request_id)
         else:
-            n = self._lookup_local(keys)
+            n = self._lookup_local(keys, request.request_id)
         if n is None:  # a block is moving between tiers, or a probe is slow: vLLM asks again
             return None, False
         if self._shared is None:  # cost-aware loading (local placement: in _lookup_local)
@@ -693,8 +724,18 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         ms = self._index.get(key, {}).get(rank)
         return bool(ms) and not (off and ms <= off)
 
-    def _lookup_local(self, keys: list[bytes]) -> int | None:
+    def _lookup_local(self, keys: list[bytes], req_id: str = "") -> int | None:
+        """Leading `keys` the shared cache holds, as far as loading them pays (`_affordable`)
+        and their bytes are good: blocks held only in persistent tiers are read first (see
+        `_verify`), on a thread of the tier's own. A lookup waits for that read at most
+        VERIFY_WAIT_S, then answers None (vLLM asks again next step, and the read goes on),
+        so a slow or hung disk never stalls scheduling. A read not done `load_timeout`
+        seconds after it started is given up: the hit ends before it, and the tier is
+        suspended (the manager's lookups skip it until its back-off ends)."""
         assert self._shared is not None
+        pending = self._verifying.get(req_id)
+        if pending is not None and pending.keys == tuple(keys[: len(pending.keys)]):
+            return self._verified(req_id, pending)
         manager = self._shared.cache.manager
         with self._shared.lock:
             n = manager.lookup(keys)
@@ -704,7 +745,77 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 # demoting; it has now finished: look again. Not counted: the first look
                 # counted each block once already (as the tiers held it when asked).
                 n = manager.lookup(keys, count=False)
-            return None if n is None else self._verify(keys[: self._affordable(keys, n)])
+            if n is None:
+                return None
+            n = self._affordable(keys, n)
+            persistent = [t.persistent for t in self._shared.cache.tiers]
+            first_disk = next(
+                (i for i, k in enumerate(keys[:n]) if persistent[manager.where(k)[0]]), n
+            )
+            if first_disk == n:
+                return n
+            tier = manager.where(keys[first_disk])[0]
+        pool = self._verify_pools.get(tier)
+        if pool is None:
+            pool = self._verify_pools[tier] = ThreadPoolExecutor(
+                1, thread_name_prefix=f"tiercache-verify-{tier}"
+            )
+        fut = pool.submit(self._verify, keys[:n], first_disk, tier)
+        pending = self._verifying[req_id] = _Verifying(
+            tuple(keys[:n]), first_disk, tier, time.monotonic(), fut
+        )
+        return self._verified(req_id, pending)
+
+    def _verified(self, req_id: str, pending: _Verifying) -> int | None:
+        """The hit of a lookup whose verifying read is `pending`: its result once done (within
+        VERIFY_WAIT_S), None while it runs, and the part before it once it is late."""
+        assert self._shared is not None
+        try:
+            n = pending.future.result(timeout=VERIFY_WAIT_S)
+        except FutureTimeout:
+            timeout = self._shared.cache.config.deadlines.load_timeout
+            if time.monotonic() - pending.started < timeout:
+                self._count("verify_waits")
+                return None
+            del self._verifying[req_id]
+            with self._shared.lock:
+                seconds = self._shared.cache.manager.suspend(pending.tier)
+                self._count("verify_deadline_blocks", len(pending.keys) - pending.first_disk)
+            log.warning(
+                "tiercache: reading %d blocks from tier %d took longer than %.1f s; vLLM "
+                "recomputes them, and the tier is skipped for %.1f s",
+                len(pending.keys) - pending.first_disk,
+                pending.tier,
+                timeout,
+                seconds,
+            )
+            return pending.first_disk
+        del self._verifying[req_id]
+        return n
+
+    def _verify(self, keys: list[bytes], first_disk: int, tier: int) -> int:
+        """On a verify thread: how many leading `keys` have good bytes. From `first_disk` on
+        (the first held only in a persistent tier: `tier`) they are read, checksums verified,
+        and promoted into the first tier when the config promotes; a block that fails is
+        dropped and counted by the cache, and the hit ends before it. The cache reads without
+        its lock (`TierCache.get`), so the engine's other calls go on meanwhile."""
+        assert self._shared is not None
+        cache = self._shared.cache
+        with self._shared.lock:
+            errors_before = self._tier_errors()
+        t0 = time.perf_counter()
+        # The manager's lookup counted these blocks already: reading them is not a request.
+        got = cache.get(keys[first_disk:], count=False).shape[0]
+        seconds = time.perf_counter() - t0
+        with self._shared.lock:
+            # Here, in the local placement, the read is the load (it promotes): its cost.
+            medium = cache.tiers[tier].medium
+            cache.load_costs.observe_load(medium, got * self._block_bytes, seconds)
+            bad = self._tier_errors() - errors_before
+            if bad:
+                self._count("verify_errors", bad)
+            self._count("verified_blocks", got)
+        return first_disk + got
 
     def _affordable(self, keys: list[bytes], n: int) -> int:
         """Cost-aware loading: how many of the `n` leading hit `keys` to load (the rest is
@@ -741,31 +852,6 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if d.cold:
             self._count("loading_cold_blocks", d.load)
         return d.load
-
-    def _verify(self, keys: list[bytes]) -> int:
-        """Leading `keys` whose bytes are known good: blocks held only in persistent tiers are
-        read (checksums verified, promoted into the first tier when the config promotes); a
-        block that fails is dropped and counted by the cache, and the hit ends before it."""
-        assert self._shared is not None
-        cache = self._shared.cache
-        persistent = [t.persistent for t in cache.tiers]
-        first_disk = next(
-            (i for i, k in enumerate(keys) if persistent[cache.manager.where(k)[0]]), len(keys)
-        )
-        if first_disk == len(keys):
-            return len(keys)
-        errors_before = self._tier_errors()
-        tier = cache.tiers[cache.manager.where(keys[first_disk])[0]].medium
-        t0 = time.perf_counter()
-        # The manager's lookup counted these blocks already: reading them is not a request.
-        got = cache.get(keys[first_disk:], count=False).shape[0]
-        # Here, in the local placement, the read is the load (it promotes): its cost.
-        cache.load_costs.observe_load(tier, got * self._block_bytes, time.perf_counter() - t0)
-        bad = self._tier_errors() - errors_before
-        if bad:
-            self._count("verify_errors", bad)
-        self._count("verified_blocks", got)
-        return first_disk + got
 
     def _tier_errors(self) -> int:
         assert self._shared is not None
@@ -1020,6 +1106,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
         self._probing.pop(request.request_id, None)
+        self._verifying.pop(request.request_id, None)
         if self._pending.get(request.request_id, 0) > 0:
             self._delayed.append(request.request_id)
             return True, None
@@ -1127,16 +1214,21 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None or self._shared is None:
             return False
         with self._shared.lock:
-            writing = [j for j, f in self._flights.items() if f.kind != "load" and key in f.keys]
-            if writing:
-                self._worker.wait(writing)
+            writing = [
+                j
+                for j, f in self._flights.items()
+                if f.kind != "load" and not f.abandoned and key in f.keys
+            ]
+            if writing:  # bounded: a store into a hung tier must not stall scheduling
+                self._worker.wait(writing, SETTLE_WAIT_S)
             return self._drain()
 
     def _submit(self, flight: _Flight, spec: Any) -> int:
         assert self._worker is not None and self._shared is not None
         job_id = next(self._job_ids)
-        if flight.kind == "load":
-            flight.due = time.monotonic() + self._shared.cache.config.deadlines.load_timeout
+        deadlines = self._shared.cache.config.deadlines
+        timeout = deadlines.load_timeout if flight.kind == "load" else deadlines.store_timeout
+        flight.due = time.monotonic() + timeout
         with self._shared.lock:
             if not self._worker.transfer_async(job_id, spec):
                 raise RuntimeError(f"no transfer handler for {spec[0].medium} -> {spec[1].medium}")
@@ -1225,6 +1317,49 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._hma and req_id:
             self._failed_recv.add(req_id)
 
+    def _plan_job_done(self, plan: int) -> None:
+        """One job of a store plan ended (or was given up): the plan's request is done with
+        its stores when the last one has."""
+        req_id, left = self._plans[plan]
+        if left > 1:
+            self._plans[plan] = (req_id, left - 1)
+        else:
+            del self._plans[plan]
+            self._plan_done(req_id)
+
+    def _give_up_stores(self, job_ids: Iterable[int]) -> None:
+        """Stores and moves past their deadline (a hung tier): suspend their tier; a store
+        from the engine that can be stopped from reading engine blocks is, and no longer holds
+        its request's blocks (see the module doc). Moves read no engine block (their request
+        does not wait for them): they only suspend their destination."""
+        assert self._worker is not None and self._shared is not None
+        manager = self._shared.cache.manager
+        for j in job_ids:
+            f = self._flights.get(j)
+            if f is None or f.abandoned:
+                continue
+            if f.kind == "store":
+                if not self._worker.cancel(j):
+                    continue  # a copy from memory that started: it ends soon
+                f.abandoned = True
+                self._count("store_deadline_blocks", len(f.keys))
+                self._plan_job_done(f.plan)
+            else:
+                f.due = float("inf")  # suspend once per move
+            with self._shared.lock:
+                seconds = manager.suspend(f.tier)
+            medium = self._shared.cache.tiers[f.tier].medium
+            self._suspensions[medium] = max(seconds, self._suspensions.get(medium, 0.0))
+            log.warning(
+                "tiercache: a %s of %d blocks into tier %d missed its deadline; %s, and the "
+                "tier is skipped for %.1f s",
+                f.kind,
+                len(f.keys),
+                f.tier,
+                "vLLM gets its blocks back" if f.abandoned else "it goes on",
+                seconds,
+            )
+
     def _received(self, req_id: str) -> None:
         """One load job of an asynchronous request ended (or was abandoned)."""
         self._recving[req_id] -= 1
@@ -1249,7 +1384,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # A preempted request's blocks are freed and may be overwritten by this step's
         # forward: stores still reading engine blocks must finish first.
         if getattr(kv_connector_metadata, "preempted", False) and self._worker is not None:
-            self._worker.wait([j for j, f in self._flights.items() if f.kind == "store"])
+            stores = [j for j, f in self._flights.items() if f.kind == "store" and not f.abandoned]
+            late = self._worker.wait(stores, self._shared.cache.config.deadlines.store_timeout)
+            if late:  # a hung tier: stop them reading the blocks vLLM now reuses
+                self._give_up_stores(late)
+                # Not abandoned: copies from memory, which end soon.
+                self._worker.wait([j for j in late if not self._flights[j].abandoned])
             self._drain()
 
     def wait_for_save(self) -> None:
@@ -1291,16 +1431,22 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return
         plan_id = next(self._plan_ids)
         specs = store_transfers(plan, keys, ids)
-        self._plans[plan_id] = (job.req_id, len(specs))
+        # The request waits only for the jobs that read its engine blocks (the stores), not
+        # for the moves making room below, which read tier slots.
+        reads_engine = [not isinstance(src, TierLoadStoreSpec) for src, _ in specs]
+        if not any(reads_engine):
+            self._plan_done(job.req_id)
+        else:
+            self._plans[plan_id] = (job.req_id, sum(reads_engine))
         # vLLM frees a sliding window's blocks as they leave the window, without asking the
         # connector, and may hand them to another request in the next step: stores reading
         # them must finish before the next forward (bind_connector_metadata waits for them).
         volatile = any(self._groups[g].window_blocks for g in job.groups)
-        for src, dst in specs:
+        for (src, dst), store in zip(specs, reads_engine, strict=True):
             assert isinstance(dst, TierLoadStoreSpec)
-            kind = "move" if isinstance(src, TierLoadStoreSpec) else "store"
+            kind = "store" if store else "move"
             job_id = self._submit(_Flight(kind, dst.keys, dst.tier, plan=plan_id), (src, dst))
-            if volatile and kind == "store":
+            if volatile and store:
                 self._volatile.append(job_id)
 
     def _load_sample(self, tier: int, nbytes: int, seconds: float) -> None:
@@ -1314,8 +1460,14 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         if self._volatile and self._worker is not None:
             # Hybrid models: the last step's stores of sliding-window blocks (see `_save`).
+            # As at a preemption: a store past its deadline (a hung tier) is stopped reading.
             volatile, self._volatile = self._volatile, []
-            self._worker.wait(volatile)
+            volatile = [j for j in volatile if j in self._flights]
+            assert self._shared is not None
+            late = self._worker.wait(volatile, self._shared.cache.config.deadlines.store_timeout)
+            if late:
+                self._give_up_stores(late)
+                self._worker.wait([j for j in late if not self._flights[j].abandoned])
             self._drain()
         # vLLM binds right before the forward (and starts asynchronous loads after it, then
         # calls wait_for_save): the forward's timing starts here (cost samples).
@@ -1368,16 +1520,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     stored = stored or bool(ok)
                     if bad:
                         manager.complete_store(bad, success=False)
-                        manager.record_error(f.tier, len(bad))
-                        self._count("store_error_blocks", len(bad))
+                        if not f.abandoned:  # those were counted at their deadline
+                            manager.record_error(f.tier, len(bad))
+                            self._count("store_error_blocks", len(bad))
                     if f.kind == "store":
                         self._count("stored_blocks", len(ok))
-                    req_id, left = self._plans[f.plan]
-                    if left > 1:
-                        self._plans[f.plan] = (req_id, left - 1)
-                    else:
-                        del self._plans[f.plan]
-                        self._plan_done(req_id)
+                    if f.kind == "store" and not f.abandoned:  # (abandoned: counted out)
+                        self._plan_job_done(f.plan)
                 self._count("bytes", r.transfer_size)
             for k, tier in list(self._bad.items()):
                 # Out of the index once no other load still pins it (that load fails too).
@@ -1401,6 +1550,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             ]
             if late:
                 self._abandon(late)
+            late = [
+                j
+                for j, f in self._flights.items()
+                if f.kind != "load" and not f.abandoned and now >= f.due
+            ]
+            if late:
+                self._give_up_stores(late)
         recved, self._recv_done = self._recv_done, set()
         if not self._watch:
             return None, (recved or None)

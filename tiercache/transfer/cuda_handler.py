@@ -43,7 +43,9 @@ class CUDACopyHandler(CPUCopyHandler):
         stream = self._streams[lane]
         ok = True
         for dep, reads_it in job.deps:
-            dep.issued.wait()  # host jobs are finished once issued; CUDA jobs are queued
+            # Host jobs are finished once issued (their reads once `read_done`: enough when
+            # this job only overwrites what they read); CUDA jobs are queued.
+            (dep.read_done if reads_it is None else dep.issued).wait()
             if dep.end_event is not None:
                 stream.wait_event(dep.end_event)
             if reads_it and not dep.ok:

@@ -12,6 +12,9 @@ pair of tiers for copies between them, so a tier that hangs stalls only jobs tha
 The worker's dependencies order jobs that touch the same slots. A load into the engine can
 be cancelled (`Job.cancel`, the engine's deadline): each chunk is scattered under the job's
 fence only while it is not cancelled, so an abandoned load never writes engine blocks later.
+A store from the engine is cancellable the same way: each chunk is gathered under the fence,
+so once a store past its deadline is cancelled, vLLM may reuse its blocks (the chunks
+gathered before still reach the tier: they hold the right bytes for their keys).
 Staging buffers are per thread, bounded by `chunk_bytes`, pinned with CUDA.
 A failed or corrupt read fails only its blocks: a move still lands the rest, and a block that
 did not arrive is never written anywhere.
@@ -69,6 +72,9 @@ class DiskHandler(LaneHandler):
         if isinstance(src, TierLoadStoreSpec) and isinstance(dst, TierLoadStoreSpec):
             return f"io:{src.medium}>{dst.medium}"
         return f"io:{(src if isinstance(src, TierLoadStoreSpec) else dst).medium}"
+
+    def background(self, lane: str) -> bool:
+        return ">" in lane  # tier -> tier: demotions and write-backs, nothing waits on them
 
     def expedited_lane_of(self, job: Job) -> str:
         return f"{EXPEDITED}:{self.lane_of(job)}"
@@ -154,8 +160,14 @@ class DiskHandler(LaneHandler):
                 except IO_ERRORS:
                     bad = set(range(b - a))
             else:
-                self._gather(src.block_ids[a * f : b * f], buf)
+                with job.fence:  # after Job.cancel, no engine byte is read (vLLM reuses them)
+                    if job.cancelled:
+                        failed.extend(range(a, n))
+                        break
+                    self._gather(src.block_ids[a * f : b * f], buf)
                 bad = set()
+            if b == n:  # every source byte read: jobs that only overwrite them may start
+                job.read_done.set()
             good = [i for i in range(b - a) if i not in bad]
             failed.extend(a + i for i in sorted(bad))
             if not good:

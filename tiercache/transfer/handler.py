@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping
 
+from tiercache.priority import lower_this_thread
 from tiercache.transfer.job import Job
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,11 @@ class LaneHandler(TransferHandler):
         """The lane of `job` when it is expedited (default: the one `EXPEDITED` lane)."""
         return EXPEDITED
 
+    def background(self, lane: str) -> bool:
+        """Whether nothing waits for `lane`'s jobs soon (copies between tiers): its threads
+        run at a lower priority than the engine's (`tiercache.priority`)."""
+        return False
+
     def prepare(self, job: Job) -> None:
         """Caller-thread work at submission (e.g. mark the compute stream's position)."""
 
@@ -95,7 +101,9 @@ class LaneHandler(TransferHandler):
         """Block until the jobs `job` follows have finished; False if one it reads failed."""
         ok = True
         for dep, reads_it in job.deps:
-            if not dep.wait() and reads_it:
+            if reads_it is None:  # only overwrites what `dep` reads: its reads are enough
+                dep.wait_reads()
+            elif not dep.wait() and reads_it:
                 ok = False
         return ok
 
@@ -153,16 +161,22 @@ class LaneHandler(TransferHandler):
 
     # -- lane threads ----------------------------------------------------------------------
     def _serve(self, lane: str) -> None:
+        if self.background(lane):
+            lower_this_thread()
         q = self._queues[lane]
         while (job := q.get()) is not None:
             self._execute(job, lane)
 
     def _execute(self, job: Job, lane: str) -> None:
         try:
-            if self.wait_deps(job, lane):
+            ok = self.wait_deps(job, lane)
+            with job.fence:  # `Job.cancel` before this point stops it whatever the handler
+                go = ok and not job.cancelled
+                job.started = go
+            if go:
                 self.run(job, lane)
             else:
-                job.fail()
+                job.fail()  # a dependency it reads failed, or the engine gave up on it
         except Exception as exc:
             # The thread boundary: any failure of a copy becomes success=False for its job
             # (the blocks are then recomputed or not stored); it must never kill the lane.
@@ -172,4 +186,5 @@ class LaneHandler(TransferHandler):
         finally:
             with self._lock:
                 self._issued[lane].append(job)
+            job.read_done.set()
             job.issued.set()

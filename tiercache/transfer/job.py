@@ -4,11 +4,12 @@ A job is *issued* once its work has been started or done (`issued` is set): a ho
 finished, a CUDA copy is queued on a stream and finishes when `end_event` completes. Other
 handlers order themselves after a job with `wait()` (host threads) or `end_event` (streams).
 
-A job that writes engine blocks may be *cancelled* (`cancel()`) when the engine gives up
-waiting for it (a load past its deadline): a handler that supports it writes each chunk into
-the engine under `fence` and only while `cancelled` is unset, so once `cancel()` returns no
-byte of the job reaches the engine any more. The job still runs to its end (a hung read
-cannot be interrupted) and is reported, failed, like any other.
+A job that touches engine blocks may be *cancelled* (`cancel()`) when the engine gives up
+waiting for it (a load or a store past its deadline): a handler that supports it writes each
+chunk into the engine, or reads it from there, under `fence` and only while `cancelled` is
+unset, so once `cancel()` returns no byte of the job moves to or from the engine any more.
+The job still runs to its end (a hung read or write cannot be interrupted) and is reported,
+failed where its bytes did not arrive, like any other.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ class Job:
         "issued",
         "job_id",
         "ok",
+        "read_done",
         "reads",
         "size",
         "src",
         "start_event",
+        "started",
         "time",
         "transfer_type",
         "writes",
@@ -57,14 +60,20 @@ class Job:
         self.transfer_type: TransferType = (src.medium, dst.medium)
         self.reads: list[Resource] = _resources(src)
         self.writes: list[Resource] = _resources(dst)
-        # (earlier job, whether its failure fails this one: True when this job reads its bytes)
-        self.deps: list[tuple[Job, bool]] = []
+        # (earlier job, whether its failure fails this one: True when this job reads its
+        # bytes; None when this job only overwrites what it reads: it waits for `read_done`)
+        self.deps: list[tuple[Job, bool | None]] = []
         self.compute_event: Any = None  # CUDA event on the caller's stream at submission
         self.start_event: Any = None
         self.end_event: Any = None
         self.issued = threading.Event()
-        self.fence = threading.Lock()  # held by a handler while it writes engine blocks
+        # Set once the job has read all its source bytes (at the latest when issued): a
+        # later job that only overwrites what this one reads waits for this, not for its
+        # write (a move into a hung disk has long read the slot a store now reuses).
+        self.read_done = threading.Event()
+        self.fence = threading.Lock()  # held by a handler while it touches engine blocks
         self.cancelled = False
+        self.started = False  # a handler began its work (set under `fence`)
         self.ok = True
         self.failed: tuple[int, ...] = ()
         self.size = 0
@@ -91,11 +100,23 @@ class Job:
             self.end_event.synchronize()
         return self.ok
 
-    def cancel(self) -> None:
-        """Stop the job writing engine blocks: when this returns, none of its chunks is being
-        written and none will be (the handler checks `cancelled` under `fence`)."""
+    def wait_reads(self) -> None:
+        """Block until the job has read all its source bytes (a CUDA job: until its queued
+        copies have run, as reads on a stream end only then)."""
+        self.read_done.wait()
+        if self.end_event is not None:
+            self.end_event.synchronize()
+
+    def cancel(self, *, unstarted_only: bool = False) -> bool:
+        """Stop the job touching engine blocks: when this returns True, none of its chunks is
+        being copied to or from the engine and none will be (the handler checks `cancelled`
+        under `fence`). `unstarted_only` (a handler that cannot stop a job half way): cancel
+        only a job still queued or waiting for its dependencies; False if it started."""
         with self.fence:
+            if unstarted_only and self.started:
+                return False
             self.cancelled = True
+            return True
 
     def done(self) -> bool:
         """Finished, without blocking."""

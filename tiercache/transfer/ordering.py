@@ -6,7 +6,8 @@ in flight that it must follow:
 - read after write: a load of slots an earlier store or move writes (it fails if that fails:
   the bytes it would read never arrived);
 - write after read: a store into slots an earlier move still reads (the manager frees a
-  demoted block's slot in the same plan that reuses it);
+  demoted block's slot in the same plan that reuses it); it waits only until that move has
+  read its source (`Job.read_done`), not for its write, which may hang on a disk;
 - write after write: two writes of one slot land in submission order.
 Dependencies only point backwards in submission order and every handler starts its jobs in
 that order, so the earliest unfinished job can always run: no deadlock.
@@ -24,12 +25,13 @@ class DependencyTracker:
         self._writer: dict[Resource, Job] = {}
         self._readers: dict[Resource, list[Job]] = {}
 
-    def dependencies(self, job: Job) -> list[tuple[Job, bool]]:
-        """The jobs in flight that `job` must follow, each with whether `job` reads its bytes.
+    def dependencies(self, job: Job) -> list[tuple[Job, bool | None]]:
+        """The jobs in flight that `job` must follow, each with whether `job` reads its bytes
+        (None: `job` only overwrites what that one reads, so it follows only its reads).
 
         Read-only: call `record(job)` once the job is accepted by its handler.
         """
-        deps: dict[int, tuple[Job, bool]] = {}
+        deps: dict[int, tuple[Job, bool | None]] = {}
         writer, readers = self._writer, self._readers
         for r in job.reads:
             w = writer.get(r)
@@ -41,7 +43,7 @@ class DependencyTracker:
                 deps[id(w)] = (w, False)
             for rd in readers.get(r, ()):
                 if id(rd) not in deps:
-                    deps[id(rd)] = (rd, False)
+                    deps[id(rd)] = (rd, None)
         return list(deps.values())
 
     def record(self, job: Job) -> None:

@@ -3,7 +3,7 @@
 Primitives: `register_handler(src_medium, dst_medium, handler)`, `transfer_async(job_id,
 (src_spec, dst_spec), expedited=False) -> bool`, `get_finished() -> list[TransferResult]`,
 `wait(job_ids, timeout=None) -> set[int]` (the ids still running), `cancel(job_id) -> bool`
-(an engine load given up at its deadline), `take_stats()`, `close()`. One handler per
+(an engine load or store given up at its deadline), `take_stats()`, `close()`. One handler per
 (source medium, destination medium); one handler object may serve several pairs. Call it
 from one thread (the engine's worker thread).
 
@@ -138,16 +138,16 @@ class OffloadingWorker:
         return {job.job_id for job in jobs if not job.done()}
 
     def cancel(self, job_id: int) -> bool:
-        """Give up on a job that writes engine blocks (a load past its deadline): True if its
-        handler stops it, so that once this returns it writes no engine block any more (its
-        result still comes from `get_finished`, failed, when it ends). False if it is not in
-        flight or its handler cannot stop it (host and device pool copies: wait for them)."""
+        """Give up on a job that touches engine blocks (a load or store past its deadline):
+        True if its handler stops it, so that once this returns it copies no engine block any
+        more (its result still comes from `get_finished`, failed where its bytes did not
+        arrive, when it ends). False if it is not in flight or its handler cannot stop it
+        (host and device pool copies: wait for them)."""
         with self._lock:
             entry = self._jobs.get(job_id)
-        if entry is None or not entry[1].cancellable:
+        if entry is None:
             return False
-        entry[0].cancel()
-        return True
+        return entry[0].cancel(unstarted_only=not entry[1].cancellable)
 
     def take_stats(self) -> TransferStats | None:
         """Transfer stats since the last call (None when empty), as vLLM's connector reports

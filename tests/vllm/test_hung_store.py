@@ -1,0 +1,79 @@
+"""A hung disk under stores (issue 16): vLLM gets the blocks of a store that misses its
+`[deadlines] store_timeout` back, so later requests still find room, and outputs stay equal to
+an engine without tiercache.
+
+The engine (in-process, so the test can hang its NVMe tier's writes) has 40 KV cache blocks.
+The first batch's 6 requests need 24 of them; vLLM keeps a finished request's blocks until
+its stores report done. With every NVMe write hung, those stores never finish: without the
+deadline the second batch (6 more requests, 24 blocks) could never get room, and the engine
+would wait for ever. With it, each store is given up after 1 s (it reads no more engine
+blocks), the tier is suspended, and the second batch runs. Once the disk comes back and the
+back-off ends, stores resume and a repeated batch hits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+PROMPT_TOKENS = 100  # 3 full 32-token blocks; with 8 new tokens, 4 blocks per request
+BACKOFF_S = 2.0
+
+
+def _counter(result: dict[str, Any], name: str) -> int:
+    return sum(int(s["counters"].get(name, 0)) for s in result["stores"].values())
+
+
+def test_a_hung_store_gives_vllm_its_blocks_back(
+    engine: ModuleType, tiny_llama: Path, tmp_path: Path
+) -> None:
+    first = engine.make_prompts(6, PROMPT_TOKENS, seed=41)
+    second = engine.make_prompts(6, PROMPT_TOKENS, seed=42)
+    release = tmp_path / "disk-back"
+    batches = [
+        {"prompts": first, "max_tokens": 8},
+        {"prompts": second, "max_tokens": 8, "touch": str(release)},
+        # The disk is back; the first set is stored once the back-off has ended ...
+        {"prompts": first, "max_tokens": 8, "reset_prefix_cache": True},
+        # ... and hits.
+        {"prompts": first, "max_tokens": 8, "reset_prefix_cache": True},
+    ]
+    common = {"model": str(tiny_llama), "num_gpu_blocks_override": 40, "settle_s": 0.5}
+    base = engine.run_in_subprocess(
+        {**common, "batches": [{k: v for k, v in b.items() if k != "touch"} for b in batches]}
+    )
+    kv = {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "config": {
+                "namespace": "hung-store",
+                "tiers": [{"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 256}],
+                "deadlines": {"store_timeout": 1.0, "backoff": BACKOFF_S},
+            }
+        },
+    }
+    batches[2]["wait_s"] = BACKOFF_S
+    assert not release.exists()
+    got = engine.run_in_subprocess(
+        {**common, "batches": batches, "kv_transfer_config": kv, "hang_writes": str(release)},
+        timeout=300,
+    )
+    for b, want in zip(got["batches"], base["batches"], strict=True):
+        assert b["outputs"] == want["outputs"]
+    # Batch 1's stores were given up (18 full blocks, the first of each maybe read already),
+    # batch 2 found the tier suspended and stored nothing; the wall time of batch 2 is far
+    # below "for ever" (the deadline is 1 s).
+    assert _counter(got, "store_deadline_blocks") > 0
+    assert got["batches"][1]["wall_s"] < 60
+    (stats,) = (s["stats"] for s in got["stores"].values())
+    assert stats["nvme"]["suspensions"] >= 1
+    # Back: batch 3 stored the first set, batch 4 hit all of it.
+    assert got["batches"][3]["num_cached_tokens"] == [96] * 6
