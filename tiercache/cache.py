@@ -178,6 +178,8 @@ class TierCache:
         # batch in flight. Lock order: _through_io before _lock, never the other way round.
         self._through_io = threading.Lock()
         self._through_thread: threading.Thread | None = None
+        # (destination tier, monotonic start) of the write-through copy running (check_through)
+        self._through_busy: tuple[int, float] | None = None
         if any(config.write_through):
             self._through_thread = threading.Thread(
                 target=self._through_loop, name="tiercache-write-through", daemon=True
@@ -426,11 +428,22 @@ class TierCache:
             if self._closed:
                 return
             self._closed = True
+        hung: set[int] = set()
         if self._through_thread is not None:  # it finishes the batch it is copying
             self._through_wake.set()
-            self._through_thread.join()
+            # Bounded: a copy into a hung tier must not keep the process from exiting. That
+            # tier is then suspended: nothing more is written back into it, and it is left
+            # as it is (no flush, no close: those would hang too).
+            self._through_thread.join(self._config.deadlines.store_timeout)
+            if self._through_thread.is_alive() and (t := self.check_through(0.0)) is not None:
+                hung.add(t)
+                log.warning(
+                    "tiercache: a write-through copy into %s hung at close; that tier is "
+                    "left as it is, and the copies still queued are dropped",
+                    self._tiers[t].medium,
+                )
         try:
-            while self._run_through(_THROUGH_BATCH):  # what is queued, in order
+            while not hung and self._run_through(_THROUGH_BATCH):  # what is queued, in order
                 pass
         except Exception:  # closing must still release every tier
             log.exception("write-through at close failed")
@@ -446,7 +459,9 @@ class TierCache:
                     self._telemetry.close(self.snapshot())
                 except Exception:  # telemetry must never keep the tiers from closing
                     log.exception("final telemetry snapshot failed")
-            for t in self._tiers:
+            for i, t in enumerate(self._tiers):
+                if i in hung:
+                    continue
                 try:
                     t.flush()
                 finally:
@@ -576,6 +591,7 @@ class TierCache:
         """Copy one write-through move (no lock held) and complete it, whatever happens."""
         ok: list[bytes] = []
         errors: dict[int, int] = {}
+        self._through_busy = (move.dst.tier, time.monotonic())  # see check_through
         try:
             for keys, src_slots, dst_slots in _chunks(move, self._block_bytes):
                 got, errs = self._copy_chunk(
@@ -585,9 +601,22 @@ class TierCache:
                 for t, n in errs.items():
                     errors[t] = errors.get(t, 0) + n
         finally:  # every copy is completed and its source unpinned
+            self._through_busy = None
             with self._lock:
                 self._finish_copy(move.keys, ok, errors, self._manager.complete_write_through)
                 self._tap_events()
+
+    def check_through(self, timeout: float) -> int | None:
+        """The write-through copy in progress, if it has run `timeout` seconds or more: its
+        destination tier hung, so it is suspended (the manager plans no copy, store or
+        write-back into it until the back-off ends). Returns that tier's index, else None.
+        Cheap: an engine calls it every step."""
+        busy = self._through_busy
+        if busy is None or time.monotonic() - busy[1] < timeout:
+            return None
+        with self._lock:
+            self._manager.suspend(busy[0])
+        return busy[0]
 
     def _move(self, move: BlockMove) -> None:
         """Copy blocks between tiers through a host staging buffer, in bounded chunks."""

@@ -865,9 +865,11 @@ class OffloadingManager:
         """Moves that copy blocks held only in volatile tiers into persistent tiers' free slots,
         most recently stored first, so a graceful restart keeps what fits.
 
-        Nothing is evicted for them. Complete each move with `complete_store(move.keys)`.
+        Nothing is evicted for them, and nothing goes into a suspended tier (it hung).
+        Complete each move with `complete_store(move.keys)`.
         """
-        persistent = [lv for lv in self._levels if lv.tier.persistent]
+        off = self._breaker.mask()
+        persistent = [lv for lv in self._levels if lv.tier.persistent and not off & lv.bit]
         if not persistent:
             return []
         pmask = sum(lv.bit for lv in persistent)
