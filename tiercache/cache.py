@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import logging
 import threading
 import time
@@ -88,6 +89,26 @@ def _host_runs(tier: Tier, slots: Sequence[int]) -> list[tuple[int, int]] | None
 
 # Errors a tier raises for failed I/O; anything else is a bug and propagates.
 _IO_ERRORS = (OSError, BlockCorruptError)
+# Errors that say a tier cannot be reached at all (a stopped or lost server), not that some
+# of its blocks failed: the tier is suspended (`CircuitBreaker`).
+_UNREACHABLE_ERRNOS = frozenset(
+    {
+        errno.ETIMEDOUT,
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.EAGAIN,  # a tier in its own back-off (e.g. Redis after a timeout)
+    }
+)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    return isinstance(exc, TimeoutError | ConnectionError) or (
+        isinstance(exc, OSError) and exc.errno in _UNREACHABLE_ERRNOS
+    )
+
+
 _MOVE_CHUNK_BYTES = 64 * 2**20  # staging per step of a tier-to-tier copy
 _THROUGH_BATCH = 32  # write-through copies planned at once, at most
 _THROUGH_YIELD_S = 0.001  # the copier's pause between batches (the engine's thread runs)
@@ -333,6 +354,7 @@ class TierCache:
         # their slots before complete_load), and a slow or hung tier then stalls this call
         # alone, not every other user of the cache (an engine's scheduler, its transfers).
         bad: dict[int, list[bytes]] = {}
+        down: set[int] = set()  # tiers whose read failed as a whole (unreachable, I/O error)
         try:
             for g in spec.groups():
                 failed = self._read_group(
@@ -341,6 +363,7 @@ class TierCache:
                     g.positions,
                     [chain[p] for p in g.positions],
                     out,
+                    down,
                 )
                 if failed:
                     bad[g.tier] = [chain[p] for p in failed]
@@ -350,6 +373,10 @@ class TierCache:
             raise
         with self._lock:
             self._manager.complete_load(chain)
+            for tier in down:
+                # A tier that cannot be reached (a stopped server: each read waits out its
+                # timeout) is skipped for its back-off: the next requests do not wait again.
+                self._manager.suspend(tier)
             k = n
             for tier, bad_keys in bad.items():
                 gone = self._tiers[tier].take_gone(bad_keys)  # evicted by the store: a miss
@@ -494,8 +521,10 @@ class TierCache:
         positions: Sequence[int],
         keys: Sequence[bytes],
         out: torch.Tensor,
+        down: set[int],
     ) -> list[int]:
-        """Read one tier's share of a load into `out`; returns failed positions (into out)."""
+        """Read one tier's share of a load into `out`; returns failed positions (into out).
+        A read that fails as a whole adds the tier's index to `down`."""
         p0 = positions[0]
         contiguous = positions[-1] - p0 == len(positions) - 1
         dst = (
@@ -507,6 +536,8 @@ class TierCache:
             failed = tier.read(slots, dst, keys)
         except _IO_ERRORS as exc:
             log.warning("read of %d blocks from %s failed: %s", len(slots), tier.medium, exc)
+            if _unreachable(exc):
+                down.add(self._tiers.index(tier))
             return list(positions)
         if not contiguous:  # indices live on the device of the tensor they index
             idx = torch.tensor(positions, dtype=torch.int64, device=out.device)
