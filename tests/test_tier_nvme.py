@@ -838,7 +838,7 @@ def test_journal_is_compacted_while_running(tmp_path, monkeypatch) -> None:
     for i in range(60):  # 60 puts and 56 frees through 4 slots
         k = keys_for(1, i)
         if t.free_blocks == 0:
-            t.free([min(t._index, key=lambda s: t._index[s][1])])
+            t.free([t.recover()[0][1]])  # the oldest block
         t.write(t.allocate(k), data[i : i + 1], k)
         assert (store / "index").stat().st_size <= (2 * 4 + 2) * nvme.REC_SIZE
     t.close()
