@@ -43,7 +43,10 @@ opened at) in "meta" at open, deleting the entry at close (tiers/lmdb_attach.py)
 
 Opening deletes no good block: a tier indexes the newest `capacity` blocks of its namespace
 from the order entries (headers only); only malformed entries under its own prefix are
-dropped at open. A measured caveat (10k-100k blocks, after fadvise DONTNEED): the open still
+dropped at open. A well-formed namespace is scanned in bulk (`_scan_fast`: two cursor runs
+over its "order" and "heads" entries into arrays, checked as arrays, no payload looked at:
+a read verifies it); any malformed entry sends the open to the entry-by-entry walk, which
+finds and drops exactly those. A measured caveat (10k-100k blocks, after fadvise DONTNEED): the open still
 reads about the whole data file from disk (read_bytes ~= file size) although no payload is
 read by the code; the cause (kernel read-around on the header leaves, or LMDB) is not found.
 
@@ -68,6 +71,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import math
@@ -90,7 +94,10 @@ from tiercache.tiers import lmdb_attach
 from tiercache.tiers.base import KEY_BYTES, check_blocks
 from tiercache.tiers.format import (
     CODEC_RAW,
+    CODEC_ZSTD_SHUFFLE2,
+    FORMAT_VERSION,
     HEADER_SIZE,
+    MAGIC,
     BlockHeader,
     decode_header,
     decode_payload,
@@ -125,6 +132,30 @@ MAX_TXN_OPS = 256
 _RETRIES = 8
 MAP_FULL_TRIES = 9  # a write that finds the map full waits 1+2+...+128 ms for readers to end
 _PARALLEL_MIN_BYTES = 64 * 1024  # blocks at least this big are decoded on the thread pool
+
+
+# Rows of `_scan_fast`: an "order" entry (key, value) and a "heads" entry (store key, the
+# `tiers.format` header, the 8-byte order seq), little-endian fields as the header packs them.
+_ORDER_ROW = np.dtype([("ns", "V8"), ("seq", ">u8"), ("key", f"V{KEY_BYTES}")])
+_HEADS_ROW = np.dtype(
+    [
+        ("ns", "V8"),
+        ("key", f"V{KEY_BYTES}"),
+        ("magic", "V4"),
+        ("version", "<u2"),
+        ("codec", "u1"),
+        ("reserved", "u1"),
+        ("hkey", f"V{KEY_BYTES}"),
+        ("hns", "<u8"),
+        ("raw", "<u4"),
+        ("stored", "<u4"),
+        ("hseq", "<u8"),
+        ("reserved2", "<u8"),
+        ("sum", "<u8"),
+        ("oseq", ">u8"),
+    ]
+)
+assert _HEADS_ROW.itemsize == NS_BYTES + KEY_BYTES + HEADER_SIZE + SEQ_BYTES
 
 
 def store_key(namespace: int, key: bytes) -> bytes:
@@ -1056,6 +1087,7 @@ class LMDBTier(KeyedTier):
         shared, nsb = self._shared, self._nsb
         kept: list[bytes] = []  # block keys, newest first
         bad: dict[bytes, int | None] = {}
+        fast: list[bytes] | None = None
         txn = self._begin(write=False)
         try:
             sizes = [txn.stat(db)["entries"] for db in (shared.heads, shared.blocks)]
@@ -1064,8 +1096,11 @@ class LMDBTier(KeyedTier):
             next_seq = _u64(txn.get(SEQ_KEY, db=shared.meta))
             if len(set(sizes)) > 1:
                 bad.update(self._malformed(txn))
+            fast = None if bad else self._scan_fast(txn)
             cur = txn.cursor(db=shared.order)
-            if nsb == b"\xff" * NS_BYTES:
+            if fast is not None:
+                kept, at = fast, None  # newest first, like the walk below
+            elif nsb == b"\xff" * NS_BYTES:
                 at = cur.last()
             elif cur.set_range((int.from_bytes(nsb, "big") + 1).to_bytes(NS_BYTES, "big")):
                 at = cur.prev()  # the last entry before the next namespace's first
@@ -1112,6 +1147,7 @@ class LMDBTier(KeyedTier):
                 excess,
             )
         self.open_report = {
+            "bulk_scan": int(fast is not None),
             "blocks_dropped": len(bad),
             "blocks_over_capacity": excess,
             "blocks_recovered": len(kept),
@@ -1120,6 +1156,57 @@ class LMDBTier(KeyedTier):
             shared.seq = max(shared.seq, next_seq)
         kept.reverse()
         self._take_found(kept)
+
+    def _scan_fast(self, txn: lmdb.Transaction) -> list[bytes] | None:
+        """`_scan`'s walk for a well-formed namespace, in bulk: its "order" and "heads"
+        entries are read by two cursor runs into fixed-width arrays and checked as arrays
+        (every header's fields, and each header's order seq naming an order entry of its
+        key); no payload is looked at (a read verifies it). The newest `capacity` block
+        keys, newest first; None, and the caller walks entry by entry, when any entry is
+        malformed (then `_scan` finds and drops exactly those, as before)."""
+        shared, nsb = self._shared, self._nsb
+
+        def run(db: Any, width: int) -> bytes | None:
+            cur = txn.cursor(db=db)
+            if not cur.set_range(nsb):
+                return b""
+            rows = [
+                bytes(k) + bytes(v)
+                for k, v in itertools.takewhile(
+                    lambda kv: kv[0][:NS_BYTES] == nsb, cur.iternext(keys=True, values=True)
+                )
+            ]
+            return b"".join(rows) if all(len(r) == width for r in rows) else None
+
+        order = run(shared.order, NS_BYTES + SEQ_BYTES + KEY_BYTES)
+        heads = run(shared.heads, NS_BYTES + KEY_BYTES + HEADER_SIZE + SEQ_BYTES)
+        if order is None or heads is None:
+            return None
+        o = np.frombuffer(order, dtype=_ORDER_ROW)
+        h = np.frombuffer(heads, dtype=_HEADS_ROW)
+        codec = h["codec"]
+        good = (
+            (h["magic"] == np.frombuffer(MAGIC, dtype="V4")[0])
+            & (h["version"] == FORMAT_VERSION)
+            & (codec <= CODEC_ZSTD_SHUFFLE2)
+            & ((codec != CODEC_RAW) | (h["stored"] == h["raw"]))
+            & ((codec != CODEC_ZSTD_SHUFFLE2) | (h["raw"] % 2 == 0))
+            & (h["key"] == h["hkey"])
+            & (h["hns"] == self._ns)
+            & (h["raw"] == self.block_bytes)
+        )
+        seqs = o["seq"].astype(np.uint64)
+        if len(seqs) > 1 and not bool(np.all(seqs[1:] > seqs[:-1])):
+            return None
+        at = np.minimum(np.searchsorted(seqs, h["oseq"].astype(np.uint64)), max(len(o) - 1, 0))
+        if len(o):
+            good &= (seqs[at] == h["oseq"]) & (o["key"][at] == h["key"])
+        else:
+            good &= False
+        if not bool(good.all()):
+            return None
+        newest = np.argsort(h["oseq"], kind="stable")[::-1][: self.capacity_blocks]
+        return h["key"][newest].tolist()
 
     def _malformed(self, txn: lmdb.Transaction) -> dict[bytes, int | None]:
         """Store keys of this namespace whose entries are malformed or incomplete (a header
