@@ -252,6 +252,51 @@ def encode_image(
     return body + _REC_SUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
+_REC_FULL = np.dtype([("body", _REC_ROW), ("sum", "<u8")])
+assert _REC_FULL.itemsize == REC_SIZE
+
+
+def _tail_records(tail: bytes | memoryview) -> tuple[_Entries, int, int]:
+    """The newest well-formed PUT or FREE record per slot of a journal tail, as arrays
+    (`ns` holds each record's op), how many records were damaged (a torn end counts one)
+    and the highest seq of any well-formed record. Every record's checksum is verified
+    (one xxh3 call each, the rest as arrays); of equal seqs for one slot the first record
+    wins, as in `replay_journal`."""
+    n = len(tail) // REC_SIZE
+    damaged = int(len(tail) % REC_SIZE != 0)
+    recs = np.frombuffer(tail, dtype=_REC_FULL, count=n)
+    view = memoryview(tail)
+    digest = xxhash.xxh3_64_intdigest
+    sums = np.fromiter(
+        (digest(view[o : o + _REC.size]) for o in range(0, n * REC_SIZE, REC_SIZE)),
+        dtype=np.uint64,
+        count=n,
+    )
+    body = recs["body"]
+    ok = (
+        (sums == recs["sum"])
+        & (body["magic"] == _REC_MAGIC)
+        & (body["version"] == _REC_VERSION)
+        & np.isin(body["op"], (_OP_PUT, _OP_FREE, _OP_BASE))
+    )
+    damaged += n - int(ok.sum())
+    good = np.flatnonzero(ok & (body["op"] != _OP_BASE))
+    top = body["seq"][ok]
+    slot, seq = body["slot"][good].astype(np.int64), body["seq"][good]
+    # By slot, then seq, then position backwards: each slot's last row is its winner.
+    order = np.lexsort((-good, seq, slot))
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = slot[order][1:] != slot[order][:-1]
+    win = good[order[last]]
+    t = _Entries(
+        body["slot"][win].astype(np.int64),
+        body["key"][win],
+        body["seq"][win].astype(np.uint64),
+        body["op"][win].astype(np.uint64),
+    )
+    return t, damaged, int(top.max(initial=0))
+
+
 def _newest(e: _Entries) -> np.ndarray:
     """Which entries to keep: per (namespace, key) the one of highest seq (the first of
     equal seqs). Keys are hashes, so a 64-bit mix of key and namespace finds candidates with
@@ -663,20 +708,13 @@ class NVMeTier(Tier):
             )
             return None
         tail = memoryview(journal)[img.covered :]
-        best: dict[int, tuple[int, int, bytes]] = {}
-        damaged, top = int(len(tail) % REC_SIZE != 0), img.top_seq
-        for off in range(0, len(tail) - REC_SIZE + 1, REC_SIZE):
-            rec = _parse_record(tail, off)
-            if rec is None:
-                damaged += 1
-                continue
-            op, slot, seq, key = rec
-            top = max(top, seq)
-            if op != _OP_BASE and (slot not in best or seq > best[slot][0]):
-                best[slot] = (seq, op, key)
-        if img.writer is None and any(op == _OP_PUT for _, op, _ in best.values()):
+        t, damaged, tail_top = _tail_records(tail)
+        top = max(img.top_seq, tail_top)
+        puts = t.ns == _OP_PUT  # `ns` holds each record's op here
+        if img.writer is None and bool(puts.any()):
             log.warning("%s: the index image names no writer; reading every header", self._path)
             return None
+        writer = np.uint64(img.writer or 0)
         cap = os.fstat(self._fd).st_size // self._slot_bytes
         slots = img.slots.astype(np.int64)
         seqs, ns, keys = img.seqs.copy(), img.ns.copy(), img.keys.copy()
@@ -690,35 +728,34 @@ class NVMeTier(Tier):
         extra: dict[int, tuple[bytes, int, int]] = {}
         for i in np.flatnonzero(slots >= cap).tolist():
             extra[int(slots[i])] = (keys[i].tobytes(), int(seqs[i]), int(ns[i]))
-        add: list[tuple[int, bytes, int, int]] = []
-        for slot, (seq, op, key) in best.items():
-            i = int(pos[slot]) if slot < cap else -1
-            if i >= 0 and alive[i]:
-                if int(seqs[i]) >= seq:
-                    continue
-                if op == _OP_PUT:
-                    assert img.writer is not None
-                    keys[i], seqs[i], ns[i] = key, seq, img.writer
-                else:
-                    alive[i] = False
-            elif slot >= cap:
-                cur = extra.get(slot)
-                if cur is not None and cur[1] >= seq:
-                    continue
-                if op == _OP_PUT:
-                    assert img.writer is not None
-                    extra[slot] = (key, seq, img.writer)
-                else:
-                    extra.pop(slot, None)
-            elif op == _OP_PUT:
-                assert img.writer is not None
-                add.append((slot, key, seq, img.writer))
+        # The tail's newest record per slot decides, where it is newer than the image's.
+        near = t.slots < cap
+        at = np.where(near, pos[np.minimum(t.slots, max(cap - 1, 0))] if cap else -1, -1)
+        has = at >= 0
+        held = np.zeros(len(t), dtype=np.uint64)
+        held[has] = seqs[at[has]]
+        newer = ~has | (held < t.seqs)
+        over = near & has & newer
+        put_over = np.flatnonzero(over & puts)
+        keys[at[put_over]], seqs[at[put_over]] = t.keys[put_over], t.seqs[put_over]
+        ns[at[put_over]] = writer
+        alive[at[np.flatnonzero(over & ~puts)]] = False
+        add = t.take(np.flatnonzero(near & ~has & puts))
+        add = _Entries(add.slots, add.keys, add.seqs, np.full(len(add), writer, dtype=np.uint64))
+        for j in np.flatnonzero(~near).tolist():  # slots past the slab's end (normally none)
+            slot, seq = int(t.slots[j]), int(t.seqs[j])
+            cur = extra.get(slot)
+            if cur is not None and cur[1] >= seq:
+                continue
+            if puts[j]:
+                extra[slot] = (t.keys[j].tobytes(), seq, int(writer))
+            else:
+                extra.pop(slot, None)
         entries = _Entries(slots, keys, seqs, ns).take(np.flatnonzero(alive))
-        if add:
-            more = _Entries.of(add)
+        if len(add):
             entries = _Entries(
                 *(
-                    np.concatenate([getattr(entries, f), getattr(more, f)])
+                    np.concatenate([getattr(entries, f), getattr(add, f)])
                     for f in ("slots", "keys", "seqs", "ns")
                 )
             )
