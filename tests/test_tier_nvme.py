@@ -1079,3 +1079,30 @@ def test_tail_arrays_replay_as_the_journal_replay(records, torn) -> None:
     )
     assert got == {(e.slot, e.key, e.seq) for e in entries}
     assert (damaged, top) == (report.damaged, report.top_seq)
+
+
+def test_a_key_put_twice_after_the_image_is_recovered_once(tmp_path) -> None:
+    # The image says its entries hold one per key (checked at compaction); a journal tail
+    # that puts a key it holds into another slot (as a lost FREE record leaves it) must
+    # still be deduplicated at open: the newer copy is recovered, once.
+    store, crashed = tmp_path / "nvme", tmp_path / "crashed"
+    key, data = keys_for(1), rand_blocks(2, BB, 31)
+    t = open_tier(store, fsync="always")
+    t.write(t.allocate(key), data[:1], key)
+    t.close()
+    t = open_tier(store, fsync="always")
+    try:
+        assert t.open_report["index_image"] == 1
+        t.write(t.allocate(key), data[1:], key)  # a second slot, the first not freed
+        shutil.copytree(store, crashed)  # the files as a SIGKILL here would leave them
+    finally:
+        t.close()
+    t = open_tier(crashed)
+    try:
+        rec = t.recover()
+        assert [k for k, _ in rec] == key and t.used_blocks == 1
+        assert t.open_report["blocks_dropped"] == 1
+        out, bad = read_back(t, rec)
+        assert bad == [] and torch.equal(out, data[1:])
+    finally:
+        t.close()

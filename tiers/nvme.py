@@ -136,13 +136,14 @@ def _parse_record(buf: bytes, off: int) -> tuple[int, int, int, bytes] | None:
 
 
 # The index image: what an open would learn from the journal and every slot header, as
-# fixed-width arrays. Header: magic, version, flags (bit 0: the writer's namespace is set),
+# fixed-width arrays. Header: magic, version, flags (bit 0: the writer's namespace is set;
+# bit 1: one entry per namespace and key, written so by a compaction that checked it),
 # journal bytes covered, xxh3_64 of those bytes, top seq, writer namespace id, slots in the
 # slab, entries, namespaces; then the namespace table (u64 each), then per entry (oldest
 # first) slot u32, seq u64, namespace number u32, key 16 bytes; then xxh3_64 of all before.
 _IMG_MAGIC, _IMG_VERSION = b"TIMG", 1
 _IMG_HEAD = struct.Struct("<4sHHQQQQQII")
-_IMG_WRITER = 1
+_IMG_WRITER, _IMG_DISTINCT = 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +156,7 @@ class _Image:
     seqs: np.ndarray  # u64
     ns: np.ndarray  # u64 namespace id per entry
     keys: np.ndarray  # V16
+    distinct: bool  # one entry per (namespace, key): an open need not look for copies
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,15 +224,22 @@ def _put_records(e: _Entries) -> bytes:
 
 
 def encode_image(
-    journal: bytes, top_seq: int, writer: int | None, nslots: int, entries: _Entries
+    journal: bytes,
+    top_seq: int,
+    writer: int | None,
+    nslots: int,
+    entries: _Entries,
+    *,
+    distinct: bool = False,
 ) -> bytes:
-    """The image of `entries` (oldest first) covering all of `journal`."""
+    """The image of `entries` (oldest first) covering all of `journal`; `distinct`: the
+    caller checked that they hold one entry per namespace and key."""
     n = len(entries)
     table, number = np.unique(entries.ns, return_inverse=True)
     head = _IMG_HEAD.pack(
         _IMG_MAGIC,
         _IMG_VERSION,
-        _IMG_WRITER if writer is not None else 0,
+        (_IMG_WRITER if writer is not None else 0) | (_IMG_DISTINCT if distinct else 0),
         len(journal),
         xxhash.xxh3_64_intdigest(journal),
         top_seq,
@@ -357,6 +366,7 @@ def decode_image(data: bytes) -> _Image | None:
         seqs,
         table[number] if n else np.zeros(0, dtype="<u8"),
         keys,
+        bool(flags & _IMG_DISTINCT),
     )
 
 
@@ -759,7 +769,10 @@ class NVMeTier(Tier):
                     for f in ("slots", "keys", "seqs", "ns")
                 )
             )
-        self._settle(entries, skipped=damaged, dropped=len(extra), top_seq=top)
+        # Tail PUTs may name a key the image holds in another slot (a lost FREE record);
+        # FREE records only remove entries.
+        distinct = img.distinct and not len(put_over) and not len(add)
+        self._settle(entries, skipped=damaged, dropped=len(extra), top_seq=top, distinct=distinct)
         self.open_report["index_image"] = 1
         self.open_report["headers_read"] = 0
         return not tail and img.writer == self._ns and self._ns is not None
@@ -793,19 +806,24 @@ class NVMeTier(Tier):
                 len(items) - len(checked),
             )
 
-    def _settle(self, e: _Entries, *, skipped: int, dropped: int, top_seq: int) -> None:
+    def _settle(
+        self, e: _Entries, *, skipped: int, dropped: int, top_seq: int, distinct: bool = False
+    ) -> None:
         """Index entries: ours up to the capacity, the rest kept (lock held). `skipped`:
-        damaged records; `dropped`: entries already dropped. Array operations only, but for
-        duplicate keys and kept blocks (normally none)."""
+        damaged records; `dropped`: entries already dropped; `distinct`: the entries are
+        known to hold one per namespace and key. Array operations only, but for duplicate
+        keys and kept blocks (normally none)."""
         # One slot per (namespace, key), the newest: a lost FREE record can leave an older
         # copy behind. Equal keys of two namespaces are two blocks.
         given = len(e)
-        e = e.take(np.flatnonzero(_newest(e)))
+        if not distinct:
+            e = e.take(np.flatnonzero(_newest(e)))
         mine = np.ones(len(e), dtype=bool) if self._ns is None else e.ns == np.uint64(self._ns)
         ours = np.flatnonzero(mine)
-        ours = ours[np.argsort(e.seqs[ours], kind="stable")]  # oldest first
+        if not bool(np.all(e.seqs[ours][1:] > e.seqs[ours][:-1])):  # an image is in order
+            ours = ours[np.argsort(e.seqs[ours], kind="stable")]  # oldest first
         over = max(0, len(ours) - self.capacity_blocks)
-        used = e.take(ours[over:])
+        used = e if over == 0 and len(ours) == len(e) else e.take(ours[over:])
         kept = e.take(np.concatenate([np.flatnonzero(~mine), ours[:over]]))
         self._kept = {
             s: (k, q, n)
@@ -1144,7 +1162,8 @@ class NVMeTier(Tier):
             ]
             entries = _Entries(*both).take(np.argsort(both[2], kind="stable"))
         data = _record(_OP_BASE, 0, self._seq, _NO_KEY) + _put_records(entries)
-        image = encode_image(data, self._seq, self._ns, self._nslots, entries)
+        distinct = bool(_newest(entries).all())  # checked here, so that opens need not
+        image = encode_image(data, self._seq, self._ns, self._nslots, entries, distinct=distinct)
         fd = self._open_file(_INDEX + ".tmp", os.O_RDWR | os.O_TRUNC)
         try:
             _write_all(fd, data, 0)
