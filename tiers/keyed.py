@@ -80,8 +80,10 @@ class KeyedTier(Tier):
         return list(zip(*self.recover_columns(), strict=True))
 
     def recover_columns(self) -> tuple[list[bytes], list[int]]:
-        get = self._slot_key.get
-        slots = [s for s, k in enumerate(self._recovered) if get(s) is k or get(s) == k]
+        held = list(map(self._slot_key.get, range(len(self._recovered))))
+        if held == self._recovered:  # every one still held (C loops: at open, millions)
+            return list(self._recovered), list(range(len(held)))
+        slots = [s for s, k in enumerate(self._recovered) if held[s] == k]
         if len(slots) == len(self._recovered):
             return list(self._recovered), slots
         return [self._recovered[s] for s in slots], slots
