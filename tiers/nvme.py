@@ -26,6 +26,10 @@ Layout under `path` (a private directory, 0700; every file 0600):
   changed, falls back to the full replay with header checks above (logged). An open after a
   clean close by the same namespace rewrites nothing.
 
+In memory the index is two columns per slot (`_seqs`, uint64, 0 for a slot holding none of
+this tier's blocks, and `_keys`, 16 bytes), no Python object per block; opens, replays and
+compactions work on them as arrays (`_Entries`).
+
 Crash ordering: a store writes the data of all its slots, then (fsync="always") fdatasyncs the
 slab, and only then appends its PUT records (and fdatasyncs the journal). A crash before the
 records land leaves slots the index does not name; a record whose data never landed, or was
