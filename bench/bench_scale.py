@@ -5,10 +5,13 @@ with that one persistent tier of capacity N blocks (`--block-bytes`, default 4 K
 step in a fresh process:
 - fill: `put` N blocks (batches of `--batch`) into a new store, then `close`; blocks/s over
   the puts, and over the last tenth of them (flat costs keep both equal).
-- open (clean): a fresh process opens the closed store and looks one key up. Reported: the
-  seconds `TierCache.open` took, the anonymous RAM it added (RssAnon of /proc/self/status,
-  before and after; per block), the bytes read by syscalls (`rchar`) and the file-backed
-  resident memory it added (RssFile: pages of an mmap it touched) during the open.
+- open (clean): the store's files are dropped from the page cache (fsync, then
+  POSIX_FADV_DONTNEED on those files only), and a fresh process opens the closed store and
+  looks one key up. Reported: the seconds `TierCache.open` took, the anonymous RAM it added
+  (RssAnon of /proc/self/status, before and after; per block), the bytes read by syscalls
+  (`rchar`), the bytes read from disk (`read_bytes`: pages an mmap faulted in, readahead
+  included) and the file-backed resident memory it added (RssFile) during the open. Then a
+  second fresh process opens it again (the index's pages cached: "again").
 - lookups: single-key `lookup` of random held keys, and 16-key chains (keys/s); reads: `get`
   of random 16-block batches (blocks/s, bytes checked).
 - SIGKILL: a writer fills a second store and is SIGKILLed right after its last `put`
@@ -71,8 +74,8 @@ def proc_status() -> dict[str, int]:
     with open("/proc/self/io") as f:
         for line in f:
             name, _, rest = line.partition(":")
-            if name == "rchar":
-                out["rchar"] = int(rest)
+            if name in ("rchar", "read_bytes"):
+                out[name] = int(rest)
     return out
 
 
@@ -127,6 +130,7 @@ def child_open(
         "ram_anon_per_block": (after["RssAnon"] - before["RssAnon"]) / n,
         "rss_file_added": after["RssFile"] - before["RssFile"],
         "read_syscall_bytes": after["rchar"] - before["rchar"],
+        "read_disk_bytes": after["read_bytes"] - before["read_bytes"],
         "open_report": getattr(cache.tiers[0], "open_report", {}),
     }
     rnd = random.Random(1)
@@ -207,6 +211,19 @@ def parse_size(s: str) -> int:
     return int(float(s.rstrip("km")) * mult)
 
 
+def drop_cached(path: str) -> None:
+    """Evict the store's files from the page cache (POSIX_FADV_DONTNEED, after an fsync so
+    no dirty page stays), so the open that follows reads from disk what it touches: its
+    `read_disk_bytes` then counts the pages it needed (and the kernel's readahead)."""
+    for name in os.listdir(path):
+        fd = os.open(os.path.join(path, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def measure(kind: str, n: int, a: argparse.Namespace) -> dict[str, Any]:
     base = tempfile.mkdtemp(prefix=f"scale-{kind}-{n}-", dir=a.dir)
     try:
@@ -214,7 +231,10 @@ def measure(kind: str, n: int, a: argparse.Namespace) -> dict[str, Any]:
         r: dict[str, Any] = {"kind": kind, "blocks": n, "block_bytes": a.block_bytes}
         r["fill"] = run_child(["fill", kind, clean, n, a.block_bytes, a.batch, False])
         r["disk_bytes"] = sum(os.path.getsize(os.path.join(clean, f)) for f in os.listdir(clean))
+        drop_cached(clean)
         r["open"] = run_child(["open", kind, clean, n, a.block_bytes, a.seconds, 0, False])
+        # A second open, the index's pages now in the page cache (as after a quick restart).
+        r["open_warm"] = run_child(["open", kind, clean, n, a.block_bytes, 0.05, 0, False])
         shutil.rmtree(clean)
         if not a.no_kill:
             fill_and_kill(kind, killed, n, a.block_bytes, a.batch)
@@ -232,8 +252,10 @@ def row(r: dict[str, Any]) -> str:
     return (
         f"{r['kind']:5} {r['blocks']:>9,} | fill {f['fill_rate']:>8,.0f}/s "
         f"(tail {f['fill_tail_rate']:>8,.0f}/s) close {f['close_s']:5.2f}s | "
-        f"open {o['open_s']:6.2f}s RAM {o['ram_anon_per_block']:6.0f} B/blk "
+        f"open {o['open_s']:6.2f}s (again {r['open_warm']['open_s']:5.2f}s) "
+        f"RAM {o['ram_anon_per_block']:6.0f} B/blk "
         f"read {o['read_syscall_bytes'] / max(1, r['blocks']):7.0f} B/blk "
+        f"disk {o['read_disk_bytes'] / max(1, r['blocks']):6.0f} B/blk "
         f"rssfile {o['rss_file_added'] / max(1, r['blocks']):6.0f} B/blk | "
         f"lookup {o['lookup_1_per_s']:>9,.0f}/s chain16 {o['lookup_16_keys_per_s']:>10,.0f}/s "
         f"get {o['read_blocks_per_s']:>7,.0f} blk/s | "

@@ -36,6 +36,9 @@ class LRUPolicy(EvictionPolicy):
         with `new` (distinct keys, none resident) each key is just appended."""
         od = self._od
         if new:
+            if not od:  # a persistent tier's blocks at open: one C call for them all
+                self._od = OrderedDict.fromkeys(keys)
+                return
             for key in keys:
                 od[key] = None
             return

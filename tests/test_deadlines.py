@@ -5,6 +5,7 @@ later. Real NVMe and LMDB tiers with files; a read that blocks stands in for a h
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -355,3 +356,34 @@ def test_a_suspended_tier_takes_no_store_demotion_or_write_through(tmp_path: Pat
     assert solo.prepare_store([K(20)]) is not None
     for t in [*m.tiers, *solo.tiers]:
         t.close()
+
+
+def test_a_hung_write_through_copy_suspends_its_tier_and_close_leaves_it(tmp_path: Path) -> None:
+    """The write-through thread copying into a hung disk: `check_through` suspends that tier
+    once the copy is past the deadline, and `close` waits for it at most `store_timeout`,
+    then leaves the tier as it is instead of hanging the process."""
+    from tiercache import TierCache
+
+    tiers = [
+        {"kind": "cpu", "blocks": 8},
+        {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 8, "fsync": "never"},
+    ]
+    cache = TierCache.open(
+        {"tiers": tiers, "deadlines": {"store_timeout": 0.3, "backoff": 5.0, "backoff_max": 5.0}},
+        block_bytes=64,
+    )
+    hang = HangWrites(cache.tiers[1])
+    try:
+        keys = cache.hash_tokens(list(range(2 * cache.config.block_size)))
+        cache.put(keys, torch.ones((2, 64), dtype=torch.uint8))
+        assert hang.entered.wait(10)  # the copier is stuck in the disk
+        assert cache.check_through(10.0) is None  # not late yet
+        time.sleep(0.3)
+        assert cache.check_through(0.3) == 1
+        assert cache.manager.suspended()[1] > 0
+        assert cache.get(keys).shape[0] == 2  # the cpu copies still serve
+        t0 = time.monotonic()
+        cache.close()
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        hang.release.set()

@@ -170,6 +170,48 @@ def test_value_stored_under_another_key_is_a_miss(tmp_path) -> None:
         t.close()
 
 
+def test_bulk_scan_indexes_what_the_entry_walk_does(tmp_path, monkeypatch) -> None:
+    # A store holding more blocks than the reopening capacity, some stored twice (their
+    # order seq moves): the bulk scan (arrays) and the entry-by-entry walk index the same
+    # newest blocks, oldest first.
+    t = open_tier(tmp_path / "b", capacity=16)
+    keys = keys_for(16)
+    t.write(t.allocate(keys), rand_blocks(16, 4096, 21), keys)
+    t.free([0, 1, 2])  # deleted at the next write, then stored again: newest now
+    t.write(t.allocate(keys[:3]), rand_blocks(3, 4096, 22), keys[:3])
+    t.close()
+    t = open_tier(tmp_path / "b", capacity=10)
+    try:
+        bulk = [k for k, _ in t.recover()]
+        assert t.open_report["bulk_scan"] == 1
+    finally:
+        t.close()
+    monkeypatch.setattr(LMDBTier, "_scan_fast", lambda self, txn: None)
+    t = open_tier(tmp_path / "b", capacity=10)
+    try:
+        assert t.open_report["bulk_scan"] == 0
+        assert [k for k, _ in t.recover()] == bulk == keys[9:] + keys[:3]
+    finally:
+        t.close()
+
+
+def test_a_forged_header_sends_the_open_to_the_entry_walk(tmp_path) -> None:
+    t = open_tier(tmp_path / "f", capacity=8)
+    keys = keys_for(3)
+    t.write(t.allocate(keys), rand_blocks(3, 4096, 23), keys)
+    with t._shared.env.begin(write=True) as txn:  # a header whose namespace is not ours
+        head = bytearray(txn.get(sk(keys[1]), db=t._shared.heads))
+        head[24] ^= 1
+        txn.put(sk(keys[1]), bytes(head), db=t._shared.heads)
+    t.close()
+    t = open_tier(tmp_path / "f", capacity=8)
+    try:
+        assert t.open_report["bulk_scan"] == 0 and t.open_report["blocks_dropped"] == 1
+        assert [k for k, _ in t.recover()] == [keys[0], keys[2]]
+    finally:
+        t.close()
+
+
 def test_half_written_entries_are_dropped_at_open(tmp_path) -> None:
     t = open_tier(tmp_path / "h", capacity=8)
     keys = keys_for(3)

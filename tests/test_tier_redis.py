@@ -487,8 +487,11 @@ def test_server_killed_and_restarted_mid_run(tmp_path, monkeypatch) -> None:
         assert cache.stats()["redis"]["errors"] == 4
         c = keys_for(4, 200)
         dc = rand_blocks(4, 4096, 3)
-        assert cache.put(c, dc) == 4  # b's demotion into Redis fails; c is stored in CPU
-        assert tier.stats()["skipped_calls"] == 1  # within the backoff: no network touched
+        # The failed read suspended Redis in the manager (its circuit breaker): b is evicted
+        # from the CPU tier without a demotion into Redis, and no network call is made.
+        assert cache.manager.suspended()[1] > 0
+        assert cache.put(c, dc) == 4
+        assert tier.stats()["skipped_calls"] == 0
         assert torch.equal(cache.get(c), dc)
 
         srv.start()  # the same port, the append-only file replayed
@@ -534,6 +537,50 @@ def test_hung_server_times_out_and_recovers(tmp_path, monkeypatch) -> None:
         assert (s["disconnects"], s["reconnects"], s["skipped_calls"]) == (1, 1, 1)
         t.close()
     finally:
+        srv.kill()
+
+
+def test_a_stopped_server_suspends_its_tier_in_the_cache(tmp_path) -> None:
+    """Issue 16: through the facade, a read that times out on a stopped server suspends the
+    Redis tier (the manager's circuit breaker), so the next requests miss at once instead of
+    each waiting out the timeout again; blocks in the CPU tier still serve, and once the
+    server is back and the back-off ends, Redis hits again."""
+    srv = RedisServer(tmp_path / "s")
+    cfg = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 2},
+            {"kind": "redis", "url": srv.url, "blocks": 16, "timeout": 0.3},
+        ],
+        "deadlines": {"backoff": 1.0, "backoff_max": 1.0},
+    }
+    cache = TierCache.open(cfg, block_bytes=4096)
+    try:
+        bs = cache.config.block_size
+        old = cache.hash_tokens(list(range(4 * bs)))  # the head in both tiers, 2 in Redis
+        data = rand_blocks(4, 4096, 3)
+        cache.put(old, data)
+        cache.flush()
+        where = [cache.manager.where(k) for k in old]
+        assert where == [[0, 1], [0, 1], [1], [1]], where
+        srv.pause()
+        try:
+            t0 = time.monotonic()
+            got = cache.get(old)  # the CPU tier's head; the Redis read times out: a miss
+            first = time.monotonic() - t0
+            assert got.shape[0] == 2 and torch.equal(got, data[:2])
+            assert cache.manager.suspended()[1] > 0
+            t0 = time.monotonic()
+            for _ in range(5):
+                assert cache.get(old).shape[0] == 2
+            assert time.monotonic() - t0 < 0.1 < first  # no more waits on the server
+        finally:
+            srv.resume()
+        time.sleep(1.1)
+        got = cache.get(old)
+        assert got.shape[0] == 4 and torch.equal(got, data)
+        assert cache.stats()["redis"]["suspensions"] >= 1
+    finally:
+        cache.close()
         srv.kill()
 
 

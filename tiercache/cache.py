@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import logging
 import threading
 import time
@@ -88,6 +89,26 @@ def _host_runs(tier: Tier, slots: Sequence[int]) -> list[tuple[int, int]] | None
 
 # Errors a tier raises for failed I/O; anything else is a bug and propagates.
 _IO_ERRORS = (OSError, BlockCorruptError)
+# Errors that say a tier cannot be reached at all (a stopped or lost server), not that some
+# of its blocks failed: the tier is suspended (`CircuitBreaker`).
+_UNREACHABLE_ERRNOS = frozenset(
+    {
+        errno.ETIMEDOUT,
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.EAGAIN,  # a tier in its own back-off (e.g. Redis after a timeout)
+    }
+)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    return isinstance(exc, TimeoutError | ConnectionError) or (
+        isinstance(exc, OSError) and exc.errno in _UNREACHABLE_ERRNOS
+    )
+
+
 _MOVE_CHUNK_BYTES = 64 * 2**20  # staging per step of a tier-to-tier copy
 _THROUGH_BATCH = 32  # write-through copies planned at once, at most
 _THROUGH_YIELD_S = 0.001  # the copier's pause between batches (the engine's thread runs)
@@ -178,6 +199,8 @@ class TierCache:
         # batch in flight. Lock order: _through_io before _lock, never the other way round.
         self._through_io = threading.Lock()
         self._through_thread: threading.Thread | None = None
+        # (destination tier, monotonic start) of the write-through copy running (check_through)
+        self._through_busy: tuple[int, float] | None = None
         if any(config.write_through):
             self._through_thread = threading.Thread(
                 target=self._through_loop, name="tiercache-write-through", daemon=True
@@ -331,6 +354,7 @@ class TierCache:
         # their slots before complete_load), and a slow or hung tier then stalls this call
         # alone, not every other user of the cache (an engine's scheduler, its transfers).
         bad: dict[int, list[bytes]] = {}
+        down: set[int] = set()  # tiers whose read failed as a whole (unreachable, I/O error)
         try:
             for g in spec.groups():
                 failed = self._read_group(
@@ -339,6 +363,7 @@ class TierCache:
                     g.positions,
                     [chain[p] for p in g.positions],
                     out,
+                    down,
                 )
                 if failed:
                     bad[g.tier] = [chain[p] for p in failed]
@@ -348,6 +373,10 @@ class TierCache:
             raise
         with self._lock:
             self._manager.complete_load(chain)
+            for tier in down:
+                # A tier that cannot be reached (a stopped server: each read waits out its
+                # timeout) is skipped for its back-off: the next requests do not wait again.
+                self._manager.suspend(tier)
             k = n
             for tier, bad_keys in bad.items():
                 gone = self._tiers[tier].take_gone(bad_keys)  # evicted by the store: a miss
@@ -426,11 +455,22 @@ class TierCache:
             if self._closed:
                 return
             self._closed = True
+        hung: set[int] = set()
         if self._through_thread is not None:  # it finishes the batch it is copying
             self._through_wake.set()
-            self._through_thread.join()
+            # Bounded: a copy into a hung tier must not keep the process from exiting. That
+            # tier is then suspended: nothing more is written back into it, and it is left
+            # as it is (no flush, no close: those would hang too).
+            self._through_thread.join(self._config.deadlines.store_timeout)
+            if self._through_thread.is_alive() and (t := self.check_through(0.0)) is not None:
+                hung.add(t)
+                log.warning(
+                    "tiercache: a write-through copy into %s hung at close; that tier is "
+                    "left as it is, and the copies still queued are dropped",
+                    self._tiers[t].medium,
+                )
         try:
-            while self._run_through(_THROUGH_BATCH):  # what is queued, in order
+            while not hung and self._run_through(_THROUGH_BATCH):  # what is queued, in order
                 pass
         except Exception:  # closing must still release every tier
             log.exception("write-through at close failed")
@@ -446,7 +486,9 @@ class TierCache:
                     self._telemetry.close(self.snapshot())
                 except Exception:  # telemetry must never keep the tiers from closing
                     log.exception("final telemetry snapshot failed")
-            for t in self._tiers:
+            for i, t in enumerate(self._tiers):
+                if i in hung:
+                    continue
                 try:
                     t.flush()
                 finally:
@@ -479,8 +521,10 @@ class TierCache:
         positions: Sequence[int],
         keys: Sequence[bytes],
         out: torch.Tensor,
+        down: set[int],
     ) -> list[int]:
-        """Read one tier's share of a load into `out`; returns failed positions (into out)."""
+        """Read one tier's share of a load into `out`; returns failed positions (into out).
+        A read that fails as a whole adds the tier's index to `down`."""
         p0 = positions[0]
         contiguous = positions[-1] - p0 == len(positions) - 1
         dst = (
@@ -492,6 +536,8 @@ class TierCache:
             failed = tier.read(slots, dst, keys)
         except _IO_ERRORS as exc:
             log.warning("read of %d blocks from %s failed: %s", len(slots), tier.medium, exc)
+            if _unreachable(exc):
+                down.add(self._tiers.index(tier))
             return list(positions)
         if not contiguous:  # indices live on the device of the tensor they index
             idx = torch.tensor(positions, dtype=torch.int64, device=out.device)
@@ -576,6 +622,7 @@ class TierCache:
         """Copy one write-through move (no lock held) and complete it, whatever happens."""
         ok: list[bytes] = []
         errors: dict[int, int] = {}
+        self._through_busy = (move.dst.tier, time.monotonic())  # see check_through
         try:
             for keys, src_slots, dst_slots in _chunks(move, self._block_bytes):
                 got, errs = self._copy_chunk(
@@ -585,9 +632,22 @@ class TierCache:
                 for t, n in errs.items():
                     errors[t] = errors.get(t, 0) + n
         finally:  # every copy is completed and its source unpinned
+            self._through_busy = None
             with self._lock:
                 self._finish_copy(move.keys, ok, errors, self._manager.complete_write_through)
                 self._tap_events()
+
+    def check_through(self, timeout: float) -> int | None:
+        """The write-through copy in progress, if it has run `timeout` seconds or more: its
+        destination tier hung, so it is suspended (the manager plans no copy, store or
+        write-back into it until the back-off ends). Returns that tier's index, else None.
+        Cheap: an engine calls it every step."""
+        busy = self._through_busy
+        if busy is None or time.monotonic() - busy[1] < timeout:
+            return None
+        with self._lock:
+            self._manager.suspend(busy[0])
+        return busy[0]
 
     def _move(self, move: BlockMove) -> None:
         """Copy blocks between tiers through a host staging buffer, in bounded chunks."""

@@ -186,7 +186,7 @@ class OffloadingManager:
             (lv.tier.capacity_blocks for lv in self._levels if admit[lv.index]), default=0
         )
         for level in self._levels:
-            self._adopt(level, level.tier.recover())
+            self._adopt(level, *level.tier.recover_columns())
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -288,7 +288,7 @@ class OffloadingManager:
             if not slots:
                 continue
             # Tail first into the policy, so the chain's head ends up most recently used.
-            self._adopt(lv, reversed(list(zip(take, slots, strict=True))))
+            self._adopt(lv, take[::-1], slots[::-1])
             lv.counters.discovered += len(take)
             return len(take)
         return 0
@@ -865,9 +865,11 @@ class OffloadingManager:
         """Moves that copy blocks held only in volatile tiers into persistent tiers' free slots,
         most recently stored first, so a graceful restart keeps what fits.
 
-        Nothing is evicted for them. Complete each move with `complete_store(move.keys)`.
+        Nothing is evicted for them, and nothing goes into a suspended tier (it hung).
+        Complete each move with `complete_store(move.keys)`.
         """
-        persistent = [lv for lv in self._levels if lv.tier.persistent]
+        off = self._breaker.mask()
+        persistent = [lv for lv in self._levels if lv.tier.persistent and not off & lv.bit]
         if not persistent:
             return []
         pmask = sum(lv.bit for lv in persistent)
@@ -939,19 +941,25 @@ class OffloadingManager:
                 self._events.append(OffloadingEvent(tuple(gone), lv.medium, True))
         return dropped
 
-    def _adopt(self, level: _Level, entries: Iterable[tuple[bytes, int]]) -> None:
-        """Take over blocks a persistent tier recovered on open, oldest first."""
-        adopted: list[bytes] = []
+    def _adopt(self, level: _Level, keys: list[bytes], slots: list[int]) -> None:
+        """Take over blocks a persistent tier recovered on open (or a shared tier's probe
+        found), oldest first. Bulk dict updates: at open this runs once per held block."""
+        if not keys:
+            return
         ready, present, bit = self._ready, self._present, level.bit
-        for k, slot in entries:
-            level.slots[k] = slot  # with one tier, that is `present` too
-            ready[k] = ready.get(k, 0) | bit
-            if not self._single:
-                present[k] = present.get(k, 0) | bit
-            level.policy.insert(k)
-            adopted.append(k)
-        if adopted:
-            self._events.append(OffloadingEvent(tuple(adopted), level.medium, False))
+        held = len(level.slots)
+        level.slots.update(zip(keys, slots, strict=True))  # with one tier, `present` too
+        # Every key new to this tier (and so to its policy) and none given twice: the
+        # policy may skip its residency tests.
+        new = len(level.slots) - held == len(keys)
+        for masks in (ready,) if self._single else (ready, present):
+            if not masks:
+                masks.update(dict.fromkeys(keys, bit))
+                continue
+            for k in keys:
+                masks[k] = masks.get(k, 0) | bit
+        level.policy.insert_many(keys, new=new)
+        self._events.append(OffloadingEvent(tuple(keys), level.medium, False))
 
     def record_error(self, tier: int, n: int = 1) -> None:
         """Count failed transfers or verifications against a tier."""

@@ -5,6 +5,7 @@ A tier knows bytes, never policies or other tiers. Primitives:
 - `write(slots, src)` / `read(slots, dst)`: batched copies of uint8 tensors
   `[len(slots), block_bytes]` (the only abstract methods besides `from_config`);
 - `recover()`: what a persistent tier already holds when it opens (key, slot) pairs;
+  `recover_columns()` the same as two lists;
 - capability flags: `persistent`, `shared` (between processes); shared tiers also `probe`,
   `adopt`, `take_gone`, and `open_probe` (a read-only `StoreProbe` for another process);
 - `flush()` / `close()`.
@@ -176,6 +177,12 @@ class Tier(ABC):
     def recover(self) -> list[tuple[bytes, int]]:
         """(key, slot) of every block a persistent tier already holds, oldest first."""
         return []
+
+    def recover_columns(self) -> tuple[list[bytes], list[int]]:
+        """`recover()` as two lists, keys and slots (what the manager adopts at open, in
+        bulk); tiers holding millions of blocks override it to build no pair per block."""
+        pairs = self.recover()
+        return [k for k, _ in pairs], [s for _, s in pairs]
 
     def flush(self) -> None:  # noqa: B027 - a no-op for volatile tiers, by design
         """Make acknowledged writes durable (persistent tiers)."""

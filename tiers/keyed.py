@@ -39,7 +39,7 @@ class KeyedTier(Tier):
         self._tls = threading.local()  # per thread: zstd compressor and decompressor
         self._slot_key: dict[int, bytes] = {}
         self._own: set[int] = set()  # slots of blocks this instance stored (evicting deletes)
-        self._recovered: list[tuple[bytes, int]] = []
+        self._recovered: list[bytes] = []  # found at open, slot i holding key i
         self._gone: set[bytes] = set()  # keys a read found absent (see take_gone)
         self._gone_lock = threading.Lock()
 
@@ -68,14 +68,25 @@ class KeyedTier(Tier):
     def _take_found(self, keys: Sequence[bytes]) -> None:
         """Index the blocks found in the store at open (oldest first) as slots 0..n-1; not
         `_own`: evicting them only forgets them. Claimed here, not in recover(): they
-        occupy the store either way."""
-        self._recovered = [(k, s) for s, k in enumerate(keys)]
-        self._slot_key.update((s, k) for k, s in self._recovered)
-        self._claim(range(len(keys)))
+        occupy the store either way. Called once, on the fresh free list."""
+        assert self.used_blocks == 0, "_take_found runs once, at open"
+        self._recovered = list(keys)
+        self._slot_key.update(enumerate(self._recovered))
+        # The free stack pops ascending slots: 0..n-1 are its last n entries.
+        del self._free[len(self._free) - len(self._recovered) :]
 
     def recover(self) -> list[tuple[bytes, int]]:
         """(key, slot) of every block found at open and still held, oldest first."""
-        return [(k, s) for k, s in self._recovered if self._slot_key.get(s) == k]
+        return list(zip(*self.recover_columns(), strict=True))
+
+    def recover_columns(self) -> tuple[list[bytes], list[int]]:
+        held = list(map(self._slot_key.get, range(len(self._recovered))))
+        if held == self._recovered:  # every one still held (C loops: at open, millions)
+            return list(self._recovered), list(range(len(held)))
+        slots = [s for s, k in enumerate(self._recovered) if held[s] == k]
+        if len(slots) == len(self._recovered):
+            return list(self._recovered), slots
+        return [self._recovered[s] for s in slots], slots
 
     def _check_open(self) -> None:
         if self._closed:

@@ -43,9 +43,14 @@ opened at) in "meta" at open, deleting the entry at close (tiers/lmdb_attach.py)
 
 Opening deletes no good block: a tier indexes the newest `capacity` blocks of its namespace
 from the order entries (headers only); only malformed entries under its own prefix are
-dropped at open. A measured caveat (10k-100k blocks, after fadvise DONTNEED): the open still
-reads about the whole data file from disk (read_bytes ~= file size) although no payload is
-read by the code; the cause (kernel read-around on the header leaves, or LMDB) is not found.
+dropped at open. A well-formed namespace is scanned in bulk (`_scan_fast`: two cursor runs
+over its "order" and "heads" entries into arrays, checked as arrays, no payload looked at:
+a read verifies it); any malformed entry sends the open to the entry-by-entry walk, which
+finds and drops exactly those. Measured (100k blocks of 4 KiB, after fadvise DONTNEED):
+the open reads 776 bytes per block from disk although the code reads no payload: the
+kernel's readahead on the map's page faults brings payload pages in with the header leaves
+(with `readahead=False`, i.e. MADV_RANDOM, 202 bytes per block, the tree pages alone; not
+set, as it would also fault cold payload reads in page by page).
 
 Sharing. One `lmdb.Environment` per real path per process, reference counted (LMDB refuses a
 second open of an environment in one process). Any number of processes may open and write
@@ -68,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import math
@@ -90,7 +96,10 @@ from tiercache.tiers import lmdb_attach
 from tiercache.tiers.base import KEY_BYTES, check_blocks
 from tiercache.tiers.format import (
     CODEC_RAW,
+    CODEC_ZSTD_SHUFFLE2,
+    FORMAT_VERSION,
     HEADER_SIZE,
+    MAGIC,
     BlockHeader,
     decode_header,
     decode_payload,
@@ -125,6 +134,30 @@ MAX_TXN_OPS = 256
 _RETRIES = 8
 MAP_FULL_TRIES = 9  # a write that finds the map full waits 1+2+...+128 ms for readers to end
 _PARALLEL_MIN_BYTES = 64 * 1024  # blocks at least this big are decoded on the thread pool
+
+
+# Rows of `_scan_fast`: an "order" entry (key, value) and a "heads" entry (store key, the
+# `tiers.format` header, the 8-byte order seq), little-endian fields as the header packs them.
+_ORDER_ROW = np.dtype([("ns", "V8"), ("seq", ">u8"), ("key", f"V{KEY_BYTES}")])
+_HEADS_ROW = np.dtype(
+    [
+        ("ns", "V8"),
+        ("key", f"V{KEY_BYTES}"),
+        ("magic", "V4"),
+        ("version", "<u2"),
+        ("codec", "u1"),
+        ("reserved", "u1"),
+        ("hkey", f"V{KEY_BYTES}"),
+        ("hns", "<u8"),
+        ("raw", "<u4"),
+        ("stored", "<u4"),
+        ("hseq", "<u8"),
+        ("reserved2", "<u8"),
+        ("sum", "<u8"),
+        ("oseq", ">u8"),
+    ]
+)
+assert _HEADS_ROW.itemsize == NS_BYTES + KEY_BYTES + HEADER_SIZE + SEQ_BYTES
 
 
 def store_key(namespace: int, key: bytes) -> bytes:
@@ -1056,6 +1089,7 @@ class LMDBTier(KeyedTier):
         shared, nsb = self._shared, self._nsb
         kept: list[bytes] = []  # block keys, newest first
         bad: dict[bytes, int | None] = {}
+        fast: list[bytes] | None = None
         txn = self._begin(write=False)
         try:
             sizes = [txn.stat(db)["entries"] for db in (shared.heads, shared.blocks)]
@@ -1064,8 +1098,11 @@ class LMDBTier(KeyedTier):
             next_seq = _u64(txn.get(SEQ_KEY, db=shared.meta))
             if len(set(sizes)) > 1:
                 bad.update(self._malformed(txn))
+            fast = None if bad else self._scan_fast(txn)
             cur = txn.cursor(db=shared.order)
-            if nsb == b"\xff" * NS_BYTES:
+            if fast is not None:
+                kept, at = fast, None  # newest first, like the walk below
+            elif nsb == b"\xff" * NS_BYTES:
                 at = cur.last()
             elif cur.set_range((int.from_bytes(nsb, "big") + 1).to_bytes(NS_BYTES, "big")):
                 at = cur.prev()  # the last entry before the next namespace's first
@@ -1112,6 +1149,7 @@ class LMDBTier(KeyedTier):
                 excess,
             )
         self.open_report = {
+            "bulk_scan": int(fast is not None),
             "blocks_dropped": len(bad),
             "blocks_over_capacity": excess,
             "blocks_recovered": len(kept),
@@ -1120,6 +1158,72 @@ class LMDBTier(KeyedTier):
             shared.seq = max(shared.seq, next_seq)
         kept.reverse()
         self._take_found(kept)
+
+    def _scan_fast(self, txn: lmdb.Transaction) -> list[bytes] | None:
+        """`_scan`'s walk for a well-formed namespace, in bulk: its "order" and "heads"
+        entries are read by two cursor runs into fixed-width arrays and checked as arrays
+        (every header's fields, and each header's order seq naming an order entry of its
+        key); no payload is looked at (a read verifies it). The newest `capacity` block
+        keys, newest first; None, and the caller walks entry by entry, when any entry is
+        malformed (then `_scan` finds and drops exactly those, as before)."""
+        shared, nsb = self._shared, self._nsb
+
+        def run(db: Any, klen: int, vlen: int) -> bytes | None:
+            """The namespace's entries of `db`, each key + value copied out in runs of
+            4096 (holding py-lmdb's buffers instead measured 2.5x slower), joined; None when
+            one has another length."""
+            cur = txn.cursor(db=db)
+            if not cur.set_range(nsb):
+                return b""
+            parts: list[bytes] = []
+            it = cur.iternext(keys=True, values=True)
+            while True:  # the run that passes our prefix is the last
+                got = [
+                    bytes(k) + bytes(v) if len(k) == klen else b""
+                    for k, v in itertools.islice(it, 4096)
+                ]
+                if set(map(len, got)) - {klen + vlen}:
+                    return None
+                parts.append(b"".join(got))
+                if len(got) < 4096 or got[-1][:NS_BYTES] != nsb:
+                    break
+            rows = np.frombuffer(b"".join(parts), dtype=f"V{klen + vlen}")
+            ours = rows.view(np.uint8).reshape(len(rows), klen + vlen)[:, :NS_BYTES]
+            mine = (ours == np.frombuffer(nsb, dtype=np.uint8)).all(axis=1)
+            end = len(rows) if mine.all() else int(np.argmin(mine))  # sorted: a prefix
+            return rows[:end].tobytes()
+
+        order = run(shared.order, NS_BYTES + SEQ_BYTES, KEY_BYTES)
+        heads = run(shared.heads, NS_BYTES + KEY_BYTES, HEADER_SIZE + SEQ_BYTES)
+        if order is None or heads is None:
+            return None
+        o = np.frombuffer(order, dtype=_ORDER_ROW)
+        h = np.frombuffer(heads, dtype=_HEADS_ROW)
+        codec = h["codec"]
+        good = (
+            (h["magic"] == np.frombuffer(MAGIC, dtype="V4")[0])
+            & (h["version"] == FORMAT_VERSION)
+            & (codec <= CODEC_ZSTD_SHUFFLE2)
+            & ((codec != CODEC_RAW) | (h["stored"] == h["raw"]))
+            & ((codec != CODEC_ZSTD_SHUFFLE2) | (h["raw"] % 2 == 0))
+            & (h["key"] == h["hkey"])
+            & (h["hns"] == self._ns)
+            & (h["raw"] == self.block_bytes)
+        )
+        seqs, oseq = o["seq"].astype(np.uint64), h["oseq"].astype(np.uint64)
+        if len(seqs) > 1 and not bool(np.all(seqs[1:] > seqs[:-1])):
+            return None
+        by_age = np.argsort(oseq, kind="stable")
+        if len(o) == len(h):  # one order entry per header: pair them up in seq order
+            good[by_age] &= (seqs == oseq[by_age]) & (o["key"] == h["key"][by_age])
+        elif len(o):  # stale order entries too (skipped, as the walk skips them)
+            at = np.minimum(np.searchsorted(seqs, oseq), len(o) - 1)
+            good &= (seqs[at] == oseq) & (o["key"][at] == h["key"])
+        else:
+            good &= False
+        if not bool(good.all()):
+            return None
+        return h["key"][by_age[::-1][: self.capacity_blocks]].tolist()
 
     def _malformed(self, txn: lmdb.Transaction) -> dict[bytes, int | None]:
         """Store keys of this namespace whose entries are malformed or incomplete (a header

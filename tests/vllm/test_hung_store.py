@@ -77,3 +77,42 @@ def test_a_hung_store_gives_vllm_its_blocks_back(
     assert stats["nvme"]["suspensions"] >= 1
     # Back: batch 3 stored the first set, batch 4 hit all of it.
     assert got["batches"][3]["num_cached_tokens"] == [96] * 6
+
+
+def test_an_engine_exits_while_its_disk_is_hung(
+    engine: ModuleType, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """At shutdown the connector waits for hung stores at most `store_timeout`, suspends the
+    tier (the cache's close writes nothing back into it) and leaves them behind: the engine
+    process ends, with its outputs, instead of waiting for the disk."""
+    prompts = engine.make_prompts(2, PROMPT_TOKENS, seed=43)
+    batches = [{"prompts": prompts, "max_tokens": 4}]
+    base = engine.run_in_subprocess({"model": str(tiny_llama), "batches": batches})
+    kv = {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "config": {
+                "namespace": "hung-exit",
+                "tiers": [
+                    {"kind": "cpu", "blocks": 64},
+                    {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 64},
+                ],
+                "deadlines": {"store_timeout": 1.0},
+            }
+        },
+    }
+    never = tmp_path / "never"  # the disk never comes back
+    got = engine.run_in_subprocess(
+        {
+            "model": str(tiny_llama),
+            "batches": batches,
+            "kv_transfer_config": kv,
+            "hang_writes": str(never),
+        },
+        timeout=120,  # the hung write itself waits 300 s
+    )
+    assert got["batches"][0]["outputs"] == base["batches"][0]["outputs"]
+    assert not never.exists()

@@ -1202,11 +1202,26 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def _finish_transfers(self) -> None:
-        if self._worker is not None:
-            self._worker.wait(list(self._flights))
-            self._drain()
-            self._worker.close()
-            self._worker = None
+        """At shutdown: wait for the transfers in flight, at most `store_timeout` seconds.
+        Those still running then are in a hung tier: it is suspended (the cache's close
+        writes nothing back into it) and they are left behind, so the engine can exit."""
+        if self._worker is None or self._shared is None:
+            return
+        timeout = self._shared.cache.config.deadlines.store_timeout
+        late = self._worker.wait(list(self._flights), timeout)
+        for j in late:
+            self._worker.cancel(j)
+            with self._shared.lock:
+                self._shared.cache.manager.suspend(self._flights[j].tier)
+        if late:
+            log.warning(
+                "tiercache: %d transfers into or out of hung tiers still ran at shutdown; "
+                "left behind (their blocks are not stored)",
+                len(late),
+            )
+        self._drain()
+        self._worker.close(timeout=1.0 if late else None)
+        self._worker = None
 
     def _settle(self, key: bytes) -> bool:
         """Complete finished transfers; if `key` is still being stored or moved, wait for the
@@ -1316,6 +1331,17 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_errors.update(block_ids)
         if self._hma and req_id:
             self._failed_recv.add(req_id)
+
+    def _check_through(self) -> None:
+        """A write-through copy (the cache's own thread) past `store_timeout`: its tier hung
+        and is suspended now; a remote scheduler hears of it with the other suspensions."""
+        assert self._shared is not None
+        cache = self._shared.cache
+        tier = cache.check_through(cache.config.deadlines.store_timeout)
+        if tier is not None:
+            medium = cache.tiers[tier].medium
+            seconds = cache.manager.suspended()[tier]
+            self._suspensions[medium] = max(seconds, self._suspensions.get(medium, 0.0))
 
     def _plan_job_done(self, plan: int) -> None:
         """One job of a store plan ended (or was given up): the plan's request is done with
@@ -1557,6 +1583,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             ]
             if late:
                 self._give_up_stores(late)
+            self._check_through()
         recved, self._recv_done = self._recv_done, set()
         if not self._watch:
             return None, (recved or None)

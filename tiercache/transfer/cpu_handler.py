@@ -69,6 +69,11 @@ class CPUCopyHandler(LaneHandler):
     def lane_of(self, job: Job) -> str:
         return "store" if isinstance(job.src, GPULoadStoreSpec) else "load"
 
+    def background(self, lane: str) -> bool:
+        # Stores copy blocks of requests that have finished their forward: the engine's next
+        # forward goes first. Loads are waited for by the engine: full priority.
+        return lane == "store"
+
     def check(self, job: Job) -> None:
         eng, side, _ = engine_sides(job)
         tier = tier_of(self._tiers, side)

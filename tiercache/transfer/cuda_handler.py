@@ -71,7 +71,7 @@ class CUDACopyHandler(CPUCopyHandler):
                 end.record(stream)
                 job.end_event = end
 
-    def close(self) -> None:
-        super().close()
+    def close(self, timeout: float | None = None) -> None:
+        super().close(timeout)
         for s in self._streams.values():
             s.synchronize()

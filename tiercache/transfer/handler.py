@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping
@@ -54,8 +55,9 @@ class TransferHandler(ABC):
     def get_finished(self) -> list[Job]:
         """Jobs finished since the last call, each reported once."""
 
-    def close(self) -> None:  # noqa: B027 - handlers without threads have nothing to release
-        """Finish queued jobs and join every thread; idempotent."""
+    def close(self, timeout: float | None = None) -> None:  # noqa: B027 - nothing to release
+        """Finish queued jobs and join every thread (at most `timeout` seconds in all: a
+        thread stuck in a hung tier is left behind, a daemon); idempotent."""
 
 
 class LaneHandler(TransferHandler):
@@ -148,7 +150,7 @@ class LaneHandler(TransferHandler):
                     out.append(issued.popleft())
         return out
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         if self._closed:
             return
         with self._lock:  # no expedited lane starts after this
@@ -156,8 +158,9 @@ class LaneHandler(TransferHandler):
         for lane, n in self._lanes.items():
             for _ in range(n):
                 self._queues[lane].put(None)  # one stop marker per thread, behind queued jobs
+        end = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
-            t.join()
+            t.join(None if end is None else max(0.0, end - time.monotonic()))
 
     # -- lane threads ----------------------------------------------------------------------
     def _serve(self, lane: str) -> None:

@@ -163,15 +163,17 @@ class OffloadingWorker:
         """Jobs submitted and not yet reported."""
         return len(self._jobs)
 
-    def close(self) -> None:
-        """Finish queued jobs and join every handler thread; idempotent. Results of jobs not
-        yet reported remain available from `get_finished`."""
+    def close(self, timeout: float | None = None) -> None:
+        """Finish queued jobs and join every handler thread, waiting at most `timeout`
+        seconds in all (threads stuck in a hung tier are left behind: daemons); idempotent.
+        Results of jobs not yet reported remain available from `get_finished`."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        end = None if timeout is None else time.monotonic() + timeout
         for handler in self._distinct_handlers():
-            handler.close()
+            handler.close(None if end is None else max(0.0, end - time.monotonic()))
 
     def __enter__(self) -> OffloadingWorker:
         return self
