@@ -109,6 +109,7 @@ def test_worker_samples_reach_a_remote_scheduler_and_decide_there(tmp_path: Path
         w._shared, w._tp_rank = worker_shared, 0
         w._journal, w._plans_done, w._held, w._suspensions = [], {}, {}, {}
         w._load_samples, w._forward_samples, w._bad_report = [], [], []
+        w._volatile = []  # hybrid models: store jobs bind_connector_metadata waits for
         clock = iter([10.0, 10.1, 20.0, 20.2]).__next__  # two forwards: 0.1 s and 0.2 s
         w._timer = ForwardTimer(clock=clock)
         # Measured in the worker: the redis tier, 20 ms per job then 0.5 ms per block ...

@@ -633,7 +633,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 if m is not None:
                     m = self._affordable(keys, m)
             else:
-                m = self._lookup_local(keys)
+                m = self._lookup_local(keys, st.request.request_id)
             if m is None:  # moving between tiers, or a probe is slow: vLLM asks again
                 return None, False
             if m == len(keys):
