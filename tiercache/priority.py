@@ -1,5 +1,5 @@
-"""Background threads (write-through copies, demotions between tiers, copies of stored blocks
-out of the engine) run at a lower CPU priority than the engine's threads.
+"""Background threads (write-through copies, demotions between tiers) run at a lower CPU
+priority than the engine's threads.
 
 On a machine with few cores an engine's forward runs OpenMP threads on every core; a copy
 thread that takes a core from one of them stalls the whole parallel region until the
