@@ -1211,8 +1211,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         late = self._worker.wait(list(self._flights), timeout)
         for j in late:
             self._worker.cancel(j)
-            with self._shared.lock:
-                self._shared.cache.manager.suspend(self._flights[j].tier)
+            self._suspend(self._flights[j].tier)
         if late:
             log.warning(
                 "tiercache: %d transfers into or out of hung tiers still ran at shutdown; "
@@ -1301,8 +1300,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def _abandon(self, job_ids: Iterable[int]) -> None:
         """Loads past their deadline: stop them writing engine blocks, report their blocks as
         load errors (vLLM recomputes them), suspend their tiers (see the module doc)."""
-        assert self._worker is not None and self._shared is not None
-        manager = self._shared.cache.manager
+        assert self._worker is not None
         for j in job_ids:
             f = self._flights.get(j)
             if f is None or f.kind != "load" or f.abandoned or not self._worker.cancel(j):
@@ -1310,10 +1308,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             f.abandoned = True
             self._load_failed(f.req_id, f.block_ids)
             self._count("load_deadline_blocks", len(f.keys))
-            with self._shared.lock:
-                seconds = manager.suspend(f.tier)
-            medium = self._shared.cache.tiers[f.tier].medium
-            self._suspensions[medium] = max(seconds, self._suspensions.get(medium, 0.0))
+            seconds = self._suspend(f.tier)
             log.warning(
                 "tiercache: a load of %d blocks from tier %d missed its deadline; vLLM "
                 "recomputes them, and the tier is skipped for %.1f s",
@@ -1339,9 +1334,22 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         cache = self._shared.cache
         tier = cache.check_through(cache.config.deadlines.store_timeout)
         if tier is not None:
-            medium = cache.tiers[tier].medium
-            seconds = cache.manager.suspended()[tier]
-            self._suspensions[medium] = max(seconds, self._suspensions.get(medium, 0.0))
+            self._note_suspended(tier, cache.manager.suspended()[tier])
+
+    def _suspend(self, tier: int) -> float:
+        """Worker side: suspend `tier` (it missed a deadline) and tell the scheduler with the
+        next metadata; the seconds it stays suspended."""
+        assert self._shared is not None
+        with self._shared.lock:
+            seconds = self._shared.cache.manager.suspend(tier)
+        self._note_suspended(tier, seconds)
+        return seconds
+
+    def _note_suspended(self, tier: int, seconds: float) -> None:
+        """Record for the scheduler (worker metadata) that `tier` is suspended `seconds`."""
+        assert self._shared is not None
+        medium = self._shared.cache.tiers[tier].medium
+        self._suspensions[medium] = max(seconds, self._suspensions.get(medium, 0.0))
 
     def _plan_job_done(self, plan: int) -> None:
         """One job of a store plan ended (or was given up): the plan's request is done with
@@ -1358,8 +1366,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         from the engine that can be stopped from reading engine blocks is, and no longer holds
         its request's blocks (see the module doc). Moves read no engine block (their request
         does not wait for them): they only suspend their destination."""
-        assert self._worker is not None and self._shared is not None
-        manager = self._shared.cache.manager
+        assert self._worker is not None
         for j in job_ids:
             f = self._flights.get(j)
             if f is None or f.abandoned:
@@ -1372,10 +1379,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self._plan_job_done(f.plan)
             else:
                 f.due = float("inf")  # suspend once per move
-            with self._shared.lock:
-                seconds = manager.suspend(f.tier)
-            medium = self._shared.cache.tiers[f.tier].medium
-            self._suspensions[medium] = max(seconds, self._suspensions.get(medium, 0.0))
+            seconds = self._suspend(f.tier)
             log.warning(
                 "tiercache: a %s of %d blocks into tier %d missed its deadline; %s, and the "
                 "tier is skipped for %.1f s",
