@@ -208,6 +208,18 @@ def write_tiny_gemma3(
     return out
 
 
+def tiercache_kv(config: dict[str, Any], *, policy: str = "recompute") -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` for `TierCacheConnector` (kv_both) with tiercache `config`
+    and `kv_load_failure_policy` `policy`."""
+    return {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"config": config},
+    }
+
+
 def make_prompts(n: int, length: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
     """`n` prompts of `length` token ids; the first `shared_prefix` ids are common to all."""
     rng = random.Random(seed)

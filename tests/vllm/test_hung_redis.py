@@ -65,19 +65,13 @@ def test_a_hung_redis_never_hangs_the_engine(
             "backoff_max": 1.0,
         },
     ]
-    kv = {
-        "kv_connector": "TierCacheConnector",
-        "kv_connector_module_path": "tiercache.connectors.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "config": {
-                "namespace": "hung-e2e",
-                "tiers": tiers,
-                "deadlines": {"load_timeout": 0.5, "backoff": 1.0, "backoff_max": 2.0},
-            }
-        },
-    }
+    kv = engine.tiercache_kv(
+        {
+            "namespace": "hung-e2e",
+            "tiers": tiers,
+            "deadlines": {"load_timeout": 0.5, "backoff": 1.0, "backoff_max": 2.0},
+        }
+    )
     engine.run_in_subprocess(
         {
             "model": str(tiny_llama),

@@ -47,19 +47,13 @@ def test_a_hung_store_gives_vllm_its_blocks_back(
     base = engine.run_in_subprocess(
         {**common, "batches": [{k: v for k, v in b.items() if k != "touch"} for b in batches]}
     )
-    kv = {
-        "kv_connector": "TierCacheConnector",
-        "kv_connector_module_path": "tiercache.connectors.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "config": {
-                "namespace": "hung-store",
-                "tiers": [{"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 256}],
-                "deadlines": {"store_timeout": 1.0, "backoff": BACKOFF_S},
-            }
-        },
-    }
+    kv = engine.tiercache_kv(
+        {
+            "namespace": "hung-store",
+            "tiers": [{"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 256}],
+            "deadlines": {"store_timeout": 1.0, "backoff": BACKOFF_S},
+        }
+    )
     batches[2]["wait_s"] = BACKOFF_S
     assert not release.exists()
     got = engine.run_in_subprocess(
@@ -88,22 +82,16 @@ def test_an_engine_exits_while_its_disk_is_hung(
     prompts = engine.make_prompts(2, PROMPT_TOKENS, seed=43)
     batches = [{"prompts": prompts, "max_tokens": 4}]
     base = engine.run_in_subprocess({"model": str(tiny_llama), "batches": batches})
-    kv = {
-        "kv_connector": "TierCacheConnector",
-        "kv_connector_module_path": "tiercache.connectors.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "config": {
-                "namespace": "hung-exit",
-                "tiers": [
-                    {"kind": "cpu", "blocks": 64},
-                    {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 64},
-                ],
-                "deadlines": {"store_timeout": 1.0},
-            }
-        },
-    }
+    kv = engine.tiercache_kv(
+        {
+            "namespace": "hung-exit",
+            "tiers": [
+                {"kind": "cpu", "blocks": 64},
+                {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 64},
+            ],
+            "deadlines": {"store_timeout": 1.0},
+        }
+    )
     never = tmp_path / "never"  # the disk never comes back
     got = engine.run_in_subprocess(
         {
