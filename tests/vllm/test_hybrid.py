@@ -287,3 +287,58 @@ def test_ngram_speculative_decoding_matches_and_hits(
     assert all(h == 7 * BS for h in run["batches"][1]["num_cached_tokens"])
     drafts = run["spec_decode"].get("vllm:spec_decode_num_draft_tokens", 0)
     assert drafts > 0, run["spec_decode"]
+
+
+# -- vLLM's OffloadingConnector with TierCacheOffloadingSpec -------------------------------
+def _offloading_kv(root: Path) -> dict[str, Any]:
+    tiers = _kv_config(root, policy=None)["kv_connector_extra_config"]["config"]["tiers"]
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TierCacheOffloadingSpec",
+            "spec_module_path": "tiercache.connectors.vllm",
+            "config": {"namespace": "hybrid-spec", "tiers": tiers},
+        },
+    }
+
+
+def test_offloading_spec_keeps_the_groups_matches_and_hits_after_a_restart(
+    engine: ModuleType, gemma: Path, baseline: dict[str, Any], tmp_path: Path
+) -> None:
+    """The spec under vLLM's OffloadingConnector (in process: the spec needs both halves in
+    one): vLLM keeps its three groups and decides per group what to store and load; the
+    spec stores each group's blocks under its own keys in one block layout. Outputs equal
+    the no-connector run. After vLLM's prefix cache is reset, the load prompts hit what the
+    store prompts left, mid-prompt included; a fresh process then hits everything, and
+    after every stored record is damaged, recomputes with the same outputs."""
+    store, load = _prompts()
+    kv = _offloading_kv(tmp_path)
+    batches = [
+        {"prompts": store, "max_tokens": MAX_TOKENS, "reset_prefix_cache": True},
+        {"prompts": load, "max_tokens": MAX_TOKENS, "reset_prefix_cache": True},
+    ]
+    first = engine.run_in_subprocess(_spec(gemma, kv, batches))
+    assert first["kv_cache_groups"] == GROUPS
+    for got, want in zip(first["batches"], baseline["batches"], strict=True):
+        assert got["outputs"] == want["outputs"]
+    fresh = engine.run_in_subprocess(_spec(gemma, kv, [batches[1]]))
+    (batch,) = fresh["batches"]
+    assert batch["outputs"] == baseline["batches"][1]["outputs"]
+    for run, seen in ((first["batches"][1], store), (batch, store + load)):
+        loadable = [_loadable(p, seen) for p in load]
+        hits = run["num_cached_tokens"]
+        print(f"offloading spec, hybrid: {sum(hits)} of {sum(loadable)} tokens hit {hits}")
+        assert all(h > 0 for h in hits), hits
+        assert sum(hits) >= 0.5 * sum(loadable), (hits, loadable)
+        assert all(h <= n for h, n in zip(hits, loadable, strict=True)), (hits, loadable)
+    # Every stored record damaged: the scheduler's verifying lookup finds it before it
+    # promises a hit (vLLM 0.32's OffloadingConnector takes no failed load); recomputed.
+    kvmod = _kv_module()
+    flipped = kvmod.corrupt_records(tmp_path / "nvme", payload=True)
+    flipped += kvmod.corrupt_records(tmp_path / "lmdb", payload=False)
+    assert flipped > 0
+    damaged = engine.run_in_subprocess(_spec(gemma, kv, [batches[1]]))
+    assert damaged["batches"][0]["outputs"] == baseline["batches"][1]["outputs"]
+    (snap,) = damaged["stores"].values()
+    assert snap["counters"].get("offload_verify_errors", 0) > 0, snap["counters"]

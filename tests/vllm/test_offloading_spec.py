@@ -66,12 +66,17 @@ def _offloading_config(
     world_size: int = 1,
     blocks_per_chunk: int = 1,
     group: dict[str, Any] | None = None,
+    groups: int = 1,
 ) -> OffloadingConfig:
     return OffloadingConfig(
-        groups=(
+        groups=tuple(
             OffloadingGroupConfig(
-                tokens_per_block=32, layer_names=("l0", "l1"), group_id=0, **(group or {})
-            ),
+                tokens_per_block=32,
+                layer_names=(f"l{2 * i}", f"l{2 * i + 1}"),
+                group_id=i,
+                **(group or {}),
+            )
+            for i in range(groups)
         ),
         worker_kv_bytes_per_block=2 * PAGE,
         enable_kv_cache_events=events,
@@ -209,6 +214,38 @@ def test_store_then_load_round_trips_the_bytes(pairs) -> None:
     assert [_block(pair.kv, b) for b in (10, 11, 12)] == expected
     # The load was measured for the tier's moving cost (stats; the spec always loads).
     assert pair.manager.cache.stats()["cpu"]["load_jobs"] == 1
+
+
+def test_blocks_placed_out_of_call_order_keep_their_bytes(pairs, tmp_path: Path) -> None:
+    """vLLM lists a store's engine blocks in the order of its prepare_store call (group by
+    group, chunk by chunk), whatever order keys_to_store has. Admission on reuse can place a
+    later key in a faster tier than an earlier one (here c goes to NVMe, sighted before, and
+    b around it into LMDB): keys_to_store keeps the call's order and every key gets its own
+    block's bytes."""
+    cfg = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 1},
+            {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 8, "admit": "on-reuse"},
+            {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "blocks": 8},
+        ]
+    }
+    pair = pairs(_offloading_config(cfg), seed=11)
+    keys = _keys("a", "b", "c")
+    c = keys[2]
+    sighted = pair.manager.prepare_store([c], CTX)  # a store that never lands: c is sighted
+    assert sighted is not None
+    pair.manager.complete_store([c], CTX, success=False)
+    out = pair.manager.prepare_store(keys, CTX)
+    assert out is not None and list(out.keys_to_store) == keys
+    tiers = [w.spec.tier for w in out.store_spec.plan.writes()]
+    assert tiers == [0, 1, 2]  # a in the CPU tier, c on NVMe, b in LMDB
+    pair.jobs += 1
+    assert pair.worker.submit_store(pair.jobs, _gpu([3, 4, 5]), out.store_spec)
+    assert _run(pair.worker, pair.jobs).success
+    pair.manager.complete_store(keys, CTX)
+    for key, block in zip(keys, [3, 4, 5], strict=True):
+        assert pair.load([key], [9])
+        assert _block(pair.kv, 9) == _block(pair.kv, block)
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -496,14 +533,38 @@ def test_reset_leaves_stores_in_flight_until_flushed(pairs) -> None:
     assert pair.manager.lookup(b, CTX) is LookupResult.HIT
 
 
-@pytest.mark.skipif(
-    "sliding_window_size_in_chunks" not in OffloadingGroupConfig.__dataclass_fields__,
-    reason="vLLM < 0.33 does not name sliding-window groups",
-)
-def test_sliding_window_group_is_refused() -> None:
-    cpu = {"tiers": [{"kind": "cpu", "blocks": 2}]}
-    with pytest.raises(ValueError, match="sliding-window group"):
-        TierCacheOffloadingSpec(_offloading_config(cpu, group={"sliding_window_size_in_chunks": 4}))
+def test_hybrid_groups_overlaying_one_layout_round_trip_and_others_are_refused(
+    pairs,
+) -> None:
+    """Several KV cache groups (vLLM's hybrid KV cache manager): every group's layers are
+    views of the same tensors, so a block id names one group's block across all of them.
+    Keys carry their group (OffloadKey), and a store's blocks come group by group
+    (`group_sizes`). Groups with tensors of their own are refused, naming the group."""
+    cfg = {"tiers": [{"kind": "cpu", "blocks": 8}]}
+    kv = _kv_caches(3)
+    kv.group_data_refs = [list(kv.group_data_refs[0]) for _ in range(3)]
+    pair = Pair(_offloading_config(cfg, groups=3), kv)
+    try:
+        full = [make_offload_key(n.encode().ljust(32, b"."), 2) for n in ("x", "y")]
+        window = [make_offload_key(b"y".ljust(32, b"."), 0)]  # same hash, another group
+        keys = window + full
+        out = pair.manager.prepare_store(keys, CTX)
+        assert out is not None and list(out.keys_to_store) == keys
+        src = GPULoadStoreSpec([7, 2, 5], group_sizes=[1, 0, 2], block_indices=[1, 0, 0])
+        pair.jobs += 1
+        assert pair.worker.submit_store(pair.jobs, src, out.store_spec)
+        assert _run(pair.worker, pair.jobs).success
+        pair.manager.complete_store(keys, CTX)
+        for key, block in zip(keys, [7, 2, 5], strict=True):
+            assert pair.load([key], [9])
+            assert _block(kv, 9) == _block(kv, block)
+    finally:
+        pair.close()
+    own = _kv_caches(4)
+    own.group_data_refs = [[CanonicalKVCacheRef(0, PAGE)], [CanonicalKVCacheRef(1, PAGE)]]
+    spec = TierCacheOffloadingSpec(_offloading_config(cfg, groups=2))
+    with pytest.raises(ValueError, match=r"KV cache group 0 uses tensors \[0\] of 2"):
+        spec.get_worker(own)
 
 
 # -- end to end on a real engine ---------------------------------------------------------------

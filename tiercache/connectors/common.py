@@ -451,13 +451,13 @@ class KVGroup:
     block_bytes: int
 
 
-def kv_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
+def kv_groups(kv_cache_config: Any, who: str = "TierCacheConnector") -> tuple[KVGroup, ...]:
     """vLLM's `KVCacheConfig.kv_cache_groups` as `KVGroup`s (read by attribute).
 
     Raises ValueError naming the group and its spec for what tiercache cannot serve right:
     non-attention state (Mamba, linear attention: one state per request, not per block of
     tokens), chunked local attention and other attention kinds, and groups whose block sizes
-    or bytes per block differ (the store has one block size)."""
+    or bytes per block differ (the store has one block size). `who` names the adapter."""
     groups = list(kv_cache_config.kv_cache_groups)
     if not groups:
         raise ValueError("kv_cache_config: no KV cache groups")
@@ -477,7 +477,7 @@ def kv_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
             window = max(1, -(-w // bs), -(-(w - 1 + extra) // bs))
         else:
             raise ValueError(
-                f"TierCacheConnector: KV cache group {i} is {kind_name} (layers "
+                f"{who}: KV cache group {i} is {kind_name} (layers "
                 f"{', '.join(layers[:4])}{', ...' if len(layers) > 4 else ''}); tiercache "
                 "serves full-attention and sliding-window attention groups only (Mamba and "
                 "linear-attention state, chunked local attention and other kinds are refused "
@@ -493,7 +493,7 @@ def kv_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
     nbytes = {g.block_bytes for g in out}
     if len(sizes) > 1 or len(nbytes) > 1:
         raise ValueError(
-            f"TierCacheConnector: KV cache groups with block sizes {sorted(sizes)} and "
+            f"{who}: KV cache groups with block sizes {sorted(sizes)} and "
             f"{sorted(nbytes)} bytes per block; tiercache needs one block size and one number "
             "of bytes per block across groups"
         )

@@ -39,9 +39,12 @@ still waited for. Use `TierCacheConnector` where a load must never hold a reques
 Hybrid models (several KV cache groups): vLLM's `OffloadingConnector` keeps the hybrid KV
 cache manager on (`SupportsHMA`), chooses per group what to store and load (sliding windows:
 the window only), gives the manager one `OffloadKey` per block and group, and gives the worker
-each group's blocks (`GPULoadStoreSpec.group_sizes`, `block_indices`) and tensors
-(`CanonicalKVCaches.group_data_refs`). This spec serves one group and refuses more at start-up;
-run hybrid models with ``disable_hybrid_kv_cache_manager=True`` or `TierCacheConnector`.
+each group's blocks in group order (`GPULoadStoreSpec.group_sizes`) and tensors
+(`CanonicalKVCaches.group_data_refs`). The spec refuses groups tiercache cannot serve
+(`common.kv_groups`: Mamba and other non-attention state), names the groups in its namespace,
+and copies every group through one block layout, which vLLM's overlay of the groups' tensors
+makes exact (`_check_overlay`). `keys_to_store` keeps the order of the `prepare_store` call,
+the order of the engine blocks vLLM lists for them.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ from tiercache.connectors.common import (
     acquire_store,
     derive_namespace,
     find_store,
+    kv_groups,
     kv_settings_digest,
     read_user_config,
     release_store,
@@ -138,9 +142,12 @@ class TierLoadSpec(LoadStoreSpec):
 @dataclass(frozen=True)
 class TierStoreSpec(LoadStoreSpec):
     """A store plan: run `plan.moves` (demotions), then write `plan.stored_keys` (the first
-    tier's, then what went around it into lower tiers)."""
+    tier's, then what went around it into lower tiers). `keys`: the same keys in the order of
+    the `prepare_store` call, which is the order of the engine blocks vLLM hands the worker
+    (it walks its groups and chunks the way it listed the keys); empty: `plan.stored_keys`."""
 
     plan: TierPlan
+    keys: tuple[bytes, ...] = ()
 
 
 class _Bridge:
@@ -343,14 +350,19 @@ class TierCacheOffloadingManager(OffloadingManager):
                 self._okey.pop(k, None)
         if plan is None:
             return None
-        stored = plan.stored_keys  # the first tier's, then what went around it
+        # The first tier's keys, then what went around it, put back in the call's order:
+        # vLLM lists the engine blocks of `keys_to_store` in that order (its groups, then
+        # chunks), whatever order it gets them back in; admission or a lower tier's room can
+        # place a later key above an earlier one.
+        placed = set(plan.stored_keys)
+        stored = tuple(k for k in tkeys if k in placed)
         if stored:
-            self._track_plan(plan, stored[0])
+            self._track_plan(plan, plan.stored_keys[0])
         self._drop_events_if_unused()
         okey = self._okey
         return PrepareStoreOutput(
             keys_to_store=[okey[k] for k in stored],
-            store_spec=TierStoreSpec(plan),
+            store_spec=TierStoreSpec(plan, stored),
             evicted_keys=[okey[k] for k in plan.evicted_keys if k in okey],
         )
 
@@ -540,11 +552,7 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         self, store: SharedStore, kv_caches: CanonicalKVCaches, *, blocks_per_chunk: int = 1
     ) -> None:
         cache = store.cache
-        if len(kv_caches.group_data_refs) != 1:
-            raise ValueError(
-                f"kv_caches: TierCacheOffloadingSpec supports one KV cache group, got "
-                f"{len(kv_caches.group_data_refs)} (hybrid models are not supported)"
-            )
+        _check_overlay(kv_caches)
         tensors: dict[str, Any] = {}
         for i, t in enumerate(kv_caches.tensors):
             if t.tensor.dim() != 2 or t.tensor.shape[1] != t.page_size_bytes:
@@ -584,8 +592,9 @@ class TierCacheOffloadingWorker(OffloadingWorker):
             raise TypeError(f"dst_spec: expected TierStoreSpec, got {type(dst_spec).__name__}")
         plan = dst_spec.plan
         block_ids = [int(b) for b in src_spec.block_ids]
-        # vLLM's block ids follow the keys_to_store it was given: the plan's stored_keys.
-        specs = store_transfers(plan, plan.stored_keys, block_ids, self._k)
+        # vLLM's block ids follow the keys of its prepare_store call, group by group; a
+        # block id names one group's block in the tensors every group overlays (__init__).
+        specs = store_transfers(plan, dst_spec.keys or plan.stored_keys, block_ids, self._k)
         return self._submit(job_id, specs, 0)
 
     def submit_load(
@@ -744,25 +753,20 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 "TierCacheOffloadingSpec: vLLM world_size must be 1 (got "
                 f"{config.parallel.world_size}); use TierCacheConnector for TP/PP > 1"
             )
-        if len(config.groups) != 1:
-            # vLLM's OffloadingConnector keeps the hybrid KV cache manager on (SupportsHMA)
-            # and hands the worker each group's blocks (GPULoadStoreSpec.group_sizes) with
-            # each group's tensors (CanonicalKVCaches.group_data_refs); this worker copies
-            # one group's layout only. See docs/vllm-offloading.md#hybrid-models.
-            raise ValueError(
-                "TierCacheOffloadingSpec: one KV cache group is supported, "
-                f"got {len(config.groups)} (a hybrid model: set "
-                "disable_hybrid_kv_cache_manager=True, or use TierCacheConnector)"
-            )
-        window = getattr(config.groups[0], "sliding_window_size_in_chunks", None)
-        if window is not None:
-            # vLLM >= 0.33 names sliding-window groups (0.32 does not say). Only a window of
-            # their blocks is stored and loaded; not supported yet (hybrid models).
-            raise ValueError(
-                "TierCacheOffloadingSpec: KV cache group 0 is a sliding-window group "
-                f"(sliding_window_size_in_chunks={window}); only full-attention models are "
-                "supported"
-            )
+        vllm_config, kv_cache_config = _engine_configs(config.model.name)
+        # Hybrid models (several KV cache groups, vLLM's hybrid KV cache manager on): vLLM's
+        # scheduler decides per group what to store and load (sliding windows: the window
+        # only) and keys each block with its group (OffloadKey); tiercache stores the keys it
+        # is given. The groups must be attention groups tiercache can serve (`kv_groups`
+        # refuses Mamba/linear-attention state naming the group); the worker checks that
+        # they overlay one block layout.
+        groups_tag = ""
+        if kv_cache_config is not None:
+            kinds = kv_groups(kv_cache_config, who="TierCacheOffloadingSpec")
+            if len(kinds) > 1:
+                groups_tag = "/groups:" + "+".join(f"{g.kind}:{len(g.layers)}" for g in kinds)
+        elif len(config.groups) > 1:
+            groups_tag = "/groups:" + "+".join(str(len(g.layer_names)) for g in config.groups)
         if self.blocks_per_chunk != 1:
             # vLLM may load a chunk's tail only (its head already in the GPU prefix cache);
             # tiercache copies whole blocks, so one offloaded block is one vLLM block.
@@ -782,10 +786,13 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 model=config.model.name,
                 kv_dtype=config.model.dtype,
                 block_size=self.tokens_per_chunk,
-                layout=f"vllm-offload/{config.kv_cache_layout or 'default'}/{self.block_bytes}",
+                layout=(
+                    f"vllm-offload/{config.kv_cache_layout or 'default'}/{self.block_bytes}"
+                    f"{groups_tag}"
+                ),
                 tp_size=config.parallel.tp_size,
                 tp_rank=config.parallel.rank,
-                settings=_engine_settings_digest(config.model.name),
+                settings=kv_settings_digest(vllm_config) if vllm_config is not None else "",
             ),
         )
         self.namespace = self.cache_config.namespace
@@ -835,34 +842,56 @@ class TierCacheOffloadingSpec(OffloadingSpec):
         return self._worker
 
 
-def _engine_settings_digest(model: str) -> str:
-    """`kv_settings_digest` of the engine building this spec. vLLM hands a spec only its
-    `OffloadingConfig` (model name and dtype). The full `VllmConfig` is vLLM's current
-    config where the engine has set one, else the `vllm_config` argument of the
-    `OffloadingConnector` being built, found on the call stack (vLLM 0.32 and 0.33 build the
-    spec inside `OffloadingConnector.__init__(vllm_config, ...)`). A spec built outside an
-    engine (tests) has neither: it logs a warning and the namespace goes without the digest."""
+def _engine_configs(model: str) -> tuple[Any, Any]:
+    """The `VllmConfig` and `KVCacheConfig` of the engine building this spec (either None
+    where not found). vLLM hands a spec only its `OffloadingConfig` (model name and dtype,
+    group sizes). vLLM 0.32 and 0.33 build the spec inside
+    `OffloadingConnector.__init__(vllm_config, role, kv_cache_config)`, found on the call
+    stack; the `VllmConfig` may also be vLLM's current config. A spec built outside an
+    engine (tests) has neither: it logs a warning and the namespace goes without the digest
+    of the KV-affecting settings (hf_overrides, quantization, ...)."""
     from vllm.config import get_current_vllm_config_or_none
 
     found = get_current_vllm_config_or_none()
-    if not _is_config_of(found, model):
-        frame = sys._getframe(1)
-        found = None
-        for _ in range(12):  # the connector's __init__ is a few frames up
-            if frame is None:
-                break
-            candidate = frame.f_locals.get("vllm_config")
-            if _is_config_of(candidate, model):
-                found = candidate
-                break
-            frame = frame.f_back
+    found = found if _is_config_of(found, model) else None
+    kv_cache_config = None
+    frame = sys._getframe(1)
+    for _ in range(12):  # the connector's __init__ is a few frames up
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("vllm_config")
+        if _is_config_of(candidate, model):
+            found = found or candidate
+            kv_cache_config = frame.f_locals.get("kv_cache_config")
+            break
+        frame = frame.f_back
     if found is None:
         log.warning(
             "TierCacheOffloadingSpec built outside a vLLM engine: its namespace carries no "
             "digest of the KV-affecting settings (hf_overrides, quantization, ...)"
         )
-        return ""
-    return kv_settings_digest(found)
+    if kv_cache_config is not None and not hasattr(kv_cache_config, "kv_cache_groups"):
+        kv_cache_config = None
+    return found, kv_cache_config
+
+
+def _check_overlay(kv_caches: CanonicalKVCaches) -> None:
+    """Every KV cache group must reference every tensor, page for page: vLLM's hybrid layout
+    overlays its groups (layer j of each group is one view; a block id belongs to one group
+    at a time), so copying a block id across all tensors copies that group's block. Groups
+    with tensors of their own are refused (this worker copies one block layout)."""
+    refs = kv_caches.group_data_refs
+    if not refs:
+        raise ValueError("kv_caches: no KV cache groups")
+    every = list(range(len(kv_caches.tensors)))
+    for g, group_refs in enumerate(refs):
+        used = sorted({r.tensor_idx for r in group_refs})
+        if used != every:
+            raise ValueError(
+                f"kv_caches: KV cache group {g} uses tensors {used} of {len(every)}; "
+                "TierCacheOffloadingSpec copies groups that overlay every tensor (vLLM's "
+                "hybrid layout); use TierCacheConnector, or disable_hybrid_kv_cache_manager"
+            )
 
 
 def _is_config_of(config: Any, model: str) -> bool:
