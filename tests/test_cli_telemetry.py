@@ -258,3 +258,38 @@ def test_telemetry_dir_that_cannot_be_made_fails_the_open(tmp_path: Path) -> Non
     cfg["telemetry"]["dir"] = str(tmp_path / "file" / "tel")
     with pytest.raises(ConfigError, match=r"^telemetry\.dir: .*the parent is not a directory"):
         TierCache.open(cfg, block_bytes=BB)
+
+
+def test_adapter_sections_reach_stats_and_inspect(tmp_path: Path) -> None:
+    """An adapter's snapshot section (the KV connector's `kv_groups`) is written with the
+    tiers' stats and shown by `tiercache stats` and `tiercache inspect` on the config; a
+    failing section costs nothing else, and the cache's own sections cannot be replaced."""
+    path = write_toml(tmp_path)
+    cache = TierCache.open(path, block_bytes=BB)
+    groups = {
+        "block_size": 32,
+        "kept_tokens": 2048,
+        "groups": [
+            {"group": 0, "kind": "sliding_window", "layers": 2, "window_blocks": 2,
+             "block_bytes": 16384, "kept_blocks": 4, "bytes_per_token": 32.0},
+            {"group": 1, "kind": "full_attention", "layers": 2, "window_blocks": 0,
+             "block_bytes": 16384, "kept_blocks": 64, "bytes_per_token": 512.0},
+        ],
+    }  # fmt: skip
+    cache.add_snapshot_section("kv_groups", lambda: groups)
+    cache.add_snapshot_section("broken", lambda: 1 / 0)
+    with pytest.raises(ValueError, match="'tiers' is a section of the cache's own"):
+        cache.add_snapshot_section("tiers", dict)
+    work(cache, 3)
+    cache.close()
+    stats = run("stats", str(path), "--json")
+    assert stats.exit_code == 0, stats.output
+    doc = json.loads(stats.output)
+    assert doc["kv_groups"] == groups and "broken" not in doc and doc["tiers"]["nvme"]["stored"]
+    shown = run("stats", str(path))
+    assert "KV cache groups" in shown.output and "sliding" in shown.output
+    inspected = run("inspect", str(path), "--json")
+    assert inspected.exit_code == 0, inspected.output
+    assert json.loads(inspected.output)["kv_groups"]["groups"] == groups["groups"]
+    text = run("inspect", str(path))
+    assert "bytes/token" in text.output and "512.0" in text.output

@@ -194,6 +194,8 @@ class TierCache:
         self._closed = False
         # Moving load and forward costs, fed by adapters (`tiercache.costs`), shown in stats.
         self.load_costs = LoadCosts()
+        # Sections adapters add to `snapshot()` (e.g. the KV connector's per-group bytes).
+        self._sections: dict[str, Callable[[], Mapping[str, Any]]] = {}
         self._through_wake = threading.Event()
         # Held for a whole batch of write-through copies, so `flush` waits for the copier's
         # batch in flight. Lock order: _through_io before _lock, never the other way round.
@@ -433,7 +435,19 @@ class TierCache:
         engine = self.load_costs.engine_stats()
         if engine:  # an engine ran forwards beside this cache: its recompute rate
             out["engine"] = engine
+        for name, section in list(self._sections.items()):
+            try:
+                out[name] = dict(section())
+            except Exception:  # a failing section must not cost the tiers' stats
+                log.exception("snapshot section %r failed", name)
         return out
+
+    def add_snapshot_section(self, name: str, section: Callable[[], Mapping[str, Any]]) -> None:
+        """Have `snapshot()` (telemetry's stats.json) carry `name`: `section()`, called on the
+        telemetry thread. For adapters' facts the cache does not know (KV cache groups)."""
+        if name in {"namespace", "block_bytes", "tiers", "engine"}:
+            raise ValueError(f"name: {name!r} is a section of the cache's own")
+        self._sections[name] = section
 
     def flush(self) -> None:
         """Run the write-through copies still queued (after the copier's batch in flight),

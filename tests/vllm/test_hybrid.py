@@ -22,8 +22,11 @@ directory:
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -234,6 +237,19 @@ def test_long_prompt_sliding_window_bytes_stay_bounded(
     one = [{"prompts": prompts, "max_tokens": 4}]
     base = engine.run_in_subprocess(_spec(gemma, None, one, kv_groups=False))
     kv = _kv_config(tmp_path, policy="recompute")
+    # The config as users write it, a TOML file with telemetry: `tiercache inspect` on it
+    # shows the bytes per token each group stores.
+    config = kv["kv_connector_extra_config"]["config"]
+    toml = tmp_path / "tiercache.toml"
+    toml.write_text(
+        f"namespace = {json.dumps(config['namespace'])}\n"
+        + "".join(
+            "[[tiers]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in t.items())
+            for t in config["tiers"]
+        )
+        + f"[telemetry]\ndir = {json.dumps(str(tmp_path / 'telemetry'))}\ninterval = 0.2\n"
+    )
+    kv["kv_connector_extra_config"]["config"] = str(toml)
     run = engine.run_in_subprocess(_spec(gemma, kv, one, kv_groups=False))
     assert run["batches"][0]["outputs"] == base["batches"][0]["outputs"]
     (snap,) = run["stores"].values()
@@ -246,6 +262,21 @@ def test_long_prompt_sliding_window_bytes_stay_bounded(
     assert c[2] == sum(n // BS for n in lengths), (c, per_token)
     assert c[0] == c[1] == WINDOW_BLOCKS * len(lengths), (c, per_token)
     assert per_token[0] < per_token[2] / 5, per_token
+    # The same figures in `tiercache inspect` (the engine's last telemetry stats).
+    out = subprocess.run(
+        [sys.executable, "-m", "tiercache", "inspect", str(toml), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    section = json.loads(out.stdout)["kv_groups"]
+    assert section["kept_tokens"] == tokens, section
+    shown = {g["group"]: g for g in section["groups"]}
+    assert [shown[g]["kind"] for g in range(3)] == ["sliding_window"] * 2 + ["full_attention"]
+    for g in range(3):
+        assert shown[g]["block_bytes"] == block_bytes
+        assert shown[g]["bytes_per_token"] == round(per_token[g], 1), (section, per_token)
+    assert shown[2]["bytes_per_token"] == block_bytes / BS
 
 
 # -- speculative decoding ------------------------------------------------------------------

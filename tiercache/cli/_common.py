@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.table import Table
 
 from tiercache.cli._store import StoreError
 
@@ -79,3 +80,30 @@ def confirm(question: str, yes: bool) -> None:
     """Ask on stderr unless --yes; click.Abort (exit 1, 'Aborted!') on no."""
     if not yes:
         click.confirm(question, abort=True, err=True)
+
+
+def kv_groups_table(section: dict[str, Any]) -> Table:
+    """The KV connector's `kv_groups` telemetry section: per KV cache group its kind, layers,
+    window, bytes per block, blocks kept and bytes per token stored."""
+    t = Table(
+        title="KV cache groups",
+        caption=(
+            f"blocks of {section.get('block_size', '?')} tokens; "
+            f"{section.get('kept_tokens', 0)} tokens stored"
+        ),
+        title_justify="left",
+    )
+    for c in ("group", "kind", "layers", "window", "block", "kept", "bytes/token"):
+        t.add_column(c, justify="left" if c == "kind" else "right", no_wrap=True)
+    for g in section.get("groups", ()):
+        bpt = g.get("bytes_per_token")
+        t.add_row(
+            str(g["group"]),
+            str(g["kind"]).replace("_attention", "").replace("_window", ""),
+            str(g["layers"]),
+            str(g["window_blocks"]) if g.get("window_blocks") else "-",
+            human_bytes(g["block_bytes"]),
+            str(g["kept_blocks"]),
+            "-" if bpt is None else f"{bpt:,.1f}",
+        )
+    return t

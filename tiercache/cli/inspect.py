@@ -13,9 +13,19 @@ from typing import Any
 import click
 from rich.table import Table
 
-from tiercache.cli._common import JSON, TARGET, TIERS, console, echo_json, human_bytes, lmdb_errors
+from tiercache.cli._common import (
+    JSON,
+    TARGET,
+    TIERS,
+    console,
+    echo_json,
+    human_bytes,
+    kv_groups_table,
+    lmdb_errors,
+)
 from tiercache.cli._common import when as _when
 from tiercache.cli._store import inspect_store, known_names, resolve
+from tiercache.telemetry import read_stats
 
 
 @click.command()
@@ -66,12 +76,32 @@ def inspect(
         for r in tgt.tiers
         if picked is None or r.name in picked
     ]
+    groups = _kv_groups(tgt.telemetry_dir)
     if as_json:
-        echo_json({"source": tgt.source, "tiers": rows})
+        doc: dict[str, Any] = {"source": tgt.source, "tiers": rows}
+        if groups is not None:
+            doc["kv_groups"] = groups
+        echo_json(doc)
         return
     out = console(False)
     for row in rows:
         out.print(_table(row))
+    if groups is not None:
+        out.print(kv_groups_table(groups))
+
+
+def _kv_groups(telemetry_dir: str | None) -> dict[str, Any] | None:
+    """What the KV connector reported of its KV cache groups (bytes per token each stores)
+    in the engine's last telemetry stats, where the config has telemetry; the store itself
+    keeps only hashed keys, which name no group."""
+    if telemetry_dir is None:
+        return None
+    try:
+        doc = read_stats(telemetry_dir)
+    except (OSError, ValueError):  # no engine has written stats there yet
+        return None
+    section = doc.get("kv_groups")
+    return {**section, "updated": doc.get("updated")} if section else None
 
 
 def _table(r: dict[str, Any]) -> Table:

@@ -26,6 +26,7 @@ from tiercache.cli._common import (
     console,
     echo_json,
     human_bytes,
+    kv_groups_table,
     lmdb_errors,
     when,
 )
@@ -171,3 +172,5 @@ def _show(doc: dict[str, Any]) -> None:
             *(str(s.get(c, "-")) for c in _COUNTERS),
         )
     out.print(t)
+    if doc.get("kv_groups"):
+        out.print(kv_groups_table(doc["kv_groups"]))

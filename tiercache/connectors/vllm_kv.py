@@ -194,6 +194,7 @@ class StoreJob:
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     groups: tuple[int, ...] = ()  # hybrid models: the KV cache group of each key
+    tokens: int = 0  # hybrid models: tokens the job covers (every group's blocks among them)
 
 
 @dataclass
@@ -979,7 +980,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 if not g.window_blocks:
                     planned.add(gk[p])
         if keys:
-            meta.stores.append(StoreJob(req_id, tuple(keys), tuple(ids), tuple(groups)))
+            tokens = (done - st.stored) * bs
+            meta.stores.append(StoreJob(req_id, tuple(keys), tuple(ids), tuple(groups), tokens))
             self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
         st.stored = done
 
@@ -1148,7 +1150,32 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # At exit (or the last release) finish in-flight stores before the cache closes.
         self._shared.before_close.append(self._finish_transfers)
         self._shared.state[_SETTLE] = self._settle
+        self._shared.cache.add_snapshot_section("kv_groups", self._group_report)
         self._collect_events()  # what persistent tiers recovered: the handshake's keys
+
+    def _group_report(self) -> dict[str, Any]:
+        """Per KV cache group, for telemetry (`tiercache stats`/`inspect`): its kind, layers,
+        sliding window in blocks, bytes per block, the blocks it keeps for the tokens this
+        process stored (held already or written), and so its bytes per token. A
+        sliding-window group's stays bounded by its window as prompts grow."""
+        assert self._shared is not None
+        counters = dict(self._shared.counters)
+        tokens = counters.get("kept_tokens", 0)
+        groups = []
+        for g in self._groups:
+            kept = counters.get(f"kept_blocks_g{g.index}", 0)
+            groups.append(
+                {
+                    "group": g.index,
+                    "kind": g.kind,
+                    "layers": len(g.layers),
+                    "window_blocks": g.window_blocks,
+                    "block_bytes": g.block_bytes,
+                    "kept_blocks": kept,
+                    "bytes_per_token": round(kept * g.block_bytes / tokens, 1) if tokens else None,
+                }
+            )
+        return {"block_size": self._block_size, "kept_tokens": tokens, "groups": groups}
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None:
@@ -1449,6 +1476,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 absent = sum(1 for k in keys if not manager.holds(k))
                 plan = manager.prepare_store(keys)
         stored = len(plan.stored_keys) if plan is not None else 0
+        # Blocks the store keeps per group for the tokens the job covers (held already or
+        # written now): the bytes per token of each group (`_group_report`).
+        # (Not a job cut short by a failed load: what it covers is recomputed and stored again.)
+        if bad is None:
+            self._count("kept_tokens", job.tokens or len(keys) * self._block_size)
+            for g in set(job.groups) or (0,):
+                self._count(f"kept_blocks_g{g}", job.groups.count(g) if job.groups else len(keys))
         if stored and job.groups:  # hybrid models: blocks stored per KV cache group
             written = set(plan.stored_keys)
             for k, g in zip(keys, job.groups, strict=False):
