@@ -146,6 +146,48 @@ def write_tiny_llama(
     return out
 
 
+def write_tiny_eagle(path: str | Path, target: str | Path, seed: int = 1) -> Path:
+    """Write a random-weight EAGLE (EAGLE-1) draft head for the tiny Llama at `target`: one
+    Llama decoder layer (no input norm) after `fc`, which joins the token embedding and the
+    target's hidden state. vLLM loads it as `EagleLlamaForCausalLM` for ``method="eagle"``
+    (weights without the ``model.`` prefix; the target's lm_head is shared)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    cfg = {**cfg, "num_hidden_layers": 1}
+    hidden, heads, kv_heads = (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+    )
+    head_dim, inter = cfg["head_dim"], cfg["intermediate_size"]
+    torch_dtype = getattr(torch, cfg["torch_dtype"])
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).to(torch_dtype)
+
+    p = "layers.0."
+    tensors = {
+        "embed_tokens.weight": w(cfg["vocab_size"], hidden, std=1.0),
+        "fc.weight": w(hidden, 2 * hidden, std=0.1),
+        p + "self_attn.q_proj.weight": w(heads * head_dim, hidden, std=0.25),
+        p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden, std=0.25),
+        p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden, std=0.25),
+        p + "self_attn.o_proj.weight": w(hidden, heads * head_dim, std=0.1),
+        p + "mlp.gate_proj.weight": w(inter, hidden, std=0.1),
+        p + "mlp.up_proj.weight": w(inter, hidden, std=0.1),
+        p + "mlp.down_proj.weight": w(hidden, inter, std=0.1),
+        p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch_dtype),
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 GEMMA_LAYER_TYPES = ("s", "s", "f", "s", "s", "f")
 
 

