@@ -44,19 +44,13 @@ def _engine() -> ModuleType:
     return module
 
 
-def _kv(store: Path) -> dict[str, Any]:
+def _kv(engine: ModuleType, store: Path) -> dict[str, Any]:
     store.mkdir(parents=True, exist_ok=True)
     tiers = [
         {"kind": "cpu", "blocks": 64},
         {"kind": "lmdb", "path": str(store / "lmdb"), "capacity": "512MiB"},
     ]
-    return {
-        "kv_connector": "TierCacheConnector",
-        "kv_connector_module_path": "tiercache.connectors.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"config": {"namespace": "bytes", "tiers": tiers}},
-    }
+    return engine.tiercache_kv({"namespace": "bytes", "tiers": tiers})
 
 
 def groups_of(run: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +88,7 @@ def main() -> int:
         for mode in ("hma-off", "hybrid"):
             spec = {
                 "model": str(model),
-                "kv_transfer_config": _kv(work / f"{mode}-{n}"),
+                "kv_transfer_config": _kv(engine, work / f"{mode}-{n}"),
                 "batches": [{"prompts": prompts, "max_tokens": 1, "reset_prefix_cache": True}],
                 "block_size": BS,
                 "max_model_len": n + 64,

@@ -130,20 +130,34 @@ def write_tiny_llama(
         "lm_head.weight": w(vocab, hidden, std=0.2),
     }
     for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden, std=0.25),
-            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden, std=0.25),
-            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden, std=0.25),
-            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim, std=0.1),
-            p + "mlp.gate_proj.weight": w(intermediate, hidden, std=0.1),
-            p + "mlp.up_proj.weight": w(intermediate, hidden, std=0.1),
-            p + "mlp.down_proj.weight": w(hidden, intermediate, std=0.1),
-            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch_dtype),
-            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch_dtype),
-        }
+        tensors |= _llama_layer(w, f"model.layers.{i}.", config)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def _llama_layer(w: Any, p: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One Llama decoder layer's random weights, named with prefix `p` (`w(*shape, std)`
+    draws a tensor); norms are ones."""
+    import torch
+
+    hidden, heads, kv_heads = (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+    )
+    head_dim, inter = cfg["head_dim"], cfg["intermediate_size"]
+    ones = torch.ones(hidden, dtype=getattr(torch, cfg["torch_dtype"]))
+    return {
+        p + "self_attn.q_proj.weight": w(heads * head_dim, hidden, std=0.25),
+        p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden, std=0.25),
+        p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden, std=0.25),
+        p + "self_attn.o_proj.weight": w(hidden, heads * head_dim, std=0.1),
+        p + "mlp.gate_proj.weight": w(inter, hidden, std=0.1),
+        p + "mlp.up_proj.weight": w(inter, hidden, std=0.1),
+        p + "mlp.down_proj.weight": w(hidden, inter, std=0.1),
+        p + "input_layernorm.weight": ones,
+        p + "post_attention_layernorm.weight": ones.clone(),
+    }
 
 
 def write_tiny_eagle(path: str | Path, target: str | Path, seed: int = 1) -> Path:
@@ -156,13 +170,7 @@ def write_tiny_eagle(path: str | Path, target: str | Path, seed: int = 1) -> Pat
 
     cfg = json.loads((Path(target) / "config.json").read_text())
     cfg = {**cfg, "num_hidden_layers": 1}
-    hidden, heads, kv_heads = (
-        cfg["hidden_size"],
-        cfg["num_attention_heads"],
-        cfg["num_key_value_heads"],
-    )
-    head_dim, inter = cfg["head_dim"], cfg["intermediate_size"]
-    torch_dtype = getattr(torch, cfg["torch_dtype"])
+    hidden, torch_dtype = cfg["hidden_size"], getattr(torch, cfg["torch_dtype"])
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -171,19 +179,12 @@ def write_tiny_eagle(path: str | Path, target: str | Path, seed: int = 1) -> Pat
     def w(*shape: int, std: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * std).to(torch_dtype)
 
-    p = "layers.0."
     tensors = {
         "embed_tokens.weight": w(cfg["vocab_size"], hidden, std=1.0),
         "fc.weight": w(hidden, 2 * hidden, std=0.1),
-        p + "self_attn.q_proj.weight": w(heads * head_dim, hidden, std=0.25),
-        p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden, std=0.25),
-        p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden, std=0.25),
-        p + "self_attn.o_proj.weight": w(hidden, heads * head_dim, std=0.1),
-        p + "mlp.gate_proj.weight": w(inter, hidden, std=0.1),
-        p + "mlp.up_proj.weight": w(inter, hidden, std=0.1),
-        p + "mlp.down_proj.weight": w(hidden, inter, std=0.1),
-        p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch_dtype),
+        **_llama_layer(w, "layers.0.", cfg),
     }
+    del tensors["layers.0.input_layernorm.weight"]  # EAGLE's first layer has no input norm
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
