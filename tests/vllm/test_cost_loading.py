@@ -19,7 +19,7 @@ from tiercache.config import CacheConfig
 from tiercache.connectors.common import SharedStore, acquire_store, release_store, resolve_config
 from tiercache.connectors.vllm import TierCacheConnector
 from tiercache.connectors.vllm_kv import TierCacheConnectorMetadata, TierCacheWorkerMetadata
-from tiercache.costs import ForwardTimer, LoadGate
+from tiercache.costs import ForwardTimer
 
 BLOCK_BYTES = 64
 BLOCK_TOKENS = 4
@@ -28,15 +28,9 @@ DELAY_S = 0.05  # each read of the slow tier
 
 def _connector(config: CacheConfig, shared: SharedStore | None) -> TierCacheConnector:
     """The scheduler half's lookup path alone; local placement when `shared` is given."""
-    c = object.__new__(TierCacheConnector)
-    c._shared, c._stats, c._config = shared, {}, config
-    c._block_bytes, c._block_size, c._tp_size = BLOCK_BYTES, BLOCK_TOKENS, 1
-    c._index, c._events, c._pending, c._off = {}, [], {}, {}
-    c._probes, c._probe_pool, c._probing = [], None, {}
-    c._shared_mediums, c._bad_keys = frozenset(), {}
-    c._gate = LoadGate(config.loading, shared.cache.load_costs if shared else None)
-    c._verify_pools, c._verifying = {}, {}
-    return c
+    return TierCacheConnector._bare(
+        config, shared, block_size=BLOCK_TOKENS, block_bytes=BLOCK_BYTES
+    )
 
 
 def _ask_local(c: TierCacheConnector, keys: list[bytes]) -> int:
@@ -105,11 +99,9 @@ def test_worker_samples_reach_a_remote_scheduler_and_decide_there(tmp_path: Path
     worker_cfg = resolve_config({"tiers": tiers[:1]}, block_size=BLOCK_TOKENS, namespace="w")
     worker_shared = acquire_store(worker_cfg, BLOCK_BYTES)
     try:
-        w = object.__new__(TierCacheConnector)
-        w._shared, w._tp_rank = worker_shared, 0
-        w._journal, w._plans_done, w._held, w._suspensions = [], {}, {}, {}
-        w._load_samples, w._forward_samples, w._bad_report = [], [], []
-        w._volatile = []  # hybrid models: store jobs bind_connector_metadata waits for
+        w = TierCacheConnector._bare(
+            worker_cfg, worker_shared, block_size=BLOCK_TOKENS, block_bytes=BLOCK_BYTES
+        )
         clock = iter([10.0, 10.1, 20.0, 20.2]).__next__  # two forwards: 0.1 s and 0.2 s
         w._timer = ForwardTimer(clock=clock)
         # Measured in the worker: the redis tier, 20 ms per job then 0.5 ms per block ...

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from tiercache.config import CacheConfig
 from tiercache.connectors.common import acquire_store, release_store, resolve_config
 from tiercache.connectors.vllm import (
     TierCacheConnector,
@@ -32,7 +33,6 @@ from tiercache.connectors.vllm_kv import (
     TierCacheHandshake,
     TierCacheWorkerMetadata,
 )
-from tiercache.costs import LoadGate
 
 
 def test_connector_implements_every_abstract_method_of_vllms_base() -> None:
@@ -58,13 +58,8 @@ def test_worker_metadata_aggregates_across_workers() -> None:
 
 def _scheduler(tp_size: int) -> TierCacheConnector:
     """The scheduler half's index and bookkeeping alone (remote placement), without vLLM."""
-    c = object.__new__(TierCacheConnector)
-    c._tp_size = tp_size
-    c._shared = None
-    c._index, c._events, c._pending, c._off = {}, [], {}, {}
-    c._probes, c._probe_pool, c._probing, c._stats = [], None, {}, {}
-    c._shared_mediums, c._bad_keys = frozenset(), {}
-    return c
+    config = CacheConfig.from_mapping({"tiers": [{"kind": "cpu", "blocks": 8}]})
+    return TierCacheConnector._bare(config, None, block_size=4, block_bytes=64, tp_size=tp_size)
 
 
 def _ask(c: TierCacheConnector, keys: list[bytes]) -> int:
@@ -177,11 +172,7 @@ def test_a_lookup_that_waits_for_a_store_counts_each_block_once() -> None:
             return True
 
         shared.state[_SETTLE] = settle
-        c = object.__new__(TierCacheConnector)
-        c._shared, c._stats = shared, {}
-        c._config, c._block_bytes, c._block_size = config, 64, 4
-        c._gate = LoadGate(config.loading, cache.load_costs)
-        c._verify_pools, c._verifying = {}, {}
+        c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=64)
         before = cache.stats()["cpu"]
         assert c._lookup_local(keys) == 4
         after = cache.stats()["cpu"]
@@ -345,11 +336,7 @@ def test_a_hung_verifying_read_never_stalls_scheduling(tmp_path) -> None:
             return read(slots, dst, keys)
 
         nvme.read = hung_read
-        c = object.__new__(TierCacheConnector)
-        c._shared, c._stats = shared, {}
-        c._config, c._block_bytes, c._block_size = config, 64, 4
-        c._gate = LoadGate(config.loading, cache.load_costs)
-        c._verify_pools, c._verifying = {}, {}
+        c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=64)
         t0 = time.monotonic()
         answers = []
         while (n := c._lookup_local(keys, "r1")) is None:

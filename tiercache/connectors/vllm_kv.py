@@ -117,6 +117,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from tiercache.config import CacheConfig
 from tiercache.connectors.common import (
     KVGroup,
     RankConfig,
@@ -405,6 +406,30 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             ThreadPoolExecutor(1, thread_name_prefix="tiercache-probe") if self._probes else None
         )
         self._shared_mediums = frozenset(m for rank in self._probes for m, _ in rank)
+        self._init_state()
+        if self._hma:
+            log.info(
+                "TierCacheConnector: %d KV cache groups (%s), one key per block and group",
+                len(self._groups),
+                ", ".join(f"{g.kind} x{len(g.layers)}" for g in self._groups),
+            )
+        log.info(
+            "TierCacheConnector (%s, %s, TP rank %d of %d): namespace %s, %d-byte blocks of "
+            "%d tokens",
+            role.name,
+            "shared store" if self.local else "index of the worker's keys",
+            self._tp_rank,
+            tp_size,
+            self._namespace,
+            self._block_bytes,
+            self._block_size,
+        )
+
+    def _init_state(self) -> None:
+        """The bookkeeping of both roles, empty: what `__init__` sets after the settings
+        (`_config`, `_shared`, `local`, `_probes`, `_shared_mediums`, block size and bytes,
+        TP size and rank). Tests that drive one path of the connector without vLLM set those
+        settings on a bare instance, then call this (`_bare`)."""
         self._probing: dict[str, tuple[tuple[Any, ...], Future[list[int]]]] = {}
         # Local placement: verifying reads of persistent tiers, one thread per tier (a hung
         # one stalls only its own), and per request the read in flight (see _lookup_local).
@@ -449,23 +474,29 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._bad_keys: dict[bytes, None] = {}
         self._forward_samples: list[tuple[int, float]] = []
         self._timer = ForwardTimer()  # CUDA events once register_kv_caches sees a GPU
-        if self._hma:
-            log.info(
-                "TierCacheConnector: %d KV cache groups (%s), one key per block and group",
-                len(self._groups),
-                ", ".join(f"{g.kind} x{len(g.layers)}" for g in self._groups),
-            )
-        log.info(
-            "TierCacheConnector (%s, %s, TP rank %d of %d): namespace %s, %d-byte blocks of "
-            "%d tokens",
-            role.name,
-            "shared store" if self.local else "index of the worker's keys",
-            self._tp_rank,
-            tp_size,
-            self._namespace,
-            self._block_bytes,
-            self._block_size,
-        )
+
+    @classmethod
+    def _bare(
+        cls,
+        config: CacheConfig,
+        shared: SharedStore | None,
+        *,
+        block_size: int,
+        block_bytes: int,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> TierCacheConnector:
+        """A connector without vLLM (tests): the settings given, one KV cache group, no
+        probes, and `_init_state`'s empty bookkeeping. Scheduler paths run local placement
+        when `shared` is given, remote otherwise; worker paths need `shared`."""
+        c = object.__new__(cls)
+        c._config, c._shared, c.local = config, shared, shared is not None
+        c._block_size, c._block_bytes, c._num_blocks = block_size, block_bytes, 0
+        c._tp_size, c._tp_rank = tp_size, tp_rank
+        c._groups, c._hma = (), False
+        c._stats, c._probes, c._probe_pool, c._shared_mediums = {}, [], None, frozenset()
+        c._init_state()
+        return c
 
     # -- both roles ----------------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
