@@ -54,7 +54,8 @@ def inspect(
 ) -> None:
     """Show each tier: kind, path, capacity, used, blocks, bytes, compression ratio,
     namespaces present, format version, oldest/newest write. Never modifies a store; works
-    while an engine has it open.
+    while an engine has it open. With a [telemetry] table in the config, also the KV cache
+    groups the engine's connector reported: bytes per token each group stores.
 
     CONFIG_OR_PATH is a TOML config or a store directory (an nvme or lmdb path).
 
