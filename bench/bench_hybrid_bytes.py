@@ -24,7 +24,6 @@ Run: .venv-vllm/bin/python bench/bench_hybrid_bytes.py [--lengths 256,768,1920]
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import random
 import sys
 import tempfile
@@ -32,16 +31,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_vllm_connector import load_engine
+
 BS = 32
-
-
-def _engine() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tc_engine", ROOT / "tests/vllm/engine.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _kv(engine: ModuleType, store: Path) -> dict[str, Any]:
@@ -53,21 +45,6 @@ def _kv(engine: ModuleType, store: Path) -> dict[str, Any]:
     return engine.tiercache_kv({"namespace": "bytes", "tiers": tiers})
 
 
-def groups_of(run: dict[str, Any]) -> dict[str, Any]:
-    """The `kv_groups` figures of an in-process run, from the connector's counters."""
-    (snap,) = run["stores"].values()
-    c = snap["counters"]
-    return {
-        "tokens": int(c.get("kept_tokens", 0)),
-        "kept": {
-            int(k.removeprefix("kept_blocks_g")): int(v)
-            for k, v in c.items()
-            if k.startswith("kept_blocks_g")
-        },
-        "block_bytes": int(snap["stats"]["cpu"]["block_bytes"]),
-    }
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="256,768,1920")
@@ -75,7 +52,7 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=64)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    engine = _engine()
+    engine = load_engine()
     work = Path(tempfile.mkdtemp(prefix="tiercache-bench-bytes-"))
     model = engine.write_tiny_gemma3(work / "gemma", sliding_window=args.window)
     rng = random.Random(17)
@@ -92,17 +69,16 @@ def main() -> int:
                 "batches": [{"prompts": prompts, "max_tokens": 1, "reset_prefix_cache": True}],
                 "block_size": BS,
                 "max_model_len": n + 64,
-                "kv_groups": True,
                 **({"disable_hybrid_kv_cache_manager": True} if mode == "hma-off" else {}),
             }
             run = engine.run_in_subprocess(spec)
-            g = groups_of(run)
-            kinds = [kind for kind, _ in run["kv_cache_groups"]]
-            per_token = {i: g["kept"].get(i, 0) * g["block_bytes"] / g["tokens"] for i in g["kept"]}
-            for i in sorted(per_token):
-                name = f"{i}:{kinds[i].removesuffix('Spec')}" if i < len(kinds) else str(i)
-                print(f"{n:>7} {mode:>8} {name:>16} {g['block_bytes']:>12} {per_token[i]:>12.1f}")
-            totals[mode] = sum(per_token.values())
+            (snap,) = run["stores"].values()
+            groups = snap["sections"]["kv_groups"]["groups"]  # what `tiercache inspect` shows
+            for g in groups:
+                name = f"{g['group']}:{g['kind']}"
+                bpt = g["bytes_per_token"]
+                print(f"{n:>7} {mode:>8} {name:>16} {g['block_bytes']:>12} {bpt:>12.1f}")
+            totals[mode] = sum(g["bytes_per_token"] for g in groups)
         ratios.append(totals["hybrid"] / totals["hma-off"])
         print(f"{n:>7} RATIO hybrid/hma-off bytes per token: {ratios[-1]:.3f}")
     return 0

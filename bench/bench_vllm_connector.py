@@ -47,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("baseline", "write-through", "write-back")
 
 
-def _engine() -> ModuleType:
+def load_engine() -> ModuleType:
+    """`tests/vllm/engine.py`, loaded by path (the engine runner the vLLM benches share)."""
     spec = importlib.util.spec_from_file_location("tc_engine", ROOT / "tests/vllm/engine.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -90,7 +91,7 @@ def main() -> int:
     configs = [c for c in args.configs.split(",") if c]
     if "baseline" not in configs or not set(configs) <= set(CONFIGS):
         ap.error(f"--configs: a subset of {','.join(CONFIGS)} that includes baseline")
-    eng = _engine()
+    eng = load_engine()
     n = args.batches
     walls: dict[str, list[float]] = {c: [] for c in configs}
     cpus: dict[str, list[float]] = {c: [] for c in configs}

@@ -435,6 +435,13 @@ class TierCache:
         engine = self.load_costs.engine_stats()
         if engine:  # an engine ran forwards beside this cache: its recompute rate
             out["engine"] = engine
+        out.update(self.sections())
+        return out
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """The sections adapters added (`add_snapshot_section`), as they are now; one that
+        fails is logged and left out."""
+        out: dict[str, dict[str, Any]] = {}
         for name, section in list(self._sections.items()):
             try:
                 out[name] = dict(section())

@@ -500,6 +500,15 @@ def kv_groups(kv_cache_config: Any, who: str = "TierCacheConnector") -> tuple[KV
     return tuple(out)
 
 
+def groups_tag(groups: Sequence[KVGroup]) -> str:
+    """The part of a store's layout naming a hybrid model's groups (kind and layer count of
+    each), so that its blocks, one group's layers each, are never read as one group's blocks
+    of the same model (the hybrid manager off); empty for one group."""
+    if len(groups) < 2:
+        return ""
+    return "/groups:" + "+".join(f"{g.kind}:{len(g.layers)}" for g in groups)
+
+
 def window_positions(group: KVGroup, start: int, end: int) -> range:
     """Block positions of `group` that a hit covering blocks [start, end) loads: all of them
     for full attention, the last `window_blocks` for a sliding window."""
@@ -621,7 +630,8 @@ def release_store(shared: SharedStore) -> None:
 
 
 def store_snapshots() -> dict[str, dict[str, Any]]:
-    """Per open shared store (by namespace): the cache's `stats()` and the adapter counters."""
+    """Per open shared store (by namespace): the cache's `stats()`, the adapter counters and
+    the adapters' snapshot sections (`TierCache.sections`, e.g. `kv_groups`)."""
     with _REGISTRY_LOCK:
         stores = list(_REGISTRY.values())
     out: dict[str, dict[str, Any]] = {}
@@ -630,6 +640,7 @@ def store_snapshots() -> dict[str, dict[str, Any]]:
             out[s.cache.config.namespace] = {
                 "stats": s.cache.stats(),
                 "counters": dict(s.counters),
+                "sections": s.cache.sections(),
                 "refs": s.refs,
             }
     return out

@@ -98,6 +98,7 @@ import functools
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -125,6 +126,7 @@ from tiercache.connectors.common import (
     acquire_store,
     extra_keys_for,
     find_store,
+    groups_tag,
     hit_end,
     kv_groups,
     namespace_from_vllm,
@@ -349,9 +351,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_bytes = self._groups[0].block_bytes
         device = str(vllm_config.device_config.device_type)
         layout = f"{kv_cache_config.kv_cache_layout or 'default'}/{device}/{type(spec).__name__}"
-        if self._hma:  # blocks of one group's layers: not interchangeable with one group's
-            kinds = "+".join(f"{g.kind}:{len(g.layers)}" for g in self._groups)
-            layout = f"{layout}/groups:{kinds}"
+        layout += groups_tag(self._groups)  # hybrid: blocks of one group's layers
         self._tp_size = tp_size
         self._tp_rank = _worker_tp_rank() if role == KVConnectorRole.WORKER and tp_size > 1 else 0
         ktc = self._kv_transfer_config
@@ -1512,8 +1512,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # (Not a job cut short by a failed load: what it covers is recomputed and stored again.)
         if bad is None:
             self._count("kept_tokens", job.tokens or len(keys) * self._block_size)
-            for g in set(job.groups) or (0,):
-                self._count(f"kept_blocks_g{g}", job.groups.count(g) if job.groups else len(keys))
+            for g, n in Counter(job.groups or (0,) * len(keys)).items():
+                self._count(f"kept_blocks_g{g}", n)
         if stored and job.groups:  # hybrid models: blocks stored per KV cache group
             written = set(plan.stored_keys)
             for k, g in zip(keys, job.groups, strict=False):

@@ -85,6 +85,7 @@ from tiercache.connectors.common import (
     acquire_store,
     derive_namespace,
     find_store,
+    groups_tag,
     kv_groups,
     kv_settings_digest,
     read_user_config,
@@ -144,10 +145,10 @@ class TierStoreSpec(LoadStoreSpec):
     """A store plan: run `plan.moves` (demotions), then write `plan.stored_keys` (the first
     tier's, then what went around it into lower tiers). `keys`: the same keys in the order of
     the `prepare_store` call, which is the order of the engine blocks vLLM hands the worker
-    (it walks its groups and chunks the way it listed the keys); empty: `plan.stored_keys`."""
+    (it walks its groups and chunks the way it listed the keys)."""
 
     plan: TierPlan
-    keys: tuple[bytes, ...] = ()
+    keys: tuple[bytes, ...]
 
 
 class _Bridge:
@@ -594,7 +595,7 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         block_ids = [int(b) for b in src_spec.block_ids]
         # vLLM's block ids follow the keys of its prepare_store call, group by group; a
         # block id names one group's block in the tensors every group overlays (__init__).
-        specs = store_transfers(plan, dst_spec.keys or plan.stored_keys, block_ids, self._k)
+        specs = store_transfers(plan, dst_spec.keys, block_ids, self._k)
         return self._submit(job_id, specs, 0)
 
     def submit_load(
@@ -760,13 +761,12 @@ class TierCacheOffloadingSpec(OffloadingSpec):
         # is given. The groups must be attention groups tiercache can serve (`kv_groups`
         # refuses Mamba/linear-attention state naming the group); the worker checks that
         # they overlay one block layout.
-        groups_tag = ""
         if kv_cache_config is not None:
-            kinds = kv_groups(kv_cache_config, who="TierCacheOffloadingSpec")
-            if len(kinds) > 1:
-                groups_tag = "/groups:" + "+".join(f"{g.kind}:{len(g.layers)}" for g in kinds)
-        elif len(config.groups) > 1:
-            groups_tag = "/groups:" + "+".join(str(len(g.layer_names)) for g in config.groups)
+            tag = groups_tag(kv_groups(kv_cache_config, who="TierCacheOffloadingSpec"))
+        elif len(config.groups) > 1:  # built outside an engine: layer counts only
+            tag = "/groups:" + "+".join(str(len(g.layer_names)) for g in config.groups)
+        else:
+            tag = ""
         if self.blocks_per_chunk != 1:
             # vLLM may load a chunk's tail only (its head already in the GPU prefix cache);
             # tiercache copies whole blocks, so one offloaded block is one vLLM block.
@@ -787,8 +787,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 kv_dtype=config.model.dtype,
                 block_size=self.tokens_per_chunk,
                 layout=(
-                    f"vllm-offload/{config.kv_cache_layout or 'default'}/{self.block_bytes}"
-                    f"{groups_tag}"
+                    f"vllm-offload/{config.kv_cache_layout or 'default'}/{self.block_bytes}{tag}"
                 ),
                 tp_size=config.parallel.tp_size,
                 tp_rank=config.parallel.rank,
