@@ -215,6 +215,31 @@ def test_a_wedged_key_would_answer_moving_forever_without_rollback(
         assert cache.manager.lookup(keys) is not None
 
 
+def test_a_read_stops_at_a_moving_block_and_returns_what_precedes_it() -> None:
+    """A connector demotes asynchronously, so a chain can continue into a block that is
+    moving between tiers while another thread reads it (the connector's verifying read). The
+    read returns the ready blocks before it: it used to return none at all, and a request
+    then hit only the blocks before the first disk-held one (CI: 64 of 192 tokens)."""
+    with TierCache.open(cfg(2, 8), block_bytes=N) as cache:
+        a, b, c = chain_of(cache, 0, 2), chain_of(cache, 100, 2), chain_of(cache, 200, 2)
+        blocks = {k: block_bytes_for([k], N) for k in a + b + c}
+        rows = lambda ks: torch.cat([blocks[k] for k in ks])  # noqa: E731
+        cache.put(a, rows(a))
+        cache.put(b, rows(b))  # a is demoted into low0, b is in the first tier
+        m = cache.manager
+        assert [m.where(k) for k in a + b] == [[1], [1], [0], [0]]
+        with cache._lock:  # a store the facade has not run yet: b is moving into low0
+            plan = m.prepare_store(c)
+        assert plan is not None and {k for mv in plan.moves for k in mv.keys} == set(b)
+        assert m.lookup(a + b) is None and m.lookup_ready(a + b) == (2, True)
+        assert cache.lookup(a + b) == 2
+        assert torch.equal(cache.get(a + b), rows(a))
+        with cache._lock:
+            cache._run_plan(plan, rows(c), c)
+        assert torch.equal(cache.get(a + b), rows(a + b))
+        assert_consistent(cache, a + b + c, rows(a + b + c))
+
+
 # -- 8. a refused store changes nothing, ARC's state included -------------------------------
 def test_refused_prepare_store_leaves_arc_state_alone() -> None:
     tier = CPUTier(name="cpu", block_bytes=8, capacity_blocks=4)

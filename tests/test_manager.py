@@ -234,6 +234,8 @@ def test_demotion_moves_victims_to_next_tier_in_order() -> None:
     assert set(mv.src.slots) == set(out.store_spec.slots)
     # While the move is in flight the chain's head reads as "ask again later".
     assert m.lookup(chain(0, 4)) is None
+    assert m.lookup_ready(chain(0, 4)) == (0, True)
+    assert m.lookup_ready(chain(2, 4)) == (0, False)  # not stored yet: a plain miss
     m.complete_store(mv.keys)
     m.complete_store(out.keys_to_store)
     assert m.lookup(chain(0, 4)) == 4

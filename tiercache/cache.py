@@ -318,7 +318,7 @@ class TierCache:
         keys = check_keys(keys)
         with self._lock:
             self._check_open()
-            n = self._manager.lookup(keys, count=count) or 0
+            n = self._manager.lookup_ready(keys, count=count)[0]
             self._asked.chain = tuple(keys) if count else None
             return n
 
@@ -330,7 +330,8 @@ class TierCache:
         `out`, if given, is a uint8 `[len(keys), block_bytes]` tensor to read into (saves an
         allocation per call); the result is then its first k rows. A block that fails
         verification ends the result there (a miss), is dropped from its
-        tier and counted as an error.
+        tier and counted as an error. So does a block moving between tiers (a connector's
+        asynchronous demotion): the blocks before it are read.
 
         Hits and misses are counted here, unless this thread's previous call was a `lookup`
         of a chain that starts with `keys`: that lookup and this get are one request, and the
@@ -342,7 +343,7 @@ class TierCache:
             self._check_open()
             asked, self._asked.chain = getattr(self._asked, "chain", None), None
             counted = not count or (asked is not None and tuple(keys) == asked[: len(keys)])
-            n = self._manager.lookup(keys, count=not counted) or 0
+            n = self._manager.lookup_ready(keys, count=not counted)[0]
             if out is None:
                 out = torch.empty((n, self._block_bytes), dtype=torch.uint8)
             else:

@@ -224,6 +224,13 @@ class OffloadingManager:
 
         Each key counts as a hit or a miss per tier, unless `count` is False (a caller asking
         again within one request, e.g. the facade's `get` after its `lookup`)."""
+        n, moving = self.lookup_ready(keys, count=count)
+        return None if moving else n
+
+    def lookup_ready(self, keys: Iterable[bytes], *, count: bool = True) -> tuple[int, bool]:
+        """`lookup` for callers that use the ready part of a chain even where it continues
+        with a moving block (a read, a load planned earlier): the number of leading keys
+        ready, and whether the next key is moving (it will be ready again shortly)."""
         keys = _seq(keys)
         off = self._breaker.mask()
         get = self._ready.get
@@ -252,9 +259,7 @@ class OffloadingManager:
             c.misses += missed
         elif count:
             self._count_lookup(keys, n, missed, off)
-        if missed and keys[n] in self._moving:
-            return None
-        return n
+        return n, bool(missed) and keys[n] in self._moving
 
     def _discover(self, keys: Sequence[bytes], n: int, off: int = 0) -> int:
         """`lookup` missed at keys[n]: ask the shared tiers, fastest first, for blocks another

@@ -303,9 +303,7 @@ def test_ngram_speculative_decoding_matches_and_hits(
         prompts.append([*repeated, rng.randrange(3, 64)])
     batches = [
         {"prompts": prompts, "max_tokens": 24, "reset_prefix_cache": True},
-        # The reset waited for the saves; the demotions they set off (the CPU tier holds 8
-        # blocks) run on, and a lookup waits at most SETTLE_WAIT_S for a block still moving.
-        {"prompts": prompts, "max_tokens": 24, "wait_s": 1.0},
+        {"prompts": prompts, "max_tokens": 24},
     ]
     base = engine.run_in_subprocess(
         _spec(model, None, batches, speculative_config=NGRAM, kv_groups=False)
@@ -316,11 +314,8 @@ def test_ngram_speculative_decoding_matches_and_hits(
     for got, want in zip(run["batches"], base["batches"], strict=True):
         assert got["outputs"] == want["outputs"]
     assert base["batches"][0]["outputs"] == base["batches"][1]["outputs"]
-    # Cold: no hits between the prompts (they share nothing); then tiercache serves them:
-    # 7 blocks each, unless a block was still being demoted past the lookup's wait on a
-    # loaded machine (CI once saw fewer; never a wrong output).
-    hits = run["batches"][1]["num_cached_tokens"]
-    assert all(0 < h <= 7 * BS for h in hits) and sum(hits) >= 0.75 * 4 * 7 * BS, hits
+    # Cold: no hits between the prompts (they share nothing); then tiercache serves them.
+    assert all(h == 7 * BS for h in run["batches"][1]["num_cached_tokens"])
     drafts = run["spec_decode"].get("vllm:spec_decode_num_draft_tokens", 0)
     assert drafts > 0, run["spec_decode"]
 
@@ -395,7 +390,7 @@ def test_eagle_speculative_decoding_matches_and_hits(
     prompts = [[rng.randrange(3, 4096) for _ in range(200)] for _ in range(3)]
     batches = [
         {"prompts": prompts, "max_tokens": 16, "reset_prefix_cache": True},
-        {"prompts": prompts, "max_tokens": 16, "wait_s": 1.0},  # demotions land (see n-gram)
+        {"prompts": prompts, "max_tokens": 16},
     ]
     base = engine.run_in_subprocess(_spec(tiny_llama, None, batches, speculative_config=eagle))
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
@@ -407,8 +402,7 @@ def test_eagle_speculative_decoding_matches_and_hits(
     assert [b["outputs"] for b in local["batches"]] == want
     full = 6 * BS  # 200 tokens: 6 full blocks, the one holding the last token never loaded
     assert local["batches"][0]["num_cached_tokens"] == [0] * 3
-    hits = local["batches"][1]["num_cached_tokens"]
-    assert all(0 < h <= full for h in hits) and sum(hits) >= 0.75 * 3 * full, hits
+    assert local["batches"][1]["num_cached_tokens"] == [full] * 3
     assert local["spec_decode"].get("vllm:spec_decode_num_draft_tokens", 0) > 0
     fresh = engine.run_in_subprocess(
         _spec(tiny_llama, kv, batches[1:], speculative_config=eagle, multiprocessing=True)

@@ -356,3 +356,63 @@ def test_a_hung_verifying_read_never_stalls_scheduling(tmp_path) -> None:
         for pool in c._verify_pools.values():
             pool.shutdown(wait=True)
         release_store(shared)
+
+
+def test_a_verifying_read_that_meets_a_moving_block_asks_again(tmp_path) -> None:
+    """A verifying read runs after the lookup that started it. Meanwhile another request's
+    promotion can start demoting blocks of this chain (the worker moves them asynchronously).
+    The read then stops at the moving block; the lookup answers None (vLLM asks again) rather
+    than a hit cut short there, and once the move lands the whole chain hits. CI saw the cut:
+    a prompt hit 64 of 192 tokens after a prefix-cache reset."""
+    config = resolve_config(
+        {
+            "tiers": [
+                {"kind": "cpu", "blocks": 2},
+                {
+                    "kind": "nvme",
+                    "path": str(tmp_path / "nvme"),
+                    "blocks": 16,
+                    "write_policy": "write-back",  # no copies beside the demotions
+                },
+            ],
+        },
+        block_size=4,
+        namespace="verify-moving",
+    )
+    shared = acquire_store(config, 64)
+    gate = threading.Event()
+    c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=64)
+    try:
+        cache = shared.cache
+        a, b = cache.hash_tokens(list(range(8))), cache.hash_tokens(list(range(100, 108)))
+        new = cache.hash_tokens(list(range(200, 208)))
+        rows = {k: torch.full((1, 64), i, dtype=torch.uint8) for i, k in enumerate(a + b + new)}
+        cat = lambda ks: torch.cat([rows[k] for k in ks])  # noqa: E731
+        cache.put(a, cat(a))
+        cache.put(b, cat(b))  # a is demoted to NVMe; b is in the CPU tier
+        m = cache.manager
+        assert [m.where(k) for k in a + b] == [[1], [1], [0], [0]]
+        # The verify thread is busy with another request's read: this one waits its turn.
+        pool = c._verify_pools[1] = ThreadPoolExecutor(1)
+        pool.submit(gate.wait, 10)
+        assert c._lookup_local(a + b, "r") is None
+        with shared.lock:  # another store begins: b is moving into NVMe
+            plan = m.prepare_store(new)
+        assert plan is not None and {k for mv in plan.moves for k in mv.keys} == set(b)
+        gate.set()
+        for _ in range(40):  # the read ends at b[0]: asked again, never a hit cut there
+            assert c._lookup_local(a + b, "r") is None
+            if c._stats.get("verify_moving"):
+                break
+        assert c._stats.get("verify_moving") == 1
+        with shared.lock:  # the move lands
+            cache._run_plan(plan, cat(new), new)
+        while (n := c._lookup_local(a + b, "r")) is None:
+            pass
+        assert n == 4
+        assert torch.equal(cache.get(a + b), cat(a + b))
+    finally:
+        gate.set()
+        for p in c._verify_pools.values():
+            p.shutdown(wait=True)
+        release_store(shared)

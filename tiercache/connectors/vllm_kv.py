@@ -770,14 +770,14 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return self._verified(req_id, pending)
         manager = self._shared.cache.manager
         with self._shared.lock:
-            n = manager.lookup(keys)
+            n, moving = manager.lookup_ready(keys)
             settle = self._shared.state.get(_SETTLE)
-            if (n is None or n < len(keys)) and settle is not None and settle(keys[n or 0]):
+            if n < len(keys) and settle is not None and settle(keys[n]):
                 # The chain continued with a block the worker was still storing or
                 # demoting; it has now finished: look again. Not counted: the first look
                 # counted each block once already (as the tiers held it when asked).
-                n = manager.lookup(keys, count=False)
-            if n is None:
+                n, moving = manager.lookup_ready(keys, count=False)
+            if moving:
                 return None
             n = self._affordable(keys, n)
             persistent = [t.persistent for t in self._shared.cache.tiers]
@@ -823,6 +823,16 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             )
             return pending.first_disk
         del self._verifying[req_id]
+        if n < len(pending.keys):
+            with self._shared.lock:
+                moving = self._shared.cache.manager.is_pending(pending.keys[n])
+            if moving:
+                # The read stopped at a block that a store or a move, started since the
+                # lookup (a demotion made room for another request's promotion), is still
+                # writing: vLLM asks again, and the next lookup waits for it (`_settle`).
+                # Bounded: a store or move in a hung tier is given up at `store_timeout`.
+                self._count("verify_moving")
+                return None
         return n
 
     def _verify(self, keys: list[bytes], first_disk: int, tier: int) -> int:
@@ -1321,7 +1331,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             asynchronous = remote or job.asynchronous  # reported by get_finished
             if remote:  # planned here, loaded asynchronously
                 with self._shared.lock:
-                    n = manager.lookup(job.keys) or 0
+                    n = manager.lookup_ready(job.keys)[0]
                     spec = manager.prepare_load(job.keys[:n]) if n else None
             n = len(spec.keys) if spec is not None else 0
             if n < len(job.keys):  # gone since the scheduler looked: vLLM recomputes them
