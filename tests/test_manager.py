@@ -435,3 +435,17 @@ def test_plan_writeback_copies_volatile_only_blocks_into_free_slots() -> None:
     assert m.where(K(4)) == [0, 1] and m.tiers[1].free_blocks == 0
     assert m.plan_writeback() == []  # no room left
     assert make(4).plan_writeback() == []  # no persistent tier
+
+
+def test_a_move_given_up_reads_as_a_miss_and_still_completes() -> None:
+    m = make(2, 4)
+    store(m, chain(0, 2))
+    out = m.prepare_store(chain(2, 4))
+    (mv,) = out.moves
+    m.complete_store(out.keys_to_store)
+    assert m.lookup(chain(0, 2)) is None and m.is_moving(K(0))
+    m.unmove(mv.keys)  # its destination hung past the deadline
+    assert m.lookup(chain(0, 2)) == 0 and not m.is_moving(K(0)) and m.is_pending(K(0))
+    m.complete_store(mv.keys)  # it lands after all
+    assert m.lookup(chain(0, 2)) == 2 and m.where(K(0)) == [1]
+    assert m.lookup(chain(2, 4)) == 2

@@ -207,6 +207,16 @@ class OffloadingManager:
         so it will be readable once that completes (vLLM's HIT_PENDING), unless it fails."""
         return key not in self._ready and (key in self._present or key in self._moving)
 
+    def is_moving(self, key: bytes) -> bool:
+        """Whether `key` is being moved between tiers (lookups reaching it answer "ask again")."""
+        return key in self._moving
+
+    def unmove(self, keys: Iterable[bytes]) -> None:
+        """Moves past their deadline (a hung destination tier): their keys read as misses
+        from now on, not as "ask again", so no request waits on them. The move still
+        completes as usual: the keys are then ready where it wrote them, or gone."""
+        self._moving.difference_update(keys)
+
     def holds(self, key: bytes) -> bool:
         """Whether some tier holds `key`, ready or with its store (or a move) in flight."""
         return key in self._present or key in self._moving

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 import threading
 import time
@@ -415,4 +416,63 @@ def test_a_verifying_read_that_meets_a_moving_block_asks_again(tmp_path) -> None
         gate.set()
         for p in c._verify_pools.values():
             p.shutdown(wait=True)
+        release_store(shared)
+
+
+def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> None:
+    """A demotion into a hung tier never ends. While it is within its deadline, a lookup
+    reaching one of its blocks answers None (vLLM asks again); once the worker gives it up
+    at `store_timeout`, those blocks read as misses: after the tier's back-off, the chain
+    hits up to them instead of asking again for ever."""
+    from tiercache.connectors.vllm_kv import _Flight
+
+    config = resolve_config(
+        {
+            "tiers": [
+                {"kind": "cpu", "blocks": 2},
+                {
+                    "kind": "nvme",
+                    "path": str(tmp_path / "nvme"),
+                    "blocks": 16,
+                    "write_policy": "write-back",
+                },
+            ],
+            "deadlines": {"store_timeout": 0.2, "backoff": 0.2, "backoff_max": 0.2},
+        },
+        block_size=4,
+        namespace="hung-move",
+    )
+    shared = acquire_store(config, 64)
+    c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=64)
+    # The worker role, minus the transfer threads: a move that never finishes.
+    c._worker = SimpleNamespace(wait=lambda jobs, timeout=None: list(jobs), get_finished=list)
+    shared.state[_SETTLE] = c._settle
+    try:
+        cache = shared.cache
+        a, b = cache.hash_tokens(list(range(8))), cache.hash_tokens(list(range(100, 108)))
+        new = cache.hash_tokens(list(range(200, 208)))
+        cache.put(a, torch.ones((2, 64), dtype=torch.uint8))
+        cache.put(b, torch.ones((2, 64), dtype=torch.uint8))  # a in NVMe, b in the CPU tier
+        m = cache.manager
+        with shared.lock:
+            plan = m.prepare_store(new)  # b moves into NVMe ...
+        assert plan is not None
+        (move,) = plan.moves
+        c._flights[0] = _Flight("move", move.keys, 1, plan=0, due=time.monotonic() + 0.2)
+        assert c._lookup_local(a + b, "r") is None  # ... and is in flight: ask again
+        time.sleep(0.25)
+        c.get_finished(set())  # ... and never lands: given up at its deadline
+        assert c._flights[0].due == math.inf and not m.is_moving(b[0])
+        assert m.suspended()[1] > 0
+        time.sleep(0.3)  # the back-off ends
+        answers = [c._lookup_local(a + b, "r") for _ in range(40)]
+        assert 2 in answers, answers  # a hits; b is a miss, not "ask again" for ever
+        t0 = time.monotonic()
+        c._lookup_local(a + b, "r2")
+        assert time.monotonic() - t0 < 0.2  # the lookup does not wait for the hung move
+    finally:
+        for p in c._verify_pools.values():
+            p.shutdown(wait=True)
+        shared.state.pop(_SETTLE, None)
+        c._worker = None
         release_store(shared)

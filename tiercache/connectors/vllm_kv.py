@@ -97,6 +97,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -303,7 +304,7 @@ class _Flight:
     plan: int = -1  # store plan id (stores and moves)
     block_ids: tuple[int, ...] = ()  # engine blocks (loads)
     req_id: str = ""  # the request of an asynchronous load
-    due: float = 0.0  # time.monotonic() by which it must have finished (not for moves)
+    due: float = 0.0  # time.monotonic() by which it must have finished; inf: a move given up
     # Past its deadline and given up: a load's blocks were reported as errors; a store or a
     # move no longer holds its request (its plan counted it done).
     abandoned: bool = False
@@ -825,12 +826,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         del self._verifying[req_id]
         if n < len(pending.keys):
             with self._shared.lock:
-                moving = self._shared.cache.manager.is_pending(pending.keys[n])
+                moving = self._shared.cache.manager.is_moving(pending.keys[n])
             if moving:
-                # The read stopped at a block that a store or a move, started since the
-                # lookup (a demotion made room for another request's promotion), is still
-                # writing: vLLM asks again, and the next lookup waits for it (`_settle`).
-                # Bounded: a store or move in a hung tier is given up at `store_timeout`.
+                # The read stopped at a block that a move started since the lookup (a
+                # demotion making room for another request's blocks) is still writing: vLLM
+                # asks again, and the next lookup waits for it (`_settle`). Bounded: a move
+                # into a hung tier is given up at `store_timeout` (`manager.unmove`).
                 self._count("verify_moving")
                 return None
         return n
@@ -1296,10 +1297,10 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None or self._shared is None:
             return False
         with self._shared.lock:
-            writing = [
+            writing = [  # not moves given up at their deadline: they may never end
                 j
                 for j, f in self._flights.items()
-                if f.kind != "load" and not f.abandoned and key in f.keys
+                if f.kind != "load" and not f.abandoned and f.due != math.inf and key in f.keys
             ]
             if writing:  # bounded: a store into a hung tier must not stall scheduling
                 self._worker.wait(writing, SETTLE_WAIT_S)
@@ -1446,7 +1447,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self._count("store_deadline_blocks", len(f.keys))
                 self._plan_job_done(f.plan)
             else:
-                f.due = float("inf")  # suspend once per move
+                f.due = math.inf  # suspend once per move
+                with self._shared.lock:  # lookups reaching its keys no longer wait for it
+                    self._shared.cache.manager.unmove(f.keys)
             seconds = self._suspend(f.tier)
             log.warning(
                 "tiercache: a %s of %d blocks into tier %d missed its deadline; %s, and the "
