@@ -424,7 +424,7 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
     reaching one of its blocks answers None (vLLM asks again); once the worker gives it up
     at `store_timeout`, those blocks read as misses: after the tier's back-off, the chain
     hits up to them instead of asking again for ever."""
-    from tiercache.connectors.vllm_kv import _Flight
+    from tiercache.connectors.vllm_kv import MOVE_WAIT_S, _Flight
 
     config = resolve_config(
         {
@@ -445,7 +445,10 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
     shared = acquire_store(config, 64)
     c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=64)
     # The worker role, minus the transfer threads: a move that never finishes.
-    c._worker = SimpleNamespace(wait=lambda jobs, timeout=None: list(jobs), get_finished=list)
+    waits: list[float | None] = []
+    c._worker = SimpleNamespace(
+        wait=lambda jobs, timeout=None: waits.append(timeout) or list(jobs), get_finished=list
+    )
     shared.state[_SETTLE] = c._settle
     try:
         cache = shared.cache
@@ -460,6 +463,7 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
         (move,) = plan.moves
         c._flights[0] = _Flight("move", move.keys, 1, plan=0, due=time.monotonic() + 0.2)
         assert c._lookup_local(a + b, "r") is None  # ... and is in flight: ask again
+        assert waits == [MOVE_WAIT_S]  # the scheduler waited for it only briefly
         time.sleep(0.25)
         c.get_finished(set())  # ... and never lands: given up at its deadline
         assert c._flights[0].due == math.inf and not m.is_moving(b[0])

@@ -168,6 +168,7 @@ BAD_KEYS_MAX = 1 << 16  # damaged keys the scheduler remembers (see _probe_ranks
 PROBE_WAIT_S = 0.02  # how long a lookup waits for the shared tiers' probes (see _lookup_remote)
 _SETTLE = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
 SETTLE_WAIT_S = 0.5  # how long a local lookup waits for a store of the key it reached
+MOVE_WAIT_S = 0.05  # ... and for a move: while one runs the lookup answers None (asks again)
 VERIFY_WAIT_S = 0.05  # how long a local lookup waits for its verifying read (see _lookup_local)
 
 # A cache event: (keys, medium, removed); in worker metadata, first the worker's TP rank.
@@ -1303,7 +1304,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 if f.kind != "load" and not f.abandoned and f.due != math.inf and key in f.keys
             ]
             if writing:  # bounded: a store into a hung tier must not stall scheduling
-                self._worker.wait(writing, SETTLE_WAIT_S)
+                moving = self._shared.cache.manager.is_moving(key)
+                self._worker.wait(writing, MOVE_WAIT_S if moving else SETTLE_WAIT_S)
             return self._drain()
 
     def _submit(self, flight: _Flight, spec: Any) -> int:
