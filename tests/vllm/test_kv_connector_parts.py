@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -359,40 +360,38 @@ def test_a_hung_verifying_read_never_stalls_scheduling(tmp_path) -> None:
         release_store(shared)
 
 
+def _cpu_then_nvme(tmp_path, namespace: str, **extra: Any) -> tuple[Any, Any, Any]:
+    """A shared store of a 2-block CPU tier over NVMe (write-back: no copies beside the
+    demotions), a connector on it, and three 2-block chains: `a` demoted into NVMe and `b`
+    in the CPU tier (put in that order), `new` not stored. Returns (shared, connector,
+    (a, b, new, rows)), `rows` mapping each key to its 64-byte block."""
+    nvme = {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 16}
+    tiers = [{"kind": "cpu", "blocks": 2}, {**nvme, "write_policy": "write-back"}]
+    config = resolve_config({"tiers": tiers, **extra}, block_size=4, namespace=namespace)
+    shared = acquire_store(config, 64)
+    c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=64)
+    cache = shared.cache
+    a, b = cache.hash_tokens(list(range(8))), cache.hash_tokens(list(range(100, 108)))
+    new = cache.hash_tokens(list(range(200, 208)))
+    rows = {k: torch.full((1, 64), i, dtype=torch.uint8) for i, k in enumerate(a + b + new)}
+    cache.put(a, torch.cat([rows[k] for k in a]))
+    cache.put(b, torch.cat([rows[k] for k in b]))
+    m = cache.manager
+    assert [m.where(k) for k in a + b] == [[1], [1], [0], [0]]
+    return shared, c, (a, b, new, rows)
+
+
 def test_a_verifying_read_that_meets_a_moving_block_asks_again(tmp_path) -> None:
     """A verifying read runs after the lookup that started it. Meanwhile another request's
     promotion can start demoting blocks of this chain (the worker moves them asynchronously).
     The read then stops at the moving block; the lookup answers None (vLLM asks again) rather
     than a hit cut short there, and once the move lands the whole chain hits. CI saw the cut:
     a prompt hit 64 of 192 tokens after a prefix-cache reset."""
-    config = resolve_config(
-        {
-            "tiers": [
-                {"kind": "cpu", "blocks": 2},
-                {
-                    "kind": "nvme",
-                    "path": str(tmp_path / "nvme"),
-                    "blocks": 16,
-                    "write_policy": "write-back",  # no copies beside the demotions
-                },
-            ],
-        },
-        block_size=4,
-        namespace="verify-moving",
-    )
-    shared = acquire_store(config, 64)
+    shared, c, (a, b, new, rows) = _cpu_then_nvme(tmp_path, "verify-moving")
     gate = threading.Event()
-    c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=64)
     try:
-        cache = shared.cache
-        a, b = cache.hash_tokens(list(range(8))), cache.hash_tokens(list(range(100, 108)))
-        new = cache.hash_tokens(list(range(200, 208)))
-        rows = {k: torch.full((1, 64), i, dtype=torch.uint8) for i, k in enumerate(a + b + new)}
+        cache, m = shared.cache, shared.cache.manager
         cat = lambda ks: torch.cat([rows[k] for k in ks])  # noqa: E731
-        cache.put(a, cat(a))
-        cache.put(b, cat(b))  # a is demoted to NVMe; b is in the CPU tier
-        m = cache.manager
-        assert [m.where(k) for k in a + b] == [[1], [1], [0], [0]]
         # The verify thread is busy with another request's read: this one waits its turn.
         pool = c._verify_pools[1] = ThreadPoolExecutor(1)
         pool.submit(gate.wait, 10)
@@ -426,24 +425,8 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
     hits up to them instead of asking again for ever."""
     from tiercache.connectors.vllm_kv import MOVE_WAIT_S, _Flight
 
-    config = resolve_config(
-        {
-            "tiers": [
-                {"kind": "cpu", "blocks": 2},
-                {
-                    "kind": "nvme",
-                    "path": str(tmp_path / "nvme"),
-                    "blocks": 16,
-                    "write_policy": "write-back",
-                },
-            ],
-            "deadlines": {"store_timeout": 0.2, "backoff": 0.2, "backoff_max": 0.2},
-        },
-        block_size=4,
-        namespace="hung-move",
-    )
-    shared = acquire_store(config, 64)
-    c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=64)
+    deadlines = {"store_timeout": 0.2, "backoff": 0.2, "backoff_max": 0.2}
+    shared, c, (a, b, new, _) = _cpu_then_nvme(tmp_path, "hung-move", deadlines=deadlines)
     # The worker role, minus the transfer threads: a move that never finishes.
     waits: list[float | None] = []
     c._worker = SimpleNamespace(
@@ -451,12 +434,7 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
     )
     shared.state[_SETTLE] = c._settle
     try:
-        cache = shared.cache
-        a, b = cache.hash_tokens(list(range(8))), cache.hash_tokens(list(range(100, 108)))
-        new = cache.hash_tokens(list(range(200, 208)))
-        cache.put(a, torch.ones((2, 64), dtype=torch.uint8))
-        cache.put(b, torch.ones((2, 64), dtype=torch.uint8))  # a in NVMe, b in the CPU tier
-        m = cache.manager
+        m = shared.cache.manager
         with shared.lock:
             plan = m.prepare_store(new)  # b moves into NVMe ...
         assert plan is not None
