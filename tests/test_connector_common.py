@@ -11,7 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from tiercache.cli import main
 from tiercache.connectors import common
 from tiercache.connectors.common import (
     acquire_store,
@@ -24,6 +26,7 @@ from tiercache.connectors.common import (
     kv_settings_digest,
     namespace_from_vllm,
     per_rank_config,
+    per_rank_telemetry,
     prepare_rank_dirs,
     read_user_config,
     release_store,
@@ -34,6 +37,7 @@ from tiercache.connectors.common import (
 )
 from tiercache.errors import ConfigError
 from tiercache.hashing import prefix_hashes
+from tiercache.telemetry import read_stats
 
 
 class _HFConfig:
@@ -270,6 +274,81 @@ def test_prepare_rank_dirs_creates_the_users_directory(tmp_path: Path) -> None:
         assert (tmp_path / "db" / "tp1of2").is_dir()
     finally:
         release_store(shared)
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free just now."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two adjacent free ports")
+
+
+def test_per_rank_telemetry_gives_each_rank_its_own_files_and_port() -> None:
+    tel = {"dir": "/t/tel", "prometheus": "127.0.0.1:9464"}
+    user = {"tiers": [], "telemetry": tel}
+    assert per_rank_telemetry(user, tp_rank=0, tp_size=1) == user  # one rank: unchanged
+    got = [
+        per_rank_telemetry(user, tp_rank=t, tp_size=2, dp_rank=d, dp_size=dp)["telemetry"]
+        for dp in (1, 2)
+        for d in range(dp)
+        for t in range(2)
+    ]
+    assert [(g["dir"], g["prometheus"]) for g in got] == [
+        ("/t/tel/tp0of2", "127.0.0.1:9464"),
+        ("/t/tel/tp1of2", "127.0.0.1:9465"),
+        ("/t/tel/tp0of2-dp0of2", "127.0.0.1:9464"),
+        ("/t/tel/tp1of2-dp0of2", "127.0.0.1:9465"),
+        ("/t/tel/tp0of2-dp1of2", "127.0.0.1:9466"),
+        ("/t/tel/tp1of2-dp1of2", "127.0.0.1:9467"),
+    ]
+    dp = per_rank_telemetry(user, tp_rank=0, tp_size=1, dp_rank=1, dp_size=2)["telemetry"]
+    assert dp == {"dir": "/t/tel/dp1of2", "prometheus": "127.0.0.1:9465"}
+    any_port = {"tiers": [], "telemetry": {"dir": "/t/tel", "prometheus": ":0"}}
+    one = per_rank_telemetry(any_port, tp_rank=1, tp_size=2)["telemetry"]
+    assert one["prometheus"] == ":0"
+    assert user["telemetry"] == tel  # the user's mapping is not changed
+
+
+def test_tp_ranks_with_telemetry_open_side_by_side(tmp_path: Path) -> None:
+    """Two TP ranks with one `[telemetry]` table (Prometheus on): before, the second rank's
+    cache failed to open (the port was taken) and both wrote one stats.json."""
+    port = _free_port_pair()
+    user = {
+        "tiers": [{"kind": "cpu", "blocks": 8}],
+        "telemetry": {"dir": str(tmp_path / "tel"), "prometheus": f"127.0.0.1:{port}"},
+    }
+    shared = []
+    try:
+        for r in range(2):
+            rank = resolve_rank_config(
+                user, block_size=4, key_namespace="k", store_namespace=f"s{r}", tp_rank=r, tp_size=2
+            )
+            prepare_rank_dirs(rank)
+            shared.append(acquire_store(rank.config, 64))
+        served = [s.cache._telemetry.prometheus_port for s in shared]
+        assert served == [port, port + 1]
+        shared[1].cache.put(shared[1].cache.hash_tokens(list(range(4))), torch.ones((1, 64)).byte())
+    finally:
+        for s in shared:
+            release_store(s)
+    stats = [read_stats(tmp_path / "tel" / f"tp{r}of2") for r in range(2)]
+    assert [s["namespace"] for s in stats] == ["s0", "s1"]
+    assert [s["tiers"]["cpu"]["stored"] for s in stats] == [0, 1]
+    # The CLI reads one rank's directory, and names the ranks when given their parent.
+    r = CliRunner().invoke(main, ["stats", str(tmp_path / "tel" / "tp1of2"), "--json"])
+    assert r.exit_code == 0 and '"s1"' in r.output, r.output
+    r = CliRunner().invoke(main, ["stats", str(tmp_path / "tel")])
+    assert r.exit_code != 0 and "per-rank telemetry in: tp0of2, tp1of2" in r.output, r.output
 
 
 # -- extra keys --------------------------------------------------------------------------------

@@ -121,9 +121,14 @@ def resolve(target: str | os.PathLike[str]) -> Target:
             return Target(str(p), None, (StoreRef("lmdb", "lmdb", str(p.absolute())),))
         if (p / "stats.json").is_file() or (p / "events.jsonl").is_file():
             return Target(str(p), None, (), str(p.absolute()))
+        try:
+            ranks = sorted(c.name for c in p.iterdir() if (c / "stats.json").is_file())
+        except OSError:
+            ranks = []
+        hint = f"; per-rank telemetry in: {', '.join(ranks)}" if ranks else ""
         raise ValueError(
             f"{p} is not a tiercache store or telemetry directory "
-            "(no meta.json, data.mdb or stats.json)"
+            f"(no meta.json, data.mdb or stats.json){hint}"
         )
     if not p.exists():
         raise ValueError(f"{p}: no such file or directory")

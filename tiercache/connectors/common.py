@@ -19,6 +19,8 @@ Primitives:
   path (`instance = dp_rank`: rank 0 the path itself, rank r ``path/instance{r}``), so a
   restarted rank finds its blocks again. `resolve_rank_config(..., dp_rank=, dp_size=)`
   applies it under the TP resolution (NVMe paths ``path/tp{t}of{n}/instance{r}``).
+- `per_rank_telemetry(user, *, tp_rank, tp_size, dp_rank, dp_size) -> dict`: each rank's
+  own telemetry directory (``dir/tp{t}of{n}``) and Prometheus port (+ its rank index).
 - `acquire_store(config, block_bytes) -> SharedStore` / `release_store(store)` / `find_store`:
   one `TierCache`
   per process and configuration, shared by reference count. vLLM builds a scheduler-role and a
@@ -341,6 +343,35 @@ def per_dp_rank_config(user: Mapping[str, Any], *, dp_rank: int, dp_size: int) -
     return m
 
 
+def per_rank_telemetry(
+    user: Mapping[str, Any], *, tp_rank: int, tp_size: int, dp_rank: int = 0, dp_size: int = 1
+) -> dict[str, Any]:
+    """The user's config mapping with the `[telemetry]` of one rank: every rank is a process
+    of its own with a cache of its own, so each writes its own `stats.json` and events, in
+    `dir/tp{t}of{n}` (`dp{r}of{m}`, `tp{t}of{n}-dp{r}of{m}`), and serves Prometheus on the
+    configured port + dp_rank * tp_size + tp_rank (they would otherwise overwrite each
+    other's files, and every rank after the first would fail to open on the taken port). A
+    port of 0 (any free one) stays 0. One rank (TP and DP 1): unchanged."""
+    m = dict(user)
+    tel = m.get("telemetry")
+    if (tp_size == 1 and dp_size == 1) or not isinstance(tel, Mapping):
+        return m  # (a malformed table: resolve_config reports the problem)
+    parts = [rank_suffix(tp_rank, tp_size)] if tp_size > 1 else []
+    if dp_size > 1:
+        parts.append(f"dp{dp_rank}of{dp_size}")
+    tel = dict(tel)
+    d = tel.get("dir")
+    if isinstance(d, str | Path) and str(d):
+        tel["dir"] = str(Path(d).expanduser() / "-".join(parts))
+    prom = tel.get("prometheus")
+    if isinstance(prom, str):
+        host, colon, port = prom.rpartition(":")
+        if colon and port.isdigit() and int(port):
+            tel["prometheus"] = f"{host}:{int(port) + dp_rank * tp_size + tp_rank}"
+    m["telemetry"] = tel
+    return m
+
+
 @dataclass(frozen=True)
 class RankConfig:
     """One TP rank's view: `config` is its own store (namespace with its rank, per-rank
@@ -370,8 +401,12 @@ def resolve_rank_config(
     with the TP rank) names the rank's store, `key_namespace` (derived with TP rank 0) the
     keys; a namespace the user gives prefixes both. With `tp_size` 1 both namespaces are
     equal and the paths unchanged; with `dp_size` > 1 each NVMe tier opens instance `dp_rank`
-    of its (per-TP-rank) path (`per_dp_rank_config`)."""
+    of its (per-TP-rank) path (`per_dp_rank_config`). With several ranks, each has its own
+    telemetry (`per_rank_telemetry`)."""
     mapping = per_rank_config(user, tp_rank=tp_rank, tp_size=tp_size)
+    mapping = per_rank_telemetry(
+        mapping, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size
+    )
     config = resolve_config(
         per_dp_rank_config(mapping, dp_rank=dp_rank, dp_size=dp_size),
         block_size=block_size,
@@ -382,24 +417,28 @@ def resolve_rank_config(
 
 
 def prepare_rank_dirs(rank: RankConfig) -> None:
-    """With TP > 1, create (0700) the directory each tier's per-rank path lives in (the path
-    the user gave), as a tier creates its own path when TP is 1: only when that directory's
-    parent exists (otherwise the tier reports the missing directory)."""
-    if rank.tp_size == 1:
-        return
-    suffix = rank_suffix(rank.tp_rank, rank.tp_size)
-    for t in rank.config.tiers:
-        path = t.options.get("path")
-        if not isinstance(path, str) or Path(path).name != suffix:
-            continue
-        parent = Path(path).parent
+    """With several ranks, create (0700) the directory each per-rank path lives in (the
+    path the user gave: tier paths with TP > 1, the telemetry directory with TP or DP > 1),
+    as a tier or the telemetry creates its own path with one rank: only when that
+    directory's parent exists (otherwise the tier or telemetry reports the missing one)."""
+    parents = []
+    if rank.tp_size > 1:
+        suffix = rank_suffix(rank.tp_rank, rank.tp_size)
+        for t in rank.config.tiers:
+            path = t.options.get("path")
+            if isinstance(path, str) and Path(path).name == suffix:
+                parents.append(Path(path).parent)
+    tel = rank.config.telemetry
+    if tel is not None and (rank.tp_size > 1 or rank.dp_size > 1):
+        parents.append(Path(tel.dir).parent)
+    for parent in parents:
         if not parent.exists() and parent.parent.is_dir():
             try:
                 parent.mkdir(mode=0o700)
             except FileExistsError:  # another rank made it meanwhile
                 pass
             except OSError as exc:
-                log.warning("cannot create %s for the per-rank tier paths: %s", parent, exc)
+                log.warning("cannot create %s for the per-rank paths: %s", parent, exc)
 
 
 def extra_keys_for(
