@@ -13,6 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from tests.ports import free_port
 from tiercache.cli import main
 from tiercache.connectors import common
 from tiercache.connectors.common import (
@@ -276,23 +277,6 @@ def test_prepare_rank_dirs_creates_the_users_directory(tmp_path: Path) -> None:
         release_store(shared)
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free just now."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no two adjacent free ports")
-
-
 def test_per_rank_telemetry_gives_each_rank_its_own_files_and_port() -> None:
     tel = {"dir": "/t/tel", "prometheus": "127.0.0.1:9464"}
     user = {"tiers": [], "telemetry": tel}
@@ -322,7 +306,7 @@ def test_per_rank_telemetry_gives_each_rank_its_own_files_and_port() -> None:
 def test_tp_ranks_with_telemetry_open_side_by_side(tmp_path: Path) -> None:
     """Two TP ranks with one `[telemetry]` table (Prometheus on): before, the second rank's
     cache failed to open (the port was taken) and both wrote one stats.json."""
-    port = _free_port_pair()
+    port = free_port(also=1)
     user = {
         "tiers": [{"kind": "cpu", "blocks": 8}],
         "telemetry": {"dir": str(tmp_path / "tel"), "prometheus": f"127.0.0.1:{port}"},

@@ -23,6 +23,7 @@ import redis
 import torch
 
 from tests.persistent_conformance import PersistentTierConformance
+from tests.ports import free_port
 from tests.tier_conformance import keys_for, rand_blocks, tier_state_machine
 from tiercache import TierCache
 from tiercache.config import CacheConfig
@@ -41,23 +42,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def free_port(cluster_bus: bool = False) -> int:
-    """A free loopback port; with `cluster_bus`, one whose +10000 bus port is free too."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not cluster_bus:
-            return port
-        if port + 10000 <= 65535:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 10000))
-                except OSError:
-                    continue
-            return port
-
-
 class RedisServer:
     """A redis-server child process on a loopback port, in its own directory."""
 
@@ -65,7 +49,7 @@ class RedisServer:
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.args = args
-        self.port = port or free_port(cluster_bus="--cluster-enabled" in args)
+        self.port = port or free_port(also=10000 if "--cluster-enabled" in args else 0)
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 

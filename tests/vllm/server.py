@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,12 +28,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.ports import free_port
 
-def free_port() -> int:
-    """A port nothing listens on at 127.0.0.1 (another process may take it before us)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["Server", "free_port", "get"]
 
 
 def get(url: str, timeout: float = 10) -> str:

@@ -30,6 +30,9 @@ from typing import Any
 
 import pytest
 
+from tests.ports import free_port
+from tiercache.telemetry import read_stats
+
 pytest.importorskip("vllm")
 
 N_PROMPTS = 8
@@ -305,9 +308,15 @@ def tp_runs(
     1's persistent store corrupted: rank 1's loads fail, vLLM recomputes those blocks)."""
     root = tmp_path_factory.mktemp("tiercache-tp-store")
     kv = _kv_config(root, policy="recompute")
+    # A with telemetry and Prometheus on: each rank its own directory and port.
+    kv_a = _kv_config(root, policy="recompute")
+    kv_a["kv_connector_extra_config"]["config"]["telemetry"] = {
+        "dir": str(root / "telemetry"),
+        "prometheus": f"127.0.0.1:{free_port(also=1)}",
+    }
     one = {"prompts": tp_prompts, "max_tokens": TP_TOKENS}
     a = engine.run_in_subprocess(
-        _spec(tiny_llama, kv, [{**one, "reset_prefix_cache": True}, one], tensor_parallel_size=TP)
+        _spec(tiny_llama, kv_a, [{**one, "reset_prefix_cache": True}, one], tensor_parallel_size=TP)
     )
     b = engine.run_in_subprocess(_spec(tiny_llama, kv, [one], tensor_parallel_size=TP))
     for tier, payload in (("nvme", True), ("lmdb", False)):
@@ -336,6 +345,11 @@ def test_tp2_matches_tp2_without_connector_and_restart_hits(
         assert sorted(p.name for p in (root / tier).iterdir()) == ["tp0of2", "tp1of2"]
         for rank in range(TP):
             assert any(p.is_file() for p in (root / tier / f"tp{rank}of{TP}").rglob("*"))
+    # Each rank wrote its own telemetry (before, rank 1 could not open its cache: the
+    # Prometheus port was taken).
+    stats = [read_stats(root / "telemetry" / f"tp{r}of{TP}") for r in range(TP)]
+    assert len({s["namespace"] for s in stats}) == TP
+    assert all(s["tiers"]["cpu"]["stored"] > 0 for s in stats), stats
     # B: a fresh process hits both ranks' persistent tiers (announced in the handshakes).
     assert b["batches"][0]["outputs"] == tp_baseline
     assert b["batches"][0]["num_cached_tokens"] == [full] * TP_PROMPTS
