@@ -56,7 +56,7 @@ from typing import Any
 from xxhash import xxh3_128_hexdigest
 
 from tiercache.cache import TierCache, register_exit_hook
-from tiercache.config import CacheConfig
+from tiercache.config import CacheConfig, split_addr
 from tiercache.errors import ConfigError
 from tiercache.hashing import make_namespace
 from tiercache.tiers import tier_class
@@ -364,10 +364,14 @@ def per_rank_telemetry(
     if isinstance(d, str | Path) and str(d):
         tel["dir"] = str(Path(d).expanduser() / "-".join(parts))
     prom = tel.get("prometheus")
-    if isinstance(prom, str):
-        host, colon, port = prom.rpartition(":")
-        if colon and port.isdigit() and int(port):
-            tel["prometheus"] = f"{host}:{int(port) + dp_rank * tp_size + tp_rank}"
+    if prom is not None:
+        try:
+            host, port = split_addr(prom, "telemetry.prometheus")
+        except ConfigError:
+            pass  # resolve_config reports it
+        else:
+            if port:
+                tel["prometheus"] = f"{host}:{port + dp_rank * tp_size + tp_rank}"
     m["telemetry"] = tel
     return m
 
