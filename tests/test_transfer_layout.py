@@ -129,3 +129,27 @@ def test_copy_rows_matches_model(n: int, row: int, data, loop_min: int) -> None:
     finally:
         kv_layout.LOOP_MIN_BYTES = old
     assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize(
+    "dst_idx",
+    [list(range(40, 104)), [*range(0, 20), *range(50, 63), 90, *range(100, 130)], [7]],
+)
+def test_a_split_copy_writes_the_same_rows_as_one_thread(dst_idx: list[int]) -> None:
+    """Large loads are halved between the caller and a helper thread (`split=True`); every
+    row lands where the unsplit copy puts it, the cut falling inside a run or between runs."""
+    from tiercache.transfer.kv_layout import SPLIT_MIN_BYTES, _halves
+
+    row = SPLIT_MIN_BYTES // 32  # 64 rows of these: well past the split threshold
+    src = torch.randint(0, 255, (80, 2, row // 2), dtype=torch.uint8)
+    src_idx = list(range(3, 3 + len(dst_idx)))
+    want = torch.zeros((140, 2, row // 2), dtype=torch.uint8)
+    got = want.clone()
+    copy_rows(want, dst_idx, src, src_idx)
+    copy_rows(got, dst_idx, src, src_idx, split=True)
+    assert torch.equal(got, want)
+    runs = [(d, s, 1) for d, s in zip(dst_idx, src_idx, strict=True)]
+    first, second = _halves(runs)
+    assert sorted(first + second) == sorted(runs) and len(first) == len(runs) // 2
+    first, second = _halves([(0, 0, 9), (20, 9, 4)])
+    assert (first, second) == ([(0, 0, 6)], [(6, 6, 3), (20, 9, 4)])

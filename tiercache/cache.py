@@ -375,26 +375,127 @@ class TierCache:
                 self._manager.complete_load(chain)
             raise
         with self._lock:
-            self._manager.complete_load(chain)
-            for tier in down:
-                # A tier that cannot be reached (a stopped server: each read waits out its
-                # timeout) is skipped for its back-off: the next requests do not wait again.
-                self._manager.suspend(tier)
-            k = n
-            for tier, bad_keys in bad.items():
-                gone = self._tiers[tier].take_gone(bad_keys)  # evicted by the store: a miss
-                if len(bad_keys) > len(gone):
-                    self._manager.record_error(tier, len(bad_keys) - len(gone))
-                # If another load pins them, it fails on them too and drops them.
-                with contextlib.suppress(ValueError):
-                    self._manager.discard(bad_keys, tier)
-                k = min(k, min(chain.index(b) for b in bad_keys))
+            k = self._end_load(chain, bad, down)
             out = out[:k]
             if k:
                 self._manager.touch(chain[:k])
                 self._promote(chain[:k], out)
             self._tap_events()
             return out
+
+    def fetch(self, keys: Sequence[bytes], *, count: bool = True) -> int:
+        """Read the leading held blocks of `keys`, verify them and make them ready in the
+        first tier (promotion), without returning their bytes: how many leading blocks are
+        good. What `get` does for a caller that loads the blocks from the first tier later
+        (a connector checking a hit before reporting it).
+
+        Blocks held only in lower tiers are read straight into the first-tier slots reserved
+        for them when those are one run of host memory: no result buffer and one copy fewer
+        than `get`. A block that fails verification ends the hit there, is dropped from its
+        tier and counted as an error, and its reserved slot is freed; so does a block moving
+        between tiers (the blocks before it are fetched). Counting as in `get`.
+        """
+        keys = check_keys(keys)
+        with self._lock:
+            self._check_open()
+            asked, self._asked.chain = getattr(self._asked, "chain", None), None
+            counted = not count or (asked is not None and tuple(keys) == asked[: len(keys)])
+            n = self._manager.lookup_ready(keys, count=not counted)[0]
+            if n == 0:
+                return 0
+            chain = keys[:n]
+            spec = self._manager.prepare_load(chain)
+            plan = self._manager.prepare_promote(chain)
+            try:
+                if plan is not None:
+                    # Demotions of the first tier's victims run first: their slots are
+                    # reused for the promoted blocks read below.
+                    for move in plan.moves:
+                        self._move(move)
+            except BaseException:
+                self._fail_fetch(chain, plan)
+                raise
+        first = self._tiers[0]
+        to = dict(zip(plan.keys_to_store, plan.store_spec.slots, strict=True)) if plan else {}
+        bad: dict[int, list[bytes]] = {}
+        down: set[int] = set()
+        promoted: list[bytes] = []
+        write_errors = 0
+        try:
+            for g in spec.groups():
+                if g.tier == 0 and isinstance(first, PoolTier):
+                    continue  # ready in memory: no checksum to check, nothing to promote
+                gkeys = [chain[p] for p in g.positions]
+                dst = [to.get(k) for k in gkeys]
+                runs = _host_runs(first, dst) if None not in dst else None
+                if runs is not None and len(runs) == 1:  # straight into the reserved slots
+                    s0 = dst[0]
+                    rows = first.pool[s0 : s0 + len(dst)]  # type: ignore[attr-defined]
+                else:
+                    rows = torch.empty((len(gkeys), self._block_bytes), dtype=torch.uint8)
+                failed = self._read_group(
+                    self._tiers[g.tier], g.slots, range(len(gkeys)), gkeys, rows, down
+                )
+                if failed:
+                    bad[g.tier] = [gkeys[i] for i in failed]
+                no = set(failed)
+                good = [i for i in range(len(gkeys)) if i not in no and dst[i] is not None]
+                if good and (runs is None or len(runs) != 1):
+                    # Only rows that read back verified reach the first tier.
+                    idx = good if len(good) < len(gkeys) else slice(None)
+                    try:
+                        first.write([dst[i] for i in good], rows[idx], [gkeys[i] for i in good])
+                    except _IO_ERRORS as exc:
+                        log.warning("promotion of %d blocks failed: %s", len(good), exc)
+                        write_errors += 1
+                        continue
+                promoted += [gkeys[i] for i in good]
+        except BaseException:
+            with self._lock:
+                self._fail_fetch(chain, plan)
+            raise
+        with self._lock:
+            k = self._end_load(chain, bad, down)
+            if write_errors:
+                self._manager.record_error(0, write_errors)
+            if plan is not None:
+                self._manager.complete_store(promoted, success=True)
+                # What failed or was not read (an I/O error of the first tier's write
+                # included) goes back; complete_store skips the keys completed above.
+                self._manager.complete_store(plan.keys_to_store, success=False)
+            if k:
+                self._manager.touch(chain[:k])
+            self._tap_events()
+            return k
+
+    def _fail_fetch(self, chain: list[bytes], plan: PrepareStoreOutput | None) -> None:
+        """Undo a `fetch` that raised (lock held): its load unpinned, its promotion's slots
+        freed and its moves completed as failed (complete_store skips completed keys)."""
+        self._manager.complete_load(chain)
+        if plan is not None:
+            for move in plan.moves:
+                self._manager.complete_store(move.keys, success=False)
+            self._manager.complete_store(plan.keys_to_store, success=False)
+
+    def _end_load(self, chain: list[bytes], bad: dict[int, list[bytes]], down: set[int]) -> int:
+        """Complete a load of `chain` whose reads failed on `bad` (per tier) and on the
+        tiers in `down` (lock held): the bad blocks dropped and counted, unreachable tiers
+        suspended. Returns how many leading blocks of `chain` are good."""
+        self._manager.complete_load(chain)
+        for tier in down:
+            # A tier that cannot be reached (a stopped server: each read waits out its
+            # timeout) is skipped for its back-off: the next requests do not wait again.
+            self._manager.suspend(tier)
+        k = len(chain)
+        for tier, bad_keys in bad.items():
+            gone = self._tiers[tier].take_gone(bad_keys)  # evicted by the store: a miss
+            if len(bad_keys) > len(gone):
+                self._manager.record_error(tier, len(bad_keys) - len(gone))
+            # If another load pins them, it fails on them too and drops them.
+            with contextlib.suppress(ValueError):
+                self._manager.discard(bad_keys, tier)
+            k = min(k, min(chain.index(b) for b in bad_keys))
+        return k
 
     def take_events(self) -> list[OffloadingEvent]:
         """Stored/removed events per tier since the last call."""

@@ -336,6 +336,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         if batch.get("stop_pid"):
             os.kill(batch["stop_pid"], signal.SIGSTOP)
         t0, c0, s0 = time.perf_counter(), time.process_time(), spent[0]
+        th0 = thread_cpu()
         request_s: list[float] = []
         request_cpu_s: list[float] = []
         if batch.get("one_by_one"):
@@ -348,6 +349,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             outs = llm.generate(prompts, params, use_tqdm=False)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        th1 = thread_cpu()
         if batch.get("stop_pid"):
             os.kill(batch["stop_pid"], signal.SIGCONT)
         if batch.get("reset_prefix_cache"):
@@ -361,6 +363,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
                 "connector_s": spent[0] - s0,
                 "request_s": request_s,
                 "request_cpu_s": request_cpu_s,
+                "thread_cpu_s": {k: v - th0.get(k, 0.0) for k, v in th1.items()},
             }
         )
         if batch.get("touch"):
@@ -388,6 +391,28 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         "stores": stores,
         "events": events,
     }
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds used so far by this process's threads, summed by name: Python threads by
+    their name up to its first digit (``tiercache-write-through``, ``Thread-``), the others
+    (the engine's OpenMP threads, the main thread) as ``other`` and ``main``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    main = threading.main_thread().native_id
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        n = int(tid)
+        name = "main" if n == main else names.get(n, "other")
+        name = name.rstrip("0123456789 ()") or name
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _reset_prefix_cache(llm: Any, tokens_prompt: Any, deadline_s: float = 120) -> None:

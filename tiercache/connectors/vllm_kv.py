@@ -842,14 +842,15 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         (the first held only in a persistent tier: `tier`) they are read, checksums verified,
         and promoted into the first tier when the config promotes; a block that fails is
         dropped and counted by the cache, and the hit ends before it. The cache reads without
-        its lock (`TierCache.get`), so the engine's other calls go on meanwhile."""
+        its lock (`TierCache.fetch`: straight into the first tier's slots, no bytes handed
+        back), so the engine's other calls go on meanwhile."""
         assert self._shared is not None
         cache = self._shared.cache
         with self._shared.lock:
             errors_before = self._tier_errors()
         t0 = time.perf_counter()
         # The manager's lookup counted these blocks already: reading them is not a request.
-        got = cache.get(keys[first_disk:], count=False).shape[0]
+        got = cache.fetch(keys[first_disk:], count=False)
         seconds = time.perf_counter() - t0
         with self._shared.lock:
             # Here, in the local placement, the read is the load (it promotes): its cost.
