@@ -340,10 +340,7 @@ class TierCache:
         """
         keys = check_keys(keys)
         with self._lock:
-            self._check_open()
-            asked, self._asked.chain = getattr(self._asked, "chain", None), None
-            counted = not count or (asked is not None and tuple(keys) == asked[: len(keys)])
-            n = self._manager.lookup_ready(keys, count=not counted)[0]
+            n = self._ready_to_read(keys, count)
             if out is None:
                 out = torch.empty((n, self._block_bytes), dtype=torch.uint8)
             else:
@@ -397,10 +394,7 @@ class TierCache:
         """
         keys = check_keys(keys)
         with self._lock:
-            self._check_open()
-            asked, self._asked.chain = getattr(self._asked, "chain", None), None
-            counted = not count or (asked is not None and tuple(keys) == asked[: len(keys)])
-            n = self._manager.lookup_ready(keys, count=not counted)[0]
+            n = self._ready_to_read(keys, count)
             if n == 0:
                 return 0
             chain = keys[:n]
@@ -467,6 +461,14 @@ class TierCache:
                 self._manager.touch(chain[:k])
             self._tap_events()
             return k
+
+    def _ready_to_read(self, keys: list[bytes], count: bool) -> int:
+        """Leading `keys` ready to read (lock held), counted unless `count` is False or
+        this thread's previous call was a `lookup` of a chain starting with `keys`."""
+        self._check_open()
+        asked, self._asked.chain = getattr(self._asked, "chain", None), None
+        counted = not count or (asked is not None and tuple(keys) == asked[: len(keys)])
+        return self._manager.lookup_ready(keys, count=not counted)[0]
 
     def _fail_fetch(self, chain: list[bytes], plan: PrepareStoreOutput | None) -> None:
         """Undo a `fetch` that raised (lock held): its load unpinned, its promotion's slots
