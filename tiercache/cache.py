@@ -422,7 +422,8 @@ class TierCache:
                 gkeys = [chain[p] for p in g.positions]
                 dst = [to.get(k) for k in gkeys]
                 runs = _host_runs(first, dst) if None not in dst else None
-                if runs is not None and len(runs) == 1:  # straight into the reserved slots
+                direct = runs is not None and len(runs) == 1
+                if direct:  # straight into the reserved slots, one run of host memory
                     s0 = dst[0]
                     rows = first.pool[s0 : s0 + len(dst)]  # type: ignore[attr-defined]
                 else:
@@ -434,7 +435,7 @@ class TierCache:
                     bad[g.tier] = [gkeys[i] for i in failed]
                 no = set(failed)
                 good = [i for i in range(len(gkeys)) if i not in no and dst[i] is not None]
-                if good and (runs is None or len(runs) != 1):
+                if good and not direct:
                     # Only rows that read back verified reach the first tier.
                     idx = good if len(good) < len(gkeys) else slice(None)
                     try:

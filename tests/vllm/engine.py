@@ -63,6 +63,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -398,8 +399,6 @@ def thread_cpu() -> dict[str, float]:
     their name up to its first digit (``tiercache-write-through``, ``Thread-``), the others
     (the engine's OpenMP threads, the main thread) as ``other`` and ``main``."""
     tick = os.sysconf("SC_CLK_TCK")
-    import threading
-
     names = {t.native_id: t.name for t in threading.enumerate()}
     main = threading.main_thread().native_id
     out: dict[str, float] = {}

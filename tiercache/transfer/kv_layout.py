@@ -42,18 +42,21 @@ FEW_RUNS = 4
 # helper: the engine waits for a load with its cores idle, and one thread's memcpy leaves
 # memory bandwidth unused (2-core VM: 25 MB in 1.8 ms on one thread, 1.0 ms on two).
 SPLIT_MIN_BYTES = 4 << 20
-_helper: list[ThreadPoolExecutor] = []
+_helper: list[ThreadPoolExecutor | None] = []  # decided on first use, then kept
 _helper_lock = threading.Lock()
 
 
 def _copy_helper() -> ThreadPoolExecutor | None:
     """The helper thread for split copies, started on first use; None on one CPU."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if (cpus or 1) < 2:
-        return None
     with _helper_lock:
         if not _helper:
-            _helper.append(ThreadPoolExecutor(1, thread_name_prefix="tiercache-copy-helper"))
+            getaff = getattr(os, "sched_getaffinity", None)
+            cpus = len(getaff(0)) if getaff is not None else (os.cpu_count() or 1)
+            _helper.append(
+                ThreadPoolExecutor(1, thread_name_prefix="tiercache-copy-helper")
+                if cpus >= 2
+                else None
+            )
         return _helper[0]
 
 
@@ -410,15 +413,16 @@ def copy_rows(
     row_bytes = src[0].numel() * src.element_size()
     same = dst.device == src.device
     cpu = same and dst.device.type == "cpu"
+    split = split and row_bytes * n >= SPLIT_MIN_BYTES
     if not same or len(runs) <= FEW_RUNS:
-        _copy_runs(dst, src, runs, cpu, non_blocking, split and row_bytes * n >= SPLIT_MIN_BYTES)
+        _copy_runs(dst, src, runs, cpu, non_blocking, split)
         return
     if _is_run(dst_idx):  # a gather: index_select is memcpy speed on every device
         d0 = dst_idx[0]
         torch.index_select(src, 0, _index(src_idx, src.device), out=dst[d0 : d0 + n])
         return
     if cpu and row_bytes * n >= LOOP_MIN_BYTES * len(runs):
-        _copy_runs(dst, src, runs, cpu, non_blocking, split and row_bytes * n >= SPLIT_MIN_BYTES)
+        _copy_runs(dst, src, runs, cpu, non_blocking, split)
         return
     if _is_run(src_idx):
         s0 = src_idx[0]
@@ -452,17 +456,16 @@ def _copy_runs(
         dn, sn = _numpy(dst), _numpy(src)
         if dn is not None and sn is not None:
             helper = _copy_helper() if split else None
-            if helper is None:
-                for d, s, k in runs:
-                    np.copyto(dn[d : d + k], sn[s : s + k])
-                return
-            first, second = _halves(runs)
-            done = helper.submit(_copy_runs, dst, src, second, cpu, non_blocking)
+            mine, theirs = _halves(runs) if helper is not None else (runs, [])
+            done = None
+            if helper is not None and theirs:
+                done = helper.submit(_copy_runs, dst, src, theirs, cpu, non_blocking)
             try:
-                for d, s, k in first:
+                for d, s, k in mine:
                     np.copyto(dn[d : d + k], sn[s : s + k])
             finally:  # the helper's half is done (or failed) before the caller goes on
-                done.result()
+                if done is not None:
+                    done.result()
             return
     for d, s, k in runs:
         dst[d : d + k].copy_(src[s : s + k], non_blocking=non_blocking)
