@@ -43,6 +43,7 @@ from tiercache.costs import LoadCosts
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.hashing import prefix_hashes
 from tiercache.manager import OffloadingManager
+from tiercache.memory import return_freed_heap
 from tiercache.policies import get_policy_class
 from tiercache.priority import lower_this_thread
 from tiercache.records import BlockMove, OffloadingEvent, PrepareStoreOutput
@@ -216,6 +217,8 @@ class TierCache:
         self._events_buf: list[OffloadingEvent] = []
         self._telemetry = Telemetry(config.telemetry, self.snapshot) if config.telemetry else None
         self._tap_events()
+        if any(t.persistent for t in self._tiers):
+            return_freed_heap()  # what the stores' opens read in bulk (tiercache.memory)
         _OPEN.add(self)
 
     @classmethod

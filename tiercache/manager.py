@@ -186,7 +186,17 @@ class OffloadingManager:
             (lv.tier.capacity_blocks for lv in self._levels if admit[lv.index]), default=0
         )
         for level in self._levels:
-            self._adopt(level, *level.tier.recover_columns())
+            self._adopt(level, *level.tier.open_columns())
+        # Tiers holding blocks dormant since their open (tiers/dormant.py): no per-key state
+        # here until a lookup or a store reaches a key (`_wake_run`, `_wake_keys`) or the
+        # tier needs room (`_wake_oldest`: dormant blocks are the least recently used). Their
+        # stored event keeps its place in the queue, its keys listed when it is taken or
+        # before a slot of theirs is freed (`_send_open`).
+        self._sleepers = [lv for lv in self._levels if lv.tier.dormant_blocks]
+        self._open_marks: dict[int, int] = {}  # tier -> its open event's place in _events
+        for level in self._sleepers:
+            self._open_marks[level.index] = len(self._events)
+            self._events.append(OffloadingEvent((), level.medium, False))
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -218,13 +228,23 @@ class OffloadingManager:
         self._moving.difference_update(keys)
 
     def holds(self, key: bytes) -> bool:
-        """Whether some tier holds `key`, ready or with its store (or a move) in flight."""
-        return key in self._present or key in self._moving
+        """Whether some tier holds `key`, ready (dormant included) or with its store (or a
+        move) in flight."""
+        if key in self._present or key in self._moving:
+            return True
+        return any(lv.tier.find_dormant((key,))[0] >= 0 for lv in self._sleepers)
 
     def count_ready(self, keys: Iterable[bytes]) -> int:
-        """How many of `keys` are ready in some tier (no stats, no ordering)."""
+        """How many of `keys` are ready in some tier, dormant blocks included (no stats, no
+        ordering, nothing woken)."""
         ready = self._ready
-        return sum(1 for k in keys if k in ready)
+        if not self._sleepers:
+            return sum(1 for k in keys if k in ready)
+        rest = [k for k in keys if k not in ready]
+        found = [False] * len(rest)
+        for lv in self._sleepers:
+            found = [f or s >= 0 for f, s in zip(found, lv.tier.find_dormant(rest), strict=True)]
+        return len(_seq(keys)) - len(rest) + sum(found)
 
     # -- lookup and load -------------------------------------------------------------------
     def lookup(self, keys: Iterable[bytes], *, count: bool = True) -> int | None:
@@ -255,6 +275,9 @@ class OffloadingManager:
             if not get(k):
                 break
             n += 1
+        while self._sleepers and n < len(keys) and self._wake_run(keys, n):
+            while n < len(keys) and get(keys[n]):
+                n += 1
         missed = len(keys) - n
         if missed and self._shared and keys[n] not in self._moving:
             got = self._discover(keys, n, off)
@@ -295,6 +318,7 @@ class OffloadingManager:
                 continue
             short = found - tier.free_blocks
             if short > 0 and lv is last:
+                self._wake_oldest(lv, short)
                 victims = lv.policy.evict(short, self._protected(keys, lv))
                 if victims:
                     self._evict(lv, victims, [])
@@ -307,6 +331,82 @@ class OffloadingManager:
             lv.counters.discovered += len(take)
             return len(take)
         return 0
+
+    def _wake_run(self, keys: Sequence[bytes], n: int) -> int:
+        """`lookup` stopped at keys[n]: take over the leading run of the keys from there that
+        no tier indexes here but some tier holds dormant, in every tier holding each (the
+        chain's head ends up most recently used). Returns the run's length."""
+        present, moving = self._present, self._moving
+        tail: list[bytes] = []
+        for k in keys[n:]:
+            if k in present or k in moving:
+                break
+            tail.append(k)
+        if not tail:
+            return 0
+        if len(self._sleepers) == 1:  # the common case: one persistent tier
+            lv = self._sleepers[0]
+            slots = lv.tier.find_dormant(tail)
+            run = 0
+            for s in slots:
+                if s < 0:
+                    break
+                run += 1
+            if run:
+                self._wake(lv, tail[:run], slots[:run])
+            return run
+        found = [(lv, lv.tier.find_dormant(tail)) for lv in self._sleepers]
+        run = 0
+        while run < len(tail) and any(slots[run] >= 0 for _, slots in found):
+            run += 1
+        for lv, slots in found:
+            here = [i for i in range(run) if slots[i] >= 0]
+            self._wake(lv, [tail[i] for i in here], [slots[i] for i in here])
+        return run
+
+    def _wake_keys(self, keys: Sequence[bytes], skip: _Level | None = None) -> int:
+        """Take over every one of `keys` (distinct, none indexed here) some tier other than
+        `skip` holds dormant; returns how many copies were woken."""
+        woken = 0
+        for lv in list(self._sleepers):
+            if lv is not skip:
+                slots = lv.tier.find_dormant(keys)
+                here = [i for i, s in enumerate(slots) if s >= 0]
+                woken += self._wake(lv, [keys[i] for i in here], [slots[i] for i in here])
+        return woken
+
+    def _wake(self, level: _Level, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+        """Take over dormant blocks `keys` in `slots` of `level`, the first most recently
+        used."""
+        if not keys:
+            return 0
+        level.tier.wake(slots)
+        self._adopt(level, list(keys[::-1]), list(slots[::-1]), event=False)
+        if not level.tier.dormant_blocks:
+            self._sleepers.remove(level)
+        return len(keys)
+
+    def _wake_oldest(self, level: _Level, n: int) -> None:
+        """`level` must evict `n` blocks: its oldest dormant ones (least recently used) are
+        taken over first, as its policy's first victims, and their copies dormant in other
+        tiers with them (a key is held dormant nowhere once it is indexed here)."""
+        if n <= 0 or not level.tier.dormant_blocks:
+            return
+        keys, slots = level.tier.wake_oldest(n)
+        if not level.tier.dormant_blocks:
+            self._sleepers.remove(level)
+        self._adopt(level, keys, slots, event=False, cold=True)
+        if self._sleepers:
+            self._wake_keys(keys, skip=level)
+
+    def _send_open(self, level: _Level) -> None:
+        """List the keys of `level`'s open event (left dormant at open), in its place in the
+        queue: when events are taken, or before a slot of the level is freed (a write into
+        it would change the key the tier reads there)."""
+        at = self._open_marks.pop(level.index, None)
+        if at is not None:
+            keys = tuple(level.tier.open_keys())
+            self._events[at] = OffloadingEvent(keys, level.medium, False)
 
     def _count_lookup(self, keys: Sequence[bytes], n: int, missed: int, off: int = 0) -> None:
         ready = self._ready
@@ -420,10 +520,12 @@ class OffloadingManager:
         """
         keys = _seq(keys)
         present = self._present
-        new = [k for k in keys if k not in present]
         distinct = set(keys)
         if len(distinct) != len(keys):
             raise ValueError("prepare_store: keys contain duplicates")
+        new = [k for k in keys if k not in present]
+        if new and self._sleepers and self._wake_keys(new):  # held dormant: not stored again
+            new = [k for k in keys if k not in present]
         seen_before = self._sight(new) if self._admit_mask and new else None
         # A suspended tier (its circuit breaker open: it hung) takes no store: its blocks would
         # hold the engine's until it came back. They go around it, or are not stored.
@@ -490,6 +592,7 @@ class OffloadingManager:
         if need > 0:
             if len(keys) > tier.capacity_blocks:
                 return None
+            self._wake_oldest(level, need)
             victims = level.policy.evict(need, self._protected(protect, level))
             if victims is None:
                 return None
@@ -538,6 +641,7 @@ class OffloadingManager:
             first.policy.on_miss(new)
         victims: list[bytes] = []
         if need > 0:
+            self._wake_oldest(first, need)
             got = first.policy.evict(need, self._protected(protect, first))
             if got is None:  # a policy that refuses what it holds unprotected (see _evictable)
                 return None
@@ -565,7 +669,7 @@ class OffloadingManager:
         """How many of `level`'s ready blocks its policy may evict (not pinned, not in
         `protect`), or any number >= `need` when that is plain without counting."""
         pins = level.pins
-        resident = len(level.policy)
+        resident = len(level.policy) + level.tier.dormant_blocks
         if resident - len(pins) - len(protect) >= need:  # `protect` may hold absent keys
             return resident
         ready, bit = self._ready, level.bit
@@ -583,6 +687,8 @@ class OffloadingManager:
         """Remove `victims` (already taken out of the policy) from `level`, demoting those no
         lower tier holds into the next tier. Deeper moves are appended before this level's
         move, because the slots they free may be the ones this level's move writes into."""
+        if self._open_marks:
+            self._send_open(level)
         slots_of = level.slots
         ready, present = self._ready, self._present
         if self._single:  # each victim is ready here and nowhere else: it just goes
@@ -932,6 +1038,8 @@ class OffloadingManager:
                 if k in lv.pins:
                     raise ValueError(f"discard: block {k.hex()} is being loaded from {lv.medium}")
         dropped = 0
+        for lv in levels if self._open_marks else ():
+            self._send_open(lv)
         ready, present = self._ready, self._present
         # With one tier, `present` is the slot map, updated by the del below.
         masks = (ready,) if self._single else (ready, present)
@@ -956,9 +1064,19 @@ class OffloadingManager:
                 self._events.append(OffloadingEvent(tuple(gone), lv.medium, True))
         return dropped
 
-    def _adopt(self, level: _Level, keys: list[bytes], slots: list[int]) -> None:
+    def _adopt(
+        self,
+        level: _Level,
+        keys: list[bytes],
+        slots: list[int],
+        *,
+        event: bool = True,
+        cold: bool = False,
+    ) -> None:
         """Take over blocks a persistent tier recovered on open (or a shared tier's probe
-        found), oldest first. Bulk dict updates: at open this runs once per held block."""
+        found, or a dormant block woken), oldest first. Bulk dict updates: at open this runs
+        once per held block. `event`: emit their stored event (a woken block's was emitted
+        at open); `cold`: they enter the policy as its first victims."""
         if not keys:
             return
         ready, present, bit = self._ready, self._present, level.bit
@@ -973,8 +1091,12 @@ class OffloadingManager:
                 continue
             for k in keys:
                 masks[k] = masks.get(k, 0) | bit
-        level.policy.insert_many(keys, new=new)
-        self._events.append(OffloadingEvent(tuple(keys), level.medium, False))
+        if cold:
+            level.policy.insert_cold(keys)
+        else:
+            level.policy.insert_many(keys, new=new)
+        if event:
+            self._events.append(OffloadingEvent(tuple(keys), level.medium, False))
 
     def record_error(self, tier: int, n: int = 1) -> None:
         """Count failed transfers or verifications against a tier."""
@@ -999,6 +1121,8 @@ class OffloadingManager:
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call, oldest first."""
+        for index in list(self._open_marks):
+            self._send_open(self._levels[index])
         events, self._events = self._events, []
         return events
 
@@ -1011,7 +1135,8 @@ class OffloadingManager:
             out[lv.medium] = {
                 "capacity_blocks": lv.tier.capacity_blocks,
                 "used_blocks": lv.tier.used_blocks,
-                "ready_blocks": len(lv.policy),
+                "ready_blocks": len(lv.policy) + lv.tier.dormant_blocks,
+                "dormant_blocks": lv.tier.dormant_blocks,
                 "pinned_blocks": len(lv.pins),
                 "hits": c.hits,
                 "misses": c.misses,

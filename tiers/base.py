@@ -5,7 +5,9 @@ A tier knows bytes, never policies or other tiers. Primitives:
 - `write(slots, src)` / `read(slots, dst)`: batched copies of uint8 tensors
   `[len(slots), block_bytes]` (the only abstract methods besides `from_config`);
 - `recover()`: what a persistent tier already holds when it opens (key, slot) pairs;
-  `recover_columns()` the same as two lists;
+  `recover_columns()` the same as two lists; `open_columns()` the part of it the manager
+  adopts at open, the rest left dormant (`dormant_blocks`, `find_dormant`, `wake`,
+  `wake_oldest`, `open_keys`: see tiers/dormant.py);
 - capability flags: `persistent`, `shared` (between processes); shared tiers also `probe`,
   `adopt`, `take_gone`, and `open_probe` (a read-only `StoreProbe` for another process);
 - `flush()` / `close()`.
@@ -15,11 +17,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from tiercache.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tiercache.tiers.dormant import DormantIndex
 
 KEY_BYTES = 16
 
@@ -74,6 +79,9 @@ class Tier(ABC):
         # fresh batches contiguous and lets pool tiers copy them as one run.
         self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))
         self._closed = False
+        # Blocks recovered at open that the manager has not taken over (persistent tiers
+        # that recover lazily set it; None: the manager adopts everything at open).
+        self._dormant: DormantIndex | None = None
 
     # -- identity and capacity -------------------------------------------------------------
     @property
@@ -183,6 +191,37 @@ class Tier(ABC):
         bulk); tiers holding millions of blocks override it to build no pair per block."""
         pairs = self.recover()
         return [k for k, _ in pairs], [s for _, s in pairs]
+
+    def open_columns(self) -> tuple[list[bytes], list[int]]:
+        """What the manager adopts at open: everything recovered, or nothing where the
+        tier keeps its recovered blocks dormant (the manager wakes them by key or by age)."""
+        return ([], []) if self._dormant is not None else self.recover_columns()
+
+    # -- dormant blocks (recovered at open, not yet taken over by the manager) ---------------
+    @property
+    def dormant_blocks(self) -> int:
+        """Recovered blocks the manager has not woken: held (and counted used), not indexed
+        by the manager."""
+        return self._dormant.n if self._dormant is not None else 0
+
+    def find_dormant(self, keys: Sequence[bytes]) -> list[int]:
+        """Per key, the slot holding it dormant, or -1. Changes nothing."""
+        d = self._dormant
+        return d.find(keys) if d is not None and d.n else [-1] * len(keys)
+
+    def wake(self, slots: Sequence[int]) -> None:
+        """The manager takes over these dormant slots (found by `find_dormant`)."""
+        if self._dormant is not None:
+            self._dormant.wake(slots)
+
+    def wake_oldest(self, n: int) -> tuple[list[bytes], list[int]]:
+        """The manager takes over up to `n` of the oldest dormant blocks (keys, slots)."""
+        d = self._dormant
+        return d.wake_oldest(n) if d is not None and d.n else ([], [])
+
+    def open_keys(self) -> list[bytes]:
+        """Every key left dormant at open, oldest first (the open's stored event)."""
+        return self._dormant.open_keys() if self._dormant is not None else []
 
     def flush(self) -> None:  # noqa: B027 - a no-op for volatile tiers, by design
         """Make acknowledged writes durable (persistent tiers)."""

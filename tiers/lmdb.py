@@ -618,7 +618,11 @@ class LMDBTier(KeyedTier):
         element_size: int = 2,
         sync: str = "batch",
         namespace: str = "",
+        lazy: bool = False,
     ) -> None:
+        """`lazy`: index nothing at open when the store is well formed (the manager finds
+        each block by `probe` on its first lookup, as it finds other processes' blocks), so
+        the open costs neither time nor RAM per block; else index the newest `capacity`."""
         check_settings(compression, level, element_size, sync)
         super().__init__(
             name=name,
@@ -632,6 +636,7 @@ class LMDBTier(KeyedTier):
         self._ns = namespace_id(namespace)
         self._nsb = self._ns.to_bytes(NS_BYTES, "big")  # prefix of every store key of ours
         self._txn_ops = txn_ops_for(capacity_blocks)
+        self._lazy = lazy
         self.open_report: dict[str, int] = {}  # what _scan found: dropped, recovered blocks
         self._counts = dict.fromkeys(
             (
@@ -644,6 +649,7 @@ class LMDBTier(KeyedTier):
                 "store_evictions",
                 "dead_readers_cleared",
                 "map_full_retries",
+                "malformed_dropped",
             ),
             0,
         )
@@ -688,6 +694,7 @@ class LMDBTier(KeyedTier):
                 element_size=o.get("element_size", 2),
                 sync=o.get("sync", "batch"),
                 namespace=namespace,
+                lazy=True,
             )
         except ConfigError as exc:
             if exc.field in ("path", "block_bytes", "capacity"):
@@ -756,9 +763,28 @@ class LMDBTier(KeyedTier):
         except OSError:
             return 0
         try:
-            return _leading_heads(txn, shared.heads, keys, self._ns, self.block_bytes, pending)
+            n = _leading_heads(
+                txn, shared.heads, keys, self._ns, self.block_bytes, pending, shared.order
+            )
+            if n < len(keys):  # absent, or there and malformed: damage the open did not scan
+                sk = self._nsb + keys[n]
+                head = None if sk in pending else txn.get(sk, db=shared.heads)
+                if head is not None:
+                    self._drop_malformed(sk, bytes(head))
+            return n
+        except lmdb.Error:
+            return 0
         finally:
             txn.abort()
+
+    def _drop_malformed(self, sk: bytes, head: bytes) -> None:
+        """A probe found a malformed header (damage): its entries go at the next write
+        transaction or flush, counted (`malformed_dropped`), as the eager open drops them."""
+        log.warning("%s: dropping a malformed entry found by a lookup", self._path)
+        with self._shared.state_lock:
+            self._shared.pending[sk] = head_seq(head)
+        with self._counts_lock:
+            self._counts["malformed_dropped"] += 1
 
     @classmethod
     def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> LMDBProbe:
@@ -1098,6 +1124,9 @@ class LMDBTier(KeyedTier):
             next_seq = _u64(txn.get(SEQ_KEY, db=shared.meta))
             if len(set(sizes)) > 1:
                 bad.update(self._malformed(txn))
+            elif self._lazy:  # well formed: nothing to index (see __init__)
+                self._open_lazily(count, next_seq)
+                return
             fast = None if bad else self._scan_fast(txn)
             cur = txn.cursor(db=shared.order)
             if fast is not None:
@@ -1158,6 +1187,31 @@ class LMDBTier(KeyedTier):
             shared.seq = max(shared.seq, next_seq)
         kept.reverse()
         self._take_found(kept)
+
+    def _open_lazily(self, count: int, next_seq: int) -> None:
+        """`_scan` of a well-formed store by a lazy tier: index nothing (lookups find
+        blocks by `probe`; the store's capacity evicts its oldest beyond `capacity` at its
+        next write of this namespace, as it does whoever writes)."""
+        excess = max(0, count - self.capacity_blocks)
+        if excess:
+            log.warning(
+                "%s: holds %d blocks of this namespace, capacity is %d: the store evicts the "
+                "%d oldest at its next write of this namespace",
+                self._path,
+                count,
+                self.capacity_blocks,
+                excess,
+            )
+        self.open_report = {
+            "bulk_scan": 0,
+            "lazy": 1,
+            "blocks_dropped": 0,
+            "blocks_over_capacity": excess,
+            "blocks_recovered": 0,
+            "blocks_in_store": count,
+        }
+        with self._shared.state_lock:
+            self._shared.seq = max(self._shared.seq, next_seq)
 
     def _scan_fast(self, txn: lmdb.Transaction) -> list[bytes] | None:
         """`_scan`'s walk for a well-formed namespace, in bulk: its "order" and "heads"
@@ -1439,15 +1493,22 @@ def _leading_heads(
     ns: int,
     block_bytes: int,
     stop: Collection[bytes] = (),
+    order: Any = None,
 ) -> int:
     """How many leading `keys` have a well-formed header of namespace `ns` in `heads` (up to
-    a store key in `stop`: one being deleted)."""
+    a store key in `stop`: one being deleted) and, where `order` is given, an order entry
+    naming the key at the header's seq (the seq is not covered by the checksum)."""
     nsb = ns.to_bytes(NS_BYTES, "big")
     n = 0
     try:
         for k in keys:
             sk = nsb + k
-            if sk in stop or not is_header_of(txn.get(sk, db=heads), k, ns, block_bytes):
+            if sk in stop:
+                break
+            head = txn.get(sk, db=heads)
+            if not is_header_of(head, k, ns, block_bytes):
+                break
+            if order is not None and txn.get(nsb + head[HEADER_SIZE:], db=order) != k:
                 break
             n += 1
     except lmdb.Error:
@@ -1498,7 +1559,9 @@ class LMDBProbe:
                 log.debug("LMDB probe of %s: %s", self._path, exc)
                 return 0
             try:
-                return _leading_heads(txn, h.heads, keys, self._ns, self._block_bytes)
+                return _leading_heads(
+                    txn, h.heads, keys, self._ns, self._block_bytes, order=h.order
+                )
             finally:
                 txn.abort()
 

@@ -90,6 +90,7 @@ import xxhash
 
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.base import KEY_BYTES, Tier, check_blocks
+from tiercache.tiers.dormant import DormantIndex
 from tiercache.tiers.format import (
     CODEC_RAW,
     HEADER_SIZE,
@@ -573,6 +574,11 @@ class NVMeTier(Tier):
             self.open_report["index_missing"] = 1
             log.warning("%s: the index journal is missing; its blocks are forgotten", self._path)
         self._resize_slab(grow_only=False)  # only slots past every held block are cut off
+        if self._ns is not None and self._live:
+            # The recovered blocks stay dormant: the manager takes each over when a lookup
+            # or a store reaches its key, or when it needs its slot (tiers/dormant.py).
+            with self._lock:
+                self._dormant = DormantIndex(self._keys, self._live_slots())
         if (
             meta is not None
             and meta.get("capacity_blocks") != self.capacity_blocks

@@ -1,0 +1,33 @@
+"""`return_freed_heap()`: hand the heap pages that an open's transient buffers left free back
+to the operating system.
+
+Why: opening a store of a million blocks reads its index into large temporary buffers
+(the journal, the image, sort permutations). glibc's malloc raises its mmap threshold after
+the first large free, so later large buffers come from the heap. When they are freed, it
+keeps their pages. Measured at 1M NVMe blocks: 83 B of anonymous RAM per block after the
+open, 42 B after `malloc_trim(0)`. A no-op where there is no glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def return_freed_heap() -> None:
+    """Release free heap pages to the operating system (glibc `malloc_trim(0)`); the call
+    takes the allocator's locks, so it is safe with other threads running."""
+    fn = _malloc_trim()
+    if fn is not None:
+        fn(0)
