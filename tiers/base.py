@@ -16,9 +16,11 @@ A tier knows bytes, never policies or other tiers. Primitives:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from tiercache.errors import ConfigError
@@ -27,6 +29,14 @@ if TYPE_CHECKING:
     from tiercache.tiers.dormant import DormantIndex
 
 KEY_BYTES = 16
+
+
+def slot_stack(slots: np.ndarray) -> array:
+    """A tier's free-slot stack (see `Tier.__init__`) holding `slots` in this order (the
+    last is handed out first): unsigned 32-bit entries, 64-bit where a slot needs them."""
+    wide = len(slots) and int(slots.max()) >= 1 << 32
+    code = "Q" if wide else "I"
+    return array(code, slots.astype(np.uint64 if wide else np.uint32).tobytes())
 
 
 def check_blocks(t: object, n: int, block_bytes: int, name: str) -> torch.Tensor:
@@ -76,8 +86,9 @@ class Tier(ABC):
         self._block_bytes = block_bytes
         self._capacity = capacity_blocks
         # A stack of free slots; popping from the end hands out ascending slots, which keeps
-        # fresh batches contiguous and lets pool tiers copy them as one run.
-        self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))
+        # fresh batches contiguous and lets pool tiers copy them as one run. An `array`
+        # (4 bytes a slot), not a list of ints (36): a terabyte tier has millions of them.
+        self._free = slot_stack(np.arange(capacity_blocks - 1, -1, -1, dtype=np.int64))
         self._closed = False
         # Blocks recovered at open that the manager has not taken over (persistent tiers
         # that recover lazily set it; None: the manager adopts everything at open).
@@ -116,7 +127,7 @@ class Tier(ABC):
             return None
         if n == 0:
             return []
-        slots = self._free[-n:]
+        slots = self._free[-n:].tolist()
         del self._free[-n:]
         slots.reverse()
         return slots
@@ -128,7 +139,7 @@ class Tier(ABC):
     def _claim(self, slots: Sequence[int]) -> None:
         """Mark specific slots used (persistent tiers call this for what `recover` returns)."""
         taken = set(slots)
-        self._free = [s for s in self._free if s not in taken]
+        self._free = slot_stack(np.array([s for s in self._free if s not in taken], np.int64))
 
     # -- blocks other processes stored (shared tiers) ------------------------------------------
     def probe(self, keys: Sequence[bytes]) -> int:

@@ -89,7 +89,7 @@ import torch
 import xxhash
 
 from tiercache.errors import BlockCorruptError, ConfigError
-from tiercache.tiers.base import KEY_BYTES, Tier, check_blocks
+from tiercache.tiers.base import KEY_BYTES, Tier, check_blocks, slot_stack
 from tiercache.tiers.dormant import DormantIndex
 from tiercache.tiers.format import (
     CODEC_RAW,
@@ -885,7 +885,7 @@ class NVMeTier(Tier):
         taken[kept] = True
         free = np.flatnonzero(~taken)[:need]
         self._nslots = max(int(free[-1]) + 1 if need else 0, top)
-        self._free = free[::-1].tolist()  # popped from the end: ascending slots
+        self._free = slot_stack(free[::-1])  # popped from the end: ascending slots
 
     def _header_ns(self, buf: _Buffer, got: int, slot: int, key: bytes, seq: int) -> int | None:
         """The namespace id of the slot's header if it agrees with its journal entry."""
