@@ -20,9 +20,16 @@ OffloadingManager shape, on 16-byte prefix keys):
   missed a load deadline is skipped by lookups (and by loads, where a faster or slower copy
   exists) for a back-off period, then tried again by itself.
 
+- dormant blocks: what a persistent tier recovered at open without handing it over
+  (`Tier.open_columns`, tiers/dormant.py). The manager keeps no state for them: a lookup or a
+  store that reaches one wakes it (adopts it, in every tier holding it dormant), and a tier
+  that needs room wakes its oldest ones first as its policy's first victims. `holds` and
+  `count_ready` see dormant blocks without waking them; `where` sees only woken ones.
+
 Invariants: a block being stored is invisible to lookup until complete_store(success=True);
 a pinned block is never evicted; a key already held is not stored again; a prepare that
-returns None or raises changes no state.
+returns None or raises changes no state (it may wake dormant blocks, which changes no
+answer); a key the manager indexes is dormant in no tier.
 """
 
 from __future__ import annotations
