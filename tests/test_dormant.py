@@ -120,13 +120,16 @@ def test_reopen_keeps_no_state_per_block_and_wakes_what_is_asked(tmp_path) -> No
     assert m._ready == {} and len(m.policies[0]) == 0  # nothing per block in the manager
     # A lookup wakes the chain it reaches, no more; where() sees it afterwards.
     assert m.lookup([*keys[10:14], K(999)]) == 4
-    assert m.where(keys[10]) == [0] and m.where(keys[20]) == []
-    assert m.stats()["nvme"]["dormant_blocks"] == 36 and len(m.policies[0]) == 4
+    assert m.where(keys[10]) == [0] and m.stats()["nvme"]["dormant_blocks"] == 36
+    assert len(m.policies[0]) == 4
+    # where() wakes the block it is asked about (adapters verify or drop what it names).
+    assert m.where(keys[20]) == [0] and m.where(K(999)) == []
+    assert m.stats()["nvme"]["dormant_blocks"] == 35
     assert torch.equal(read(m, keys[10:14]), rows(keys[10:14]))
     # holds and count_ready see dormant blocks without waking them.
     assert m.holds(keys[30]) and not m.holds(K(999))
     assert m.count_ready([keys[30], keys[10], K(999)]) == 2
-    assert m.stats()["nvme"]["dormant_blocks"] == 36
+    assert m.stats()["nvme"]["dormant_blocks"] == 35
     # A store of held keys stores nothing again (a dormant one is woken, not rewritten).
     out = m.prepare_store([keys[30], keys[10], K(100)])
     assert out.keys_to_store == (K(100),) and out.evicted_keys == (keys[0],)
@@ -302,3 +305,38 @@ class ReopenMachine(RuleBasedStateMachine):
 
 ReopenMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 TestReopenMachine = ReopenMachine.TestCase
+
+
+def test_a_chain_spread_over_dormant_nvme_and_a_lazy_lmdb_store(tmp_path) -> None:
+    from tiercache.tiers.lmdb import LMDBTier
+
+    keys = [K(i) for i in range(6)]
+
+    def lmdb() -> LMDBTier:
+        return LMDBTier(path=str(tmp_path / "l"), block_bytes=BB, capacity_blocks=16, lazy=True)
+
+    # Blocks 0, 1, 4 and 5 on NVMe, 2 and 3 in LMDB, stored by earlier processes.
+    t = nvme(tmp_path / "n", 8)
+    part = [keys[0], keys[1], keys[4], keys[5]]
+    t.write(t.allocate(part), rows(part), part)
+    t.close()
+    lm = lmdb()
+    lm.write(lm.allocate(keys[2:4]), rows(keys[2:4]), keys[2:4])
+    lm.close()
+    t, lm = nvme(tmp_path / "n", 8), lmdb()
+    assert (t.dormant_blocks, lm.used_blocks, lm.open_report["lazy"]) == (4, 0, 1)
+    m = OffloadingManager([t, lm], [LRUPolicy(8), LRUPolicy(16)])
+    # The lookup runs on through a dormant run, a run the LMDB probe finds, and dormant again.
+    assert m.lookup(keys) == 6
+    assert [m.where(k) for k in keys] == [[0], [0], [1], [1], [0], [0]]
+    spec = m.prepare_load(keys)
+    out = torch.empty((6, BB), dtype=torch.uint8)
+    for tier_index, tier in enumerate((t, lm)):
+        pos = [i for i, ti in enumerate(spec.tiers) if ti == tier_index]
+        got = torch.empty((len(pos), BB), dtype=torch.uint8)
+        assert tier.read([spec.slots[i] for i in pos], got, [keys[i] for i in pos]) == []
+        out[pos] = got
+    m.complete_load(keys)
+    assert torch.equal(out, rows(keys))
+    t.close()
+    lm.close()

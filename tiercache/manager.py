@@ -23,8 +23,9 @@ OffloadingManager shape, on 16-byte prefix keys):
 - dormant blocks: what a persistent tier recovered at open without handing it over
   (`Tier.open_columns`, tiers/dormant.py). The manager keeps no state for them: a lookup or a
   store that reaches one wakes it (adopts it, in every tier holding it dormant), and a tier
-  that needs room wakes its oldest ones first as its policy's first victims. `holds` and
-  `count_ready` see dormant blocks without waking them; `where` sees only woken ones.
+  that needs room wakes its oldest ones first as its policy's first victims. `where` wakes
+  the block it is asked about (its caller is about to use it); `holds` and `count_ready`
+  see dormant blocks without waking them.
 
 Invariants: a block being stored is invisible to lookup until complete_store(success=True);
 a pinned block is never evicted; a key already held is not stored again; a prepare that
@@ -215,8 +216,17 @@ class OffloadingManager:
         return [lv.policy for lv in self._levels]
 
     def where(self, key: bytes) -> list[int]:
-        """Tiers (indices) where `key` is ready, fastest first."""
+        """Tiers (indices) where `key` is ready, fastest first. A dormant block is woken: the
+        caller is about to use it (verify, load or drop it)."""
         mask = self._ready.get(key, 0)
+        if (
+            not mask
+            and self._sleepers
+            and key not in self._present
+            and key not in self._moving
+            and self._wake_keys((key,))
+        ):
+            mask = self._ready.get(key, 0)
         return [lv.index for lv in self._levels if mask & lv.bit]
 
     def is_pending(self, key: bytes) -> bool:
@@ -282,17 +292,16 @@ class OffloadingManager:
             if not get(k):
                 break
             n += 1
-        while self._sleepers and n < len(keys) and self._wake_run(keys, n):
+        # Where the ready run stops, a dormant run may continue it, then a run a shared tier
+        # holds unindexed, then dormant again (a chain spread over an NVMe and an LMDB tier
+        # after a restart): each step indexes at least one key, so this ends.
+        while n < len(keys) and (
+            (self._sleepers and self._wake_run(keys, n))
+            or (self._shared and keys[n] not in self._moving and self._discover(keys, n, off))
+        ):
             while n < len(keys) and get(keys[n]):
                 n += 1
         missed = len(keys) - n
-        if missed and self._shared and keys[n] not in self._moving:
-            got = self._discover(keys, n, off)
-            if got:
-                n += got
-                while n < len(keys) and get(keys[n]):
-                    n += 1
-                missed = len(keys) - n
         if count and self._single:
             c = self._levels[0].counters
             c.hits += n

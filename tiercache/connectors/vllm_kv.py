@@ -623,11 +623,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _has_fn(self) -> Any:
         """Hybrid lookups: a quick "is this key worth asking for" predicate (local: the
-        manager holds it ready; remote: the index, or any key not known damaged when shared
-        tiers can be probed). The real lookup then confirms (`_match_groups`)."""
+        manager's lookup of the key alone, which wakes a block dormant since the open and
+        finds one a shared tier holds unindexed, e.g. any block of a store opened lazily;
+        remote: the index, or any key not known damaged when shared tiers can be probed).
+        The real lookup then confirms (`_match_groups`)."""
         if self._shared is not None:
             manager = self._shared.cache.manager
-            return lambda k: bool(manager.where(k))
+            return lambda k: manager.lookup_ready((k,), count=False)[0] > 0
         if self._probe_pool is not None:
             return lambda k: self._held_by_all(k) or k not in self._bad_keys
         return self._held_by_all
