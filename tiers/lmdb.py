@@ -763,17 +763,17 @@ class LMDBTier(KeyedTier):
         except OSError:
             return 0
         try:
-            n = _leading_heads(
-                txn, shared.heads, keys, self._ns, self.block_bytes, pending, shared.order
+            # A malformed entry met here is damage the (lazy) open did not scan: dropped.
+            return _leading_heads(
+                txn,
+                shared.heads,
+                keys,
+                self._ns,
+                self.block_bytes,
+                pending,
+                shared.order,
+                self._drop_malformed,
             )
-            if n < len(keys):  # absent, or there and malformed: damage the open did not scan
-                sk = self._nsb + keys[n]
-                head = None if sk in pending else txn.get(sk, db=shared.heads)
-                if head is not None:
-                    self._drop_malformed(sk, bytes(head))
-            return n
-        except lmdb.Error:
-            return 0
         finally:
             txn.abort()
 
@@ -1494,10 +1494,12 @@ def _leading_heads(
     block_bytes: int,
     stop: Collection[bytes] = (),
     order: Any = None,
+    bad: Callable[[bytes, bytes], None] | None = None,
 ) -> int:
     """How many leading `keys` have a well-formed header of namespace `ns` in `heads` (up to
     a store key in `stop`: one being deleted) and, where `order` is given, an order entry
-    naming the key at the header's seq (the seq is not covered by the checksum)."""
+    naming the key at the header's seq (the seq is not covered by the checksum). `bad`
+    hears of the entry (store key, head) where the run stops on one that is malformed."""
     nsb = ns.to_bytes(NS_BYTES, "big")
     n = 0
     try:
@@ -1506,9 +1508,13 @@ def _leading_heads(
             if sk in stop:
                 break
             head = txn.get(sk, db=heads)
-            if not is_header_of(head, k, ns, block_bytes):
+            if head is None:
                 break
-            if order is not None and txn.get(nsb + head[HEADER_SIZE:], db=order) != k:
+            if not is_header_of(head, k, ns, block_bytes) or (
+                order is not None and txn.get(nsb + head[HEADER_SIZE:], db=order) != k
+            ):
+                if bad is not None:
+                    bad(sk, bytes(head))
                 break
             n += 1
     except lmdb.Error:
