@@ -104,3 +104,84 @@ def test_an_engine_exits_while_its_disk_is_hung(
     )
     assert got["batches"][0]["outputs"] == base["batches"][0]["outputs"]
     assert not never.exists()
+
+
+# -- TierCacheOffloadingSpec under vLLM's own OffloadingConnector ------------------------------
+def _offloading(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TierCacheOffloadingSpec",
+            "spec_module_path": "tiercache.connectors.vllm",
+            "config": config,
+        },
+    }
+
+
+@pytest.mark.parametrize("tiers", ["nvme", "cpu+nvme", "cpu+nvme-write-back"])
+def test_a_hung_store_gives_vllm_its_blocks_back_through_the_offloading_spec(
+    engine: ModuleType, tiny_llama: Path, tmp_path: Path, tiers: str
+) -> None:
+    """The same through vLLM's OffloadingConnector, which holds a finished request's blocks
+    until the spec's worker reports its store job done. `nvme`: the store itself writes into
+    the hung disk; it is given up at `store_timeout` (no engine block read after that) and
+    the job reported done, its blocks misses. `cpu+nvme` (a CPU tier of 4 blocks): the stores
+    land in memory and the write-through thread hangs on the disk (the tier is suspended at
+    `store_timeout`). `cpu+nvme-write-back`: the stores demote older blocks into the hung
+    disk, or go around the full CPU tier into it; vLLM's job stops waiting for either at
+    `store_timeout` (a move alone: `test_offloading_spec.py`'s unit test)."""
+    first = engine.make_prompts(6, PROMPT_TOKENS, seed=44)
+    second = engine.make_prompts(6, PROMPT_TOKENS, seed=45)
+    release = tmp_path / "disk-back"
+    batches = [
+        {"prompts": first, "max_tokens": 8},
+        # vLLM's prefix cache is reset before batch 3: vLLM's OffloadingConnector stores only
+        # the blocks a request computes, so first-set blocks still cached by vLLM would not
+        # be offered again (those whose stores were given up are lost, as documented).
+        # After a pause longer than store_timeout, so that a hung write-through copy, which
+        # vLLM's job never waits for, is past its deadline too when batch 2 starts.
+        {
+            "prompts": second,
+            "max_tokens": 8,
+            "touch": str(release),
+            "reset_prefix_cache": True,
+            "wait_s": 1.5,
+        },
+        {"prompts": first, "max_tokens": 8, "reset_prefix_cache": True},
+        {"prompts": first, "max_tokens": 8, "reset_prefix_cache": True},
+    ]
+    common = {"model": str(tiny_llama), "num_gpu_blocks_override": 40, "settle_s": 0.5}
+    base = engine.run_in_subprocess(
+        {**common, "batches": [{k: v for k, v in b.items() if k != "touch"} for b in batches]}
+    )
+    nvme = {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 256}
+    if tiers.endswith("write-back"):
+        nvme["write_policy"] = "write-back"
+    config = {
+        "namespace": f"hung-store-spec-{tiers}",
+        "tiers": [nvme] if tiers == "nvme" else [{"kind": "cpu", "blocks": 4}, nvme],
+        "deadlines": {"store_timeout": 1.0, "backoff": BACKOFF_S},
+    }
+    batches[2]["wait_s"] = BACKOFF_S
+    got = engine.run_in_subprocess(
+        {
+            **common,
+            "batches": batches,
+            "kv_transfer_config": _offloading(config),
+            "hang_writes": str(release),
+        },
+        timeout=300,
+    )
+    for b, want in zip(got["batches"], base["batches"], strict=True):
+        assert b["outputs"] == want["outputs"]
+    assert got["batches"][1]["wall_s"] < 60
+    (store,) = got["stores"].values()
+    assert store["stats"]["nvme"]["suspensions"] >= 1
+    if tiers == "nvme":
+        assert store["counters"]["offload_store_deadline_blocks"] > 0
+    elif tiers == "cpu+nvme-write-back":  # stores that went around the full CPU tier, moves
+        c = store["counters"]
+        assert c.get("offload_store_deadline_blocks", 0) + c.get("offload_move_deadline_blocks", 0)
+    # Back: batch 3 stored the first set again, batch 4 hit all of it.
+    assert got["batches"][3]["num_cached_tokens"] == [96] * 6

@@ -744,3 +744,117 @@ def test_engine_sync_loads_and_multiprocess_mode(
     #    the engine refuses to start with the spec's message.
     with pytest.raises(RuntimeError, match="worker half in another process"):
         engine.run_in_subprocess(spec(kv, 1, multiprocessing=True))
+
+
+# -- deadlines: stores and demotions into a hung disk (issue 16) --------------------------------
+@pytest.fixture
+def hung_disk(monkeypatch: pytest.MonkeyPatch):
+    """Every NVMe tier's writes block until the returned event is set (a hung disk)."""
+    import threading
+
+    from tiercache.tiers.nvme import NVMeTier
+
+    back = threading.Event()
+    write = NVMeTier.write
+
+    def hung_write(self: Any, *a: Any, **kw: Any) -> Any:
+        back.wait(30)
+        return write(self, *a, **kw)
+
+    monkeypatch.setattr(NVMeTier, "write", hung_write)
+    yield back
+    back.set()
+
+
+def _finished_within(worker: OffloadingWorker, job_id: int, seconds: float) -> Any:
+    """The job's `TransferResult` from `get_finished`, polled as vLLM does every step."""
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for r in worker.get_finished():
+            if r.job_id == job_id:
+                return r
+        time.sleep(0.02)
+    raise AssertionError(f"job {job_id} not reported within {seconds} s")
+
+
+def _store_job(pair: Pair, keys: list[bytes], block_ids: list[int]) -> tuple[int, list]:
+    out = pair.manager.prepare_store(keys, CTX)
+    assert out is not None
+    pos = {k: i for i, k in enumerate(keys)}
+    pair.jobs += 1
+    src = _gpu([block_ids[pos[k]] for k in out.keys_to_store])
+    assert pair.worker.submit_store(pair.jobs, src, out.store_spec)
+    return pair.jobs, list(out.keys_to_store)
+
+
+def test_a_store_into_a_hung_disk_is_given_up_at_its_deadline(pairs, hung_disk, tmp_path) -> None:
+    """vLLM's OffloadingConnector holds a request's blocks until the store job is reported
+    done: with the disk hung, the job is reported done at `store_timeout` (it reads no engine
+    block any more), the tier is suspended, and its blocks are misses, not "pending" (vLLM
+    would wait for them for ever). When the write returns, the block it did write is kept."""
+    cfg = {
+        "tiers": [{"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 8}],
+        "deadlines": {"store_timeout": 0.3, "backoff": 30},
+    }
+    pair = pairs(_offloading_config(cfg))
+    keys = _keys("a", "b")
+    job, stored = _store_job(pair, keys, [1, 2])
+    assert stored == keys
+    r = _finished_within(pair.worker, job, 5)
+    assert r.success  # vLLM's connector asserts success; tiercache knows better
+    pair.manager.complete_store(stored, CTX)
+    assert [pair.manager.lookup(k, CTX) for k in keys] == [LookupResult.MISS] * 2
+    snap = store_snapshots()[pair.manager.cache.config.namespace]
+    assert snap["counters"]["offload_store_deadline_blocks"] == 2
+    assert snap["stats"]["nvme"]["suspensions"] == 1
+    # The disk returns: the write of what the store had read before its deadline (both
+    # blocks, one chunk) lands and is completed, though vLLM's job ended long ago.
+    hung_disk.set()
+    ns = pair.manager.cache.config.namespace
+    tk = [offload_key_to_key(ns, k) for k in keys]
+    _settled(pair, lambda: pair.manager.cache.manager.count_ready(tk) == 2)
+    assert not pair.manager.cache.manager.is_pending(tk[0])
+
+
+def _settled(pair: Pair, done: Any, seconds: float = 10) -> None:
+    """Poll the worker as vLLM does every step (and the manager's reports) until `done()`."""
+    import time
+
+    end = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < end, "never settled"
+        pair.worker.get_finished()
+        pair.manager.take_events()  # applies the worker's reports, as every manager call does
+        time.sleep(0.02)
+
+
+def test_a_demotion_into_a_hung_disk_never_holds_vllms_job(pairs, hung_disk, tmp_path) -> None:
+    """A store that makes room in the CPU tier demotes an older block into the disk; with the
+    disk hung, vLLM's job is reported done at `store_timeout` without waiting for the move,
+    the moving block reads as a miss (no lookup waits for it), and the move still completes
+    when the disk returns: the block is then a hit from the disk."""
+    cfg = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 1},
+            {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 8},
+        ],
+        "deadlines": {"store_timeout": 0.3, "backoff": 0.5},
+    }
+    pair = pairs(_offloading_config(cfg))
+    a, b = _keys("a", "b")
+    assert pair.store([a], [1]) == [a]
+    job, stored = _store_job(pair, [b], [2])  # demotes a into the hung disk
+    assert stored == [b]
+    r = _finished_within(pair.worker, job, 5)
+    assert r.success
+    pair.manager.complete_store(stored, CTX)
+    assert pair.manager.lookup(b, CTX) is LookupResult.HIT
+    assert pair.manager.lookup(a, CTX) is LookupResult.MISS  # not HIT_PENDING
+    snap = store_snapshots()[pair.manager.cache.config.namespace]
+    assert snap["counters"]["offload_move_deadline_blocks"] == 1
+    hung_disk.set()
+    _settled(pair, lambda: pair.manager.lookup(a, CTX) is LookupResult.HIT)
+    assert pair.load([a], [9])
+    assert _block(pair.kv, 9) == _block(pair.kv, 1)

@@ -35,6 +35,14 @@ failure). A load not finished `[deadlines] load_timeout` seconds after its submi
 suspends its tier (the manager's circuit breaker): lookups skip the tier until its back-off
 ends, so later requests recompute instead of queueing behind it; the late load itself is
 still waited for. Use `TierCacheConnector` where a load must never hold a request back.
+Stores: vLLM keeps a request's blocks until its store job is reported done (and `wait`s for
+the jobs of a preempted request). A store part still running `store_timeout` seconds after
+its submission (a hung disk) is stopped reading engine blocks, its tier suspended, and the
+job goes on without it; so does a demotion (a move, which reads no engine block). vLLM then
+gets its blocks back. Such a copy's keys are misses meanwhile, never "pending" (vLLM would
+defer the request until the disk returns), and the manager completes them when the copy
+ends: what a given-up store read before its deadline still lands. At shutdown the worker
+waits for copies at most `store_timeout`, so the engine exits while a disk hangs.
 
 Hybrid models (several KV cache groups): vLLM's `OffloadingConnector` keeps the hybrid KV
 cache manager on (`SupportsHMA`), chooses per group what to store and load (sliding windows:
@@ -97,6 +105,7 @@ from tiercache.records import LoadSpec
 from tiercache.records import PrepareStoreOutput as TierPlan
 from tiercache.transfer import (
     KVLayout,
+    TierLoadStoreSpec,
     build_worker,
     load_transfers,
     store_transfers,
@@ -151,36 +160,69 @@ class TierStoreSpec(LoadStoreSpec):
     keys: tuple[bytes, ...]
 
 
+@dataclass
+class _Reports:
+    """What the worker half reported since the manager half last looked (`_Bridge.drain`)."""
+
+    failed: list[tuple[bytes, ...]]  # stores and moves whose blocks did not arrive
+    errors: list[tuple[int, int]]  # (tier, errors) to count
+    load_failures: int  # blocks that failed to load
+    ended: list[tuple[bytes, ...]]  # moves and given-up stores that wrote their blocks
+    detached: list[tuple[bytes, ...]]  # stores and moves vLLM's job stopped waiting for
+
+
 class _Bridge:
     """What the worker half tells the manager half of one cache: keys whose store or move
-    failed (the manager frees their slots) and errors to count per tier. Thread-safe."""
+    failed (the manager frees their slots) and errors to count per tier; the keys of copies
+    vLLM's job does not wait for (moves; stores given up at their deadline), which the
+    manager completes when the worker reports their end, not when vLLM completes the job.
+    Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._failed: list[tuple[bytes, ...]] = []
-        self._errors: list[tuple[int, int]] = []
-        self._load_failures = 0
+        self._new = False  # anything to drain (read unlocked: a stale False waits a call)
+        self._r = _Reports([], [], 0, [], [])
+        # The worker half's way to report copies that ended since vLLM last polled it (set
+        # by the worker): an idle engine polls nobody, and a copy into a disk that hung may
+        # end while it idles.
+        self.collect: Callable[[], None] = lambda: None
 
-    def store_failed(self, keys: Sequence[bytes], tier: int) -> None:
+    def store_failed(self, keys: Sequence[bytes], tier: int, *, error: bool = True) -> None:
+        """Keys of a store or move that did not arrive; `error`: count them against the tier
+        (not for blocks a store given up never read)."""
         with self._lock:
-            self._failed.append(tuple(keys))
-            self._errors.append((tier, len(keys)))
+            self._r.failed.append(tuple(keys))
+            if error:
+                self._r.errors.append((tier, len(keys)))
+            self._new = True
 
     def load_failed(self, tier: int, n: int) -> None:
         with self._lock:
-            self._errors.append((tier, n))
-            self._load_failures += n
+            self._r.errors.append((tier, n))
+            self._r.load_failures += n
+            self._new = True
 
-    def drain(self) -> tuple[list[tuple[bytes, ...]], list[tuple[int, int]], int]:
-        """(keys of failed stores and moves, (tier, errors) pairs, blocks that failed to load)
-        reported since the last call."""
-        if not self._errors:  # unlocked fast path: every report appends an error
-            return [], [], 0
+    def ended(self, keys: Sequence[bytes]) -> None:
+        """A copy vLLM's job did not wait for wrote `keys`: they are ready."""
         with self._lock:
-            failed, self._failed = self._failed, []
-            errors, self._errors = self._errors, []
-            loads, self._load_failures = self._load_failures, 0
-        return failed, errors, loads
+            self._r.ended.append(tuple(keys))
+            self._new = True
+
+    def detach(self, keys: Sequence[bytes]) -> None:
+        """A store or move past its deadline: vLLM's job ends without it, and its keys are
+        misses, never "pending", meanwhile (`ended` or `store_failed` follow when the copy
+        really ends)."""
+        with self._lock:
+            self._r.detached.append(tuple(keys))
+            self._new = True
+
+    def drain(self) -> _Reports | None:
+        """What was reported since the last call; None when nothing was."""
+        if not self._new:
+            return None
+        with self._lock:
+            r, self._r, self._new = self._r, _Reports([], [], 0, [], []), False
+        return r
 
 
 def _bridge(store: SharedStore) -> _Bridge:
@@ -220,10 +262,12 @@ class TierCacheOffloadingManager(OffloadingManager):
         self._events_on = enable_events
         self._tkey: dict[bytes, bytes] = {}  # OffloadKey -> tiercache key
         self._okey: dict[bytes, OffloadKey] = {}  # tiercache key -> OffloadKey
-        # anchor -> (move keys, stored keys) of plans whose vLLM job has not completed, oldest
-        # first; the anchor is the first stored key, or the first loaded key for a promotion.
-        self._plans: dict[bytes, list[tuple[tuple[bytes, ...], tuple[bytes, ...]]]] = {}
+        # anchor -> stored keys of plans whose vLLM job has not completed, oldest first; the
+        # anchor is the first stored key, or the first loaded key for a promotion. A plan's
+        # moves are completed when the worker reports them (vLLM's job never waits for them).
+        self._plans: dict[bytes, list[tuple[bytes, ...]]] = {}
         self._pending: set[bytes] = set()  # keys of stores and moves not completed yet
+        self._detached: set[bytes] = set()  # stores and moves past their deadline, running
         self._kinds = [t.kind for t in cache.tiers]
         self._persistent = [t.persistent for t in cache.tiers]
         self._checked: set[tuple[bytes, int]] = set()  # (key, tier) verified since stored
@@ -273,14 +317,25 @@ class TierCacheOffloadingManager(OffloadingManager):
         return out
 
     def _apply_worker_reports(self) -> None:
-        failed, errors, load_failures = self._bridge.drain()
-        for keys in failed:
+        if self._detached:  # copies vLLM no longer polls for: their end may be waiting
+            self._bridge.collect()
+        r = self._bridge.drain()
+        if r is None:
+            return
+        for keys in r.detached:  # before vLLM completes their job (the worker reported first)
+            self._detached.update(keys)
+        for keys in r.failed:
             self._manager.complete_store(keys, success=False)
             self._store.count("offload_store_failures", len(keys))
-        for tier, n in errors:
+        for keys in r.ended:
+            self._manager.complete_store(keys, success=True)
+        for keys in (*r.failed, *r.ended):
+            self._detached.difference_update(keys)
+            self._pending.difference_update(keys)
+        for tier, n in r.errors:
             self._manager.record_error(tier, n)
-        if load_failures:
-            self._store.count("offload_load_failures", load_failures)
+        if r.load_failures:
+            self._store.count("offload_load_failures", r.load_failures)
 
     # -- vLLM's OffloadingManager ----------------------------------------------------------
     @_locked
@@ -293,9 +348,10 @@ class TierCacheOffloadingManager(OffloadingManager):
         if n and self._verify(k):
             self._store.count("offload_hits")
             return LookupResult.HIT
-        if not n and self._manager.is_pending(k):
+        if not n and self._manager.is_pending(k) and k not in self._detached:
             # Its store is in flight (e.g. the previous request just computed it): vLLM
-            # defers the lookup and asks again rather than recomputing the block.
+            # defers the lookup and asks again rather than recomputing the block. Not a
+            # store given up at its deadline: that one may wait on a hung disk for ever.
             return LookupResult.HIT_PENDING
         return LookupResult.MISS
 
@@ -453,24 +509,22 @@ class TierCacheOffloadingManager(OffloadingManager):
     def _track_plan(self, plan: TierPlan, anchor: bytes) -> None:
         """Remember a store or promotion plan until vLLM completes the job it rides in (named
         by `anchor`: the first stored key, or the first loaded key for a promotion)."""
-        moved = tuple(k for m in plan.moves for k in m.keys)
-        self._plans.setdefault(anchor, []).append((moved, plan.stored_keys))
-        self._pending.update(moved)
+        self._plans.setdefault(anchor, []).append(plan.stored_keys)
+        self._pending.update(k for m in plan.moves for k in m.keys)
         self._pending.update(plan.stored_keys)
 
     def _complete_plan(self, anchor: bytes, success: bool) -> None:
         plans = self._plans.get(anchor)
         if not plans:
             return
-        moved, stored = plans.pop(0)
+        stored = plans.pop(0)
         if not plans:
             del self._plans[anchor]
-        # Moves first: their keys became ready in the lower tier before the store reused slots.
-        # Blocks the worker reported failed were completed as failures already (ignored here).
-        if moved:
-            self._manager.complete_store(moved, success=success)
+        # Blocks the worker reported failed were completed as failures already (ignored here);
+        # stores given up at their deadline still run: completed when the worker reports them.
+        if self._detached:
+            stored = tuple(k for k in stored if k not in self._detached)
         self._manager.complete_store(stored, success=success)
-        self._pending.difference_update(moved)
         self._pending.difference_update(stored)
 
     def _verify(self, k: bytes) -> bool:
@@ -527,6 +581,24 @@ class TierCacheOffloadingManager(OffloadingManager):
 
 
 # -- worker ------------------------------------------------------------------------------------
+def _serialized(fn: _F) -> _F:
+    """Run a worker method under the worker's mutex (see `TierCacheOffloadingWorker._collect`)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: TierCacheOffloadingWorker, *args: Any, **kwargs: Any) -> Any:
+        with self._mutex:
+            return fn(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+_DEADLINE_COUNTERS = {
+    "load": "offload_late_load_blocks",
+    "store": "offload_store_deadline_blocks",
+    "move": "offload_move_deadline_blocks",
+}
+
+
 @dataclass
 class _VJob:
     """One vLLM job: its tiercache parts still running, and what they reported."""
@@ -542,8 +614,17 @@ class _Part:
     vjob: int
     keys: tuple[bytes, ...]
     tier: int  # the tier side of the copy (source of a load, destination of a store/move)
-    is_load: bool  # tier -> engine (its failure fails the vLLM job)
-    due: float = 0.0  # loads: time.monotonic() by which it should have finished
+    kind: str  # "load" (tier -> engine), "store" (engine -> tier) or "move" (tier -> tier)
+    due: float  # time.monotonic() by which it should have finished (its deadline)
+    # vLLM's job waits for it, until its deadline for a store (then stopped reading engine
+    # blocks) or a move (reads none). The manager completes a move's keys, and those of a
+    # store given up, when the worker reports their end (the bridge); the rest of a store's
+    # when vLLM completes the job.
+    gates: bool = True
+
+    @property
+    def is_load(self) -> bool:  # its failure fails the vLLM job
+        return self.kind == "load"
 
 
 class TierCacheOffloadingWorker(OffloadingWorker):
@@ -578,14 +659,20 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         self._parts: dict[int, _Part] = {}
         self._done: list[TransferResult] = []
         self._timeout = store.cache.config.deadlines.load_timeout
-        self._late: set[int] = set()  # load parts past their deadline, tier suspended
+        self._store_timeout = store.cache.config.deadlines.store_timeout
+        self._late: set[int] = set()  # parts past their deadline, tier suspended
         self._closed = False
+        # Held by the calls vLLM makes (its thread) and by `_collect` (the manager's, which
+        # only tries it: the two take the store's lock in opposite orders).
+        self._mutex = threading.RLock()
+        self._bridge.collect = self._collect
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one offloaded block as this worker copies it."""
         return self._layout.block_bytes
 
+    @_serialized
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
@@ -598,6 +685,7 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         specs = store_transfers(plan, dst_spec.keys, block_ids, self._k)
         return self._submit(job_id, specs, 0)
 
+    @_serialized
     def submit_load(
         self,
         job_id: int,
@@ -625,6 +713,19 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         self._store.count(kind + "_blocks", len(src_spec.load.keys))
         return ok
 
+    def _collect(self) -> None:
+        """Finish the parts that ended since vLLM last called `get_finished` (the manager
+        half asks, for copies vLLM's jobs stopped waiting for); nothing while vLLM is in a
+        worker call (it finishes them itself)."""
+        if not self._mutex.acquire(blocking=False):
+            return
+        try:
+            for r in self._worker.get_finished():
+                self._finish_part(r)
+        finally:
+            self._mutex.release()
+
+    @_serialized
     def get_finished(self) -> list[TransferResult]:
         if self._finish_loads_in_step:
             # vLLM calls this after the step's forward pass, which the loads overlapped; wait
@@ -633,49 +734,106 @@ class TierCacheOffloadingWorker(OffloadingWorker):
             if loads:
                 late = self._worker.wait(loads, self._timeout)
                 if late:
-                    self._suspend_late(late)
+                    self._past_deadline(late)
                     self._worker.wait(late)  # vLLM cannot take a failed load: see module doc
         for r in self._worker.get_finished():
             self._finish_part(r)
         now = time.monotonic()
-        late = {
-            p
-            for p, part in self._parts.items()
-            if part.is_load and p not in self._late and now >= part.due
-        }
+        late = {p for p, part in self._parts.items() if p not in self._late and now >= part.due}
         if late:
-            self._suspend_late(late)
+            self._past_deadline(late)
+        # A write-through copy (the cache's own thread) past `store_timeout`: its tier hung
+        # and is suspended (cheap; checked every step, as the KV connector does).
+        self._store.cache.check_through(self._store_timeout)
         done, self._done = self._done, []
         return done
 
-    def _suspend_late(self, part_ids: Iterable[int]) -> None:
-        """Load parts past their deadline: suspend their tiers (once per part)."""
+    def _past_deadline(self, part_ids: Iterable[int]) -> None:
+        """Parts past their deadline (a hung tier), each once: its tier is suspended (the
+        manager's circuit breaker). A load is still waited for (vLLM cannot take a failed
+        one). A store that can be stopped reading engine blocks is, and vLLM's job goes on
+        without it, so vLLM gets its blocks back; its keys complete when it really ends. A
+        move's keys read as misses meanwhile (no lookup waits for it)."""
         manager = self._store.cache.manager
         for p in part_ids:
             part = self._parts.get(p)
             if part is None or p in self._late:
                 continue
+            if part.kind == "store":
+                if not part.gates or not self._worker.cancel(p):
+                    continue  # a copy from memory that started: it ends soon
+                self._detach(p, part)
+            elif part.kind == "move":  # reads no engine block: vLLM's job need not wait
+                self._detach(p, part)
+                with self._store.lock:
+                    manager.unmove(part.keys)
             self._late.add(p)
-            self._store.count("offload_late_load_blocks", len(part.keys))
+            self._store.count(_DEADLINE_COUNTERS[part.kind], len(part.keys))
             with self._store.lock:
                 seconds = manager.suspend(part.tier)
             log.warning(
-                "tiercache: a load of %d blocks from tier %d missed its deadline; the tier is "
-                "skipped by lookups for %.1f s",
+                "tiercache: a %s of %d blocks %s tier %d missed its deadline; %s, and the "
+                "tier is skipped for %.1f s",
+                part.kind,
                 len(part.keys),
+                "from" if part.is_load else "into",
                 part.tier,
+                {
+                    "load": "it is still waited for",
+                    "store": "vLLM gets its blocks back",
+                    "move": "its blocks read as misses",
+                }[part.kind],
                 seconds,
             )
 
-    def wait(self, job_ids: set[int]) -> None:
-        parts = [p for j in job_ids if j in self._vjobs for p in self._vjobs[j].parts]
-        self._worker.wait(parts)
+    def _detach(self, part_id: int, part: _Part) -> None:
+        """vLLM's job stops waiting for a store (cancelled: it reads no engine block any more)
+        or a move; the job is reported done once nothing else of it runs."""
+        part.gates = False
+        self._bridge.detach(part.keys)  # before the job's end can reach the manager
+        vjob = self._vjobs[part.vjob]
+        vjob.parts.discard(part_id)
+        if not vjob.parts:
+            del self._vjobs[part.vjob]
+            self._done.append(TransferResult(part.vjob, vjob.ok, vjob.size, vjob.time))
 
+    @_serialized
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the jobs no longer touch engine blocks (vLLM then frees them, e.g. a
+        preempted request's): their parts end, or reach their deadline, where a store into a
+        hung tier is stopped reading engine blocks and vLLM's job stops waiting for it and for
+        a move (`_past_deadline`). Loads, which vLLM cannot take failed, are waited for."""
+        parts = [p for j in job_ids if j in self._vjobs for p in self._vjobs[j].parts]
+        if not parts:
+            return
+        due = max(self._parts[p].due for p in parts)
+        late = self._worker.wait(parts, max(0.0, due - time.monotonic()))
+        if late:
+            self._past_deadline(late)
+            # Still gating: loads, and copies from memory that had started (they end soon).
+            self._worker.wait([p for p in late if p in self._parts and self._parts[p].gates])
+
+    @_serialized
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._worker.close()  # finishes queued copies before the cache may close
+        # Copies in flight end first (the cache closes after), but a hung tier's wait at most
+        # `store_timeout`: they are stopped reading engine blocks, their tiers suspended (the
+        # cache's close then writes nothing back into them) and left behind, so the engine
+        # exits instead of waiting for the disk.
+        late = self._worker.wait(list(self._parts), self._store_timeout)
+        for p in late:
+            self._worker.cancel(p)
+            with self._store.lock:
+                self._store.cache.manager.suspend(self._parts[p].tier)
+        if late:
+            log.warning(
+                "tiercache: %d copies into or out of hung tiers still ran at shutdown; left "
+                "behind (their blocks are not stored)",
+                len(late),
+            )
+        self._worker.close(timeout=1.0 if late else None)
         for r in self._worker.get_finished():
             self._finish_part(r)
         release_store(self._store)
@@ -699,9 +857,10 @@ class TierCacheOffloadingWorker(OffloadingWorker):
                     f"no transfer handler for {src.medium!r} -> {dst.medium!r}; "
                     "the worker was built for other tiers"
                 )
+            kind = "load" if loads else "move" if isinstance(src, TierLoadStoreSpec) else "store"
+            due = time.monotonic() + (self._timeout if loads else self._store_timeout)
             vjob.parts.add(part_id)
-            due = time.monotonic() + self._timeout if loads else 0.0
-            self._parts[part_id] = _Part(job_id, tier_side.keys, tier_side.tier, loads, due)
+            self._parts[part_id] = _Part(job_id, tier_side.keys, tier_side.tier, kind, due)
         self._vjobs[job_id] = vjob
         if not vjob.parts:  # nothing to copy (cannot come from vLLM, but stays well-defined)
             del self._vjobs[job_id]
@@ -719,25 +878,36 @@ class TierCacheOffloadingWorker(OffloadingWorker):
             cache = self._store.cache
             medium = cache.tiers[part.tier].medium
             cache.load_costs.observe_load(medium, r.transfer_size, r.transfer_time)
+        failed = ([part.keys[i] for i in r.failed] or list(part.keys)) if not r.success else []
+        if failed and not part.is_load:
+            # A store or move is best effort: the blocks that did not arrive become misses.
+            # The blocks a store given up at its deadline never read are no error of the tier.
+            error = part.gates or part.kind == "move"
+            self._bridge.store_failed(failed, part.tier, error=error)
+            if error:
+                log.warning(
+                    "%s of %d blocks into tier %d failed", part.kind, len(failed), part.tier
+                )
+        if part.kind == "move" or not part.gates:  # the manager completes these as they end
+            if len(failed) < len(part.keys):
+                bad = set(failed)
+                self._bridge.ended([k for k in part.keys if k not in bad])
+            if not part.gates:  # vLLM's job ended without it
+                return
         vjob = self._vjobs[part.vjob]
         vjob.parts.discard(r.job_id)
         vjob.size += r.transfer_size
         vjob.time += r.transfer_time
-        if not r.success:
-            if part.is_load:
-                vjob.ok = False
-                self._bridge.load_failed(part.tier, len(r.failed) or len(part.keys))
-                log.error(
-                    "load of %d blocks from tier %d failed (job %d); vLLM's "
-                    "OffloadingConnector cannot recompute them",
-                    len(r.failed),
-                    part.tier,
-                    part.vjob,
-                )
-            else:
-                # A store is best effort: the blocks that did not arrive become misses.
-                self._bridge.store_failed([part.keys[i] for i in r.failed], part.tier)
-                log.warning("store of %d blocks into tier %d failed", len(r.failed), part.tier)
+        if failed and part.is_load:
+            vjob.ok = False
+            self._bridge.load_failed(part.tier, len(failed))
+            log.error(
+                "load of %d blocks from tier %d failed (job %d); vLLM's "
+                "OffloadingConnector cannot recompute them",
+                len(failed),
+                part.tier,
+                part.vjob,
+            )
         if not vjob.parts:
             del self._vjobs[part.vjob]
             self._done.append(TransferResult(part.vjob, vjob.ok, vjob.size, vjob.time))
