@@ -12,7 +12,11 @@ One round is six processes, each on its own store (a round's stores are new):
    own prefix-cache hit: the floor).
 2. `default`, TierCacheConnector with the default configuration (CPU tier, then NVMe written
    through): set A (every request a miss, every block stored: the no-reuse overhead against
-   1.), vLLM's prefix cache reset, set A again (hits from the CPU tier, same process).
+   1.), vLLM's prefix cache reset, set A again (hits from the CPU tier, same process), then
+   set A once more (vLLM's own prefix-cache hits in this engine: the floor the CPU tier's hits
+   are held to, as the issue defines it, "the same prompts again in the same engine"; fresh
+   engine processes differ by up to ~15 % in their own compute, so a floor from process 1
+   would add that spread to the ratio).
 3. `nvme`, a fresh process on 2.'s tiers: set A (hits from NVMe).
 4. `populate`, CPU + LMDB + Redis, both written through: sets A and B (not timed).
 5. `lmdb`, a fresh process, CPU + LMDB: set A (hits from LMDB).
@@ -27,7 +31,8 @@ revision's checkout), in the same rotation: an A/B of the overhead within one ru
 The raw read time is the bytes a hit loads per request (`num_cached_tokens` / 32 blocks of
 layers x 32 x 4 x 64 x 2 x 4 bytes) at this disk's O_DIRECT read rate, measured here with
 `bench_nvme.Raw` (4 threads, 32-block batches, cold reads of 4 requests' worth). Targets
-(issue 16): NVMe hits <= 1.2 x (floor + raw read), CPU-tier hits <= 1.2 x floor; issue 23:
+(issue 16): NVMe hits <= 1.2 x (floor + raw read), CPU-tier hits <= 1.2 x the floor of their own
+engine (process 2); issue 23:
 no-reuse overhead of the default configuration < 3 %.
 
 The overhead is also given in process CPU time (all threads of the in-process engine, the
@@ -174,13 +179,14 @@ def one_round(
         if pythonpath is not None:  # the engine and vLLM's workers import tiercache from there
             os.environ["PYTHONPATH"] = pythonpath
         try:
-            first, again, batch = run(
+            first, again, floor_here, batch = run(
                 tag or "default",
                 {
                     "kv_transfer_config": connector(tiers),
                     "batches": [
                         {"prompts": a, **one, "reset_prefix_cache": True},
                         {"prompts": a, **one},
+                        {"prompts": a, **one},  # vLLM's own prefix-cache hits, this engine
                         c,
                     ],
                 },
@@ -209,6 +215,9 @@ def one_round(
         out[tag + "cpu"] = again["request_s"]
         out[tag + "cpu_outputs"] = again["outputs"]
         out[tag + "cpu_cached"] = again["num_cached_tokens"]
+        out[tag + "floor_here"] = floor_here["request_s"]
+        out[tag + "floor_here_outputs"] = floor_here["outputs"]
+        out[tag + "floor_here_cached"] = floor_here["num_cached_tokens"]
 
     steps = [baseline, default]
     if args.compare:
@@ -397,6 +406,7 @@ def report(
         ("tiercache miss, default config (no reuse)", "miss"),
         ("the same, --compare revision", "compare_miss"),
         ("vLLM prefix-cache hit (floor)", "floor"),
+        ("vLLM prefix-cache hit in the CPU tier's engine (floor, same process)", "floor_here"),
         ("tiercache CPU tier, same process", "cpu"),
         ("the same, --compare revision", "compare_cpu"),
         ("tiercache NVMe, fresh process", "nvme"),
@@ -422,11 +432,13 @@ def report(
             f" {_rounds(per_round)} |"
         )
     if "hung" in rounds[0]:
-        hung_max = [max(r["hung"]) for r in rounds]
-        bound = args.load_timeout + statistics.median(_med(r["recompute"]) for r in rounds)
+        # Each round's slowest request against that round's load_timeout + recompute (the
+        # median recompute of the round's no-connector process: engines differ by round).
+        pairs = [(max(r["hung"]), args.load_timeout + _med(r["recompute"])) for r in rounds]
         print(
-            f"\nhung Redis: slowest request {max(hung_max):.2f} s (per round: "
-            f"{', '.join(f'{x:.2f}' for x in hung_max)}); load_timeout + recompute = {bound:.2f} s"
+            "\nhung Redis, slowest request / (load_timeout + recompute) per round: "
+            + ", ".join(f"{x:.2f} / {b:.2f} s" for x, b in pairs)
+            + f"; within the bound in {sum(x <= b for x, b in pairs)} of {len(rounds)} rounds"
         )
         for r in rounds:
             for store in r["redis_stores"].values():
@@ -446,7 +458,13 @@ def report(
         targets += [
             (f"{name}miss/recompute (issue 23 overhead)", tag + "miss", recompute, "< 1.03"),
             (f"{name}batch miss/recompute (same, batched)", tag + "batch_miss", batch, "< 1.03"),
-            (f"{name}cpu/floor", tag + "cpu", floor, "<= 1.2"),
+            (
+                f"{name}cpu/floor (the floor of the same engine)",
+                tag + "cpu",
+                lambda r, t=tag: _med(r[t + "floor_here"]),
+                "<= 1.2",
+            ),
+            (f"{name}cpu/floor (the no-connector engine's floor)", tag + "cpu", floor, "report"),
         ]
         targets += [
             (f"{name}CPU time: miss/recompute", f"cpu_{tag}miss", cpu_ref[0], "report"),
@@ -473,7 +491,7 @@ def report(
         if key in rounds[0]:
             xs = [_med(r[key]) / ref(r) for r in rounds]
             print(f"RATIO {name} {_rounds(xs)}  target {goal}")
-    for key in ("floor", "cpu", "compare_cpu", "nvme", "lmdb", "redis", "hung"):
+    for key in ("floor", "floor_here", "cpu", "compare_cpu", "nvme", "lmdb", "redis", "hung"):
         if f"{key}_outputs" not in rounds[0]:
             continue
         ref = "hung_expected" if key == "hung" else "outputs"
@@ -483,7 +501,7 @@ def report(
         "hit tokens per request (median): "
         + ", ".join(
             f"{k} {statistics.median(c for r in rounds for c in r[f'{k}_cached'])}"
-            for k in ("cpu", "nvme", "lmdb", "redis", "hung")
+            for k in ("cpu", "floor_here", "nvme", "lmdb", "redis", "hung")
             if f"{k}_cached" in rounds[0]
         )
     )

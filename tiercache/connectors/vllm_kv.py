@@ -806,10 +806,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         """The hit of a lookup whose verifying read is `pending`: its result once done (within
         VERIFY_WAIT_S), None while it runs, and the part before it once it is late."""
         assert self._shared is not None
+        timeout = self._shared.cache.config.deadlines.load_timeout
         try:
-            n = pending.future.result(timeout=VERIFY_WAIT_S)
+            # Never past the deadline: a late read is given up in this very call, not at the
+            # next step's lookup (up to VERIFY_WAIT_S later).
+            left = pending.started + timeout - time.monotonic()
+            n = pending.future.result(timeout=max(0.0, min(VERIFY_WAIT_S, left)))
         except FutureTimeout:
-            timeout = self._shared.cache.config.deadlines.load_timeout
             if time.monotonic() - pending.started < timeout:
                 self._count("verify_waits")
                 return None
