@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiercache import TierCache
+from tiercache import TierCache, costs
 from tiercache.config import CacheConfig, LoadingConfig
 from tiercache.costs import (
     Estimates,
@@ -205,3 +205,37 @@ def test_estimates_in_cache_stats_snapshot_and_prometheus() -> None:
     assert 'tiercache_tier_load_latency_ms{tier="cpu"} 1.0' in text
     assert 'tiercache_tier_load_mb_per_s{tier="cpu"} 500.0' in text
     assert "tiercache_engine_prefill_tokens_per_s 100000.0" in text
+
+
+def test_one_stalled_job_moves_the_estimate_a_bounded_step(monkeypatch) -> None:
+    """A hiccup (one job 1,000 times slower) must not make "auto" decline a healthy tier: the
+    sample is clamped to CLAMP x the prediction, so the next decision still loads."""
+
+    def fit_with_a_stall() -> Line:
+        fit = LinearFit(alpha=0.1)
+        for i in range(20):
+            fit.add((1 + i % 4) * BLOCK, 0.0002 + (1 + i % 4) * 0.0001)  # 0.3 ms a block
+        before = fit.line()
+        fit.add(BLOCK, 0.3)  # one read stalled for 300 ms
+        after = fit.line()
+        assert before is not None and after is not None
+        return after
+
+    def loads(line: Line) -> int:
+        est = Estimates(load={"nvme": line}, forward=FORWARD)
+        return plan_load(["nvme"] * 4, block_bytes=BLOCK, block_tokens=TOKENS, estimates=est).load
+
+    line = fit_with_a_stall()
+    assert line.seconds(BLOCK) < 0.002
+    assert loads(line) == 4  # 4 blocks, ~1 ms each to recompute: still cheaper to load
+    # Without the clamp, that one sample makes the tier look ~30 ms a job: all declined.
+    monkeypatch.setattr(costs, "CLAMP", float("inf"))
+    assert loads(fit_with_a_stall()) == 0
+
+
+def test_the_first_samples_are_never_clamped() -> None:
+    fit = LinearFit(alpha=0.1)
+    fit.add(BLOCK, 0.001)
+    fit.add(BLOCK, 1.0)  # too few samples to tell an outlier from the tier's real cost
+    line = fit.line()
+    assert line is not None and line.seconds(BLOCK) == pytest.approx(0.5005)

@@ -34,6 +34,14 @@ from tiercache.config import LoadingConfig
 
 # EWMA weight of a new sample: the estimates follow the last ~1/ALPHA jobs or steps.
 ALPHA = 0.1
+# Once a fit has CLAMP_AFTER samples, a new one counts for at most CLAMP times what the fit
+# predicts (plus CLAMP_FLOOR_S): one stalled job (a GC pause, a disk or network hiccup) moves
+# an estimate by a bounded step, instead of making "auto" decline a healthy tier for the next
+# ~1/ALPHA jobs (a declined tier is not measured again until a long hit comes along). A tier
+# that really slowed down is still followed, a factor of up to ~1.3 per job.
+CLAMP = 4.0
+CLAMP_AFTER = 4
+CLAMP_FLOOR_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +67,13 @@ class LinearFit:
         self._x = self._y = self._xx = self._xy = 0.0
 
     def add(self, x: float, seconds: float) -> None:
-        """One sample; ignored unless x > 0 and seconds >= 0."""
+        """One sample; ignored unless x > 0 and seconds >= 0; an outlier is clamped (CLAMP)."""
         if not x > 0 or not seconds >= 0:
             return
+        if self.samples >= CLAMP_AFTER:
+            line = self.line()
+            if line is not None:
+                seconds = min(seconds, CLAMP * line.seconds(x) + CLAMP_FLOOR_S)
         self.samples += 1
         w = max(self.alpha, 1.0 / self.samples)
         self._x += w * (x - self._x)

@@ -353,6 +353,10 @@ def test_a_hung_verifying_read_never_stalls_scheduling(tmp_path) -> None:
         assert cache.manager.suspended()[0] > 0
         assert c._lookup_local(keys, "r2") == 0  # suspended: no hit, no read
         release.set()
+        for pool in c._verify_pools.values():
+            pool.shutdown(wait=True)  # the late read ends now ...
+        # ... and is no cost sample: its seconds would make "auto" decline the tier for long.
+        assert "nvme" not in cache.load_costs.tier_stats()
     finally:
         release.set()
         for pool in c._verify_pools.values():

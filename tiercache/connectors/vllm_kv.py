@@ -858,9 +858,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         got = cache.fetch(keys[first_disk:], count=False)
         seconds = time.perf_counter() - t0
         with self._shared.lock:
-            # Here, in the local placement, the read is the load (it promotes): its cost.
+            # Here, in the local placement, the read is the load (it promotes): its cost. A
+            # read past load_timeout was given up (its tier suspended): a failure for the
+            # circuit breaker, not a cost sample.
             medium = cache.tiers[tier].medium
-            cache.load_costs.observe_load(medium, got * self._block_bytes, seconds)
+            if seconds <= cache.config.deadlines.load_timeout:
+                cache.load_costs.observe_load(medium, got * self._block_bytes, seconds)
             bad = self._tier_errors() - errors_before
             if bad:
                 self._count("verify_errors", bad)
