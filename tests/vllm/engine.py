@@ -32,7 +32,10 @@ this process's CPU time over it (all threads) in ``request_cpu_s``. A batch
 with ``"stop_pid": PID`` sends SIGSTOP to that process before the batch and SIGCONT after it
 (a hung server, e.g. Redis, during exactly that batch).
 
-A batch may also say ``"wait_s": S`` (sleep S seconds before it), ``"wait_for": PATH``
+A batch with ``"settle_through": true`` starts once the connector's write-through copies
+queued so far have run (in-process engines; e.g. hits timed apart from the previous batch's
+background writes). A batch may also say ``"wait_s": S`` (sleep S seconds before it),
+``"wait_for": PATH``
 (start it only once PATH exists: another engine
 finished something) and ``"touch": PATH`` (create PATH after it): engines started together
 with `start_in_subprocess` then run in a set order, each in its own process.
@@ -264,6 +267,20 @@ def tiercache_kv(config: dict[str, Any], *, policy: str = "recompute") -> dict[s
     }
 
 
+def offloading_kv(config: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` for its own `OffloadingConnector` with
+    `TierCacheOffloadingSpec` and tiercache `config`."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TierCacheOffloadingSpec",
+            "spec_module_path": "tiercache.connectors.vllm",
+            "config": config,
+        },
+    }
+
+
 def make_prompts(n: int, length: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
     """`n` prompts of `length` token ids; the first `shared_prefix` ids are common to all."""
     rng = random.Random(seed)
@@ -330,6 +347,9 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         if batch.get("wait_for"):
             wait_for_file(Path(batch["wait_for"]))
         time.sleep(float(batch.get("wait_s", 0)))
+        th0 = thread_cpu()  # the settling's background copies count in this batch's threads
+        if batch.get("settle_through"):
+            _settle_through()
         params = SamplingParams(
             temperature=0, max_tokens=batch.get("max_tokens", 16), ignore_eos=True, detokenize=False
         )
@@ -337,7 +357,6 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         if batch.get("stop_pid"):
             os.kill(batch["stop_pid"], signal.SIGSTOP)
         t0, c0, s0 = time.perf_counter(), time.process_time(), spent[0]
-        th0 = thread_cpu()
         request_s: list[float] = []
         request_cpu_s: list[float] = []
         if batch.get("one_by_one"):
@@ -434,6 +453,21 @@ def _reset_prefix_cache(llm: Any, tokens_prompt: Any, deadline_s: float = 120) -
             raise RuntimeError(f"reset_prefix_cache still refused after {deadline_s} s")
         llm.generate([tokens_prompt(prompt_token_ids=[3])], tick, use_tqdm=False)
         time.sleep(0.01)
+
+
+def _settle_through(deadline_s: float = 120) -> None:
+    """Wait until no tier of this process's stores has write-through copies queued, then for
+    the copier's batch in flight (a small one) to end."""
+    from tiercache.connectors.common import store_snapshots
+
+    end = time.monotonic() + deadline_s
+    while any(
+        t.get("through_queued", 0) for s in store_snapshots().values() for t in s["stats"].values()
+    ):
+        if time.monotonic() > end:
+            raise RuntimeError(f"write-through still queued after {deadline_s} s")
+        time.sleep(0.02)
+    time.sleep(0.2)
 
 
 def _kv_groups(worker: Any) -> list[list[Any]]:

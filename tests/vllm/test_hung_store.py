@@ -107,18 +107,6 @@ def test_an_engine_exits_while_its_disk_is_hung(
 
 
 # -- TierCacheOffloadingSpec under vLLM's own OffloadingConnector ------------------------------
-def _offloading(config: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "TierCacheOffloadingSpec",
-            "spec_module_path": "tiercache.connectors.vllm",
-            "config": config,
-        },
-    }
-
-
 @pytest.mark.parametrize("tiers", ["nvme", "cpu+nvme", "cpu+nvme-write-back"])
 def test_a_hung_store_gives_vllm_its_blocks_back_through_the_offloading_spec(
     engine: ModuleType, tiny_llama: Path, tmp_path: Path, tiers: str
@@ -168,7 +156,7 @@ def test_a_hung_store_gives_vllm_its_blocks_back_through_the_offloading_spec(
         {
             **common,
             "batches": batches,
-            "kv_transfer_config": _offloading(config),
+            "kv_transfer_config": engine.offloading_kv(config),
             "hang_writes": str(release),
         },
         timeout=300,

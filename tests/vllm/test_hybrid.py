@@ -321,17 +321,9 @@ def test_ngram_speculative_decoding_matches_and_hits(
 
 
 # -- vLLM's OffloadingConnector with TierCacheOffloadingSpec -------------------------------
-def _offloading_kv(root: Path) -> dict[str, Any]:
+def _offloading_kv(engine: ModuleType, root: Path) -> dict[str, Any]:
     tiers = _kv_config(root, policy=None)["kv_connector_extra_config"]["config"]["tiers"]
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "TierCacheOffloadingSpec",
-            "spec_module_path": "tiercache.connectors.vllm",
-            "config": {"namespace": "hybrid-spec", "tiers": tiers},
-        },
-    }
+    return engine.offloading_kv({"namespace": "hybrid-spec", "tiers": tiers})
 
 
 def test_offloading_spec_keeps_the_groups_matches_and_hits_after_a_restart(
@@ -344,7 +336,7 @@ def test_offloading_spec_keeps_the_groups_matches_and_hits_after_a_restart(
     store prompts left, mid-prompt included; a fresh process then hits everything, and
     after every stored record is damaged, recomputes with the same outputs."""
     store, load = _prompts()
-    kv = _offloading_kv(tmp_path)
+    kv = _offloading_kv(engine, tmp_path)
     batches = [
         {"prompts": store, "max_tokens": MAX_TOKENS, "reset_prefix_cache": True},
         {"prompts": load, "max_tokens": MAX_TOKENS, "reset_prefix_cache": True},

@@ -573,18 +573,6 @@ PROMPT_TOKENS = 100  # 3 full 32-token blocks each; the last prompt block is alw
 HIT_TOKENS = 96
 
 
-def _connector(config: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "TierCacheOffloadingSpec",
-            "spec_module_path": SPEC_MODULE,
-            "config": config,
-        },
-    }
-
-
 def _nvme_stats(result: dict[str, Any]) -> dict[str, Any]:
     (store,) = result["stores"].values()
     return store["stats"]["nvme"]
@@ -613,14 +601,14 @@ def test_engine_outputs_hits_restart_and_corruption(
 
     # 1. Greedy outputs equal the run without a connector; after vLLM's own prefix cache is
     #    reset, every repeated prompt hits the offloaded blocks (and still matches).
-    first = engine.run_in_subprocess(spec(_connector(config), 2))
+    first = engine.run_in_subprocess(spec(engine.offloading_kv(config), 2))
     cold, warm = first["batches"]
     assert cold["outputs"] == base and cold["num_cached_tokens"] == [0] * PROMPTS
     assert warm["outputs"] == base and warm["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
     assert _loads(first) == (0, PROMPTS)  # no sync_load_budget_bytes: no expedited load
 
     # 2. A fresh process with the same config gets external hits from the persistent tier.
-    second = engine.run_in_subprocess(spec(_connector(config), 1))
+    second = engine.run_in_subprocess(spec(engine.offloading_kv(config), 1))
     (restart,) = second["batches"]
     assert restart["outputs"] == base
     assert restart["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
@@ -633,7 +621,7 @@ def test_engine_outputs_hits_restart_and_corruption(
     for i in range(meta["capacity_blocks"]):
         slab[i * meta["slot_bytes"] + 64 + 100] ^= 0xFF
     (nvme / "slab").write_bytes(slab)
-    third = engine.run_in_subprocess(spec(_connector(config), 2))
+    third = engine.run_in_subprocess(spec(engine.offloading_kv(config), 2))
     corrupt, healed = third["batches"]
     assert corrupt["outputs"] == base and corrupt["num_cached_tokens"] == [0] * PROMPTS
     assert healed["outputs"] == base and healed["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
@@ -659,7 +647,7 @@ def test_engine_override_that_changes_kv_never_hits_another_engines_store(
             {"kind": "nvme", "path": str(tmp_path / "nvme"), "capacity": "8MiB"},
         ]
     }
-    kv = _connector(config)
+    kv = engine.offloading_kv(config)
 
     def spec(kv: dict[str, Any] | None, **kw: Any) -> dict[str, Any]:
         one = {"prompts": prompts, "max_tokens": 12}
@@ -709,7 +697,7 @@ def test_engine_sync_loads_and_multiprocess_mode(
             {"kind": "nvme", "path": str(tmp_path / "nvme"), "capacity": "8MiB"},
         ]
     }
-    kv = _connector(config)
+    kv = engine.offloading_kv(config)
     kv["kv_connector_extra_config"]["sync_load_budget_bytes"] = SYNC_BUDGET
 
     def spec(kv: dict[str, Any] | None, batches: int, **kw: Any) -> dict[str, Any]:
