@@ -592,10 +592,11 @@ def _serialized(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-_DEADLINE_COUNTERS = {
-    "load": "offload_late_load_blocks",
-    "store": "offload_store_deadline_blocks",
-    "move": "offload_move_deadline_blocks",
+# Per kind of part past its deadline: the counter of its blocks, and what happens to it.
+_PAST_DEADLINE = {
+    "load": ("offload_late_load_blocks", "it is still waited for"),
+    "store": ("offload_store_deadline_blocks", "vLLM gets its blocks back"),
+    "move": ("offload_move_deadline_blocks", "its blocks read as misses"),
 }
 
 
@@ -720,10 +721,14 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         if not self._mutex.acquire(blocking=False):
             return
         try:
-            for r in self._worker.get_finished():
-                self._finish_part(r)
+            self._finish_ended()
         finally:
             self._mutex.release()
+
+    def _finish_ended(self) -> None:
+        """Account for every part the transfer engine has finished since it was last asked."""
+        for r in self._worker.get_finished():
+            self._finish_part(r)
 
     @_serialized
     def get_finished(self) -> list[TransferResult]:
@@ -736,8 +741,7 @@ class TierCacheOffloadingWorker(OffloadingWorker):
                 if late:
                     self._past_deadline(late)
                     self._worker.wait(late)  # vLLM cannot take a failed load: see module doc
-        for r in self._worker.get_finished():
-            self._finish_part(r)
+        self._finish_ended()
         now = time.monotonic()
         late = {p for p, part in self._parts.items() if p not in self._late and now >= part.due}
         if late:
@@ -759,17 +763,16 @@ class TierCacheOffloadingWorker(OffloadingWorker):
             part = self._parts.get(p)
             if part is None or p in self._late:
                 continue
-            if part.kind == "store":
-                if not part.gates or not self._worker.cancel(p):
-                    continue  # a copy from memory that started: it ends soon
+            if part.kind == "store" and not self._worker.cancel(p):
+                continue  # a copy from memory that started: it ends soon
+            if part.kind != "load":  # a move reads no engine block: vLLM's job need not wait
                 self._detach(p, part)
-            elif part.kind == "move":  # reads no engine block: vLLM's job need not wait
-                self._detach(p, part)
-                with self._store.lock:
-                    manager.unmove(part.keys)
             self._late.add(p)
-            self._store.count(_DEADLINE_COUNTERS[part.kind], len(part.keys))
+            counter, consequence = _PAST_DEADLINE[part.kind]
+            self._store.count(counter, len(part.keys))
             with self._store.lock:
+                if part.kind == "move":
+                    manager.unmove(part.keys)
                 seconds = manager.suspend(part.tier)
             log.warning(
                 "tiercache: a %s of %d blocks %s tier %d missed its deadline; %s, and the "
@@ -778,11 +781,7 @@ class TierCacheOffloadingWorker(OffloadingWorker):
                 len(part.keys),
                 "from" if part.is_load else "into",
                 part.tier,
-                {
-                    "load": "it is still waited for",
-                    "store": "vLLM gets its blocks back",
-                    "move": "its blocks read as misses",
-                }[part.kind],
+                consequence,
                 seconds,
             )
 
@@ -834,8 +833,7 @@ class TierCacheOffloadingWorker(OffloadingWorker):
                 len(late),
             )
         self._worker.close(timeout=1.0 if late else None)
-        for r in self._worker.get_finished():
-            self._finish_part(r)
+        self._finish_ended()
         release_store(self._store)
 
     # -- internals -------------------------------------------------------------------------
