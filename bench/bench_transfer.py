@@ -14,6 +14,9 @@ Medians of `--runs` runs; the three bulk measurements interleave so machine nois
 
 Run: python bench/bench_transfer.py [--blocks 256] [--block-kib 2048] [--runs 7]
                                     [--small-jobs 2000] [--device auto|cpu|cuda]
+                                    [--layers 1]
+`--layers N` lays the same bytes out as vLLM does, one `[2, num_blocks, chunk]` allocation per
+layer (e.g. 32 layers of 32 KiB chunks for 2 MiB blocks): 2N runs per block instead of one.
 """
 
 from __future__ import annotations
@@ -50,12 +53,24 @@ def _run_job(worker: OffloadingWorker, job_id: int, spec) -> float:
     return dt
 
 
-def _setup(n_blocks: int, block_bytes: int, device: torch.device, seed: int = 0):
-    """A one-allocation engine buffer of 2 * n_blocks blocks, a CPU tier of n_blocks slots."""
+def _setup(n_blocks: int, block_bytes: int, device: torch.device, seed: int = 0, layers: int = 1):
+    """An engine buffer of 2 * n_blocks blocks, a CPU tier of n_blocks slots. One layer: one
+    allocation `[num_blocks, block]`. Several: vLLM's layout, one `[2, num_blocks, chunk]`
+    allocation per layer (K and V apart), so a block is 2 x layers chunks of
+    block_bytes / (2 x layers) bytes."""
     num = 2 * n_blocks
-    engine = torch.empty((num, block_bytes // 2), dtype=torch.bfloat16, device=device)
-    engine.view(torch.int16).random_(-(2**15), 2**15 - 1)  # also faults every page in
-    layout = KVLayout({"layer.0": engine}, num)
+    if layers == 1:
+        kv = {"layer.0": torch.empty((num, block_bytes // 2), dtype=torch.bfloat16, device=device)}
+    else:
+        chunk = block_bytes // (2 * layers)
+        kv = {
+            f"layer.{i}": torch.empty((2, num, chunk // 2), dtype=torch.bfloat16, device=device)
+            for i in range(layers)
+        }
+    for t in kv.values():
+        t.view(torch.int16).random_(-(2**15), 2**15 - 1)  # also faults every page in
+    layout = KVLayout(kv, num)
+    engine = kv["layer.0"] if layers == 1 else kv["layer.0"][0]
     tier = CPUTier(block_bytes=layout.block_bytes, capacity_blocks=n_blocks)
     tier.pool.fill_(1)  # pinned or pageable, the pool is touched before timing
     g = torch.Generator().manual_seed(seed)
@@ -67,7 +82,9 @@ def _setup(n_blocks: int, block_bytes: int, device: torch.device, seed: int = 0)
 
 def bench_bulk(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
     n, bb = args.blocks, args.block_kib * 1024
-    engine, layout, tier, store_ids, load_ids, slots, keys = _setup(n, bb, device)
+    engine, layout, tier, store_ids, load_ids, slots, keys = _setup(
+        n, bb, device, layers=args.layers
+    )
     total = n * bb
     # Baseline: one large copy of the same bytes (host<->host, or pinned host<->device).
     if device.type == "cuda":
@@ -118,7 +135,9 @@ def bench_bulk(args: argparse.Namespace, device: torch.device) -> dict[str, floa
 def bench_small(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
     bb = args.small_kib * 1024
     n = 64
-    _engine, layout, tier, store_ids, load_ids, _slots, keys = _setup(n, bb, device, seed=1)
+    _engine, layout, tier, store_ids, load_ids, _slots, keys = _setup(
+        n, bb, device, seed=1, layers=args.layers
+    )
     m = args.small_jobs
     lat, pipe = [], []
     with build_worker(layout, [tier]) as worker:
@@ -167,6 +186,15 @@ def main() -> None:
     p.add_argument("--small-jobs", type=int, default=2000, help="jobs per small-job run")
     p.add_argument("--small-kib", type=int, default=16, help="bytes per small job, KiB")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--profile", action="store_true", help="cProfile the small jobs (top 18 by own time)"
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="1: one allocation; N: vLLM's layout, N layers of [2, num_blocks, chunk]",
+    )
     args = p.parse_args()
     # Copies run on one thread: on the 2-core VM an OpenMP copy with 2 threads stalls whenever
     # one of them is descheduled (shared/limits: 1.4 GB/s instead of 9), and memcpy is
@@ -183,6 +211,7 @@ def main() -> None:
         base = "pinned cudaMemcpy" if name == "cuda" else "one copy_"
         print(
             f"# {name}: {args.blocks} blocks x {args.block_kib} KiB = {mib:.0f} MiB per job, "
+            f"{args.layers} layer(s), "
             f"median of {args.runs} runs, baseline = {base}"
         )
         bw = bench_bulk(args, device)
@@ -193,7 +222,15 @@ def main() -> None:
             )
         for kind in ("store", "load"):
             print(f"RATIO {kind}/copy = {bw[kind] / bw['copy_' + kind]:.3f} ({name}, vs {base})")
-        small = bench_small(args, device)
+        if args.profile:  # where a small job's time goes, host side
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            small = prof.runcall(bench_small, args, device)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        else:
+            small = bench_small(args, device)
         print(
             f"{name} small jobs ({args.small_kib} KiB): {small['latency_us']:.1f} us/job one at a "
             f"time, {small['pipelined_us']:.1f} us/job pipelined"

@@ -41,6 +41,15 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def repo_env() -> dict[str, str]:
+    """This environment for a child interpreter that imports tiercache from this checkout: the
+    repository ahead of the PYTHONPATH it has (which may hold the dependencies)."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 _PRELOAD = ["torch", "numpy", "lmdb", "tiercache.tiers.nvme", "tiercache.tiers.lmdb"]
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from tests.campaign_support import repo_env
 from tests.test_cli_store import BB, snapshot
 from tests.test_tier_redis import REDIS_SERVER, RedisServer
 from tiercache.cli import main
@@ -49,7 +50,7 @@ t.close()
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO)}
+    return repo_env()
 
 
 def writer(path: Path, ns: str, cap: int, n: int, mode: str) -> subprocess.Popen[str]:

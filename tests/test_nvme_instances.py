@@ -5,7 +5,6 @@ opening one configured path at once."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from tests.campaign_support import repo_env
 from tiercache import CacheConfig, TierCache
 from tiercache.cli import main
 from tiercache.connectors.common import per_dp_rank_config, resolve_rank_config
@@ -57,7 +57,7 @@ class Replica:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env=repo_env(),
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()

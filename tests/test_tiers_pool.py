@@ -97,7 +97,8 @@ def test_cpu_pool_is_faulted_in_behind_writes_without_touching_them() -> None:
 
     bb, cap = 64 * 1024, 4096  # 256 MiB
     before = _rss_kib()
-    t = CPUTier(block_bytes=bb, capacity_blocks=cap)
+    # Pageable: a pinned pool (the default where CUDA is) is backed by its allocation.
+    t = CPUTier(block_bytes=bb, capacity_blocks=cap, pin_memory=False)
     try:
         slots = [cap - 1, cap // 2, 7, cap - 2]  # far from the first chunk, faulted in later
         data = rand_blocks(len(slots), bb)

@@ -272,8 +272,9 @@ class KVLayout:
         self._check_ids(block_ids, len(slots))
         recs = self._record_ids(slots)
         if pool.device == self.device:
+            plan = RowPlan(recs, block_ids)
             for seg, view in zip(self.segments, self._pool_records(pool), strict=True):
-                copy_rows(view, recs, seg.rows, block_ids)
+                copy_rows(view, recs, seg.rows, block_ids, plan=plan)
             return
         tmp = torch.empty((len(slots), self.block_bytes), dtype=torch.uint8, device=self.device)
         self.gather(block_ids, tmp)
@@ -291,8 +292,9 @@ class KVLayout:
         self._check_ids(block_ids, len(slots))
         if pool.device == self.device:
             recs = self._record_ids(slots)
+            plan = RowPlan(block_ids, recs)
             for seg, view in zip(self.segments, self._pool_records(pool), strict=True):
-                copy_rows(seg.rows, block_ids, view, recs, split=True)
+                copy_rows(seg.rows, block_ids, view, recs, split=True, plan=plan)
             return
         tmp = torch.empty((len(slots), self.block_bytes), dtype=torch.uint8, device=self.device)
         copy_rows(tmp, range(len(slots)), pool, slots, non_blocking=non_blocking)
@@ -311,8 +313,9 @@ class KVLayout:
             out.copy_(tmp, non_blocking=non_blocking)
             return
         dense = range(len(block_ids))
+        plan = RowPlan(dense, block_ids)
         for seg, view in zip(self.segments, self._records(out), strict=True):
-            copy_rows(view, dense, seg.rows, block_ids)
+            copy_rows(view, dense, seg.rows, block_ids, plan=plan)
 
     def scatter(
         self, block_ids: Sequence[int], src: torch.Tensor, *, non_blocking: bool = False
@@ -323,8 +326,9 @@ class KVLayout:
         if src.device != self.device:
             src = src.to(self.device, non_blocking=non_blocking)
         dense = range(len(block_ids))
+        plan = RowPlan(block_ids, dense)
         for seg, view in zip(self.segments, self._records(src), strict=True):
-            copy_rows(seg.rows, block_ids, view, dense)
+            copy_rows(seg.rows, block_ids, view, dense, plan=plan)
 
     def __repr__(self) -> str:
         return (
@@ -384,6 +388,34 @@ def _index(idx: Sequence[int], device: torch.device) -> torch.Tensor:
     return t
 
 
+class RowPlan:
+    """What `copy_rows` works out from a pair of index lists (their paired runs, whether each
+    is one run, index tensors per device), once for every segment of a job: a 32-layer
+    layout copies the same block ids 32 times (on CUDA each index tensor is a host->device
+    copy of its own)."""
+
+    def __init__(self, dst_idx: Sequence[int], src_idx: Sequence[int]) -> None:
+        if len(dst_idx) != len(src_idx):
+            raise ValueError(
+                f"copy_rows: {len(dst_idx)} destination rows for {len(src_idx)} source rows"
+            )
+        self.dst_idx, self.src_idx = dst_idx, src_idx
+        self.runs = paired_runs(dst_idx, src_idx)
+        self.dst_run, self.src_run = _is_run(dst_idx), _is_run(src_idx)
+        self._tensors: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.dst_idx)
+
+    def index(self, side: str, device: torch.device) -> torch.Tensor:
+        """The "dst" or "src" indices as an int64 tensor on `device` (made once)."""
+        t = self._tensors.get((side, device))
+        if t is None:
+            t = _index(self.dst_idx if side == "dst" else self.src_idx, device)
+            self._tensors[side, device] = t
+        return t
+
+
 def copy_rows(
     dst: torch.Tensor,
     dst_idx: Sequence[int],
@@ -392,17 +424,21 @@ def copy_rows(
     *,
     non_blocking: bool = False,
     split: bool = False,
+    plan: RowPlan | None = None,
 ) -> None:
     """`dst[dst_idx[i]] = src[src_idx[i]]` along dim 0, in as few calls as the devices allow.
 
     Across devices: one slice copy per run (a DMA each). On one device: slice copies for a few
     runs or large rows on CPU, else one `index_select` and/or `index_copy_`. `split`: a large
     copy by runs on CPU is shared with a helper thread (loads, which the engine waits for).
+    `plan`: the `RowPlan` of these two index lists, when several tensors are copied by them.
     """
-    n = len(dst_idx)
+    if plan is None:
+        plan = RowPlan(dst_idx, src_idx)
+    n = len(plan)
     if n == 0:
         return
-    runs = paired_runs(dst_idx, src_idx)
+    runs = plan.runs
     nd, ns = dst.shape[0], src.shape[0]
     for d, s, k in runs:  # a slice past the end would copy nothing, silently: refuse it
         if d < 0 or s < 0 or d + k > nd or s + k > ns:
@@ -417,19 +453,19 @@ def copy_rows(
     if not same or len(runs) <= FEW_RUNS:
         _copy_runs(dst, src, runs, cpu, non_blocking, split)
         return
-    if _is_run(dst_idx):  # a gather: index_select is memcpy speed on every device
-        d0 = dst_idx[0]
-        torch.index_select(src, 0, _index(src_idx, src.device), out=dst[d0 : d0 + n])
+    if plan.dst_run:  # a gather: index_select is memcpy speed on every device
+        d0 = plan.dst_idx[0]
+        torch.index_select(src, 0, plan.index("src", src.device), out=dst[d0 : d0 + n])
         return
     if cpu and row_bytes * n >= LOOP_MIN_BYTES * len(runs):
         _copy_runs(dst, src, runs, cpu, non_blocking, split)
         return
-    if _is_run(src_idx):
-        s0 = src_idx[0]
-        dst.index_copy_(0, _index(dst_idx, dst.device), src[s0 : s0 + n])
+    if plan.src_run:
+        s0 = plan.src_idx[0]
+        dst.index_copy_(0, plan.index("dst", dst.device), src[s0 : s0 + n])
         return
     dst.index_copy_(
-        0, _index(dst_idx, dst.device), src.index_select(0, _index(src_idx, src.device))
+        0, plan.index("dst", dst.device), src.index_select(0, plan.index("src", src.device))
     )
 
 

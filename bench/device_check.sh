@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The CUDA checks, in one short run on a machine with an NVIDIA GPU and PyTorch (for instance
+# the device tool's machine, which has no network and no tiercache installed):
+#   1. the tests whose CUDA variants skip on CPU machines (GPU tier, pinned CPU tier, the CUDA
+#      copy handler and its streams, KV layouts on a CUDA engine buffer, hashing of CUDA tensors);
+#   2. bench/bench_transfer.py on CUDA: engine buffer on the GPU <-> pinned CPU tier, against
+#      pinned cudaMemcpy in the same run, with one allocation and with vLLM's 32-layer layout;
+#   3. bench/test_micro.py's GPU tier round trip;
+#   4. the whole main suite with CUDA present (CPU tiers are pinned then), time-boxed.
+# Logs go to $OUT (default /tmp/device-check). Wheels in .whl/ (lmdb, zstandard, redis for
+# Python 3.12) are installed first when present; tiercache runs from this tree, uninstalled.
+# Run from the repository root: bash bench/device_check.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/device-check}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+# pyproject maps tiers/ and policies/ into the package; without an install, links do.
+[ -e tiercache/tiers ] || ln -s ../tiers tiercache/tiers
+[ -e tiercache/policies ] || ln -s ../policies tiercache/policies
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+pytest_q=(-m pytest -q -p no:cacheprovider -rs)
+steps=" ${STEPS:-info tests bench micro suite} "  # a subset, e.g. STEPS="info suite"
+step() { [[ "$steps" == *" $1 "* ]]; }
+status=0
+
+if step info; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-')"
+fi 2>&1 | tee "$OUT/gpu.txt"
+
+if step tests; then
+    timeout 150 $PY "${pytest_q[@]}" tests/test_tiers_pool.py tests/test_transfer_*.py \
+        tests/test_hashing.py tests/test_cache.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -25
+    status=$?
+fi
+
+if step bench; then
+    for layers in 1 32; do
+        timeout 90 $PY bench/bench_transfer.py --device "${DEVICE:-cuda}" --runs 7 \
+            --small-jobs 1000 --layers "$layers" 2>&1
+    done | tee "$OUT/bench_transfer.log"
+    # Host-side time of a one-block job (latency: Python and thread handoffs).
+    timeout 60 $PY bench/bench_transfer.py --device "${DEVICE:-cuda}" --runs 1 --blocks 16 \
+        --small-jobs 500 --profile >"$OUT/profile.log" 2>&1
+fi
+
+if step micro; then
+    timeout 60 $PY "${pytest_q[@]}" bench/test_micro.py -k "gpu_tier or cpu_copy_baseline" \
+        --benchmark-columns=median,ops --benchmark-sort=name 2>&1 | tee "$OUT/micro.log" | tail -15
+fi
+
+# A test past 60 s dumps every thread's stack (and, with pytest-timeout, ends the run): a hang
+# names its test and where it waits instead of eating the time box. SUITE_ARGS: more options.
+if step suite; then
+    per_test=(-o faulthandler_timeout=60)
+    $PY -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=60 --timeout-method=thread)
+    # shellcheck disable=SC2086
+    timeout "${SUITE_S:-200}" $PY -m pytest -v -p no:cacheprovider -rs --ignore=tests/vllm \
+        --durations=25 "${per_test[@]}" ${SUITE_ARGS:-} 2>&1 | tee "$OUT/suite.log" | tail -30
+    [ "$status" -eq 0 ] && status=${PIPESTATUS[0]}
+fi
+exit "$status"
