@@ -124,3 +124,24 @@ def test_cpu_pool_zeroes_where_the_kernel_refuses_to_prefault(monkeypatch) -> No
         assert int(t.pool.sum()) == 0  # zeroed in the constructor, as before
     finally:
         t.close()
+
+
+def test_a_pool_past_the_hosts_memory_is_refused_before_allocating(monkeypatch) -> None:
+    """A pinned allocation past the host's memory does not fail fast (on a GPU host a config
+    asking for 1000 TiB pinned page after page for minutes): the size is checked first."""
+    import tiercache.tiers.pool as pool_mod
+
+    ram = pool_mod.memory_bytes(torch.device("cpu"))
+    assert ram is not None and ram > 0
+    allocated: list[tuple] = []
+    real = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real(*a, **k))
+    mib = 1 << 20
+    for pinned in (False, True):  # pinned is refused the same way, with or without CUDA
+        with pytest.raises(MemoryError, match=r"exceed the \d+ bytes of host memory"):
+            CPUTier(block_bytes=mib, capacity_blocks=ram // mib + 1, pin_memory=pinned)
+    assert allocated == []
+    monkeypatch.undo()
+    t = CPUTier(block_bytes=mib, capacity_blocks=2, pin_memory=False)  # small ones still open
+    assert t.capacity_blocks == 2
+    t.close()

@@ -107,6 +107,19 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def memory_bytes(device: torch.device) -> int | None:
+    """The memory a pool on `device` can have at most: physical RAM for the host, the card's
+    total for a CUDA device; None where unknown."""
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
 class PoolTier(Tier):
     """Blocks in one preallocated tensor on `device`; batched gathers and scatters."""
 
@@ -121,6 +134,16 @@ class PoolTier(Tier):
     ) -> None:
         super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks)
         self._device = device
+        # Refused before allocating: a pinned allocation past the host's memory does not fail
+        # fast, it pins page after page (a config asking for 1000 TiB ran for minutes on a
+        # GPU host), and a pageable pool larger than RAM could only swap.
+        need, have = capacity_blocks * block_bytes, memory_bytes(device)
+        if have is not None and need > have:
+            where = "host memory" if device.type == "cpu" else f"{device}'s memory"
+            raise MemoryError(
+                f"{name}: {capacity_blocks} blocks of {block_bytes} bytes ({need} bytes) exceed "
+                f"the {have} bytes of {where}"
+            )
         self._pool = torch.empty(
             (capacity_blocks, block_bytes), dtype=torch.uint8, device=device, pin_memory=pin_memory
         )
