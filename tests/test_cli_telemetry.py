@@ -4,6 +4,7 @@ stats` (stats file, Prometheus endpoint, or a store on disk) and `tiercache even
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from click.testing import CliRunner
 
 from tiercache import CacheConfig, ConfigError, TierCache
 from tiercache.cli import main
+from tiercache.connectors.common import resolve_rank_config
 from tiercache.telemetry import EVENTS_FILE, read_events
 
 BB = 4096
@@ -293,3 +295,41 @@ def test_adapter_sections_reach_stats_and_inspect(tmp_path: Path) -> None:
     assert json.loads(inspected.output)["kv_groups"]["groups"] == groups["groups"]
     text = run("inspect", str(path))
     assert "bytes/token" in text.output and "512.0" in text.output
+
+
+def test_stats_shows_every_rank_of_a_tensor_parallel_engine(tmp_path: Path) -> None:
+    """With TP (or DP) > 1 each rank is a process with its own cache and writes its own
+    telemetry under the configured directory (`dir/tp0of2`, ...): `stats` on the config, or on
+    the directory, shows every rank instead of reporting that there are no stats."""
+    cfg = write_toml(tmp_path)
+    user = config(tmp_path)
+    for d in ("nvme", "tel"):  # the configured paths; each rank opens a subdirectory
+        (tmp_path / d).mkdir()
+    caches = []
+    try:
+        for rank in range(2):
+            rc = resolve_rank_config(
+                user, block_size=16, key_namespace="tel", store_namespace="tel",
+                tp_rank=rank, tp_size=2,
+            )  # fmt: skip
+            cache = TierCache.open(rc.config, block_bytes=BB)
+            caches.append(cache)
+            work(cache, 3 + rank)  # the ranks' counters differ
+        time.sleep(0.3)  # a few telemetry intervals
+        for target in (cfg, tmp_path / "tel"):
+            r = run("stats", str(target), "--json", "--tier", "cpu")
+            assert r.exit_code == 0, r.output
+            doc = json.loads(r.stdout)
+            assert list(doc["ranks"]) == ["tp0of2", "tp1of2"]
+            for rank, one in enumerate(doc["ranks"].values()):
+                assert one["state"] == "running" and one["pid"] == os.getpid()
+                assert list(one["tiers"]) == ["cpu"]
+                assert one["tiers"]["cpu"]["hits"] == caches[rank].stats()["cpu"]["hits"]
+        r = run("stats", str(cfg))
+        assert r.exit_code == 0, r.output
+        assert "rank tp0of2" in r.output and "rank tp1of2" in r.output
+    finally:
+        for cache in caches:
+            cache.close()
+    doc = json.loads(run("stats", str(cfg), "--json").stdout)
+    assert [one["state"] for one in doc["ranks"].values()] == ["closed", "closed"]

@@ -2,7 +2,9 @@
 
 Sources, by what CONFIG_OR_PATH names:
 - a config with a `[telemetry]` table, or a telemetry directory: the engine's last
-  `stats.json` (rewritten every `interval` seconds; see `tiercache.telemetry`);
+  `stats.json` (rewritten every `interval` seconds; see `tiercache.telemetry`); with tensor or
+  data parallelism each rank writes its own under the directory (`tp0of2`, `dp1of2`, ...),
+  and every rank's is shown;
 - an `http://host:port/...` URL: the engine's Prometheus endpoint (`telemetry.prometheus`);
 - a config without telemetry, or a store directory: per store, blocks, bytes and
   namespaces read from disk (read-only, as `inspect`).
@@ -11,6 +13,7 @@ Sources, by what CONFIG_OR_PATH names:
 from __future__ import annotations
 
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -31,7 +34,7 @@ from tiercache.cli._common import (
     when,
 )
 from tiercache.cli._store import inspect_store, known_names, resolve
-from tiercache.telemetry import read_stats
+from tiercache.telemetry import STATS_FILE, read_stats
 
 _COUNTERS = ("hits", "misses", "stored", "evictions", "errors")  # all of them: --json
 
@@ -57,10 +60,20 @@ def stats(target: str, tiers: tuple[str, ...], as_json: bool) -> None:
     if target.startswith(("http://", "https://")):
         doc = _from_prometheus(target)
     else:
-        tgt = resolve(target)
-        if tgt.telemetry_dir is not None:
+        ranks = _rank_dirs(target) if os.path.isdir(target) else []
+        tgt = None if ranks else resolve(target)
+        if tgt is not None and tgt.telemetry_dir is not None:
+            ranks = _rank_dirs(tgt.telemetry_dir)
+        if ranks:
+            doc = {
+                "source": "telemetry",
+                "dir": os.path.dirname(ranks[0]),
+                "ranks": {os.path.basename(r): _from_telemetry(r) for r in ranks},
+            }
+        elif tgt is not None and tgt.telemetry_dir is not None:
             doc = _from_telemetry(tgt.telemetry_dir)
         else:
+            assert tgt is not None
             stores = tgt.stores(tiers)
             if not stores:
                 raise ValueError(
@@ -70,10 +83,11 @@ def stats(target: str, tiers: tuple[str, ...], as_json: bool) -> None:
             names = known_names(tgt)
             doc = {"source": "disk", "tiers": {s.label: inspect_store(s, names) for s in stores}}
         if tiers and doc["source"] != "disk":
-            missing = [t for t in tiers if t not in doc["tiers"]]
-            if missing:
-                raise ValueError(f"--tier: no tier named {missing[0]!r} in the engine's stats")
-            doc["tiers"] = {k: v for k, v in doc["tiers"].items() if k in tiers}
+            for one in doc.get("ranks", {}).values() or [doc]:
+                missing = [t for t in tiers if t not in one["tiers"]]
+                if missing:
+                    raise ValueError(f"--tier: no tier named {missing[0]!r} in the engine's stats")
+                one["tiers"] = {k: v for k, v in one["tiers"].items() if k in tiers}
     if as_json:
         echo_json(doc)
         return
@@ -88,6 +102,28 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _rank_dirs(directory: str) -> list[str]:
+    """The per-rank telemetry directories under `directory` (`tp0of2`, `tp1of2-dp0of2`, ...,
+    `per_rank_telemetry`), in rank order, when it has no stats file of its own; else []."""
+    if os.path.isfile(os.path.join(directory, STATS_FILE)):
+        return []
+    try:
+        names = [
+            n
+            for n in os.listdir(directory)
+            if os.path.isfile(os.path.join(directory, n, STATS_FILE))
+        ]
+    except OSError:
+        return []
+
+    # dp before tp (a DP rank holds TP ranks), numbers as numbers: tp2of16 before tp10of16
+    def order(name: str) -> tuple[int, ...]:
+        nums = {k: int(v) for k, v in re.findall(r"(tp|dp)(\d+)of", name)}
+        return (nums.get("dp", 0), nums.get("tp", 0))
+
+    return [os.path.join(directory, n) for n in sorted(names, key=lambda n: (order(n), n))]
 
 
 def _from_telemetry(directory: str) -> dict[str, Any]:
@@ -131,6 +167,11 @@ def _from_prometheus(url: str) -> dict[str, Any]:
 
 def _show(doc: dict[str, Any]) -> None:
     out = console(False)
+    if "ranks" in doc:  # one engine process per rank, each with its own stats
+        for name, one in doc["ranks"].items():
+            out.print(f"[bold]rank {name}[/bold] ({one['dir']})")
+            _show(one)
+        return
     if doc["source"] == "disk":
         t = Table(title="stores on disk (no running engine's telemetry configured)")
         for c in ("tier", "kind", "blocks", "capacity", "stored", "ratio", "namespaces", "open"):
