@@ -134,9 +134,9 @@ class PoolTier(Tier):
     ) -> None:
         super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks)
         self._device = device
-        # Refused before allocating: a pinned allocation past the host's memory does not fail
-        # fast, it pins page after page (a config asking for 1000 TiB ran for minutes on a
-        # GPU host), and a pageable pool larger than RAM could only swap.
+        # Refused before allocating: a pinned allocation past the host's memory need not fail
+        # fast, it pins page after page (the likely reason a config asking for 1000 TiB ran
+        # for minutes on a GPU host), and a pageable pool larger than RAM could only swap.
         need, have = capacity_blocks * block_bytes, memory_bytes(device)
         if have is not None and need > have:
             where = "host memory" if device.type == "cpu" else f"{device}'s memory"

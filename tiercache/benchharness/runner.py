@@ -30,6 +30,7 @@ from tiercache.benchharness.replay import (
     vllm_available,
 )
 from tiercache.benchharness.traces import GENERATORS, Trace, load_jsonl, make_trace
+from tiercache.tiers.pool import memory_bytes
 
 QUICK_FRACTIONS = (0.05, 0.2)
 FULL_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)
@@ -229,12 +230,8 @@ def machine_description() -> str:
                     break
     except OSError:
         pass
-    mem = ""
-    try:
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        mem = f", {pages / 2**30:.0f} GiB RAM"
-    except (OSError, ValueError):
-        pass
+    ram = memory_bytes(torch.device("cpu"))
+    mem = f", {ram / 2**30:.0f} GiB RAM" if ram is not None else ""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (
         f"{cpu}, {os.cpu_count()} cores{mem}, {gpu}; {platform.system()} {platform.release()}; "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
+import re
 import struct
 import warnings
 from collections import Counter
@@ -30,6 +31,7 @@ import torch
 
 from tiercache.config import CacheConfig
 from tiercache.errors import BlockCorruptError, ConfigError, TierCacheError
+from tiercache.telemetry import EVENTS_FILE, STATS_FILE
 from tiercache.tiers.format import (
     CODEC_RAW,
     FORMAT_VERSION,
@@ -119,12 +121,9 @@ def resolve(target: str | os.PathLike[str]) -> Target:
             return Target(str(p), None, tuple(nvme))
         if (p / "data.mdb").is_file():
             return Target(str(p), None, (StoreRef("lmdb", "lmdb", str(p.absolute())),))
-        if (p / "stats.json").is_file() or (p / "events.jsonl").is_file():
+        if (p / STATS_FILE).is_file() or (p / EVENTS_FILE).is_file():
             return Target(str(p), None, (), str(p.absolute()))
-        try:
-            ranks = sorted(c.name for c in p.iterdir() if (c / "stats.json").is_file())
-        except OSError:
-            ranks = []
+        ranks = [os.path.basename(r) for r in rank_dirs(str(p))]
         hint = f"; per-rank telemetry in: {', '.join(ranks)}" if ranks else ""
         raise ValueError(
             f"{p} is not a tiercache store or telemetry directory "
@@ -133,6 +132,28 @@ def resolve(target: str | os.PathLike[str]) -> Target:
     if not p.exists():
         raise ValueError(f"{p}: no such file or directory")
     raise ValueError(f"{p} is neither a TOML config nor a directory")
+
+
+def rank_dirs(directory: str) -> list[str]:
+    """The per-rank telemetry directories under `directory` (`tp0of2`, `tp1of2-dp0of2`, ...,
+    `per_rank_telemetry`), in rank order, when it has no stats file of its own; else []."""
+    if os.path.isfile(os.path.join(directory, STATS_FILE)):
+        return []
+    try:
+        names = [
+            n
+            for n in os.listdir(directory)
+            if os.path.isfile(os.path.join(directory, n, STATS_FILE))
+        ]
+    except OSError:
+        return []
+
+    # dp before tp (a DP rank holds TP ranks), numbers as numbers: tp2of16 before tp10of16
+    def order(name: str) -> tuple[int, ...]:
+        nums = {k: int(v) for k, v in re.findall(r"(tp|dp)(\d+)of", name)}
+        return (nums.get("dp", 0), nums.get("tp", 0))
+
+    return [os.path.join(directory, n) for n in sorted(names, key=lambda n: (order(n), n))]
 
 
 def _with_instances(ref: StoreRef) -> list[StoreRef]:

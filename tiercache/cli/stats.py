@@ -13,7 +13,6 @@ Sources, by what CONFIG_OR_PATH names:
 from __future__ import annotations
 
 import os
-import re
 import time
 import urllib.error
 import urllib.request
@@ -33,8 +32,8 @@ from tiercache.cli._common import (
     lmdb_errors,
     when,
 )
-from tiercache.cli._store import inspect_store, known_names, resolve
-from tiercache.telemetry import STATS_FILE, read_stats
+from tiercache.cli._store import inspect_store, known_names, rank_dirs, resolve
+from tiercache.telemetry import read_stats
 
 _COUNTERS = ("hits", "misses", "stored", "evictions", "errors")  # all of them: --json
 
@@ -60,28 +59,7 @@ def stats(target: str, tiers: tuple[str, ...], as_json: bool) -> None:
     if target.startswith(("http://", "https://")):
         doc = _from_prometheus(target)
     else:
-        ranks = _rank_dirs(target) if os.path.isdir(target) else []
-        tgt = None if ranks else resolve(target)
-        if tgt is not None and tgt.telemetry_dir is not None:
-            ranks = _rank_dirs(tgt.telemetry_dir)
-        if ranks:
-            doc = {
-                "source": "telemetry",
-                "dir": os.path.dirname(ranks[0]),
-                "ranks": {os.path.basename(r): _from_telemetry(r) for r in ranks},
-            }
-        elif tgt is not None and tgt.telemetry_dir is not None:
-            doc = _from_telemetry(tgt.telemetry_dir)
-        else:
-            assert tgt is not None
-            stores = tgt.stores(tiers)
-            if not stores:
-                raise ValueError(
-                    f"{target}: no telemetry configured and no persistent tier to read; "
-                    "add a [telemetry] table to the config"
-                )
-            names = known_names(tgt)
-            doc = {"source": "disk", "tiers": {s.label: inspect_store(s, names) for s in stores}}
+        doc = _from_target(target, tiers)
         if tiers and doc["source"] != "disk":
             for one in doc.get("ranks", {}).values() or [doc]:
                 missing = [t for t in tiers if t not in one["tiers"]]
@@ -104,26 +82,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _rank_dirs(directory: str) -> list[str]:
-    """The per-rank telemetry directories under `directory` (`tp0of2`, `tp1of2-dp0of2`, ...,
-    `per_rank_telemetry`), in rank order, when it has no stats file of its own; else []."""
-    if os.path.isfile(os.path.join(directory, STATS_FILE)):
-        return []
-    try:
-        names = [
-            n
-            for n in os.listdir(directory)
-            if os.path.isfile(os.path.join(directory, n, STATS_FILE))
-        ]
-    except OSError:
-        return []
-
-    # dp before tp (a DP rank holds TP ranks), numbers as numbers: tp2of16 before tp10of16
-    def order(name: str) -> tuple[int, ...]:
-        nums = {k: int(v) for k, v in re.findall(r"(tp|dp)(\d+)of", name)}
-        return (nums.get("dp", 0), nums.get("tp", 0))
-
-    return [os.path.join(directory, n) for n in sorted(names, key=lambda n: (order(n), n))]
+def _from_target(target: str, tiers: tuple[str, ...]) -> dict[str, Any]:
+    """The stats of a config or directory: its engine's telemetry (every rank's, with
+    tensor or data parallelism), else what its persistent stores hold on disk."""
+    ranks = rank_dirs(target) if os.path.isdir(target) else []
+    if not ranks:
+        tgt = resolve(target)
+        if tgt.telemetry_dir is None:
+            stores = tgt.stores(tiers)
+            if not stores:
+                raise ValueError(
+                    f"{target}: no telemetry configured and no persistent tier to read; "
+                    "add a [telemetry] table to the config"
+                )
+            names = known_names(tgt)
+            return {"source": "disk", "tiers": {s.label: inspect_store(s, names) for s in stores}}
+        ranks = rank_dirs(tgt.telemetry_dir)
+        if not ranks:
+            return _from_telemetry(tgt.telemetry_dir)
+    return {
+        "source": "telemetry",
+        "dir": os.path.dirname(ranks[0]),
+        "ranks": {os.path.basename(r): _from_telemetry(r) for r in ranks},
+    }
 
 
 def _from_telemetry(directory: str) -> dict[str, Any]:
