@@ -17,6 +17,9 @@ Run: python bench/bench_transfer.py [--blocks 256] [--block-kib 2048] [--runs 7]
                                     [--layers 1]
 `--layers N` lays the same bytes out as vLLM does, one `[2, num_blocks, chunk]` allocation per
 layer (e.g. 32 layers of 32 KiB chunks for 2 MiB blocks): 2N runs per block instead of one.
+`--modes` (CUDA): the copy modes to measure side by side in one run (`KVLayout.copy_mode`:
+"direct", the one-launch kernel into the pinned tier; "staged", that kernel into a device
+buffer then DMA; "layers", a gather/scatter per layer; "auto"), each against the same baseline.
 """
 
 from __future__ import annotations
@@ -53,7 +56,14 @@ def _run_job(worker: OffloadingWorker, job_id: int, spec) -> float:
     return dt
 
 
-def _setup(n_blocks: int, block_bytes: int, device: torch.device, seed: int = 0, layers: int = 1):
+def _setup(
+    n_blocks: int,
+    block_bytes: int,
+    device: torch.device,
+    seed: int = 0,
+    layers: int = 1,
+    mode: str = "auto",
+):
     """An engine buffer of 2 * n_blocks blocks, a CPU tier of n_blocks slots. One layer: one
     allocation `[num_blocks, block]`. Several: vLLM's layout, one `[2, num_blocks, chunk]`
     allocation per layer (K and V apart), so a block is 2 x layers chunks of
@@ -70,6 +80,7 @@ def _setup(n_blocks: int, block_bytes: int, device: torch.device, seed: int = 0,
     for t in kv.values():
         t.view(torch.int16).random_(-(2**15), 2**15 - 1)  # also faults every page in
     layout = KVLayout(kv, num)
+    layout.copy_mode = mode
     engine = kv["layer.0"] if layers == 1 else kv["layer.0"][0]
     tier = CPUTier(block_bytes=layout.block_bytes, capacity_blocks=n_blocks)
     tier.pool.fill_(1)  # pinned or pageable, the pool is touched before timing
@@ -80,10 +91,10 @@ def _setup(n_blocks: int, block_bytes: int, device: torch.device, seed: int = 0,
     return engine, layout, tier, ids[:n_blocks], ids[n_blocks:], slots, keys
 
 
-def bench_bulk(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+def bench_bulk(args: argparse.Namespace, device: torch.device, mode: str) -> dict[str, float]:
     n, bb = args.blocks, args.block_kib * 1024
     engine, layout, tier, store_ids, load_ids, slots, keys = _setup(
-        n, bb, device, layers=args.layers
+        n, bb, device, layers=args.layers, mode=mode
     )
     total = n * bb
     # Baseline: one large copy of the same bytes (host<->host, or pinned host<->device).
@@ -132,11 +143,11 @@ def bench_bulk(args: argparse.Namespace, device: torch.device) -> dict[str, floa
     return {k: total / statistics.median(v) / 1e9 for k, v in times.items()}
 
 
-def bench_small(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+def bench_small(args: argparse.Namespace, device: torch.device, mode: str) -> dict[str, float]:
     bb = args.small_kib * 1024
     n = 64
     _engine, layout, tier, store_ids, load_ids, _slots, keys = _setup(
-        n, bb, device, seed=1, layers=args.layers
+        n, bb, device, seed=1, layers=args.layers, mode=mode
     )
     m = args.small_jobs
     lat, pipe = [], []
@@ -190,6 +201,11 @@ def main() -> None:
         "--profile", action="store_true", help="cProfile the small jobs (top 18 by own time)"
     )
     p.add_argument(
+        "--modes",
+        default="auto",
+        help="comma-separated KVLayout copy modes to compare (CUDA): direct,staged,layers,auto",
+    )
+    p.add_argument(
         "--layers",
         type=int,
         default=1,
@@ -214,27 +230,30 @@ def main() -> None:
             f"{args.layers} layer(s), "
             f"median of {args.runs} runs, baseline = {base}"
         )
-        bw = bench_bulk(args, device)
-        for kind, arrow in (("store", "engine->tier"), ("load", "tier->engine")):
-            print(
-                f"{name} {kind:5} ({arrow})  {bw[kind]:7.2f} GB/s   "
-                f"baseline {bw['copy_' + kind]:7.2f} GB/s"
-            )
-        for kind in ("store", "load"):
-            print(f"RATIO {kind}/copy = {bw[kind] / bw['copy_' + kind]:.3f} ({name}, vs {base})")
-        if args.profile:  # where a small job's time goes, host side
-            import cProfile
-            import pstats
+        for mode in args.modes.split(",") if name == "cuda" else ["auto"]:
+            tag = f"{name}, {mode}" if name == "cuda" else name
+            bw = bench_bulk(args, device, mode)
+            for kind, arrow in (("store", "engine->tier"), ("load", "tier->engine")):
+                print(
+                    f"{tag} {kind:5} ({arrow})  {bw[kind]:7.2f} GB/s   "
+                    f"baseline {bw['copy_' + kind]:7.2f} GB/s"
+                )
+            for kind in ("store", "load"):
+                print(f"RATIO {kind}/copy = {bw[kind] / bw['copy_' + kind]:.3f} ({tag}, vs {base})")
+            if args.profile:  # where a small job's time goes, host side
+                import cProfile
+                import pstats
 
-            prof = cProfile.Profile()
-            small = prof.runcall(bench_small, args, device)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-        else:
-            small = bench_small(args, device)
-        print(
-            f"{name} small jobs ({args.small_kib} KiB): {small['latency_us']:.1f} us/job one at a "
-            f"time, {small['pipelined_us']:.1f} us/job pipelined"
-        )
+                prof = cProfile.Profile()
+                small = prof.runcall(bench_small, args, device, mode)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+            else:
+                small = bench_small(args, device, mode)
+            print(
+                f"{tag} small jobs ({args.small_kib} KiB, {args.layers} layer(s)): "
+                f"{small['latency_us']:.1f} us/job one at a time, "
+                f"{small['pipelined_us']:.1f} us/job pipelined"
+            )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """`CUDACopyHandler`: the CPU handler's twin on CUDA, a stream per direction.
 
-Each lane thread (expedited jobs have a stream of their own) waits (on the device, not the
-host) for the previous jobs a job follows and for the caller's compute stream as it was at
-submission, queues the job's batched copies on its lane's stream (`non_blocking`; the pinned
-CPU tier makes them asynchronous DMAs), and records an event. `get_finished()` polls the
+A job whose lane is idle and whose dependencies are issued is queued on the caller's thread
+(`LaneHandler.issues_inline`); otherwise its lane's thread (expedited jobs have a stream of
+their own) does it. Either way the lane's stream waits (on the device, not the host) for the
+previous jobs the job follows and for the caller's compute stream as it was at submission,
+then runs the job's copy (`KVLayout.copy_mode`: one kernel launch for every layer, straight
+into the pinned CPU tier, by default), and records an event. `get_finished()` polls the
 events in order; `Job.wait()` synchronizes only that job's event. Index and layout logic is
 `KVLayout`'s, shared with the CPU path.
 """
@@ -23,6 +25,8 @@ from tiercache.transfer.kv_layout import KVLayout
 
 class CUDACopyHandler(CPUCopyHandler):
     """Engine blocks on a CUDA device <-> rows of a pinned CPU or GPU pool tier."""
+
+    issues_inline = True  # `run` queues copies on a stream and returns
 
     def __init__(self, layout: KVLayout, tiers: Sequence[Tier], *, name: str = "cuda") -> None:
         if layout.device.type != "cuda":

@@ -11,6 +11,13 @@ Primitives:
 - `KVLayout.gather(block_ids, out)` / `scatter(block_ids, src)`: engine blocks <-> a
   contiguous uint8 `[n, block_bytes]` buffer (the disk handler's staging buffer).
 - `copy_rows(dst, dst_idx, src, src_idx)`: `dst[dst_idx[i]] = src[src_idx[i]]` along dim 0.
+- `KVLayout.copy_mode`: how a CUDA engine's blocks move (`COPY_MODES`): "direct", one kernel
+  launch per job over every layer, straight into the pool or buffer (pinned host memory
+  included, `tiercache.transfer.batched`); "staged", that kernel into a contiguous buffer on
+  the device, then one DMA per run of slots; "layers", one gather or scatter per segment;
+  "auto" picks (`AUTO_STAGED_MIN_BYTES`). On the CPU, "direct" and "staged" run the kernel's
+  CPU twin (the same copy list, one memmove each: the tests' check of its plan); "auto" is
+  "layers" there, which reaches memcpy speed.
 
 The bytes of one offloaded block (what tiers store): `block_size_factor` engine-block records
 back to back. An engine-block record holds each segment's bytes for that engine block, in
@@ -31,6 +38,8 @@ from itertools import pairwise
 import numpy as np
 import torch
 
+from tiercache.transfer import batched
+
 # On CPU a scatter by `index_copy_` runs at ~0.75x memcpy, while a loop of per-run memcpys
 # (numpy's copyto: glibc memcpy, ~1 us per call against ~5 us for a torch slice copy_)
 # reaches memcpy speed once runs average this many bytes (bench/bench_transfer.py, 2-core VM:
@@ -42,6 +51,10 @@ FEW_RUNS = 4
 # helper: the engine waits for a load with its cores idle, and one thread's memcpy leaves
 # memory bandwidth unused (2-core VM: 25 MB in 1.8 ms on one thread, 1.0 ms on two).
 SPLIT_MIN_BYTES = 4 << 20
+COPY_MODES = ("auto", "direct", "staged", "layers")
+# "auto" on CUDA: jobs of at least this many bytes go through a device staging buffer and the
+# copy engine (DMA), smaller ones straight into the pool with the kernel (None: never staged).
+AUTO_STAGED_MIN_BYTES: int | None = None
 _helper: list[ThreadPoolExecutor | None] = []  # decided on first use, then kept
 _helper_lock = threading.Lock()
 
@@ -210,6 +223,110 @@ class KVLayout:
         self.engine_block_bytes = offset
         self._pool_views: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self.block_bytes = offset * block_size_factor
+        self._table: batched.ChunkTable | None = None
+        self.copy_mode = os.environ.get("TIERCACHE_CUDA_COPY", "auto")
+
+    @property
+    def copy_mode(self) -> str:
+        """How blocks move between the engine and pools or buffers (module docstring)."""
+        return self._copy_mode
+
+    @copy_mode.setter
+    def copy_mode(self, mode: str) -> None:
+        if mode not in COPY_MODES:
+            raise ValueError(f"copy_mode: {mode!r} is not one of {', '.join(COPY_MODES)}")
+        self._copy_mode = mode
+
+    def _mode(self, buf: torch.Tensor, rows: int) -> str:
+        """The copy mode for a job of `rows` blocks into or out of `buf`."""
+        mode = self._copy_mode
+        rows_of_blocks = (
+            buf.dtype == torch.uint8
+            and buf.dim() == 2
+            and buf.shape[1] == self.block_bytes
+            and buf.is_contiguous()
+        )
+        if mode == "layers" or not rows_of_blocks:
+            return "layers"
+        if self.device.type == "cpu":  # the twin, where asked for, on host memory only
+            return "direct" if mode != "auto" and buf.device.type == "cpu" else "layers"
+        if self.device.type != "cuda" or not batched.triton_available():
+            return "layers"
+        if mode == "auto":
+            big = AUTO_STAGED_MIN_BYTES is not None
+            mode = (
+                "staged" if big and rows * self.block_bytes >= AUTO_STAGED_MIN_BYTES else "direct"
+            )
+        # The kernel reaches the engine's device and pinned host memory, nothing else.
+        reachable = buf.device == self.device or (buf.device.type == "cpu" and buf.is_pinned())
+        if mode == "direct" and not reachable:
+            mode = "staged"
+        if mode == "staged" and buf.device == self.device:
+            mode = "direct"  # a staging buffer on the device would be a second copy
+        return mode
+
+    def _batched(
+        self, block_ids: Sequence[int], rows: Sequence[int], buf: torch.Tensor, *, store: bool
+    ) -> None:
+        """Blocks <-> rows of `buf` (uint8 `[n, block_bytes]`) in one launch (or its CPU twin)."""
+        if rows and not (min(rows) >= 0 and max(rows) < buf.shape[0]):
+            raise IndexError(f"rows {min(rows)}..{max(rows)} outside 0..{buf.shape[0] - 1}")
+        if block_ids and not (min(block_ids) >= 0 and max(block_ids) < self.num_blocks):
+            raise IndexError(f"engine block ids outside 0..{self.num_blocks - 1}")
+        if not rows:
+            return
+        if self._table is None:
+            self._table = batched.ChunkTable(self)
+        if self.device.type == "cpu":
+            batched.run_cpu(self._table, block_ids, rows, buf, self.block_bytes, store=store)
+            return
+        with torch.cuda.device(self.device):
+            batched.launch(
+                self._table, block_ids, rows, buf.data_ptr(), self.block_bytes, store=store
+            )
+
+    def _staged(
+        self,
+        block_ids: Sequence[int],
+        buf: torch.Tensor,
+        rows: Sequence[int],
+        *,
+        store: bool,
+        non_blocking: bool,
+    ) -> None:
+        """Blocks <-> rows of a host buffer through a contiguous buffer on the device: one
+        kernel launch there, one DMA per run of rows."""
+        n = len(rows)
+        tmp = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=self.device)
+        dense = range(n)
+        if store:
+            self._batched(block_ids, dense, tmp, store=True)
+            copy_rows(buf, rows, tmp, dense, non_blocking=non_blocking)
+        else:
+            copy_rows(tmp, dense, buf, rows, non_blocking=non_blocking)
+            self._batched(block_ids, dense, tmp, store=False)
+
+    def _one_launch(
+        self,
+        block_ids: Sequence[int],
+        buf: torch.Tensor,
+        rows: Sequence[int],
+        *,
+        store: bool,
+        non_blocking: bool,
+    ) -> bool:
+        """A job by the kernel where the mode says so (False: the caller copies by layers).
+        Blocking callers return with the bytes in place, as `copy_` does."""
+        mode = self._mode(buf, len(rows))
+        if mode == "layers":
+            return False
+        if mode == "staged":
+            self._staged(block_ids, buf, rows, store=store, non_blocking=non_blocking)
+        else:
+            self._batched(block_ids, rows, buf, store=store)
+        if not non_blocking and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return True
 
     # -- pool rows -------------------------------------------------------------------------
     def check_pool(self, pool: torch.Tensor, what: str = "pool") -> None:
@@ -270,6 +387,8 @@ class KVLayout:
     ) -> None:
         """Store: engine blocks -> pool rows `slots`."""
         self._check_ids(block_ids, len(slots))
+        if self._one_launch(block_ids, pool, slots, store=True, non_blocking=non_blocking):
+            return
         recs = self._record_ids(slots)
         if pool.device == self.device:
             plan = RowPlan(recs, block_ids)
@@ -290,6 +409,8 @@ class KVLayout:
     ) -> None:
         """Load: pool rows `slots` -> engine blocks."""
         self._check_ids(block_ids, len(slots))
+        if self._one_launch(block_ids, pool, slots, store=False, non_blocking=non_blocking):
+            return
         if pool.device == self.device:
             recs = self._record_ids(slots)
             plan = RowPlan(block_ids, recs)
@@ -307,6 +428,8 @@ class KVLayout:
         """Engine blocks -> `out` (uint8 `[len(block_ids) // factor, block_bytes]`)."""
         n = out.shape[0]
         self._check_ids(block_ids, n)
+        if self._one_launch(block_ids, out, range(n), store=True, non_blocking=non_blocking):
+            return
         if out.device != self.device:
             tmp = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=self.device)
             self.gather(block_ids, tmp)
@@ -323,6 +446,8 @@ class KVLayout:
         """`src` (uint8 `[len(block_ids) // factor, block_bytes]`) -> engine blocks."""
         n = src.shape[0]
         self._check_ids(block_ids, n)
+        if self._one_launch(block_ids, src, range(n), store=False, non_blocking=non_blocking):
+            return
         if src.device != self.device:
             src = src.to(self.device, non_blocking=non_blocking)
         dense = range(len(block_ids))

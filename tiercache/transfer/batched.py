@@ -1,0 +1,255 @@
+"""One-launch block copies between the engine's paged KV buffer and rows of a record buffer.
+
+A job of `n` engine blocks over a layout of `M` chunks (one chunk: one segment's K or V bytes
+of one engine block; vLLM's 32-layer layout has 64) is `n * M` byte ranges. The per-segment
+path (`copy_rows`) issues a gather or scatter per segment, each with its own index tensor; on a
+GPU that is 32 launches and 32 index uploads for a 32-layer store, and its host time grows with
+the layer count. Here the whole job is one kernel launch over a table:
+
+- `ChunkTable(layout)`: per chunk `m`, four int64s: the engine address of block 0's chunk, the
+  bytes between engine blocks, the chunk's bytes, its offset inside an engine-block record.
+  Built once per layout (the engine buffer never moves); on CUDA it lives on the device.
+- `entries(table, block_ids, rows, ...)`: the job's `(engine address, record address, bytes)`
+  triples, what the kernel computes in its programs: record `rows[i // factor]` of a buffer
+  whose rows are `row_bytes` apart, engine-block record `i % factor` inside it. The CPU twin
+  (`run_cpu`) copies exactly these triples; tests hold both against `KVLayout`'s byte format.
+- `_kv_blocks_kernel`: the Triton kernel; one program per 1,024 words of a triple, 8-byte words
+  where every address and size allows. Its index list (block ids, then rows) is read from
+  pinned host memory through unified addressing: no upload, no extra copy, one launch.
+
+The record buffer is a pool tier's tensor (rows = slots), a contiguous staging buffer (rows =
+0..n-1), on the engine's device or pinned on the host, which the GPU reaches directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from tiercache.transfer.kv_layout import KVLayout
+
+BLOCK = 1024  # words per program (a chunk of more has several programs)
+
+try:  # Triton comes with PyTorch's CUDA builds (and with vLLM); without it: the layer path.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def triton_available() -> bool:
+    """Whether the one-launch kernel can run (Triton imports)."""
+    return triton is not None
+
+
+class ChunkTable:
+    """The layout's chunks as an `[M, 4]` int64 table (engine base, block stride, bytes,
+    record offset), on the host and, for a CUDA layout, on its device."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        u = layout.unit
+        rows: list[tuple[int, int, int, int]] = []
+        for seg in layout.segments:
+            r = seg.rows
+            base, bstride = r.data_ptr(), r.stride(0) * u
+            cstride = r.stride(1) * u if seg.chunks > 1 else 0
+            for c in range(seg.chunks):
+                rows.append(
+                    (base + c * cstride, bstride, seg.chunk_bytes, seg.offset + c * seg.chunk_bytes)
+                )
+        self.host = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+        self.chunks = len(rows)
+        self.max_bytes = int(self.host[:, 2].max())
+        self.engine_block_bytes = layout.engine_block_bytes
+        self.factor = layout.factor
+        # 8-byte words where every engine address, stride, size and offset is a multiple of 8.
+        self.wide = bool((self.host % 8 == 0).all()) and layout.engine_block_bytes % 8 == 0
+        self.device = layout.device
+        self.tensor = torch.from_numpy(self.host.copy()).reshape(-1).to(layout.device)
+        # Pinned index lists of launched jobs, each with an event after its kernel: torch's
+        # host allocator would hand a freed pinned block out again at once, while the GPU may
+        # not have read it yet (it knows of copies, not of kernels reading host memory).
+        self._held: deque[tuple[Any, torch.Tensor]] = deque()
+        self._lock = threading.Lock()
+
+    def hold(self, idx: torch.Tensor) -> None:
+        """Keep `idx` until what the current stream queued so far has run."""
+        ev = torch.cuda.current_stream(self.device).record_event()
+        with self._lock:  # lanes of one handler launch from several threads
+            held = self._held
+            while held and held[0][0].query():
+                held.popleft()
+            held.append((ev, idx))
+
+    def wide_for(self, row_base: int, row_bytes: int) -> bool:
+        """Whether a job into rows at `row_base`, `row_bytes` apart, can move 8-byte words."""
+        return self.wide and row_base % 8 == 0 and row_bytes % 8 == 0
+
+
+def entries(
+    table: ChunkTable,
+    block_ids: Sequence[int],
+    rows: Sequence[int],
+    row_base: int,
+    row_bytes: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(engine addresses, record addresses, bytes) of every chunk of a job, block-major:
+    the ranges the kernel copies, one program per entry."""
+    f = table.factor
+    ids = np.asarray(block_ids, dtype=np.int64)
+    rws = np.asarray(rows, dtype=np.int64)
+    if len(ids) != len(rws) * f:
+        raise ValueError(
+            f"block_ids: {len(ids)} engine blocks for {len(rws)} rows (block_size_factor {f})"
+        )
+    i = np.arange(len(ids), dtype=np.int64)
+    base, stride, size, roff = (table.host[:, k][None, :] for k in range(4))
+    eng = base + ids[:, None] * stride
+    rec = row_base + (rws[i // f] * row_bytes + (i % f) * table.engine_block_bytes)[:, None] + roff
+    return eng.reshape(-1), rec.reshape(-1), np.broadcast_to(size, eng.shape).reshape(-1)
+
+
+def run_cpu(
+    table: ChunkTable,
+    block_ids: Sequence[int],
+    rows: Sequence[int],
+    buf: torch.Tensor,
+    row_bytes: int,
+    *,
+    store: bool,
+) -> None:
+    """The CPU twin of the kernel: the same triples, one memmove each (engine and `buf` on
+    the CPU). Stores copy engine -> record, loads record -> engine."""
+    if table.device.type != "cpu" or buf.device.type != "cpu":
+        raise ValueError("run_cpu: the engine buffer and the record buffer must be on the CPU")
+    eng, rec, size = entries(table, block_ids, rows, buf.data_ptr(), row_bytes)
+    src, dst = (eng, rec) if store else (rec, eng)
+    for s, d, n in zip(src.tolist(), dst.tolist(), size.tolist(), strict=True):
+        ctypes.memmove(d, s, n)
+
+
+def launch(
+    table: ChunkTable,
+    block_ids: Sequence[int],
+    rows: Sequence[int],
+    row_base: int,
+    row_bytes: int,
+    *,
+    store: bool,
+) -> None:
+    """Queue the kernel on the current CUDA stream (asynchronous, like any launch)."""
+    f = table.factor
+    n_eng = len(block_ids)
+    if n_eng != len(rows) * f:
+        raise ValueError(
+            f"block_ids: {n_eng} engine blocks for {len(rows)} rows (block_size_factor {f})"
+        )
+    # One pinned int64 list (block ids, then rows): the GPU reads it through unified
+    # addressing, so the launch needs no host-to-device copy of its own.
+    idx = torch.tensor([*block_ids, *rows], dtype=torch.int64, pin_memory=True)
+    wide = table.wide_for(row_base, row_bytes)
+    words = table.max_bytes // 8 if wide else table.max_bytes
+    parts = -(-words // BLOCK)
+    _kv_blocks_kernel[(n_eng * table.chunks, parts)](
+        idx.data_ptr(),
+        table.tensor,
+        n_eng,
+        f,
+        table.chunks,
+        row_base,
+        row_bytes,
+        table.engine_block_bytes,
+        STORE=store,
+        WIDE=wide,
+        BLOCK=BLOCK,
+    )
+    table.hold(idx)
+
+
+def run_interpreted(
+    table: ChunkTable,
+    block_ids: Sequence[int],
+    rows: Sequence[int],
+    buf: torch.Tensor,
+    row_bytes: int,
+    *,
+    store: bool,
+) -> None:
+    """The kernel itself on CPU tensors, under Triton's interpreter (`TRITON_INTERPRET=1` set
+    before this module is imported): the tests' check of the kernel's address arithmetic."""
+    idx = torch.tensor([*block_ids, *rows], dtype=torch.int64)
+    wide = table.wide_for(buf.data_ptr(), row_bytes)
+    words = table.max_bytes // 8 if wide else table.max_bytes
+    parts = -(-words // BLOCK)
+    _kv_blocks_kernel[(len(block_ids) * table.chunks, parts)](
+        idx.data_ptr(),
+        table.tensor,
+        len(block_ids),
+        table.factor,
+        table.chunks,
+        buf.data_ptr(),
+        row_bytes,
+        table.engine_block_bytes,
+        STORE=store,
+        WIDE=wide,
+        BLOCK=BLOCK,
+    )
+
+
+_kv_blocks_kernel: Any = None
+if triton is not None:
+
+    # Addresses and counts change with every job: specializing on them (Triton's default for
+    # ints: divisible by 16, equal to 1) would compile new variants while the engine serves.
+    @triton.jit(do_not_specialize=["ids_addr", "n_eng", "row_base"])
+    def _kv_blocks_kernel(  # type: ignore[no-redef]
+        ids_addr,
+        tab_ptr,
+        n_eng,
+        factor,
+        n_chunks,
+        row_base,
+        row_bytes,
+        eng_bytes,
+        STORE: tl.constexpr,
+        WIDE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # Program (e, part): words part*BLOCK.. of chunk m of the job's engine block i.
+        e = tl.program_id(0)
+        part = tl.program_id(1)
+        i = e // n_chunks
+        m = e - i * n_chunks
+        ids = ids_addr.to(tl.pointer_type(tl.int64))
+        blk = tl.load(ids + i)
+        row = tl.load(ids + n_eng + i // factor)
+        base = tl.load(tab_ptr + m * 4)
+        stride = tl.load(tab_ptr + m * 4 + 1)
+        size = tl.load(tab_ptr + m * 4 + 2)
+        roff = tl.load(tab_ptr + m * 4 + 3)
+        eng = base + blk * stride
+        rec = row_base + row * row_bytes + (i % factor).to(tl.int64) * eng_bytes + roff
+        if STORE:
+            src_a = eng
+            dst_a = rec
+        else:
+            src_a = rec
+            dst_a = eng
+        if WIDE:
+            src = src_a.to(tl.pointer_type(tl.int64))
+            dst = dst_a.to(tl.pointer_type(tl.int64))
+            n = size // 8
+        else:
+            src = src_a.to(tl.pointer_type(tl.uint8))
+            dst = dst_a.to(tl.pointer_type(tl.uint8))
+            n = size
+        offs = part.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
