@@ -205,7 +205,6 @@ def run_interpreted(
 
 _kv_blocks_kernel: Any = None
 if triton is not None:
-
     # Addresses and counts change with every job: specializing on them (Triton's default for
     # ints: divisible by 16, equal to 1) would compile new variants while the engine serves.
     @triton.jit(do_not_specialize=["ids_addr", "n_eng", "row_base"])
