@@ -132,24 +132,35 @@ from tiercache.transfer import batched
 from tiercache.transfer.kv_layout import KVLayout
 
 class Interpreted(KVLayout):
-    # The kernel (interpreted) where the twin would run: same copy list, other executor.
+    # The kernel (interpreted) where the twin would run: same copy list, other executor;
+    # ids as kernel arguments where a job is small enough (`inline`), else in a list.
+    inline = False
+
     def _batched(self, block_ids, rows, buf, *, store):
         if self._table is None:
             self._table = batched.ChunkTable(self)
-        batched.run_interpreted(self._table, block_ids, rows, buf, self.block_bytes, store=store)
+        batched.run_interpreted(
+            self._table, block_ids, rows, buf, self.block_bytes, store=store, inline=self.inline
+        )
 
 out = {{}}
 for kind in {kinds!r}:
     for factor in (1, 2):
-        caches, kv_first = make_kv(kind, NB)
-        layout = Interpreted(caches, NB, factor, kv_first=kv_first)
-        layout.copy_mode = "direct"
-        pool = torch.zeros((8, layout.block_bytes), dtype=torch.uint8)
-        out[f"{{kind}}/{{factor}}"] = [b.hex() for b in _ops(layout, caches, pool)]
+        for inline in (False, True):
+            caches, kv_first = make_kv(kind, NB)
+            layout = Interpreted(caches, NB, factor, kv_first=kv_first)
+            layout.copy_mode = "direct"
+            layout.inline = inline
+            pool = torch.zeros((8, layout.block_bytes), dtype=torch.uint8)
+            out[f"{{kind}}/{{factor}}/{{inline}}"] = [b.hex() for b in _ops(layout, caches, pool)]
 print(json.dumps(out))
 """
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="CUDA present: the kernel itself runs (test_every_cuda_copy_mode_writes_the_same_bytes)",
+)
 def test_the_kernel_under_tritons_interpreter_writes_the_layer_paths_bytes() -> None:
     pytest.importorskip("triton")
     kinds = ["kv_separate", "kv_shared", "odd_bytes"]
@@ -165,7 +176,8 @@ def test_the_kernel_under_tritons_interpreter_writes_the_layer_paths_bytes() -> 
     for kind in kinds:
         for factor in (1, 2):
             want = [b.hex() for b in _run(kind, factor, "layers")]
-            assert got[f"{kind}/{factor}"] == want, (kind, factor)
+            for inline in (False, True):
+                assert got[f"{kind}/{factor}/{inline}"] == want, (kind, factor, inline)
 
 
 @cuda_only

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from tiercache.transfer.kv_layout import KVLayout
 
 BLOCK = 1024  # words per program (a chunk of more has several programs)
+INLINE_IDS = 4  # jobs of at most this many engine blocks pass their ids as kernel arguments
 
 try:  # Triton comes with PyTorch's CUDA builds (and with vLLM); without it: the layer path.
     import triton
@@ -81,7 +82,7 @@ class ChunkTable:
 
     def hold(self, idx: torch.Tensor) -> None:
         """Keep `idx` until what the current stream queued so far has run."""
-        ev = torch.cuda.current_stream(self.device).record_event()
+        ev = torch.cuda.current_stream(self.device.index).record_event()
         with self._lock:  # lanes of one handler launch from several threads
             held = self._held
             while held and held[0][0].query():
@@ -143,22 +144,33 @@ def launch(
     row_bytes: int,
     *,
     store: bool,
+    idx_tensor: torch.Tensor | None = None,
 ) -> None:
-    """Queue the kernel on the current CUDA stream (asynchronous, like any launch)."""
+    """Queue the kernel on the current CUDA stream (asynchronous, like any launch).
+
+    A job of at most `INLINE_IDS` engine blocks (a decode step's store) passes its ids as
+    arguments; a larger one in one pinned int64 list (block ids, then rows) that the GPU reads
+    through unified addressing: no host-to-device copy of its own either way.
+    `idx_tensor`: a list of the caller's instead (the interpreter's, on the CPU).
+    """
     f = table.factor
     n_eng = len(block_ids)
     if n_eng != len(rows) * f:
         raise ValueError(
             f"block_ids: {n_eng} engine blocks for {len(rows)} rows (block_size_factor {f})"
         )
-    # One pinned int64 list (block ids, then rows): the GPU reads it through unified
-    # addressing, so the launch needs no host-to-device copy of its own.
-    idx = torch.tensor([*block_ids, *rows], dtype=torch.int64, pin_memory=True)
+    idx = idx_tensor
+    if idx is None and n_eng > INLINE_IDS:
+        idx = torch.tensor([*block_ids, *rows], dtype=torch.int64, pin_memory=True)
+    if idx is None:
+        pad = (0,) * (INLINE_IDS - n_eng)
+        ids, rws = (*block_ids, *pad), (*rows, *(0,) * (INLINE_IDS - len(rows)))
+    else:
+        ids = rws = (0,) * INLINE_IDS
     wide = table.wide_for(row_base, row_bytes)
     words = table.max_bytes // 8 if wide else table.max_bytes
-    parts = -(-words // BLOCK)
-    _kv_blocks_kernel[(n_eng * table.chunks, parts)](
-        idx.data_ptr(),
+    _kv_blocks_kernel[(n_eng * table.chunks, -(-words // BLOCK))](
+        0 if idx is None else idx.data_ptr(),
         table.tensor,
         n_eng,
         f,
@@ -166,11 +178,15 @@ def launch(
         row_base,
         row_bytes,
         table.engine_block_bytes,
+        *ids,
+        *rws,
         STORE=store,
         WIDE=wide,
+        INLINE=idx is None,
         BLOCK=BLOCK,
     )
-    table.hold(idx)
+    if idx is not None and idx_tensor is None:
+        table.hold(idx)
 
 
 def run_interpreted(
@@ -181,33 +197,26 @@ def run_interpreted(
     row_bytes: int,
     *,
     store: bool,
+    inline: bool = False,
 ) -> None:
     """The kernel itself on CPU tensors, under Triton's interpreter (`TRITON_INTERPRET=1` set
-    before this module is imported): the tests' check of the kernel's address arithmetic."""
-    idx = torch.tensor([*block_ids, *rows], dtype=torch.int64)
-    wide = table.wide_for(buf.data_ptr(), row_bytes)
-    words = table.max_bytes // 8 if wide else table.max_bytes
-    parts = -(-words // BLOCK)
-    _kv_blocks_kernel[(len(block_ids) * table.chunks, parts)](
-        idx.data_ptr(),
-        table.tensor,
-        len(block_ids),
-        table.factor,
-        table.chunks,
-        buf.data_ptr(),
-        row_bytes,
-        table.engine_block_bytes,
-        STORE=store,
-        WIDE=wide,
-        BLOCK=BLOCK,
-    )
+    before this module is imported): the tests' check of the kernel's address arithmetic,
+    with the ids as arguments (`inline`, at most `INLINE_IDS`) or in a list."""
+    inline = inline and len(block_ids) <= INLINE_IDS
+    idx = None if inline else torch.tensor([*block_ids, *rows], dtype=torch.int64)
+    launch(table, block_ids, rows, buf.data_ptr(), row_bytes, store=store, idx_tensor=idx)
 
 
 _kv_blocks_kernel: Any = None
 if triton is not None:
     # Addresses and counts change with every job: specializing on them (Triton's default for
     # ints: divisible by 16, equal to 1) would compile new variants while the engine serves.
-    @triton.jit(do_not_specialize=["ids_addr", "n_eng", "row_base"])
+    @triton.jit(
+        do_not_specialize=[
+            *("ids_addr", "n_eng", "row_base"),
+            *("b0", "b1", "b2", "b3", "r0", "r1", "r2", "r3"),
+        ]
+    )
     def _kv_blocks_kernel(  # type: ignore[no-redef]
         ids_addr,
         tab_ptr,
@@ -217,8 +226,17 @@ if triton is not None:
         row_base,
         row_bytes,
         eng_bytes,
+        b0,
+        b1,
+        b2,
+        b3,
+        r0,
+        r1,
+        r2,
+        r3,
         STORE: tl.constexpr,
         WIDE: tl.constexpr,
+        INLINE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # Program (e, part): words part*BLOCK.. of chunk m of the job's engine block i.
@@ -226,9 +244,16 @@ if triton is not None:
         part = tl.program_id(1)
         i = e // n_chunks
         m = e - i * n_chunks
-        ids = ids_addr.to(tl.pointer_type(tl.int64))
-        blk = tl.load(ids + i)
-        row = tl.load(ids + n_eng + i // factor)
+        j = i // factor
+        if INLINE:  # ids as arguments: b0..b3 are engine blocks 0..3, r0..r3 rows 0..3
+            blk = tl.where(i == 0, b0, tl.where(i == 1, b1, tl.where(i == 2, b2, b3)))
+            row = tl.where(j == 0, r0, tl.where(j == 1, r1, tl.where(j == 2, r2, r3)))
+            blk = blk.to(tl.int64)
+            row = row.to(tl.int64)
+        else:
+            ids = ids_addr.to(tl.pointer_type(tl.int64))
+            blk = tl.load(ids + i)
+            row = tl.load(ids + n_eng + j)
         base = tl.load(tab_ptr + m * 4)
         stride = tl.load(tab_ptr + m * 4 + 1)
         size = tl.load(tab_ptr + m * 4 + 2)

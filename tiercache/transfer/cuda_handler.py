@@ -33,6 +33,7 @@ class CUDACopyHandler(CPUCopyHandler):
             raise ValueError(
                 f"layout: the engine buffer is on {layout.device}, not CUDA; use CPUCopyHandler"
             )
+        self._index = layout.device.index  # an int: cheaper for torch to resolve per job
         self._streams = {
             lane: torch.cuda.Stream(layout.device) for lane in ("store", "load", EXPEDITED)
         }
@@ -41,7 +42,7 @@ class CUDACopyHandler(CPUCopyHandler):
     def prepare(self, job: Job) -> None:
         # Copies must see what the model wrote (stores) and land after what it last read
         # (loads): mark the caller's current stream now; the lane's stream waits for it.
-        job.compute_event = torch.cuda.current_stream(self.layout.device).record_event()
+        job.compute_event = torch.cuda.current_stream(self._index).record_event()
 
     def wait_deps(self, job: Job, lane: str) -> bool:
         stream = self._streams[lane]
@@ -64,7 +65,7 @@ class CUDACopyHandler(CPUCopyHandler):
 
     def run(self, job: Job, lane: str) -> None:
         stream = self._streams[lane]
-        with torch.cuda.device(self.layout.device), torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):  # makes the stream's device current too
             job.start_event = torch.cuda.Event(enable_timing=True)
             job.start_event.record(stream)
             try:
