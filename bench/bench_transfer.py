@@ -97,6 +97,7 @@ def bench_bulk(args: argparse.Namespace, device: torch.device, mode: str) -> dic
         n, bb, device, layers=args.layers, mode=mode
     )
     total = n * bb
+    resolved = layout.copy_mode_for(tier.pool, n)  # what "auto" (or a fallback) does here
     # Baseline: one large copy of the same bytes (host<->host, or pinned host<->device).
     if device.type == "cuda":
         dev_buf = torch.empty(total, dtype=torch.uint8, device=device)
@@ -140,6 +141,7 @@ def bench_bulk(args: argparse.Namespace, device: torch.device, mode: str) -> dic
     # The bytes made the round trip: engine blocks load_ids now hold what store_ids held.
     e = engine.view(torch.int16)  # compare bits: random bf16 patterns include NaNs
     assert torch.equal(e[load_ids[:4]].cpu(), e[store_ids[:4]].cpu())
+    print(f"# copy mode {mode!r}: a {n}-block job runs {resolved!r}")
     return {k: total / statistics.median(v) / 1e9 for k, v in times.items()}
 
 

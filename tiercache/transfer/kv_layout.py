@@ -240,7 +240,7 @@ class KVLayout:
             raise ValueError(f"copy_mode: {mode!r} is not one of {', '.join(COPY_MODES)}")
         self._copy_mode = mode
 
-    def _mode(self, buf: torch.Tensor, rows: int) -> str:
+    def copy_mode_for(self, buf: torch.Tensor, rows: int) -> str:
         """The copy mode for a job of `rows` blocks into or out of `buf`."""
         mode = self._copy_mode
         rows_of_blocks = (
@@ -322,7 +322,7 @@ class KVLayout:
     ) -> bool:
         """A job by the kernel where the mode says so (False: the caller copies by layers).
         Blocking callers return with the bytes in place, as `copy_` does."""
-        mode = self._mode(buf, len(rows))
+        mode = self.copy_mode_for(buf, len(rows))
         if mode == "layers":
             return False
         if mode == "staged":
