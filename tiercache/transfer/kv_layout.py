@@ -54,10 +54,12 @@ SPLIT_MIN_BYTES = 4 << 20
 COPY_MODES = ("auto", "direct", "staged", "layers")
 # "auto" on CUDA: jobs of at least this many bytes go through a device staging buffer and the
 # copy engine (DMA), smaller ones straight into the pool with the kernel (None: never staged).
-# H100, 512 MiB jobs against pinned cudaMemcpy: staged 0.92 (32 layers) / 0.90-0.92 (one
-# allocation), direct 0.88-0.89: the copy engine moves bulk bytes over PCIe better than SMs
-# do; a one-block job direct costs no allocation and no DMA call (129 vs 164 us).
-AUTO_STAGED_MIN_BYTES: int | None = 8 << 20
+# bench_transfer --layers 32 against pinned cudaMemcpy (H100 and H200): at 512 MiB staged
+# 0.91-0.93, direct 0.85-0.90 (the copy engine moves bulk bytes over PCIe better than SMs
+# do); at 8 and 32 MiB direct is ahead (0.63 vs 0.56-0.62, 0.79-0.82 vs 0.76-0.78), and a
+# one-block job direct needs no allocation and no DMA call. Between 32 and 512 MiB: not
+# measured; the switch sits at 128 MiB.
+AUTO_STAGED_MIN_BYTES: int | None = 128 << 20
 _helper: list[ThreadPoolExecutor | None] = []  # decided on first use, then kept
 _helper_lock = threading.Lock()
 
