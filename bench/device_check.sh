@@ -55,6 +55,9 @@ if step bench; then
             --modes "${MODES:-direct,staged,layers}" 2>&1 || echo "bench_transfer --layers $layers: status $?"
     done | tee "$OUT/bench_transfer.log"
     grep -q "bench_transfer --layers .*: status" "$OUT/bench_transfer.log" && failed bench 1
+    # The worker's Python path alone per one-block job (a copy that does nothing).
+    timeout 60 $PY bench/bench_transfer.py --host-path --runs 5 --small-jobs 2000 2>&1 \
+        | tee -a "$OUT/bench_transfer.log" || failed host-path $?
     # Host-side time of a one-block job of 32 layers (Python, thread hand-offs, launches).
     timeout 60 $PY bench/bench_transfer.py --device "${DEVICE:-cuda}" --runs 1 --blocks 16 \
         --small-jobs 500 --layers 32 --modes auto --profile >"$OUT/profile.log" 2>&1 \
