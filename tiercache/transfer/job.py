@@ -24,6 +24,41 @@ Resource = tuple[int, int]  # (tier index, slot), or (ENGINE, engine block id)
 ENGINE = -1
 
 
+class Flag:
+    """A one-shot event: set once, then every `wait` returns at once. `threading.Event` with
+    one lock instead of a Condition (a job makes two per submission: a one-block decode-time
+    store pays for them on the engine's thread)."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._lock = threading.Lock()
+        self._lock.acquire()  # held until set(): waiters block on it
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        with _SETTING:  # two setters must not both release
+            if self._set:
+                return
+            self._set = True
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once set; False if `timeout` seconds passed first."""
+        if self._set:
+            return True
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return self._set
+        self._lock.release()  # let the next waiter through
+        return True
+
+
+_SETTING = threading.Lock()
+
+
 class Job:
     """A transfer between two specs, its dependencies and its outcome."""
 
@@ -66,11 +101,11 @@ class Job:
         self.compute_event: Any = None  # CUDA event on the caller's stream at submission
         self.start_event: Any = None
         self.end_event: Any = None
-        self.issued = threading.Event()
+        self.issued = Flag()
         # Set once the job has read all its source bytes (at the latest when issued): a
         # later job that only overwrites what this one reads waits for this, not for its
         # write (a move into a hung disk has long read the slot a store now reuses).
-        self.read_done = threading.Event()
+        self.read_done = Flag()
         self.fence = threading.Lock()  # held by a handler while it touches engine blocks
         self.cancelled = False
         self.started = False  # a handler began its work (set under `fence`)
