@@ -89,6 +89,15 @@ class ChunkTable:
                 held.popleft()
             held.append((ev, idx))
 
+    def check_job(self, n_ids: int, n_rows: int) -> int:
+        """The block_size_factor, once `n_ids` engine blocks are checked to fill `n_rows`."""
+        if n_ids != n_rows * self.factor:
+            raise ValueError(
+                f"block_ids: {n_ids} engine blocks for {n_rows} rows "
+                f"(block_size_factor {self.factor})"
+            )
+        return self.factor
+
     def wide_for(self, row_base: int, row_bytes: int) -> bool:
         """Whether a job into rows at `row_base`, `row_bytes` apart, can move 8-byte words."""
         return self.wide and row_base % 8 == 0 and row_bytes % 8 == 0
@@ -103,13 +112,9 @@ def entries(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(engine addresses, record addresses, bytes) of every chunk of a job, block-major:
     the ranges the kernel copies, one program per entry."""
-    f = table.factor
+    f = table.check_job(len(block_ids), len(rows))
     ids = np.asarray(block_ids, dtype=np.int64)
     rws = np.asarray(rows, dtype=np.int64)
-    if len(ids) != len(rws) * f:
-        raise ValueError(
-            f"block_ids: {len(ids)} engine blocks for {len(rws)} rows (block_size_factor {f})"
-        )
     i = np.arange(len(ids), dtype=np.int64)
     base, stride, size, roff = (table.host[:, k][None, :] for k in range(4))
     eng = base + ids[:, None] * stride
@@ -153,12 +158,8 @@ def launch(
     through unified addressing: no host-to-device copy of its own either way.
     `idx_tensor`: a list of the caller's instead (the interpreter's, on the CPU).
     """
-    f = table.factor
+    f = table.check_job(len(block_ids), len(rows))
     n_eng = len(block_ids)
-    if n_eng != len(rows) * f:
-        raise ValueError(
-            f"block_ids: {n_eng} engine blocks for {len(rows)} rows (block_size_factor {f})"
-        )
     idx = idx_tensor
     if idx is None and n_eng > INLINE_IDS:
         idx = torch.tensor([*block_ids, *rows], dtype=torch.int64, pin_memory=True)
