@@ -17,6 +17,11 @@ step in a fresh process:
 - SIGKILL: a writer fills a second store and is SIGKILLed right after its last `put`
   returned (no close); a fresh process opens it (seconds, RAM), then checks that every key is
   found (`lookup`) and reads back `--verify` of them (default 20,000; `all`) byte for byte.
+- raw py-lmdb (LMDB kinds, issue 35): right after the tier's fill, a fresh process puts the
+  same keys and bytes (the same `rows`, uncompressed) into a new environment with py-lmdb's
+  default flags (sync and metasync on, no writemap), `--raw-txn` puts per write transaction
+  (default 64); blocks/s overall and over the last tenth. Reported with the tier's rate over
+  it (tier/raw), and per kind the tier's fill rate at the largest size over the smallest.
 Then a linear extrapolation of open time and RAM to 16.8 M blocks (1 TiB of 64 KiB blocks)
 from the two largest sizes.
 
@@ -108,6 +113,35 @@ def child_fill(kind: str, path: str, n: int, bb: int, batch: int, kill: bool) ->
     }
 
 
+def child_raw(path: str, n: int, bb: int, batch: int, per_txn: int) -> dict[str, Any]:
+    """Raw py-lmdb on the tier's data: keys `key(i)`, values `rows(i)`, default flags."""
+    import lmdb
+
+    from tiercache.tiers.lmdb import map_size_for
+
+    os.makedirs(path, mode=0o700)
+    env = lmdb.open(path, map_size=map_size_for(n, bb), max_dbs=1, mode=0o600)
+    db = env.open_db(b"blocks")
+    t0 = time.perf_counter()
+    tail_from, t_tail = n - max(1, n // 10), t0
+    for s in range(0, n, batch):
+        m = min(batch, n - s)
+        if s >= tail_from and t_tail == t0:
+            t_tail = time.perf_counter()
+        data = rows(s, m, bb)
+        for a in range(0, m, per_txn):
+            with env.begin(write=True, db=db) as txn:
+                for j in range(a, min(m, a + per_txn)):
+                    txn.put(key(s + j), data[j])
+    t1 = time.perf_counter()
+    env.close()
+    return {
+        "fill_s": t1 - t0,
+        "fill_rate": n / (t1 - t0),
+        "fill_tail_rate": (n - tail_from) / (t1 - t_tail),
+    }
+
+
 def child_open(
     kind: str, path: str, n: int, bb: int, seconds: float, verify: int, check_all: bool
 ) -> dict[str, Any]:
@@ -169,6 +203,8 @@ def child_open(
         done += 16
     res["read_blocks_per_s"] = done / (time.perf_counter() - t0)
     res["read_bad_batches"] = bad
+    stats = cache.tiers[0].stats()
+    res["index_warm"] = {k: v for k, v in stats.items() if k.startswith("index_warm_")}
     if verify:
         # Every key found; `verify` of them (all with check_all) read back exact.
         missing = sum(1 - cache.lookup([key(i)]) for i in range(n))
@@ -239,6 +275,10 @@ def measure(kind: str, n: int, a: argparse.Namespace) -> dict[str, Any]:
         clean, killed = os.path.join(base, "clean"), os.path.join(base, "killed")
         r: dict[str, Any] = {"kind": kind, "blocks": n, "block_bytes": a.block_bytes}
         r["fill"] = run_child(["fill", kind, clean, n, a.block_bytes, a.batch, False])
+        if kind == "lmdb" and not a.no_raw:
+            raw = os.path.join(base, "raw")
+            r["raw"] = run_child(["raw", raw, n, a.block_bytes, a.batch, a.raw_txn])
+            shutil.rmtree(raw)
         r["disk_bytes"] = sum(os.path.getsize(os.path.join(clean, f)) for f in os.listdir(clean))
         drop_cached(clean)
         r["open"] = run_child(["open", kind, clean, n, a.block_bytes, a.seconds, 0, False])
@@ -257,10 +297,17 @@ def measure(kind: str, n: int, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def row(r: dict[str, Any]) -> str:
-    f, o, k = r["fill"], r["open"], r.get("killed", {})
+    f, o, k, raw = r["fill"], r["open"], r.get("killed", {}), r.get("raw")
     return (
         f"{r['kind']:5} {r['blocks']:>9,} | fill {f['fill_rate']:>8,.0f}/s "
         f"(tail {f['fill_tail_rate']:>8,.0f}/s) close {f['close_s']:5.2f}s | "
+        + (
+            f"raw py-lmdb {raw['fill_rate']:>8,.0f}/s (tail {raw['fill_tail_rate']:>8,.0f}/s) "
+            f"tier/raw {f['fill_rate'] / raw['fill_rate']:.2f} | "
+            if raw
+            else ""
+        )
+        + f"first lookup {o['first_lookup_s'] * 1e3:.1f} ms | "
         f"open {o['open_s']:6.2f}s (again {r['open_warm']['open_s']:5.2f}s) "
         f"RAM {o['ram_anon_per_block']:6.0f} B/blk "
         f"read {o['read_syscall_bytes'] / max(1, r['blocks']):7.0f} B/blk "
@@ -271,12 +318,32 @@ def row(r: dict[str, Any]) -> str:
         f"(again {o['lookup_16_again_keys_per_s']:>10,.0f}/s) "
         f"get {o['read_blocks_per_s']:>7,.0f} blk/s | "
         + (
+            f"index warm {o['index_warm']['index_warm_pages']:,.0f} pages "
+            f"{o['index_warm']['index_warm_seconds']:.2f}s | "
+            if o.get("index_warm")
+            else ""
+        )
+        + (
             f"killed: open {k['open_s']:6.2f}s RAM {k['ram_anon_per_block']:5.0f} B/blk "
             f"missing {k['missing']} wrong {k['wrong']} of {k['verified']} checked"
             if k
             else "killed: -"
         )
     )
+
+
+def fill_ratios(results: list[dict[str, Any]]) -> list[str]:
+    """Per kind: the fill rate at the largest size over the smallest (flat fills give 1)."""
+    lines = []
+    for kind in sorted({r["kind"] for r in results}):
+        rs = sorted((r for r in results if r["kind"] == kind), key=lambda r: r["blocks"])
+        if len(rs) >= 2:
+            a, b = rs[0], rs[-1]
+            lines.append(
+                f"{kind}: fill rate at {b['blocks']:,} / at {a['blocks']:,}: "
+                f"{b['fill']['fill_rate'] / a['fill']['fill_rate']:.2f}"
+            )
+    return lines
 
 
 def extrapolate(results: list[dict[str, Any]]) -> list[str]:
@@ -314,13 +381,15 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=1.0, help="per lookup/read measurement")
     p.add_argument("--verify", default="20000", help="blocks read back after SIGKILL, or all")
     p.add_argument("--no-kill", action="store_true", help="skip the SIGKILL measurement")
+    p.add_argument("--no-raw", action="store_true", help="skip raw py-lmdb (LMDB kinds)")
+    p.add_argument("--raw-txn", type=int, default=64, help="raw py-lmdb puts per write txn")
     p.add_argument("--dir", default=None, help="where the stores go (default: $TMPDIR)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         args = json.loads(a.child)
-        fn = {"fill": child_fill, "open": child_open}[args[0]]
+        fn = {"fill": child_fill, "open": child_open, "raw": child_raw}[args[0]]
         print(json.dumps(fn(*args[1:])), flush=True)
         return
     results = []
@@ -329,7 +398,7 @@ def main() -> None:
             r = measure(kind, n, a)
             results.append(r)
             print(row(r), flush=True)
-    for line in extrapolate(results):
+    for line in fill_ratios(results) + extrapolate(results):
         print(line)
     if a.json:
         with open(a.json, "w") as f:

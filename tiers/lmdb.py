@@ -46,11 +46,21 @@ from the order entries (headers only); only malformed entries under its own pref
 dropped at open. A well-formed namespace is scanned in bulk (`_scan_fast`: two cursor runs
 over its "order" and "heads" entries into arrays, checked as arrays, no payload looked at:
 a read verifies it); any malformed entry sends the open to the entry-by-entry walk, which
-finds and drops exactly those. Measured (100k blocks of 4 KiB, after fadvise DONTNEED):
-the open reads 776 bytes per block from disk although the code reads no payload: the
-kernel's readahead on the map's page faults brings payload pages in with the header leaves
-(with `readahead=False`, i.e. MADV_RANDOM, 202 bytes per block, the tree pages alone; not
-set, as it would also fault cold payload reads in page by page).
+finds and drops exactly those.
+
+Readahead. The map is opened with `readahead=False` (MADV_RANDOM on the map). With the
+kernel's readahead on, a page fault in the map read a whole window around the faulting page
+(`read_ahead_kb`: 8 MiB on the machine of issue 35) into large page-cache folios. The cost
+was threefold. (1) Fills slowed as the store grew: a write through the map dirties the whole
+folio that holds the page, so each background sync wrote back nearly the whole file (1M
+blocks of 4 KiB, issue 35: 50.7 GB written by the process for a 0.8 GB store, the last 100k
+blocks 12.5 GB; with readahead off 7.7 GB, 0.7-0.9 GB per 100k blocks at every size).
+(2) An open read 776 bytes per block from disk for 100k blocks instead of 202 (payload
+pages came in with the header leaves). (3) A cold lookup read megabytes around each leaf.
+Off, a fault reads its page alone; what wants more asks for it: `read` advises the kernel
+of each multi-page payload before copying it (`lmdb_warm.will_need`), and a lazy open warms
+the "heads" and "order" pages in the background (`lmdb_warm.warm_index`, never payloads),
+so the first lookup of each key finds its index pages in the page cache.
 
 Sharing. One `lmdb.Environment` per real path per process, reference counted (LMDB refuses a
 second open of an environment in one process). Any number of processes may open and write
@@ -92,7 +102,7 @@ import torch
 import zstandard
 
 from tiercache.errors import BlockCorruptError, ConfigError
-from tiercache.tiers import lmdb_attach
+from tiercache.tiers import lmdb_attach, lmdb_warm
 from tiercache.tiers.base import KEY_BYTES, check_blocks
 from tiercache.tiers.format import (
     CODEC_RAW,
@@ -326,6 +336,24 @@ class _SharedEnv:
         self.txns_since_sync = 0
         self.last_sync = time.monotonic()
         self.bg_sync: Future[None] | None = None
+        self.warm: threading.Thread | None = None  # the index warm pass (lmdb_warm), once
+        self.warm_report: dict[str, float] = {}
+
+    def start_warm(self) -> None:
+        """Warm the "heads" and "order" pages (never payloads) on a daemon thread, once per
+        environment in this process: the first lookup of each key after a lazy open then
+        finds its pages in the page cache instead of reading them one at a time."""
+        with self.state_lock:
+            if self.warm is not None:
+                return
+            self.warm = threading.Thread(target=self._warm, name="tiercache-lmdb-warm", daemon=True)
+        self.warm.start()
+
+    def _warm(self) -> None:
+        try:
+            self.warm_report = lmdb_warm.warm_index(self.path, (HEADS_DB, ORDER_DB))
+        except OSError as exc:  # a hint only: lookups read what they need anyway
+            log.debug("%s: index warm pass stopped: %s", self.path, exc)
 
     def next_seq(self, n: int) -> int:
         with self.state_lock:
@@ -404,7 +432,7 @@ def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> _SharedE
             writemap=True,
             sync=durable,
             metasync=durable,
-            readahead=True,
+            readahead=False,  # see the module docstring ("Readahead")
             lock=True,
             max_readers=MAX_READERS,
             create=True,
@@ -722,6 +750,7 @@ class LMDBTier(KeyedTier):
         if not self._closed:
             info, st = self._shared.env.info(), self._shared.env.stat()
             out["env_bytes"] = (info["last_pgno"] + 1) * st["psize"]
+        out.update({f"index_warm_{k}": v for k, v in self._shared.warm_report.items()})
         return out
 
     # -- slots -----------------------------------------------------------------------------
@@ -1029,6 +1058,7 @@ class LMDBTier(KeyedTier):
                     bad[sk] = head_seq(h)
                 else:
                     found.append((i, k, h, v))
+            lmdb_warm.will_need(f[3] for f in found)  # readahead is off: see _open_env
             parallel = self.block_bytes >= _PARALLEL_MIN_BYTES
             ok = self._map(lambda j: self._decode(found[j], out_np), len(found), parallel)
             for (i, k, h, _), good in zip(found, ok, strict=True):
@@ -1210,6 +1240,8 @@ class LMDBTier(KeyedTier):
             "blocks_recovered": 0,
             "blocks_in_store": count,
         }
+        if count:
+            self._shared.start_warm()
         with self._shared.state_lock:
             self._shared.seq = max(self._shared.seq, next_seq)
 
@@ -1459,6 +1491,7 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
             max_dbs=len(DB_NAMES),
             readonly=not write,
             writemap=write,  # as the tiers open it
+            readahead=False,  # as the tiers open it: a cold probe reads its pages only
             lock=True,
             create=False,
             max_readers=MAX_READERS,
