@@ -64,10 +64,11 @@ of two namespaces live in two slots. Dropping another namespace's blocks is an o
 decision (`tiercache evict/clear --namespace`). The slab shrinks only by slots that hold
 nothing.
 
-The package, one concern per module (each imports only those listed before it):
+The package, one concern per module (each imports only modules listed before it):
 - `journal`: the record format, `_Entries`, the replay rule (`_tail_records`, `replay_journal`).
 - `image`: the index image, `encode_image` / `decode_image`.
-- `layout`: file names, instance directories, private directories, `meta.json`.
+- `options`: option and argument checks (fsync, io_threads, instances, keys).
+- `layout`: file names, instance directories and their lock, private directories, `meta.json`.
 - `io`: `_write_all`, aligned buffers, the O_DIRECT probe, the slab's size, `SlotPipeline`.
 - `recovery`: the open's recovery as pure functions returning a `Recovered` record.
 - `reader`: `NVMeStoreReader`, offline access for the CLI.
@@ -92,17 +93,16 @@ from tiercache.tiers.nvme.journal import (
     _tail_records,
     replay_journal,
 )
-from tiercache.tiers.nvme.layout import (
+from tiercache.tiers.nvme.layout import instance_dirs, instance_path, read_meta
+from tiercache.tiers.nvme.options import (
+    FSYNC_MODES,
     MAX_INSTANCES,
     check_instances,
-    instance_dirs,
     instance_from_env,
-    instance_path,
-    read_meta,
 )
 from tiercache.tiers.nvme.reader import NVMeStoreReader
 from tiercache.tiers.nvme.recovery import Recovered
-from tiercache.tiers.nvme.tier import FSYNC_MODES, NVMeTier
+from tiercache.tiers.nvme.tier import NVMeTier
 
 __all__ = [
     "ALIGN",

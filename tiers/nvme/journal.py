@@ -197,6 +197,23 @@ def _newest(e: _Entries) -> np.ndarray:
     return keep
 
 
+def compacted(
+    live: _Entries, kept: Sequence[tuple[int, bytes, int, int]], top_seq: int
+) -> tuple[_Entries, bytes]:
+    """What a compaction writes: the entries, `live` and `kept` (slot, key, seq, namespace
+    id) merged oldest first, and the journal that holds them: BASE (the sequence counter so
+    far) + one PUT each."""
+    entries = live
+    if kept:
+        more = _Entries.of(kept)
+        both = [
+            np.concatenate([getattr(live, f), getattr(more, f)])
+            for f in ("slots", "keys", "seqs", "ns")
+        ]
+        entries = _Entries(*both).take(np.argsort(both[2], kind="stable"))
+    return entries, _record(_OP_BASE, 0, top_seq, _NO_KEY) + _put_records(entries)
+
+
 @dataclass(frozen=True, slots=True)
 class JournalEntry:
     """A block the index journal names: `key` written into `slot` at write sequence `seq`."""

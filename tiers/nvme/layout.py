@@ -5,6 +5,7 @@ layout), read by the tier's open and by offline tools alike."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
@@ -17,56 +18,42 @@ from tiercache.tiers.format import HEADER_SIZE
 _META, _SLAB, _INDEX, _IMAGE = "meta.json", "slab", "index", "index.img"
 _OURS = {_META, _META + ".tmp", _SLAB, _INDEX, _INDEX + ".tmp", _IMAGE, _IMAGE + ".tmp"}
 _STORE_FORMAT, _STORE_VERSION = "tiercache-nvme", 1
-MAX_INSTANCES = 256  # `instances` and `instance` bound: directories tried at open
 _INSTANCE_DIR = re.compile(r"instance[1-9][0-9]*")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def check_instances(instances: object, instance: object, where: str = "") -> None:
-    """`instances` in 1..MAX_INSTANCES, `instance` None or in 0..MAX_INSTANCES-1; ConfigError
-    naming the field. (With `instance` given, `instances` is not used.)"""
-    p = f"{where}." if where else ""
-
-    def bad(v: object, top: int) -> bool:
-        return isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < top
-
-    if bad(instances, MAX_INSTANCES + 1) or instances == 0:
-        raise ConfigError(
-            f"{p}instances",
-            f"expected how many processes may share this path at once, an int in "
-            f"1..{MAX_INSTANCES}, got {instances!r}",
-        )
-    if instance is not None and bad(instance, MAX_INSTANCES):
-        raise ConfigError(
-            f"{p}instance", f"expected an int in 0..{MAX_INSTANCES - 1}, got {instance!r}"
-        )
-
-
-def instance_from_env(name: object, where: str = "") -> int | None:
-    """The instance an `instance_env` option names: the number in environment variable
-    `name` (e.g. "LOCAL_RANK"), or None when `name` is None or the variable is unset;
-    ConfigError naming `instance_env` for a bad name or value."""
-    if name is None:
-        return None
-    field = f"{where}.instance_env" if where else "instance_env"
-    if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-        raise ConfigError(field, f"expected an environment variable name, got {name!r}")
-    raw = os.environ.get(name)
-    if raw is None:
-        return None
-    digits = raw.strip()
-    k = int(digits) if digits.isascii() and digits.isdigit() else -1
-    if not 0 <= k < MAX_INSTANCES:
-        raise ConfigError(
-            field, f"${name} is {raw!r}, not an instance number in 0..{MAX_INSTANCES - 1}"
-        )
-    return k
 
 
 def instance_path(path: str, k: int) -> str:
     """The directory of instance `k` of an NVMe store configured at `path`: `path` itself
     for 0, ``path/instance{k}`` above."""
     return path if k == 0 else os.path.join(path, f"instance{k}")
+
+
+def take_instance(base: str, instance: int | None, instances: int) -> tuple[str, int, int]:
+    """Lock a store directory (one process per store: the index lives in this process's
+    memory): `instance` when given, else the first free of `instances` under `base`.
+    (directory, its fd holding the lock, k); ConfigError when none is free."""
+    wanted = [instance] if instance is not None else range(instances)
+    for k in wanted:
+        path = instance_path(base, k)
+        if k:
+            _prepare_dir(base)  # it holds the instance directories
+        _prepare_dir(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return path, fd, k
+    held = "(another process or an unclosed tier)"
+    if instance is None and instances > 1:
+        raise ConfigError(
+            "path",
+            f"{base!r}: all {instances} instances are in use by other NVMe "
+            f"tiers {held}; raise 'instances' or stop one",
+        )
+    where = instance_path(base, wanted[0])
+    which = f" (instance {instance})" if instance else ""
+    raise ConfigError("path", f"{where!r}{which} is in use by another NVMe tier {held}")
 
 
 def instance_dirs(path: str | os.PathLike[str]) -> list[tuple[int, str]]:

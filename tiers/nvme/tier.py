@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 
 from tiercache.errors import BlockCorruptError, ConfigError
-from tiercache.tiers.base import KEY_BYTES, Tier, check_blocks, slot_stack
+from tiercache.tiers.base import Tier, check_blocks, slot_stack
 from tiercache.tiers.dormant import DormantIndex
 from tiercache.tiers.format import (
     HEADER_SIZE,
@@ -45,14 +44,13 @@ from tiercache.tiers.nvme.io import (
 from tiercache.tiers.nvme.journal import (
     _KEY,
     _NO_KEY,
-    _OP_BASE,
     _OP_FREE,
     _OP_PUT,
     REC_SIZE,
     _Entries,
     _newest,
-    _put_records,
     _record,
+    compacted,
     replay_journal,
 )
 from tiercache.tiers.nvme.layout import (
@@ -61,19 +59,23 @@ from tiercache.tiers.nvme.layout import (
     _META,
     _SLAB,
     _nofollow,
-    _prepare_dir,
     _read_meta_file,
-    check_instances,
     check_meta,
-    instance_from_env,
-    instance_path,
     open_file,
     store_meta,
+    take_instance,
+)
+from tiercache.tiers.nvme.options import (
+    check_fsync,
+    check_instances,
+    check_io_threads,
+    check_keys,
+    check_options,
+    instance_from_env,
 )
 
 log = logging.getLogger(__package__)  # "tiercache.tiers.nvme", as before the split
 
-FSYNC_MODES = ("never", "batch", "always")
 BATCH_SYNC_BLOCKS = 256  # fsync="batch": sync after this many blocks written since the last one
 BATCH_SYNC_SECONDS = 1.0  # ... and at most this long after the first unsynced write
 COMPACT_SLACK = 1024  # journal records allowed beyond 2 * capacity before a rewrite
@@ -110,8 +112,8 @@ class NVMeTier(Tier):
         instance: int | None = None,
     ) -> None:
         super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks)
-        _check_fsync(fsync, "fsync")
-        _check_io_threads(io_threads, "io_threads")
+        check_fsync(fsync, "fsync")
+        check_io_threads(io_threads, "io_threads")
         check_instances(instances, instance)
         if not isinstance(path, str | os.PathLike) or not os.fspath(path):
             raise ConfigError("path", f"expected a directory path, got {path!r}")
@@ -174,19 +176,7 @@ class NVMeTier(Tier):
     @classmethod
     def validate_options(cls, options: Mapping[str, Any], where: str) -> None:
         super().validate_options(options, where)
-        if not options.get("path"):
-            raise ConfigError(f"{where}.path", "an 'nvme' tier needs a directory path")
-        if "fsync" in options:
-            _check_fsync(options["fsync"], f"{where}.fsync")
-        if "io_threads" in options:
-            _check_io_threads(options["io_threads"], f"{where}.io_threads")
-        check_instances(options.get("instances", 1), options.get("instance"), where)
-        if "instance_env" in options:
-            if "instance" in options:
-                raise ConfigError(
-                    f"{where}.instance_env", "give 'instance' or 'instance_env', not both"
-                )
-            instance_from_env(options["instance_env"], where)
+        check_options(options, where)
 
     @property
     def path(self) -> str:
@@ -198,33 +188,11 @@ class NVMeTier(Tier):
 
     # -- open ------------------------------------------------------------------------------
     def _take_instance(self) -> None:
-        """Lock the store directory (one process per store: the index lives in this
-        process's memory): `instance` when given, else the first free of `instances`; sets
-        `_path`, `_dirfd` and `instance`. ConfigError when none is free."""
-        wanted = [self._instance] if self._instance is not None else range(self._instances)
-        for k in wanted:
-            path = instance_path(self._base, k)
-            if k:
-                _prepare_dir(self._base)  # it holds the instance directories
-            _prepare_dir(path)
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self._path, self._dirfd, self.instance = path, fd, k
-            return
-        held = "(another process or an unclosed tier)"
-        if self._instance is None and self._instances > 1:
-            raise ConfigError(
-                "path",
-                f"{self._base!r}: all {self._instances} instances are in use by other NVMe "
-                f"tiers {held}; raise 'instances' or stop one",
-            )
-        where = instance_path(self._base, wanted[0])
-        which = f" (instance {self._instance})" if self._instance else ""
-        raise ConfigError("path", f"{where!r}{which} is in use by another NVMe tier {held}")
+        """Lock the store directory (`layout.take_instance`); sets `_path`, `_dirfd` and
+        `instance`."""
+        self._path, self._dirfd, self.instance = take_instance(
+            self._base, self._instance, self._instances
+        )
 
     def _open(self, direct: bool, io_threads: int) -> None:
         self._take_instance()
@@ -438,7 +406,7 @@ class NVMeTier(Tier):
     ) -> None:
         n = len(slots)
         check_blocks(src, n, self.block_bytes, "src")
-        keys = _check_keys(keys, n)
+        keys = check_keys(keys, n)
         self._check_slots(slots, unique=True)
         if self._ns is None:
             raise ValueError("namespace: a tier opened for every namespace (None) cannot write")
@@ -503,7 +471,7 @@ class NVMeTier(Tier):
     ) -> list[int]:
         n = len(slots)
         check_blocks(dst, n, self.block_bytes, "dst")
-        keys = _check_keys(keys, n)
+        keys = check_keys(keys, n)
         self._check_slots(slots, unique=False)
         if n == 0:
             return []
@@ -649,15 +617,10 @@ class NVMeTier(Tier):
             ns = np.full(len(live), self._ns, dtype=np.uint64)
         else:
             ns = np.fromiter((self._ns_of.get(s, 0) for s in live.tolist()), np.uint64, len(live))
-        entries = _Entries(live, self._keys[live], self._seqs[live], ns)
-        if self._kept:
-            kept = _Entries.of([(s, k, q, n) for s, (k, q, n) in self._kept.items()])
-            both = [
-                np.concatenate([getattr(entries, f), getattr(kept, f)])
-                for f in ("slots", "keys", "seqs", "ns")
-            ]
-            entries = _Entries(*both).take(np.argsort(both[2], kind="stable"))
-        data = _record(_OP_BASE, 0, self._seq, _NO_KEY) + _put_records(entries)
+        kept = [(s, k, q, n) for s, (k, q, n) in self._kept.items()]
+        entries, data = compacted(
+            _Entries(live, self._keys[live], self._seqs[live], ns), kept, self._seq
+        )
         distinct = bool(_newest(entries).all())  # checked here, so that opens need not
         image = encode_image(data, self._seq, self._ns, self._nslots, entries, distinct=distinct)
         fd = self._open_file(_INDEX + ".tmp", os.O_RDWR | os.O_TRUNC)
@@ -750,29 +713,3 @@ class NVMeTier(Tier):
                 raise ValueError(f"slots: {s!r} is not a slot of this tier")
         if unique and len(set(slots)) != len(slots):
             raise ValueError("slots: a write names the same slot twice")
-
-
-def _check_keys(keys: Sequence[bytes] | None, n: int) -> Sequence[bytes]:
-    if keys is None:
-        raise ValueError(
-            "keys: the nvme tier stores each block's key in its header; pass "
-            "one 16-byte key per slot"
-        )
-    if len(keys) != n:
-        raise ValueError(f"keys: expected {n} keys (one per slot), got {len(keys)}")
-    for i, k in enumerate(keys):
-        if not isinstance(k, bytes) or len(k) != KEY_BYTES:
-            raise ValueError(f"keys[{i}]: expected a {KEY_BYTES}-byte bytes key")
-    return keys
-
-
-def _check_fsync(value: object, field: str) -> None:
-    if value not in FSYNC_MODES:
-        raise ConfigError(
-            field, f"expected one of {', '.join(map(repr, FSYNC_MODES))}, got {value!r}"
-        )
-
-
-def _check_io_threads(value: object, field: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
-        raise ConfigError(field, f"expected an int in 1..64, got {value!r}")
