@@ -26,7 +26,6 @@ from tests.campaign_support import ChildDied, blocks, key, report, run_child, sc
 from tiercache import TierCache
 from tiercache.errors import ConfigError
 from tiercache.tiers import lmdb as lmdb_tier
-from tiercache.tiers import nvme
 
 BB = 64 * 1024
 
@@ -187,9 +186,9 @@ def install_nvme_faults(monkeypatch, faults: Faults) -> None:
         faults.maybe("fdatasync")
         return real_sync(fd)
 
-    monkeypatch.setattr(nvme.os, "pwrite", pwrite)
-    monkeypatch.setattr(nvme.os, "preadv", preadv)
-    monkeypatch.setattr(nvme.os, "fdatasync", fdatasync)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
 
 
 def install_lmdb_faults(monkeypatch, faults: Faults) -> None:

@@ -33,6 +33,7 @@ from tiercache.errors import ConfigError
 from tiercache.tiers import format as fmt
 from tiercache.tiers import nvme
 from tiercache.tiers.nvme import NVMeTier
+from tiercache.tiers.nvme import tier as nvme_tier
 
 BB = 64
 
@@ -801,8 +802,8 @@ def test_always_orders_data_sync_before_index(tmp_path, monkeypatch) -> None:
 
 
 def test_batch_syncs_by_count_and_by_timer(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(nvme, "BATCH_SYNC_BLOCKS", 4)
-    monkeypatch.setattr(nvme, "BATCH_SYNC_SECONDS", 0.05)
+    monkeypatch.setattr(nvme_tier, "BATCH_SYNC_BLOCKS", 4)
+    monkeypatch.setattr(nvme_tier, "BATCH_SYNC_SECONDS", 0.05)
     t = open_tier(tmp_path / "nvme", capacity=16)
     log = _trace(monkeypatch, t)
     t.write(t.allocate(keys_for(2)), rand_blocks(2, BB), keys_for(2))
@@ -832,7 +833,7 @@ def test_never_calls_no_fsync(tmp_path, monkeypatch) -> None:
 
 
 def test_journal_is_compacted_while_running(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(nvme, "COMPACT_SLACK", 0)
+    monkeypatch.setattr(nvme_tier, "COMPACT_SLACK", 0)
     store = tmp_path / "nvme"
     t = open_tier(store, capacity=4)
     data = rand_blocks(60, BB, 71)

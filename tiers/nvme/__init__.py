@@ -1,0 +1,136 @@
+"""`NVMeTier`: blocks in one preallocated slab file, one O_DIRECT-aligned slot per block, and a
+checksummed append-only index journal that says which key lives in which slot.
+
+Layout under `path` (a private directory, 0700; every file 0600):
+- `meta.json`: format tag and version, block_bytes, capacity_blocks, slot_bytes (JSON, never
+  pickle; written to `meta.json.tmp`, fsynced, renamed).
+- `slab`: `capacity_blocks * slot_bytes` bytes, preallocated (posix_fallocate), plus the slots
+  of blocks it keeps for other namespaces (see Tenants). Slot i starts
+  at `i * slot_bytes` and holds a `tiers.format` record: the 64-byte header (key, namespace id,
+  length, write sequence, xxh3 checksum over header and payload), the raw payload, zero
+  padding. `slot_bytes` = HEADER_SIZE + block_bytes rounded up to 4096, so every slot offset
+  and length is O_DIRECT aligned.
+- `index`: the journal. Fixed 40-byte records `(magic, version, op, slot, seq, key, xxh3)` with
+  op PUT (key now lives in slot), FREE (slot emptied) or BASE (the sequence counter so far).
+  On open every record is checked alone (a flipped byte loses one record, a torn tail loses
+  the tail); per slot the record with the highest seq wins; each surviving PUT is checked
+  against its slot's header (key, seq, length) before it is recovered. The journal is then
+  rewritten compactly (BASE + live PUTs), and again on close and whenever it grows past
+  `2 * capacity + COMPACT_SLACK` records.
+- `index.img`: the index image, written with every compaction (tmp, fsync, renamed after the
+  journal): the live and kept entries as fixed-width arrays (slot, seq, namespace, key), the
+  journal bytes it covers with their xxh3, and the namespace of the tier that appends after
+  it; checksummed as a whole. An open loads it and replays only the journal records appended
+  after it (no slot is read: those PUTs are the writer's, and a read verifies key, namespace,
+  seq and checksum). A missing, damaged or stale image, or a journal whose covered bytes
+  changed, falls back to the full replay with header checks above (logged). An open after a
+  clean close by the same namespace rewrites nothing.
+
+In memory the index is two columns per slot (`_seqs`, uint64, 0 for a slot holding none of
+this tier's blocks, and `_keys`, 16 bytes), no Python object per block; opens, replays and
+compactions work on them as arrays (`_Entries`).
+
+Crash ordering: a store writes the data of all its slots, then (fsync="always") fdatasyncs the
+slab, and only then appends its PUT records (and fdatasyncs the journal). A crash before the
+records land leaves slots the index does not name; a record whose data never landed, or was
+torn, names a slot whose header does not match (dropped at open) or whose payload fails the
+checksum (a failed position on read). No path serves bytes under a key they were not written
+for.
+
+fsync modes: "always" = durable when `write` returns; "batch" = slab then journal are
+fdatasynced at `flush()`/`close()`, after every BATCH_SYNC_BLOCKS blocks written, and at most
+BATCH_SYNC_SECONDS after an unsynced write (a timer); "never" = no fsync at all, not even at
+`flush()` (the OS writes back when it likes; a power loss may lose the whole index).
+
+Instances. One process per directory (an exclusive flock, taken at open; the index lives in
+that process's memory). Several engines on one host given one config (replicas, vLLM
+data-parallel ranks) each need a directory of their own: with `instances = N` a tier whose
+`path` is held by another live process takes the first free of `path/instance1` ..
+`path/instance{N-1}` (instance 0 is `path` itself, so the default layout is unchanged and
+switching the option on keeps the blocks there); with `instance = k` it opens instance k and
+nothing else (a data-parallel rank; `connectors.common.per_dp_rank_config` sets it), and
+with `instance_env = "VAR"` the instance named by that environment variable (unset: as
+without it). A restarted replica takes a free instance back, with its blocks. Locks die
+with their process, so an instance held by a killed process is free again at once.
+
+Tenants. Processes with different namespaces may use one directory one after the other
+(flock: never at once). Opening deletes nothing: blocks stamped with another namespace, and
+blocks of ours beyond `capacity` (the oldest, when reopened smaller), are *kept*: not served
+(a read checks the header's namespace as well as its key), not counted in `used_blocks`,
+never handed out as free slots, never evicted, and carried over by every journal rewrite.
+This tier's `capacity` slots are the other ones; the slab holds both, so it grows past
+`capacity * slot_bytes` while it keeps blocks (reserved at open like any slot). Equal keys
+of two namespaces live in two slots. Dropping another namespace's blocks is an operator's
+decision (`tiercache evict/clear --namespace`). The slab shrinks only by slots that hold
+nothing.
+
+The package, one concern per module (each imports only modules listed before it):
+- `journal`: the record format, `_Entries`, the replay rule (`_tail_records`, `replay_journal`).
+- `image`: the index image, `encode_image` / `decode_image`.
+- `options`: option and argument checks (fsync, io_threads, instances, keys).
+- `layout`: file names, instance directories and their lock, private directories, `meta.json`.
+- `io`: `_write_all`, aligned buffers, the O_DIRECT probe, the slab's size, `SlotPipeline`.
+- `recovery`: the open's recovery as pure functions returning a `Recovered` record.
+- `reader`: `NVMeStoreReader`, offline access for the CLI.
+- `tier`: `NVMeTier`, and the tunables it reads (BATCH_SYNC_BLOCKS, BATCH_SYNC_SECONDS,
+  COMPACT_SLACK: patch them on `tiercache.tiers.nvme.tier`).
+"""
+
+from tiercache.tiers.nvme.image import _Image, decode_image, encode_image
+from tiercache.tiers.nvme.io import ALIGN, SlotPipeline
+from tiercache.tiers.nvme.journal import (
+    _OP_BASE,
+    _OP_FREE,
+    _OP_PUT,
+    REC_SIZE,
+    JournalEntry,
+    JournalReport,
+    _Entries,
+    _newest,
+    _parse_record,
+    _put_records,
+    _record,
+    _tail_records,
+    replay_journal,
+)
+from tiercache.tiers.nvme.layout import instance_dirs, instance_path, read_meta
+from tiercache.tiers.nvme.options import (
+    FSYNC_MODES,
+    MAX_INSTANCES,
+    check_instances,
+    instance_from_env,
+)
+from tiercache.tiers.nvme.reader import NVMeStoreReader
+from tiercache.tiers.nvme.recovery import Recovered
+from tiercache.tiers.nvme.tier import NVMeTier
+
+__all__ = [
+    "ALIGN",
+    "FSYNC_MODES",
+    "MAX_INSTANCES",
+    "REC_SIZE",
+    "_OP_BASE",
+    "_OP_FREE",
+    "_OP_PUT",
+    "JournalEntry",
+    "JournalReport",
+    "NVMeStoreReader",
+    "NVMeTier",
+    "Recovered",
+    "SlotPipeline",
+    "_Entries",
+    "_Image",
+    "_newest",
+    "_parse_record",
+    "_put_records",
+    "_record",
+    "_tail_records",
+    "check_instances",
+    "decode_image",
+    "encode_image",
+    "instance_dirs",
+    "instance_from_env",
+    "instance_path",
+    "read_meta",
+    "replay_journal",
+]

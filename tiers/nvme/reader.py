@@ -1,0 +1,116 @@
+"""`NVMeStoreReader`: offline, read-only access to an NVMe store for the CLI (inspect,
+verify, evict): it takes no lock and writes nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+
+from tiercache.tiers.nvme.journal import replay_journal
+from tiercache.tiers.nvme.layout import _INDEX, _META, _SLAB, read_meta
+
+
+class NVMeStoreReader:
+    """A read-only view of an NVMe store on disk for offline tools: it takes no lock and
+    writes nothing, so it works on a stopped store and beside the process holding it open.
+
+    That process may move on after `entries` was read (a slot freed and written again): a
+    caller that finds a mismatch on a store `in_use()` calls `reload()` and rechecks the
+    entries that are still there.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.meta = read_meta(self.path)
+        self.block_bytes: int = self.meta["block_bytes"]
+        self.capacity_blocks: int = self.meta["capacity_blocks"]
+        self.slot_bytes: int = self.meta["slot_bytes"]
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._dirfd = os.open(self.path, flags | os.O_DIRECTORY)
+        self._fd = -1
+        try:
+            self._fd = os.open(os.path.join(self.path, _SLAB), flags)
+            self.reload()
+        except BaseException:
+            self.close()
+            raise
+
+    def reload(self) -> None:
+        """Read the journal again (its current file: a compaction replaces it)."""
+        try:
+            fd = os.open(
+                os.path.join(self.path, _INDEX), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
+        except FileNotFoundError:
+            data = b""
+        else:
+            with os.fdopen(fd, "rb") as f:
+                data = f.read()
+        # Every slot of the slab (it holds kept blocks past the capacity); every live slot,
+        # equal keys of two namespaces included.
+        self.entries, self.journal = replay_journal(data, self.slots, per_key=False)
+
+    @property
+    def slots(self) -> int:
+        """Slots in the slab: the capacity, or more while it keeps other blocks."""
+        return max(self.capacity_blocks, self.slab_size // self.slot_bytes)
+
+    @property
+    def slab_size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def last_modified(self) -> float:
+        """Newest mtime of the slab and the journal (headers carry sequence numbers, not
+        times)."""
+        names = (_SLAB, _INDEX, _META)
+        return max(
+            os.stat(os.path.join(self.path, n)).st_mtime
+            for n in names
+            if os.path.exists(os.path.join(self.path, n))
+        )
+
+    def holder(self) -> int | None:
+        """The pid holding the store open (a tier's exclusive flock on the directory), else
+        None; -1 when held but the pid is unknown. Linux: read from /proc/locks, which takes
+        no lock; elsewhere probed with a shared flock, released at once."""
+        st = os.fstat(self._dirfd)
+        dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        try:
+            with open("/proc/locks", encoding="ascii", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            try:
+                fcntl.flock(self._dirfd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return -1
+            fcntl.flock(self._dirfd, fcntl.LOCK_UN)
+            return None
+        for line in lines:
+            f = line.split()
+            if len(f) >= 6 and f[1] == "FLOCK" and f[3] == "WRITE" and f[5] == dev:
+                return int(f[4]) if f[4].isdigit() else -1
+        return None
+
+    def in_use(self) -> bool:
+        """Whether a tier holds the store open."""
+        return self.holder() is not None
+
+    def read_slot(self, slot: int, nbytes: int | None = None) -> bytes:
+        """The first `nbytes` (default: all) bytes of `slot`; short at the slab's end."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot: {slot} is not a slot of this store (0..{self.slots - 1})")
+        return os.pread(self._fd, nbytes or self.slot_bytes, slot * self.slot_bytes)
+
+    def close(self) -> None:
+        for fd in (self._fd, self._dirfd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fd = self._dirfd = -1
+
+    def __enter__(self) -> NVMeStoreReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

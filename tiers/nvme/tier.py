@@ -1,0 +1,715 @@
+"""`NVMeTier`: the tier itself: options, the instance lock, open and close, write, read and
+free, and the journal's append, sync and compaction. The on-disk format is described in
+`tiercache.tiers.nvme`; recovery at open is `recovery.py`, the journal `journal.py`.
+
+The tunables the tier reads at run time live here (tests patch them on this module):
+BATCH_SYNC_BLOCKS, BATCH_SYNC_SECONDS, COMPACT_SLACK.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from tiercache.errors import BlockCorruptError, ConfigError
+from tiercache.tiers.base import Tier, check_blocks, slot_stack
+from tiercache.tiers.dormant import DormantIndex
+from tiercache.tiers.format import (
+    HEADER_SIZE,
+    decode_header,
+    decode_payload,
+    encode_block,
+    namespace_id,
+)
+from tiercache.tiers.nvme import recovery
+from tiercache.tiers.nvme.image import decode_image, encode_image
+from tiercache.tiers.nvme.io import (
+    ALIGN,
+    SlotPipeline,
+    _Buffer,
+    _write_all,
+    probe_direct,
+    resize_slab,
+)
+from tiercache.tiers.nvme.journal import (
+    _KEY,
+    _NO_KEY,
+    _OP_FREE,
+    _OP_PUT,
+    REC_SIZE,
+    _Entries,
+    _newest,
+    _record,
+    compacted,
+    replay_journal,
+)
+from tiercache.tiers.nvme.layout import (
+    _IMAGE,
+    _INDEX,
+    _META,
+    _SLAB,
+    _nofollow,
+    _read_meta_file,
+    check_meta,
+    open_file,
+    store_meta,
+    take_instance,
+)
+from tiercache.tiers.nvme.options import (
+    check_fsync,
+    check_instances,
+    check_io_threads,
+    check_keys,
+    check_options,
+    instance_from_env,
+)
+
+log = logging.getLogger(__package__)  # "tiercache.tiers.nvme", as before the split
+
+BATCH_SYNC_BLOCKS = 256  # fsync="batch": sync after this many blocks written since the last one
+BATCH_SYNC_SECONDS = 1.0  # ... and at most this long after the first unsynced write
+COMPACT_SLACK = 1024  # journal records allowed beyond 2 * capacity before a rewrite
+
+
+class NVMeTier(Tier):
+    """Blocks in a preallocated slab file with a persisted, checksummed index."""
+
+    kind: ClassVar[str] = "nvme"
+    persistent: ClassVar[bool] = True
+    shared: ClassVar[bool] = False
+    OPTIONS: ClassVar = {
+        "path": str,
+        "fsync": str,
+        "io_threads": int,
+        "direct": bool,
+        "instances": int,
+        "instance": int,
+        "instance_env": str,
+    }
+
+    def __init__(
+        self,
+        *,
+        name: str = "nvme",
+        block_bytes: int,
+        capacity_blocks: int,
+        path: str | os.PathLike[str],
+        fsync: str = "batch",
+        namespace: str | None = "",
+        io_threads: int = 4,
+        direct: bool = True,
+        instances: int = 1,
+        instance: int | None = None,
+    ) -> None:
+        super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks)
+        check_fsync(fsync, "fsync")
+        check_io_threads(io_threads, "io_threads")
+        check_instances(instances, instance)
+        if not isinstance(path, str | os.PathLike) or not os.fspath(path):
+            raise ConfigError("path", f"expected a directory path, got {path!r}")
+        self._base = os.path.abspath(os.fspath(path))  # the configured path: instance 0
+        self._path = self._base  # the directory this tier holds, set by _take_instance
+        self._instances, self._instance = instances, instance
+        self.instance = 0  # which instance this tier opened
+        self._fsync = fsync
+        # None: an offline tool's view (the CLI), where every namespace's blocks are indexed.
+        self._ns = None if namespace is None else namespace_id(namespace)
+        # slot -> (key, seq, namespace id) of blocks kept, not ours
+        self._kept: dict[int, tuple[bytes, int, int]] = {}
+        self._ns_of: dict[int, int] = {}  # slot -> namespace id, only when namespace is None
+        self._nslots = capacity_blocks  # slots in the slab: ours (capacity) + kept
+        self._slot_bytes = -(-(HEADER_SIZE + block_bytes) // ALIGN) * ALIGN
+        self._lock = threading.Lock()  # guards the journal, the index map and the counter
+        # The index of this tier's live blocks, per slot (fixed width, no object per block):
+        # the write seq (0: the slot holds none of ours) and the key.
+        self._seqs = np.zeros(0, dtype=np.uint64)
+        self._keys = np.zeros(0, dtype=_KEY)
+        self._live = 0  # slots with a nonzero seq
+        self._seq = 0
+        self._unsynced = 0
+        self._timer: threading.Timer | None = None
+        self._dirfd = self._fd = self._jfd = -1
+        self._jlen = 0
+        self._io: SlotPipeline | None = None  # the I/O pool and its slot buffers
+        self.direct = False
+        self.open_report: dict[str, int] = {}
+        try:
+            self._open(direct, io_threads)
+        except BaseException:
+            self._release()
+            raise
+
+    @classmethod
+    def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> NVMeTier:
+        o = cfg.options
+        if "path" not in o:
+            raise ConfigError(f"{cfg.field}.path", "an 'nvme' tier needs a directory path")
+        try:
+            return cls(
+                name=cfg.name,
+                block_bytes=block_bytes,
+                capacity_blocks=cfg.capacity_in_blocks(block_bytes),
+                path=o["path"],
+                fsync=o.get("fsync", "batch"),
+                namespace=namespace,
+                io_threads=o.get("io_threads", 4),
+                direct=o.get("direct", True),
+                instances=o.get("instances", 1),
+                instance=o.get("instance", instance_from_env(o.get("instance_env"))),
+            )
+        except ConfigError as exc:
+            fields = ("path", "fsync", "io_threads", "capacity", "block_bytes", "instances")
+            if exc.field in (*fields, "instance", "instance_env"):
+                raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
+            raise
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any], where: str) -> None:
+        super().validate_options(options, where)
+        check_options(options, where)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    # -- open ------------------------------------------------------------------------------
+    def _take_instance(self) -> None:
+        """Lock the store directory (`layout.take_instance`); sets `_path`, `_dirfd` and
+        `instance`."""
+        self._path, self._dirfd, self.instance = take_instance(
+            self._base, self._instance, self._instances
+        )
+
+    def _open(self, direct: bool, io_threads: int) -> None:
+        self._take_instance()
+        meta = self._load_meta()
+        if meta is None:
+            # meta.json first: from here on the directory is recognisably ours.
+            self._write_meta()
+        self._fd, self.direct = self._open_slab(direct)
+        self._resize_slab(grow_only=True)
+        if self.direct and not self._probe_direct():
+            os.close(self._fd)
+            self._fd, self.direct = self._open_slab(False)
+        self._io = SlotPipeline(io_threads, self._slot_bytes, f"tiercache-{self.medium}")
+        # An existing store without its journal has lost every index entry: say so.
+        index_missing = meta is not None and not os.path.exists(os.path.join(self._path, _INDEX))
+        self._jfd = self._open_file(_INDEX, os.O_RDWR)
+        with self._lock:
+            size = os.fstat(self._jfd).st_size
+            journal = os.pread(self._jfd, size, 0) if size else b""
+            current = self._load_image(journal)
+            if current is None:
+                self._load_index(journal)
+            if current:  # the image covers the whole journal and names us as its writer
+                self._jlen = len(journal)
+            else:
+                self._compact()
+        if index_missing:
+            self.open_report["index_missing"] = 1
+            log.warning("%s: the index journal is missing; its blocks are forgotten", self._path)
+        self._resize_slab(grow_only=False)  # only slots past every held block are cut off
+        if self._ns is not None and self._live:
+            # The recovered blocks stay dormant: the manager takes each over when a lookup
+            # or a store reaches its key, or when it needs its slot (tiers/dormant.py).
+            with self._lock:
+                self._dormant = DormantIndex(self._keys, self._live_slots())
+        if (
+            meta is not None
+            and meta.get("capacity_blocks") != self.capacity_blocks
+            and self._ns is not None
+        ):
+            self._write_meta()
+
+    def _open_file(self, name: str, flags: int) -> int:
+        return open_file(self._path, name, flags)
+
+    def _load_meta(self) -> dict[str, Any] | None:
+        meta = _read_meta_file(self._path)
+        if meta is not None:
+            check_meta(meta, self._path, self.block_bytes, self._slot_bytes)
+        return meta
+
+    def _write_meta(self) -> None:
+        meta = store_meta(self.block_bytes, self.capacity_blocks, self._slot_bytes)
+        fd = self._open_file(_META + ".tmp", os.O_WRONLY | os.O_TRUNC)
+        try:
+            _write_all(fd, json.dumps(meta, indent=1).encode() + b"\n", 0)
+            self._sync(fd)  # the new content is durable before the rename publishes it
+        finally:
+            os.close(fd)
+        os.replace(os.path.join(self._path, _META + ".tmp"), os.path.join(self._path, _META))
+        self._sync(self._dirfd)
+
+    def _open_slab(self, direct: bool) -> tuple[int, bool]:
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                return self._open_file(_SLAB, os.O_RDWR | os.O_DIRECT), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._warn_buffered(exc)
+        return self._open_file(_SLAB, os.O_RDWR), False
+
+    def _probe_direct(self) -> bool:
+        """Some filesystems accept O_DIRECT at open and refuse it per I/O: try one read."""
+        refused = probe_direct(self._fd)
+        if refused is not None:
+            self._warn_buffered(refused)
+        return refused is None
+
+    def _warn_buffered(self, exc: OSError) -> None:
+        warnings.warn(
+            f"{self._path}: the filesystem refuses O_DIRECT ({exc.strerror}); the "
+            f"{self.medium!r} tier uses buffered I/O (reads may come from the page "
+            "cache)",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+    def _resize_slab(self, *, grow_only: bool) -> None:
+        resize_slab(
+            self._fd,
+            max(self.capacity_blocks, self._nslots) * self._slot_bytes,
+            grow_only=grow_only,
+            path=self._path,
+            slots=self.capacity_blocks,
+            slot_bytes=self._slot_bytes,
+        )
+
+    def _load_image(self, journal: bytes) -> bool | None:
+        """Load the index from the image plus the journal records appended after it, reading
+        no slot (lock held; `recovery.from_image`). None when the image is missing, damaged,
+        or does not cover this journal (then the caller reads every header); True when it
+        covers all of it and this tier wrote it (the journal is kept as is), False when a
+        compaction should follow."""
+        try:
+            with open(os.path.join(self._path, _IMAGE), "rb", opener=_nofollow) as f:
+                img = decode_image(f.read())
+        except FileNotFoundError:
+            if journal:
+                log.warning("%s: no index image; reading every slot header", self._path)
+            return None
+        except OSError as exc:
+            log.warning("%s: the index image is unreadable (%s)", self._path, exc)
+            return None
+        if img is None:
+            log.warning("%s: the index image is damaged; reading every slot header", self._path)
+            return None
+        if not recovery.image_matches(img, journal):
+            log.warning(
+                "%s: the index image does not match the journal (stale, or the journal was "
+                "damaged); reading every slot header",
+                self._path,
+            )
+            return None
+        got = recovery.from_image(img, journal, os.fstat(self._fd).st_size // self._slot_bytes)
+        if got is None:
+            log.warning("%s: the index image names no writer; reading every header", self._path)
+            return None
+        self._settle(got)
+        self.open_report["index_image"] = 1
+        self.open_report["headers_read"] = 0
+        return not got.tail and img.writer == self._ns and self._ns is not None
+
+    def _load_index(self, journal: bytes) -> None:
+        """Replay the journal, then keep only entries whose slot header agrees (lock held)."""
+        fd, sb, bb = self._fd, self._slot_bytes, self.block_bytes
+        entries, report = replay_journal(journal, os.fstat(fd).st_size // sb, per_key=False)
+        items = [(e.slot, e.key, e.seq) for e in entries]
+        ns_of = self._pipeline(
+            len(items),
+            lambda i, buf: os.preadv(fd, [buf.view[:ALIGN]], items[i][0] * sb),
+            lambda i, buf: None,
+            lambda i, buf, got: (
+                None
+                if isinstance(got, BaseException)
+                else recovery.header_ns(buf.view, got, items[i][1], items[i][2], bb)
+            ),
+        )
+        checked = [(*it, ns) for it, ns in zip(items, ns_of, strict=True) if ns is not None]
+        self._settle(
+            recovery.Replayed(
+                _Entries.of(checked),
+                report.damaged,
+                report.out_of_range + len(items) - len(checked),
+                report.top_seq,
+                distinct=False,
+            )
+        )
+        self.open_report["index_image"] = 0
+        self.open_report["headers_read"] = len(items)
+        if len(items) != len(checked):
+            log.warning(
+                "%s: %d indexed blocks failed their header check and were dropped",
+                self._path,
+                len(items) - len(checked),
+            )
+
+    def _settle(self, got: recovery.Replayed) -> None:
+        """Adopt the entries an open found: ours up to the capacity, the rest kept (lock
+        held; `recovery.settle`)."""
+        r = recovery.settle(
+            got.entries,
+            ns=self._ns,
+            capacity=self.capacity_blocks,
+            skipped=got.damaged,
+            dropped=got.dropped,
+            top_seq=got.top_seq,
+            distinct=got.distinct,
+        )
+        self._kept = r.kept
+        if r.ns_of is not None:
+            self._ns_of = r.ns_of
+        self._nslots = r.nslots
+        self._free = slot_stack(r.free[::-1])  # popped from the end: ascending slots
+        self._seqs, self._keys, self._live, self._seq = r.seqs, r.keys, r.live, r.top_seq
+        self.open_report = dict(r.report)
+        over = r.report["blocks_over_capacity"]
+        if over:
+            log.warning(
+                "%s: holds %d blocks of this namespace, capacity is %d: the %d oldest are "
+                "kept but not used",
+                self._path,
+                r.ours,
+                self.capacity_blocks,
+                over,
+            )
+        if got.damaged:
+            log.warning("%s: index journal had %d damaged records", self._path, got.damaged)
+
+    # -- bytes -----------------------------------------------------------------------------
+    # Syscalls on the pool, buffers filled and checked on the caller's thread: see
+    # io.SlotPipeline for why (and the measurements).
+    def _pipeline(self, n: int, io: Any, before: Any, after: Any) -> list[Any]:
+        """For i in 0..n-1: `before(i, buf)` (caller), `io(i, buf)` (pool), `after(i, buf,
+        result_or_exception)` (caller, in order). Returns the values of `after`."""
+        assert self._io is not None
+        return self._io.run(n, io, before, after)
+
+    def write(
+        self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> None:
+        n = len(slots)
+        check_blocks(src, n, self.block_bytes, "src")
+        keys = check_keys(keys, n)
+        self._check_slots(slots, unique=True)
+        if self._ns is None:
+            raise ValueError("namespace: a tier opened for every namespace (None) cannot write")
+        if n == 0:
+            return
+        rows = (src if src.device.type == "cpu" else src.cpu()).numpy()
+        with self._lock:
+            first = self._seq + 1
+            self._seq += n
+        fd, sb, bb = self._fd, self._slot_bytes, self.block_bytes
+
+        def fill(i: int, buf: _Buffer) -> None:
+            payload = buf.arr[HEADER_SIZE : HEADER_SIZE + bb]
+            payload[:] = rows[i]
+            header, _ = encode_block(keys[i], payload, namespace=self._ns, seq=first + i)
+            buf.view[:HEADER_SIZE] = header
+
+        def check(i: int, buf: _Buffer, res: int | BaseException) -> BaseException | None:
+            if isinstance(res, BaseException):
+                return res
+            return (
+                None
+                if res == sb
+                else OSError(errno.EIO, f"short write to slot {slots[i]}: {res} of {sb} bytes")
+            )
+
+        # 1. Data: header + payload into every slot. Nothing names these slots yet.
+        errors = [
+            e
+            for e in self._pipeline(
+                n, lambda i, buf: os.pwrite(fd, buf.mm, slots[i] * sb), fill, check
+            )
+            if e
+        ]
+        for e in errors:
+            if not isinstance(e, OSError):
+                raise e  # a bug, not an I/O failure
+        if errors:
+            raise OSError(
+                getattr(errors[0], "errno", errno.EIO),
+                f"{self.medium}: writing {len(errors)} of {n} blocks failed: {errors[0]}",
+            ) from errors[0]
+        if self._fsync == "always":
+            os.fdatasync(fd)  # the data is durable before any record names it
+        # 2. Index: one append of n PUT records, after the data (crash ordering).
+        recs = b"".join(_record(_OP_PUT, slots[i], first + i, keys[i]) for i in range(n))
+        with self._lock:
+            self._check_open()
+            self._append(recs)
+            # Indexed before the sync: if the sync fails, the manager frees these slots and
+            # free() then journals them as freed.
+            at = np.fromiter(slots, dtype=np.int64, count=n)
+            self._live += n - int(np.count_nonzero(self._seqs[at]))
+            self._seqs[at] = np.arange(first, first + n, dtype=np.uint64)
+            self._keys[at] = np.frombuffer(b"".join(keys), dtype=_KEY)
+            if self._fsync == "always":
+                os.fdatasync(self._jfd)
+            self._after_append(n)
+
+    def read(
+        self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> list[int]:
+        n = len(slots)
+        check_blocks(dst, n, self.block_bytes, "dst")
+        keys = check_keys(keys, n)
+        self._check_slots(slots, unique=False)
+        if n == 0:
+            return []
+        host = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
+        rows = host.numpy()
+        fd, sb, seqs, index_keys = self._fd, self._slot_bytes, self._seqs, self._keys
+
+        def decode(i: int, buf: _Buffer, got: int | BaseException) -> BaseException | None:
+            """Check and decode slot i into its row; the error instead of raising it."""
+            if isinstance(got, BaseException):
+                return got
+            if got < HEADER_SIZE + self.block_bytes:
+                return OSError(errno.EIO, f"short read ({got} bytes)")
+            try:
+                h = decode_header(buf.view[:HEADER_SIZE])
+                if h.key != keys[i]:
+                    return BlockCorruptError(f"slot holds key {h.key.hex()}")
+                if self._ns is not None and h.namespace_id != self._ns:
+                    return BlockCorruptError("slot holds a block of another namespace")
+                # An indexed slot serves exactly the write its entry names: an entry loaded
+                # from the image is not checked against the header at open, and a failed
+                # rewrite of the same key can leave another write in the slot. (A slot freed
+                # since has no entry; its bytes stay readable until rewritten.)
+                want = seqs.item(slots[i])
+                if want and want != h.seq and index_keys[slots[i]].tobytes() == h.key:
+                    return BlockCorruptError(f"slot holds write {h.seq}, indexed {want}")
+                # Verifies the checksum over header + payload, then one copy into the row.
+                decode_payload(h, buf.view[HEADER_SIZE : HEADER_SIZE + h.stored_len], rows[i])
+            except BlockCorruptError as exc:
+                return exc
+            return None
+
+        results = self._pipeline(
+            n, lambda i, buf: os.preadv(fd, [buf.mm], slots[i] * sb), lambda i, buf: None, decode
+        )
+        for r in results:
+            if r is not None and not isinstance(r, OSError | BlockCorruptError):
+                raise r  # a bug, not a bad block
+        failed = [i for i, r in enumerate(results) if r is not None]
+        if len(failed) == n and all(isinstance(r, OSError) for r in results):
+            raise OSError(
+                getattr(results[0], "errno", errno.EIO),
+                f"{self.medium}: no block could be read: {results[0]}",
+            )
+        for i in failed:
+            log.warning(
+                "%s: slot %d (key %s): %s", self.medium, slots[i], keys[i].hex(), results[i]
+            )
+        if host is not dst:
+            dst.copy_(host)
+        return failed
+
+    # -- slots and index -------------------------------------------------------------------
+    def free(self, slots: Sequence[int]) -> None:
+        """Free slots and journal it, so they stay freed after a restart. The bytes stay: a
+        demotion planned with the eviction still reads them before the next write."""
+        super().free(slots)
+        with self._lock:
+            recs = []
+            seqs = self._seqs
+            for s in slots:
+                if seqs.item(s):
+                    seqs[s] = 0
+                    self._live -= 1
+                    self._seq += 1
+                    recs.append(_record(_OP_FREE, s, self._seq, _NO_KEY))
+            if not recs or self._closed:
+                return
+            try:  # no sync: a lost FREE record only lets a valid block come back
+                self._append(b"".join(recs))
+                self._after_append(0)
+            except OSError as exc:  # free must not fail (the manager frees while planning)
+                log.warning("%s: journaling %d freed slots failed: %s", self.medium, len(recs), exc)
+
+    def recover(self) -> list[tuple[bytes, int]]:
+        return list(zip(*self.recover_columns(), strict=True))
+
+    def recover_columns(self) -> tuple[list[bytes], list[int]]:
+        # The slots are not free: recovery.place hands out only slots that hold no block.
+        with self._lock:
+            live = self._live_slots()
+            return self._keys[live].tolist(), live.tolist()
+
+    def _live_slots(self) -> np.ndarray:
+        """The slots of this tier's live blocks, oldest first (lock held)."""
+        live = np.flatnonzero(self._seqs)
+        return live[np.argsort(self._seqs[live], kind="stable")]
+
+    def _append(self, data: bytes) -> None:
+        """Append records at the tracked end (lock held). A partial append is cut off again so
+        the next one starts on a record boundary."""
+        try:
+            _write_all(self._jfd, data, self._jlen)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._jfd, self._jlen)
+            raise
+        self._jlen += len(data)
+
+    def _after_append(self, blocks: int) -> None:
+        """Batch syncing and journal compaction, after an append (lock held)."""
+        if self._jlen // REC_SIZE > 2 * self._nslots + COMPACT_SLACK:
+            self._compact()
+        elif self._fsync == "batch" and blocks:
+            self._unsynced += blocks
+            if self._unsynced >= BATCH_SYNC_BLOCKS:
+                self._sync_all()
+            elif self._timer is None:
+                self._timer = threading.Timer(BATCH_SYNC_SECONDS, self._timed_sync)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _timed_sync(self) -> None:
+        with self._lock:
+            self._timer = None
+            if self._closed or not self._unsynced:
+                return
+            try:
+                self._sync_all()
+            except OSError as exc:
+                log.warning("%s: periodic sync failed: %s", self.medium, exc)
+
+    def _sync(self, fd: int) -> None:
+        if self._fsync != "never":
+            os.fsync(fd)
+
+    def _sync_all(self) -> None:
+        """Slab first, then the journal that names its blocks (lock held)."""
+        if self._fsync != "never":
+            os.fdatasync(self._fd)
+            os.fdatasync(self._jfd)
+        self._unsynced = 0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _compact(self) -> None:
+        """Rewrite the journal as BASE + the live and kept PUTs, oldest first (lock held)."""
+        if self._fsync != "never":
+            os.fdatasync(self._fd)  # the blocks are durable before a fresh index names them
+        live = self._live_slots()
+        if self._ns is not None:
+            ns = np.full(len(live), self._ns, dtype=np.uint64)
+        else:
+            ns = np.fromiter((self._ns_of.get(s, 0) for s in live.tolist()), np.uint64, len(live))
+        kept = [(s, k, q, n) for s, (k, q, n) in self._kept.items()]
+        entries, data = compacted(
+            _Entries(live, self._keys[live], self._seqs[live], ns), kept, self._seq
+        )
+        distinct = bool(_newest(entries).all())  # checked here, so that opens need not
+        image = encode_image(data, self._seq, self._ns, self._nslots, entries, distinct=distinct)
+        fd = self._open_file(_INDEX + ".tmp", os.O_RDWR | os.O_TRUNC)
+        try:
+            _write_all(fd, data, 0)
+            self._sync(fd)  # complete and durable before the rename replaces the old journal
+            # The image of the new journal, durable before either rename. A crash between
+            # the two renames leaves an image that matches no journal: the next open reads
+            # every header (slow, never wrong).
+            fresh = self._write_image(image)
+            os.replace(os.path.join(self._path, _INDEX + ".tmp"), os.path.join(self._path, _INDEX))
+            if fresh:
+                os.replace(
+                    os.path.join(self._path, _IMAGE + ".tmp"), os.path.join(self._path, _IMAGE)
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        old, self._jfd, self._jlen = self._jfd, fd, len(data)  # appends go to the new file now
+        os.close(old)
+        self._unsynced = 0
+        self._sync(self._dirfd)  # and the rename itself survives a power loss
+
+    def _write_image(self, image: bytes) -> bool:
+        """Write `image` to the image's temporary file, durably; on failure remove the old
+        image (it could name this tier as the writer of a journal it no longer covers) and
+        return False (lock held)."""
+        try:
+            fd = self._open_file(_IMAGE + ".tmp", os.O_WRONLY | os.O_TRUNC)
+            try:
+                _write_all(fd, image, 0)
+                self._sync(fd)
+            finally:
+                os.close(fd)
+            return True
+        except OSError as exc:
+            log.warning("%s: writing the index image failed: %s", self.medium, exc)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self._path, _IMAGE))
+            return False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def flush(self) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            self._sync_all()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            with self._lock:
+                self._closed = True  # under the lock: a pending batch-sync timer sees it
+                try:
+                    self._compact()
+                except OSError as exc:
+                    log.warning("%s: compacting the index at close failed: %s", self.medium, exc)
+                    self._sync_all()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._io is not None:
+            self._io.shutdown()
+        for fd in (self._fd, self._jfd, self._dirfd):  # the directory fd last: it holds the lock
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fd = self._jfd = self._dirfd = -1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OSError(errno.EBADF, f"{self.medium}: the tier is closed")
+
+    def _check_slots(self, slots: Sequence[int], *, unique: bool) -> None:
+        self._check_open()
+        cap = self._nslots
+        for s in slots:
+            if (
+                isinstance(s, bool)
+                or not isinstance(s, int)
+                or not 0 <= s < cap
+                or (s in self._kept and self._ns is not None)
+            ):
+                raise ValueError(f"slots: {s!r} is not a slot of this tier")
+        if unique and len(set(slots)) != len(slots):
+            raise ValueError("slots: a write names the same slot twice")
