@@ -254,7 +254,8 @@ def test_long_prompt_sliding_window_bytes_stay_bounded(
     assert run["batches"][0]["outputs"] == base["batches"][0]["outputs"]
     (snap,) = run["stores"].values()
     c = {g: int(snap["counters"].get(f"stored_blocks_g{g}", 0)) for g in range(3)}
-    block_bytes = 2 * 2 * 32 * 2 * 32 * 2  # 2 layers x (2 KV heads x 32 tokens x K,V x 32) bf16
+    # 2 layers x (2 KV heads x 32 tokens x K,V x 32) x 4 bytes (fp32, the tests' dtype)
+    block_bytes = 2 * 2 * 32 * 2 * 32 * 4
     tokens = sum(n // BS * BS for n in lengths)
     per_token = {g: c[g] * block_bytes / tokens for g in c}
     # Full attention: every full block of both prompts. Sliding windows: the window before
