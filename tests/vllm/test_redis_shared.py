@@ -1,16 +1,15 @@
 """Two vLLM CPU engine processes with different local tiers sharing one Redis tier.
 
-A real `redis-server` on a free loopback port (skipped, with the reason, where it is not
-installed). Engine A (CPU tier of 8 blocks + Redis) serves the prompts first and exits: its
-CPU tier demotes into Redis while it runs, and its close writes the rest back. Engine B, a
-separate process with other local tiers (CPU 4 blocks + LMDB + Redis), then gets external
-hits for prompts only A saw, served from Redis, with outputs identical to an engine without
-tiercache.
+A real `redis-server` on a free loopback port (conftest's `redis_url`: skipped, with the
+reason, where it is not installed; a failure under CI). Engine A (CPU tier of 8 blocks +
+Redis) serves the prompts first and exits: its CPU tier demotes into Redis while it runs, and
+its close writes the rest back. Engine B, a separate process with other local tiers (CPU 4
+blocks + LMDB + Redis), then gets external hits for prompts only A saw, served from Redis,
+with outputs identical to an engine without tiercache.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -18,11 +17,6 @@ from typing import Any
 import pytest
 
 pytest.importorskip("vllm")
-REDIS_SERVER = shutil.which("redis-server")
-pytestmark = pytest.mark.skipif(
-    REDIS_SERVER is None,
-    reason="redis-server is not installed (CI installs Debian's redis-server package)",
-)
 
 N_PROMPTS = 8
 PROMPT_LEN = 200  # 6 full blocks of 32 per prompt
