@@ -1,6 +1,8 @@
 """Fixtures for the end-to-end tests on a real vLLM CPU engine.
 
 - `tiny_llama` (session): a directory with a random-weight Llama (see `engine.py`).
+- `llama_prompts`, `llama_outputs` (session): a prompt set (8 x 200 tokens, 64 shared) and
+  its greedy outputs without a connector, one engine run for every module that uses them.
 - `engine` (session): the `engine.py` module: `run_in_subprocess(spec)`, `make_prompts`,
   `write_tiny_llama`, `run_spec`.
 - `redis_url` (session): a real redis-server on a free loopback port (a skip where none is
@@ -30,6 +32,56 @@ import pytest
 
 _HERE = Path(__file__).resolve().parent
 REDIS_SERVER = shutil.which("redis-server")
+
+
+# What CI runs on vLLM 0.33 besides 0.32 (`-m every_vllm`; .ci/run). vLLM 0.33 changed
+# interfaces the adapters use (../shared/vllm-interfaces.md): OffloadingManager (`lock`,
+# `config_info`, `on_reset_flushed`, `OffloadingEvent.metadata_only`),
+# `OffloadingWorker.submit_load(expedited)`, the offloading group configs (sliding windows:
+# the OffloadingConnector now stores and loads only the window), KVConnectorBase_V1's optional
+# sleep-mode methods, and `BlockStored.lookahead_token_ids`. The tests below reach those
+# interfaces, or drive vLLM's own classes and scheduler directly; the others test
+# tiercache's behaviour through interfaces 0.32 and 0.33 share (deadlines, fleets, Redis,
+# tensor parallelism, write-around), which 0.32's run covers. Module -> test-name prefixes
+# (None: every test of the module).
+EVERY_VLLM: dict[str, tuple[str, ...] | None] = {
+    # the connector against vLLM's base class (0.33's sleep-mode methods), worker metadata,
+    # TP index and handshakes: no engine, seconds.
+    "test_kv_connector_parts.py": None,
+    # the spec, manager and worker on vLLM's own offloading classes (every 0.33 change to
+    # the offloading API), and engines: hits, restart, corruption, expedited loads, keys.
+    "test_offloading_spec.py": None,
+    # replays vLLM's OffloadingConnector scheduler calls into vLLM's own manager: the calls
+    # must be the installed vLLM's.
+    "test_bench_agreement.py": None,
+    # the EC connector inside vLLM's own scheduler/model-runner classes: no engine.
+    "test_ec_connector.py": None,
+    # the OffloadingConnector's store jobs at a deadline (its job handling changed in 0.33).
+    "test_hung_store.py": ("test_a_hung_store_gives_vllm_its_blocks_back_through_the_offl",),
+    # the OffloadingConnector with sliding-window groups (0.33 stores only the window).
+    "test_hybrid.py": ("test_offloading_spec_keeps_the_groups",),
+    # smoke: TierCacheConnector end to end, in process (KV events: 0.33's BlockStored) and
+    # multiprocess, restart on persistent tiers, corrupted store; and keys that carry what
+    # changes the KV (the settings digest reads vLLM's config classes).
+    "test_kv_connector.py": ("test_a_", "test_b_", "test_c_", "test_an_override"),
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "every_vllm: run on every supported vLLM, not only on 0.32 (conftest.EVERY_VLLM)",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.parent != _HERE or path.name not in EVERY_VLLM:
+            continue
+        prefixes = EVERY_VLLM[path.name]
+        if prefixes is None or item.name.startswith(prefixes):
+            item.add_marker(pytest.mark.every_vllm)
 
 
 def _load(stem: str) -> ModuleType:
@@ -62,6 +114,34 @@ def server() -> ModuleType:
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory, engine: ModuleType) -> Path:
     """A random-weight Llama model directory for vLLM (config.json + model.safetensors)."""
     return engine.write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+# The prompt set several modules send (test_kv_connector, test_redis_shared), and its outputs
+# from an engine without a connector, computed once per session.
+N_PROMPTS = 8
+PROMPT_LEN = 200  # 6 full blocks of 32; the 7th holds the last prompt token
+SHARED_PREFIX = 64  # two blocks common to all prompts
+
+
+@pytest.fixture(scope="session")
+def llama_prompts(engine: ModuleType) -> list[list[int]]:
+    """8 prompts of 200 tokens whose first 64 are common to all."""
+    prompts: list[list[int]] = engine.make_prompts(
+        N_PROMPTS, PROMPT_LEN, seed=7, shared_prefix=SHARED_PREFIX
+    )
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def llama_outputs(
+    engine: ModuleType, tiny_llama: Path, llama_prompts: list[list[int]]
+) -> list[list[int]]:
+    """`llama_prompts`' greedy outputs (16 tokens) from an engine without a connector."""
+    spec = {"model": str(tiny_llama), "batches": [{"prompts": llama_prompts, "max_tokens": 16}]}
+    outputs: list[list[int]] = engine.run_in_subprocess(spec)["batches"][0]["outputs"]
+    # The model is a useful oracle only if different prompts give different tokens.
+    assert len({tuple(o) for o in outputs}) == N_PROMPTS
+    return outputs
 
 
 @pytest.fixture(scope="session")
