@@ -38,12 +38,12 @@ with ``"stop_pid": PID`` sends SIGSTOP to that process before the batch and SIGC
 (a hung server, e.g. Redis, during exactly that batch).
 
 A batch with ``"settle_through": true`` starts once the connector's write-through copies
-queued so far have run (in-process engines; e.g. hits timed apart from the previous batch's
-background writes). A batch may also say ``"wait_s": S`` (sleep S seconds before it),
-``"wait_for": PATH``
-(start it only once PATH exists: another engine
-finished something) and ``"touch": PATH`` (create PATH after it): engines started together
-with `start_in_subprocess` then run in a set order, each in its own process.
+queued so far have run (in a multiprocess engine, those of the worker's process; TP 1 only;
+e.g. hits timed apart from the previous batch's background writes). A batch may also say
+``"wait_s": S`` (sleep S seconds before it), ``"wait_for": PATH`` (start it only once PATH
+exists: another engine finished something) and ``"touch": PATH`` (create PATH after it):
+engines started together with `start_in_subprocess` then run in a set order, each in its
+own process.
 
 With ``"hang_writes": PATH`` every NVMe tier write in the engine's process blocks until PATH
 exists (a hung disk; in-process engines only), and ``"num_gpu_blocks_override": N`` gives
@@ -355,7 +355,10 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         time.sleep(float(batch.get("wait_s", 0)))
         th0 = thread_cpu()  # the settling's background copies count in this batch's threads
         if batch.get("settle_through"):
-            _settle_through()
+            if spec.get("multiprocessing"):
+                llm.collective_rpc(_settle_worker)  # the stores live in the worker's process
+            else:
+                _settle_through()
         params = SamplingParams(
             temperature=0, max_tokens=batch.get("max_tokens", 16), ignore_eos=True, detokenize=False
         )
@@ -484,6 +487,11 @@ def _settle_through(deadline_s: float = 120) -> None:
             if not queued:
                 break
             time.sleep(0.02)  # the copier takes the next batch
+
+
+def _settle_worker(worker: Any) -> None:
+    """`_settle_through` in the process that runs vLLM's worker (sent by value)."""
+    _settle_through()
 
 
 def _kv_groups(worker: Any) -> list[list[Any]]:
