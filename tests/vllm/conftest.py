@@ -56,6 +56,9 @@ EVERY_VLLM: dict[str, tuple[str, ...] | None] = {
     "test_bench_agreement.py": None,
     # the EC connector inside vLLM's own scheduler/model-runner classes: no engine.
     "test_ec_connector.py": None,
+    # cost-aware loading through the connector's halves and vLLM's metadata hooks
+    # (bind_connector_metadata, worker metadata): no engine, seconds.
+    "test_cost_loading.py": ("test_a_slow_tier", "test_worker_samples"),
     # the OffloadingConnector's store jobs at a deadline (its job handling changed in 0.33).
     "test_hung_store.py": ("test_a_hung_store_gives_vllm_its_blocks_back_through_the_offl",),
     # the OffloadingConnector with sliding-window groups (0.33 stores only the window).
