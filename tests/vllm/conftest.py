@@ -1,9 +1,12 @@
 """Fixtures for the end-to-end tests on a real vLLM CPU engine.
 
 - `tiny_llama` (session): a directory with a random-weight Llama (see `engine.py`).
+- `llama_prompts`, `llama_outputs` (session): a prompt set (8 x 200 tokens, 64 shared) and
+  its greedy outputs without a connector, one engine run for every module that uses them.
 - `engine` (session): the `engine.py` module: `run_in_subprocess(spec)`, `make_prompts`,
   `write_tiny_llama`, `run_spec`.
-- `redis_url` (session): a real redis-server on a free loopback port.
+- `redis_url` (session): a real redis-server on a free loopback port (a skip where none is
+  installed, a failure when the environment variable CI is set).
 - `server` (session): the `server.py` module: `Server` (vLLM's OpenAI-compatible server in
   its own process group), `free_port`, `get`.
 
@@ -15,6 +18,7 @@ themselves with ``pytest.importorskip("vllm")`` when vLLM is not installed.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -28,6 +32,63 @@ import pytest
 
 _HERE = Path(__file__).resolve().parent
 REDIS_SERVER = shutil.which("redis-server")
+
+
+# What CI runs on vLLM 0.33 besides 0.32 (`-m every_vllm`; .ci/run). vLLM 0.33 changed
+# interfaces the adapters use (../shared/vllm-interfaces.md): OffloadingManager (`lock`,
+# `config_info`, `on_reset_flushed`, `OffloadingEvent.metadata_only`),
+# `OffloadingWorker.submit_load(expedited)`, the offloading group configs (sliding windows:
+# the OffloadingConnector now stores and loads only the window), KVConnectorBase_V1's optional
+# sleep-mode methods, and `BlockStored.lookahead_token_ids`. The tests below reach those
+# interfaces, or drive vLLM's own classes and scheduler directly; the others test
+# tiercache's behaviour through interfaces 0.32 and 0.33 share (deadlines, fleets, Redis,
+# tensor parallelism, write-around), which 0.32's run covers. Module -> test-name prefixes
+# (None: every test of the module).
+EVERY_VLLM: dict[str, tuple[str, ...] | None] = {
+    # the connector against vLLM's base class (0.33's sleep-mode methods), worker metadata,
+    # TP index and handshakes: no engine, seconds.
+    "test_kv_connector_parts.py": None,
+    # the spec, manager and worker on vLLM's own offloading classes (every 0.33 change to
+    # the offloading API), and engines: hits, restart, corruption, expedited loads, keys.
+    "test_offloading_spec.py": None,
+    # replays vLLM's OffloadingConnector scheduler calls into vLLM's own manager: the calls
+    # must be the installed vLLM's.
+    "test_bench_agreement.py": None,
+    # the EC connector inside vLLM's own scheduler/model-runner classes: no engine.
+    "test_ec_connector.py": None,
+    # cost-aware loading through the connector's halves and vLLM's metadata hooks
+    # (bind_connector_metadata, worker metadata): no engine, seconds.
+    "test_cost_loading.py": ("test_a_slow_tier", "test_worker_samples"),
+    # the OffloadingConnector's store jobs given up at a deadline, then a prefix-cache reset
+    # while they hang (0.33 changed how it waits for stores in flight: on_reset_flushed).
+    # Not [cpu+nvme]: there vLLM's jobs end at once and only tiercache's write-through hangs.
+    "test_hung_store.py": tuple(
+        f"test_a_hung_store_gives_vllm_its_blocks_back_through_the_offloading_spec[{t}]"
+        for t in ("nvme", "cpu+nvme-write-back")
+    ),
+    # the OffloadingConnector with sliding-window groups (0.33 stores only the window).
+    "test_hybrid.py": ("test_offloading_spec_keeps_the_groups",),
+    # smoke: TierCacheConnector end to end, in process (KV events: 0.33's BlockStored) and
+    # multiprocess, restart on persistent tiers, corrupted store.
+    "test_kv_connector.py": ("test_a_", "test_b_", "test_c_"),
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "every_vllm: run on every supported vLLM, not only on 0.32 (conftest.EVERY_VLLM)",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.parent != _HERE or path.name not in EVERY_VLLM:
+            continue
+        prefixes = EVERY_VLLM[path.name]
+        if prefixes is None or item.name.startswith(prefixes):
+            item.add_marker(pytest.mark.every_vllm)
 
 
 def _load(stem: str) -> ModuleType:
@@ -62,10 +123,41 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, engine: ModuleType) -> 
     return engine.write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+# The prompt set several modules send (test_kv_connector, test_redis_shared), and its outputs
+# from an engine without a connector, computed once per session.
+N_PROMPTS = 8
+PROMPT_LEN = 200  # 6 full blocks of 32; the 7th holds the last prompt token
+SHARED_PREFIX = 64  # two blocks common to all prompts
+
+
+@pytest.fixture(scope="session")
+def llama_prompts(engine: ModuleType) -> list[list[int]]:
+    """8 prompts of 200 tokens whose first 64 are common to all."""
+    prompts: list[list[int]] = engine.make_prompts(
+        N_PROMPTS, PROMPT_LEN, seed=7, shared_prefix=SHARED_PREFIX
+    )
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def llama_outputs(
+    engine: ModuleType, tiny_llama: Path, llama_prompts: list[list[int]]
+) -> list[list[int]]:
+    """`llama_prompts`' greedy outputs (16 tokens) from an engine without a connector."""
+    spec = {"model": str(tiny_llama), "batches": [{"prompts": llama_prompts, "max_tokens": 16}]}
+    outputs: list[list[int]] = engine.run_in_subprocess(spec)["batches"][0]["outputs"]
+    # The model is a useful oracle only if different prompts give different tokens.
+    assert len({tuple(o) for o in outputs}) == N_PROMPTS
+    return outputs
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server on a free loopback port (skips where it is not installed)."""
+    """A real redis-server on a free loopback port (skips where it is not installed, except
+    under CI: there a missing redis-server fails the tests that need it, never skips them)."""
     if REDIS_SERVER is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI is set and redis-server is not installed: .ci/run installs it")
         pytest.skip("redis-server is not installed (CI installs Debian's redis-server package)")
     d = tmp_path_factory.mktemp("redis")
     with socket.socket() as s:

@@ -1,9 +1,9 @@
 """A tiny random-weight Llama and a runner for one vLLM CPU engine, for tests and benchmarks.
 
 - `write_tiny_llama(path, seed=0, **shape)`: config.json + model.safetensors (by default
-  hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32, vocab 4096, bf16; about 1.3 M
-  parameters; keyword arguments give other shapes and dtypes, e.g. the TTFT benchmark's
-  6 layers, hidden 512, fp32). No model hub.
+  hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32, vocab 4096, fp32 (`DTYPE`); about
+  1.3 M parameters; keyword arguments give other shapes and dtypes, e.g. the TTFT benchmark's
+  6 layers, hidden 512). No model hub.
 - `make_prompts(n, length, seed, shared_prefix=0)`: token-id prompts (lists of ints).
 - `run_spec(spec) -> dict`: build one `LLM` in this process, generate every batch of the
   spec greedily, return outputs, `num_cached_tokens`, wall and CPU times, tiercache's
@@ -21,7 +21,12 @@ Run as a script: ``python tests/vllm/engine.py SPEC.json OUT.json``. The spec is
      "batches": [{"prompts": [[1, 2, ...], ...], "max_tokens": 16}, ...],
      "block_size": 32, "multiprocessing": false, "max_model_len": 1024,
      "tensor_parallel_size": 1, "sigkill": false, "disable_hybrid_kv_cache_manager": false,
-     "dtype": "bfloat16", "kv_groups": false, "speculative_config": null}
+     "dtype": "float32", "kv_groups": false, "speculative_config": null}
+
+fp32 (`DTYPE`) is the default for models and engines alike: the tests compare greedy outputs,
+and vLLM's CPU bf16 path can pick different tokens for the same prompt batched or one at a
+time (seen on AMX hosts, with no connector and no prefix caching: issue 36), so a bf16
+"outputs identical" check could fail for reasons that have nothing to do with tiercache.
 
 ``"kv_groups": true`` returns the KV cache groups vLLM built (``kv_cache_groups``: spec class
 and layer names per group).
@@ -33,12 +38,12 @@ with ``"stop_pid": PID`` sends SIGSTOP to that process before the batch and SIGC
 (a hung server, e.g. Redis, during exactly that batch).
 
 A batch with ``"settle_through": true`` starts once the connector's write-through copies
-queued so far have run (in-process engines; e.g. hits timed apart from the previous batch's
-background writes). A batch may also say ``"wait_s": S`` (sleep S seconds before it),
-``"wait_for": PATH``
-(start it only once PATH exists: another engine
-finished something) and ``"touch": PATH`` (create PATH after it): engines started together
-with `start_in_subprocess` then run in a set order, each in its own process.
+queued so far have run (in a multiprocess engine, those of the worker's process; TP 1 only;
+e.g. hits timed apart from the previous batch's background writes). A batch may also say
+``"wait_s": S`` (sleep S seconds before it), ``"wait_for": PATH`` (start it only once PATH
+exists: another engine finished something) and ``"touch": PATH`` (create PATH after it):
+engines started together with `start_in_subprocess` then run in a set order, each in its
+own process.
 
 With ``"hang_writes": PATH`` every NVMe tier write in the engine's process blocks until PATH
 exists (a hung disk; in-process engines only), and ``"num_gpu_blocks_override": N`` gives
@@ -78,6 +83,7 @@ KV_HEADS = 2
 HEAD_DIM = 32
 VOCAB = 4096
 INTERMEDIATE = 256
+DTYPE = "float32"  # models and engines (see the module docstring: identity checks in fp32)
 
 
 def write_tiny_llama(
@@ -91,7 +97,7 @@ def write_tiny_llama(
     head_dim: int = HEAD_DIM,
     intermediate: int = INTERMEDIATE,
     vocab: int = VOCAB,
-    dtype: str = "bfloat16",
+    dtype: str = DTYPE,
     max_positions: int = 2048,
 ) -> Path:
     """Write a random-weight Llama (config.json + model.safetensors) into `path`."""
@@ -204,7 +210,7 @@ def write_tiny_gemma3(
     sliding_window: int = 64,
     vocab: int = VOCAB,
     hidden: int = HIDDEN,
-    dtype: str = "bfloat16",
+    dtype: str = DTYPE,
 ) -> Path:
     """Write a random-weight Gemma 3 text model (`Gemma3ForCausalLM`, transformers' config
     class and `save_pretrained`) into `path`: layers "s" (sliding window) and "f" (full
@@ -335,7 +341,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         enable_prefix_caching=spec.get("enable_prefix_caching", True),
         max_model_len=spec.get("max_model_len", 1024),
         block_size=spec.get("block_size", 32),
-        dtype=spec.get("dtype", "bfloat16"),
+        dtype=spec.get("dtype", DTYPE),
         enforce_eager=True,
         seed=0,
         tensor_parallel_size=tp,
@@ -349,7 +355,10 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         time.sleep(float(batch.get("wait_s", 0)))
         th0 = thread_cpu()  # the settling's background copies count in this batch's threads
         if batch.get("settle_through"):
-            _settle_through()
+            if spec.get("multiprocessing"):
+                llm.collective_rpc(_settle_worker)  # the stores live in the worker's process
+            else:
+                _settle_through()
         params = SamplingParams(
             temperature=0, max_tokens=batch.get("max_tokens", 16), ignore_eos=True, detokenize=False
         )
@@ -456,18 +465,33 @@ def _reset_prefix_cache(llm: Any, tokens_prompt: Any, deadline_s: float = 120) -
 
 
 def _settle_through(deadline_s: float = 120) -> None:
-    """Wait until no tier of this process's stores has write-through copies queued, then for
-    the copier's batch in flight (a small one) to end."""
-    from tiercache.connectors.common import store_snapshots
+    """Wait until no store of this process has write-through copies queued or running.
+
+    The copier plans and runs each batch of copies while holding its cache's `_through_io`
+    lock (`TierCache._run_through`), so with that lock held and nothing queued, no copy is in
+    flight. RuntimeError after `deadline_s`."""
+    from tiercache.connectors import common
 
     end = time.monotonic() + deadline_s
-    while any(
-        t.get("through_queued", 0) for s in store_snapshots().values() for t in s["stats"].values()
-    ):
-        if time.monotonic() > end:
-            raise RuntimeError(f"write-through still queued after {deadline_s} s")
-        time.sleep(0.02)
-    time.sleep(0.2)
+    with common._REGISTRY_LOCK:
+        caches = [s.cache for s in common._REGISTRY.values()]
+    for cache in caches:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or not cache._through_io.acquire(timeout=left):
+                raise RuntimeError(f"write-through still running after {deadline_s} s")
+            try:
+                queued = any(t.get("through_queued", 0) for t in cache.stats().values())
+            finally:
+                cache._through_io.release()
+            if not queued:
+                break
+            time.sleep(0.02)  # the copier takes the next batch
+
+
+def _settle_worker(worker: Any) -> None:
+    """`_settle_through` in the process that runs vLLM's worker (sent by value)."""
+    _settle_through()
 
 
 def _kv_groups(worker: Any) -> list[list[Any]]:

@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
         enable_prefix_caching=False,  # every request asks the connector from block 0
         max_model_len=1024,
         block_size=spec["block_size"],
-        dtype="bfloat16",
+        dtype="float32",  # the model's own dtype (engine.py's DTYPE)
         enforce_eager=True,
         seed=0,
         kv_transfer_config={

@@ -60,6 +60,8 @@ def _vllm_config(model: Path, config: Any, role: str = "ec_both", **extra: Any) 
         # VllmConfig refuses an encode-only instance without a multimodal model (it would
         # allocate no KV cache); the connector only reads the role, so set it afterwards.
         ec.ec_role = "ec_both"
+    # bf16 stays here: these tests check bytes (encoder outputs saved and loaded back equal),
+    # never a model's greedy outputs, which the end-to-end tests compare in fp32.
     mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16")
     vc = VllmConfig(model_config=mc, ec_transfer_config=ec)
     vc.ec_transfer_config.ec_role = role

@@ -8,7 +8,7 @@ directory:
   prompts. vLLM builds three KV cache groups (two sliding-window, one full attention).
 - store: the connector, in process; the same three groups; outputs equal the baseline.
 - load (fresh process): in process, then in vLLM's default multiprocess mode; outputs equal
-  the baseline and external hits cover at least half of the loadable full-block tokens:
+  the baseline and external hits cover every loadable full-block token:
   prompts seen before (hit up to the block before their last token), prompts sharing a
   prefix longer than the window with them (hit in the middle, at the shared prefix's end),
   a prompt continuing one seen before.
@@ -40,6 +40,8 @@ WINDOW = 64
 WINDOW_BLOCKS = -(-(WINDOW - 1) // BS)  # blocks before a hit's end a sliding layer reads
 PREFIX = 160  # shared by the "shared" prompts: 5 blocks, longer than the window
 MAX_TOKENS = 12
+LONG_LENGTHS = (400, 900)  # test_long_prompt_...: prompts far longer than the window
+LONG_TOKENS = 4
 GROUPS = [
     ["SlidingWindowSpec", ["model.layers.0.self_attn.attn", "model.layers.3.self_attn.attn"]],
     ["SlidingWindowSpec", ["model.layers.1.self_attn.attn", "model.layers.4.self_attn.attn"]],
@@ -127,12 +129,21 @@ def _spec(model: Path, kv: dict[str, Any] | None, batches: list[dict[str, Any]],
     }
 
 
+def _long_prompts() -> list[list[int]]:
+    """The long prompts (`test_long_prompt_sliding_window_bytes_stay_bounded`)."""
+    rng = random.Random(5)
+    return [[rng.randrange(3, 4096) for _ in range(n)] for n in LONG_LENGTHS]
+
+
 @pytest.fixture(scope="module")
 def baseline(engine: ModuleType, gemma: Path) -> dict[str, Any]:
+    """No connector: the store prompts, the load prompts (vLLM's prefix cache reset between
+    them), and the long prompts of `test_long_prompt_...` (one engine for the module)."""
     store, load = _prompts()
     batches = [
         {"prompts": store, "max_tokens": MAX_TOKENS, "reset_prefix_cache": True},
         {"prompts": load, "max_tokens": MAX_TOKENS},
+        {"prompts": _long_prompts(), "max_tokens": LONG_TOKENS},
     ]
     out = engine.run_in_subprocess(_spec(gemma, None, batches))
     # The model is a useful oracle only if different prompts give different tokens.
@@ -192,11 +203,10 @@ def test_fresh_process_loads_match_baseline_and_hit(
     for run in run_load:
         batch = run["batches"][0]
         assert batch["outputs"] == want
-        hits = batch["num_cached_tokens"]
-        # Every prompt hits: seen ones near their end, the others in the middle.
-        assert all(h > 0 for h in hits), hits
-        assert sum(hits) >= 0.5 * sum(loadable), (hits, loadable)
-        assert all(h <= n for h, n in zip(hits, loadable, strict=True)), (hits, loadable)
+        # Every prompt hits all a store holding the store prompts can serve: seen ones up to
+        # the block before their last token, the others up to the shared prefix's end (the
+        # store run kept each sliding group's window before it) or the continued prompt's.
+        assert batch["num_cached_tokens"] == loadable, loadable
 
 
 def test_corrupted_store_still_matches_baseline(
@@ -229,13 +239,10 @@ def test_corrupted_store_still_matches_baseline(
 
 
 def test_long_prompt_sliding_window_bytes_stay_bounded(
-    engine: ModuleType, gemma: Path, tmp_path: Path
+    engine: ModuleType, gemma: Path, tmp_path: Path, baseline: dict[str, Any]
 ) -> None:
-    rng = random.Random(5)
-    lengths = (400, 900)
-    prompts = [[rng.randrange(3, 4096) for _ in range(n)] for n in lengths]
-    one = [{"prompts": prompts, "max_tokens": 4}]
-    base = engine.run_in_subprocess(_spec(gemma, None, one, kv_groups=False))
+    lengths = LONG_LENGTHS
+    one = [{"prompts": _long_prompts(), "max_tokens": LONG_TOKENS}]
     kv = _kv_config(tmp_path, policy="recompute")
     # The config as users write it, a TOML file with telemetry: `tiercache inspect` on it
     # shows the bytes per token each group stores.
@@ -251,10 +258,11 @@ def test_long_prompt_sliding_window_bytes_stay_bounded(
     )
     kv["kv_connector_extra_config"]["config"] = str(toml)
     run = engine.run_in_subprocess(_spec(gemma, kv, one, kv_groups=False))
-    assert run["batches"][0]["outputs"] == base["batches"][0]["outputs"]
+    assert run["batches"][0]["outputs"] == baseline["batches"][2]["outputs"]
     (snap,) = run["stores"].values()
     c = {g: int(snap["counters"].get(f"stored_blocks_g{g}", 0)) for g in range(3)}
-    block_bytes = 2 * 2 * 32 * 2 * 32 * 2  # 2 layers x (2 KV heads x 32 tokens x K,V x 32) bf16
+    # 2 layers x (2 KV heads x 32 tokens x K,V x 32) x 4 bytes (fp32, the tests' dtype)
+    block_bytes = 2 * 2 * 32 * 2 * 32 * 4
     tokens = sum(n // BS * BS for n in lengths)
     per_token = {g: c[g] * block_bytes / tokens for g in c}
     # Full attention: every full block of both prompts. Sliding windows: the window before
@@ -343,18 +351,16 @@ def test_offloading_spec_keeps_the_groups_matches_and_hits_after_a_restart(
     ]
     first = engine.run_in_subprocess(_spec(gemma, kv, batches))
     assert first["kv_cache_groups"] == GROUPS
-    for got, want in zip(first["batches"], baseline["batches"], strict=True):
+    for got, want in zip(first["batches"], baseline["batches"][:2], strict=True):
         assert got["outputs"] == want["outputs"]
     fresh = engine.run_in_subprocess(_spec(gemma, kv, [batches[1]]))
     (batch,) = fresh["batches"]
     assert batch["outputs"] == baseline["batches"][1]["outputs"]
     for run, seen in ((first["batches"][1], store), (batch, store + load)):
         loadable = [_loadable(p, seen) for p in load]
-        hits = run["num_cached_tokens"]
-        print(f"offloading spec, hybrid: {sum(hits)} of {sum(loadable)} tokens hit {hits}")
-        assert all(h > 0 for h in hits), hits
-        assert sum(hits) >= 0.5 * sum(loadable), (hits, loadable)
-        assert all(h <= n for h, n in zip(hits, loadable, strict=True)), (hits, loadable)
+        # Every loadable token: the seen prompts' (the fresh process has seen the load
+        # prompts too), mid-prompt hits at the shared prefix's end included.
+        assert run["num_cached_tokens"] == loadable, loadable
     # Every stored record damaged: the scheduler's verifying lookup finds it before it
     # promises a hit (vLLM 0.32's OffloadingConnector takes no failed load); recomputed.
     kvmod = _kv_module()

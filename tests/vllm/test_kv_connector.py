@@ -35,7 +35,7 @@ from tiercache.telemetry import read_stats
 
 pytest.importorskip("vllm")
 
-N_PROMPTS = 8
+N_PROMPTS = 8  # conftest's llama_prompts
 PROMPT_LEN = 200  # 6 full blocks of 32; the 7th holds the last prompt token
 SHARED = 64  # two blocks common to all prompts
 MAGIC = b"TCB\x01"
@@ -116,17 +116,17 @@ def _corrupt_lmdb_headers(path: Path, round: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def prompts(engine: ModuleType) -> list[list[int]]:
-    return engine.make_prompts(N_PROMPTS, PROMPT_LEN, seed=7, shared_prefix=SHARED)
+def prompts(llama_prompts: list[list[int]]) -> list[list[int]]:
+    """conftest's prompt set: N_PROMPTS x PROMPT_LEN tokens, the first SHARED common."""
+    assert [len(p) for p in llama_prompts] == [PROMPT_LEN] * N_PROMPTS
+    assert len({tuple(p[:SHARED]) for p in llama_prompts}) == 1
+    return llama_prompts
 
 
 @pytest.fixture(scope="module")
-def baseline(engine: ModuleType, tiny_llama: Path, prompts: list[list[int]]) -> list[list[int]]:
-    spec = {"model": str(tiny_llama), "batches": [{"prompts": prompts, "max_tokens": 16}]}
-    outputs = engine.run_in_subprocess(spec)["batches"][0]["outputs"]
-    # The model is a useful oracle only if different prompts give different tokens.
-    assert len({tuple(o) for o in outputs}) == N_PROMPTS
-    return outputs
+def baseline(llama_outputs: list[list[int]]) -> list[list[int]]:
+    """Their outputs without a connector (conftest: one engine run per session)."""
+    return llama_outputs
 
 
 @pytest.fixture(scope="module")

