@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -134,10 +135,12 @@ def lmdb_writer(
     """Cycle `ids` keys through a `cap`-block LMDB tier for `seconds`. With `turn_file`, take
     turns with other writers: hold an exclusive flock on it for one session (open, a few
     batches, close), then let the others have it. A store that raises OSError gives its
-    slots back, as TierCache does with a failed store, and is counted in `failures`."""
+    slots back, as TierCache does with a failed store, and is counted in `failures`; one
+    that failed for another reason than a full map is listed in `other_failures`."""
     rnd = random.Random(seed)
     deadline = time.monotonic() + seconds
     batches = sessions = failures = 0
+    other_failures: list[str] = []
     while time.monotonic() < deadline:
         lock_fd = -1
         if turn_file is not None:
@@ -160,9 +163,11 @@ def lmdb_writer(
                     slots = t.allocate(ks)
                     try:
                         t.write(slots, blocks(want, bb), ks)
-                    except OSError:  # a failed store, as TierCache handles it: slots back
+                    except OSError as exc:  # a failed store, as TierCache does: slots back
                         t.free(slots)
                         failures += 1
+                        if exc.errno != errno.ENOSPC or "map full" not in str(exc):
+                            other_failures.append(str(exc))
                         continue
                     held.update(zip(want, slots, strict=True))
                     order += want
@@ -176,7 +181,12 @@ def lmdb_writer(
                 os.close(lock_fd)
         if turn_file is not None:
             time.sleep(0.001)  # let a waiting writer take the lock
-    return {"batches": batches, "sessions": sessions, "failures": failures}
+    return {
+        "batches": batches,
+        "sessions": sessions,
+        "failures": failures,
+        "other_failures": other_failures,
+    }
 
 
 def store_files(path: str) -> list[str]:

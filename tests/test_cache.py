@@ -148,11 +148,56 @@ def test_context_manager_and_closed() -> None:
         cache.lookup([b"k" * 16])
 
 
-def test_open_is_all_or_nothing() -> None:
-    bad = cfg(4)
-    bad["tiers"].append({"kind": "gpu", "blocks": 4, "device": "cuda:99"})
+def _spy_closes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each CPU, NVMe and LMDB tier's `close`, by kind, in call order."""
+    from tiercache.tiers.cpu import CPUTier
+    from tiercache.tiers.lmdb import LMDBTier
+    from tiercache.tiers.nvme import NVMeTier
+
+    closed: list[str] = []
+    for cls in (CPUTier, NVMeTier, LMDBTier):
+        real = cls.close
+
+        def close(self, _real=real) -> None:  # type: ignore[no-untyped-def]
+            closed.append(self.kind)
+            _real(self)
+
+        monkeypatch.setattr(cls, "close", close)
+    return closed
+
+
+def test_open_is_all_or_nothing(tmp_path, monkeypatch) -> None:
+    closed = _spy_closes(monkeypatch)
+    good = {
+        "namespace": "all-or-nothing",
+        "tiers": [
+            {"kind": "cpu", "blocks": 4},
+            {"kind": "nvme", "blocks": 4, "path": str(tmp_path / "nvme")},
+            {"kind": "lmdb", "blocks": 4, "path": str(tmp_path / "lmdb")},
+        ],
+    }
+    bad = {**good, "tiers": [*good["tiers"], {"kind": "gpu", "blocks": 4, "device": "cuda:99"}]}
     with pytest.raises(Exception, match=r"cuda:99|CUDA"):
         TierCache.open(bad, block_bytes=N)
+    # The three tiers opened before the failing one were closed, last opened first ...
+    assert closed == ["lmdb", "nvme", "cpu"]
+    # ... so the NVMe store's exclusive lock was released: the same path opens again (a
+    # leaked tier would hold it: "all 1 instances are in use").
+    closed.clear()
+    with TierCache.open(good, block_bytes=N) as cache:
+        assert [t.kind for t in cache.tiers] == ["cpu", "nvme", "lmdb"]
+    assert sorted(closed) == ["cpu", "lmdb", "nvme"]
+    # A failure after every tier is built (the facade's own construction) closes them too.
+    closed.clear()
+
+    def broken_init(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        raise RuntimeError("facade construction failed")
+
+    monkeypatch.setattr(TierCache, "__init__", broken_init)
+    with pytest.raises(RuntimeError, match="facade construction failed"):
+        TierCache.open(good, block_bytes=N)
+    assert closed == ["lmdb", "nvme", "cpu"]
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="block_bytes"):
         TierCache.open(cfg(4), block_bytes=0)
     with pytest.raises(ValueError, match=r"tiers\[0\].capacity"):

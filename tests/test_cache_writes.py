@@ -189,10 +189,14 @@ for c in range(6):
     keys = cache.hash_tokens(list(range(c * 1000, c * 1000 + 4 * 3)))
     cache.put(keys, block_bytes_for(keys, 4096))
     chains.append([k.hex() for k in keys])
-deadline = time.time() + 30
-while cache.manager.through_backlog() and time.time() < deadline:
+# Wait (30 s at most) until the copier has written through the blocks the parent expects:
+# its last batch is complete, not just taken off the queue.
+expected, deadline = int(sys.argv[2]), time.monotonic() + 30
+def through():
+    s = cache.stats()
+    return sum(s[m]["written_through"] for m in s)
+while through() < expected and time.monotonic() < deadline:
     time.sleep(0.01)
-time.sleep(0.2)  # the copier's last batch completes
 s = cache.stats()
 print(json.dumps({"chains": chains, "through": {m: s[m]["written_through"] for m in s}}))
 sys.stdout.flush()
@@ -200,10 +204,11 @@ os.kill(os.getpid(), signal.SIGKILL)  # no close, no exit hook
 """
 
 
-def crash_child(cfg: dict) -> dict:
-    """Run _CRASH_CHILD on `cfg`; what it printed before it SIGKILLed itself."""
+def crash_child(cfg: dict, through: int) -> dict:
+    """Run _CRASH_CHILD on `cfg`; what it printed before it SIGKILLed itself, once
+    `through` blocks were written through (or after 30 s)."""
     run = subprocess.run(
-        [sys.executable, "-c", _CRASH_CHILD, json.dumps(cfg)],
+        [sys.executable, "-c", _CRASH_CHILD, json.dumps(cfg), str(through)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -220,7 +225,7 @@ def test_write_through_survives_sigkill(tmp_path: Path, kind: str) -> None:
     if kind == "nvme":
         tiers[-1]["direct"] = False
     cfg = {"block_size": 4, "namespace": "crash/bf16/tp1/0", "tiers": tiers}
-    out = crash_child(cfg)
+    out = crash_child(cfg, through=18)
     assert out["through"][kind] == 18  # 6 chains of 3 blocks, all copied before the kill
     with TierCache.open(cfg, block_bytes=N) as cache:
         for chain in out["chains"]:
@@ -230,7 +235,8 @@ def test_write_through_survives_sigkill(tmp_path: Path, kind: str) -> None:
     # The same without write-through loses what only the volatile tier held.
     cfg["tiers"][1]["write_policy"] = "write-back"
     cfg["tiers"][1]["path"] = str(tmp_path / f"{kind}-back")
-    out = crash_child(cfg)
+    out = crash_child(cfg, through=0)  # nothing is copied: no wait
+    assert out["through"][kind] == 0
     with TierCache.open(cfg, block_bytes=N) as cache:
         keys = [bytes.fromhex(h) for h in out["chains"][0]]
         assert cache.lookup(keys) == 0

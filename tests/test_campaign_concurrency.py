@@ -58,6 +58,15 @@ def lmdb_campaign(tmp_path: Path, seconds: float) -> dict:
         final_failed=len(final["failed"]),
     )
     assert figures["wrong"] == 0 and figures["final_failed"] == 0, figures
+    # A store fails only with a full map: the map has room for the capacity plus headroom,
+    # and a reader of another process that stays inside one read txn (descheduled on a
+    # loaded machine) pins the pages freed meanwhile longer than a writer waits for it
+    # (~255 ms, `tiers/lmdb.py`). README guarantees 5 and 9: any other failure, or more than
+    # 1 % of stores, fails the campaign. The failed store is counted, its blocks are misses.
+    other = [f for w in [w1, *w2] for f in w["other_failures"]]
+    assert other == [], other
+    attempts = figures["write_batches"] + figures["failed_stores"]
+    assert figures["failed_stores"] * 100 <= attempts, figures
     assert sum(r["hits"] for r in reads) > 0 and all(r["hits"] + r["misses"] for r in reads)
     # The writers really took turns (flock is not fair: under load one may get fewer).
     assert sum(1 for w in w2 if w["sessions"]) >= 2 and sum(w["sessions"] for w in w2) >= 3, w2

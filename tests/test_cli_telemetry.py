@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from click.testing import CliRunner
 from tiercache import CacheConfig, ConfigError, TierCache
 from tiercache.cli import main
 from tiercache.connectors.common import resolve_rank_config
-from tiercache.telemetry import EVENTS_FILE, read_events
+from tiercache.telemetry import EVENTS_FILE, read_events, read_stats
 
 BB = 4096
 
@@ -53,6 +54,18 @@ def work(cache: TierCache, rounds: int, start: int = 0) -> None:
     cache.flush()  # the write-through copies queued by the puts have landed
 
 
+# The counters the tests compare between a cache and what its telemetry shows.
+COUNTERS = ("hits", "misses", "stored", "evictions", "errors", "used_blocks", "capacity_blocks")
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.01)
+
+
 def run(*args: str) -> object:
     return CliRunner().invoke(main, [*args])
 
@@ -61,11 +74,23 @@ ENGINE = """
 import json, os, sys, time, torch
 from tiercache import TierCache
 sys.path.insert(0, sys.argv[2])
-from test_cli_telemetry import work
+from test_cli_telemetry import COUNTERS, work
 cache = TierCache.open(sys.argv[1], block_bytes=4096)
 work(cache, 30)
-print(json.dumps(cache.stats()), flush=True)
-time.sleep(0.3)  # a few telemetry intervals: the file shows the final counters
+live = cache.stats()
+print(json.dumps(live), flush=True)
+# "ready" once the stats file shows these counters (a telemetry write after the work), 30 s
+# at most: the tests compare the file against them.
+from tiercache.telemetry import read_stats
+def shown():
+    try:
+        tiers = read_stats(cache.config.telemetry.dir)["tiers"]
+    except ValueError:
+        return False
+    return all(tiers[t][c] == live[t][c] for t in live for c in COUNTERS)
+deadline = time.monotonic() + 30
+while not shown() and time.monotonic() < deadline:
+    time.sleep(0.01)
 print("ready", flush=True)
 mode = sys.stdin.readline().strip()
 if mode == "follow":  # keep working until stdin closes
@@ -138,12 +163,23 @@ def test_stats_from_the_prometheus_endpoint(tmp_path: Path) -> None:
         work(cache, 12)
         port = cache._telemetry.prometheus_port  # port 0 picked a free one
         want = cache.stats()
-        time.sleep(0.3)
+
+        counters = ("hits", "misses", "evictions", "errors", "used_blocks", "capacity_blocks")
+
+        def current() -> bool:
+            r = run("stats", f"http://127.0.0.1:{port}/metrics", "--json")
+            if r.exit_code != 0:  # no tiercache_tier_* metrics before the first interval
+                return False
+            got = json.loads(r.stdout)["tiers"]
+            return all(got[t][c] == want[t][c] for t in ("cpu", "nvme") for c in counters)
+
+        # The endpoint serves what the last telemetry interval saw: wait for the counters.
+        wait_until(current, "the Prometheus endpoint shows the final counters")
         r = run("stats", f"http://127.0.0.1:{port}/metrics", "--json")
         assert r.exit_code == 0, r.output
         got = json.loads(r.stdout)["tiers"]
         for tier in ("cpu", "nvme"):
-            for c in ("hits", "misses", "evictions", "errors", "used_blocks", "capacity_blocks"):
+            for c in counters:
                 assert got[tier][c] == want[tier][c], (tier, c)
     r = run("stats", f"http://127.0.0.1:{port}/metrics")
     assert r.exit_code == 2 and "cannot fetch metrics" in r.output  # closed with the cache
@@ -315,7 +351,17 @@ def test_stats_shows_every_rank_of_a_tensor_parallel_engine(tmp_path: Path) -> N
             cache = TierCache.open(rc.config, block_bytes=BB)
             caches.append(cache)
             work(cache, 3 + rank)  # the ranks' counters differ
-        time.sleep(0.3)  # a few telemetry intervals
+
+        def shown(rank: int) -> bool:
+            try:
+                doc = read_stats(tmp_path / "tel" / f"tp{rank}of2")
+            except ValueError:
+                return False
+            want = caches[rank].stats()["cpu"]
+            return all(doc["tiers"]["cpu"][c] == want[c] for c in COUNTERS)
+
+        for rank in range(2):  # a telemetry write after the work, per rank
+            wait_until(lambda r=rank: shown(r), f"rank {rank}'s stats file shows its counters")
         for target in (cfg, tmp_path / "tel"):
             r = run("stats", str(target), "--json", "--tier", "cpu")
             assert r.exit_code == 0, r.output

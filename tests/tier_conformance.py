@@ -146,8 +146,20 @@ class TierConformance:
             self.make_tier(4, 0, tmp_path)
 
     def test_close_idempotent(self, tier: Tier) -> None:
+        keys = keys_for(2)
+        slots = tier.allocate(keys)
+        data = rand_blocks(2, self.block_bytes, seed=3)
+        tier.write(slots, data, keys)
         tier.close()
-        tier.close()
+        tier.close()  # a no-op, not an error (the fixture closes a third time)
+        # Closed means released: the tier serves none of its blocks any more. It may refuse
+        # the read (its file, environment, pool or client is gone) or fail every block.
+        out = torch.zeros_like(data)
+        try:
+            failed = tier.read(slots, out, keys)
+        except (OSError, RuntimeError, ValueError):
+            return
+        assert sorted(failed) == [0, 1] and not out.any(), failed
 
     def test_capability_flags(self, tier: Tier) -> None:
         assert isinstance(tier.persistent, bool) and isinstance(tier.shared, bool)

