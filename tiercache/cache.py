@@ -494,9 +494,10 @@ class TierCache:
             self._manager.suspend(tier)
         k = len(chain)
         for tier, bad_keys in bad.items():
-            gone = self._tiers[tier].take_gone(bad_keys)  # evicted by the store: a miss
-            if len(bad_keys) > len(gone):
-                self._manager.record_error(tier, len(bad_keys) - len(gone))
+            # Blocks the shared store evicted are plain misses (`Tier.sort_failed`).
+            errors = self._tiers[tier].sort_failed(bad_keys, range(len(bad_keys)))[1]
+            if errors:
+                self._manager.record_error(tier, len(errors))
             # If another load pins them, it fails on them too and drops them.
             with contextlib.suppress(ValueError):
                 self._manager.discard(bad_keys, tier)
@@ -854,9 +855,9 @@ class TierCache:
         except _IO_ERRORS as exc:
             log.warning("read of %d blocks from %s failed: %s", len(keys), src_tier.medium, exc)
             failed = set(range(len(keys)))
-        gone = src_tier.take_gone([keys[i] for i in failed]) if failed else ()
-        if len(failed) > len(gone):  # blocks the shared store evicted are plain misses
-            errors[src] = len(failed) - len(gone)
+        bad = src_tier.sort_failed(keys, failed)[1]  # gone from a shared store: no error
+        if bad:
+            errors[src] = len(bad)
         good = [i for i in range(len(keys)) if i not in failed]
         # Only rows that read back verified are written: a failed row's staging bytes are
         # garbage and must never reach a slot that would later be served.

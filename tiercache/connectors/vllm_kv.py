@@ -1616,19 +1616,28 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 if not r.success and not failed:
                     failed = set(range(len(f.keys)))
                 bad = [f.keys[i] for i in sorted(failed)]
+                # Of those, the blocks a shared store no longer held (another process or its
+                # capacity evicted them; `Tier.sort_failed`): plain misses, no error.
+                gone = {f.keys[i] for i in r.gone}
+                errors = [k for k in bad if k not in gone]
                 if f.kind == "load":
                     manager.complete_load(f.keys)
                     if f.abandoned:  # reported at its deadline; now only unpinned
                         continue
                     if bad:
-                        # Corrupt or unreadable: out of the index, counted, recomputed by vLLM.
-                        manager.record_error(f.tier, len(bad))
+                        # Out of the index and recomputed by vLLM; counted as errors unless
+                        # gone (a corrupt block is also never offered again by the probes).
                         self._bad.update((k, f.tier) for k in bad)
-                        self._bad_report.extend(bad)
                         self._load_failed(f.req_id, [f.block_ids[i] for i in sorted(failed)])
-                        self._count("load_error_blocks", len(bad))
-                    else:
+                    if errors:
+                        manager.record_error(f.tier, len(errors))
+                        self._bad_report.extend(errors)
+                        self._count("load_error_blocks", len(errors))
+                    else:  # in time, and every failure a plain miss: the tier is healthy
                         manager.record_ok(f.tier)
+                    if gone:
+                        self._count("load_gone_blocks", len(gone))
+                    if not bad:
                         self._load_sample(f.tier, r.transfer_size, r.transfer_time)
                     self._count("loaded_blocks", len(f.keys) - len(bad))
                     if f.req_id:
@@ -1639,9 +1648,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     stored = stored or bool(ok)
                     if bad:
                         manager.complete_store(bad, success=False)
-                        if not f.abandoned:  # those were counted at their deadline
-                            manager.record_error(f.tier, len(bad))
-                            self._count("store_error_blocks", len(bad))
+                    if errors and not f.abandoned:  # those were counted at their deadline
+                        manager.record_error(f.tier, len(errors))
+                        self._count("store_error_blocks", len(errors))
                     if f.kind == "store":
                         self._count("stored_blocks", len(ok))
                     if f.kind == "store" and not f.abandoned:  # (abandoned: counted out)
