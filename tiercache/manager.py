@@ -230,10 +230,13 @@ class OffloadingManager:
     def policies(self) -> list[EvictionPolicy]:
         return [lv.policy for lv in self._levels]
 
-    def where(self, key: bytes) -> list[int]:
+    def where(self, key: bytes, *, leaving: bool = False) -> list[int]:
         """Tiers (indices) where `key` is ready, fastest first. A dormant block is woken: the
-        caller is about to use it (verify, load or drop it)."""
+        caller is about to use it (verify, load or drop it). `leaving`: a leaving block (see
+        the module doc) is where its source slot is."""
         mask = self._ready.get(key, 0)
+        if not mask and leaving and key in self._leaving:
+            return [self._leaving[key][0]]
         if (
             not mask
             and self._sleepers

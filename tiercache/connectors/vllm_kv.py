@@ -629,7 +629,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         The real lookup then confirms (`_match_groups`)."""
         if self._shared is not None:
             manager = self._shared.cache.manager
-            return lambda k: manager.lookup_ready((k,), count=False)[0] > 0
+            return lambda k: manager.lookup_ready((k,), count=False, leaving=True)[0] > 0
         if self._probe_pool is not None:
             return lambda k: self._held_by_all(k) or k not in self._bad_keys
         return self._held_by_all
@@ -774,23 +774,30 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return self._verified(req_id, pending)
         manager = self._shared.cache.manager
         with self._shared.lock:
-            n, moving = manager.lookup_ready(keys)
+            # A block the cache's write-through thread is moving down is served from its
+            # source slot (`leaving`: the copy into that slot waits for the load's pin).
+            n, moving = manager.lookup_ready(keys, leaving=True)
             settle = self._shared.state.get(_SETTLE)
             if n < len(keys) and settle is not None and settle(keys[n]):
                 # The chain continued with a block the worker was still storing or
                 # demoting; it has now finished: look again. Not counted: the first look
                 # counted each block once already (as the tiers held it when asked).
-                n, moving = manager.lookup_ready(keys, count=False)
+                n, moving = manager.lookup_ready(keys, count=False, leaving=True)
             if moving:
                 return None
             n = self._affordable(keys, n)
             persistent = [t.persistent for t in self._shared.cache.tiers]
             first_disk = next(
-                (i for i, k in enumerate(keys[:n]) if persistent[manager.where(k)[0]]), n
+                (
+                    i
+                    for i, k in enumerate(keys[:n])
+                    if persistent[manager.where(k, leaving=True)[0]]
+                ),
+                n,
             )
             if first_disk == n:
                 return n
-            tier = manager.where(keys[first_disk])[0]
+            tier = manager.where(keys[first_disk], leaving=True)[0]
         pool = self._verify_pools.get(tier)
         if pool is None:
             pool = self._verify_pools[tier] = ThreadPoolExecutor(
@@ -933,8 +940,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             # Pin now (a block evicted since the lookup is left to the worker to report).
             manager = self._shared.cache.manager
             with self._shared.lock:
-                m = sum(1 for _ in itertools.takewhile(manager.where, keys))
-                spec = manager.prepare_load(keys[:m]) if m else None
+                held = functools.partial(manager.where, leaving=True)
+                m = sum(1 for _ in itertools.takewhile(held, keys))
+                spec = manager.prepare_load(keys[:m], leaving=True) if m else None
         remote = self._shared is None
         self._loads.append(
             LoadJob(request.request_id, keys, targets, spec, remote, asynchronous=self._hma)
@@ -1343,8 +1351,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             asynchronous = remote or job.asynchronous  # reported by get_finished
             if remote:  # planned here, loaded asynchronously
                 with self._shared.lock:
-                    n = manager.lookup_ready(job.keys)[0]
-                    spec = manager.prepare_load(job.keys[:n]) if n else None
+                    n = manager.lookup_ready(job.keys, leaving=True)[0]
+                    spec = manager.prepare_load(job.keys[:n], leaving=True) if n else None
             n = len(spec.keys) if spec is not None else 0
             if n < len(job.keys):  # gone since the scheduler looked: vLLM recomputes them
                 self._load_failed(job.req_id, job.block_ids[n:])

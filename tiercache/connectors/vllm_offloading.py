@@ -345,8 +345,10 @@ class TierCacheOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._apply_worker_reports()
         k = self._key(key)
-        n = self._manager.lookup((k,))
-        if n is None:  # being demoted between tiers: ready again once the move completes
+        # A block the cache's write-through thread is moving down is served from its source
+        # slot (`leaving`: the copy into that slot waits for the load's pin).
+        n, moving = self._manager.lookup_ready((k,), leaving=True)
+        if moving:  # being demoted between tiers: ready again once the move completes
             return LookupResult.HIT_PENDING
         if n and self._verify(k):
             self._store.count("offload_hits")
@@ -361,7 +363,7 @@ class TierCacheOffloadingManager(OffloadingManager):
     @_locked
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TierLoadSpec:
         tkeys = self._named(keys)
-        load = self._manager.prepare_load(tkeys)
+        load = self._manager.prepare_load(tkeys, leaving=True)
         # A load is the hit's use. vLLM's scheduler never calls `touch` (0.32 and 0.33), so
         # this is where the policies learn of reuse: before this request's store makes room,
         # so a store cannot evict the prefix the same request is loading (ARC: T1 -> T2).
@@ -535,12 +537,12 @@ class TierCacheOffloadingManager(OffloadingManager):
         tier is read and its checksum checked once before vLLM is told it hits: vLLM 0.32's
         OffloadingConnector cannot recompute a block whose load fails, so a corrupt block must
         become a miss (dropped, counted as an error) here, never a failed load later."""
-        where = self._manager.where(k)
+        where = self._manager.where(k, leaving=True)
         while where:
             t = where[0]
             if not self._persistent[t] or (k, t) in self._checked:
                 return True
-            spec = self._manager.prepare_load((k,))
+            spec = self._manager.prepare_load((k,), leaving=True)
             try:
                 failed = self._cache.tiers[t].read(spec.slots, self._scratch, (k,))
             except (OSError, BlockCorruptError) as exc:
@@ -558,7 +560,9 @@ class TierCacheOffloadingManager(OffloadingManager):
                 self._manager.discard((k,), t)
             except ValueError:  # another request is loading it right now
                 return False
-            where = self._manager.where(k)
+            before, where = where, self._manager.where(k, leaving=True)
+            if where == before:  # a leaving block (discard keeps it): a miss while it moves
+                return False
         return False
 
     def _drop_events_if_unused(self) -> None:
