@@ -182,3 +182,51 @@ def test_offloading_spec_lookup_and_load_of_a_block_evicted_elsewhere(tmp_path: 
         worker.shutdown()
         manager.shutdown()
         a.close()
+
+
+# -- end to end: engines sharing one LMDB store ------------------------------------------------
+def test_engines_sharing_a_store_see_blocks_another_evicted_as_plain_misses(
+    engine: Any, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Engine A stores a prompt set into a shared LMDB store and exits; engine B opens the
+    store after (it indexes A's blocks); engine C stores another set, and the store's shared
+    capacity evicts A's blocks; then B serves A's prompts: identical outputs, recomputed, and
+    no error counted, no tier suspended, no load error (a busy fleet does not look broken)."""
+    first = engine.make_prompts(4, 300, seed=61)
+    other = engine.make_prompts(4, 300, seed=62)
+    warm = engine.make_prompts(1, 40, seed=63)
+    base = engine.run_in_subprocess(
+        {"model": str(tiny_llama), "batches": [{"prompts": first, "max_tokens": 4}]}
+    )
+    want = base["batches"][0]["outputs"]
+    lmdb = {"kind": "lmdb", "path": str(tmp_path / "shared"), "blocks": 40}
+    kv = engine.tiercache_kv(
+        {"namespace": "gone-e2e", "tiers": [{"kind": "cpu", "blocks": 4}, lmdb]}
+    )
+
+    def spec(batches: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"model": str(tiny_llama), "kv_transfer_config": kv, "batches": batches}
+
+    engine.run_in_subprocess(spec([{"prompts": first, "max_tokens": 4}]))  # A
+    ready, evicted = tmp_path / "ready", tmp_path / "evicted"
+    b = engine.start_in_subprocess(
+        spec(
+            [
+                {"prompts": warm, "max_tokens": 2, "touch": str(ready)},
+                {"prompts": first, "max_tokens": 4, "wait_for": str(evicted)},
+            ]
+        )
+    )
+    try:
+        b.wait_for(ready, 300)
+        engine.run_in_subprocess(spec([{"prompts": other, "max_tokens": 4}]))  # C evicts A's
+        evicted.touch()
+        result = b.result(600)
+    finally:
+        b.kill()
+    served = result["batches"][1]
+    assert served["outputs"] == want
+    for store in result["stores"].values():
+        assert store["counters"].get("load_error_blocks", 0) == 0, store["counters"]
+        for medium, st in store["stats"].items():
+            assert st["errors"] == 0 and st["suspensions"] == 0, (medium, st)

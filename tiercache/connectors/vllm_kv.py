@@ -887,7 +887,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         names = [t.name for t in self._config.tiers]
         if self._shared is not None:
             manager = self._shared.cache.manager
-            tiers = [names[(manager.where(k) or [-1])[0]] for k in keys[:n]]
+            tiers = [names[(manager.where(k, leaving=True) or [-1])[0]] for k in keys[:n]]
         else:
             last = len(names) - 1
             order = {m: i for i, m in enumerate(names)}
@@ -1355,8 +1355,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     spec = manager.prepare_load(job.keys[:n], leaving=True) if n else None
             n = len(spec.keys) if spec is not None else 0
             if n < len(job.keys):  # gone since the scheduler looked: vLLM recomputes them
+                # (evicted here or by another process sharing a tier: misses, no tier's error)
                 self._load_failed(job.req_id, job.block_ids[n:])
-                self._count("load_error_blocks", len(job.keys) - n)
+                self._count("load_gone_blocks", len(job.keys) - n)
             if asynchronous:
                 self._recving[job.req_id] = 0
             if spec is not None:
