@@ -115,6 +115,7 @@ _THROUGH_BATCH = 32  # write-through copies planned at once, at most
 _THROUGH_YIELD_S = 0.001  # the copier's pause between batches (the engine's thread runs)
 _THROUGH_PIN_SHARE = 16  # ... and at most 1/16 of the first tier's blocks
 _THROUGH_POLL_S = 0.2  # the copier also looks for work this often (adapters store directly)
+_READS_POLL_S = 0.05  # a copy into a slot a read of a leaving block pins looks again this often
 _OPEN: weakref.WeakSet[TierCache] = weakref.WeakSet()
 
 
@@ -192,6 +193,9 @@ class TierCache:
             ),
         )
         self._lock = threading.RLock()
+        # Notified when a read of a leaving block (one the write-through batch is moving
+        # down, read from its source slot) ends: the batch's copy into that slot waits.
+        self._reads_done = threading.Condition(self._lock)
         self._closed = False
         # Moving load and forward costs, fed by adapters (`tiercache.costs`), shown in stats.
         self.load_costs = LoadCosts()
@@ -321,7 +325,7 @@ class TierCache:
         keys = check_keys(keys)
         with self._lock:
             self._check_open()
-            n = self._manager.lookup_ready(keys, count=count)[0]
+            n = self._manager.lookup_ready(keys, count=count, leaving=True)[0]
             self._asked.chain = tuple(keys) if count else None
             return n
 
@@ -352,7 +356,7 @@ class TierCache:
             if n == 0:
                 return out
             chain = keys[:n]
-            spec = self._manager.prepare_load(chain)
+            spec = self._manager.prepare_load(chain, leaving=True)
         # The reads run without the lock: the blocks are pinned (no store or eviction reuses
         # their slots before complete_load), and a slow or hung tier then stalls this call
         # alone, not every other user of the cache (an engine's scheduler, its transfers).
@@ -372,7 +376,7 @@ class TierCache:
                     bad[g.tier] = [chain[p] for p in failed]
         except BaseException:
             with self._lock:
-                self._manager.complete_load(chain)
+                self._complete_load(chain)
             raise
         with self._lock:
             k = self._end_load(chain, bad, down)
@@ -401,7 +405,7 @@ class TierCache:
             if n == 0:
                 return 0
             chain = keys[:n]
-            spec = self._manager.prepare_load(chain)
+            spec = self._manager.prepare_load(chain, leaving=True)
             plan = self._manager.prepare_promote(chain)
             try:
                 if plan is not None:
@@ -472,12 +476,17 @@ class TierCache:
         self._check_open()
         asked, self._asked.chain = getattr(self._asked, "chain", None), None
         counted = not count or (asked is not None and tuple(keys) == asked[: len(keys)])
-        return self._manager.lookup_ready(keys, count=not counted)[0]
+        return self._manager.lookup_ready(keys, count=not counted, leaving=True)[0]
+
+    def _complete_load(self, chain: list[bytes]) -> None:
+        """Unpin a load (lock held); a copy waiting for its read of a leaving block goes on."""
+        self._manager.complete_load(chain)
+        self._reads_done.notify_all()
 
     def _fail_fetch(self, chain: list[bytes], plan: PrepareStoreOutput | None) -> None:
         """Undo a `fetch` that raised (lock held): its load unpinned, its promotion's slots
         freed and its moves completed as failed (complete_store skips completed keys)."""
-        self._manager.complete_load(chain)
+        self._complete_load(chain)
         if plan is not None:
             for move in plan.moves:
                 self._manager.complete_store(move.keys, success=False)
@@ -487,16 +496,17 @@ class TierCache:
         """Complete a load of `chain` whose reads failed on `bad` (per tier) and on the
         tiers in `down` (lock held): the bad blocks dropped and counted, unreachable tiers
         suspended. Returns how many leading blocks of `chain` are good."""
-        self._manager.complete_load(chain)
+        self._complete_load(chain)
         for tier in down:
             # A tier that cannot be reached (a stopped server: each read waits out its
             # timeout) is skipped for its back-off: the next requests do not wait again.
             self._manager.suspend(tier)
         k = len(chain)
         for tier, bad_keys in bad.items():
-            gone = self._tiers[tier].take_gone(bad_keys)  # evicted by the store: a miss
-            if len(bad_keys) > len(gone):
-                self._manager.record_error(tier, len(bad_keys) - len(gone))
+            # Blocks the shared store evicted are plain misses (`Tier.sort_failed`).
+            errors = self._tiers[tier].sort_failed(bad_keys, range(len(bad_keys)))[1]
+            if errors:
+                self._manager.record_error(tier, len(errors))
             # If another load pins them, it fails on them too and drops them.
             with contextlib.suppress(ValueError):
                 self._manager.discard(bad_keys, tier)
@@ -820,7 +830,14 @@ class TierCache:
         dst_slots: tuple[int, ...],
     ) -> tuple[list[bytes], dict[int, int]]:
         """Copy blocks between two tiers through host staging (I/O only, no bookkeeping):
-        the keys that arrived, and failures to count per tier."""
+        the keys that arrived, and failures to count per tier. A destination slot that a
+        read of a leaving block still reads (a write-through copy into the slot of a block
+        its batch moved down) is written once that read ends."""
+        if self._manager.reading(dst, dst_slots):  # an unlocked hint; checked again locked
+            with self._reads_done:
+                while self._manager.reading(dst, dst_slots):
+                    # Polled too: an adapter may unpin on the manager itself, not notifying.
+                    self._reads_done.wait(_READS_POLL_S)
         src_tier, dst_tier = self._tiers[src], self._tiers[dst]
         errors: dict[int, int] = {}
         runs = _host_runs(src_tier, src_slots)
@@ -854,9 +871,9 @@ class TierCache:
         except _IO_ERRORS as exc:
             log.warning("read of %d blocks from %s failed: %s", len(keys), src_tier.medium, exc)
             failed = set(range(len(keys)))
-        gone = src_tier.take_gone([keys[i] for i in failed]) if failed else ()
-        if len(failed) > len(gone):  # blocks the shared store evicted are plain misses
-            errors[src] = len(failed) - len(gone)
+        bad = src_tier.sort_failed(keys, failed)[1]  # gone from a shared store: no error
+        if bad:
+            errors[src] = len(bad)
         good = [i for i in range(len(keys)) if i not in failed]
         # Only rows that read back verified are written: a failed row's staging bytes are
         # garbage and must never reach a slot that would later be served.

@@ -19,6 +19,13 @@ OffloadingManager shape, on 16-byte prefix keys):
 - `suspend(tier)` / `record_ok(tier)`: the circuit breaker (`tiercache.breaker`). A tier that
   missed a load deadline is skipped by lookups (and by loads, where a faster or slower copy
   exists) for a back-off period, then tried again by itself.
+- leaving blocks: a block that the write-through plan (`plan_write_through`) demotes stays
+  readable from its source slot until its move completes or is given up: `lookup_ready` and
+  `prepare_load` with `leaving=True` serve it from there and pin that slot (`reading`), and
+  the runner of the plan writes the slot's next block only once no read pins it (a slot
+  freed meanwhile goes back to its tier when the last read ends). Other plans' moves are run
+  by a transfer engine whose store into the slot waits only for the move's read, so their
+  blocks are not served while they move.
 
 - dormant blocks: what a persistent tier recovered at open without handing it over
   (`Tier.open_columns`, tiers/dormant.py). The manager keeps no state for them: a lookup or a
@@ -166,7 +173,15 @@ class OffloadingManager:
         # the tier's slot map, so the map serves as both and the bitmask is never built.
         self._present: dict[bytes, int] = self._levels[0].slots if self._single else {}
         self._moving: set[bytes] = set()  # keys being demoted (in no tier's lookup meanwhile)
-        self._pins: dict[bytes, list[int]] = {}  # key -> tier of each outstanding load (multi)
+        # Leaving blocks (see the module doc): moving key -> (source tier, source slot), while
+        # the move runs; (tier, slot) -> reads of it in flight; slots whose free waits for
+        # them; whether the plan being made creates leaving blocks.
+        self._leaving: dict[bytes, tuple[int, int]] = {}
+        self._reads: dict[tuple[int, int], int] = {}
+        self._free_later: set[tuple[int, int]] = set()
+        self._leave = False
+        # key -> tier of each outstanding load (multi); (tier, slot) for a leaving block's
+        self._pins: dict[bytes, list[int | tuple[int, int]]] = {}
         self._events: list[OffloadingEvent] = []
         # Tiers other processes write into: a lookup miss asks them (see _discover).
         self._shared = [lv for lv in self._levels if lv.tier.shared]
@@ -215,10 +230,13 @@ class OffloadingManager:
     def policies(self) -> list[EvictionPolicy]:
         return [lv.policy for lv in self._levels]
 
-    def where(self, key: bytes) -> list[int]:
+    def where(self, key: bytes, *, leaving: bool = False) -> list[int]:
         """Tiers (indices) where `key` is ready, fastest first. A dormant block is woken: the
-        caller is about to use it (verify, load or drop it)."""
+        caller is about to use it (verify, load or drop it). `leaving`: a leaving block (see
+        the module doc) is where its source slot is."""
         mask = self._ready.get(key, 0)
+        if not mask and leaving and key in self._leaving:
+            return [self._leaving[key][0]]
         if (
             not mask
             and self._sleepers
@@ -241,8 +259,19 @@ class OffloadingManager:
     def unmove(self, keys: Iterable[bytes]) -> None:
         """Moves past their deadline (a hung destination tier): their keys read as misses
         from now on, not as "ask again", so no request waits on them. The move still
-        completes as usual: the keys are then ready where it wrote them, or gone."""
+        completes as usual: the keys are then ready where it wrote them, or gone. Given up,
+        a leaving block is no longer served from its source (reads in flight finish)."""
+        keys = _seq(keys)
         self._moving.difference_update(keys)
+        if self._leaving:
+            for k in keys:
+                self._leaving.pop(k, None)
+
+    def reading(self, tier: int, slots: Iterable[int]) -> bool:
+        """Whether a read of a leaving block pins one of `slots` of `tier`: the plan's runner
+        writes into them only once this is False (see the module doc)."""
+        reads = self._reads
+        return bool(reads) and any((tier, s) in reads for s in slots)
 
     def holds(self, key: bytes) -> bool:
         """Whether some tier holds `key`, ready (dormant included) or with its store (or a
@@ -274,18 +303,26 @@ class OffloadingManager:
         n, moving = self.lookup_ready(keys, count=count)
         return None if moving else n
 
-    def lookup_ready(self, keys: Iterable[bytes], *, count: bool = True) -> tuple[int, bool]:
+    def lookup_ready(
+        self, keys: Iterable[bytes], *, count: bool = True, leaving: bool = False
+    ) -> tuple[int, bool]:
         """`lookup` for callers that use the ready part of a chain even where it continues
         with a moving block (a read, a load planned earlier): the number of leading keys
-        ready, and whether the next key is moving (it will be ready again shortly)."""
+        ready, and whether the next key is moving (it will be ready again shortly).
+        `leaving`: a leaving block (see the module doc) counts as ready in its source tier
+        (the caller loads with `prepare_load(leaving=True)`)."""
         keys = _seq(keys)
         off = self._breaker.mask()
         get = self._ready.get
-        if off:  # suspended tiers serve nothing: a block held only there is a miss
+        out = self._leaving if leaving else None
+        if off or out:  # suspended tiers serve nothing: a block held only there is a miss
             ready = self._ready
 
             def get(k: bytes) -> int:  # type: ignore[misc]
-                return ready.get(k, 0) & ~off
+                m = ready.get(k, 0)
+                if not m and out and k in out:
+                    m = 1 << out[k][0]
+                return m & ~off
 
         n = 0
         for k in keys:
@@ -307,7 +344,7 @@ class OffloadingManager:
             c.hits += n
             c.misses += missed
         elif count:
-            self._count_lookup(keys, n, missed, off)
+            self._count_lookup(keys, n, missed, off, out)
         return n, bool(missed) and keys[n] in self._moving
 
     def _discover(self, keys: Sequence[bytes], n: int, off: int = 0) -> int:
@@ -422,11 +459,19 @@ class OffloadingManager:
             keys = tuple(level.tier.open_keys())
             self._events[at] = OffloadingEvent(keys, level.medium, False)
 
-    def _count_lookup(self, keys: Sequence[bytes], n: int, missed: int, off: int = 0) -> None:
+    def _count_lookup(
+        self,
+        keys: Sequence[bytes],
+        n: int,
+        missed: int,
+        off: int = 0,
+        leaving: dict[bytes, tuple[int, int]] | None = None,
+    ) -> None:
         ready = self._ready
         per_tier = [0] * len(self._levels)
         for k in keys[:n]:
-            m = ready[k] & ~off
+            m = ready[k] if leaving is None or k in ready else 1 << leaving[k][0]
+            m &= ~off
             per_tier[(m & -m).bit_length() - 1] += 1
         served_below = n
         for lv, hits in zip(self._levels, per_tier, strict=True):
@@ -434,8 +479,10 @@ class OffloadingManager:
             lv.counters.hits += hits
             lv.counters.misses += missed + served_below
 
-    def prepare_load(self, keys: Iterable[bytes]) -> LoadSpec:
+    def prepare_load(self, keys: Iterable[bytes], *, leaving: bool = False) -> LoadSpec:
         """Pin each key in the fastest tier where it is ready and say where it lives.
+        `leaving`: a leaving block is served from its source slot, which the read pins
+        (see the module doc).
 
         Raises KeyError (and pins nothing) if a key is not ready in any tier.
         """
@@ -448,9 +495,12 @@ class OffloadingManager:
                 self._queue_through(0, [k for k in keys if k in self._ready])
         get = self._ready.get
         off = self._breaker.mask()
+        out = self._leaving if leaving else {}
         tier_of: list[int] = []
         for k in keys:
             m = get(k)
+            if not m and k in out:
+                m = 1 << out[k][0]
             if not m:
                 raise KeyError(
                     f"prepare_load: block {k.hex() if isinstance(k, bytes) else k!r} "
@@ -463,13 +513,19 @@ class OffloadingManager:
         slots: list[int] = []
         for k, t in zip(keys, tier_of, strict=True):
             lv = levels[t]
-            lv.pins[k] = lv.pins.get(k, 0) + 1
-            slots.append(lv.slots[k])
+            pin: int | tuple[int, int] = t
+            if k in out and not self._ready.get(k, 0):  # leaving: its source slot is pinned
+                pin = out[k]
+                self._reads[pin] = self._reads.get(pin, 0) + 1
+                slots.append(pin[1])
+            else:
+                lv.pins[k] = lv.pins.get(k, 0) + 1
+                slots.append(lv.slots[k])
             p = pins.get(k)
             if p is None:
-                pins[k] = [t]
+                pins[k] = [pin]
             else:
-                p.append(t)
+                p.append(pin)
         for t in tier_of:
             levels[t].counters.loaded += 1
         return LoadSpec(keys, tuple(tier_of), tuple(slots), tuple(lv.medium for lv in levels))
@@ -507,7 +563,29 @@ class OffloadingManager:
             t = p.pop(0)
             if not p:
                 del pins[k]
-            _unpin(levels[t].pins, k)
+            if isinstance(t, tuple):
+                self._end_read(t)
+            else:
+                _unpin(levels[t].pins, k)
+
+    def _end_read(self, where: tuple[int, int]) -> None:
+        """A read of a leaving block's source slot ended; the last one returns the slot to
+        its tier if it was freed meanwhile."""
+        n = self._reads[where] - 1
+        if n:
+            self._reads[where] = n
+            return
+        del self._reads[where]
+        if where in self._free_later:
+            self._free_later.discard(where)
+            self._levels[where[0]].tier.free((where[1],))
+
+    def _free(self, level: _Level, slot: int) -> None:
+        """Return a slot to its tier, once no read of a leaving block pins it."""
+        if self._reads and (level.index, slot) in self._reads:
+            self._free_later.add((level.index, slot))
+        else:
+            level.tier.free((slot,))
 
     def _complete_load_single(self, keys: Sequence[bytes]) -> None:
         """complete_load with one tier: check every key has enough pins, then unpin."""
@@ -795,6 +873,8 @@ class OffloadingManager:
             return False
         self._hold(dst, keys, slots)
         self._moving.update(keys)
+        if self._leave:  # readable from the source slots until the move completes
+            self._leaving.update((k, (src.index, s)) for k, s in zip(keys, src_slots, strict=True))
         dst.counters.demoted_in += len(keys)
         moves.append(
             BlockMove(
@@ -837,7 +917,7 @@ class OffloadingManager:
                     ready[k] = ready.get(k, 0) | bit
                 else:
                     del slots_of[k]  # with one tier, that was `present` too
-                    lv.tier.free((slot,))
+                    self._free(lv, slot)
                     if not single:
                         p = present[k] & ~bit
                         if p:
@@ -846,6 +926,9 @@ class OffloadingManager:
                             del present[k]
             if done and moving:
                 moving.difference_update(done)
+                if self._leaving:  # served from where it now is (or gone)
+                    for k in done:
+                        self._leaving.pop(k, None)
             if done and success:
                 if cold:  # tail first: the chain's tail is evicted first
                     lv.policy.insert_cold(done)
@@ -918,7 +1001,17 @@ class OffloadingManager:
         """Up to `limit` queued write-through copies, oldest first, as moves from the fastest
         tier holding each block (pinned there until the copy completes) into its
         write-through tier, which makes room through its policy (deeper demotions come first
-        in the list). Run them in order and complete each with `complete_write_through`."""
+        in the list). Run them in order and complete each with `complete_write_through`.
+
+        The blocks those demotions move out are leaving blocks (see the module doc): the
+        runner writes a copy into a slot only once `reading(tier, slots)` is False."""
+        self._leave = True
+        try:
+            return self._plan_write_through(limit)
+        finally:
+            self._leave = False
+
+    def _plan_write_through(self, limit: int) -> list[BlockMove]:
         moves: list[BlockMove] = []
         ready, present = self._ready, self._present
         off = self._breaker.mask()
@@ -1065,7 +1158,7 @@ class OffloadingManager:
                 slot = lv.slots.pop(k)
                 lv.policy.remove(k)
                 lv.cold.discard(k)
-                lv.tier.free((slot,))
+                self._free(lv, slot)
                 for d in masks:
                     m = d[k] & ~lv.bit
                     if m:

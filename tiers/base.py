@@ -10,6 +10,9 @@ A tier knows bytes, never policies or other tiers. Primitives:
   `wake_oldest`, `open_keys`: see tiers/dormant.py);
 - capability flags: `persistent`, `shared` (between processes); shared tiers also `probe`,
   `adopt`, `take_gone`, and `open_probe` (a read-only `StoreProbe` for another process);
+- `sort_failed(keys, failed)`: the one rule for a read's failed blocks, used by every path
+  that reads a tier (the facade, the transfer engine, the adapters): gone (a plain miss) or
+  an error;
 - `flush()` / `close()`.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
@@ -162,10 +165,30 @@ class Tier(ABC):
         return None
 
     def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
-        """Of `keys` whose `read` just failed, those that were plain misses, not errors: a
-        shared store no longer held them (its capacity, agreed by every process, evicted
-        them). The caller drops them without counting an error. A private tier: none."""
+        """Of `keys` whose `read` just failed on this thread, those that were plain misses,
+        not errors: a shared store no longer held them (its capacity, agreed by every
+        process, or another process evicted them). A private tier: none. Callers use
+        `sort_failed`, which applies it."""
         return set()
+
+    def sort_failed(
+        self, keys: Sequence[bytes], failed: Iterable[int]
+    ) -> tuple[list[int], list[int]]:
+        """The rule for the failed positions of a `read` of `keys` (indices into `keys`),
+        as (gone, errors), each ascending. Gone: the store no longer holds the block
+        (another process, or the shared store's capacity, evicted it): a plain miss, which
+        the caller drops from the index and counts as no error, and which is no reason to
+        suspend the tier. Errors: everything else (a checksum or header mismatch, a short
+        or unreadable record): a miss too, counted against the tier. Call it on the thread
+        that read, right after the read (the tier remembers absent keys per thread)."""
+        failed = sorted(failed)
+        if not failed:
+            return [], []
+        gone_keys = self.take_gone([keys[i] for i in failed])
+        if not gone_keys:
+            return [], failed
+        gone = [i for i in failed if keys[i] in gone_keys]
+        return gone, [i for i in failed if keys[i] not in gone_keys]
 
     # -- bytes -----------------------------------------------------------------------------
     @abstractmethod

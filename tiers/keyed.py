@@ -40,8 +40,9 @@ class KeyedTier(Tier):
         self._slot_key: dict[int, bytes] = {}
         self._own: set[int] = set()  # slots of blocks this instance stored (evicting deletes)
         self._recovered: list[bytes] = []  # found at open, slot i holding key i
-        self._gone: set[bytes] = set()  # keys a read found absent (see take_gone)
-        self._gone_lock = threading.Lock()
+        # Per thread, keys a read found absent (see take_gone): a read's failures are sorted
+        # on the thread that read, so two threads reading one absent key each see it gone.
+        self._gone = threading.local()
 
     def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
         """Slots for blocks another process stored: not recorded as ours, so evicting them
@@ -49,20 +50,23 @@ class KeyedTier(Tier):
         return Tier.allocate(self, keys)
 
     def _note_gone(self, keys: Sequence[bytes]) -> None:
-        """Keys a read found absent from the store (see `take_gone`)."""
+        """Keys this thread's read found absent from the store (see `take_gone`)."""
         if not keys:
             return
-        with self._gone_lock:
-            if len(self._gone) > _GONE_MAX:  # nobody asks: keep the set bounded
-                self._gone.clear()
-            self._gone.update(keys)
+        gone = getattr(self._gone, "keys", None)
+        if gone is None or len(gone) > _GONE_MAX:  # nobody asks: keep the set bounded
+            gone = self._gone.keys = set()
+        gone.update(keys)
 
     def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
-        """Of `keys` whose read failed, those that were plain misses: the store no longer
-        held them (another process deleted them, or the store's capacity evicted them)."""
-        with self._gone_lock:
-            found = self._gone.intersection(keys)
-            self._gone.difference_update(found)
+        """Of `keys` whose read on this thread failed, those that were plain misses: the
+        store no longer held them (another process deleted them, or the store's capacity
+        evicted them)."""
+        gone = getattr(self._gone, "keys", None)
+        if not gone:
+            return set()
+        found = gone.intersection(keys)
+        gone.difference_update(found)
         return found
 
     def _take_found(self, keys: Sequence[bytes]) -> None:

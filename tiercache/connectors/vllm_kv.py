@@ -630,7 +630,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         The real lookup then confirms (`_match_groups`)."""
         if self._shared is not None:
             manager = self._shared.cache.manager
-            return lambda k: manager.lookup_ready((k,), count=False)[0] > 0
+            return lambda k: manager.lookup_ready((k,), count=False, leaving=True)[0] > 0
         if self._probe_pool is not None:
             return lambda k: self._held_by_all(k) or k not in self._bad_keys
         return self._held_by_all
@@ -775,23 +775,30 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return self._verified(req_id, pending)
         manager = self._shared.cache.manager
         with self._shared.lock:
-            n, moving = manager.lookup_ready(keys)
+            # A block the cache's write-through thread is moving down is served from its
+            # source slot (`leaving`: the copy into that slot waits for the load's pin).
+            n, moving = manager.lookup_ready(keys, leaving=True)
             settle = self._shared.state.get(_SETTLE)
             if n < len(keys) and settle is not None and settle(keys[n]):
                 # The chain continued with a block the worker was still storing or
                 # demoting; it has now finished: look again. Not counted: the first look
                 # counted each block once already (as the tiers held it when asked).
-                n, moving = manager.lookup_ready(keys, count=False)
+                n, moving = manager.lookup_ready(keys, count=False, leaving=True)
             if moving:
                 return None
             n = self._affordable(keys, n)
             persistent = [t.persistent for t in self._shared.cache.tiers]
             first_disk = next(
-                (i for i, k in enumerate(keys[:n]) if persistent[manager.where(k)[0]]), n
+                (
+                    i
+                    for i, k in enumerate(keys[:n])
+                    if persistent[manager.where(k, leaving=True)[0]]
+                ),
+                n,
             )
             if first_disk == n:
                 return n
-            tier = manager.where(keys[first_disk])[0]
+            tier = manager.where(keys[first_disk], leaving=True)[0]
         pool = self._verify_pools.get(tier)
         if pool is None:
             pool = self._verify_pools[tier] = ThreadPoolExecutor(
@@ -881,7 +888,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         names = [t.name for t in self._config.tiers]
         if self._shared is not None:
             manager = self._shared.cache.manager
-            tiers = [names[(manager.where(k) or [-1])[0]] for k in keys[:n]]
+            tiers = [names[(manager.where(k, leaving=True) or [-1])[0]] for k in keys[:n]]
         else:
             last = len(names) - 1
             order = {m: i for i, m in enumerate(names)}
@@ -934,8 +941,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             # Pin now (a block evicted since the lookup is left to the worker to report).
             manager = self._shared.cache.manager
             with self._shared.lock:
-                m = sum(1 for _ in itertools.takewhile(manager.where, keys))
-                spec = manager.prepare_load(keys[:m]) if m else None
+                held = functools.partial(manager.where, leaving=True)
+                m = sum(1 for _ in itertools.takewhile(held, keys))
+                spec = manager.prepare_load(keys[:m], leaving=True) if m else None
         remote = self._shared is None
         self._loads.append(
             LoadJob(request.request_id, keys, targets, spec, remote, asynchronous=self._hma)
@@ -1346,12 +1354,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             asynchronous = remote or job.asynchronous  # reported by get_finished
             if remote:  # planned here, loaded asynchronously
                 with self._shared.lock:
-                    n = manager.lookup_ready(job.keys)[0]
-                    spec = manager.prepare_load(job.keys[:n]) if n else None
+                    n = manager.lookup_ready(job.keys, leaving=True)[0]
+                    spec = manager.prepare_load(job.keys[:n], leaving=True) if n else None
             n = len(spec.keys) if spec is not None else 0
             if n < len(job.keys):  # gone since the scheduler looked: vLLM recomputes them
+                # (evicted here or by another process sharing a tier: misses, no tier's error)
                 self._load_failed(job.req_id, job.block_ids[n:])
-                self._count("load_error_blocks", len(job.keys) - n)
+                self._count("load_gone_blocks", len(job.keys) - n)
             if asynchronous:
                 self._recving[job.req_id] = 0
             if spec is not None:
@@ -1619,19 +1628,28 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 if not r.success and not failed:
                     failed = set(range(len(f.keys)))
                 bad = [f.keys[i] for i in sorted(failed)]
+                # Of those, the blocks a shared store no longer held (another process or its
+                # capacity evicted them; `Tier.sort_failed`): plain misses, no error.
+                gone = {f.keys[i] for i in r.gone}
+                errors = [k for k in bad if k not in gone]
                 if f.kind == "load":
                     manager.complete_load(f.keys)
                     if f.abandoned:  # reported at its deadline; now only unpinned
                         continue
                     if bad:
-                        # Corrupt or unreadable: out of the index, counted, recomputed by vLLM.
-                        manager.record_error(f.tier, len(bad))
+                        # Out of the index and recomputed by vLLM; counted as errors unless
+                        # gone (a corrupt block is also never offered again by the probes).
                         self._bad.update((k, f.tier) for k in bad)
-                        self._bad_report.extend(bad)
                         self._load_failed(f.req_id, [f.block_ids[i] for i in sorted(failed)])
-                        self._count("load_error_blocks", len(bad))
-                    else:
+                    if errors:
+                        manager.record_error(f.tier, len(errors))
+                        self._bad_report.extend(errors)
+                        self._count("load_error_blocks", len(errors))
+                    else:  # in time, and every failure a plain miss: the tier is healthy
                         manager.record_ok(f.tier)
+                    if gone:
+                        self._count("load_gone_blocks", len(gone))
+                    if not bad:
                         self._load_sample(f.tier, r.transfer_size, r.transfer_time)
                     self._count("loaded_blocks", len(f.keys) - len(bad))
                     if f.req_id:
@@ -1642,9 +1660,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     stored = stored or bool(ok)
                     if bad:
                         manager.complete_store(bad, success=False)
-                        if not f.abandoned:  # those were counted at their deadline
-                            manager.record_error(f.tier, len(bad))
-                            self._count("store_error_blocks", len(bad))
+                    if errors and not f.abandoned:  # those were counted at their deadline
+                        manager.record_error(f.tier, len(errors))
+                        self._count("store_error_blocks", len(errors))
                     if f.kind == "store":
                         self._count("stored_blocks", len(ok))
                     if f.kind == "store" and not f.abandoned:  # (abandoned: counted out)

@@ -188,18 +188,21 @@ class _Bridge:
         # end while it idles.
         self.collect: Callable[[], None] = lambda: None
 
-    def store_failed(self, keys: Sequence[bytes], tier: int, *, error: bool = True) -> None:
-        """Keys of a store or move that did not arrive; `error`: count them against the tier
-        (not for blocks a store given up never read)."""
+    def store_failed(self, keys: Sequence[bytes], tier: int, *, errors: int) -> None:
+        """Keys of a store or move that did not arrive; `errors` of them count against the
+        tier (not blocks a store given up never read, nor ones a shared store no longer
+        held)."""
         with self._lock:
             self._r.failed.append(tuple(keys))
-            if error:
-                self._r.errors.append((tier, len(keys)))
+            if errors:
+                self._r.errors.append((tier, errors))
             self._new = True
 
-    def load_failed(self, tier: int, n: int) -> None:
+    def load_failed(self, tier: int, n: int, *, errors: int) -> None:
+        """`n` blocks of a load did not arrive; `errors` of them count against the tier."""
         with self._lock:
-            self._r.errors.append((tier, n))
+            if errors:
+                self._r.errors.append((tier, errors))
             self._r.load_failures += n
             self._new = True
 
@@ -343,8 +346,10 @@ class TierCacheOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._apply_worker_reports()
         k = self._key(key)
-        n = self._manager.lookup((k,))
-        if n is None:  # being demoted between tiers: ready again once the move completes
+        # A block the cache's write-through thread is moving down is served from its source
+        # slot (`leaving`: the copy into that slot waits for the load's pin).
+        n, moving = self._manager.lookup_ready((k,), leaving=True)
+        if moving:  # being demoted between tiers: ready again once the move completes
             return LookupResult.HIT_PENDING
         if n and self._verify(k):
             self._store.count("offload_hits")
@@ -359,7 +364,7 @@ class TierCacheOffloadingManager(OffloadingManager):
     @_locked
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TierLoadSpec:
         tkeys = self._named(keys)
-        load = self._manager.prepare_load(tkeys)
+        load = self._manager.prepare_load(tkeys, leaving=True)
         # A load is the hit's use. vLLM's scheduler never calls `touch` (0.32 and 0.33), so
         # this is where the policies learn of reuse: before this request's store makes room,
         # so a store cannot evict the prefix the same request is loading (ARC: T1 -> T2).
@@ -533,12 +538,12 @@ class TierCacheOffloadingManager(OffloadingManager):
         tier is read and its checksum checked once before vLLM is told it hits: vLLM 0.32's
         OffloadingConnector cannot recompute a block whose load fails, so a corrupt block must
         become a miss (dropped, counted as an error) here, never a failed load later."""
-        where = self._manager.where(k)
+        where = self._manager.where(k, leaving=True)
         while where:
             t = where[0]
             if not self._persistent[t] or (k, t) in self._checked:
                 return True
-            spec = self._manager.prepare_load((k,))
+            spec = self._manager.prepare_load((k,), leaving=True)
             try:
                 failed = self._cache.tiers[t].read(spec.slots, self._scratch, (k,))
             except (OSError, BlockCorruptError) as exc:
@@ -549,14 +554,16 @@ class TierCacheOffloadingManager(OffloadingManager):
             if not failed:
                 self._checked.add((k, t))
                 return True
-            if not self._cache.tiers[t].take_gone((k,)):  # else evicted by the shared store
+            if self._cache.tiers[t].sort_failed((k,), failed)[1]:  # not gone: an error
                 self._manager.record_error(t, 1)
                 self._store.count("offload_verify_errors")
             try:
                 self._manager.discard((k,), t)
             except ValueError:  # another request is loading it right now
                 return False
-            where = self._manager.where(k)
+            before, where = where, self._manager.where(k, leaving=True)
+            if where == before:  # a leaving block (discard keeps it): a miss while it moves
+                return False
         return False
 
     def _drop_events_if_unused(self) -> None:
@@ -878,14 +885,17 @@ class TierCacheOffloadingWorker(OffloadingWorker):
             medium = cache.tiers[part.tier].medium
             cache.load_costs.observe_load(medium, r.transfer_size, r.transfer_time)
         failed = ([part.keys[i] for i in r.failed] or list(part.keys)) if not r.success else []
+        # Blocks a shared store no longer held (`Tier.sort_failed`): plain misses, no error.
+        gone = {part.keys[i] for i in r.gone}
         if failed and not part.is_load:
             # A store or move is best effort: the blocks that did not arrive become misses.
             # The blocks a store given up at its deadline never read are no error of the tier.
             error = part.gates or part.kind == "move"
-            self._bridge.store_failed(failed, part.tier, error=error)
-            if error:
+            errors = [k for k in failed if k not in gone] if error else []
+            self._bridge.store_failed(failed, part.tier, errors=len(errors))
+            if errors:
                 log.warning(
-                    "%s of %d blocks into tier %d failed", part.kind, len(failed), part.tier
+                    "%s of %d blocks into tier %d failed", part.kind, len(errors), part.tier
                 )
         if part.kind == "move" or not part.gates:  # the manager completes these as they end
             if len(failed) < len(part.keys):
@@ -899,7 +909,7 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         vjob.time += r.transfer_time
         if failed and part.is_load:
             vjob.ok = False
-            self._bridge.load_failed(part.tier, len(failed))
+            self._bridge.load_failed(part.tier, len(failed), errors=len(failed) - len(gone))
             log.error(
                 "load of %d blocks from tier %d failed (job %d); vLLM's "
                 "OffloadingConnector cannot recompute them",

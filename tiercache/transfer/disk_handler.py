@@ -17,7 +17,9 @@ so once a store past its deadline is cancelled, vLLM may reuse its blocks (the c
 gathered before still reach the tier: they hold the right bytes for their keys).
 Staging buffers are per thread, bounded by `chunk_bytes`, pinned with CUDA.
 A failed or corrupt read fails only its blocks: a move still lands the rest, and a block that
-did not arrive is never written anywhere.
+did not arrive is never written anywhere. Of the failed blocks, those a shared store no longer
+held are reported apart (`Job.gone`, sorted by `Tier.sort_failed` on the reading thread):
+plain misses, not errors.
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ class DiskHandler(LaneHandler):
         f = self.layout.factor if self.layout is not None else 1
         step = max(1, min(n, self._chunk_bytes // bb))
         failed: list[int] = []
+        gone: list[int] = []
         if self._cuda and job.compute_event is not None:
             self._stream().wait_event(job.compute_event)
         for a in range(0, n, step):
@@ -155,10 +158,14 @@ class DiskHandler(LaneHandler):
             buf = self._staging(b - a, bb)
             # 1. source -> staging; `bad` are chunk positions whose bytes did not arrive.
             if isinstance(src, TierLoadStoreSpec):
+                tier = tier_of(self._tiers, src)
                 try:
-                    bad = set(tier_of(self._tiers, src).read(src.slots[a:b], buf, src.keys[a:b]))
+                    bad = set(tier.read(src.slots[a:b], buf, src.keys[a:b]))
                 except IO_ERRORS:
                     bad = set(range(b - a))
+                # Sorted here, on the thread that read: blocks a shared store no longer
+                # held are plain misses for whoever completes the job (`Tier.sort_failed`).
+                gone.extend(a + i for i in tier.sort_failed(src.keys[a:b], bad)[0])
             else:
                 with job.fence:  # after Job.cancel, no engine byte is read (vLLM reuses them)
                     if job.cancelled:
@@ -191,6 +198,7 @@ class DiskHandler(LaneHandler):
         job.size = (n - len(failed)) * bb
         if failed:
             job.fail(tuple(sorted(failed)))
+            job.gone = tuple(gone)
         job.time = time.perf_counter() - t0
 
     def _gather(self, block_ids: Sequence[int], buf: torch.Tensor) -> None:

@@ -71,6 +71,7 @@ class Job:
         "expedited",
         "failed",
         "fence",
+        "gone",
         "issued",
         "job_id",
         "ok",
@@ -111,6 +112,9 @@ class Job:
         self.started = False  # a handler began its work (set under `fence`)
         self.ok = True
         self.failed: tuple[int, ...] = ()
+        # Of `failed`, the positions a shared store no longer held (`Tier.sort_failed`):
+        # plain misses, no error of the tier.
+        self.gone: tuple[int, ...] = ()
         self.size = 0
         self.time = 0.0
 
@@ -162,7 +166,7 @@ class Job:
         if self.ok and self.start_event is not None:
             elapsed = self.start_event.elapsed_time(self.end_event) / 1000.0
         return TransferResult(
-            self.job_id, self.ok, self.size, elapsed, self.transfer_type, self.failed
+            self.job_id, self.ok, self.size, elapsed, self.transfer_type, self.failed, self.gone
         )
 
 

@@ -16,7 +16,10 @@ class TransferResult:
     `success` is True only when every block's bytes arrived. `transfer_size` counts the bytes
     of the blocks that arrived, `transfer_time` is the copy's own duration in seconds (queueing
     excluded). `failed` lists positions (offloaded blocks, indices into the job's tier slots)
-    that did not arrive; empty on success, every position when the whole job failed.
+    that did not arrive; empty on success, every position when the whole job failed. `gone`:
+    those of `failed` whose source was a shared store that no longer held them (another
+    process, or the store's capacity, evicted them; `Tier.sort_failed`): plain misses, which
+    the caller counts as no error of the tier.
     """
 
     job_id: int
@@ -25,3 +28,4 @@ class TransferResult:
     transfer_time: float
     transfer_type: TransferType
     failed: tuple[int, ...] = ()
+    gone: tuple[int, ...] = ()

@@ -1,0 +1,192 @@
+"""A block moving out of a tier stays readable from its source slot until the move completes
+or is given up (issue 35), where the facade runs the move: the write-through thread's batch,
+whose copies run without the cache's lock. A read pins the source slot; the copy that reuses
+the slot waits for it. Real tiers: CPU, then NVMe written through, then LMDB whose writes
+hang (a hung lower tier)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from tests.test_deadlines import HangWrites
+from tests.test_manager import K
+from tiercache import TierCache
+from tiercache.manager import OffloadingManager
+from tiercache.policies import LRUPolicy
+from tiercache.tiers.cpu import CPUTier
+
+BB = 4096
+
+
+def _rows(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, BB), dtype=torch.uint8, generator=g)
+
+
+def _open(tmp_path: Path) -> TierCache:
+    tiers = [
+        {"kind": "cpu", "blocks": 2},
+        {
+            "kind": "nvme",
+            "path": str(tmp_path / "nvme"),
+            "blocks": 2,
+            "fsync": "never",
+            "write_policy": "write-through",
+        },
+        {
+            "kind": "lmdb",
+            "path": str(tmp_path / "lmdb"),
+            "blocks": 16,
+            "write_policy": "write-back",
+        },
+    ]
+    # No promotion: a get's copy up into the CPU tier would demote a CPU block into the hung
+    # tier under the cache's lock, which is another matter (it waits out the write).
+    return TierCache.open({"block_size": 4, "promote": False, "tiers": tiers}, block_bytes=BB)
+
+
+def _moving(tmp_path: Path) -> tuple[TierCache, HangWrites, list[bytes], torch.Tensor]:
+    """Chain A in the CPU tier and NVMe; then chain B: the CPU tier drops A (NVMe holds it)
+    and B's write-through copy into NVMe evicts A there, which moves down into the LMDB
+    tier, whose write hangs. A's bytes are intact in its NVMe slot meanwhile (B's copy into
+    it comes after the move, in the same batch)."""
+    cache = _open(tmp_path)
+    hang = HangWrites(cache.tiers[2])
+    a, b = cache.hash_tokens(list(range(8))), cache.hash_tokens(list(range(100, 108)))
+    data_a = _rows(2, 1)
+    cache.put(a, data_a)
+    cache.flush()  # A written through into NVMe
+    cache.put(b, _rows(2, 2))
+    assert hang.entered.wait(10)  # A's demotion into LMDB hangs
+    m = cache.manager
+    # One copy per batch here (a copy pins its source, at most a share of the CPU tier): B's
+    # first copy evicted A's head (NVMe's LRU); A's tail is still there.
+    assert m.is_moving(a[0]) and m.where(a[1]) == [1]
+    return cache, hang, a, data_a
+
+
+def test_a_block_moving_into_a_hung_tier_is_served_from_its_source(tmp_path: Path) -> None:
+    cache, hang, a, data_a = _moving(tmp_path)
+    try:
+        assert cache.lookup(a) == 2
+        got = cache.get(a)
+        assert torch.equal(got, data_a)  # whole, from the NVMe slots it is leaving
+        assert cache.stats()["nvme"]["errors"] == 0
+    finally:
+        hang.release.set()
+        cache.close()
+
+
+def test_the_copy_into_a_leaving_slot_waits_for_its_reader(tmp_path: Path) -> None:
+    """The read of a leaving block pins its source slot: the write-through copy that reuses
+    the slot (B's) does not write it before the read has finished, even once the move
+    ended; then everything lands: A in LMDB, B in NVMe, exact."""
+    cache, hang, a, data_a = _moving(tmp_path)
+    nvme = cache.tiers[1]
+    read, reading, writes = nvme.read, threading.Event(), []
+    go = threading.Event()
+
+    def slow_read(slots, dst, keys=None):
+        reading.set()
+        go.wait(10)  # the reader holds the slot while the move ends
+        return read(slots, dst, keys)
+
+    write = nvme.write
+
+    def logged_write(slots, src, keys=None):
+        writes.append(time.monotonic())
+        return write(slots, src, keys)
+
+    nvme.read, nvme.write = slow_read, logged_write
+    out: list[torch.Tensor] = []
+    t = threading.Thread(target=lambda: out.append(cache.get(a)))
+    try:
+        t.start()
+        assert reading.wait(10)
+        hang.release.set()  # the move lands in LMDB; B's copy into A's slots is next
+        time.sleep(0.3)
+        assert writes == []  # ... and waits for the reader
+        released = time.monotonic()
+        go.set()
+        t.join(10)
+        assert torch.equal(out[0], data_a)
+        cache.flush()
+        assert writes and min(writes) >= released
+        nvme.read = read
+        assert torch.equal(cache.get(a), data_a)  # from LMDB now
+        assert cache.manager.where(a[0]) == [2]
+        st = cache.stats()
+        assert st["nvme"]["errors"] == 0 and st["lmdb"]["errors"] == 0
+    finally:
+        go.set()
+        hang.release.set()
+        t.join(10)
+        cache.close()
+
+
+# -- the manager's bookkeeping ----------------------------------------------------------------
+def _three_tiers() -> OffloadingManager:
+    """t0 (2 blocks) over t1 (2, written through) over t2 (8): a write-through copy into t1
+    evicts there and moves the victim down into t2."""
+    tiers = [
+        CPUTier(name=f"t{i}", block_bytes=8, capacity_blocks=c) for i, c in enumerate((2, 2, 8))
+    ]
+    return OffloadingManager(
+        tiers, [LRUPolicy(c) for c in (2, 2, 8)], write_through=[False, True, False]
+    )
+
+
+def _through(m: OffloadingManager, keys: list[bytes]) -> list:
+    out = m.prepare_store(keys)
+    assert out is not None
+    m.complete_store(out.keys_to_store)
+    return m.plan_write_through(limit=8)
+
+
+def test_manager_serves_a_leaving_block_until_its_move_completes() -> None:
+    m = _three_tiers()
+    for mv in _through(m, [K(0), K(1)]):  # K0, K1 into t0, written through into t1
+        m.complete_write_through(mv.keys)
+    # 1. K2, K3: t0 drops K0, K1 (t1 holds them); their copy into t1 moves K0, K1 to t2.
+    demote, copy = _through(m, [K(2), K(3)])
+    assert demote.keys == (K(0), K(1)) and demote.dst.tier == 2 and copy.dst.tier == 1
+    # 2. Moving: a plain lookup asks again; a leaving one serves them from t1's old slots.
+    assert m.lookup([K(0), K(1)]) is None
+    assert m.lookup_ready([K(0), K(1)], leaving=True) == (2, False)
+    spec = m.prepare_load([K(0), K(1)], leaving=True)
+    assert spec.tiers == (1, 1) and spec.slots == demote.src.slots
+    # 3. The read pins those slots: the copy into them waits; the move completing does not
+    #    unpin them, but no new read is served from there.
+    assert m.reading(1, copy.dst.slots)
+    m.complete_write_through(demote.keys)
+    assert m.reading(1, copy.dst.slots)
+    assert m.lookup_ready([K(0)], leaving=True) == (1, False) and m.where(K(0)) == [2]
+    # 4. The copy fails: its slots are freed only when the read ends.
+    m.complete_write_through(copy.keys, success=False)
+    free = m.tiers[1].free_blocks
+    m.complete_load([K(0), K(1)])
+    assert not m.reading(1, copy.dst.slots) and m.tiers[1].free_blocks == free + 2
+
+
+def test_a_leaving_block_given_up_is_a_miss_and_other_moves_never_leave() -> None:
+    m = _three_tiers()
+    for mv in _through(m, [K(0), K(1)]):
+        m.complete_write_through(mv.keys)
+    demote, _ = _through(m, [K(2), K(3)])
+    m.unmove(demote.keys)  # its destination hung past the deadline
+    assert m.lookup_ready([K(0)], leaving=True) == (0, False)
+    # A store's own demotion (run by a transfer engine, whose store into the slot waits only
+    # for the move's read) is never served from its source.
+    m2 = OffloadingManager(
+        [CPUTier(name=f"t{i}", block_bytes=8, capacity_blocks=2) for i in range(2)],
+        [LRUPolicy(2), LRUPolicy(2)],
+    )
+    out = m2.prepare_store([K(0), K(1)])
+    m2.complete_store(out.keys_to_store)
+    out = m2.prepare_store([K(2)])
+    (mv,) = out.moves
+    assert m2.lookup_ready(mv.keys, leaving=True) == (0, True)
