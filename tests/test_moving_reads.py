@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,26 +28,34 @@ def _rows(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n, BB), dtype=torch.uint8, generator=g)
 
 
+def hung_lmdb_config(tmp_path: Path) -> dict[str, Any]:
+    """CPU (2 blocks), NVMe written through (2), LMDB written back (16): the tiers whose LMDB
+    writes the tests hang. No promotion: a get's copy up into the CPU tier would demote a CPU
+    block into the hung tier under the cache's lock, which is another matter (it waits out
+    the write). Shared with tests/vllm/test_moving_reads.py."""
+    return {
+        "promote": False,
+        "tiers": [
+            {"kind": "cpu", "blocks": 2},
+            {
+                "kind": "nvme",
+                "path": str(tmp_path / "nvme"),
+                "blocks": 2,
+                "fsync": "never",
+                "write_policy": "write-through",
+            },
+            {
+                "kind": "lmdb",
+                "path": str(tmp_path / "lmdb"),
+                "blocks": 16,
+                "write_policy": "write-back",
+            },
+        ],
+    }
+
+
 def _open(tmp_path: Path) -> TierCache:
-    tiers = [
-        {"kind": "cpu", "blocks": 2},
-        {
-            "kind": "nvme",
-            "path": str(tmp_path / "nvme"),
-            "blocks": 2,
-            "fsync": "never",
-            "write_policy": "write-through",
-        },
-        {
-            "kind": "lmdb",
-            "path": str(tmp_path / "lmdb"),
-            "blocks": 16,
-            "write_policy": "write-back",
-        },
-    ]
-    # No promotion: a get's copy up into the CPU tier would demote a CPU block into the hung
-    # tier under the cache's lock, which is another matter (it waits out the write).
-    return TierCache.open({"block_size": 4, "promote": False, "tiers": tiers}, block_bytes=BB)
+    return TierCache.open({"block_size": 4, **hung_lmdb_config(tmp_path)}, block_bytes=BB)
 
 
 def _moving(tmp_path: Path) -> tuple[TierCache, HangWrites, list[bytes], torch.Tensor]:

@@ -27,34 +27,13 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from tests.test_deadlines import HangWrites
+from tests.test_moving_reads import hung_lmdb_config
 from tests.vllm.test_evicted_elsewhere import _offloading_config
 from tiercache import TierCache
 from tiercache.connectors.common import acquire_store, resolve_config
 from tiercache.connectors.vllm import TierCacheConnector, TierCacheConnectorMetadata
 from tiercache.connectors.vllm_kv import LoadJob
 from tiercache.connectors.vllm_offloading import offload_key_to_key
-
-
-def _tiers(tmp_path: Path) -> dict[str, Any]:
-    return {
-        "promote": False,  # a copy up would demote into the hung tier: another matter
-        "tiers": [
-            {"kind": "cpu", "blocks": 2},
-            {
-                "kind": "nvme",
-                "path": str(tmp_path / "nvme"),
-                "blocks": 2,
-                "fsync": "never",
-                "write_policy": "write-through",
-            },
-            {
-                "kind": "lmdb",
-                "path": str(tmp_path / "lmdb"),
-                "blocks": 16,
-                "write_policy": "write-back",
-            },
-        ],
-    }
 
 
 def _rows(n: int, bb: int, seed: int) -> torch.Tensor:
@@ -76,7 +55,7 @@ def _move_a_down(cache: TierCache, a: list[bytes], b: list[bytes], bb: int) -> H
 
 def test_kv_connector_serves_a_block_moving_into_a_hung_tier(tmp_path: Path) -> None:
     bb = 1024
-    config = resolve_config(_tiers(tmp_path), block_size=4, namespace="moving-kv")
+    config = resolve_config(hung_lmdb_config(tmp_path), block_size=4, namespace="moving-kv")
     shared = acquire_store(config, bb)
     c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=bb)
     c._num_blocks = 8
@@ -120,7 +99,7 @@ def _kv_caches() -> CanonicalKVCaches:
 
 
 def test_offloading_spec_serves_a_block_moving_into_a_hung_tier(tmp_path: Path) -> None:
-    config = _offloading_config(_tiers(tmp_path))
+    config = _offloading_config(hung_lmdb_config(tmp_path))
     kv = _kv_caches()
     worker = OffloadingSpecFactory.create_spec(config).get_worker(kv)
     manager = OffloadingSpecFactory.create_spec(config).get_manager()
