@@ -88,7 +88,6 @@ import json
 import logging
 import math
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -102,7 +101,7 @@ import torch
 import zstandard
 
 from tiercache.errors import BlockCorruptError, ConfigError
-from tiercache.tiers import lmdb_attach, lmdb_warm
+from tiercache.tiers import lmdb_attach, lmdb_warm, store_dir
 from tiercache.tiers.base import KEY_BYTES, check_blocks
 from tiercache.tiers.format import (
     CODEC_RAW,
@@ -119,6 +118,7 @@ from tiercache.tiers.format import (
     verify,
 )
 from tiercache.tiers.keyed import KeyedTier
+from tiercache.tiers.store_dir import over_capacity, warn_over_capacity
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,9 @@ META_KEY = b"store"
 SEQ_KEY = b"seq"  # meta: the next order sequence number of the environment
 COUNT_PREFIX = b"count:"  # meta: + namespace prefix -> that namespace's block count
 _OUR_FILES = frozenset({"data.mdb", "lock.mdb"})
+_DIR_RULES = store_dir.DirRules("LMDB", _OUR_FILES)
+# what becomes of a namespace's blocks beyond a tier's capacity at open (see _StoreTxn.evict)
+_EVICTS_LATER = "the store evicts the %d oldest at its next write of this namespace"
 
 COMPRESSIONS = ("none", "zstd")
 SYNC_MODES = ("never", "batch", "always")
@@ -271,42 +274,9 @@ def check_settings(
 
 
 def prepare_dir(path: object) -> str:
-    """Check (or create, 0700) the environment directory; its real path, or ConfigError."""
-    if not isinstance(path, str | os.PathLike) or not os.fspath(path):
-        raise ConfigError("path", f"expected a directory path, got {path!r}")
-    p = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    if not os.path.lexists(p):
-        parent = os.path.dirname(p)
-        if not os.path.isdir(parent):
-            raise ConfigError("path", f"{p}: parent directory {parent} does not exist")
-        try:
-            os.mkdir(p, 0o700)
-        except FileExistsError:
-            pass  # a concurrent opener made it; checked below like any existing directory
-        except OSError as exc:
-            raise ConfigError("path", f"{p}: cannot create it: {exc.strerror}") from None
-    if not os.path.isdir(p):
-        raise ConfigError("path", f"{p} exists and is not a directory")
-    real = os.path.realpath(p)
-    st = os.stat(real)
-    if st.st_uid != os.geteuid():
-        raise ConfigError("path", f"{p} belongs to uid {st.st_uid}, not to this user")
-    if st.st_mode & 0o022:
-        mode = stat.S_IMODE(st.st_mode)
-        raise ConfigError(
-            "path", f"{p} is writable by group or others (mode {mode:o}); use chmod 700"
-        )
-    if not os.access(real, os.R_OK | os.W_OK | os.X_OK):
-        raise ConfigError("path", f"{p} is not readable and writable by this user")
-    foreign = sorted(set(os.listdir(real)) - _OUR_FILES)
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise ConfigError(
-            "path",
-            f"{p} holds files that are not part of a tiercache LMDB store ({shown}); "
-            "use an empty or new directory",
-        )
-    return real
+    """Check (or create, 0700) the environment directory; its real path, or ConfigError
+    (`store_dir.prepare_dir`: only LMDB's own files may be in it)."""
+    return store_dir.prepare_dir(path, _DIR_RULES)
 
 
 class _SharedEnv:
@@ -465,16 +435,10 @@ def _reserve(path: str, map_size: int) -> None:
     tests/test_campaign_diskfull.py). Reserved, a full disk shows here, as a ConfigError."""
     fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        os.posix_fallocate(fd, 0, map_size)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise ConfigError(
-                "capacity",
-                f"{path} has no room for the LMDB map of this capacity ({map_size} bytes)",
-            ) from None
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        log.warning("%s: cannot reserve disk space (%s); a full disk may crash", path, exc)
+        no_room = f"{path} has no room for the LMDB map of this capacity ({map_size} bytes)"
+        refused = store_dir.reserve(fd, 0, map_size, no_room=no_room)
+        if refused is not None:
+            log.warning("%s: cannot reserve disk space (%s); a full disk may crash", path, refused)
     finally:
         os.close(fd)
 
@@ -506,22 +470,10 @@ def _init_store(env: lmdb.Environment, path: str, block_bytes: int) -> tuple[Any
 
 
 def _parse_meta(path: str, raw: bytes) -> dict[str, Any]:
-    try:
-        meta = json.loads(bytes(raw).decode())
-    except (UnicodeDecodeError, ValueError):
-        meta = None
-    if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT:
-        raise ConfigError("path", f"{path}: unreadable tiercache metadata")
-    if meta.get("version") != STORE_VERSION:
-        raise ConfigError(
-            "path",
-            f"{path} holds a tiercache LMDB store of format version {meta.get('version')!r}; "
-            f"this build reads version {STORE_VERSION} (use another directory or remove it)",
-        )
-    bb = meta.get("block_bytes")
-    if isinstance(bb, bool) or not isinstance(bb, int) or bb < 1:
-        raise ConfigError("path", f"{path}: bad block_bytes {bb!r} in tiercache metadata")
-    return meta
+    """The store's metadata (`store_dir.parse_store_meta`), or ConfigError naming `path`."""
+    return store_dir.parse_store_meta(
+        raw, where=path, kind="LMDB", store_format=STORE_FORMAT, version=STORE_VERSION
+    )
 
 
 def _under(cursor: Any, prefix: bytes, values: bool) -> Iterator[Any]:
@@ -1197,16 +1149,9 @@ class LMDBTier(KeyedTier):
             with shared.state_lock:
                 shared.pending.update(bad)
             self._commit([], lambda i: (b"", b""))
-        excess = max(0, count - len(bad) - self.capacity_blocks)
-        if excess:
-            log.warning(
-                "%s: holds %d blocks of this namespace, capacity is %d: indexing the newest; "
-                "the store evicts the %d oldest at its next write of this namespace",
-                self._path,
-                count,
-                self.capacity_blocks,
-                excess,
-            )
+        excess = over_capacity(count - len(bad), self.capacity_blocks)
+        then = "indexing the newest; " + _EVICTS_LATER
+        warn_over_capacity(log, self._path, count, self.capacity_blocks, excess, then)
         self.open_report = {
             "bulk_scan": int(fast is not None),
             "blocks_dropped": len(bad),
@@ -1222,16 +1167,8 @@ class LMDBTier(KeyedTier):
         """`_scan` of a well-formed store by a lazy tier: index nothing (lookups find
         blocks by `probe`; the store's capacity evicts its oldest beyond `capacity` at its
         next write of this namespace, as it does whoever writes)."""
-        excess = max(0, count - self.capacity_blocks)
-        if excess:
-            log.warning(
-                "%s: holds %d blocks of this namespace, capacity is %d: the store evicts the "
-                "%d oldest at its next write of this namespace",
-                self._path,
-                count,
-                self.capacity_blocks,
-                excess,
-            )
+        excess = over_capacity(count, self.capacity_blocks)
+        warn_over_capacity(log, self._path, count, self.capacity_blocks, excess, _EVICTS_LATER)
         self.open_report = {
             "bulk_scan": 0,
             "lazy": 1,
