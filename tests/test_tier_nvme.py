@@ -908,7 +908,7 @@ def test_bad_paths_are_refused_naming_path(tmp_path) -> None:
     foreign = tmp_path / "foreign"
     foreign.mkdir(mode=0o700)
     (foreign / "data.db").write_text("someone else's")
-    cases.append((foreign, "not part of a tiercache NVMe store"))
+    cases.append((foreign, "another program"))
     open_ = tmp_path / "open"
     open_.mkdir()
     open_.chmod(0o777)

@@ -97,8 +97,8 @@ def prepare_dir(path: object, rules: DirRules) -> str:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise ConfigError(
             "path",
-            f"{p} holds files that are not part of a tiercache {rules.kind} store ({shown}); "
-            "use an empty or new directory",
+            f"{p} holds files of another program, not part of a tiercache {rules.kind} store "
+            f"({shown}); use an empty or new directory",
         )
     return real
 
