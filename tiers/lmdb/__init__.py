@@ -94,6 +94,7 @@ This module re-exports the names importable from `tiercache.tiers.lmdb` before i
 package.
 """
 
+from tiercache.tiers.keyed import COMPRESSIONS, ZSTD_MIN_LEVEL
 from tiercache.tiers.lmdb.env import (
     ENTRY_BYTES,
     _parse_meta,
@@ -103,7 +104,6 @@ from tiercache.tiers.lmdb.env import (
 )
 from tiercache.tiers.lmdb.layout import (
     BLOCKS_DB,
-    COMPRESSIONS,
     COUNT_PREFIX,
     DB_NAMES,
     HEADS_DB,
@@ -119,7 +119,6 @@ from tiercache.tiers.lmdb.layout import (
     STORE_FORMAT,
     STORE_VERSION,
     SYNC_MODES,
-    ZSTD_MIN_LEVEL,
     _u64,
     _under,
     head_seq,

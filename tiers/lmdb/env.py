@@ -27,6 +27,7 @@ import lmdb
 from tiercache.errors import ConfigError
 from tiercache.tiers import store_dir
 from tiercache.tiers.base import KEY_BYTES
+from tiercache.tiers.keyed import PendingDeletes
 from tiercache.tiers.lmdb import warm as lmdb_warm
 from tiercache.tiers.lmdb.layout import (
     BLOCKS_DB,
@@ -146,8 +147,9 @@ class _SharedEnv:
         self.write_lock = threading.Lock()  # one write txn at a time from this process
         self.state_lock = threading.Lock()  # pending, seq, sync counters
         # store key -> the order seq of the entry to delete (None: whatever is there): blocks
-        # found corrupt or malformed, deleted in the next write txn (see LMDBTier.read).
-        self.pending: dict[bytes, int | None] = {}
+        # freed, replaced, found corrupt or malformed, deleted in the next write txn (see
+        # LMDBTier.read); one set for every tier of this process on the environment.
+        self.pending = PendingDeletes()
         self.seq = 0
         self.txns_since_sync = 0
         self.last_sync = time.monotonic()

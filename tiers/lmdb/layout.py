@@ -10,21 +10,19 @@ write transaction every process runs alike.
   namespace's count, eviction beyond a capacity), shared by the tier and offline deletes.
 - `_leading_heads`: how many leading keys have a well-formed header (a lookup's probe), for
   the tier and `LMDBProbe` alike.
-- `check_header`: the header of a block belongs to its key, namespace and length.
 
 Imports nothing of the package: every other module of it builds on this one."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import lmdb
 
-from tiercache.errors import BlockCorruptError
 from tiercache.tiers.base import KEY_BYTES
-from tiercache.tiers.format import HEADER_SIZE, BlockHeader, decode_header, is_header_of
+from tiercache.tiers.format import HEADER_SIZE, is_header_of
 from tiercache.tiers.store_dir import DirRules
 
 STORE_FORMAT = "tiercache-lmdb"
@@ -41,9 +39,7 @@ DIR_RULES = DirRules("LMDB", _OUR_FILES)
 # what becomes of a namespace's blocks beyond a tier's capacity at open (see _StoreTxn.evict)
 EVICTS_LATER = "the store evicts the %d oldest at its next write of this namespace"
 
-COMPRESSIONS = ("none", "zstd")
 SYNC_MODES = ("never", "batch", "always")
-ZSTD_MIN_LEVEL = -(1 << 17)  # ZSTD_minCLevel(); python-zstandard does not export it
 MAX_READERS = 512  # reader-table slots: one per open read txn, across all processes
 MIN_TXN_OPS = 64
 MAX_TXN_OPS = 256
@@ -179,12 +175,12 @@ def _leading_heads(
     keys: Sequence[bytes],
     ns: int,
     block_bytes: int,
-    stop: Collection[bytes] = (),
+    *,
     order: Any = None,
     bad: Callable[[bytes, bytes], None] | None = None,
 ) -> int:
-    """How many leading `keys` have a well-formed header of namespace `ns` in `heads` (up to
-    a store key in `stop`: one being deleted) and, where `order` is given, an order entry
+    """How many leading `keys` have a well-formed header of namespace `ns` in `heads` and,
+    where `order` is given, an order entry
     naming the key at the header's seq (the seq is not covered by the checksum). `bad`
     hears of the entry (store key, head) where the run stops on one that is malformed."""
     nsb = ns.to_bytes(NS_BYTES, "big")
@@ -192,8 +188,6 @@ def _leading_heads(
     try:
         for k in keys:
             sk = nsb + k
-            if sk in stop:
-                break
             head = txn.get(sk, db=heads)
             if head is None:
                 break
@@ -207,18 +201,3 @@ def _leading_heads(
     except lmdb.Error:
         pass  # what was counted stands; a read verifies each block anyway
     return n
-
-
-def check_header(
-    key: bytes, head: bytes | memoryview, payload_len: int, ns: int, block_bytes: int
-) -> BlockHeader:
-    """The decoded header of the block `key` of namespace `ns`, raw length `block_bytes`,
-    stored in `payload_len` bytes; BlockCorruptError when it is not that block's."""
-    h = decode_header(head)
-    if h.key != key:
-        raise BlockCorruptError("header key differs from the LMDB key")
-    if h.namespace_id != ns:
-        raise BlockCorruptError("block of another namespace")
-    if h.raw_len != block_bytes or payload_len != h.stored_len:
-        raise BlockCorruptError("length mismatch")
-    return h

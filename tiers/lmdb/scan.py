@@ -7,8 +7,8 @@ the "order" entries and checked by header only (no payload is read: a read verif
   those (`malformed`, when the databases disagree in size). Opening deletes no good block.
 - `Scope`: what a scan is for (path, namespace, capacity, block size): explicit inputs.
 
-The tier hands in its transaction and commit functions (`begin`, `commit`), so this module
-never imports the tier."""
+The tier hands in its header check, transaction and commit functions (`check`, `begin`,
+`commit`), so this module never imports the tier."""
 
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ from tiercache.tiers.lmdb.layout import (
     SEQ_KEY,
     _u64,
     _under,
-    check_header,
     head_seq,
     seq_bytes,
 )
@@ -100,6 +99,7 @@ def scan(
     scope: Scope,
     *,
     lazy: bool,
+    check: Callable[[bytes, Any, int], Any],
     begin: Callable[[bool], lmdb.Transaction],
     commit: Callable[[], None],
 ) -> Scanned:
@@ -111,6 +111,8 @@ def scan(
     partner: damage, or another program) are this namespace's entries scanned to find
     and drop the malformed ones. Opening deletes no good block.
 
+    `check(key, head, payload_len)`: the tier's header check (BlockCorruptError when `head`
+    is not the header of `key` in this namespace, of this block and payload size);
     `begin(write)`: a transaction of the tier (default db: blocks); `commit()`: applies the
     tier's pending deletes (the malformed entries found go there)."""
     nsb = scope.nsb
@@ -124,7 +126,7 @@ def scan(
         count = _u64(txn.get(COUNT_PREFIX + nsb, db=shared.meta))
         next_seq = _u64(txn.get(SEQ_KEY, db=shared.meta))
         if len(set(sizes)) > 1:
-            bad.update(malformed(txn, shared, scope))
+            bad.update(malformed(txn, shared, scope, check))
         elif lazy:  # well formed: nothing to index (see LMDBTier.__init__)
             return open_lazily(shared, scope, count, next_seq)
         fast = None if bad else scan_fast(txn, shared, scope)
@@ -153,7 +155,7 @@ def scan(
             try:
                 if v is None or len(key) != KEY_BYTES:
                     raise BlockCorruptError("no payload")
-                check_header(key, head, len(v), scope.ns, scope.block_bytes)
+                check(key, head, len(v))
             except BlockCorruptError:
                 bad[sk] = head_seq(head)
                 continue
@@ -165,7 +167,8 @@ def scan(
     if bad:
         log.warning("%s: dropping %d malformed entries found at open", scope.path, len(bad))
         with shared.state_lock:
-            shared.pending.update(bad)
+            for sk, seq in bad.items():  # with the seq each delete wants
+                shared.pending.add((sk,), seq)
         commit()
     excess = over_capacity(count - len(bad), scope.capacity)
     then = "indexing the newest; " + EVICTS_LATER
@@ -270,7 +273,12 @@ def scan_fast(txn: lmdb.Transaction, shared: _SharedEnv, scope: Scope) -> list[b
     return h["key"][by_age[::-1][: scope.capacity]].tolist()
 
 
-def malformed(txn: lmdb.Transaction, shared: _SharedEnv, scope: Scope) -> dict[bytes, int | None]:
+def malformed(
+    txn: lmdb.Transaction,
+    shared: _SharedEnv,
+    scope: Scope,
+    check: Callable[[bytes, Any, int], Any],
+) -> dict[bytes, int | None]:
     """Store keys of this namespace whose entries are malformed or incomplete (a header
     without payload or order entry, a payload without header), with their order seq."""
     nsb = scope.nsb
@@ -283,7 +291,7 @@ def malformed(txn: lmdb.Transaction, shared: _SharedEnv, scope: Scope) -> dict[b
                 raise BlockCorruptError("no payload")
             if txn.get(nsb + seq_bytes(seq), db=shared.order) != key:
                 raise BlockCorruptError("no order entry")
-            check_header(key, head, len(v), scope.ns, scope.block_bytes)
+            check(key, head, len(v))
         except BlockCorruptError:
             bad[sk] = seq
     for sk in _under(txn.cursor(), nsb, values=False):

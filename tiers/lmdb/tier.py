@@ -20,21 +20,21 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import lmdb
-import numpy as np
 import torch
-import zstandard
 
-from tiercache.errors import BlockCorruptError, ConfigError
+from tiercache.errors import ConfigError
 from tiercache.tiers.base import check_blocks
 from tiercache.tiers.format import (
-    CODEC_RAW,
-    BlockHeader,
-    decode_payload,
     encode_block,
     namespace_id,
-    verify,
 )
-from tiercache.tiers.keyed import KeyedTier
+from tiercache.tiers.keyed import (
+    KeyedTier,
+    add_written,
+    check_codec,
+    compression_ratio,
+    leading_clear,
+)
 from tiercache.tiers.lmdb import attach as lmdb_attach
 from tiercache.tiers.lmdb import scan
 from tiercache.tiers.lmdb import warm as lmdb_warm
@@ -48,13 +48,10 @@ from tiercache.tiers.lmdb.env import (
     prepare_dir,
 )
 from tiercache.tiers.lmdb.layout import (
-    COMPRESSIONS,
     NS_BYTES,
     SYNC_MODES,
-    ZSTD_MIN_LEVEL,
     _leading_heads,
     _StoreTxn,
-    check_header,
     head_seq,
     txn_ops_for,
 )
@@ -72,20 +69,10 @@ _PARALLEL_MIN_BYTES = 64 * 1024  # blocks at least this big are decoded on the t
 def check_settings(
     compression: object, level: object, element_size: object, sync: object, where: str = ""
 ) -> None:
-    """Value checks shared by the constructor and `validate_options` (ConfigError)."""
+    """Value checks shared by the constructor and `validate_options` (ConfigError): the
+    codec's (`keyed.check_codec`), then `sync`."""
+    check_codec(compression, level, element_size, where)
     p = f"{where}." if where else ""
-    if compression not in COMPRESSIONS:
-        raise ConfigError(f"{p}compression", f"expected one of {COMPRESSIONS}, got {compression!r}")
-    top = zstandard.MAX_COMPRESSION_LEVEL
-    if isinstance(level, bool) or not isinstance(level, int) or not ZSTD_MIN_LEVEL <= level <= top:
-        raise ConfigError(
-            f"{p}level", f"expected a zstd level {ZSTD_MIN_LEVEL}..{top}, got {level!r}"
-        )
-    if isinstance(element_size, bool) or element_size not in (1, 2):
-        raise ConfigError(
-            f"{p}element_size",
-            f"expected 1 (no shuffle) or 2 (byte-plane shuffle, bf16/fp16), got {element_size!r}",
-        )
     if sync not in SYNC_MODES:
         raise ConfigError(f"{p}sync", f"expected one of {SYNC_MODES}, got {sync!r}")
 
@@ -214,8 +201,7 @@ class LMDBTier(KeyedTier):
         blocks read and failed reads; plus pending deletes and the environment's size."""
         with self._counts_lock:
             out: dict[str, Any] = dict(self._counts)
-        stored = out["stored_bytes"]
-        out["compression_ratio"] = out["raw_bytes"] / stored if stored else 1.0
+        out["compression_ratio"] = compression_ratio(out)
         out["pending_deletes"] = len(self._shared.pending)
         out["map_size"] = self._shared.map_size
         if not self._closed:
@@ -228,8 +214,7 @@ class LMDBTier(KeyedTier):
     def allocate(self, keys: Sequence[bytes]) -> list[int] | None:
         slots = super().allocate(keys)
         if slots:
-            self._slot_key.update(zip(slots, keys, strict=True))
-            self._own.update(slots)
+            self._claim(slots, keys)  # fresh slots: no key of ours is replaced
             self._unpend(keys)
         return slots
 
@@ -238,16 +223,10 @@ class LMDBTier(KeyedTier):
         write txn or flush (not now: a demotion planned with the eviction still reads it);
         one found at open or adopted from another process is only forgotten: the store's
         shared capacity decides when it goes (see the module docstring)."""
-        gone: dict[bytes, int | None] = {}
-        for s in slots:
-            k = self._slot_key.pop(s, None)
-            if s in self._own:
-                self._own.discard(s)
-                if k is not None:
-                    gone[self._nsb + k] = None
+        gone = self._release(slots)
         if gone:
             with self._shared.state_lock:
-                self._shared.pending.update(gone)
+                self._shared.pending.add(self._nsb + k for k in gone)
         super().free(slots)
 
     def probe(self, keys: Sequence[bytes]) -> int:
@@ -257,7 +236,8 @@ class LMDBTier(KeyedTier):
             return 0
         shared = self._shared
         with shared.state_lock:
-            pending = set(shared.pending) if shared.pending else set()
+            pending = shared.pending.snapshot() if shared.pending else set()
+        clear = leading_clear(keys, pending, self._nsb)  # stop at a key we are deleting
         try:
             txn = self._begin(write=False)
         except OSError:
@@ -267,12 +247,11 @@ class LMDBTier(KeyedTier):
             return _leading_heads(
                 txn,
                 shared.heads,
-                keys,
+                keys[:clear],
                 self._ns,
                 self.block_bytes,
-                pending,
-                shared.order,
-                self._drop_malformed,
+                order=shared.order,
+                bad=self._drop_malformed,
             )
         finally:
             txn.abort()
@@ -282,7 +261,7 @@ class LMDBTier(KeyedTier):
         transaction or flush, counted (`malformed_dropped`), as the eager open drops them."""
         log.warning("%s: dropping a malformed entry found by a lookup", self._path)
         with self._shared.state_lock:
-            self._shared.pending[sk] = head_seq(head)
+            self._shared.pending.add((sk,), head_seq(head))
         with self._counts_lock:
             self._counts["malformed_dropped"] += 1
 
@@ -294,9 +273,7 @@ class LMDBTier(KeyedTier):
         """Keys stored again are live: no pending delete may remove them any more."""
         shared = self._shared
         with shared.state_lock:
-            if shared.pending:
-                for k in keys:
-                    shared.pending.pop(self._nsb + k, None)
+            shared.pending.unpend(self._nsb + k for k in keys)
 
     # -- write -----------------------------------------------------------------------------
     def write(
@@ -311,17 +288,12 @@ class LMDBTier(KeyedTier):
         if src.device.type != "cpu":
             src = src.cpu()
         rows = src.numpy()
-        replaced: dict[bytes, int | None] = {}
-        for s, k in zip(slots, keys, strict=True):
-            old = self._slot_key.get(s)
-            if old != k:
-                if old is not None and s in self._own:
-                    replaced[self._nsb + old] = None
-                self._slot_key[s] = k
-        self._own.update(slots)
+        # LMDB records each slot's key before the commit (the txn may fail after; Redis
+        # records after its send): the keys of ours these slots held go to the deletes.
+        replaced = self._claim(slots, keys)
         if replaced:
             with self._shared.state_lock:
-                self._shared.pending.update(replaced)
+                self._shared.pending.add(self._nsb + k for k in replaced)
         self._unpend(keys)
         seq0 = self._shared.next_seq(n)
 
@@ -354,7 +326,7 @@ class LMDBTier(KeyedTier):
         shared = self._shared
         with shared.write_lock:
             with shared.state_lock:
-                ops: list[tuple[bytes, int]] = [(k, -1) for k in shared.pending]
+                ops: list[tuple[bytes, int]] = [(k, -1) for k in shared.pending.entries]
             ops += [(k, i) for i, k in enumerate(skeys)]
             stored = 0
             for start in range(0, len(ops), self._txn_ops):
@@ -378,14 +350,11 @@ class LMDBTier(KeyedTier):
                     self._settle(done)
                 self._after_commit()
         with self._counts_lock:
-            self._counts["blocks_written"] += len(skeys)
-            self._counts["raw_bytes"] += len(skeys) * self.block_bytes
-            self._counts["stored_bytes"] += stored
+            add_written(self._counts, len(skeys), len(skeys) * self.block_bytes, stored)
 
     def _settle(self, done: Iterable[bytes]) -> None:
         with self._shared.state_lock:
-            for k in done:
-                self._shared.pending.pop(k, None)
+            self._shared.pending.unpend(done)  # deleted
 
     def _txn(
         self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]
@@ -399,7 +368,7 @@ class LMDBTier(KeyedTier):
         try:
             store = _StoreTxn(txn, sh.meta, sh.heads, sh.blocks, sh.order)
             with sh.state_lock:
-                pending = dict(sh.pending)
+                pending = dict(sh.pending.entries)
             for k, i in chunk:
                 if i < 0:
                     store.delete(k, pending.get(k))
@@ -531,7 +500,12 @@ class LMDBTier(KeyedTier):
                     found.append((i, k, h, v))
             lmdb_warm.will_need(f[3] for f in found)  # readahead is off: see env._open_env
             parallel = self.block_bytes >= _PARALLEL_MIN_BYTES
-            ok = pool_map(lambda j: self._decode(found[j], out_np), len(found), parallel)
+
+            def decode(j: int) -> bool:
+                i, k, h, v = found[j]
+                return self._decode_block(k, h, v, out_np[i])
+
+            ok = pool_map(decode, len(found), parallel)
             for (i, k, h, _), good in zip(found, ok, strict=True):
                 if not good:
                     failed.append(i)
@@ -543,34 +517,14 @@ class LMDBTier(KeyedTier):
         failed.sort()
         if bad:
             with self._shared.state_lock:
-                self._shared.pending.update(bad)
+                for sk, seq in bad.items():  # with the seq each delete wants
+                    self._shared.pending.add((sk,), seq)
         with self._counts_lock:
             self._counts["blocks_read"] += n - len(failed)
             self._counts["read_failures"] += len(failed) - len(gone)
             self._counts["blocks_gone"] += len(gone)
         self._note_gone(gone)
         return failed
-
-    def _header(self, key: bytes, head: memoryview, payload_len: int) -> BlockHeader:
-        return check_header(key, head, payload_len, self._ns, self.block_bytes)
-
-    def _decode(self, item: tuple[int, bytes, memoryview, memoryview], out: np.ndarray) -> bool:
-        """Check and copy one block into its row of `out`; False if it is not a good block
-        of its key."""
-        i, key, head, v = item
-        try:
-            h = self._header(key, head, len(v))
-            if h.codec == CODEC_RAW:
-                # Copy, then checksum the copy while it is in cache: one pass over memory,
-                # and what is verified is exactly what the caller gets.
-                np.copyto(out[i], np.frombuffer(v, dtype=np.uint8))
-                verify(h, out[i])
-            else:
-                dz = self._decompressor()
-                decode_payload(h, v, out[i], decompressor=dz)
-        except BlockCorruptError:
-            return False
-        return True
 
     # -- recovery and lifecycle ------------------------------------------------------------
     def _scan(self) -> None:
@@ -580,6 +534,7 @@ class LMDBTier(KeyedTier):
             self._shared,
             scan.Scope(self._path, self._ns, self.capacity_blocks, self.block_bytes),
             lazy=self._lazy,
+            check=self._header,
             begin=self._begin,
             commit=lambda: self._commit([], lambda i: (b"", b"")),
         )
