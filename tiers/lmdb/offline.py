@@ -14,15 +14,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import threading
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import lmdb
 
+from tiercache.backoff import Backoff
 from tiercache.errors import ConfigError
 from tiercache.tiers.format import namespace_id
 from tiercache.tiers.lmdb.env import _parse_meta, borrow, detach, is_open
@@ -143,7 +144,8 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
 class LMDBProbe:
     """A read-only `StoreProbe` of an LMDB store (`LMDBTier.open_probe`): the environment is
     opened read-only (`open_store`; borrowed when a tier of this process has it open) when
-    first asked, and again after a failure at most once a second; it never writes."""
+    first asked, and again after a failure at most once a second (a `Backoff` that does not
+    grow: `RETRY_S` each time); it never writes."""
 
     RETRY_S = 1.0
 
@@ -153,18 +155,18 @@ class LMDBProbe:
         self._ns = namespace_id(namespace)
         self._stack: contextlib.ExitStack | None = None
         self._handle: StoreHandle | None = None
-        self._retry_at = 0.0
+        self._retry = Backoff(self.RETRY_S, self.RETRY_S)  # ready at first
         self._lock = threading.Lock()
 
     def _open(self) -> StoreHandle | None:
-        if self._handle is None and time.monotonic() >= self._retry_at:
+        if self._handle is None and self._retry.ready():
             stack = contextlib.ExitStack()
             try:
                 self._handle = stack.enter_context(open_store(self._path))
                 self._stack = stack
             except (ConfigError, OSError) as exc:
                 stack.close()
-                self._retry_at = time.monotonic() + self.RETRY_S
+                self._retry.fail()  # the next try at least RETRY_S from now
                 log.debug("LMDB probe of %s: not open yet (%s)", self._path, exc)
         return self._handle
 
@@ -192,7 +194,7 @@ class LMDBProbe:
     def close(self) -> None:
         with self._lock:
             stack, self._stack, self._handle = self._stack, None, None
-            self._retry_at = float("inf")
+            self._retry.hold(math.inf)  # never again
         if stack is not None:
             stack.close()
 
