@@ -15,9 +15,8 @@ from tiercache.errors import ConfigError
 from tiercache.tiers import store_dir
 from tiercache.tiers.store_dir import (
     DirRules,
-    check_store_meta,
+    MetaFormat,
     over_capacity,
-    parse_store_meta,
     prepare_dir,
     reserve,
     store_path,
@@ -31,7 +30,7 @@ NVME_LIKE = DirRules(
     marker="meta.json",
     skip=re.compile(r"instance[1-9][0-9]*"),
 )
-META = {"store_format": "tiercache-test", "version": 2, "kind": "test"}
+META = MetaFormat("test", "tiercache-test", 2)
 
 
 def test_creates_a_private_directory(tmp_path) -> None:
@@ -159,7 +158,8 @@ def test_store_meta_roundtrip(tmp_path) -> None:
     f = tmp_path / "meta.json"
     meta = {"format": "tiercache-test", "version": 2, "block_bytes": 4096, "slots": 3}
     f.write_text(json.dumps(meta))
-    got = parse_store_meta(f.read_bytes(), where="m", positive=("block_bytes", "slots"), **META)
+    fmt = MetaFormat("test", "tiercache-test", 2, positive=("block_bytes", "slots"))
+    got = fmt.parse(f.read_bytes(), "m")
     assert got == meta
 
 
@@ -188,15 +188,15 @@ def test_store_meta_refused(tmp_path, raw: bytes, message: str) -> None:
     f = tmp_path / "meta.json"
     f.write_bytes(raw)
     with pytest.raises(ConfigError, match=re.escape(message)) as e:
-        parse_store_meta(f.read_bytes(), where="m", **META)
+        META.parse(f.read_bytes(), "m")
     assert e.value.field == "path"
 
 
 def test_check_store_meta_takes_decoded() -> None:
     meta = {"format": "tiercache-test", "version": 2, "block_bytes": 1}
-    assert check_store_meta(meta, where="m", **META) is meta
+    assert META.check(meta, "m") is meta
     with pytest.raises(ConfigError, match="unreadable"):
-        check_store_meta(None, where="m", **META)
+        META.check(None, "m")
 
 
 def test_over_capacity(caplog) -> None:

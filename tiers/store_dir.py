@@ -6,8 +6,8 @@
 - `reserve`: disk blocks are allocated at open (posix_fallocate), so a full disk shows there,
   as a ConfigError naming the capacity (ENOSPC), not halfway through a store; a filesystem
   that cannot preallocate is answered with its refusal, and the caller decides what follows.
-- `parse_store_meta` / `check_store_meta`: a store's metadata is JSON naming its format
-  and version; anything else is refused with a message naming the problem.
+- `MetaFormat.parse` / `.check`: a store's metadata is JSON naming its format and version
+  (and positive sizes); anything else is refused with a message naming the problem.
 - `over_capacity` / `warn_over_capacity`: a store that holds more blocks of a namespace than
   the tier's capacity at open is no error: the excess is counted and reported by one warning
   (what happens to those blocks is the store's: `then`).
@@ -120,53 +120,44 @@ def reserve(fd: int, offset: int, length: int, *, no_room: str) -> OSError | Non
     return None
 
 
-def check_store_meta(
-    meta: object,
-    *,
-    where: str,
-    kind: str,
-    store_format: str,
-    version: int,
-    positive: tuple[str, ...] = ("block_bytes",),
-) -> dict[str, Any]:
-    """`meta` (a store's decoded metadata) as a dict when it names `store_format` at
-    `version` and holds a positive int for each field of `positive`; else ConfigError("path")
-    naming the problem. `where` names the metadata in messages, `kind` the store."""
-    if not isinstance(meta, dict):
-        raise ConfigError("path", f"{where}: unreadable tiercache metadata")
-    if meta.get("format") != store_format:
-        raise ConfigError("path", f"{where} does not describe a tiercache {kind} store")
-    if meta.get("version") != version:
-        raise ConfigError(
-            "path",
-            f"{where} holds a tiercache {kind} store of format version {meta.get('version')!r}; "
-            f"this build reads version {version} (use another directory or remove it)",
-        )
-    for k in positive:
-        v = meta.get(k)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError("path", f"{where}: bad {k} {v!r} in tiercache metadata")
-    return meta
+@dataclass(frozen=True)
+class MetaFormat:
+    """What a store's metadata must say: `store_format` at `version`, with a positive int
+    for each field of `positive`; `kind` names the store in messages ("LMDB", "NVMe")."""
 
+    kind: str
+    store_format: str
+    version: int
+    positive: tuple[str, ...] = ("block_bytes",)
 
-def parse_store_meta(
-    raw: bytes | memoryview,
-    *,
-    where: str,
-    kind: str,
-    store_format: str,
-    version: int,
-    positive: tuple[str, ...] = ("block_bytes",),
-) -> dict[str, Any]:
-    """`raw` (JSON, never pickle) decoded and checked by `check_store_meta`; ConfigError
-    ("... unreadable tiercache metadata") when it is not JSON."""
-    try:
-        meta = json.loads(bytes(raw).decode())
-    except (UnicodeDecodeError, ValueError):
-        meta = None
-    return check_store_meta(
-        meta, where=where, kind=kind, store_format=store_format, version=version, positive=positive
-    )
+    def check(self, meta: object, where: str) -> dict[str, Any]:
+        """`meta` (a store's decoded metadata) as a dict when it is this format; else
+        ConfigError("path") naming the problem, `where` naming the metadata."""
+        if not isinstance(meta, dict):
+            raise ConfigError("path", f"{where}: unreadable tiercache metadata")
+        if meta.get("format") != self.store_format:
+            raise ConfigError("path", f"{where} does not describe a tiercache {self.kind} store")
+        if meta.get("version") != self.version:
+            raise ConfigError(
+                "path",
+                f"{where} holds a tiercache {self.kind} store of format version "
+                f"{meta.get('version')!r}; this build reads version {self.version} (use another "
+                "directory or remove it)",
+            )
+        for k in self.positive:
+            v = meta.get(k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError("path", f"{where}: bad {k} {v!r} in tiercache metadata")
+        return meta
+
+    def parse(self, raw: bytes | memoryview, where: str) -> dict[str, Any]:
+        """`raw` (JSON, never pickle) decoded and `check`ed; ConfigError ("... unreadable
+        tiercache metadata") when it is not JSON."""
+        try:
+            meta = json.loads(bytes(raw).decode())
+        except (UnicodeDecodeError, ValueError):
+            meta = None
+        return self.check(meta, where)
 
 
 def over_capacity(held: int, capacity: int) -> int:

@@ -46,6 +46,8 @@ from tiercache.tiers.lmdb.layout import (
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
 
+_META_FORMAT = store_dir.MetaFormat("LMDB", STORE_FORMAT, STORE_VERSION)
+
 
 def map_size_for(capacity_blocks: int, block_bytes: int, page_size: int | None = None) -> int:
     """LMDB map size (bytes) for `capacity_blocks` blocks of `block_bytes`.
@@ -336,7 +338,5 @@ def _init_store(env: lmdb.Environment, path: str, block_bytes: int) -> tuple[Any
 
 
 def _parse_meta(path: str, raw: bytes) -> dict[str, Any]:
-    """The store's metadata (`store_dir.parse_store_meta`), or ConfigError naming `path`."""
-    return store_dir.parse_store_meta(
-        raw, where=path, kind="LMDB", store_format=STORE_FORMAT, version=STORE_VERSION
-    )
+    """The store's metadata (`store_dir.MetaFormat.parse`), or ConfigError naming `path`."""
+    return _META_FORMAT.parse(raw, path)

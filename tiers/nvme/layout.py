@@ -9,20 +9,19 @@ import fcntl
 import os
 import re
 import stat
+from dataclasses import replace
 from typing import Any
 
 from tiercache.errors import ConfigError
 from tiercache.tiers.format import HEADER_SIZE
-from tiercache.tiers.store_dir import DirRules, check_store_meta, parse_store_meta, prepare_dir
+from tiercache.tiers.store_dir import DirRules, MetaFormat, prepare_dir
 
 _META, _SLAB, _INDEX, _IMAGE = "meta.json", "slab", "index", "index.img"
 _OURS = {_META, _META + ".tmp", _SLAB, _INDEX, _INDEX + ".tmp", _IMAGE, _IMAGE + ".tmp"}
 _STORE_FORMAT, _STORE_VERSION = "tiercache-nvme", 1
-_META_FORMAT: dict[str, Any] = {
-    "kind": "NVMe",
-    "store_format": _STORE_FORMAT,
-    "version": _STORE_VERSION,
-}
+_META_FORMAT = MetaFormat("NVMe", _STORE_FORMAT, _STORE_VERSION, positive=())
+# what the offline reader needs of a store's meta.json besides its format
+_SHAPE_FORMAT = replace(_META_FORMAT, positive=("block_bytes", "capacity_blocks", "slot_bytes"))
 _INSTANCE_DIR = re.compile(r"instance[1-9][0-9]*")
 # a store directory holds our files and instance directories, or anything beside a meta.json
 _DIR_RULES = DirRules("NVMe", frozenset(_OURS), marker=_META, skip=_INSTANCE_DIR)
@@ -101,7 +100,7 @@ def _read_meta_file(path: str) -> dict[str, Any] | None:
             raw = f.read(1 << 16)
     except OSError as exc:
         raise ConfigError("path", f"{p!r} is unreadable ({exc})") from None
-    return parse_store_meta(raw, where=repr(p), positive=(), **_META_FORMAT)
+    return _META_FORMAT.parse(raw, repr(p))
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -112,12 +111,7 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     if meta is None:
         raise ConfigError("path", f"{root} is not an NVMe store (no {_META})")
     p = os.path.join(root, _META)
-    check_store_meta(
-        meta,
-        where=repr(p),
-        positive=("block_bytes", "capacity_blocks", "slot_bytes"),
-        **_META_FORMAT,
-    )
+    _SHAPE_FORMAT.check(meta, repr(p))
     if (
         meta.get("header_bytes") != HEADER_SIZE
         or meta["slot_bytes"] < HEADER_SIZE + meta["block_bytes"]
