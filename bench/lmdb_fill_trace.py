@@ -116,7 +116,6 @@ def main() -> None:
     else:
         import torch
 
-        import tiercache.tiers.lmdb as tier_lmdb
         from tiercache import TierCache
 
         overrides = json.loads(a.open)
@@ -125,7 +124,7 @@ def main() -> None:
         def patched_open(p: str, **kw: Any) -> lmdb.Environment:
             return real_open(p, **{**kw, **overrides})
 
-        tier_lmdb.lmdb.open = patched_open  # type: ignore[attr-defined]
+        lmdb.open = patched_open  # every open of py-lmdb's, the tier's included
         cfg = config("lmdb", path, n)
         cfg["tiers"][0]["sync"] = a.sync
         cache = TierCache.open(cfg, block_bytes=4096)

@@ -61,7 +61,7 @@ def lmdb_campaign(tmp_path: Path, seconds: float) -> dict:
     # A store fails only with a full map: the map has room for the capacity plus headroom,
     # and a reader of another process that stays inside one read txn (descheduled on a
     # loaded machine) pins the pages freed meanwhile longer than a writer waits for it
-    # (~255 ms, `tiers/lmdb.py`). README guarantees 5 and 9: any other failure, or more than
+    # (~255 ms, `tiers/lmdb/tier.py`). README guarantees 5 and 9: any other failure, or more than
     # 1 % of stores, fails the campaign. The failed store is counted, its blocks are misses.
     other = [f for w in [w1, *w2] for f in w["other_failures"]]
     assert other == [], other

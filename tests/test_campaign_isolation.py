@@ -298,14 +298,14 @@ def test_planted_payloads_never_run(tmp_path) -> None:
     root.mkdir(mode=0o700)
     with TierCache.open(config(root, "ns"), block_bytes=BB) as cache:
         cache.put([b"a" * 16], blocks([1], BB))
-    # A pickle as the NVMe metadata: refused as not JSON.
+    # A pickle as the NVMe metadata: refused as not JSON (unreadable).
     meta = root / "nvme" / "meta.json"
     good_meta = meta.read_bytes()
     meta.write_bytes(payload)
-    with pytest.raises(ConfigError, match=r"meta.json' is unreadable or not JSON"):
+    with pytest.raises(ConfigError, match=r"meta.json': unreadable tiercache metadata"):
         TierCache.open(config(root, "ns", ("nvme",)), block_bytes=BB)
     meta.write_bytes(b"__import__('os').system('touch %s')" % bytes(marker))
-    with pytest.raises(ConfigError, match="not JSON"):
+    with pytest.raises(ConfigError, match="unreadable tiercache metadata"):
         TierCache.open(config(root, "ns", ("nvme",)), block_bytes=BB)
     meta.write_bytes(good_meta)
     # A pickle as the LMDB metadata value and as a block payload under a real key.

@@ -23,7 +23,7 @@ from tests.test_tier_redis import RedisServer, require_redis
 from tiercache.cli import main
 from tiercache.tiers.format import namespace_id
 from tiercache.tiers.lmdb import LMDBTier, open_store
-from tiercache.tiers.lmdb_attach import ATTACH_PREFIX, CAPACITY_PREFIX, NAME_PREFIX
+from tiercache.tiers.lmdb.attach import ATTACH_PREFIX, CAPACITY_PREFIX, NAME_PREFIX
 from tiercache.tiers.redis import RedisTier
 
 REPO = Path(__file__).resolve().parents[1]

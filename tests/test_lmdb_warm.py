@@ -1,4 +1,4 @@
-"""`tiers/lmdb_warm.py`: the index warm pass asks for exactly the B-tree pages (branch and
+"""`tiers/lmdb/warm.py`: the index warm pass asks for exactly the B-tree pages (branch and
 leaf) of the databases named, never the payloads; a lazy open starts it; `will_need` takes
 any value."""
 
@@ -11,8 +11,8 @@ import lmdb
 import torch
 
 from tests.tier_conformance import keys_for, rand_blocks
-from tiercache.tiers import lmdb_warm
 from tiercache.tiers.lmdb import HEADS_DB, ORDER_DB, LMDBTier
+from tiercache.tiers.lmdb import warm as lmdb_warm
 
 
 def fill(path: str, n: int, block_bytes: int = 4096, **kw: object) -> LMDBTier:

@@ -42,7 +42,7 @@ def test_lmdb_probe_finds_what_another_process_stored_after_it_opened(tmp_path: 
         assert probe.probe(chain) == 0  # no store yet: not an error
         # Another engine's process stores the first 4 blocks of the chain.
         assert start_child(churn, lmdb, BB, "fleet", list(range(4))).result(120) == {"errors": 0}
-        probe._retry_at = 0.0  # type: ignore[attr-defined]  # the once-a-second retry, now
+        probe._retry.until = 0.0  # type: ignore[attr-defined]  # the once-a-second retry, now
         before = _files(path)
         assert probe.probe(chain) == 4  # leading blocks only
         assert probe.probe(chain[1:]) == 3
@@ -50,7 +50,7 @@ def test_lmdb_probe_finds_what_another_process_stored_after_it_opened(tmp_path: 
         assert probe_chain([("lmdb", probe)], chain) == 4
         assert probe_chain([("lmdb", probe)], chain, off={"lmdb"}) == 0  # suspended
         # Another tenant's equal keys are not its blocks.
-        other._retry_at = 0.0  # type: ignore[attr-defined]
+        other._retry.until = 0.0  # type: ignore[attr-defined]
         assert other.probe(chain) == 0
         # The store grows after the probe opened: found too.
         start_child(churn, lmdb, BB, "fleet", list(range(4, 6))).result(120)

@@ -26,9 +26,10 @@ from tests.tier_conformance import keys_for, rand_blocks, tier_state_machine
 from tiercache import TierCache
 from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError
-from tiercache.tiers import lmdb as lmdb_tier
 from tiercache.tiers.format import HEADER_SIZE, namespace_id
 from tiercache.tiers.lmdb import SEQ_BYTES, LMDBTier, store_key
+from tiercache.tiers.lmdb import scan as lmdb_scan
+from tiercache.tiers.lmdb import tier as lmdb_tier_mod
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -186,7 +187,7 @@ def test_bulk_scan_indexes_what_the_entry_walk_does(tmp_path, monkeypatch) -> No
         assert t.open_report["bulk_scan"] == 1
     finally:
         t.close()
-    monkeypatch.setattr(LMDBTier, "_scan_fast", lambda self, txn: None)
+    monkeypatch.setattr(lmdb_scan, "scan_fast", lambda txn, shared, scope: None)
     t = open_tier(tmp_path / "b", capacity=10)
     try:
         assert t.open_report["bulk_scan"] == 0
@@ -404,8 +405,8 @@ def test_sync_modes_round_trip(tmp_path, sync) -> None:
 
 @pytest.mark.parametrize(("sync", "expected"), [("batch", 2), ("never", 0), ("always", 0)])
 def test_batch_syncs_every_n_txns_in_the_background(tmp_path, monkeypatch, sync, expected):
-    monkeypatch.setattr(lmdb_tier, "SYNC_EVERY_TXNS", 2)
-    monkeypatch.setattr(lmdb_tier, "SYNC_EVERY_S", 1e9)
+    monkeypatch.setattr(lmdb_tier_mod, "SYNC_EVERY_TXNS", 2)
+    monkeypatch.setattr(lmdb_tier_mod, "SYNC_EVERY_S", 1e9)
     t = open_tier(tmp_path / "bg", capacity=8, sync=sync)
     calls = []
     monkeypatch.setattr(t._shared, "background_sync", lambda: calls.append(1))
@@ -534,7 +535,7 @@ def test_reader_process_next_to_a_writer_process(tmp_path) -> None:
 
 
 def test_map_full_fails_the_write_cleanly(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(lmdb_tier, "map_size_for", lambda *a, **k: 512 * 1024)
+    monkeypatch.setattr(lmdb_tier_mod, "map_size_for", lambda *a, **k: 512 * 1024)
     t = open_tier(tmp_path / "full", capacity=64, block_bytes=16384, compression="none")
     try:
         keys = keys_for(4)

@@ -921,7 +921,7 @@ def test_bad_paths_are_refused_naming_path(tmp_path) -> None:
     notjson = tmp_path / "notjson"
     notjson.mkdir(mode=0o700)
     (notjson / "meta.json").write_text("{not json")
-    cases.append((notjson, "not JSON"))
+    cases.append((notjson, "unreadable tiercache metadata"))
     alien = tmp_path / "alien"
     alien.mkdir(mode=0o700)
     (alien / "meta.json").write_text('{"format": "something-else"}')
@@ -937,7 +937,7 @@ def test_bad_paths_are_refused_naming_path(tmp_path) -> None:
 def test_unwritable_dir_is_refused(tmp_path) -> None:
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
-    with pytest.raises(ConfigError, match="not writable"):
+    with pytest.raises(ConfigError, match="not readable and writable"):
         open_tier(ro)
 
 

@@ -4,6 +4,8 @@ Primitives:
 - `encode_block(key, payload, *, namespace_id, seq, compression, level, element_size)`
   -> (header bytes, stored payload): compresses when it pays, checksums header and payload.
 - `decode_header(buf) -> BlockHeader` (raises `BlockCorruptError` on anything malformed).
+- `header_problem(header, key, ns, length) -> str | None`: whether a header belongs to this
+  key, namespace and raw length (the one check every reader makes); `is_header_of` on bytes.
 - `decode_payload(header, stored, dst)`: verifies the checksum, decompresses into `dst`.
 - `namespace_id(namespace) -> int`: the 64-bit namespace tag stamped into each header.
 
@@ -140,6 +142,22 @@ def decode_header(buf: bytes | memoryview) -> BlockHeader:
     return BlockHeader(codec, key, ns, raw_len, stored_len, seq, checksum, prefix)
 
 
+def header_problem(
+    header: BlockHeader, key: bytes, ns: int | None, length: int | None
+) -> str | None:
+    """What makes `header` not the header of block `key` in namespace `ns` holding `length`
+    raw bytes, or None when it is theirs: the one check every reader makes (tiers, recovery,
+    the CLI). `ns` or `length` None: that field is not checked. The stored payload is the
+    caller's: its length and checksum are checked when it is read."""
+    if header.key != key:
+        return f"header holds key {header.key.hex()}"
+    if ns is not None and header.namespace_id != ns:
+        return f"a block of namespace id:{header.namespace_id:016x} under id:{ns:016x}"
+    if length is not None and header.raw_len != length:
+        return f"header says {header.raw_len} bytes, the store's blocks are {length}"
+    return None
+
+
 def is_header_of(buf: object, key: bytes, namespace: int, raw_len: int) -> bool:
     """Whether `buf` starts with a well-formed header of block `key` in `namespace` holding
     `raw_len` bytes (a shared tier's cheap check that another process stored it; the payload
@@ -150,7 +168,7 @@ def is_header_of(buf: object, key: bytes, namespace: int, raw_len: int) -> bool:
         h = decode_header(buf)
     except BlockCorruptError:
         return False
-    return h.key == key and h.namespace_id == namespace and h.raw_len == raw_len
+    return header_problem(h, key, namespace, raw_len) is None
 
 
 def verify(header: BlockHeader, stored: bytes | memoryview) -> None:

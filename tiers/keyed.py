@@ -10,26 +10,150 @@ In such a store slots are only handles: a block lives under its key. Shared here
   or the store's own capacity evicted it): plain misses, not errors;
 - `_take_found(keys)` / `recover()`: what the store held at open, as slots 0..n-1;
 - `_check_open()`, `_check_keys(keys, n)`: errors naming the store;
-- `_compressor()`, `_decompressor()`: zstd contexts per thread (they are not thread-safe).
+- `_compressor()`, `_decompressor()`: zstd contexts per thread (they are not thread-safe);
+- `_header(key, head, payload_len)`, `_decode_block(key, head, body, row)`: a stored value
+  checked against its key, this namespace and the block size (`format.header_problem`),
+  then verified and decoded into its row;
+- `_claim(slots, keys)` / `_release(slots)`: slot ownership by key. `_claim` records blocks
+  this instance stores and answers the keys of ours it replaced in those slots (to delete);
+  `_release` forgets slots and answers the keys of ours they held (to delete). Where each
+  tier claims is the one real difference between them: LMDB claims a slot's key before its
+  commit (at allocate and at write, the txn may fail after), Redis after the send succeeds;
+- `PendingDeletes`: keys to delete from the store with the next write or at flush, not at
+  free (a demotion planned with the eviction still reads them); a key stored again leaves
+  it, and a probe stops at a pending key (`leading_clear`);
+- `check_codec(...)`: the compression settings' checks (ConfigError), `COMPRESSIONS`,
+  `ZSTD_MIN_LEVEL`; `add_written(counts, ...)` / `compression_ratio(counts)`: the write
+  counters and the ratio both tiers' stats report.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, MutableMapping, Sequence
 from typing import ClassVar
 
+import numpy as np
 import zstandard
 
+from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.base import Tier
+from tiercache.tiers.format import (
+    CODEC_RAW,
+    BlockHeader,
+    decode_header,
+    decode_payload,
+    header_problem,
+    verify,
+)
 
+COMPRESSIONS = ("none", "zstd")
+ZSTD_MIN_LEVEL = -(1 << 17)  # ZSTD_minCLevel(); python-zstandard does not export it
 _GONE_MAX = 1 << 16  # take_gone's memory of plain misses nobody asked about
+
+
+def check_codec(compression: object, level: object, element_size: object, where: str = "") -> None:
+    """The compression settings of a keyed store, checked in this order (ConfigError):
+    `compression` one of COMPRESSIONS, `level` a zstd level, `element_size` 1 or 2."""
+    p = f"{where}." if where else ""
+    if compression not in COMPRESSIONS:
+        raise ConfigError(f"{p}compression", f"expected one of {COMPRESSIONS}, got {compression!r}")
+    top = zstandard.MAX_COMPRESSION_LEVEL
+    if isinstance(level, bool) or not isinstance(level, int) or not ZSTD_MIN_LEVEL <= level <= top:
+        raise ConfigError(
+            f"{p}level", f"expected a zstd level {ZSTD_MIN_LEVEL}..{top}, got {level!r}"
+        )
+    if isinstance(element_size, bool) or element_size not in (1, 2):
+        raise ConfigError(
+            f"{p}element_size",
+            f"expected 1 (no shuffle) or 2 (byte-plane shuffle, bf16/fp16), got {element_size!r}",
+        )
+
+
+def add_written(counts: MutableMapping[str, int], blocks: int, raw: int, stored: int) -> None:
+    """Count a write of `blocks` blocks: `raw` bytes given, `stored` bytes kept."""
+    counts["blocks_written"] += blocks
+    counts["raw_bytes"] += raw
+    counts["stored_bytes"] += stored
+
+
+def compression_ratio(counts: MutableMapping[str, int] | dict[str, object]) -> float:
+    """Raw bytes written over bytes stored (1.0 before any write)."""
+    stored = counts["stored_bytes"]
+    return counts["raw_bytes"] / stored if stored else 1.0  # type: ignore[operator]
+
+
+class PendingDeletes:
+    """Keys whose blocks this process stored and no longer holds: deleted from the store with
+    the next write or at flush, not at free (a demotion planned with the eviction still reads
+    the block). Added when a slot of ours is freed, when a slot of ours is written under
+    another key (the old key), or when a block of ours is found damaged. A key stored again
+    leaves the set (`unpend`): nothing may delete it any more. A probe stops at a pending key
+    (`leading_clear`). Each key maps to what its delete needs (LMDB: the seq of a malformed
+    entry; else None).
+
+    Not locked: callers hold the lock that guards it (LMDB: the shared environment's state
+    lock, for every tier of the process on that environment; Redis: the tier's lock)."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: dict[bytes, int | None] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+    def add(self, keys: Iterable[bytes], value: int | None = None) -> None:
+        """Keys to delete (`value`: what each delete needs, see the class docstring)."""
+        for k in keys:
+            self.entries[k] = value
+
+    def unpend(self, keys: Iterable[bytes]) -> None:
+        """Keys stored again (live: no pending delete may remove them), or deleted."""
+        if self.entries:
+            for k in keys:
+                self.entries.pop(k, None)
+
+    def take(self) -> dict[bytes, int | None]:
+        """Every pending delete, to send now; the set is left empty (see `restore`)."""
+        taken, self.entries = self.entries, {}
+        return taken
+
+    def restore(self, taken: Iterable[bytes], stored: Collection[bytes] = ()) -> None:
+        """Deletes `take`n and not sent (the call failed) are pending again, except keys in
+        `stored`: stored again meanwhile, they are live."""
+        values = taken if isinstance(taken, dict) else dict.fromkeys(taken)
+        for k, v in values.items():
+            if k not in stored:
+                self.entries[k] = v
+
+    def snapshot(self) -> set[bytes]:
+        """The pending keys now (a probe's view, taken under the lock, used outside it)."""
+        return set(self.entries)
+
+
+def leading_clear(keys: Sequence[bytes], pending: Collection[bytes], prefix: bytes = b"") -> int:
+    """How many leading `keys` are not pending deletes (`prefix` + key in `pending`): a probe
+    stops at a key this process is deleting, whatever the store still holds under it."""
+    if not pending:
+        return len(keys)
+    for i, k in enumerate(keys):
+        if prefix + k in pending:
+            return i
+    return len(keys)
 
 
 class KeyedTier(Tier):
     """A tier whose store keeps each block under its key (see the module docstring)."""
 
     store_label: ClassVar[str] = ""  # "LMDB", "Redis": how errors name the store
+    _ns: int  # this tier's namespace id (set by the subclass before it reads)
 
     def __init__(
         self, *, name: str, block_bytes: int, capacity_blocks: int, compression: str, level: int
@@ -118,3 +242,60 @@ class KeyedTier(Tier):
         if dz is None:
             dz = self._tls.dz = zstandard.ZstdDecompressor()
         return dz
+
+    # -- ownership of slots by key ---------------------------------------------------------
+    def _claim(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[bytes]:
+        """Record `keys` as stored by this instance in `slots` (evicting them deletes them);
+        the keys of ours these slots held before, under another key: to delete."""
+        replaced: list[bytes] = []
+        slot_key, own = self._slot_key, self._own
+        for s, k in zip(slots, keys, strict=True):
+            old = slot_key.get(s)
+            if old is not None and old != k and s in own:
+                replaced.append(old)
+            slot_key[s] = k
+        own.update(slots)
+        return replaced
+
+    def _release(self, slots: Sequence[int]) -> list[bytes]:
+        """Forget `slots`; the keys of the blocks this instance stored there: to delete.
+        Blocks found at open or adopted are only forgotten (see the module docstring)."""
+        gone: list[bytes] = []
+        slot_key, own = self._slot_key, self._own
+        for s in slots:
+            k = slot_key.pop(s, None)
+            if s in own:
+                own.discard(s)
+                if k is not None:
+                    gone.append(k)
+        return gone
+
+    # -- one stored value --------------------------------------------------------------------
+    def _header(self, key: bytes, head: bytes | memoryview, payload_len: int) -> BlockHeader:
+        """The header of block `key` of this namespace and block size whose stored payload
+        is `payload_len` bytes; BlockCorruptError if `head` is not that."""
+        h = decode_header(head)
+        problem = header_problem(h, key, self._ns, self.block_bytes)
+        if problem is not None:
+            raise BlockCorruptError(problem)
+        if payload_len != h.stored_len:
+            raise BlockCorruptError("length mismatch")
+        return h
+
+    def _decode_block(
+        self, key: bytes, head: bytes | memoryview, body: bytes | memoryview, row: np.ndarray
+    ) -> bool:
+        """Check one stored value (header `head`, payload `body`) and decode it into `row`;
+        False if it is not a good block of `key`."""
+        try:
+            h = self._header(key, head, len(body))
+            if h.codec == CODEC_RAW:
+                # Copy, then checksum the copy while it is in cache: one pass over memory,
+                # and what is verified is exactly what the caller gets.
+                np.copyto(row, np.frombuffer(body, dtype=np.uint8))
+                verify(h, row)
+            else:
+                decode_payload(h, body, row, decompressor=self._decompressor())
+        except BlockCorruptError:
+            return False
+        return True

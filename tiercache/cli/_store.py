@@ -329,9 +329,9 @@ def lmdb_holder(path: str) -> int | None:
     LMDB keeps a shared fcntl lock on byte 0 of lock.mdb while an environment is open; this
     asks (F_GETLK) who would block an exclusive one. Skipped (None) when this process has the
     environment open: closing our probe descriptor would drop this process's own locks."""
-    from tiercache.tiers import lmdb as lm
+    from tiercache.tiers.lmdb import open_here
 
-    if os.path.realpath(path) in lm._ENVS:
+    if open_here(path):
         return os.getpid()
     try:
         fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDONLY | os.O_CLOEXEC)
@@ -443,7 +443,7 @@ def _lmdb_sharing(
     attach entries and LMDB's reader table of an open store; `names` for labels, completed
     by the names the store recorded (returned under "names"). `own`: this process holds the
     store open through a tier (its reader slots are then shown too)."""
-    from tiercache.tiers import lmdb_attach
+    from tiercache.tiers.lmdb import attach as lmdb_attach
 
     with h.env.begin(write=False) as txn:
         rec = lmdb_attach.read_records(txn, h.meta_db)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.errors import ConfigError
+from tiercache.tiers.store_dir import reserve
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (the common logical block)
 
@@ -59,17 +59,10 @@ def resize_slab(
     `grow_only`. `path`, `slots` and `slot_bytes` only word the error."""
     size = os.fstat(fd).st_size
     if size < target:
-        try:  # reserve the space now: a full disk shows at open, not halfway through a store
-            os.posix_fallocate(fd, size, target - size)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise ConfigError(
-                    "capacity",
-                    f"{path!r} has no room for {slots} slots of {slot_bytes} bytes",
-                ) from None
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise
-            os.ftruncate(fd, target)
+        # reserve the space now: a full disk shows at open, not halfway through a store
+        no_room = f"{path!r} has no room for {slots} slots of {slot_bytes} bytes"
+        if reserve(fd, size, target - size, no_room=no_room) is not None:
+            os.ftruncate(fd, target)  # a filesystem that cannot preallocate
     elif size > target and not grow_only:
         os.ftruncate(fd, target)
 

@@ -6,19 +6,25 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import re
 import stat
+from dataclasses import replace
 from typing import Any
 
 from tiercache.errors import ConfigError
 from tiercache.tiers.format import HEADER_SIZE
+from tiercache.tiers.store_dir import DirRules, MetaFormat, prepare_dir
 
 _META, _SLAB, _INDEX, _IMAGE = "meta.json", "slab", "index", "index.img"
 _OURS = {_META, _META + ".tmp", _SLAB, _INDEX, _INDEX + ".tmp", _IMAGE, _IMAGE + ".tmp"}
 _STORE_FORMAT, _STORE_VERSION = "tiercache-nvme", 1
+_META_FORMAT = MetaFormat("NVMe", _STORE_FORMAT, _STORE_VERSION, positive=())
+# what the offline reader needs of a store's meta.json besides its format
+_SHAPE_FORMAT = replace(_META_FORMAT, positive=("block_bytes", "capacity_blocks", "slot_bytes"))
 _INSTANCE_DIR = re.compile(r"instance[1-9][0-9]*")
+# a store directory holds our files and instance directories, or anything beside a meta.json
+_DIR_RULES = DirRules("NVMe", frozenset(_OURS), marker=_META, skip=_INSTANCE_DIR)
 
 
 def instance_path(path: str, k: int) -> str:
@@ -73,42 +79,10 @@ def _nofollow(path: str, flags: int) -> int:
 
 
 def _prepare_dir(path: str) -> None:
-    """Create `path` (0700) if missing, or check that an existing one is ours and private."""
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        raise ConfigError("path", f"{path!r}: the parent {parent!r} is not an existing directory")
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except PermissionError:
-        raise ConfigError("path", f"{path!r}: no permission to create it in {parent!r}") from None
-    except OSError as exc:  # e.g. EROFS: a read-only filesystem
-        raise ConfigError("path", f"{path!r}: cannot create it: {exc.strerror}") from None
-    st = os.stat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError("path", f"{path!r} exists and is not a directory")
-    if st.st_uid != os.geteuid():
-        raise ConfigError(
-            "path", f"{path!r} is owned by uid {st.st_uid}, not by this user ({os.geteuid()})"
-        )
-    if st.st_mode & 0o022:
-        raise ConfigError(
-            "path",
-            f"{path!r} is writable by group or others (mode "
-            f"{stat.S_IMODE(st.st_mode):o}); use a private directory "
-            "(chmod 700)",
-        )
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError("path", f"{path!r} is not writable by this user")
-    names = {n for n in os.listdir(path) if not _INSTANCE_DIR.fullmatch(n)}
-    if names and _META not in names and not names <= _OURS:
-        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
-        raise ConfigError(
-            "path",
-            f"{path!r} holds files of another program ({shown}) and no "
-            f"{_META}; give the nvme tier an empty or new directory",
-        )
+    """Create `path` (0700) if missing, or check that an existing one is ours and private
+    (`store_dir.prepare_dir`: our files, instance directories, or anything beside a
+    `meta.json`)."""
+    prepare_dir(path, _DIR_RULES)
 
 
 def _read_meta_file(path: str) -> dict[str, Any] | None:
@@ -123,18 +97,10 @@ def _read_meta_file(path: str) -> dict[str, Any] | None:
         raise ConfigError("path", f"{p!r} cannot be opened ({exc.strerror})") from None
     try:
         with os.fdopen(fd, "rb") as f:
-            meta = json.loads(f.read(1 << 16))
-    except (OSError, ValueError) as exc:
-        raise ConfigError("path", f"{p!r} is unreadable or not JSON ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != _STORE_FORMAT:
-        raise ConfigError("path", f"{p!r} does not describe a tiercache NVMe store")
-    if meta.get("version") != _STORE_VERSION:
-        raise ConfigError(
-            "path",
-            f"{p!r}: store format version {meta.get('version')!r}, "
-            f"this build reads {_STORE_VERSION}",
-        )
-    return meta
+            raw = f.read(1 << 16)
+    except OSError as exc:
+        raise ConfigError("path", f"{p!r} is unreadable ({exc})") from None
+    return _META_FORMAT.parse(raw, repr(p))
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -145,10 +111,7 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     if meta is None:
         raise ConfigError("path", f"{root} is not an NVMe store (no {_META})")
     p = os.path.join(root, _META)
-    for k in ("block_bytes", "capacity_blocks", "slot_bytes"):
-        v = meta.get(k)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError("path", f"{p!r}: bad {k} {v!r}")
+    _SHAPE_FORMAT.check(meta, repr(p))
     if (
         meta.get("header_bytes") != HEADER_SIZE
         or meta["slot_bytes"] < HEADER_SIZE + meta["block_bytes"]

@@ -23,6 +23,7 @@ from tiercache.errors import BlockCorruptError
 from tiercache.tiers.format import CODEC_RAW, HEADER_SIZE, decode_header
 from tiercache.tiers.nvme.image import _Image
 from tiercache.tiers.nvme.journal import _KEY, _OP_PUT, _Entries, _newest, _tail_records
+from tiercache.tiers.store_dir import over_capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +169,7 @@ def settle(
     ours = np.flatnonzero(mine)
     if not bool(np.all(e.seqs[ours][1:] > e.seqs[ours][:-1])):  # an image is in order
         ours = ours[np.argsort(e.seqs[ours], kind="stable")]  # oldest first
-    over = max(0, len(ours) - capacity)
+    over = over_capacity(len(ours), capacity)
     used = e if over == 0 and len(ours) == len(e) else e.take(ours[over:])
     kept = e.take(np.concatenate([np.flatnonzero(~mine), ours[:over]]))
     kept_map = {

@@ -73,6 +73,7 @@ from tiercache.tiers.nvme.options import (
     check_options,
     instance_from_env,
 )
+from tiercache.tiers.store_dir import warn_over_capacity
 
 log = logging.getLogger(__package__)  # "tiercache.tiers.nvme", as before the split
 
@@ -380,15 +381,8 @@ class NVMeTier(Tier):
         self._seqs, self._keys, self._live, self._seq = r.seqs, r.keys, r.live, r.top_seq
         self.open_report = dict(r.report)
         over = r.report["blocks_over_capacity"]
-        if over:
-            log.warning(
-                "%s: holds %d blocks of this namespace, capacity is %d: the %d oldest are "
-                "kept but not used",
-                self._path,
-                r.ours,
-                self.capacity_blocks,
-                over,
-            )
+        then = "the %d oldest are kept but not used"
+        warn_over_capacity(log, self._path, r.ours, self.capacity_blocks, over, then)
         if got.damaged:
             log.warning("%s: index journal had %d damaged records", self._path, got.damaged)
 

@@ -1,0 +1,250 @@
+"""Offline access to an LMDB store, for the CLI (inspect, verify, evict) and for processes
+that do not hold the store as a tier (vLLM's scheduler).
+
+- `open_store(path, write=False)` -> `StoreHandle`: an existing store's environment, opened
+  read-only unless asked (borrowed when a tier of this process has it open: LMDB forbids a
+  second open of one environment per process).
+- `LMDBProbe`: a read-only `StoreProbe` (`LMDBTier.open_probe`): headers only.
+- `iter_entries`, `delete_entries`: walk or delete entries in short transactions.
+- `open_here(path)`: whether this process holds the environment open as a tier (the CLI's
+  lock-holder check asks it before looking at lock.mdb)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import os
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lmdb
+
+from tiercache.backoff import Backoff
+from tiercache.errors import ConfigError
+from tiercache.tiers.format import namespace_id
+from tiercache.tiers.lmdb.env import _parse_meta, borrow, detach, is_open
+from tiercache.tiers.lmdb.layout import (
+    BLOCKS_DB,
+    COUNT_PREFIX,
+    DB_NAMES,
+    HEADS_DB,
+    MAX_READERS,
+    META_DB,
+    META_KEY,
+    MIN_TXN_OPS,
+    ORDER_DB,
+    _leading_heads,
+    _StoreTxn,
+    _u64,
+    _under,
+)
+
+log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
+
+
+def open_here(path: str | os.PathLike[str]) -> bool:
+    """Whether this process holds the LMDB environment at `path` open as a tier (then its
+    locks in lock.mdb are this process's own, and a lock probe must not close them)."""
+    return is_open(os.fspath(path))
+
+
+@dataclass(frozen=True)
+class StoreHandle:
+    """An open environment of an existing store: its databases and validated metadata."""
+
+    path: str
+    env: lmdb.Environment
+    heads: Any
+    blocks: Any
+    meta: dict[str, Any]
+    write_lock: threading.Lock
+    meta_db: Any = None
+    order: Any = None
+
+    def counts(self) -> dict[int, int]:
+        """Namespace id -> the block count the store keeps for it (what its capacity bounds)."""
+        out = {}
+        with self.env.begin(write=False) as txn:
+            for k, v in _under(txn.cursor(db=self.meta_db), COUNT_PREFIX, values=True):
+                out[int.from_bytes(k[len(COUNT_PREFIX) :], "big")] = _u64(v)
+        return out
+
+
+@contextlib.contextmanager
+def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator[StoreHandle]:
+    """An existing store for offline tools: opened read-only (nothing in the data file
+    changes; LMDB registers its readers in lock.mdb) unless `write`. Other processes may hold
+    the store open meanwhile (LMDB's reader table and writer mutex keep them consistent).
+    When a tier of this process has it open, its environment is borrowed: LMDB forbids a
+    second open of one environment per process. ConfigError when `path` is not a store."""
+    if not isinstance(path, str | os.PathLike) or not os.fspath(path):
+        raise ConfigError("path", f"expected a directory path, got {path!r}")
+    real = os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    if not os.path.isfile(os.path.join(real, "data.mdb")):
+        raise ConfigError("path", f"{real} is not an LMDB store (no data.mdb)")
+    shared = borrow(real)
+    if shared is not None:
+        try:
+            with shared.env.begin(write=False) as txn:
+                meta_db = shared.env.open_db(META_DB, txn=txn, create=False)
+                meta = _parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
+            yield StoreHandle(
+                real,
+                shared.env,
+                shared.heads,
+                shared.blocks,
+                meta,
+                shared.write_lock,
+                shared.meta,
+                shared.order,
+            )
+        finally:
+            detach(shared)
+        return
+    try:
+        env = lmdb.open(
+            real,
+            map_size=0,  # the size recorded in the environment
+            subdir=True,
+            max_dbs=len(DB_NAMES),
+            readonly=not write,
+            writemap=write,  # as the tiers open it
+            readahead=False,  # as the tiers open it: a cold probe reads its pages only
+            lock=True,
+            create=False,
+            max_readers=MAX_READERS,
+        )
+    except lmdb.Error as exc:
+        raise ConfigError("path", f"{real}: cannot open as an LMDB environment: {exc}") from None
+    try:
+        try:
+            with env.begin(write=False) as txn:
+                names = set(txn.cursor().iternext(values=False))
+                if META_DB not in names:
+                    raise ConfigError(
+                        "path", f"{real}: no tiercache metadata in this LMDB environment"
+                    )
+                meta_db = env.open_db(META_DB, txn=txn, create=False)
+                meta = _parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
+            if not {HEADS_DB, BLOCKS_DB, ORDER_DB} <= names:
+                raise ConfigError("path", f"{real}: the heads, blocks or order database is missing")
+            # Outside that txn: a handle opened in a read txn dies with it.
+            dbs = [env.open_db(n, create=False) for n in DB_NAMES]
+        except lmdb.Error as exc:
+            raise ConfigError("path", f"{real}: unreadable LMDB environment: {exc}") from None
+        yield StoreHandle(real, env, dbs[1], dbs[2], meta, threading.Lock(), dbs[0], dbs[3])
+    finally:
+        env.close()
+
+
+class LMDBProbe:
+    """A read-only `StoreProbe` of an LMDB store (`LMDBTier.open_probe`): the environment is
+    opened read-only (`open_store`; borrowed when a tier of this process has it open) when
+    first asked, and again after a failure at most once a second (a `Backoff` that does not
+    grow: `RETRY_S` each time); it never writes."""
+
+    RETRY_S = 1.0
+
+    def __init__(self, path: str, block_bytes: int, *, namespace: str = "") -> None:
+        self._path = path
+        self._block_bytes = block_bytes
+        self._ns = namespace_id(namespace)
+        self._stack: contextlib.ExitStack | None = None
+        self._handle: StoreHandle | None = None
+        self._retry = Backoff(self.RETRY_S, self.RETRY_S)  # ready at first
+        self._lock = threading.Lock()
+
+    def _open(self) -> StoreHandle | None:
+        if self._handle is None and self._retry.ready():
+            stack = contextlib.ExitStack()
+            try:
+                self._handle = stack.enter_context(open_store(self._path))
+                self._stack = stack
+            except (ConfigError, OSError) as exc:
+                stack.close()
+                self._retry.fail()  # the next try at least RETRY_S from now
+                log.debug("LMDB probe of %s: not open yet (%s)", self._path, exc)
+        return self._handle
+
+    def probe(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            h = self._open()
+            if h is None or not keys:
+                return 0
+            try:
+                txn = h.env.begin(write=False)
+            except lmdb.MapResizedError:
+                # A writer grew the map since we opened: adopt its size and go on.
+                h.env.set_mapsize(0)
+                txn = h.env.begin(write=False)
+            except lmdb.Error as exc:
+                log.debug("LMDB probe of %s: %s", self._path, exc)
+                return 0
+            try:
+                return _leading_heads(
+                    txn, h.heads, keys, self._ns, self._block_bytes, order=h.order
+                )
+            finally:
+                txn.abort()
+
+    def close(self) -> None:
+        with self._lock:
+            stack, self._stack, self._handle = self._stack, None, None
+            self._retry.hold(math.inf)  # never again
+        if stack is not None:
+            stack.close()
+
+
+def iter_entries(
+    h: StoreHandle, *, chunk: int = 256
+) -> Iterator[tuple[bytes, bytes | None, memoryview | None]]:
+    """(key, header, payload) for every key in either database, in key order; a side that is
+    missing is None. The payload is a zero-copy view valid until the next item (its pages are
+    read only when used). Read transactions of at most `chunk` keys: a long scan pins no old
+    pages of a writing process for long."""
+    start = b""
+    while True:
+        with h.env.begin(write=False, buffers=True) as txn:
+            cur_h, cur_b = txn.cursor(db=h.heads), txn.cursor(db=h.blocks)
+            more_h, more_b = cur_h.set_range(start), cur_b.set_range(start)
+            n = 0
+            while (more_h or more_b) and n < chunk:
+                kh = bytes(cur_h.key()) if more_h else None
+                kb = bytes(cur_b.key()) if more_b else None
+                key = min(k for k in (kh, kb) if k is not None)
+                head = bytes(cur_h.value()) if kh == key else None
+                payload = cur_b.value() if kb == key else None
+                yield key, head, payload
+                if kh == key:
+                    more_h = cur_h.next()
+                if kb == key:
+                    more_b = cur_b.next()
+                n += 1
+            if not (more_h or more_b):
+                return
+            start = min(bytes(c.key()) for c, m in ((cur_h, more_h), (cur_b, more_b)) if m)
+
+
+def delete_entries(h: StoreHandle, keys: Iterable[bytes]) -> int:
+    """Delete the header, payload and order entry of each key (and its namespace's count),
+    in write transactions of at most `MIN_TXN_OPS` keys; the number of keys that had a header
+    or a payload. A process holding the store open reads a deleted block as a miss."""
+    todo = list(keys)
+    gone = 0
+    with h.write_lock:
+        for a in range(0, len(todo), MIN_TXN_OPS):
+            try:
+                with h.env.begin(write=True) as txn:
+                    store = _StoreTxn(txn, h.meta_db, h.heads, h.blocks, h.order)
+                    for k in todo[a : a + MIN_TXN_OPS]:
+                        had = any(txn.get(k, db=d) is not None for d in (h.heads, h.blocks))
+                        store.delete(k, None)
+                        gone += had
+                    store.finish()
+            except lmdb.Error as exc:
+                raise OSError(errno.EIO, f"{h.path}: LMDB delete failed: {exc}") from None
+    return gone

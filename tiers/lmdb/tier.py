@@ -1,0 +1,633 @@
+"""`LMDBTier`: blocks in an embedded LMDB environment, shareable between processes (see the
+package docstring for the primitives, the layout, sharing and durability).
+
+The tier holds this process's view: its slot -> key map, its counters, and the write path
+(`_commit`: pending deletes and puts in `_StoreTxn` transactions, map-full retries, the
+batch background sync); the store's rules live beside it (`layout`: keys and the store
+transaction; `env`: the shared environment; `scan`: what an open indexes; `attach`: who has
+the store open; `offline`: `LMDBProbe` and the CLI's access).
+
+The tunables below stay here, where the write and read paths use them (tests patch them
+on this module)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import lmdb
+import torch
+
+from tiercache.errors import ConfigError
+from tiercache.tiers.base import check_blocks
+from tiercache.tiers.format import (
+    encode_block,
+    namespace_id,
+)
+from tiercache.tiers.keyed import (
+    KeyedTier,
+    add_written,
+    check_codec,
+    compression_ratio,
+    leading_clear,
+)
+from tiercache.tiers.lmdb import attach as lmdb_attach
+from tiercache.tiers.lmdb import scan
+from tiercache.tiers.lmdb import warm as lmdb_warm
+from tiercache.tiers.lmdb.env import (
+    attach,
+    damaged,
+    detach,
+    map_size_for,
+    pool,
+    pool_map,
+    prepare_dir,
+)
+from tiercache.tiers.lmdb.layout import (
+    NS_BYTES,
+    SYNC_MODES,
+    _leading_heads,
+    _StoreTxn,
+    head_seq,
+    txn_ops_for,
+)
+from tiercache.tiers.lmdb.offline import LMDBProbe
+
+log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
+
+SYNC_EVERY_TXNS = 64
+SYNC_EVERY_S = 1.0
+_RETRIES = 8
+MAP_FULL_TRIES = 9  # a write that finds the map full waits 1+2+...+128 ms for readers to end
+_PARALLEL_MIN_BYTES = 64 * 1024  # blocks at least this big are decoded on the thread pool
+
+
+def check_settings(
+    compression: object, level: object, element_size: object, sync: object, where: str = ""
+) -> None:
+    """Value checks shared by the constructor and `validate_options` (ConfigError): the
+    codec's (`keyed.check_codec`), then `sync`."""
+    check_codec(compression, level, element_size, where)
+    p = f"{where}." if where else ""
+    if sync not in SYNC_MODES:
+        raise ConfigError(f"{p}sync", f"expected one of {SYNC_MODES}, got {sync!r}")
+
+
+class LMDBTier(KeyedTier):
+    """Blocks keyed by block key in LMDB; persistent and shareable between processes."""
+
+    kind: ClassVar[str] = "lmdb"
+    store_label: ClassVar[str] = "LMDB"
+    persistent: ClassVar[bool] = True
+    shared: ClassVar[bool] = True
+    OPTIONS: ClassVar = {
+        "path": str,
+        "compression": str,
+        "level": int,
+        "element_size": int,
+        "sync": str,
+    }
+
+    def __init__(
+        self,
+        *,
+        name: str = "lmdb",
+        block_bytes: int,
+        capacity_blocks: int,
+        path: str,
+        compression: str = "zstd",
+        level: int = 1,
+        element_size: int = 2,
+        sync: str = "batch",
+        namespace: str = "",
+        lazy: bool = False,
+    ) -> None:
+        """`lazy`: index nothing at open when the store is well formed (the manager finds
+        each block by `probe` on its first lookup, as it finds other processes' blocks), so
+        the open costs neither time nor RAM per block; else index the newest `capacity`."""
+        check_settings(compression, level, element_size, sync)
+        super().__init__(
+            name=name,
+            block_bytes=block_bytes,
+            capacity_blocks=capacity_blocks,
+            compression=compression,
+            level=level,
+        )
+        self._element_size = element_size
+        self._sync = sync
+        self._ns = namespace_id(namespace)
+        self._nsb = self._ns.to_bytes(NS_BYTES, "big")  # prefix of every store key of ours
+        self._txn_ops = txn_ops_for(capacity_blocks)
+        self._lazy = lazy
+        self.open_report: dict[str, int] = {}  # what _scan found: dropped, recovered blocks
+        self._counts = dict.fromkeys(
+            (
+                "blocks_written",
+                "raw_bytes",
+                "stored_bytes",
+                "blocks_read",
+                "read_failures",
+                "blocks_gone",
+                "store_evictions",
+                "dead_readers_cleared",
+                "map_full_retries",
+                "malformed_dropped",
+            ),
+            0,
+        )
+        self._counts_lock = threading.Lock()
+        self._path = prepare_dir(path)
+        map_size = map_size_for(capacity_blocks, block_bytes)
+        self._shared = attach(self._path, block_bytes, map_size, sync)
+        self._token: bytes | None = None  # our attach entry (tiers/lmdb/attach.py)
+        try:
+            self._scan()
+            self._register(namespace)
+        except BaseException:
+            self._closed = True
+            detach(self._shared)
+            raise
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any], where: str) -> None:
+        super().validate_options(options, where)
+        if not options.get("path"):
+            raise ConfigError(f"{where}.path", "required: the directory of the LMDB store")
+        o = options
+        check_settings(
+            o.get("compression", "zstd"),
+            o.get("level", 1),
+            o.get("element_size", 2),
+            o.get("sync", "batch"),
+            where,
+        )
+
+    @classmethod
+    def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> LMDBTier:
+        o = cfg.options
+        try:
+            return cls(
+                name=cfg.name,
+                block_bytes=block_bytes,
+                path=o["path"],
+                capacity_blocks=cfg.capacity_in_blocks(block_bytes),
+                compression=o.get("compression", "zstd"),
+                level=o.get("level", 1),
+                element_size=o.get("element_size", 2),
+                sync=o.get("sync", "batch"),
+                namespace=namespace,
+                lazy=True,
+            )
+        except ConfigError as exc:
+            if exc.field in ("path", "block_bytes", "capacity"):
+                raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
+            raise
+
+    # -- introspection ---------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def map_size(self) -> int:
+        return self._shared.map_size
+
+    def stats(self) -> dict[str, Any]:
+        """This tier object's counters: bytes written raw vs stored (`compression_ratio`),
+        blocks read and failed reads; plus pending deletes and the environment's size."""
+        with self._counts_lock:
+            out: dict[str, Any] = dict(self._counts)
+        out["compression_ratio"] = compression_ratio(out)
+        out["pending_deletes"] = len(self._shared.pending)
+        out["map_size"] = self._shared.map_size
+        if not self._closed:
+            info, st = self._shared.env.info(), self._shared.env.stat()
+            out["env_bytes"] = (info["last_pgno"] + 1) * st["psize"]
+        out.update({f"index_warm_{k}": v for k, v in self._shared.warm_report.items()})
+        return out
+
+    # -- slots -----------------------------------------------------------------------------
+    def allocate(self, keys: Sequence[bytes]) -> list[int] | None:
+        slots = super().allocate(keys)
+        if slots:
+            self._claim(slots, keys)  # fresh slots: no key of ours is replaced
+            self._unpend(keys)
+        return slots
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Return slots. A block this tier stored since it opened is deleted at the next
+        write txn or flush (not now: a demotion planned with the eviction still reads it);
+        one found at open or adopted from another process is only forgotten: the store's
+        shared capacity decides when it goes (see the module docstring)."""
+        gone = self._release(slots)
+        if gone:
+            with self._shared.state_lock:
+                self._shared.pending.add(self._nsb + k for k in gone)
+        super().free(slots)
+
+    def probe(self, keys: Sequence[bytes]) -> int:
+        """Leading `keys` with a well-formed header of this namespace in the environment
+        (stored by another process since open); stops at a key this process is deleting."""
+        if self._closed or not keys:
+            return 0
+        shared = self._shared
+        with shared.state_lock:
+            pending = shared.pending.snapshot() if shared.pending else set()
+        clear = leading_clear(keys, pending, self._nsb)  # stop at a key we are deleting
+        try:
+            txn = self._begin(write=False)
+        except OSError:
+            return 0
+        try:
+            # A malformed entry met here is damage the (lazy) open did not scan: dropped.
+            return _leading_heads(
+                txn,
+                shared.heads,
+                keys[:clear],
+                self._ns,
+                self.block_bytes,
+                order=shared.order,
+                bad=self._drop_malformed,
+            )
+        finally:
+            txn.abort()
+
+    def _drop_malformed(self, sk: bytes, head: bytes) -> None:
+        """A probe found a malformed header (damage): its entries go at the next write
+        transaction or flush, counted (`malformed_dropped`), as the eager open drops them."""
+        log.warning("%s: dropping a malformed entry found by a lookup", self._path)
+        with self._shared.state_lock:
+            self._shared.pending.add((sk,), head_seq(head))
+        with self._counts_lock:
+            self._counts["malformed_dropped"] += 1
+
+    @classmethod
+    def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> LMDBProbe:
+        return LMDBProbe(cfg.options["path"], block_bytes, namespace=namespace)
+
+    def _unpend(self, keys: Iterable[bytes]) -> None:
+        """Keys stored again are live: no pending delete may remove them any more."""
+        shared = self._shared
+        with shared.state_lock:
+            shared.pending.unpend(self._nsb + k for k in keys)
+
+    # -- write -----------------------------------------------------------------------------
+    def write(
+        self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> None:
+        n = len(slots)
+        check_blocks(src, n, self.block_bytes, "src")
+        keys = self._check_keys(keys, n)
+        self._check_open()
+        if n == 0:
+            return
+        if src.device.type != "cpu":
+            src = src.cpu()
+        rows = src.numpy()
+        # LMDB records each slot's key before the commit (the txn may fail after; Redis
+        # records after its send): the keys of ours these slots held go to the deletes.
+        replaced = self._claim(slots, keys)
+        if replaced:
+            with self._shared.state_lock:
+                self._shared.pending.add(self._nsb + k for k in replaced)
+        self._unpend(keys)
+        seq0 = self._shared.next_seq(n)
+
+        def encode(i: int) -> tuple[bytes, bytes | memoryview]:
+            return encode_block(
+                keys[i],
+                rows[i],
+                namespace=self._ns,
+                seq=seq0 + i,
+                compression=self._compression,
+                level=self._level,
+                element_size=self._element_size,
+                compressor=self._compressor(),
+            )
+
+        if self._compression == "zstd":
+            # Compress before the write txn: the writer lock is held for puts only.
+            encoded = pool_map(encode, n, parallel=self.block_bytes >= _PARALLEL_MIN_BYTES)
+            self._commit([self._nsb + k for k in keys], encoded.__getitem__)
+        else:
+            # Raw: the header's checksum pass pulls the row into cache just before LMDB
+            # copies it into the map; the payload is put from the caller's tensor as is.
+            self._commit([self._nsb + k for k in keys], encode)
+
+    def _commit(self, skeys: Sequence[bytes], encoded: Callable[[int], tuple[bytes, Any]]) -> None:
+        """Apply the pending deletes, then put each (header, payload) under its store key
+        (`skeys`, namespace-prefixed), at most `txn_ops` of either per txn (one txn per call
+        in practice); each txn also evicts this namespace's oldest blocks beyond its capacity.
+        Raises OSError; pending deletes stay pending unless their txn committed."""
+        shared = self._shared
+        with shared.write_lock:
+            with shared.state_lock:
+                ops: list[tuple[bytes, int]] = [(k, -1) for k in shared.pending.entries]
+            ops += [(k, i) for i, k in enumerate(skeys)]
+            stored = 0
+            for start in range(0, len(ops), self._txn_ops):
+                chunk = ops[start : start + self._txn_ops]
+                done = [k for k, i in chunk if i < 0]
+                try:
+                    stored += self._txn_clearing(chunk, encoded)
+                except lmdb.Error as exc:
+                    if not done or isinstance(exc, lmdb.MapFullError):
+                        raise self._os_error("write", exc) from None  # deletes stay pending
+                    # A delete LMDB cannot do (a damaged overflow page: MDB_CORRUPTED) must
+                    # not fail this and every later write: delete one key per txn, give up
+                    # on those that fail, then retry the puts alone.
+                    self._delete_each(done)
+                    done = []  # _delete_each settled them
+                    try:
+                        stored += self._txn([op for op in chunk if op[1] >= 0], encoded)
+                    except lmdb.Error as exc2:
+                        raise self._os_error("write", exc2) from None
+                if done:
+                    self._settle(done)
+                self._after_commit()
+        with self._counts_lock:
+            add_written(self._counts, len(skeys), len(skeys) * self.block_bytes, stored)
+
+    def _settle(self, done: Iterable[bytes]) -> None:
+        with self._shared.state_lock:
+            self._shared.pending.unpend(done)  # deleted
+
+    def _txn(
+        self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]
+    ) -> int:
+        """One write txn: delete (i < 0) or put `encoded(i)`, keeping each namespace's block
+        count and the order database in step, then evict this namespace's oldest blocks
+        beyond `capacity_blocks`; the payload bytes put. Aborts and re-raises on any error."""
+        sh = self._shared
+        stored = 0
+        txn = self._begin(write=True)
+        try:
+            store = _StoreTxn(txn, sh.meta, sh.heads, sh.blocks, sh.order)
+            with sh.state_lock:
+                pending = dict(sh.pending.entries)
+            for k, i in chunk:
+                if i < 0:
+                    store.delete(k, pending.get(k))
+                else:
+                    header, payload = encoded(i)
+                    store.put(k, header, payload)
+                    stored += len(payload)
+            if any(i >= 0 for _, i in chunk):  # deletes alone never make room to trim
+                store.evict(self._nsb, self.capacity_blocks)
+            store.finish()
+            txn.commit()
+        except BaseException:
+            txn.abort()
+            raise
+        if store.evicted:
+            with self._counts_lock:
+                self._counts["store_evictions"] += store.evicted
+        return stored
+
+    def _txn_clearing(
+        self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]
+    ) -> int:
+        """`_txn`, again while the map is full for a moment. A reader pins the pages freed
+        after its snapshot: a process SIGKILLed inside a read txn leaves its slot in the
+        reader table and pins them for good (every later write of every process failed with
+        a full map; tests/test_campaign_fleet.py found it), so dead readers are cleared; a
+        live reader of another process, descheduled mid-txn while others write, pins them
+        until it ends, so the write waits for it (at most ~255 ms) before it fails."""
+        for attempt in range(MAP_FULL_TRIES):
+            try:
+                return self._txn(chunk, encoded)
+            except lmdb.MapFullError:
+                if attempt == MAP_FULL_TRIES - 1:
+                    raise
+                cleared = self._shared.env.reader_check()
+                if cleared:
+                    log.warning("%s: cleared %d readers of dead processes", self._path, cleared)
+                with self._counts_lock:
+                    self._counts["dead_readers_cleared"] += cleared
+                    self._counts["map_full_retries"] += 1
+                if not cleared:
+                    time.sleep(0.001 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _delete_each(self, keys: Sequence[bytes]) -> None:
+        """Delete keys one txn each; a key LMDB cannot delete stays (a leak of its pages, its
+        block already a counted miss) and leaves the pending deletes; one that failed for
+        want of map space stays pending (write lock held)."""
+        done = []
+        for k in keys:
+            try:
+                self._txn([(k, -1)], lambda i: (b"", b""))
+            except lmdb.MapFullError:
+                continue
+            except lmdb.Error as exc:
+                log.warning("%s: cannot delete damaged entry %s: %s", self._path, k.hex(), exc)
+            done.append(k)
+        self._settle(done)
+
+    def _after_commit(self) -> None:
+        shared = self._shared
+        if self._sync == "never" or shared.durable:
+            return
+        if self._sync == "always":  # an env opened by a "batch" tier of this process
+            self._env_sync()
+            return
+        with shared.state_lock:
+            shared.txns_since_sync += 1
+            due = (
+                shared.txns_since_sync >= SYNC_EVERY_TXNS
+                or time.monotonic() - shared.last_sync >= SYNC_EVERY_S
+            )
+            if due and (shared.bg_sync is None or shared.bg_sync.done()):
+                shared.txns_since_sync = 0
+                shared.last_sync = time.monotonic()
+                shared.bg_sync = pool("sync").submit(shared.background_sync)
+
+    def _env_sync(self) -> None:
+        shared = self._shared
+        try:
+            shared.wait_sync()
+            shared.env.sync(True)
+        except lmdb.Error as exc:
+            raise self._os_error("sync", exc) from None
+        with shared.state_lock:
+            shared.txns_since_sync = 0
+            shared.last_sync = time.monotonic()
+
+    # -- read ------------------------------------------------------------------------------
+    def read(
+        self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> list[int]:
+        """Read blocks by key (slots are only handles here); a missing key or a foreign or
+        corrupt block is a failed position. A missing key is a plain miss (the store evicted
+        it, see `take_gone`); a bad block is deleted at the next write txn. OSError when no
+        read txn can be had."""
+        n = len(slots)
+        check_blocks(dst, n, self.block_bytes, "dst")
+        keys = self._check_keys(keys, n)
+        self._check_open()
+        if n == 0:
+            return []
+        out = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
+        out_np = out.numpy()
+        heads, nsb = self._shared.heads, self._nsb
+        failed: list[int] = []
+        gone: list[bytes] = []
+        bad: dict[bytes, int | None] = {}  # store key -> order seq: deleted at the next write
+        found: list[tuple[int, bytes, memoryview, memoryview]] = []
+        txn = self._begin(write=False)
+        try:
+            for i, k in enumerate(keys):
+                sk = nsb + k
+                try:
+                    h, v = txn.get(sk, db=heads), txn.get(sk)
+                except lmdb.Error:
+                    failed.append(i)
+                    continue
+                if h is None:
+                    failed.append(i)
+                    if v is None:
+                        gone.append(k)  # evicted by the store (this or another process)
+                    else:
+                        bad[sk] = None  # a payload without its header
+                elif v is None:
+                    failed.append(i)
+                    bad[sk] = head_seq(h)
+                else:
+                    found.append((i, k, h, v))
+            lmdb_warm.will_need(f[3] for f in found)  # readahead is off: see env._open_env
+            parallel = self.block_bytes >= _PARALLEL_MIN_BYTES
+
+            def decode(j: int) -> bool:
+                i, k, h, v = found[j]
+                return self._decode_block(k, h, v, out_np[i])
+
+            ok = pool_map(decode, len(found), parallel)
+            for (i, k, h, _), good in zip(found, ok, strict=True):
+                if not good:
+                    failed.append(i)
+                    bad[nsb + k] = head_seq(h)
+        finally:
+            txn.abort()  # the zero-copy views die here, after every copy above finished
+        if out is not dst:
+            dst.copy_(out)
+        failed.sort()
+        if bad:
+            with self._shared.state_lock:
+                for sk, seq in bad.items():  # with the seq each delete wants
+                    self._shared.pending.add((sk,), seq)
+        with self._counts_lock:
+            self._counts["blocks_read"] += n - len(failed)
+            self._counts["read_failures"] += len(failed) - len(gone)
+            self._counts["blocks_gone"] += len(gone)
+        self._note_gone(gone)
+        return failed
+
+    # -- recovery and lifecycle ------------------------------------------------------------
+    def _scan(self) -> None:
+        """Index what `scan.scan` finds of this namespace (nothing when lazy and the store is
+        well formed); malformed entries it finds are deleted by this tier's commit."""
+        found = scan.scan(
+            self._shared,
+            scan.Scope(self._path, self._ns, self.capacity_blocks, self.block_bytes),
+            lazy=self._lazy,
+            check=self._header,
+            begin=self._begin,
+            commit=lambda: self._commit([], lambda i: (b"", b"")),
+        )
+        self.open_report = found.report
+        self._take_found(found.keys)
+
+    def _register(self, namespace: str) -> None:
+        """Record this namespace's capacity and name and this tier's attach entry (see
+        tiers/lmdb/attach.py): what `tiercache inspect` shows. Its own write txn, after the
+        scan: the records never change a block."""
+        shared = self._shared
+        with shared.write_lock:
+            txn = self._begin(write=True)
+            try:
+                self._token = lmdb_attach.register(
+                    txn,
+                    shared.meta,
+                    nsb=self._nsb,
+                    namespace=namespace,
+                    capacity=self.capacity_blocks,
+                )
+                txn.commit()
+            except lmdb.MapFullError:
+                txn.abort()
+                log.warning("%s: map full: this tier is not shown as attached", self._path)
+            except lmdb.Error as exc:
+                txn.abort()
+                raise ConfigError("path", damaged(self._path, exc)) from None
+            except BaseException:
+                txn.abort()
+                raise
+
+    def _unregister(self) -> None:
+        token, self._token = self._token, None
+        if token is None:
+            return
+        shared = self._shared
+        try:
+            with shared.write_lock, shared.env.begin(write=True) as txn:
+                lmdb_attach.unregister(txn, shared.meta, token)
+        except lmdb.Error as exc:  # the entry stays; inspect shows it stale once we exit
+            log.warning("%s: attach entry not removed at close: %s", self._path, exc)
+
+    def flush(self) -> None:
+        """Apply pending deletes; then fsync unless sync = "never"."""
+        if self._closed:
+            return
+        if self._shared.pending:
+            self._commit([], lambda i: (b"", b""))
+        if self._sync != "never" and not self._shared.durable:
+            self._env_sync()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._shared.pending:
+                self._commit([], lambda i: (b"", b""))
+        except OSError as exc:
+            log.warning("%s: pending deletes not applied at close: %s", self._path, exc)
+        finally:
+            self._unregister()
+            detach(self._shared)  # syncs and closes the environment with its last user
+        self._slot_key.clear()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _begin(self, write: bool) -> lmdb.Transaction:
+        """A transaction (default db: blocks); retries what other processes cause briefly."""
+        shared = self._shared
+        for attempt in range(_RETRIES):
+            try:
+                return shared.env.begin(db=shared.blocks, write=write, buffers=not write)
+            except (lmdb.ReadersFullError, lmdb.BadRslotError):
+                shared.env.reader_check()  # frees the slots of readers that died
+            except lmdb.MapResizedError:
+                # Another process grew the map: adopt its size (LMDB wants no txn of this
+                # process open meanwhile; a concurrent reader here would retry).
+                shared.env.set_mapsize(0)
+            except lmdb.Error as exc:
+                raise self._os_error("begin", exc) from None
+            time.sleep(0.001 * 2**attempt)
+        raise OSError(errno.EAGAIN, f"{self._path}: LMDB busy (reader table full)")
+
+    def _os_error(self, what: str, exc: lmdb.Error) -> OSError:
+        if isinstance(exc, lmdb.MapFullError):
+            size = self._shared.map_size
+            return OSError(errno.ENOSPC, f"{self._path}: LMDB map full during {what} ({size} B)")
+        return OSError(errno.EIO, f"{self._path}: LMDB {what} failed: {exc}")
+
+    def __repr__(self) -> str:
+        return (
+            f"LMDBTier(medium={self.medium!r}, path={self._path!r}, "
+            f"block_bytes={self.block_bytes}, used={self.used_blocks}/{self.capacity_blocks}, "
+            f"compression={self._compression!r})"
+        )
