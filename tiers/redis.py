@@ -57,7 +57,6 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 import redis
 import torch
-import zstandard
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import ConnectionPool, parse_url
@@ -69,24 +68,33 @@ from redis.retry import Retry
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.base import KEY_BYTES, check_blocks
 from tiercache.tiers.format import (
-    CODEC_RAW,
     HEADER_SIZE,
     decode_header,
-    decode_payload,
     encode_block,
+    header_problem,
     is_header_of,
     namespace_id,
-    verify,
 )
-from tiercache.tiers.keyed import KeyedTier
+from tiercache.tiers.keyed import (
+    COMPRESSIONS as COMPRESSIONS,  # re-exported: importable from here as before
+)
+from tiercache.tiers.keyed import (
+    ZSTD_MIN_LEVEL as ZSTD_MIN_LEVEL,
+)
+from tiercache.tiers.keyed import (
+    KeyedTier,
+    PendingDeletes,
+    add_written,
+    check_codec,
+    compression_ratio,
+    leading_clear,
+)
 
 log = logging.getLogger(__name__)
 
 STORE_FORMAT = "tiercache-redis"
 STORE_VERSION = 1
 META_SUFFIX = b"#meta"  # never 16 bytes long, so it can never collide with a block key
-COMPRESSIONS = ("none", "zstd")
-ZSTD_MIN_LEVEL = -(1 << 17)
 PIPELINE_BYTES = 64 << 20  # most value bytes in one pipeline execute (bounds client memory)
 SCAN_BATCH = 1000
 _SEND_INLINE_MAX = 16 * 1024  # arguments this big are sent as their own buffer, not copied
@@ -118,21 +126,7 @@ def check_settings(o: Mapping[str, Any], where: str = "") -> None:
     """Value checks shared by the constructor and `validate_options` (ConfigError)."""
     p = f"{where}." if where else ""
     parse_nodes(o.get("url", "redis://127.0.0.1:6379/0"), f"{p}url")
-    compression = o.get("compression", "none")
-    if compression not in COMPRESSIONS:
-        raise ConfigError(f"{p}compression", f"expected one of {COMPRESSIONS}, got {compression!r}")
-    level = o.get("level", 1)
-    top = zstandard.MAX_COMPRESSION_LEVEL
-    if isinstance(level, bool) or not isinstance(level, int) or not ZSTD_MIN_LEVEL <= level <= top:
-        raise ConfigError(
-            f"{p}level", f"expected a zstd level {ZSTD_MIN_LEVEL}..{top}, got {level!r}"
-        )
-    es = o.get("element_size", 2)
-    if isinstance(es, bool) or es not in (1, 2):
-        raise ConfigError(
-            f"{p}element_size",
-            f"expected 1 (no shuffle) or 2 (byte-plane shuffle, bf16/fp16), got {es!r}",
-        )
+    check_codec(o.get("compression", "none"), o.get("level", 1), o.get("element_size", 2), where)
     ttl = o.get("ttl")
     if ttl is not None:
         _number(ttl, f"{p}ttl", allow_zero=True)
@@ -305,7 +299,7 @@ class RedisTier(KeyedTier):
         self._kprefix = prefix.encode() + namespace.encode()
         self._meta_key = self._kprefix + META_SUFFIX
         self._lock = threading.Lock()  # slot map, pending deletes, availability, counters
-        self._pending: set[bytes] = set()  # freed keys still in Redis (see free)
+        self._pending = PendingDeletes()  # freed keys still in Redis (see free)
         self._keep: set[bytes] = set()  # keys unreadable only because Redis was down
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._seq = 0
@@ -617,8 +611,7 @@ class RedisTier(KeyedTier):
             out: dict[str, Any] = dict(self._counts)
             out["available"] = self._up and not self._closed
             out["pending_deletes"] = len(self._pending)
-        stored = out["stored_bytes"]
-        out["compression_ratio"] = out["raw_bytes"] / stored if stored else 1.0
+        out["compression_ratio"] = compression_ratio(out)
         return out
 
     # -- slots -----------------------------------------------------------------------------
@@ -626,7 +619,7 @@ class RedisTier(KeyedTier):
         slots = super().allocate(keys)
         if slots:
             with self._lock:
-                self._pending.difference_update(keys)
+                self._pending.unpend(keys)
         return slots
 
     def probe(self, keys: Sequence[bytes]) -> int:
@@ -636,7 +629,7 @@ class RedisTier(KeyedTier):
         if self._closed or not keys:
             return 0
         with self._lock:
-            pending = set(self._pending)
+            pending = self._pending.snapshot()
         try:
             client = self._conn()
             heads = self._run(
@@ -646,9 +639,10 @@ class RedisTier(KeyedTier):
             )
         except OSError:
             return 0
+        stop = leading_clear(keys, pending)
         n = 0
-        for k, head in zip(keys, heads, strict=True):
-            if k in pending or not is_header_of(head, k, self._ns, self.block_bytes):
+        for k, head in zip(keys[:stop], heads[:stop], strict=True):
+            if not is_header_of(head, k, self._ns, self.block_bytes):
                 break
             n += 1
         return n
@@ -659,16 +653,12 @@ class RedisTier(KeyedTier):
         reads them. Blocks found at open or adopted are only forgotten: other instances may
         serve them, and the server's maxmemory policy decides when they go."""
         with self._lock:
-            for s in slots:
-                k = self._slot_key.pop(s, None)
-                if s not in self._own or k is None:
-                    self._own.discard(s)
-                    continue  # not stored by us (found, adopted, or a failed write)
-                self._own.discard(s)
+            # Only keys we stored (not found, adopted, or a failed write) are to delete.
+            for k in self._release(slots):
                 if k in self._keep:
                     self._keep.discard(k)  # dropped only because Redis was unreachable
                 else:
-                    self._pending.add(k)
+                    self._pending.add((k,))
         super().free(slots)
 
     # -- write -----------------------------------------------------------------------------
@@ -701,9 +691,8 @@ class RedisTier(KeyedTier):
             values.append((header, payload))
             stored += len(payload)
         with self._lock:
-            self._pending.difference_update(keys)
-            dels = list(self._pending)
-            self._pending.clear()
+            self._pending.unpend(keys)
+            dels = list(self._pending.take())
         rkeys = [self._kprefix + k for k in keys]
         px = self._ttl_ms
         try:
@@ -721,21 +710,15 @@ class RedisTier(KeyedTier):
                 dels = []
         except OSError:
             with self._lock:  # deletes not sent stay pending
-                self._pending.update(d for d in dels if d not in set(keys))
+                self._pending.restore(dels, stored=set(keys))
             raise
         with self._lock:
-            for s, k in zip(slots, keys, strict=True):
-                old = self._slot_key.get(s)
-                if old is not None and old != k and s in self._own:
-                    self._pending.add(old)
-                self._slot_key[s] = k
-                self._own.add(s)
-                self._keep.discard(k)
-            self._pending.difference_update(keys)
-            c = self._counts
-            c["blocks_written"] += n
-            c["raw_bytes"] += n * self.block_bytes
-            c["stored_bytes"] += stored
+            # Claimed after the send (LMDB claims before its commit): a failed write leaves
+            # the slots unowned, so freeing them deletes nothing.
+            self._pending.add(self._claim(slots, keys))
+            self._keep.difference_update(keys)
+            self._pending.unpend(keys)
+            add_written(self._counts, n, n * self.block_bytes, stored)
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         per = max(1, PIPELINE_BYTES // (self.block_bytes + HEADER_SIZE))
@@ -805,7 +788,7 @@ class RedisTier(KeyedTier):
             # No instance can use a damaged block of ours: deleted with the next write or
             # flush, whoever stored it (probe stops at it meanwhile). A value that is not a
             # block of ours (another type, a foreign string) is never deleted.
-            self._pending.update(damaged)
+            self._pending.add(damaged)
         self._note_gone(gone)  # expired, evicted by the server, deleted by another instance
         if corrupt:
             log.warning("%s: %d corrupt or foreign values read as misses", self.medium, corrupt)
@@ -815,29 +798,11 @@ class RedisTier(KeyedTier):
         with self._lock:
             self._keep.update(keys)
 
-    def _decode(self, key: bytes, v: bytes, row: np.ndarray) -> bool:
+    def _decode(self, key: bytes, v: object, row: np.ndarray) -> bool:
         """Check and copy one value into `row`; False if it is not a good block of `key`."""
-        try:
-            if not isinstance(v, bytes):
-                raise BlockCorruptError("not a string value")
-            h = decode_header(v)
-            body = memoryview(v)[HEADER_SIZE:]
-            if h.key != key:
-                raise BlockCorruptError("header key differs from the Redis key")
-            if h.namespace_id != self._ns:
-                raise BlockCorruptError("block of another namespace")
-            if h.raw_len != self.block_bytes or len(body) != h.stored_len:
-                raise BlockCorruptError("length mismatch")
-            if h.codec == CODEC_RAW:
-                # Copy, then checksum the copy: what is verified is exactly what is served.
-                np.copyto(row, np.frombuffer(body, dtype=np.uint8))
-                verify(h, row)
-            else:
-                dz = self._decompressor()
-                decode_payload(h, body, row, decompressor=dz)
-        except BlockCorruptError:
-            return False
-        return True
+        if not isinstance(v, bytes):
+            return False  # not a string value
+        return self._decode_block(key, v, memoryview(v)[HEADER_SIZE:], row)
 
     # -- recovery and lifecycle ------------------------------------------------------------
     def _scan(self, client: Any) -> None:
@@ -859,7 +824,7 @@ class RedisTier(KeyedTier):
                 except BlockCorruptError:
                     continue  # not ours to delete: a foreign value under a look-alike key
                 k = rk[len(self._kprefix) :]
-                if h.key == k and h.namespace_id == self._ns and h.raw_len == self.block_bytes:
+                if header_problem(h, k, self._ns, self.block_bytes) is None:
                     found.append((h.seq, k))
 
         for rk in client.scan_iter(match=pattern, count=SCAN_BATCH):
@@ -883,8 +848,7 @@ class RedisTier(KeyedTier):
         if self._closed:
             return
         with self._lock:
-            dels = list(self._pending)
-            self._pending.clear()
+            dels = list(self._pending.take())
         if not dels:
             return
         try:
@@ -892,7 +856,7 @@ class RedisTier(KeyedTier):
             self._run(client, [["DEL", self._kprefix + d] for d in dels], "delete")
         except OSError:
             with self._lock:
-                self._pending.update(dels)
+                self._pending.restore(dels)
             raise
 
     def close(self) -> None:
