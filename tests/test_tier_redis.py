@@ -28,7 +28,7 @@ from tests.tier_conformance import keys_for, rand_blocks, tier_state_machine
 from tiercache import TierCache
 from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError
-from tiercache.tiers import redis as redis_tier
+from tiercache.tiers.redis import tier as redis_tier
 from tiercache.tiers import tier_class
 from tiercache.tiers.format import HEADER_SIZE
 from tiercache.tiers.redis import RedisTier, parse_nodes
