@@ -21,6 +21,7 @@ import torch
 from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tiercache.backoff import Backoff
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.base import KEY_BYTES, check_blocks
 from tiercache.tiers.format import (
@@ -53,6 +54,7 @@ from tiercache.tiers.redis.client import (
     secret,
     shown,
 )
+from tiercache.tiers.store_dir import over_capacity
 
 log = logging.getLogger(__package__)  # "tiercache.tiers.redis", as before the split
 
@@ -174,7 +176,7 @@ class RedisTier(KeyedTier):
         self._password = secret(password, password_env, "password")
         self._ttl_ms = int(ttl * 1000) if ttl else None
         self._element_size = element_size
-        self._timeout, self._backoff_max = float(timeout), float(backoff_max)
+        self._timeout = float(timeout)
         self._ns = namespace_id(namespace)
         self._kprefix = prefix.encode() + namespace.encode()
         self._meta_key = self._kprefix + META_SUFFIX
@@ -185,8 +187,9 @@ class RedisTier(KeyedTier):
         self._seq = 0
         self._client: Any = None
         self._up = False
-        self._retry_at = 0.0
-        self._backoff = BACKOFF_START_S
+        # Unavailable: calls fail fast until the wait ends (0.1 s doubling up to backoff_max).
+        # period=start: a failure before the first success (at open) waits twice the start.
+        self._backoff = Backoff(BACKOFF_START_S, float(backoff_max), period=BACKOFF_START_S)
         self._last_error = ""
         # False: a probe (`open_probe`), indexing nothing and writing nothing at open.
         self._index_at_open = index_at_open
@@ -308,16 +311,16 @@ class RedisTier(KeyedTier):
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.medium}: the Redis tier is closed")
-            if self._up or time.monotonic() >= self._retry_at:
+            if self._up or self._backoff.ready():
                 if self._client is not None:
                     return self._client
             else:
                 self._counts["skipped_calls"] += 1
-                wait = self._retry_at - time.monotonic()
+                wait = self._backoff.remaining()
                 raise OSError(
                     errno.EAGAIN,
                     f"{self.medium}: Redis at {self._url_shown} unavailable "
-                    f"({self._last_error}); next try in {max(0.0, wait):.2f} s",
+                    f"({self._last_error}); next try in {wait:.2f} s",
                 )
         # Down with no client yet (a cluster unreachable at open): build it now, outside the
         # lock; the cluster client contacts its nodes in the constructor.
@@ -338,7 +341,7 @@ class RedisTier(KeyedTier):
             if self._up:
                 return
             self._up = True
-            self._backoff = BACKOFF_START_S
+            self._backoff.succeed()
             self._counts["reconnects"] += 1
         log.warning("%s: Redis at %s is reachable again", self.medium, self._url_shown)
 
@@ -346,13 +349,11 @@ class RedisTier(KeyedTier):
         with self._lock:
             self._counts["failed_calls"] += 1
             self._last_error = f"{type(exc).__name__}: {exc}"
-            if self._up:
+            if self._up:  # the first failure after a success (or a good open) waits `start`
                 self._counts["disconnects"] += 1
-                self._backoff = BACKOFF_START_S
-            else:
-                self._backoff = min(self._backoff * 2, self._backoff_max)
+                self._backoff.succeed()
             was_up, self._up = self._up, False
-            self._retry_at = time.monotonic() + self._backoff
+            self._backoff.fail()
         if was_up or what == "open":
             log.warning(
                 "%s: Redis at %s unavailable during %s (%s); retrying with backoff",
@@ -628,7 +629,9 @@ class RedisTier(KeyedTier):
         if batch:
             headers(batch)
         found.sort()
-        kept = found[-self.capacity_blocks :]
+        # Over capacity at open: the newest `capacity` are indexed, silently (the server's
+        # maxmemory bounds a shared store, not one instance's capacity).
+        kept = found[over_capacity(len(found), self.capacity_blocks) :]
         if kept:
             self._seq = max(self._seq, kept[-1][0] + 1)
         self._take_found([k for _, k in kept])
