@@ -23,11 +23,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tiercache.backoff import Backoff
 from tiercache.errors import BlockCorruptError, ConfigError
-from tiercache.tiers.base import KEY_BYTES, check_blocks
+from tiercache.tiers.base import KEY_BYTES
 from tiercache.tiers.format import (
     HEADER_SIZE,
     decode_header,
-    encode_block,
     header_problem,
     is_header_of,
     namespace_id,
@@ -456,10 +455,8 @@ class RedisTier(KeyedTier):
     def write(
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> None:
+        keys = self._io_keys(slots, src, keys, "src")
         n = len(slots)
-        check_blocks(src, n, self.block_bytes, "src")
-        keys = self._check_keys(keys, n)
-        self._check_open()
         if n == 0:
             return
         client = self._conn()
@@ -469,16 +466,7 @@ class RedisTier(KeyedTier):
         values: list[tuple[bytes, bytes | memoryview]] = []
         stored = 0
         for i in range(n):
-            header, payload = encode_block(
-                keys[i],
-                rows[i],
-                namespace=self._ns,
-                seq=seq0 + i,
-                compression=self._compression,
-                level=self._level,
-                element_size=self._element_size,
-                compressor=zc,
-            )
+            header, payload = self._encode(keys[i], rows[i], seq0 + i, zc)
             values.append((header, payload))
             stored += len(payload)
         with self._lock:
@@ -529,10 +517,8 @@ class RedisTier(KeyedTier):
     ) -> list[int]:
         """Read blocks by key (slots are handles only). A missing key or a corrupt or foreign
         value is a failed position; OSError when Redis is unreachable."""
+        keys = self._io_keys(slots, dst, keys, "dst")
         n = len(slots)
-        check_blocks(dst, n, self.block_bytes, "dst")
-        keys = self._check_keys(keys, n)
-        self._check_open()
         if n == 0:
             return []
         try:
