@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+import torch
 import zstandard
 
 from tiercache.errors import ConfigError
@@ -41,6 +42,7 @@ class _Store(KeyedTier):
             name="t", block_bytes=BB, capacity_blocks=4, compression=compression, level=3
         )
         self._ns = NS
+        self._element_size = 2
 
     def write(self, slots: Any, src: Any, keys: Any = None) -> None:  # pragma: no cover
         raise NotImplementedError
@@ -198,3 +200,31 @@ def test_compression_ratio() -> None:
     add_written(counts, 1, 100, 100)
     assert counts == {"blocks_written": 3, "raw_bytes": 300, "stored_bytes": 150}
     assert compression_ratio(counts) == 2.0
+
+
+# -- the checks every read and write starts with, one block encoded --------------------------------
+def test_io_keys_checks_blocks_keys_and_open() -> None:
+    t = _Store()
+    blocks = torch.zeros(2, BB, dtype=torch.uint8)
+    assert t._io_keys([0, 1], blocks, [key(1), key(2)], "src") == [key(1), key(2)]
+    with pytest.raises(ValueError, match="pass one key per slot"):
+        t._io_keys([0, 1], blocks, None, "src")
+    with pytest.raises(ValueError, match="expected 2 keys"):
+        t._io_keys([0, 1], blocks, [key(1)], "src")
+    with pytest.raises(ValueError, match="src"):
+        t._io_keys([0], blocks, [key(1)], "src")
+    t.close()
+    with pytest.raises(RuntimeError, match="the Test tier is closed"):
+        t._io_keys([0, 1], blocks, [key(1), key(2)], "src")
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_encode_round_trips_through_decode_block(compression: str) -> None:
+    t = _Store(compression)
+    raw = np.zeros(BB, dtype=np.uint8)
+    head, body = t._encode(key(3), raw, 9, t._compressor())
+    h = fmt.decode_header(head)
+    assert (h.key, h.namespace_id, h.seq) == (key(3), NS, 9)
+    assert (h.codec != fmt.CODEC_RAW) == (compression == "zstd")
+    row = np.ones(BB, dtype=np.uint8)
+    assert t._decode_block(key(3), head, body, row) and not row.any()

@@ -28,10 +28,10 @@ from tests.tier_conformance import keys_for, rand_blocks, tier_state_machine
 from tiercache import TierCache
 from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError
-from tiercache.tiers import redis as redis_tier
 from tiercache.tiers import tier_class
 from tiercache.tiers.format import HEADER_SIZE
 from tiercache.tiers.redis import RedisTier, parse_nodes
+from tiercache.tiers.redis import tier as redis_tier
 
 REPO = Path(__file__).resolve().parents[1]
 REDIS_SERVER = shutil.which("redis-server")
@@ -461,7 +461,35 @@ def _two_tier_cache(url: str, prefix: str, **redis_opts) -> TierCache:
 
 
 def _wait_backoff(tier: RedisTier) -> None:
-    time.sleep(max(0.0, tier._retry_at - time.monotonic()) + 0.01)
+    time.sleep(tier._backoff.remaining() + 0.01)
+
+
+def test_backoff_doubles_from_twice_the_start_at_open_up_to_the_max() -> None:
+    """The availability back-off (tiercache/backoff.py): a failed open waits 0.2 s, each
+    failure while down doubles it up to backoff_max, a success resets it to 0.1 s."""
+    t = RedisTier(
+        url=f"redis://127.0.0.1:{free_port()}/0",  # nothing listens: refused at once
+        block_bytes=64,
+        capacity_blocks=4,
+        backoff_max=0.5,
+    )
+    try:
+        assert not t.available
+        assert t._backoff.period == pytest.approx(0.2)
+        with pytest.raises(OSError, match="unavailable"):
+            t._conn()  # inside the wait: no network
+        assert t.stats()["skipped_calls"] == 1
+        periods = []
+        for _ in range(3):
+            t._mark_down(OSError("refused"), "read")
+            periods.append(t._backoff.period)
+        assert periods == pytest.approx([0.4, 0.5, 0.5])
+        t._mark_up()
+        t._mark_down(OSError("refused"), "read")
+        assert t._backoff.period == pytest.approx(redis_tier.BACKOFF_START_S)
+        assert t.stats()["disconnects"] == 1 and t.stats()["reconnects"] == 1
+    finally:
+        t.close()
 
 
 def test_server_killed_and_restarted_mid_run(tmp_path, monkeypatch) -> None:

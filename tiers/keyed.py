@@ -31,18 +31,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Collection, Iterable, MutableMapping, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import zstandard
 
 from tiercache.errors import BlockCorruptError, ConfigError
-from tiercache.tiers.base import Tier
+from tiercache.tiers.base import Tier, check_blocks
 from tiercache.tiers.format import (
     CODEC_RAW,
     BlockHeader,
     decode_header,
     decode_payload,
+    encode_block,
     header_problem,
     verify,
 )
@@ -154,6 +155,7 @@ class KeyedTier(Tier):
 
     store_label: ClassVar[str] = ""  # "LMDB", "Redis": how errors name the store
     _ns: int  # this tier's namespace id (set by the subclass before it reads)
+    _element_size: int  # 2: zstd over a byte-plane shuffle (set by the subclass)
 
     def __init__(
         self, *, name: str, block_bytes: int, capacity_blocks: int, compression: str, level: int
@@ -228,6 +230,32 @@ class KeyedTier(Tier):
         if len(keys) != n:
             raise ValueError(f"keys: expected {n} keys, got {len(keys)}")
         return keys
+
+    def _io_keys(
+        self, slots: Sequence[int], blocks: Any, keys: Sequence[bytes] | None, name: str
+    ) -> Sequence[bytes]:
+        """What every read and write checks first: `blocks` (the tensor `name`) holds one
+        block per slot, one key per slot is given, the tier is open. The keys."""
+        n = len(slots)
+        check_blocks(blocks, n, self.block_bytes, name)
+        keys = self._check_keys(keys, n)
+        self._check_open()
+        return keys
+
+    def _encode(
+        self, key: bytes, row: Any, seq: int, zc: zstandard.ZstdCompressor | None
+    ) -> tuple[bytes, bytes | memoryview]:
+        """Header and stored bytes of one block of this tier (`format.encode_block`)."""
+        return encode_block(
+            key,
+            row,
+            namespace=self._ns,
+            seq=seq,
+            compression=self._compression,
+            level=self._level,
+            element_size=self._element_size,
+            compressor=zc,
+        )
 
     def _compressor(self) -> zstandard.ZstdCompressor | None:
         if self._compression != "zstd":

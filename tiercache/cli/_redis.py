@@ -12,67 +12,51 @@ node the client picks.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from tiercache.errors import ConfigError
+from tiercache.tiers.base import KEY_BYTES
+from tiercache.tiers.redis.client import (
+    CLIENT_NAME,
+    DEFAULT_URL,
+    META_SUFFIX,
+    close_client,
+    glob_escape,
+    make_client,
+    parse_nodes,
+    secret,
+    shown,
+)
 
-CLIENT_NAME = "tiercache"  # what tiers.redis names its connections
 _INSPECT_NAME = "tiercache-inspect"
 _SCAN_COUNT = 1000
-_KEY_BYTES = 16
-_META_SUFFIX = b"#meta"
-
-
-def _secret(o: Mapping[str, Any], field: str) -> str | None:
-    env = o.get(f"{field}_env")
-    if env is None:
-        return o.get(field)
-    got = os.environ.get(env)
-    if got is None:
-        raise ConfigError(f"{field}_env", f"environment variable {env!r} is not set")
-    return got
 
 
 def _client(o: Mapping[str, Any]) -> Any:
-    import redis
-    from redis.cluster import ClusterNode, RedisCluster
-
-    from tiercache.tiers.redis import parse_nodes
-
-    cluster, target = parse_nodes(o.get("url", "redis://127.0.0.1:6379/0"))
+    cluster, target = parse_nodes(o.get("url", DEFAULT_URL))
     timeout = float(o.get("timeout", 0.5))
-    common: dict[str, Any] = {
-        "socket_timeout": max(timeout, 2.0),  # a CLI may wait longer than an engine
-        "socket_connect_timeout": max(timeout, 2.0),
-        "client_name": _INSPECT_NAME,
-        "username": _secret(o, "username"),
-        "password": _secret(o, "password"),
-    }
-    common = {k: v for k, v in common.items() if v is not None}
-    if not cluster:
-        return redis.Redis.from_url(target, **common)  # type: ignore[arg-type]
-    from urllib.parse import urlsplit
-
-    nodes = [ClusterNode(urlsplit(u).hostname, urlsplit(u).port or 6379) for u in target]
-    return RedisCluster(startup_nodes=nodes, **common)
+    return make_client(
+        target,
+        cluster,
+        timeout=max(timeout, 2.0),  # a CLI may wait longer than an engine
+        username=secret(o.get("username"), o.get("username_env"), "username"),
+        password=secret(o.get("password"), o.get("password_env"), "password"),
+        client_name=_INSPECT_NAME,
+    )
 
 
 def _namespaces(client: Any, prefix: bytes) -> tuple[dict[str, int], list[str], int]:
     """Blocks per namespace under `prefix`, the namespaces with store metadata, keys seen."""
-    from tiercache.tiers.redis import _glob_escape
-
     blocks: Counter[str] = Counter()
     metas, seen = [], 0
-    for key in client.scan_iter(match=_glob_escape(prefix) + b"*", count=_SCAN_COUNT):
+    for key in client.scan_iter(match=glob_escape(prefix) + b"*", count=_SCAN_COUNT):
         seen += 1
         rest = bytes(key)[len(prefix) :]
-        if rest.endswith(_META_SUFFIX):
-            metas.append(rest[: -len(_META_SUFFIX)].decode(errors="replace"))
-        elif len(rest) >= _KEY_BYTES:
-            blocks[rest[:-_KEY_BYTES].decode(errors="replace")] += 1
+        if rest.endswith(META_SUFFIX):
+            metas.append(rest[: -len(META_SUFFIX)].decode(errors="replace"))
+        elif len(rest) >= KEY_BYTES:
+            blocks[rest[:-KEY_BYTES].decode(errors="replace")] += 1
     return dict(blocks.most_common()), sorted(metas), seen
 
 
@@ -81,12 +65,9 @@ def inspect_redis(
 ) -> dict[str, Any]:
     """What the Redis server of a tier's `options` says about the store (see module doc);
     `namespace`: the config's, whose metadata is looked up. Read-only."""
-    from tiercache.tiers.redis import _mask
-
-    url = options.get("url", "redis://127.0.0.1:6379/0")
-    shown = ",".join(map(_mask, url)) if isinstance(url, list | tuple) else _mask(url)
+    url = options.get("url", DEFAULT_URL)
     prefix = str(options.get("prefix", "tiercache:")).encode()
-    out: dict[str, Any] = {"url": shown, "prefix": prefix.decode()}
+    out: dict[str, Any] = {"url": shown(url), "prefix": prefix.decode()}
     client = _client(options)
     try:
         info = client.info("all")
@@ -106,7 +87,7 @@ def inspect_redis(
             if c.get("name") == CLIENT_NAME
         ]
         if namespace is not None:
-            raw = client.get(prefix + namespace.encode() + _META_SUFFIX)
+            raw = client.get(prefix + namespace.encode() + META_SUFFIX)
             meta = None
             if raw is not None and len(raw) < 4096:
                 try:
@@ -118,5 +99,5 @@ def inspect_redis(
             blocks, metas, seen = _namespaces(client, prefix)
             out.update(namespaces=blocks, namespaces_with_meta=metas, scanned_keys=seen)
     finally:
-        client.close()
+        close_client(client)
     return out

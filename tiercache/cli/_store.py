@@ -36,9 +36,9 @@ from tiercache.tiers.format import (
     CODEC_RAW,
     FORMAT_VERSION,
     HEADER_SIZE,
-    BlockHeader,
     decode_header,
     decode_payload,
+    header_problem,
     namespace_id,
 )
 
@@ -259,14 +259,6 @@ class VerifyReport:
         return [p.entry for p in self.problems if p.entry is not None]
 
 
-def _header_problem(h: BlockHeader, key: bytes, block_bytes: int) -> str | None:
-    if h.key != key:
-        return f"header holds key {h.key.hex()}"
-    if h.raw_len != block_bytes:
-        return f"header says {h.raw_len} bytes, the store's blocks are {block_bytes}"
-    return None
-
-
 def _nvme_reader(ref: StoreRef) -> Any:
     from tiercache.tiers.nvme import NVMeStoreReader
 
@@ -285,7 +277,7 @@ def _nvme_headers(reader: Any) -> tuple[list[BlockInfo], int]:
         except BlockCorruptError:
             bad += 1
             continue
-        if _header_problem(h, e.key, reader.block_bytes) or h.seq != e.seq:
+        if header_problem(h, e.key, None, reader.block_bytes) or h.seq != e.seq:
             bad += 1
             continue
         b = BlockInfo(h.key, h.seq, h.namespace_id, h.raw_len, h.stored_len, e.slot)
@@ -313,7 +305,7 @@ def _lmdb_blocks(h: Any) -> tuple[list[BlockInfo], int]:
         except BlockCorruptError:
             bad += 1
             continue
-        if _header_problem(hd, key, bb) or hd.stored_len != len(payload) or hd.namespace_id != ns:
+        if header_problem(hd, key, ns, bb) or hd.stored_len != len(payload):
             bad += 1
             continue
         good.append(BlockInfo(key, hd.seq, hd.namespace_id, hd.raw_len, hd.stored_len))
@@ -507,7 +499,7 @@ def _check_nvme_entry(r: Any, e: Any, scratch: Any) -> str | None:
     data = r.read_slot(e.slot)
     try:
         h = decode_header(data[:HEADER_SIZE])
-        problem = _header_problem(h, e.key, r.block_bytes)
+        problem = header_problem(h, e.key, None, r.block_bytes)
         if problem:
             return problem
         if h.seq != e.seq:
@@ -594,11 +586,10 @@ def _verify_lmdb(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None
             else:
                 try:
                     hd = decode_header(head)
-                    what = _header_problem(hd, key, bb)
+                    what = header_problem(hd, key, None, bb)
                     if what is None:
                         decode_payload(hd, payload, scratch, decompressor=dz)
-                    if what is None and hd.namespace_id != ns:
-                        what = f"a block of namespace id:{hd.namespace_id:016x} under id:{ns:016x}"
+                        what = header_problem(hd, key, ns, None)  # after the checksum
                 except BlockCorruptError as exc:
                     what = str(exc)
             if head is not None:

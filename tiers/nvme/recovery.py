@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 
 from tiercache.errors import BlockCorruptError
-from tiercache.tiers.format import CODEC_RAW, HEADER_SIZE, decode_header
+from tiercache.tiers.format import CODEC_RAW, HEADER_SIZE, decode_header, header_problem
 from tiercache.tiers.nvme.image import _Image
 from tiercache.tiers.nvme.journal import _KEY, _OP_PUT, _Entries, _newest, _tail_records
 from tiercache.tiers.store_dir import over_capacity
@@ -137,10 +137,9 @@ def header_ns(
         return None
     ok = (
         h is not None
-        and h.key == key
+        and header_problem(h, key, None, block_bytes) is None
         and h.seq == seq
         and h.codec == CODEC_RAW
-        and h.raw_len == block_bytes
     )
     return h.namespace_id if ok and h is not None else None
 

@@ -29,6 +29,7 @@ from tiercache.tiers.format import (
     decode_header,
     decode_payload,
     encode_block,
+    header_problem,
     namespace_id,
 )
 from tiercache.tiers.nvme import recovery
@@ -481,10 +482,9 @@ class NVMeTier(Tier):
                 return OSError(errno.EIO, f"short read ({got} bytes)")
             try:
                 h = decode_header(buf.view[:HEADER_SIZE])
-                if h.key != keys[i]:
-                    return BlockCorruptError(f"slot holds key {h.key.hex()}")
-                if self._ns is not None and h.namespace_id != self._ns:
-                    return BlockCorruptError("slot holds a block of another namespace")
+                problem = header_problem(h, keys[i], self._ns, None)
+                if problem is not None:
+                    return BlockCorruptError(problem)
                 # An indexed slot serves exactly the write its entry names: an entry loaded
                 # from the image is not checked against the header at open, and a failed
                 # rewrite of the same key can leave another write in the slot. (A slot freed

@@ -1,44 +1,8 @@
-"""`RedisTier`: blocks in Redis (or Valkey), single node or Redis Cluster, shared by a fleet.
-
-Primitives (on top of the `Tier` ABC):
-- `write(slots, src, keys)`: one pipelined batch of SETs per call (split only past
-  `PIPELINE_BYTES`), pending deletes riding in the same pipeline; never a round trip per block.
-- `read(slots, dst, keys)`: one pipelined batch of GETs (GETEX when a `ttl` is set, so reads
-  keep hot blocks alive); header, key, namespace and checksum verified on every block. A
-  missing key (expired, evicted by Redis's maxmemory policy, deleted by another instance) or
-  a corrupt or foreign value is a failed position: a miss, counted, never an error.
-- `free(slots)`: the base free list plus, for blocks this instance stored since it opened, a
-  pending DEL sent with the next write or at `flush()` (a demotion planned with the eviction
-  reads them first). Blocks found at open or adopted are only forgotten.
-- `take_gone(keys)`: which failed reads were plain misses (no value under the key).
-- `recover()`: blocks of this namespace already in Redis when the tier opened (SCAN + a
-  pipelined GETRANGE of each 64-byte header), newest `capacity` of them, oldest first.
-- `available`, `stats()`, `flush()`, `close()`.
-
-Key = `prefix` + namespace (utf-8) + the 16-byte block key. Value = the `tiers.format` record,
-header then stored payload in one string (the checksum covers both). A store-level key
-`prefix + namespace + "#meta"` holds JSON (format, version, block_bytes): a reopen with
-another block size is refused, like the other persistent tiers.
-
-Sharing. The manager's index learns what the store holds when the tier opens (`recover`)
-and, on a lookup miss, what other instances stored since (`probe`, `adopt`). Capacity of
-the store belongs to the server: `maxmemory` with an LRU (or LFU) policy bounds it and evicts
-what no instance reads, since every instance's GET refreshes a key's recency on the server
-(docs/redis.md says why not a shared index). The tier's `blocks` is this instance's index:
-its policy decides what it remembers; evicting deletes (DEL) only a block this instance
-stored since it opened, never one it found at open or adopted, so no instance deletes
-another's blocks. A block another instance deleted, or the server evicted or expired,
-reads as a plain miss (`take_gone`), never a counted error. Two instances storing one block
-at once write identical bytes; SET is atomic, so a reader sees one whole record or none.
-
-Failures. Every socket operation has a bounded timeout (`timeout`). A connection error or
-timeout marks the tier unavailable: calls during the backoff window (0.1 s doubling up to
-`backoff_max`) raise OSError at once without touching the network (the cache serves from
-its other tiers and counts the error); the first call after the window probes the server,
-and a success marks it available again (counted in `reconnects`). A key whose read failed
-only because Redis was unreachable is not deleted when the cache drops it from its index:
-the stored block is fine and other instances may use it. Credentials are never logged: the
-URL is shown without its password, error messages carry no secret.
+"""`RedisTier`: the tier object over a Redis (or Valkey) server or cluster (the package
+docstring, tiers/redis/__init__.py, describes the store). Here: settings checks, the open
+(metadata check, SCAN of what the store holds), availability and its back-off, the slot
+index with its pending deletes (tiers/keyed.py's rules), and the pipelined reads and writes.
+The client itself (URLs, credentials, the packed pipeline) is tiers/redis/client.py.
 """
 
 from __future__ import annotations
@@ -47,51 +11,55 @@ import errno
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
-import redis
 import torch
-import zstandard
-from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import ConnectionPool, parse_url
 from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
+from tiercache.backoff import Backoff
 from tiercache.errors import BlockCorruptError, ConfigError
-from tiercache.tiers.base import KEY_BYTES, check_blocks
+from tiercache.tiers.base import KEY_BYTES
 from tiercache.tiers.format import (
-    CODEC_RAW,
     HEADER_SIZE,
     decode_header,
-    decode_payload,
-    encode_block,
+    header_problem,
     is_header_of,
     namespace_id,
-    verify,
 )
-from tiercache.tiers.keyed import KeyedTier
+from tiercache.tiers.keyed import (
+    KeyedTier,
+    PendingDeletes,
+    add_written,
+    check_codec,
+    compression_ratio,
+    leading_clear,
+)
+from tiercache.tiers.redis.client import (
+    DEFAULT_URL,
+    META_SUFFIX,
+    NET_ERRORS,
+    STORE_FORMAT,
+    STORE_VERSION,
+    auth_error,
+    glob_escape,
+    make_client,
+    parse_nodes,
+    pipeline,
+    secret,
+    shown,
+)
+from tiercache.tiers.store_dir import over_capacity
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__package__)  # "tiercache.tiers.redis", as before the split
 
-STORE_FORMAT = "tiercache-redis"
-STORE_VERSION = 1
-META_SUFFIX = b"#meta"  # never 16 bytes long, so it can never collide with a block key
-COMPRESSIONS = ("none", "zstd")
-ZSTD_MIN_LEVEL = -(1 << 17)
 PIPELINE_BYTES = 64 << 20  # most value bytes in one pipeline execute (bounds client memory)
 SCAN_BATCH = 1000
-_SEND_INLINE_MAX = 16 * 1024  # arguments this big are sent as their own buffer, not copied
 BACKOFF_START_S = 0.1
-_NET_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _COUNTERS = (
     "blocks_written",
     "raw_bytes",
@@ -117,22 +85,8 @@ def _number(value: object, field: str, *, minimum: float = 0.0, allow_zero: bool
 def check_settings(o: Mapping[str, Any], where: str = "") -> None:
     """Value checks shared by the constructor and `validate_options` (ConfigError)."""
     p = f"{where}." if where else ""
-    parse_nodes(o.get("url", "redis://127.0.0.1:6379/0"), f"{p}url")
-    compression = o.get("compression", "none")
-    if compression not in COMPRESSIONS:
-        raise ConfigError(f"{p}compression", f"expected one of {COMPRESSIONS}, got {compression!r}")
-    level = o.get("level", 1)
-    top = zstandard.MAX_COMPRESSION_LEVEL
-    if isinstance(level, bool) or not isinstance(level, int) or not ZSTD_MIN_LEVEL <= level <= top:
-        raise ConfigError(
-            f"{p}level", f"expected a zstd level {ZSTD_MIN_LEVEL}..{top}, got {level!r}"
-        )
-    es = o.get("element_size", 2)
-    if isinstance(es, bool) or es not in (1, 2):
-        raise ConfigError(
-            f"{p}element_size",
-            f"expected 1 (no shuffle) or 2 (byte-plane shuffle, bf16/fp16), got {es!r}",
-        )
+    parse_nodes(o.get("url", DEFAULT_URL), f"{p}url")
+    check_codec(o.get("compression", "none"), o.get("level", 1), o.get("element_size", 2), where)
     ttl = o.get("ttl")
     if ttl is not None:
         _number(ttl, f"{p}ttl", allow_zero=True)
@@ -148,83 +102,6 @@ def check_settings(o: Mapping[str, Any], where: str = "") -> None:
     for name in ("username", "password"):
         if o.get(name) is not None and o.get(f"{name}_env") is not None:
             raise ConfigError(f"{p}{name}_env", f"give {name} or {name}_env, not both")
-
-
-def parse_nodes(url: object, field: str = "url") -> tuple[bool, list[str] | str]:
-    """(cluster?, what to connect to): one URL for a single node, or cluster node URLs.
-
-    `redis://`, `rediss://`, `unix://` name one node; `redis+cluster://h:p[,h:p...]` (or
-    `rediss+cluster://`) or a list of `host:port` / `redis://host:port` name cluster nodes.
-    """
-    if isinstance(url, list | tuple):
-        if not url:
-            raise ConfigError(field, "an empty list of cluster nodes")
-        nodes = []
-        for i, u in enumerate(url):
-            if not isinstance(u, str) or not u:
-                raise ConfigError(f"{field}[{i}]", f"expected 'host:port', got {u!r}")
-            nodes.append(u if "://" in u else f"redis://{u}")
-            _host_port(nodes[-1], f"{field}[{i}]")
-        return True, nodes
-    if not isinstance(url, str) or "://" not in url:
-        raise ConfigError(field, f"expected a redis:// URL or a list of cluster nodes, got {url!r}")
-    scheme = url.split("://", 1)[0].lower()
-    if scheme in ("redis", "rediss", "unix"):
-        try:
-            parse_url(url)
-        except ValueError as exc:
-            raise ConfigError(field, f"{_mask(url)}: {exc}") from None
-        if scheme != "unix":
-            _host_port(url, field)
-        return False, url
-    if scheme in ("redis+cluster", "rediss+cluster"):
-        base = scheme.split("+", 1)[0]
-        rest = url.split("://", 1)[1]
-        auth, _, hosts = rest.rpartition("@")
-        nodes = []
-        for h in hosts.split("/", 1)[0].split(","):
-            node = f"{base}://{auth + '@' if auth else ''}{h}"
-            _host_port(node, field)
-            nodes.append(node)
-        return True, nodes
-    raise ConfigError(
-        field,
-        f"unknown scheme {scheme!r}; use redis://, rediss://, unix://, redis+cluster:// "
-        "or a list of cluster nodes",
-    )
-
-
-def _host_port(url: str, field: str) -> tuple[str, int]:
-    try:
-        u = urlsplit(url)
-        host, port = u.hostname, u.port or 6379
-    except ValueError as exc:
-        raise ConfigError(field, f"{_mask(url)}: {exc}") from None
-    if not host:
-        raise ConfigError(field, f"{_mask(url)}: no host")
-    return host, port
-
-
-def _mask(url: str) -> str:
-    """The URL with any password replaced by ***, for messages."""
-    try:
-        u = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if u.password is None:
-        return url
-    user = u.username or ""
-    host = u.netloc.rpartition("@")[2]
-    return urlunsplit((u.scheme, f"{user}:***@{host}", u.path, u.query, u.fragment))
-
-
-def _glob_escape(b: bytes) -> bytes:
-    out = bytearray()
-    for c in b:
-        if c in b"*?[]\\":
-            out.append(0x5C)
-        out.append(c)
-    return bytes(out)
 
 
 class RedisTier(KeyedTier):
@@ -255,7 +132,7 @@ class RedisTier(KeyedTier):
         name: str = "redis",
         block_bytes: int,
         capacity_blocks: int,
-        url: str | Sequence[str] = "redis://127.0.0.1:6379/0",
+        url: str | Sequence[str] = DEFAULT_URL,
         username: str | None = None,
         password: str | None = None,
         username_env: str | None = None,
@@ -293,26 +170,25 @@ class RedisTier(KeyedTier):
         }
         check_settings({k: v for k, v in settings.items() if v is not None})
         self._cluster, self._target = parse_nodes(settings["url"])
-        self._url_shown = (
-            ",".join(map(_mask, self._target)) if self._cluster else _mask(self._target)  # type: ignore[arg-type]
-        )
-        self._username = _secret(username, username_env, "username")
-        self._password = _secret(password, password_env, "password")
+        self._url_shown = shown(self._target)
+        self._username = secret(username, username_env, "username")
+        self._password = secret(password, password_env, "password")
         self._ttl_ms = int(ttl * 1000) if ttl else None
         self._element_size = element_size
-        self._timeout, self._backoff_max = float(timeout), float(backoff_max)
+        self._timeout = float(timeout)
         self._ns = namespace_id(namespace)
         self._kprefix = prefix.encode() + namespace.encode()
         self._meta_key = self._kprefix + META_SUFFIX
         self._lock = threading.Lock()  # slot map, pending deletes, availability, counters
-        self._pending: set[bytes] = set()  # freed keys still in Redis (see free)
+        self._pending = PendingDeletes()  # freed keys still in Redis (see free)
         self._keep: set[bytes] = set()  # keys unreadable only because Redis was down
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._seq = 0
         self._client: Any = None
         self._up = False
-        self._retry_at = 0.0
-        self._backoff = BACKOFF_START_S
+        # Unavailable: calls fail fast until the wait ends (0.1 s doubling up to backoff_max).
+        # period=start: a failure before the first success (at open) waits twice the start.
+        self._backoff = Backoff(BACKOFF_START_S, float(backoff_max), period=BACKOFF_START_S)
         self._last_error = ""
         # False: a probe (`open_probe`), indexing nothing and writing nothing at open.
         self._index_at_open = index_at_open
@@ -360,33 +236,12 @@ class RedisTier(KeyedTier):
 
     # -- connection and availability -------------------------------------------------------
     def _make_client(self) -> Any:
-        retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
-        common: dict[str, Any] = {
-            "socket_timeout": self._timeout,
-            "socket_connect_timeout": self._timeout,
-            "retry": retry,
-            "client_name": "tiercache",
-        }
-        if self._username is not None:
-            common["username"] = self._username
-        if self._password is not None:
-            common["password"] = self._password
-        if not self._cluster:
-            opts = parse_url(self._target)  # type: ignore[arg-type]
-            opts.update(common)
-            return redis.Redis(connection_pool=ConnectionPool(**opts))
-        first = urlsplit(self._target[0])
-        auth: dict[str, Any] = {}
-        if first.username and "username" not in common:
-            auth["username"] = first.username
-        if first.password and "password" not in common:
-            auth["password"] = first.password
-        nodes = [ClusterNode(*_host_port(u, "url")) for u in self._target]
-        return RedisCluster(
-            startup_nodes=nodes,
-            ssl=first.scheme == "rediss",
-            **common,
-            **auth,
+        return make_client(
+            self._target,
+            self._cluster,
+            timeout=self._timeout,
+            username=self._username,
+            password=self._password,
         )
 
     def _open(self) -> None:
@@ -410,27 +265,13 @@ class RedisTier(KeyedTier):
                 raise self._auth_error(exc) from None
             self._mark_down(exc, "open")
             return
-        except _NET_ERRORS as exc:
+        except NET_ERRORS as exc:
             self._mark_down(exc, "open")
             return
         self._up = True
 
     def _auth_error(self, exc: Exception) -> ConfigError:
-        text = str(exc)
-        needs = ("NOAUTH", "Authentication required", "already authenticated")
-        if any(n in text for n in needs):  # the last: HELLO sent without credentials
-            return ConfigError(
-                "password",
-                f"the Redis server at {self._url_shown} requires authentication; "
-                "set password (or password_env naming an environment variable)",
-            )
-        if "WRONGPASS" in text or "invalid username-password" in text or "auth" in text.lower():
-            return ConfigError(
-                "password",
-                f"the Redis server at {self._url_shown} refused the credentials "
-                "(wrong username or password)",
-            )
-        return ConfigError("url", f"the Redis server at {self._url_shown} refused us: {text}")
+        return auth_error(exc, self._url_shown)
 
     def _check_meta(self, client: Any) -> None:
         meta = {"format": STORE_FORMAT, "version": STORE_VERSION, "block_bytes": self.block_bytes}
@@ -469,16 +310,16 @@ class RedisTier(KeyedTier):
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.medium}: the Redis tier is closed")
-            if self._up or time.monotonic() >= self._retry_at:
+            if self._up or self._backoff.ready():
                 if self._client is not None:
                     return self._client
             else:
                 self._counts["skipped_calls"] += 1
-                wait = self._retry_at - time.monotonic()
+                wait = self._backoff.remaining()
                 raise OSError(
                     errno.EAGAIN,
                     f"{self.medium}: Redis at {self._url_shown} unavailable "
-                    f"({self._last_error}); next try in {max(0.0, wait):.2f} s",
+                    f"({self._last_error}); next try in {wait:.2f} s",
                 )
         # Down with no client yet (a cluster unreachable at open): build it now, outside the
         # lock; the cluster client contacts its nodes in the constructor.
@@ -499,7 +340,7 @@ class RedisTier(KeyedTier):
             if self._up:
                 return
             self._up = True
-            self._backoff = BACKOFF_START_S
+            self._backoff.succeed()
             self._counts["reconnects"] += 1
         log.warning("%s: Redis at %s is reachable again", self.medium, self._url_shown)
 
@@ -507,13 +348,11 @@ class RedisTier(KeyedTier):
         with self._lock:
             self._counts["failed_calls"] += 1
             self._last_error = f"{type(exc).__name__}: {exc}"
-            if self._up:
+            if self._up:  # the first failure after a success (or a good open) waits `start`
                 self._counts["disconnects"] += 1
-                self._backoff = BACKOFF_START_S
-            else:
-                self._backoff = min(self._backoff * 2, self._backoff_max)
+                self._backoff.succeed()
             was_up, self._up = self._up, False
-            self._retry_at = time.monotonic() + self._backoff
+            self._backoff.fail()
         if was_up or what == "open":
             log.warning(
                 "%s: Redis at %s unavailable during %s (%s); retrying with backoff",
@@ -528,17 +367,11 @@ class RedisTier(KeyedTier):
         in the list. An argument may be a (header, payload) pair: one Redis string. OSError
         (and the tier marked down) on network failure."""
         try:
-            if self._cluster:
-                pipe = client.pipeline(transaction=False)
-                for cmd in cmds:
-                    pipe.execute_command(*(b"".join(a) if isinstance(a, tuple) else a for a in cmd))
-                out = pipe.execute(raise_on_error=False)
-            else:
-                out = self._send(client, cmds)
+            out = pipeline(client, cmds, self._cluster)
         except AuthenticationError as exc:
             self._mark_down(exc, what)
             raise OSError(errno.EACCES, f"{self.medium}: {self._auth_error(exc)}") from None
-        except (*_NET_ERRORS, RedisError) as exc:
+        except (*NET_ERRORS, RedisError) as exc:
             self._mark_down(exc, what)
             raise OSError(
                 errno.ETIMEDOUT if isinstance(exc, RedisTimeoutError) else errno.ECONNREFUSED,
@@ -546,55 +379,6 @@ class RedisTier(KeyedTier):
             ) from None
         self._mark_up()
         return out
-
-    @staticmethod
-    def _send(client: redis.Redis, cmds: list[list[Any]]) -> list[Any]:
-        """A pipeline on one pooled connection, packed here so that a (header, payload)
-        value goes out as two buffers: the payload is sent from the caller's tensor, never
-        joined into a fresh string (redis-py's pipeline would need one `bytes` per value).
-        A connection that fails before any reply was read is retried once on a fresh one
-        (a server restart leaves stale pooled connections); every command here is
-        idempotent."""
-        buffers: list[bytes | memoryview] = []
-        small = bytearray()
-        for cmd in cmds:
-            small += b"*%d\r\n" % len(cmd)
-            for arg in cmd:
-                if isinstance(arg, str):
-                    arg = arg.encode()
-                parts = arg if isinstance(arg, tuple) else (arg,)
-                small += b"$%d\r\n" % sum(len(p) for p in parts)
-                for p in parts:
-                    if len(p) >= _SEND_INLINE_MAX:
-                        buffers.append(bytes(small))
-                        small.clear()
-                        buffers.append(p)
-                    else:
-                        small += p
-                small += b"\r\n"
-        buffers.append(bytes(small))
-        pool = client.connection_pool
-        for attempt in (0, 1):
-            conn = pool.get_connection()
-            out: list[Any] = []
-            try:
-                conn.send_packed_command(buffers, check_health=False)
-                for _ in cmds:
-                    try:
-                        out.append(conn.read_response())
-                    except ResponseError as exc:
-                        out.append(exc)
-                return out
-            except RedisConnectionError:
-                conn.disconnect()
-                if attempt or out:
-                    raise
-            except BaseException:
-                conn.disconnect()  # a half-read reply stream must never be reused
-                raise
-            finally:
-                pool.release(conn)
-        raise AssertionError("unreachable")
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -617,8 +401,7 @@ class RedisTier(KeyedTier):
             out: dict[str, Any] = dict(self._counts)
             out["available"] = self._up and not self._closed
             out["pending_deletes"] = len(self._pending)
-        stored = out["stored_bytes"]
-        out["compression_ratio"] = out["raw_bytes"] / stored if stored else 1.0
+        out["compression_ratio"] = compression_ratio(out)
         return out
 
     # -- slots -----------------------------------------------------------------------------
@@ -626,7 +409,7 @@ class RedisTier(KeyedTier):
         slots = super().allocate(keys)
         if slots:
             with self._lock:
-                self._pending.difference_update(keys)
+                self._pending.unpend(keys)
         return slots
 
     def probe(self, keys: Sequence[bytes]) -> int:
@@ -636,7 +419,7 @@ class RedisTier(KeyedTier):
         if self._closed or not keys:
             return 0
         with self._lock:
-            pending = set(self._pending)
+            pending = self._pending.snapshot()
         try:
             client = self._conn()
             heads = self._run(
@@ -646,9 +429,10 @@ class RedisTier(KeyedTier):
             )
         except OSError:
             return 0
+        stop = leading_clear(keys, pending)
         n = 0
-        for k, head in zip(keys, heads, strict=True):
-            if k in pending or not is_header_of(head, k, self._ns, self.block_bytes):
+        for k, head in zip(keys[:stop], heads[:stop], strict=True):
+            if not is_header_of(head, k, self._ns, self.block_bytes):
                 break
             n += 1
         return n
@@ -659,26 +443,20 @@ class RedisTier(KeyedTier):
         reads them. Blocks found at open or adopted are only forgotten: other instances may
         serve them, and the server's maxmemory policy decides when they go."""
         with self._lock:
-            for s in slots:
-                k = self._slot_key.pop(s, None)
-                if s not in self._own or k is None:
-                    self._own.discard(s)
-                    continue  # not stored by us (found, adopted, or a failed write)
-                self._own.discard(s)
+            # Only keys we stored (not found, adopted, or a failed write) are to delete.
+            for k in self._release(slots):
                 if k in self._keep:
                     self._keep.discard(k)  # dropped only because Redis was unreachable
                 else:
-                    self._pending.add(k)
+                    self._pending.add((k,))
         super().free(slots)
 
     # -- write -----------------------------------------------------------------------------
     def write(
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> None:
+        keys = self._io_keys(slots, src, keys, "src")
         n = len(slots)
-        check_blocks(src, n, self.block_bytes, "src")
-        keys = self._check_keys(keys, n)
-        self._check_open()
         if n == 0:
             return
         client = self._conn()
@@ -688,22 +466,12 @@ class RedisTier(KeyedTier):
         values: list[tuple[bytes, bytes | memoryview]] = []
         stored = 0
         for i in range(n):
-            header, payload = encode_block(
-                keys[i],
-                rows[i],
-                namespace=self._ns,
-                seq=seq0 + i,
-                compression=self._compression,
-                level=self._level,
-                element_size=self._element_size,
-                compressor=zc,
-            )
+            header, payload = self._encode(keys[i], rows[i], seq0 + i, zc)
             values.append((header, payload))
             stored += len(payload)
         with self._lock:
-            self._pending.difference_update(keys)
-            dels = list(self._pending)
-            self._pending.clear()
+            self._pending.unpend(keys)
+            dels = list(self._pending.take())
         rkeys = [self._kprefix + k for k in keys]
         px = self._ttl_ms
         try:
@@ -721,21 +489,15 @@ class RedisTier(KeyedTier):
                 dels = []
         except OSError:
             with self._lock:  # deletes not sent stay pending
-                self._pending.update(d for d in dels if d not in set(keys))
+                self._pending.restore(dels, stored=set(keys))
             raise
         with self._lock:
-            for s, k in zip(slots, keys, strict=True):
-                old = self._slot_key.get(s)
-                if old is not None and old != k and s in self._own:
-                    self._pending.add(old)
-                self._slot_key[s] = k
-                self._own.add(s)
-                self._keep.discard(k)
-            self._pending.difference_update(keys)
-            c = self._counts
-            c["blocks_written"] += n
-            c["raw_bytes"] += n * self.block_bytes
-            c["stored_bytes"] += stored
+            # Claimed after the send (LMDB claims before its commit): a failed write leaves
+            # the slots unowned, so freeing them deletes nothing.
+            self._pending.add(self._claim(slots, keys))
+            self._keep.difference_update(keys)
+            self._pending.unpend(keys)
+            add_written(self._counts, n, n * self.block_bytes, stored)
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         per = max(1, PIPELINE_BYTES // (self.block_bytes + HEADER_SIZE))
@@ -755,10 +517,8 @@ class RedisTier(KeyedTier):
     ) -> list[int]:
         """Read blocks by key (slots are handles only). A missing key or a corrupt or foreign
         value is a failed position; OSError when Redis is unreachable."""
+        keys = self._io_keys(slots, dst, keys, "dst")
         n = len(slots)
-        check_blocks(dst, n, self.block_bytes, "dst")
-        keys = self._check_keys(keys, n)
-        self._check_open()
         if n == 0:
             return []
         try:
@@ -805,7 +565,7 @@ class RedisTier(KeyedTier):
             # No instance can use a damaged block of ours: deleted with the next write or
             # flush, whoever stored it (probe stops at it meanwhile). A value that is not a
             # block of ours (another type, a foreign string) is never deleted.
-            self._pending.update(damaged)
+            self._pending.add(damaged)
         self._note_gone(gone)  # expired, evicted by the server, deleted by another instance
         if corrupt:
             log.warning("%s: %d corrupt or foreign values read as misses", self.medium, corrupt)
@@ -815,34 +575,16 @@ class RedisTier(KeyedTier):
         with self._lock:
             self._keep.update(keys)
 
-    def _decode(self, key: bytes, v: bytes, row: np.ndarray) -> bool:
+    def _decode(self, key: bytes, v: object, row: np.ndarray) -> bool:
         """Check and copy one value into `row`; False if it is not a good block of `key`."""
-        try:
-            if not isinstance(v, bytes):
-                raise BlockCorruptError("not a string value")
-            h = decode_header(v)
-            body = memoryview(v)[HEADER_SIZE:]
-            if h.key != key:
-                raise BlockCorruptError("header key differs from the Redis key")
-            if h.namespace_id != self._ns:
-                raise BlockCorruptError("block of another namespace")
-            if h.raw_len != self.block_bytes or len(body) != h.stored_len:
-                raise BlockCorruptError("length mismatch")
-            if h.codec == CODEC_RAW:
-                # Copy, then checksum the copy: what is verified is exactly what is served.
-                np.copyto(row, np.frombuffer(body, dtype=np.uint8))
-                verify(h, row)
-            else:
-                dz = self._decompressor()
-                decode_payload(h, body, row, decompressor=dz)
-        except BlockCorruptError:
-            return False
-        return True
+        if not isinstance(v, bytes):
+            return False  # not a string value
+        return self._decode_block(key, v, memoryview(v)[HEADER_SIZE:], row)
 
     # -- recovery and lifecycle ------------------------------------------------------------
     def _scan(self, client: Any) -> None:
         """Index the newest `capacity` good blocks of this namespace found in Redis."""
-        pattern = _glob_escape(self._kprefix) + b"?" * KEY_BYTES
+        pattern = glob_escape(self._kprefix) + b"?" * KEY_BYTES
         found: list[tuple[int, bytes]] = []
         batch: list[bytes] = []
         want = len(self._kprefix) + KEY_BYTES
@@ -859,7 +601,7 @@ class RedisTier(KeyedTier):
                 except BlockCorruptError:
                     continue  # not ours to delete: a foreign value under a look-alike key
                 k = rk[len(self._kprefix) :]
-                if h.key == k and h.namespace_id == self._ns and h.raw_len == self.block_bytes:
+                if header_problem(h, k, self._ns, self.block_bytes) is None:
                     found.append((h.seq, k))
 
         for rk in client.scan_iter(match=pattern, count=SCAN_BATCH):
@@ -873,7 +615,9 @@ class RedisTier(KeyedTier):
         if batch:
             headers(batch)
         found.sort()
-        kept = found[-self.capacity_blocks :]
+        # Over capacity at open: the newest `capacity` are indexed, silently (the server's
+        # maxmemory bounds a shared store, not one instance's capacity).
+        kept = found[over_capacity(len(found), self.capacity_blocks) :]
         if kept:
             self._seq = max(self._seq, kept[-1][0] + 1)
         self._take_found([k for _, k in kept])
@@ -883,8 +627,7 @@ class RedisTier(KeyedTier):
         if self._closed:
             return
         with self._lock:
-            dels = list(self._pending)
-            self._pending.clear()
+            dels = list(self._pending.take())
         if not dels:
             return
         try:
@@ -892,7 +635,7 @@ class RedisTier(KeyedTier):
             self._run(client, [["DEL", self._kprefix + d] for d in dels], "delete")
         except OSError:
             with self._lock:
-                self._pending.update(dels)
+                self._pending.restore(dels)
             raise
 
     def close(self) -> None:
@@ -922,13 +665,3 @@ class RedisTier(KeyedTier):
             f"block_bytes={self.block_bytes}, used={self.used_blocks}/{self.capacity_blocks}, "
             f"available={self.available})"
         )
-
-
-def _secret(value: str | None, env: str | None, field: str) -> str | None:
-    """A credential given directly or through the environment variable `env`."""
-    if env is None:
-        return value
-    got = os.environ.get(env)
-    if got is None:
-        raise ConfigError(f"{field}_env", f"environment variable {env!r} is not set")
-    return got
