@@ -156,7 +156,7 @@ def _raise_in(monkeypatch: pytest.MonkeyPatch, obj: object, name: str, after: in
     ["first-write", "rows", "move-read", "move-write", "second-chunk"],
 )
 def test_put_rolls_back_on_any_exception(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
-    import tiercache.cache as cache_mod
+    import tiercache.plan_runner as runner_mod
 
     with TierCache.open(cfg(4, 8), block_bytes=N) as cache:
         old = chain_of(cache, 0, 4)
@@ -167,13 +167,13 @@ def test_put_rolls_back_on_any_exception(monkeypatch: pytest.MonkeyPatch, where:
             if where == "first-write":
                 _raise_in(mp, cache.tiers[0], "write")
             elif where == "rows":
-                _raise_in(mp, cache_mod, "_rows_of")
+                _raise_in(mp, runner_mod, "rows_of")
             elif where == "move-read":
                 _raise_in(mp, cache.tiers[0], "read")
             elif where == "move-write":
                 _raise_in(mp, cache.tiers[1], "write")
             else:  # the demotion's second chunk: the first one completed
-                mp.setattr(cache_mod, "_MOVE_CHUNK_BYTES", 2 * N)
+                mp.setattr(runner_mod, "MOVE_CHUNK_BYTES", 2 * N)
                 _raise_in(mp, cache.tiers[1], "write", after=1)
             with pytest.raises(Boom):
                 cache.put(new, blocks)
@@ -235,7 +235,7 @@ def test_a_read_stops_at_a_moving_block_and_returns_what_precedes_it() -> None:
         assert cache.lookup(a + b) == 2
         assert torch.equal(cache.get(a + b), rows(a))
         with cache._lock:
-            cache._run_plan(plan, rows(c), c)
+            cache._runner.run_plan(plan, rows(c), c)
         assert torch.equal(cache.get(a + b), rows(a + b))
         assert_consistent(cache, a + b + c, rows(a + b + c))
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import tiercache.cache as cache_module
+import tiercache.plan_runner as plan_runner
+import tiercache.write_through as write_through
 from tiercache import ConfigError, TierCache
 from tiercache.workload import block_bytes_for
 
@@ -108,10 +109,10 @@ def test_write_through_from_runs_and_scattered_cpu_slots(tmp_path: Path) -> None
     chains = [list(range(i, i + 4 * n)) for i, n in ((0, 24), (1000, 8), (2000, 12))]
     with TierCache.open(config, block_bytes=N) as cache:
         cpu = cache.tiers[0]
-        assert cache_module._host_runs(cpu, list(range(16))) == [(0, 16)]
-        assert cache_module._host_runs(cpu, [*range(8), *range(20, 28)]) == [(0, 8), (8, 16)]
-        assert cache_module._host_runs(cpu, list(range(0, 32, 2))) is None  # scattered
-        assert cache_module._host_runs(cache.tiers[1], list(range(16))) is None  # not memory
+        assert plan_runner.host_runs(cpu, list(range(16))) == [(0, 16)]
+        assert plan_runner.host_runs(cpu, [*range(8), *range(20, 28)]) == [(0, 8), (8, 16)]
+        assert plan_runner.host_runs(cpu, list(range(0, 32, 2))) is None  # scattered
+        assert plan_runner.host_runs(cache.tiers[1], list(range(16))) is None  # not memory
         a, b, c = (cache.hash_tokens(t) for t in chains)
         cache.put(a, block_bytes_for(a, N))  # slots 0..23: one run
         cache.flush()
@@ -134,7 +135,7 @@ def test_an_adapter_wakes_the_write_through_thread(
     # `complete_store` they call `wake_write_through`, so a block is copied down at once
     # instead of at the thread's next poll (what a server killed right after a response
     # loses). With the poll made a minute long, only the wake can start the copies.
-    monkeypatch.setattr(cache_module, "_THROUGH_POLL_S", 60.0)
+    monkeypatch.setattr(write_through, "THROUGH_POLL_S", 60.0)
     with TierCache.open(three_tiers(tmp_path), block_bytes=N) as cache:
         keys = cache.hash_tokens(list(range(4 * 3)))
         with cache.lock:  # as an adapter does: plan, transfer (skipped here), complete
@@ -166,14 +167,14 @@ def test_the_write_through_queue_is_bounded_and_drops_are_counted(tmp_path: Path
     cfg = {**three_tiers(tmp_path), "write_through_queue": 2}
     cfg["tiers"][0]["blocks"] = 64
     with TierCache.open(cfg, block_bytes=N) as cache:
-        cache._through_io.acquire()  # hold the copier, as a slow disk would
+        cache._through.io.acquire()  # hold the copier, as a slow disk would
         try:
             keys = cache.hash_tokens(list(range(4 * 10)))
             assert cache.put(keys, block_bytes_for(keys, N)) == 10  # never waits
             s = cache.stats()["nvme"]
             assert s["through_queued"] <= 2 and s["through_dropped"] >= 8
         finally:
-            cache._through_io.release()
+            cache._through.io.release()
         cache.flush()
         s = cache.stats()["nvme"]
         assert s["written_through"] + s["through_dropped"] == 10

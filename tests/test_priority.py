@@ -43,7 +43,7 @@ def test_the_write_through_thread_runs_below_the_callers_priority(tmp_path: Path
     try:
         keys = cache.hash_tokens(list(range(2 * cache.config.block_size)))
         cache.put(keys, torch.ones((2, 64), dtype=torch.uint8))
-        copier = cache._through_thread  # this cache's (other tests' may still be closing)
+        copier = cache._through.thread  # this cache's (other tests' may still be closing)
         assert copier is not None and copier.native_id is not None
         deadline = time.monotonic() + 5
         while (got := thread_nice(copier.native_id)) != _expected():

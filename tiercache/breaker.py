@@ -8,13 +8,15 @@ completes in time from the tier resets it. When the period ends the tier is trie
 itself (half-open): its next miss opens it for the doubled period.
 
 It knows tier indices and time, nothing of bytes, keys or policies. Not thread-safe: the
-manager's callers hold its lock.
+manager's callers hold its lock. The period rule is `tiercache.backoff.Backoff`, one per tier.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+from tiercache.backoff import Backoff
 
 
 class CircuitBreaker:
@@ -32,11 +34,10 @@ class CircuitBreaker:
             raise ValueError(f"tiers: expected >= 1, got {tiers}")
         if not 0 < backoff <= backoff_max:
             raise ValueError(f"backoff: expected 0 < backoff <= backoff_max, got {backoff}")
-        self._backoff = float(backoff)
-        self._max = float(backoff_max)
         self._clock = clock
-        self._until = [0.0] * tiers  # monotonic time the tier closes again
-        self._period = [0.0] * tiers  # the last period it was opened for (0: healthy)
+        # One back-off per tier: `until` is the time it closes again, `period` the last period
+        # it was opened for (0.0: healthy).
+        self._tiers = [Backoff(backoff, backoff_max, clock=clock) for _ in range(tiers)]
         self.trips = [0] * tiers  # times each tier was opened
         self._mask = 0  # bit i set: tier i is open
         self._next = float("inf")  # the earliest time an open tier closes
@@ -51,31 +52,31 @@ class CircuitBreaker:
         """Open `tier` (it missed a deadline or failed as a whole); returns the seconds it
         stays open. A trip while it is open already extends nothing (one hang, many jobs)."""
         now = self._clock()
-        if self._until[tier] > now:
-            return self._until[tier] - now
-        period = min(self._max, self._period[tier] * 2) if self._period[tier] else self._backoff
-        self._period[tier] = period
-        self._until[tier] = now + period
+        b = self._tiers[tier]
+        if not b.ready(now):
+            return b.until - now
+        period = b.fail(now)
         self.trips[tier] += 1
         self._mask |= 1 << tier
-        self._next = min(self._next, self._until[tier])
+        self._next = min(self._next, b.until)
         return period
 
     def succeeded(self, tier: int) -> None:
         """A transfer from `tier` completed in time: the next trip starts from `backoff`."""
-        if self._until[tier] <= self._clock():
-            self._period[tier] = 0.0
+        b = self._tiers[tier]
+        if b.ready():
+            b.succeed()
 
     def remaining(self) -> list[float]:
         """Per tier, seconds left open (0.0 when closed)."""
         now = self._clock()
-        return [max(0.0, u - now) for u in self._until]
+        return [b.remaining(now) for b in self._tiers]
 
     def _refresh(self) -> None:
         now = self._clock()
         self._mask = 0
         self._next = float("inf")
-        for i, u in enumerate(self._until):
-            if u > now:
+        for i, b in enumerate(self._tiers):
+            if not b.ready(now):
                 self._mask |= 1 << i
-                self._next = min(self._next, u)
+                self._next = min(self._next, b.until)

@@ -10,14 +10,16 @@ Who calls what, in which order (the seams other code relies on):
   it stores (vLLM's scheduler order: touch, then store), so a block just stored is not "used
   twice" and ARC keeps it in its recency list.
 - Every plan the manager hands out (`prepare_store`, `prepare_promote`) is completed here,
-  whatever is raised while it runs (`_run_plan`): no slot leaks and no key stays "moving".
+  whatever is raised while it runs (`PlanRunner.run_plan`, tiercache/plan_runner.py): no slot
+  leaks and no key stays "moving".
   A plan writes its keys into the first tier and, for what that cannot take, straight into
   lower tiers (write-around).
-- Write-through tiers (`write_policy`) get their copies from a thread of this cache,
-  `tiercache-write-through`, off the callers' path: it plans under the lock, copies without
-  it (sources pinned, destinations reserved) and completes under it. `flush` and `close`
-  run what is still queued. `put` wakes it; adapters that complete stores on the manager
-  themselves call `wake_write_through()` (otherwise it finds the work within 0.2 s).
+- Write-through tiers (`write_policy`) get their copies from a thread of this cache
+  (`tiercache.write_through`), `tiercache-write-through`, off the callers' path: it plans
+  under the lock, copies without it (sources pinned, destinations reserved) and completes
+  under it. `flush` and `close` run what is still queued. `put` wakes it; adapters that
+  complete stores on the manager themselves call `wake_write_through()` (otherwise it finds
+  the work within 0.2 s).
 - Connectors call `manager` directly under their own lock and run their plans through the
   transfer worker; they use this facade for `get`/`put` of whole blocks.
 """
@@ -25,13 +27,10 @@ Who calls what, in which order (the seams other code relies on):
 from __future__ import annotations
 
 import atexit
-import contextlib
-import errno
 import logging
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,82 +39,22 @@ import torch
 from tiercache.breaker import CircuitBreaker
 from tiercache.config import CacheConfig
 from tiercache.costs import LoadCosts
-from tiercache.errors import BlockCorruptError, ConfigError
+from tiercache.errors import IO_ERRORS, ConfigError
 from tiercache.hashing import prefix_hashes
 from tiercache.manager import OffloadingManager
 from tiercache.memory import return_freed_heap
+from tiercache.plan_runner import PlanRunner, host_runs
 from tiercache.policies import get_policy_class
-from tiercache.priority import lower_this_thread
-from tiercache.records import BlockMove, OffloadingEvent, PrepareStoreOutput
+from tiercache.records import OffloadingEvent, PrepareStoreOutput
 from tiercache.telemetry import Telemetry
 from tiercache.tiers import Tier, build_tier, check_blocks
 from tiercache.tiers.base import KEY_BYTES
 from tiercache.tiers.pool import PoolTier
+from tiercache.write_through import THROUGH_BATCH, WriteThroughCopier
 
 log = logging.getLogger(__name__)
 
 
-def _rows_of(blocks: torch.Tensor, keys: Sequence[bytes], wanted: Sequence[bytes]) -> torch.Tensor:
-    """The rows of `blocks` (one per key of `keys`) for `wanted`, a subsequence of `keys`."""
-    if len(wanted) == len(keys):
-        return blocks
-    pos = {k: i for i, k in enumerate(keys)}
-    idx = torch.tensor([pos[k] for k in wanted], dtype=torch.int64, device=blocks.device)
-    return blocks.index_select(0, idx)
-
-
-def _chunks(
-    move: BlockMove, block_bytes: int
-) -> Iterator[tuple[tuple[bytes, ...], tuple[int, ...], tuple[int, ...]]]:
-    """(keys, source slots, destination slots) of `move`, in chunks of bounded staging."""
-    step = max(1, _MOVE_CHUNK_BYTES // block_bytes)
-    for a in range(0, len(move.keys), step):
-        yield move.keys[a : a + step], move.src.slots[a : a + step], move.dst.slots[a : a + step]
-
-
-def _host_runs(tier: Tier, slots: Sequence[int]) -> list[tuple[int, int]] | None:
-    """[a, b) index ranges of `slots` that are runs of consecutive slots, when `tier` is a
-    pool in host memory and the runs are few (at most one per 8 blocks, so a scattered copy
-    does not become many small writes below); else None (copy through staging)."""
-    if not isinstance(tier, PoolTier) or tier.device.type != "cpu" or not slots:
-        return None
-    runs, a = [], 0
-    for i in range(1, len(slots)):
-        if slots[i] != slots[i - 1] + 1:
-            runs.append((a, i))
-            a = i
-    runs.append((a, len(slots)))
-    return runs if len(runs) <= max(1, len(slots) // 8) else None
-
-
-# Errors a tier raises for failed I/O; anything else is a bug and propagates.
-_IO_ERRORS = (OSError, BlockCorruptError)
-# Errors that say a tier cannot be reached at all (a stopped or lost server), not that some
-# of its blocks failed: the tier is suspended (`CircuitBreaker`).
-_UNREACHABLE_ERRNOS = frozenset(
-    {
-        errno.ETIMEDOUT,
-        errno.ECONNREFUSED,
-        errno.ECONNRESET,
-        errno.EHOSTUNREACH,
-        errno.ENETUNREACH,
-        errno.EAGAIN,  # a tier in its own back-off (e.g. Redis after a timeout)
-    }
-)
-
-
-def _unreachable(exc: BaseException) -> bool:
-    return isinstance(exc, TimeoutError | ConnectionError) or (
-        isinstance(exc, OSError) and exc.errno in _UNREACHABLE_ERRNOS
-    )
-
-
-_MOVE_CHUNK_BYTES = 64 * 2**20  # staging per step of a tier-to-tier copy
-_THROUGH_BATCH = 32  # write-through copies planned at once, at most
-_THROUGH_YIELD_S = 0.001  # the copier's pause between batches (the engine's thread runs)
-_THROUGH_PIN_SHARE = 16  # ... and at most 1/16 of the first tier's blocks
-_THROUGH_POLL_S = 0.2  # the copier also looks for work this often (adapters store directly)
-_READS_POLL_S = 0.05  # a copy into a slot a read of a leaving block pins looks again this often
 _OPEN: weakref.WeakSet[TierCache] = weakref.WeakSet()
 
 
@@ -197,22 +136,23 @@ class TierCache:
         # down, read from its source slot) ends: the batch's copy into that slot waits.
         self._reads_done = threading.Condition(self._lock)
         self._closed = False
+        self._runner = PlanRunner(self._manager, self._tiers, block_bytes, self._reads_done)
         # Moving load and forward costs, fed by adapters (`tiercache.costs`), shown in stats.
         self.load_costs = LoadCosts()
         # Sections adapters add to `snapshot()` (e.g. the KV connector's per-group bytes).
         self._sections: dict[str, Callable[[], Mapping[str, Any]]] = {}
-        self._through_wake = threading.Event()
-        # Held for a whole batch of write-through copies, so `flush` waits for the copier's
-        # batch in flight. Lock order: _through_io before _lock, never the other way round.
-        self._through_io = threading.Lock()
-        self._through_thread: threading.Thread | None = None
-        # (destination tier, monotonic start) of the write-through copy running (check_through)
-        self._through_busy: tuple[int, float] | None = None
-        if any(config.write_through):
-            self._through_thread = threading.Thread(
-                target=self._through_loop, name="tiercache-write-through", daemon=True
-            )
-            self._through_thread.start()
+        # The write-through copies (tiercache.write_through): its thread when some tier is
+        # written through. Lock order: its `io` before _lock, never the other way round.
+        self._through = WriteThroughCopier(
+            self._manager,
+            self._runner,
+            self._lock,
+            first_capacity=self._tiers[0].capacity_blocks,
+            block_bytes=block_bytes,
+            tap_events=self._tap_events,
+            closed=lambda: self._closed,
+            thread=any(config.write_through),
+        )
         # Per thread, the chain its last call was a `lookup` of: a `get` of that chain right
         # after is the same request, and its blocks were counted by the lookup.
         self._asked = threading.local()
@@ -283,8 +223,7 @@ class TierCache:
         """Start the write-through copies now (an adapter completed stores on `manager`
         itself): the sooner a block is on disk, the less a killed process loses. Cheap (an
         event set); a no-op without write-through tiers."""
-        if self._through_thread is not None:
-            self._through_wake.set()
+        self._through.wake()
 
     # -- API -------------------------------------------------------------------------------
     def hash_tokens(self, token_ids: Any, extra_keys: Any = None) -> list[bytes]:
@@ -313,9 +252,8 @@ class TierCache:
             if plan is None:
                 log.debug("put: no room in any tier (pinned blocks, stores in flight)")
             elif plan.keys_to_store or plan.around:
-                self._run_plan(plan, blocks, keys)
-                if self._through_thread is not None:
-                    self._through_wake.set()
+                self._runner.run_plan(plan, blocks, keys)
+                self._through.wake()
             self._tap_events()
             return self._manager.count_ready(keys)
 
@@ -364,7 +302,7 @@ class TierCache:
         down: set[int] = set()  # tiers whose read failed as a whole (unreachable, I/O error)
         try:
             for g in spec.groups():
-                failed = self._read_group(
+                failed = self._runner.read_group(
                     self._tiers[g.tier],
                     g.slots,
                     g.positions,
@@ -376,10 +314,10 @@ class TierCache:
                     bad[g.tier] = [chain[p] for p in failed]
         except BaseException:
             with self._lock:
-                self._complete_load(chain)
+                self._runner.complete_load(chain)
             raise
         with self._lock:
-            k = self._end_load(chain, bad, down)
+            k = self._runner.end_load(chain, bad, down)
             out = out[:k]
             if k:
                 self._manager.touch(chain[:k])
@@ -412,7 +350,7 @@ class TierCache:
                     # Demotions of the first tier's victims run first: their slots are
                     # reused for the promoted blocks read below.
                     for move in plan.moves:
-                        self._move(move)
+                        self._runner.move(move)
             except BaseException:
                 self._fail_fetch(chain, plan)
                 raise
@@ -428,14 +366,14 @@ class TierCache:
                     continue  # ready in memory: no checksum to check, nothing to promote
                 gkeys = [chain[p] for p in g.positions]
                 dst = [to.get(k) for k in gkeys]
-                runs = _host_runs(first, dst) if None not in dst else None
+                runs = host_runs(first, dst) if None not in dst else None
                 direct = runs is not None and len(runs) == 1
                 if direct:  # straight into the reserved slots, one run of host memory
                     s0 = dst[0]
                     rows = first.pool[s0 : s0 + len(dst)]  # type: ignore[attr-defined]
                 else:
                     rows = torch.empty((len(gkeys), self._block_bytes), dtype=torch.uint8)
-                failed = self._read_group(
+                failed = self._runner.read_group(
                     self._tiers[g.tier], g.slots, range(len(gkeys)), gkeys, rows, down
                 )
                 if failed:
@@ -447,7 +385,7 @@ class TierCache:
                     idx = good if len(good) < len(gkeys) else slice(None)
                     try:
                         first.write([dst[i] for i in good], rows[idx], [gkeys[i] for i in good])
-                    except _IO_ERRORS as exc:
+                    except IO_ERRORS as exc:
                         log.warning("promotion of %d blocks failed: %s", len(good), exc)
                         write_errors += 1
                         continue
@@ -457,7 +395,7 @@ class TierCache:
                 self._fail_fetch(chain, plan)
             raise
         with self._lock:
-            k = self._end_load(chain, bad, down)
+            k = self._runner.end_load(chain, bad, down)
             if write_errors:
                 self._manager.record_error(0, write_errors)
             if plan is not None:
@@ -478,40 +416,14 @@ class TierCache:
         counted = not count or (asked is not None and tuple(keys) == asked[: len(keys)])
         return self._manager.lookup_ready(keys, count=not counted, leaving=True)[0]
 
-    def _complete_load(self, chain: list[bytes]) -> None:
-        """Unpin a load (lock held); a copy waiting for its read of a leaving block goes on."""
-        self._manager.complete_load(chain)
-        self._reads_done.notify_all()
-
     def _fail_fetch(self, chain: list[bytes], plan: PrepareStoreOutput | None) -> None:
         """Undo a `fetch` that raised (lock held): its load unpinned, its promotion's slots
         freed and its moves completed as failed (complete_store skips completed keys)."""
-        self._complete_load(chain)
+        self._runner.complete_load(chain)
         if plan is not None:
             for move in plan.moves:
                 self._manager.complete_store(move.keys, success=False)
             self._manager.complete_store(plan.keys_to_store, success=False)
-
-    def _end_load(self, chain: list[bytes], bad: dict[int, list[bytes]], down: set[int]) -> int:
-        """Complete a load of `chain` whose reads failed on `bad` (per tier) and on the
-        tiers in `down` (lock held): the bad blocks dropped and counted, unreachable tiers
-        suspended. Returns how many leading blocks of `chain` are good."""
-        self._complete_load(chain)
-        for tier in down:
-            # A tier that cannot be reached (a stopped server: each read waits out its
-            # timeout) is skipped for its back-off: the next requests do not wait again.
-            self._manager.suspend(tier)
-        k = len(chain)
-        for tier, bad_keys in bad.items():
-            # Blocks the shared store evicted are plain misses (`Tier.sort_failed`).
-            errors = self._tiers[tier].sort_failed(bad_keys, range(len(bad_keys)))[1]
-            if errors:
-                self._manager.record_error(tier, len(errors))
-            # If another load pins them, it fails on them too and drops them.
-            with contextlib.suppress(ValueError):
-                self._manager.discard(bad_keys, tier)
-            k = min(k, min(chain.index(b) for b in bad_keys))
-        return k
 
     def take_events(self) -> list[OffloadingEvent]:
         """Stored/removed events per tier since the last call."""
@@ -579,7 +491,7 @@ class TierCache:
         then make every acknowledged block of persistent tiers durable."""
         with self._lock:
             self._check_open()
-        while self._run_through(_THROUGH_BATCH):
+        while self._through.run(THROUGH_BATCH):
             pass
         with self._lock:
             self._tap_events()
@@ -595,13 +507,14 @@ class TierCache:
                 return
             self._closed = True
         hung: set[int] = set()
-        if self._through_thread is not None:  # it finishes the batch it is copying
-            self._through_wake.set()
+        thread = self._through.thread
+        if thread is not None:  # it finishes the batch it is copying
+            self._through.wake_event.set()
             # Bounded: a copy into a hung tier must not keep the process from exiting. That
             # tier is then suspended: nothing more is written back into it, and it is left
             # as it is (no flush, no close: those would hang too).
-            self._through_thread.join(self._config.deadlines.store_timeout)
-            if self._through_thread.is_alive() and (t := self.check_through(0.0)) is not None:
+            thread.join(self._config.deadlines.store_timeout)
+            if thread.is_alive() and (t := self.check_through(0.0)) is not None:
                 hung.add(t)
                 log.warning(
                     "tiercache: a write-through copy into %s hung at close; that tier is "
@@ -609,14 +522,14 @@ class TierCache:
                     self._tiers[t].medium,
                 )
         try:
-            while not hung and self._run_through(_THROUGH_BATCH):  # what is queued, in order
+            while not hung and self._through.run(THROUGH_BATCH):  # what is queued, in order
                 pass
         except Exception:  # closing must still release every tier
             log.exception("write-through at close failed")
         with self._lock:
             try:
                 for move in self._manager.plan_writeback():
-                    self._move(move)
+                    self._runner.move(move)
             except Exception:  # closing must still release every tier
                 log.exception("write-back at close failed")
             if self._telemetry is not None:
@@ -653,244 +566,15 @@ class TierCache:
                 self._events_buf.extend(events)
                 self._telemetry.record_events(events)
 
-    def _read_group(
-        self,
-        tier: Tier,
-        slots: Sequence[int],
-        positions: Sequence[int],
-        keys: Sequence[bytes],
-        out: torch.Tensor,
-        down: set[int],
-    ) -> list[int]:
-        """Read one tier's share of a load into `out`; returns failed positions (into out).
-        A read that fails as a whole adds the tier's index to `down`."""
-        p0 = positions[0]
-        contiguous = positions[-1] - p0 == len(positions) - 1
-        dst = (
-            out[p0 : p0 + len(positions)]
-            if contiguous
-            else torch.empty((len(positions), self._block_bytes), dtype=torch.uint8)
-        )
-        try:
-            failed = tier.read(slots, dst, keys)
-        except _IO_ERRORS as exc:
-            log.warning("read of %d blocks from %s failed: %s", len(slots), tier.medium, exc)
-            if _unreachable(exc):
-                down.add(self._tiers.index(tier))
-            return list(positions)
-        if not contiguous:  # indices live on the device of the tensor they index
-            idx = torch.tensor(positions, dtype=torch.int64, device=out.device)
-            out.index_copy_(0, idx, dst.to(out.device))
-        return [positions[i] for i in failed]
-
     def _promote(self, chain: list[bytes], loaded: torch.Tensor) -> None:
         plan = self._manager.prepare_promote(chain)
         if plan is None:
             return
-        self._run_plan(plan, loaded, chain)
-
-    def _run_plan(
-        self, plan: PrepareStoreOutput, blocks: torch.Tensor, keys: Sequence[bytes]
-    ) -> None:
-        """Run a store plan to its completion: its moves in order, then its writes (first
-        tier, then write-around) of the rows of `blocks` (one per key of `keys`).
-
-        A failed tier write fails that write (a counted error). Anything else raised on the
-        way (a bug, a device mismatch, out of memory) first completes every key of the plan
-        not completed yet with success=False, then propagates: the reserved slots go back,
-        no key is left "moving", and the same keys can be stored again.
-        """
-        try:
-            for move in plan.moves:
-                self._move(move)
-            for w in plan.writes():
-                tier = self._tiers[w.spec.tier]
-                src = _rows_of(blocks, keys, w.keys)
-                try:
-                    tier.write(w.spec.slots, src, w.keys)
-                except _IO_ERRORS as exc:
-                    log.warning(
-                        "store of %d blocks into %s failed: %s", len(w.keys), tier.medium, exc
-                    )
-                    self._manager.record_error(w.spec.tier)
-                    self._manager.complete_store(w.keys, success=False)
-                    continue
-                self._manager.complete_store(w.keys, success=True)
-        except BaseException:
-            # complete_store skips keys already completed (moves and writes that finished),
-            # so this fails exactly what is still in flight.
-            for move in plan.moves:
-                self._manager.complete_store(move.keys, success=False)
-            self._manager.complete_store(plan.stored_keys, success=False)
-            raise
-
-    # -- write-through ---------------------------------------------------------------------
-    def _through_loop(self) -> None:
-        """The copier thread: run queued write-through copies until the cache closes.
-
-        The copies are insurance against a crash and must not slow the engine they run
-        beside: the thread copies small batches and sleeps briefly between them, so it never
-        holds the GIL (or the cache lock) for long while the engine's thread waits for it.
-        What it cannot keep up with is dropped and counted. It runs at a lower priority
-        than the engine's threads (`tiercache.priority`)."""
-        lower_this_thread()
-        while not self._closed:
-            self._through_wake.wait(_THROUGH_POLL_S)
-            self._through_wake.clear()
-            try:
-                while not self._closed and self._run_through(_THROUGH_BATCH):
-                    time.sleep(_THROUGH_YIELD_S)
-            except Exception:  # the thread must survive a bug in one batch
-                log.exception("write-through failed")
-
-    def _run_through(self, limit: int) -> bool:
-        """Plan up to `limit` write-through copies and run them; False when none was queued.
-        The I/O runs outside `_lock` (the sources are pinned and the destinations reserved
-        until the copies complete), under `_through_io`: call it without holding `_lock`."""
-        with self._through_io:
-            with self._lock:
-                # A small share of the first tier at a time: a copy pins its source block, and
-                # pinned blocks can be neither evicted nor replaced by new stores.
-                room = max(1, self._tiers[0].capacity_blocks // _THROUGH_PIN_SHARE)
-                moves = self._manager.plan_write_through(min(limit, room))
-            for move in moves:
-                self._run_through_move(move)
-        return bool(moves)
-
-    def _run_through_move(self, move: BlockMove) -> None:
-        """Copy one write-through move (no lock held) and complete it, whatever happens."""
-        ok: list[bytes] = []
-        errors: dict[int, int] = {}
-        self._through_busy = (move.dst.tier, time.monotonic())  # see check_through
-        try:
-            for keys, src_slots, dst_slots in _chunks(move, self._block_bytes):
-                got, errs = self._copy_chunk(
-                    keys, move.src.tier, src_slots, move.dst.tier, dst_slots
-                )
-                ok += got
-                for t, n in errs.items():
-                    errors[t] = errors.get(t, 0) + n
-        finally:  # every copy is completed and its source unpinned
-            self._through_busy = None
-            with self._lock:
-                self._finish_copy(move.keys, ok, errors, self._manager.complete_write_through)
-                self._tap_events()
+        self._runner.run_plan(plan, loaded, chain)
 
     def check_through(self, timeout: float) -> int | None:
         """The write-through copy in progress, if it has run `timeout` seconds or more: its
         destination tier hung, so it is suspended (the manager plans no copy, store or
         write-back into it until the back-off ends). Returns that tier's index, else None.
         Cheap: an engine calls it every step."""
-        busy = self._through_busy
-        if busy is None or time.monotonic() - busy[1] < timeout:
-            return None
-        with self._lock:
-            self._manager.suspend(busy[0])
-        return busy[0]
-
-    def _move(self, move: BlockMove) -> None:
-        """Copy blocks between tiers through a host staging buffer, in bounded chunks."""
-        for keys, src_slots, dst_slots in _chunks(move, self._block_bytes):
-            self._move_chunk(keys, move.src.tier, src_slots, move.dst.tier, dst_slots)
-
-    def _move_chunk(
-        self,
-        keys: tuple[bytes, ...],
-        src: int,
-        src_slots: tuple[int, ...],
-        dst: int,
-        dst_slots: tuple[int, ...],
-    ) -> None:
-        ok, errors = self._copy_chunk(keys, src, src_slots, dst, dst_slots)
-        self._finish_copy(keys, ok, errors, self._manager.complete_store)
-
-    def _finish_copy(
-        self,
-        keys: Sequence[bytes],
-        ok: list[bytes],
-        errors: dict[int, int],
-        complete: Callable[..., None],
-    ) -> None:
-        """Count a copy's failures per tier and complete its keys with `complete`: those
-        that arrived, then the rest as failed (lock held)."""
-        for t, n in errors.items():
-            self._manager.record_error(t, n)
-        complete(ok, success=True)
-        done = set(ok)
-        bad = [k for k in keys if k not in done]
-        if bad:
-            complete(bad, success=False)
-
-    def _copy_chunk(
-        self,
-        keys: tuple[bytes, ...],
-        src: int,
-        src_slots: tuple[int, ...],
-        dst: int,
-        dst_slots: tuple[int, ...],
-    ) -> tuple[list[bytes], dict[int, int]]:
-        """Copy blocks between two tiers through host staging (I/O only, no bookkeeping):
-        the keys that arrived, and failures to count per tier. A destination slot that a
-        read of a leaving block still reads (a write-through copy into the slot of a block
-        its batch moved down) is written once that read ends."""
-        if self._manager.reading(dst, dst_slots):  # an unlocked hint; checked again locked
-            with self._reads_done:
-                while self._manager.reading(dst, dst_slots):
-                    # Polled too: an adapter may unpin on the manager itself, not notifying.
-                    self._reads_done.wait(_READS_POLL_S)
-        src_tier, dst_tier = self._tiers[src], self._tiers[dst]
-        errors: dict[int, int] = {}
-        runs = _host_runs(src_tier, src_slots)
-        if runs is not None:
-            # The source rows are host memory already: the destination reads them in place
-            # (the callers pin the sources or hold the lock, so nothing rewrites them now).
-            # A staging copy here cost more than the NVMe tier's own per-block work: a fresh
-            # buffer's page faults, and torch's intra-op threads beside the engine's.
-            pool = src_tier.pool  # type: ignore[attr-defined]
-            done: list[bytes] = []
-            for a, b in runs:
-                try:
-                    dst_tier.write(
-                        dst_slots[a:b], pool[src_slots[a] : src_slots[a] + b - a], keys[a:b]
-                    )
-                except _IO_ERRORS as exc:
-                    log.warning(
-                        "copy of %d blocks %s -> %s failed: %s",
-                        b - a,
-                        src_tier.medium,
-                        dst_tier.medium,
-                        exc,
-                    )
-                    errors[dst] = errors.get(dst, 0) + 1
-                    continue
-                done += keys[a:b]
-            return done, errors
-        staging = torch.empty((len(keys), self._block_bytes), dtype=torch.uint8)
-        try:
-            failed = set(src_tier.read(src_slots, staging, keys))
-        except _IO_ERRORS as exc:
-            log.warning("read of %d blocks from %s failed: %s", len(keys), src_tier.medium, exc)
-            failed = set(range(len(keys)))
-        bad = src_tier.sort_failed(keys, failed)[1]  # gone from a shared store: no error
-        if bad:
-            errors[src] = len(bad)
-        good = [i for i in range(len(keys)) if i not in failed]
-        # Only rows that read back verified are written: a failed row's staging bytes are
-        # garbage and must never reach a slot that would later be served.
-        if not good:
-            return [], errors
-        rows = staging if len(good) == len(keys) else staging[good]
-        good_keys = [keys[i] for i in good]
-        try:
-            dst_tier.write([dst_slots[i] for i in good], rows, good_keys)
-        except _IO_ERRORS as exc:
-            log.warning(
-                "copy of %d blocks %s -> %s failed: %s",
-                len(good),
-                src_tier.medium,
-                dst_tier.medium,
-                exc,
-            )
-            errors[dst] = errors.get(dst, 0) + 1
-            return [], errors
-        return good_keys, errors
+        return self._through.check(timeout)

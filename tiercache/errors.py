@@ -3,6 +3,8 @@
 - `ConfigError`: an invalid configuration (a `ValueError` whose message names the field).
 - `TierUnavailableError`: a tier cannot start here (e.g. a GPU tier without CUDA).
 - `BlockCorruptError`: bytes read back failed verification; callers treat it as a miss.
+- `IO_ERRORS`: what a tier raises for failed I/O (the facade's plan runner and the transfer
+  handlers catch these and fail the blocks concerned; anything else is a bug and propagates).
 """
 
 from __future__ import annotations
@@ -27,3 +29,8 @@ class TierUnavailableError(TierCacheError, RuntimeError):
 
 class BlockCorruptError(TierCacheError):
     """Stored bytes failed verification; the block must be treated as a miss."""
+
+
+# Errors a tier raises for failed I/O: they fail the blocks concerned. Anything else is a bug
+# and propagates.
+IO_ERRORS = (OSError, BlockCorruptError)

@@ -10,10 +10,11 @@ OffloadingManager shape, on 16-byte prefix keys):
   two-phase store into the first tier, with eviction and write-back demotion plans; what the
   first tier cannot take goes straight into the next tiers with room (write-around);
 - `plan_write_through(limit)` / `complete_write_through(keys, success)`: copies of newly
-  stored blocks into write-through tiers, queued (bounded) and run off the caller's path;
+  stored blocks into write-through tiers, queued (bounded, `tiercache.through_queue`) and run
+  off the caller's path;
 - admission on reuse (per tier): a block enters such a tier (demotion, write-around,
   write-through) only once it has been sighted twice (stored or loaded), remembered in a
-  bounded ghost map of keys;
+  bounded ghost map of keys (`tiercache.admission.Sightings`);
 - `prepare_promote(keys)`: plan copies of lower-tier hits into the first tier;
 - `discard(keys)`: drop blocks found corrupt; `take_events()`; `stats()`;
 - `suspend(tier)` / `record_ok(tier)`: the circuit breaker (`tiercache.breaker`). A tier that
@@ -38,15 +39,18 @@ Invariants: a block being stored is invisible to lookup until complete_store(suc
 a pinned block is never evicted; a key already held is not stored again; a prepare that
 returns None or raises changes no state (it may wake dormant blocks, which changes no
 answer); a key the manager indexes is dormant in no tier.
+
+The per-tier state (`Level`: slots, pins, policy, counters) and the outstanding loads
+(`Loads`) are `tiercache.levels`; the decisions over them are all here.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Collection, Container, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Sequence
 
+from tiercache.admission import Sightings, admit_flags
 from tiercache.breaker import CircuitBreaker
+from tiercache.levels import Level, Loads, TierCounters, count_lookup, not_ready, unpin
 from tiercache.policies import EvictionPolicy
 from tiercache.records import (
     BlockMove,
@@ -56,87 +60,14 @@ from tiercache.records import (
     StoreSpec,
     TierWrite,
 )
+from tiercache.through_queue import ThroughQueue
 from tiercache.tiers import Tier
 
-
-@dataclass
-class TierCounters:
-    """Per-tier counters; `hits`/`misses` count blocks asked for by `lookup`."""
-
-    hits: int = 0
-    misses: int = 0
-    stored: int = 0
-    loaded: int = 0
-    evictions: int = 0
-    demoted_in: int = 0
-    dropped: int = 0
-    errors: int = 0
-    discovered: int = 0  # blocks another process stored in this shared tier, found by lookup
-    written_through: int = 0  # blocks copied here by write-through, completed
-    through_dropped: int = 0  # write-through copies given up (queue full, no room, failed)
-    not_admitted: int = 0  # blocks kept out: admission on reuse, sighted only once
-    suspensions: int = 0  # times the circuit breaker opened this tier (a missed deadline)
-
-
-class _Level:
-    """A tier with its policy, its key index and its counters.
-
-    The index is plain dicts, no record per block (the manager's hot paths are dict
-    operations, so fewer of them and no allocation per block is what makes it fast):
-    `slots` maps every key this tier holds, ready or still being written, to its slot;
-    `pins` maps the keys being loaded from this tier to their count of outstanding loads.
-    Whether a held key is ready is the manager's `_ready` bitmask.
-    """
-
-    __slots__ = ("bit", "cold", "counters", "index", "medium", "pins", "policy", "slots", "tier")
-
-    def __init__(self, index: int, tier: Tier, policy: EvictionPolicy) -> None:
-        self.index = index
-        self.bit = 1 << index
-        self.tier = tier
-        self.policy = policy
-        self.medium = tier.medium
-        self.slots: dict[bytes, int] = {}
-        self.pins: dict[bytes, int] = {}
-        # Write-through copies of blocks a faster tier still holds: inserted cold (evicted
-        # first), made as recent as a demotion when the block leaves the faster tiers.
-        self.cold: set[bytes] = set()
-        self.counters = TierCounters()
+__all__ = ["OffloadingManager", "TierCounters"]  # TierCounters: tiercache.levels, re-exported
 
 
 def _seq(keys: Iterable[bytes]) -> Sequence[bytes]:
     return keys if isinstance(keys, list | tuple) else list(keys)
-
-
-def _check_loads(
-    keys: Sequence[bytes], pins: Container[bytes], loads: Callable[[bytes], int]
-) -> None:
-    """Raise KeyError, before anything is unpinned, unless every key has an outstanding load
-    for each time it is given; `pins` holds the keys with any, `loads(key)` counts them."""
-    if len(set(keys)) == len(keys):  # distinct keys: one outstanding load each suffices
-        for k in keys:
-            if k not in pins:
-                raise _no_load(k)
-        return
-    need: dict[bytes, int] = {}
-    for k in keys:
-        need[k] = need.get(k, 0) + 1
-        if loads(k) < need[k]:
-            raise _no_load(k)
-
-
-def _no_load(key: object) -> KeyError:
-    shown = key.hex() if isinstance(key, bytes) else repr(key)
-    return KeyError(f"complete_load: block {shown} has no outstanding load")
-
-
-def _unpin(pins: dict[bytes, int], key: bytes) -> None:
-    """Drop one outstanding load of `key` (a key leaves the map when its last load ends)."""
-    n = pins[key] - 1
-    if n:
-        pins[key] = n
-    else:
-        del pins[key]
 
 
 class OffloadingManager:
@@ -164,7 +95,7 @@ class OffloadingManager:
         if len(tiers) != len(policies):
             raise ValueError(f"policies: expected one per tier ({len(tiers)}), got {len(policies)}")
         pairs = enumerate(zip(tiers, policies, strict=True))
-        self._levels = [_Level(i, t, p) for i, (t, p) in pairs]
+        self._levels = [Level(i, t, p) for i, (t, p) in pairs]
         self._promote = promote
         self._single = len(self._levels) == 1
         self._breaker = breaker or CircuitBreaker(len(tiers))
@@ -174,39 +105,22 @@ class OffloadingManager:
         self._present: dict[bytes, int] = self._levels[0].slots if self._single else {}
         self._moving: set[bytes] = set()  # keys being demoted (in no tier's lookup meanwhile)
         # Leaving blocks (see the module doc): moving key -> (source tier, source slot), while
-        # the move runs; (tier, slot) -> reads of it in flight; slots whose free waits for
-        # them; whether the plan being made creates leaving blocks.
+        # the move runs; whether the plan being made creates leaving blocks.
         self._leaving: dict[bytes, tuple[int, int]] = {}
-        self._reads: dict[tuple[int, int], int] = {}
-        self._free_later: set[tuple[int, int]] = set()
         self._leave = False
-        # key -> tier of each outstanding load (multi); (tier, slot) for a leaving block's
-        self._pins: dict[bytes, list[int | tuple[int, int]]] = {}
+        # Outstanding loads: where each reads, and the slots (leaving blocks' too) they pin.
+        self._loads = Loads(self._levels)
         self._events: list[OffloadingEvent] = []
         # Tiers other processes write into: a lookup miss asks them (see _discover).
         self._shared = [lv for lv in self._levels if lv.tier.shared]
-        through = list(write_through) or [False] * len(tiers)
-        if len(through) != len(tiers) or through[0]:
-            raise ValueError(
-                "write_through: one flag per tier, and the first tier cannot be written through"
-            )
-        if write_through_queue < 1:
-            raise ValueError(f"write_through_queue: expected >= 1, got {write_through_queue}")
         # Write-through: per tier, keys waiting for their copy (oldest first, bounded), and
         # the source (tier, key) pinned by each copy in flight.
-        self._through = {lv.index: dict[bytes, None]() for lv in self._levels if through[lv.index]}
-        self._through_max = write_through_queue
-        self._through_pins: dict[bytes, list[tuple[int, int]]] = {}  # key -> (src, dst) each
-        admit = list(admit_on_reuse) or [False] * len(tiers)
-        if len(admit) != len(tiers) or admit[0]:
-            raise ValueError(
-                "admit_on_reuse: one flag per tier, and the first tier admits every store"
-            )
+        self._through = ThroughQueue(write_through, len(tiers), write_through_queue)
+        admit = admit_flags(admit_on_reuse, len(tiers))
         self._admit_mask = sum(lv.bit for lv in self._levels if admit[lv.index])
-        # key -> sightings (stores and loads), oldest first, bounded: the admission ghosts.
-        self._seen: dict[bytes, int] = {}
-        self._seen_max = max(
-            (lv.tier.capacity_blocks for lv in self._levels if admit[lv.index]), default=0
+        # The admission ghosts: sightings of as many keys as the largest admitting tier holds.
+        self._seen = Sightings(
+            max((lv.tier.capacity_blocks for lv in self._levels if admit[lv.index]), default=0)
         )
         for level in self._levels:
             self._adopt(level, *level.tier.open_columns())
@@ -270,8 +184,7 @@ class OffloadingManager:
     def reading(self, tier: int, slots: Iterable[int]) -> bool:
         """Whether a read of a leaving block pins one of `slots` of `tier`: the plan's runner
         writes into them only once this is False (see the module doc)."""
-        reads = self._reads
-        return bool(reads) and any((tier, s) in reads for s in slots)
+        return self._loads.reading(tier, slots)
 
     def holds(self, key: bytes) -> bool:
         """Whether some tier holds `key`, ready (dormant included) or with its store (or a
@@ -344,7 +257,7 @@ class OffloadingManager:
             c.hits += n
             c.misses += missed
         elif count:
-            self._count_lookup(keys, n, missed, off, out)
+            count_lookup(self._levels, self._ready, keys, n, missed, off, out)
         return n, bool(missed) and keys[n] in self._moving
 
     def _discover(self, keys: Sequence[bytes], n: int, off: int = 0) -> int:
@@ -372,7 +285,7 @@ class OffloadingManager:
             short = found - tier.free_blocks
             if short > 0 and lv is last:
                 self._wake_oldest(lv, short)
-                victims = lv.policy.evict(short, self._protected(keys, lv))
+                victims = lv.policy.evict(short, lv.protected(keys))
                 if victims:
                     self._evict(lv, victims, [])
             take = tail[: min(found, tier.free_blocks)]
@@ -411,13 +324,13 @@ class OffloadingManager:
         self._wake_found(tail[:run], found)
         return run
 
-    def _wake_keys(self, keys: Sequence[bytes], skip: _Level | None = None) -> int:
+    def _wake_keys(self, keys: Sequence[bytes], skip: Level | None = None) -> int:
         """Take over every one of `keys` (distinct, none indexed here) some tier other than
         `skip` holds dormant; returns how many copies were woken."""
         found = [(lv, lv.tier.find_dormant(keys)) for lv in self._sleepers if lv is not skip]
         return self._wake_found(keys, found)
 
-    def _wake_found(self, keys: Sequence[bytes], found: list[tuple[_Level, list[int]]]) -> int:
+    def _wake_found(self, keys: Sequence[bytes], found: list[tuple[Level, list[int]]]) -> int:
         """Wake, in each level, those of `keys` its `find_dormant` answer (slots, -1 for
         none; it may run past `keys`) gives a slot; returns how many copies were woken."""
         woken = 0
@@ -426,7 +339,7 @@ class OffloadingManager:
             woken += self._wake(lv, [keys[i] for i in here], [slots[i] for i in here])
         return woken
 
-    def _wake(self, level: _Level, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+    def _wake(self, level: Level, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         """Take over dormant blocks `keys` in `slots` of `level`, the first most recently
         used."""
         if not keys:
@@ -437,7 +350,7 @@ class OffloadingManager:
             self._sleepers.remove(level)
         return len(keys)
 
-    def _wake_oldest(self, level: _Level, n: int) -> None:
+    def _wake_oldest(self, level: Level, n: int) -> None:
         """`level` must evict `n` blocks: its oldest dormant ones (least recently used) are
         taken over first, as its policy's first victims, and their copies dormant in other
         tiers with them (a key is held dormant nowhere once it is indexed here)."""
@@ -450,7 +363,7 @@ class OffloadingManager:
         if self._sleepers:
             self._wake_keys(keys, skip=level)
 
-    def _send_open(self, level: _Level) -> None:
+    def _send_open(self, level: Level) -> None:
         """List the keys of `level`'s open event (left dormant at open), in its place in the
         queue: when events are taken, or before a slot of the level is freed (a write into
         it would change the key the tier reads there)."""
@@ -458,26 +371,6 @@ class OffloadingManager:
         if at is not None:
             keys = tuple(level.tier.open_keys())
             self._events[at] = OffloadingEvent(keys, level.medium, False)
-
-    def _count_lookup(
-        self,
-        keys: Sequence[bytes],
-        n: int,
-        missed: int,
-        off: int = 0,
-        leaving: dict[bytes, tuple[int, int]] | None = None,
-    ) -> None:
-        ready = self._ready
-        per_tier = [0] * len(self._levels)
-        for k in keys[:n]:
-            m = ready[k] if leaving is None or k in ready else 1 << leaving[k][0]
-            m &= ~off
-            per_tier[(m & -m).bit_length() - 1] += 1
-        served_below = n
-        for lv, hits in zip(self._levels, per_tier, strict=True):
-            served_below -= hits
-            lv.counters.hits += hits
-            lv.counters.misses += missed + served_below
 
     def prepare_load(self, keys: Iterable[bytes], *, leaving: bool = False) -> LoadSpec:
         """Pin each key in the fastest tier where it is ready and say where it lives.
@@ -490,8 +383,8 @@ class OffloadingManager:
         if self._single:
             return self._prepare_load_single(keys)
         if self._admit_mask:
-            self._sight(keys)
-            if self._through:  # reused now: admitted where it was kept out at its store
+            self._seen.sight(keys)
+            if self._through.tiers:  # reused now: admitted where it was kept out at its store
                 self._queue_through(0, [k for k in keys if k in self._ready])
         get = self._ready.get
         off = self._breaker.mask()
@@ -502,30 +395,11 @@ class OffloadingManager:
             if not m and k in out:
                 m = 1 << out[k][0]
             if not m:
-                raise KeyError(
-                    f"prepare_load: block {k.hex() if isinstance(k, bytes) else k!r} "
-                    "is not ready in any tier"
-                )
+                raise not_ready(k)
             m = (m & ~off) or m  # from a tier not suspended, where one holds it
             tier_of.append((m & -m).bit_length() - 1)
+        slots = self._loads.pin(keys, tier_of, out, self._ready)
         levels = self._levels
-        pins = self._pins
-        slots: list[int] = []
-        for k, t in zip(keys, tier_of, strict=True):
-            lv = levels[t]
-            pin: int | tuple[int, int] = t
-            if k in out and not self._ready.get(k, 0):  # leaving: its source slot is pinned
-                pin = out[k]
-                self._reads[pin] = self._reads.get(pin, 0) + 1
-                slots.append(pin[1])
-            else:
-                lv.pins[k] = lv.pins.get(k, 0) + 1
-                slots.append(lv.slots[k])
-            p = pins.get(k)
-            if p is None:
-                pins[k] = [pin]
-            else:
-                p.append(pin)
         for t in tier_of:
             levels[t].counters.loaded += 1
         return LoadSpec(keys, tuple(tier_of), tuple(slots), tuple(lv.medium for lv in levels))
@@ -536,16 +410,9 @@ class OffloadingManager:
         ready = self._ready
         for k in keys:
             if k not in ready:
-                raise KeyError(
-                    f"prepare_load: block {k.hex() if isinstance(k, bytes) else k!r} "
-                    "is not ready in any tier"
-                )
-        pins = lv.pins
-        get = pins.get
-        for k in keys:
-            pins[k] = get(k, 0) + 1
+                raise not_ready(k)
+        slots = self._loads.pin_single(keys)
         lv.counters.loaded += len(keys)
-        slots = tuple(map(lv.slots.__getitem__, keys))
         return LoadSpec(keys, (0,) * len(keys), slots, (lv.medium,))
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
@@ -553,46 +420,9 @@ class OffloadingManager:
         has no outstanding load."""
         keys = _seq(keys)
         if self._single:
-            self._complete_load_single(keys)
-            return
-        pins = self._pins
-        _check_loads(keys, pins, lambda k: len(pins.get(k, ())))  # key -> tier of each load
-        levels = self._levels
-        for k in keys:
-            p = pins[k]
-            t = p.pop(0)
-            if not p:
-                del pins[k]
-            if isinstance(t, tuple):
-                self._end_read(t)
-            else:
-                _unpin(levels[t].pins, k)
-
-    def _end_read(self, where: tuple[int, int]) -> None:
-        """A read of a leaving block's source slot ended; the last one returns the slot to
-        its tier if it was freed meanwhile."""
-        n = self._reads[where] - 1
-        if n:
-            self._reads[where] = n
-            return
-        del self._reads[where]
-        if where in self._free_later:
-            self._free_later.discard(where)
-            self._levels[where[0]].tier.free((where[1],))
-
-    def _free(self, level: _Level, slot: int) -> None:
-        """Return a slot to its tier, once no read of a leaving block pins it."""
-        if self._reads and (level.index, slot) in self._reads:
-            self._free_later.add((level.index, slot))
+            self._loads.release_single(keys)
         else:
-            level.tier.free((slot,))
-
-    def _complete_load_single(self, keys: Sequence[bytes]) -> None:
-        """complete_load with one tier: check every key has enough pins, then unpin."""
-        pins = self._levels[0].pins
-        _check_loads(keys, pins, lambda k: pins.get(k, 0))  # key -> count of loads
-        for k in keys:
-            _unpin(pins, k)
+            self._loads.release(keys)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark a chain used; its first keys end up most recently used in every tier."""
@@ -618,7 +448,7 @@ class OffloadingManager:
         new = [k for k in keys if k not in present]
         if new and self._sleepers and self._wake_keys(new):  # held dormant: not stored again
             new = [k for k in keys if k not in present]
-        seen_before = self._sight(new) if self._admit_mask and new else None
+        seen_before = self._seen.sight(new) if self._admit_mask and new else None
         # A suspended tier (its circuit breaker open: it hung) takes no store: its blocks would
         # hold the engine's until it came back. They go around it, or are not stored.
         off = self._breaker.mask()
@@ -626,7 +456,7 @@ class OffloadingManager:
         if plan is None and new:
             plan = self._reserve_around(new, distinct, off)
         if plan is None and seen_before is not None:  # a refusal changes nothing
-            self._unsight(seen_before)
+            self._seen.unsight(seen_before)
         return plan
 
     def _reserve_around(
@@ -651,7 +481,7 @@ class OffloadingManager:
             slots = self._make_room(lv, take, protect, moves) if take else None
             if slots is None:
                 continue
-            self._hold(lv, take, slots)
+            lv.hold(self._present, take, slots)
             around.append(TierWrite(tuple(take), StoreSpec(lv.index, lv.medium, tuple(slots))))
             taken = set(take)
             rest = [k for k in rest if k not in taken]
@@ -667,15 +497,15 @@ class OffloadingManager:
             around=tuple(around),
         )
 
-    def _room(self, level: _Level, protect: Collection[bytes], want: int) -> int:
+    def _room(self, level: Level, protect: Collection[bytes], want: int) -> int:
         """How many of `want` new blocks `level` can take: free slots plus evictable ones."""
         free = level.tier.free_blocks
         if want <= free:
             return want
-        return min(want, free + self._evictable(level, protect, want - free))
+        return min(want, free + level.evictable(self._ready, protect, want - free))
 
     def _make_room(
-        self, level: _Level, keys: list[bytes], protect: Collection[bytes], moves: list[BlockMove]
+        self, level: Level, keys: list[bytes], protect: Collection[bytes], moves: list[BlockMove]
     ) -> list[int] | None:
         """Slots for `keys` in `level`, its policy's victims leaving (demoted further down by
         `moves`); None, changing nothing, if it cannot make the room."""
@@ -685,20 +515,13 @@ class OffloadingManager:
             if len(keys) > tier.capacity_blocks:
                 return None
             self._wake_oldest(level, need)
-            victims = level.policy.evict(need, self._protected(protect, level))
+            victims = level.policy.evict(need, level.protected(protect))
             if victims is None:
                 return None
             self._evict(level, victims, moves)
         slots = tier.allocate(keys)
         assert slots is not None, f"{level.medium} ran out of slots after eviction"
         return slots
-
-    def _hold(self, level: _Level, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        """Record `keys` as held (not ready yet) in `slots` of `level` (multi-tier only)."""
-        slots_of, present, bit = level.slots, self._present, level.bit
-        for k, s in zip(keys, slots, strict=True):
-            slots_of[k] = s
-            present[k] = present.get(k, 0) | bit
 
     def prepare_promote(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
         """Plan copies of keys ready only in lower tiers into the first tier.
@@ -726,7 +549,7 @@ class OffloadingManager:
         # Refusals first, before the policy hears of the miss: a None changes nothing, ARC's
         # p and ghost lists included.
         if need > 0 and (
-            len(new) > tier.capacity_blocks or self._evictable(first, protect, need) < need
+            len(new) > tier.capacity_blocks or first.evictable(self._ready, protect, need) < need
         ):
             return None
         if new:  # before evict: ARC adapts p for ghost hits first, as the paper orders it
@@ -734,8 +557,8 @@ class OffloadingManager:
         victims: list[bytes] = []
         if need > 0:
             self._wake_oldest(first, need)
-            got = first.policy.evict(need, self._protected(protect, first))
-            if got is None:  # a policy that refuses what it holds unprotected (see _evictable)
+            got = first.policy.evict(need, first.protected(protect))
+            if got is None:  # a policy that refuses what it holds unprotected (see Level.evictable)
                 return None
             victims = got
         # From here on nothing fails: every state change below is committed together.
@@ -757,25 +580,7 @@ class OffloadingManager:
             moves=tuple(moves),
         )
 
-    def _evictable(self, level: _Level, protect: Collection[bytes], need: int) -> int:
-        """How many of `level`'s ready blocks its policy may evict (not pinned, not in
-        `protect`), or any number >= `need` when that is plain without counting."""
-        pins = level.pins
-        resident = len(level.policy) + level.tier.dormant_blocks
-        if resident - len(pins) - len(protect) >= need:  # `protect` may hold absent keys
-            return resident
-        ready, bit = self._ready, level.bit
-        kept = sum(1 for k in protect if ready.get(k, 0) & bit and k not in pins)
-        return resident - len(pins) - kept
-
-    def _protected(self, keys: Collection[bytes], level: _Level) -> Container[bytes]:
-        """What `level`'s policy may not evict: `keys`, and its pinned blocks, as one set
-        (its membership test runs in C; loads are short, so few keys are pinned at once)."""
-        if not level.pins:
-            return keys if isinstance(keys, set | frozenset) else set(keys)
-        return level.pins.keys() | keys
-
-    def _evict(self, level: _Level, victims: list[bytes], moves: list[BlockMove]) -> None:
+    def _evict(self, level: Level, victims: list[bytes], moves: list[BlockMove]) -> None:
         """Remove `victims` (already taken out of the policy) from `level`, demoting those no
         lower tier holds into the next tier. Deeper moves are appended before this level's
         move, because the slots they free may be the ones this level's move writes into."""
@@ -821,8 +626,10 @@ class OffloadingManager:
         self._events.append(OffloadingEvent(tuple(victims), level.medium, True))
         if level.cold:
             level.cold.difference_update(victims)
-        if below:
-            self._refresh_below(level, below)
+        # `below` left this level while a lower tier holds a cold write-through copy: there
+        # the copy becomes as recent as a demotion would have made it (now the only copy).
+        for lv in self._levels[level.index + 1 :] if below else ():
+            below = lv.warm(self._ready, below)
         nxt = self._levels[level.index + 1] if level.index + 1 < len(self._levels) else None
         if nxt is not None and nxt.bit & self._breaker.mask():
             nxt = None  # suspended (it hung): a demotion would wait on it; the victims go
@@ -839,30 +646,10 @@ class OffloadingManager:
         # Slots go back only after the move is planned: the move reads them first.
         level.tier.free(freed)
 
-    def _refresh_below(self, level: _Level, keys: list[bytes]) -> None:
-        """`keys` left `level` while a lower tier holds a cold write-through copy of them: in
-        that tier the copy becomes as recent as a demotion would have made it (it was kept
-        only while room allowed; now it is the block's only copy)."""
-        ready = self._ready
-        for lv in self._levels[level.index + 1 :]:
-            if not keys:
-                return
-            if not lv.cold:
-                continue
-            here = [k for k in keys if k in lv.cold and ready.get(k, 0) & lv.bit]
-            if here:
-                policy = lv.policy
-                for k in here:
-                    policy.remove(k)
-                policy.insert_many(here[::-1])  # the chain's head ends most recent
-                lv.cold.difference_update(here)
-                done = set(here)
-                keys = [k for k in keys if k not in done]
-
     def _demote_into(
         self,
-        dst: _Level,
-        src: _Level,
+        dst: Level,
+        src: Level,
         keys: list[bytes],
         src_slots: list[int],
         moves: list[BlockMove],
@@ -871,7 +658,7 @@ class OffloadingManager:
         slots = self._make_room(dst, keys, frozenset(), moves)
         if slots is None:
             return False
-        self._hold(dst, keys, slots)
+        dst.hold(self._present, keys, slots)
         self._moving.update(keys)
         if self._leave:  # readable from the source slots until the move completes
             self._leaving.update((k, (src.index, s)) for k, s in zip(keys, src_slots, strict=True))
@@ -917,7 +704,7 @@ class OffloadingManager:
                     ready[k] = ready.get(k, 0) | bit
                 else:
                     del slots_of[k]  # with one tier, that was `present` too
-                    self._free(lv, slot)
+                    self._loads.free(lv, slot)
                     if not single:
                         p = present[k] & ~bit
                         if p:
@@ -938,64 +725,34 @@ class OffloadingManager:
                 done.reverse()
                 lv.counters.stored += len(done)
                 self._events.append(OffloadingEvent(tuple(done), lv.medium, False))
-                if self._through:
+                if self._through.tiers:
                     self._queue_through(lv.index, done)
 
-    # -- admission on reuse ------------------------------------------------------------------
-    def _sight(self, keys: Iterable[bytes]) -> dict[bytes, int]:
-        """Count one sighting (a store or a load) of each key, the oldest keys forgotten;
-        returns the counts as they were (for `_unsight`)."""
-        seen = self._seen
-        before: dict[bytes, int] = {}
-        for k in keys:
-            before[k] = n = seen.pop(k, 0)
-            seen[k] = n + 1
-        over = len(seen) - self._seen_max
-        if over > 0:
-            for k in list(itertools.islice(seen, over)):
-                del seen[k]
-        return before
-
-    def _unsight(self, before: dict[bytes, int]) -> None:
-        """Undo a `_sight` (its keys go back to their counts, or are forgotten)."""
-        seen = self._seen
-        for k, n in before.items():
-            if n:
-                seen[k] = n
-            else:
-                seen.pop(k, None)
-
-    def _admitted(self, level: _Level, keys: Sequence[bytes]) -> list[bytes]:
+    # -- admission on reuse, write-through -------------------------------------------------
+    def _admitted(self, level: Level, keys: Sequence[bytes]) -> list[bytes]:
         """The keys `level` takes: all, or with admission on reuse those sighted twice (the
         rest are counted as not admitted)."""
         if not level.bit & self._admit_mask:
             return list(keys)
-        seen = self._seen
-        out = [k for k in keys if seen.get(k, 0) >= 2]
+        out = self._seen.reused(keys)
         level.counters.not_admitted += len(keys) - len(out)
         return out
 
-    # -- write-through -----------------------------------------------------------------------
     def _queue_through(self, stored_in: int, keys: Sequence[bytes]) -> None:
         """Keys just stored in tier `stored_in` wait for their copy into each write-through
         tier below it that does not hold them; past the bound they are dropped, counted."""
-        present = self._present
-        for t, queue in self._through.items():
-            if t <= stored_in:
-                continue
-            bit = self._levels[t].bit
+        present, through = self._present, self._through
+        for t in through.below(stored_in):
+            lv = self._levels[t]
+            queue, bit = through.queue(t), lv.bit
             todo = [k for k in keys if not present[k] & bit and k not in queue]
             if bit & self._admit_mask:
-                todo = self._admitted(self._levels[t], todo)
-            room = self._through_max - len(queue)
-            if len(todo) > room:
-                self._levels[t].counters.through_dropped += len(todo) - max(room, 0)
-                todo = todo[: max(room, 0)]
-            queue.update(dict.fromkeys(todo))
+                todo = self._admitted(lv, todo)
+            lv.counters.through_dropped += through.offer(t, todo)
 
     def through_backlog(self) -> int:
         """Blocks waiting for a write-through copy, over all tiers."""
-        return sum(len(q) for q in self._through.values())
+        return self._through.backlog()
 
     def plan_write_through(self, limit: int) -> list[BlockMove]:
         """Up to `limit` queued write-through copies, oldest first, as moves from the fastest
@@ -1014,16 +771,17 @@ class OffloadingManager:
     def _plan_write_through(self, limit: int) -> list[BlockMove]:
         moves: list[BlockMove] = []
         ready, present = self._ready, self._present
-        off = self._breaker.mask()
-        for t, queue in self._through.items():
+        off, through = self._breaker.mask(), self._through
+        for t in through.tiers:
             dst = self._levels[t]
             if off & dst.bit:  # suspended (it hung): its copies wait in the queue
                 continue
             above = dst.bit - 1
             by_src: dict[int, list[bytes]] = {}
-            while queue and limit > 0:
-                k = next(iter(queue))
-                del queue[k]
+            while limit > 0:
+                k = through.pop(t)
+                if k is None:
+                    break
                 m = ready.get(k, 0) & above
                 if not m or present[k] & dst.bit:  # gone, or there already (stored, demoted)
                     continue
@@ -1035,10 +793,10 @@ class OffloadingManager:
                 if slots is None:
                     dst.counters.through_dropped += len(keys)
                     continue
-                self._hold(dst, keys, slots)
+                dst.hold(self._present, keys, slots)
                 for k in keys:  # the source slot stays put until the copy has read it
                     src.pins[k] = src.pins.get(k, 0) + 1
-                    self._through_pins.setdefault(k, []).append((src_index, t))
+                through.pin(keys, src_index, t)
                 moves.append(
                     BlockMove(
                         tuple(keys),
@@ -1051,21 +809,18 @@ class OffloadingManager:
     def complete_write_through(self, keys: Iterable[bytes], success: bool = True) -> None:
         """Finish moves of `plan_write_through` (its copies and the demotions they caused):
         the blocks become ready below, or their slots go back, and the sources are unpinned."""
-        keys = _seq(keys)
-        pins = self._through_pins
-        copies = [k for k in keys if k in pins]
+        keys, through = _seq(keys), self._through
+        copies = [k for k in keys if through.copying(k)]
         if len(copies) < len(keys):  # demotions the copies caused: ordinary moves
             done = set(copies)
             self.complete_store([k for k in keys if k not in done], success)
         self._complete_multi(copies, success, cold=True)
         for k in keys:
-            srcs = pins.get(k)
-            if not srcs:
+            copy = through.unpin(k)
+            if copy is None:
                 continue  # a demotion the copy caused, not a copy
-            src, dst = srcs.pop(0)
-            if not srcs:
-                del pins[k]
-            _unpin(self._levels[src].pins, k)
+            src, dst = copy
+            unpin(self._levels[src].pins, k)
             c = self._levels[dst].counters
             if success:
                 c.written_through += 1
@@ -1158,7 +913,7 @@ class OffloadingManager:
                 slot = lv.slots.pop(k)
                 lv.policy.remove(k)
                 lv.cold.discard(k)
-                self._free(lv, slot)
+                self._loads.free(lv, slot)
                 for d in masks:
                     m = d[k] & ~lv.bit
                     if m:
@@ -1173,7 +928,7 @@ class OffloadingManager:
 
     def _adopt(
         self,
-        level: _Level,
+        level: Level,
         keys: list[bytes],
         slots: list[int],
         *,
@@ -1235,30 +990,8 @@ class OffloadingManager:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier (by medium): capacity, usage and counters."""
-        out: dict[str, dict[str, int]] = {}
-        remaining = self._breaker.remaining()
-        for lv in self._levels:
-            c = lv.counters
-            out[lv.medium] = {
-                "capacity_blocks": lv.tier.capacity_blocks,
-                "used_blocks": lv.tier.used_blocks,
-                "ready_blocks": len(lv.policy) + lv.tier.dormant_blocks,
-                "dormant_blocks": lv.tier.dormant_blocks,
-                "pinned_blocks": len(lv.pins),
-                "hits": c.hits,
-                "misses": c.misses,
-                "stored": c.stored,
-                "loaded": c.loaded,
-                "evictions": c.evictions,
-                "demoted_in": c.demoted_in,
-                "dropped": c.dropped,
-                "errors": c.errors,
-                "discovered": c.discovered,
-                "written_through": c.written_through,
-                "through_dropped": c.through_dropped,
-                "through_queued": len(self._through.get(lv.index, ())),
-                "not_admitted": c.not_admitted,
-                "suspensions": c.suspensions,
-                "suspended_ms": int(remaining[lv.index] * 1000),
-            }
-        return out
+        left, through = self._breaker.remaining(), self._through
+        return {
+            lv.medium: lv.stats(through_queued=through.queued(i), suspended_s=left[i])
+            for i, lv in enumerate(self._levels)
+        }

@@ -467,8 +467,8 @@ def _reset_prefix_cache(llm: Any, tokens_prompt: Any, deadline_s: float = 120) -
 def _settle_through(deadline_s: float = 120) -> None:
     """Wait until no store of this process has write-through copies queued or running.
 
-    The copier plans and runs each batch of copies while holding its cache's `_through_io`
-    lock (`TierCache._run_through`), so with that lock held and nothing queued, no copy is in
+    The copier plans and runs each batch of copies while holding its cache's `_through.io`
+    lock (`WriteThroughCopier.run`), so with that lock held and nothing queued, no copy is in
     flight. RuntimeError after `deadline_s`."""
     from tiercache.connectors import common
 
@@ -478,12 +478,12 @@ def _settle_through(deadline_s: float = 120) -> None:
     for cache in caches:
         while True:
             left = end - time.monotonic()
-            if left <= 0 or not cache._through_io.acquire(timeout=left):
+            if left <= 0 or not cache._through.io.acquire(timeout=left):
                 raise RuntimeError(f"write-through still running after {deadline_s} s")
             try:
                 queued = any(t.get("through_queued", 0) for t in cache.stats().values())
             finally:
-                cache._through_io.release()
+                cache._through.io.release()
             if not queued:
                 break
             time.sleep(0.02)  # the copier takes the next batch

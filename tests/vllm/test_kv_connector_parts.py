@@ -410,7 +410,7 @@ def test_a_verifying_read_that_meets_a_moving_block_asks_again(tmp_path) -> None
                 break
         assert c._stats.get("verify_moving") == 1
         with shared.lock:  # the move lands
-            cache._run_plan(plan, cat(new), new)
+            cache._runner.run_plan(plan, cat(new), new)
         while (n := c._lookup_local(a + b, "r")) is None:
             pass
         assert n == 4

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tiercache.errors import BlockCorruptError
+from tiercache.errors import IO_ERRORS
 from tiercache.tiers import Tier
 from tiercache.transfer.cpu_handler import check_ranges, tier_of
 from tiercache.transfer.handler import EXPEDITED, LaneHandler
@@ -38,9 +38,9 @@ from tiercache.transfer.job import Job
 from tiercache.transfer.kv_layout import KVLayout
 from tiercache.transfer.specs import GPULoadStoreSpec, TierLoadStoreSpec
 
-# Errors a tier raises for failed I/O: they fail the chunk's blocks. Anything else is a bug
-# and fails the whole job (logged by the lane).
-IO_ERRORS = (OSError, BlockCorruptError)
+# `IO_ERRORS` (tiercache.errors), a tier's failed I/O, fail the chunk's blocks. Anything else
+# is a bug and fails the whole job (logged by the lane).
+__all__ = ["IO_ERRORS", "DiskHandler"]
 
 
 class DiskHandler(LaneHandler):
