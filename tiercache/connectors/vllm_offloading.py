@@ -61,7 +61,6 @@ import functools
 import logging
 import sys
 import threading
-import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -101,6 +100,7 @@ from tiercache.connectors.common import (
     release_store,
     resolve_config,
 )
+from tiercache.connectors.deadlines import Flights
 from tiercache.errors import BlockCorruptError
 from tiercache.records import LoadSpec
 from tiercache.records import PrepareStoreOutput as TierPlan
@@ -624,7 +624,6 @@ class _Part:
     keys: tuple[bytes, ...]
     tier: int  # the tier side of the copy (source of a load, destination of a store/move)
     kind: str  # "load" (tier -> engine), "store" (engine -> tier) or "move" (tier -> tier)
-    due: float  # time.monotonic() by which it should have finished (its deadline)
     # vLLM's job waits for it, until its deadline for a store (then stopped reading engine
     # blocks) or a move (reads none). The manager completes a move's keys, and those of a
     # store given up, when the worker reports their end (the bridge); the rest of a store's
@@ -665,11 +664,10 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         self._bridge = _bridge(store)
         self._next = 0
         self._vjobs: dict[int, _VJob] = {}
-        self._parts: dict[int, _Part] = {}
+        # The parts in flight, due by kind; those past their deadline are marked late (their
+        # tier suspended) once each.
+        self._parts: Flights[_Part] = Flights(self._worker, store.cache.config.deadlines)
         self._done: list[TransferResult] = []
-        self._timeout = store.cache.config.deadlines.load_timeout
-        self._store_timeout = store.cache.config.deadlines.store_timeout
-        self._late: set[int] = set()  # parts past their deadline, tier suspended
         self._closed = False
         # Held by the calls vLLM makes (its thread) and by `_collect` (the manager's, which
         # only tries it: the two take the store's lock in opposite orders).
@@ -745,18 +743,16 @@ class TierCacheOffloadingWorker(OffloadingWorker):
             # for what is left of them (see __init__).
             loads = [p for p, part in self._parts.items() if part.is_load]
             if loads:
-                late = self._worker.wait(loads, self._timeout)
-                if late:
-                    self._past_deadline(late)
-                    self._worker.wait(late)  # vLLM cannot take a failed load: see module doc
+                # Late ones are still waited for: vLLM cannot take a failed load (module doc).
+                timeout = self._parts.timeout("load")
+                self._parts.wait_or_give_up(loads, timeout, self._past_deadline)
         self._finish_ended()
-        now = time.monotonic()
-        late = {p for p, part in self._parts.items() if p not in self._late and now >= part.due}
+        late = self._parts.late()
         if late:
             self._past_deadline(late)
         # A write-through copy (the cache's own thread) past `store_timeout`: its tier hung
         # and is suspended (cheap; checked every step, as the KV connector does).
-        self._store.cache.check_through(self._store_timeout)
+        self._store.cache.check_through(self._parts.deadlines.store_timeout)
         done, self._done = self._done, []
         return done
 
@@ -769,13 +765,13 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         manager = self._store.cache.manager
         for p in part_ids:
             part = self._parts.get(p)
-            if part is None or p in self._late:
+            if part is None or self._parts.is_late(p):
                 continue
             if part.kind == "store" and not self._worker.cancel(p):
                 continue  # a copy from memory that started: it ends soon
             if part.kind != "load":  # a move reads no engine block: vLLM's job need not wait
                 self._detach(p, part)
-            self._late.add(p)
+            self._parts.mark_late(p)
             counter, consequence = _PAST_DEADLINE[part.kind]
             self._store.count(counter, len(part.keys))
             with self._store.lock:
@@ -813,12 +809,14 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         parts = [p for j in job_ids if j in self._vjobs for p in self._vjobs[j].parts]
         if not parts:
             return
-        due = max(self._parts[p].due for p in parts)
-        late = self._worker.wait(parts, max(0.0, due - time.monotonic()))
-        if late:
-            self._past_deadline(late)
-            # Still gating: loads, and copies from memory that had started (they end soon).
-            self._worker.wait([p for p in late if p in self._parts and self._parts[p].gates])
+        # Still gating after `_past_deadline`: loads, and copies from memory that had started
+        # (they end soon).
+        self._parts.wait_or_give_up(
+            parts,
+            self._parts.until_due(parts),
+            self._past_deadline,
+            still_wait=lambda p: p in self._parts and self._parts[p].gates,
+        )
 
     @_serialized
     def shutdown(self) -> None:
@@ -829,22 +827,17 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         # `store_timeout`: they are stopped reading engine blocks, their tiers suspended (the
         # cache's close then writes nothing back into them) and left behind, so the engine
         # exits instead of waiting for the disk.
-        late = self._worker.wait(list(self._parts), self._store_timeout)
-        for p in late:
-            self._worker.cancel(p)
-            with self._store.lock:
-                self._store.cache.manager.suspend(self._parts[p].tier)
-        if late:
-            log.warning(
-                "tiercache: %d copies into or out of hung tiers still ran at shutdown; left "
-                "behind (their blocks are not stored)",
-                len(late),
-            )
-        self._worker.close(timeout=1.0 if late else None)
+        late = self._parts.shutdown(self._left_behind, log, noun="copies")
+        self._parts.close_transfers(late)
         self._finish_ended()
         release_store(self._store)
 
     # -- internals -------------------------------------------------------------------------
+    def _left_behind(self, part_id: int, part: _Part) -> None:
+        """A part still running at shutdown (cancelled): its tier is suspended."""
+        with self._store.lock:
+            self._store.cache.manager.suspend(part.tier)
+
     def _submit(
         self, job_id: int, specs: list[Any], n_load: int, *, expedited: bool = False
     ) -> bool:
@@ -864,9 +857,8 @@ class TierCacheOffloadingWorker(OffloadingWorker):
                     "the worker was built for other tiers"
                 )
             kind = "load" if loads else "move" if isinstance(src, TierLoadStoreSpec) else "store"
-            due = time.monotonic() + (self._timeout if loads else self._store_timeout)
             vjob.parts.add(part_id)
-            self._parts[part_id] = _Part(job_id, tier_side.keys, tier_side.tier, kind, due)
+            self._parts.add(part_id, _Part(job_id, tier_side.keys, tier_side.tier, kind))
         self._vjobs[job_id] = vjob
         if not vjob.parts:  # nothing to copy (cannot come from vLLM, but stays well-defined)
             del self._vjobs[job_id]
@@ -874,9 +866,7 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         return True
 
     def _finish_part(self, r: TierResult) -> None:
-        part = self._parts.pop(r.job_id)
-        was_late = r.job_id in self._late
-        self._late.discard(r.job_id)
+        part, was_late = self._parts.pop(r.job_id)
         if part.is_load and r.success and not was_late:
             with self._store.lock:
                 self._store.cache.manager.record_ok(part.tier)
