@@ -74,6 +74,7 @@ from tiercache.connectors.vllm_offloading.spec import TierCacheOffloadingSpec
 from tiercache.connectors.vllm_offloading.spec import _engine_configs as _engine_configs
 from tiercache.connectors.vllm_offloading.spec import _is_config_of as _is_config_of
 from tiercache.connectors.vllm_offloading.specs import _BRIDGE_KEY as _BRIDGE_KEY
+from tiercache.connectors.vllm_offloading.specs import _F as _F
 from tiercache.connectors.vllm_offloading.specs import _KEY_PREFIX as _KEY_PREFIX
 from tiercache.connectors.vllm_offloading.specs import _MEMORY_KINDS as _MEMORY_KINDS
 from tiercache.connectors.vllm_offloading.specs import _WORKER_KEY as _WORKER_KEY
@@ -84,7 +85,6 @@ from tiercache.connectors.vllm_offloading.specs import (
     config_info,
     offload_key_to_key,
 )
-from tiercache.connectors.vllm_offloading.worker import _F as _F
 from tiercache.connectors.vllm_offloading.worker import _PAST_DEADLINE as _PAST_DEADLINE
 from tiercache.connectors.vllm_offloading.worker import TierCacheOffloadingWorker
 from tiercache.connectors.vllm_offloading.worker import _check_overlay as _check_overlay

@@ -8,11 +8,10 @@ block whose load fails). See the package doc.
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from vllm.v1.kv_offload.base import (
@@ -34,6 +33,7 @@ from tiercache.connectors.vllm_offloading.specs import (
     TierLoadSpec,
     TierStoreSpec,
     config_info,
+    holding,
     offload_key_to_key,
 )
 from tiercache.errors import BlockCorruptError
@@ -41,19 +41,9 @@ from tiercache.records import PrepareStoreOutput as TierPlan
 
 log = logging.getLogger(__package__)  # the former module's logger name
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _locked(fn: _F) -> _F:
-    """Run a manager method under the shared store's lock (the worker half, a KV connector or
-    a facade call in another thread may use the same cache)."""
-
-    @functools.wraps(fn)
-    def wrapper(self: TierCacheOffloadingManager, *args: Any, **kwargs: Any) -> Any:
-        with self._store.lock:
-            return fn(self, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+# Run a manager method under the shared store's lock (the worker half, a KV connector or a
+# facade call in another thread may use the same cache).
+_locked = holding(lambda self: self._store.lock)
 
 
 class TierCacheOffloadingManager(OffloadingManager):

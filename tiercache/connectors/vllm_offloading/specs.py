@@ -8,7 +8,11 @@ worker (`TierLoadSpec`, `TierStoreSpec`).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from vllm.v1.kv_offload.base import LoadStoreSpec
 from xxhash import xxh3_128_digest
@@ -22,6 +26,24 @@ _BRIDGE_KEY = "vllm_offloading.bridge"
 _WORKER_KEY = "vllm_offloading.worker"  # SharedStore.state: the worker half runs here
 # Tier kinds whose blocks live in memory; vLLM's events know only CPU and STORAGE mediums.
 _MEMORY_KINDS = frozenset({"cpu", "gpu"})
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def holding(lock_of: Callable[[Any], AbstractContextManager[Any]]) -> Callable[[_F], _F]:
+    """A method decorator: run the method holding `lock_of(self)` (the manager half's
+    `_locked`, the worker half's `_serialized`)."""
+
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with lock_of(self):
+                return fn(self, *args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
 
 
 def offload_key_to_key(namespace: str, key: bytes) -> bytes:

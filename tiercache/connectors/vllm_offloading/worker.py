@@ -9,12 +9,11 @@ manager half hears of the copies' ends through the bridge. See the package doc.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -27,7 +26,7 @@ from vllm.v1.kv_offload.base import (
 from tiercache.connectors.common import SharedStore, release_store
 from tiercache.connectors.deadlines import Flights
 from tiercache.connectors.vllm_offloading.bridge import _bridge
-from tiercache.connectors.vllm_offloading.specs import TierLoadSpec, TierStoreSpec
+from tiercache.connectors.vllm_offloading.specs import TierLoadSpec, TierStoreSpec, holding
 from tiercache.transfer import (
     KVLayout,
     TierLoadStoreSpec,
@@ -39,18 +38,8 @@ from tiercache.transfer import TransferResult as TierResult
 
 log = logging.getLogger(__package__)  # the former module's logger name
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _serialized(fn: _F) -> _F:
-    """Run a worker method under the worker's mutex (see `TierCacheOffloadingWorker._collect`)."""
-
-    @functools.wraps(fn)
-    def wrapper(self: TierCacheOffloadingWorker, *args: Any, **kwargs: Any) -> Any:
-        with self._mutex:
-            return fn(self, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+# Run a worker method under the worker's mutex (see `TierCacheOffloadingWorker._collect`).
+_serialized = holding(lambda self: self._mutex)
 
 
 # Per kind of part past its deadline: the counter of its blocks, and what happens to it.
