@@ -275,10 +275,19 @@ def namespace_from_vllm(vllm_config: Any, *, layout: str, tp_rank: int = 0) -> s
     )
 
 
+def _check_rank(axis: str, rank: int, size: int) -> None:
+    """ValueError unless `rank` is one of `size` ranks (`axis`: "tp" or "dp", for the
+    message)."""
+    if not (isinstance(size, int) and isinstance(rank, int) and 0 <= rank < size):
+        raise ValueError(
+            f"expected 0 <= {axis}_rank < {axis}_size, got {axis}_rank={rank!r}, "
+            f"{axis}_size={size!r}"
+        )
+
+
 def rank_suffix(tp_rank: int, tp_size: int) -> str:
     """``tp{rank}of{size}``: the subdirectory / key-prefix suffix of one TP rank's store."""
-    if not (isinstance(tp_size, int) and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
-        raise ValueError(f"expected 0 <= tp_rank < tp_size, got {tp_rank=}, {tp_size=}")
+    _check_rank("tp", tp_rank, tp_size)
     return f"tp{tp_rank}of{tp_size}"
 
 
@@ -322,8 +331,7 @@ def per_dp_rank_config(user: Mapping[str, Any], *, dp_rank: int, dp_size: int) -
     share the namespace, the LMDB and Redis stores (and their capacity) and differ only in
     their private tiers. With `dp_size` 1 the mapping is returned unchanged. ConfigError when
     the user set an NVMe tier's `instance` or `instance_env` (the rank decides it)."""
-    if not (isinstance(dp_size, int) and isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
-        raise ValueError(f"expected 0 <= dp_rank < dp_size, got {dp_rank=}, {dp_size=}")
+    _check_rank("dp", dp_rank, dp_size)
     m = dict(user)
     tiers = m.get("tiers")
     if dp_size == 1 or not isinstance(tiers, list | tuple):

@@ -1,0 +1,90 @@
+"""The in-process bridge from the worker half of a `TierCacheOffloadingSpec` to its manager
+half (one per `TierCache`, found in the `SharedStore`'s state): stores and moves that failed
+or ended, errors to count per tier, failed loads, and copies vLLM's job stopped waiting for
+(past their deadline). The worker reports; the manager drains.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tiercache.connectors.common import SharedStore
+from tiercache.connectors.vllm_offloading.specs import _BRIDGE_KEY
+
+
+@dataclass
+class _Reports:
+    """What the worker half reported since the manager half last looked (`_Bridge.drain`)."""
+
+    failed: list[tuple[bytes, ...]]  # stores and moves whose blocks did not arrive
+    errors: list[tuple[int, int]]  # (tier, errors) to count
+    load_failures: int  # blocks that failed to load
+    ended: list[tuple[bytes, ...]]  # moves and given-up stores that wrote their blocks
+    detached: list[tuple[bytes, ...]]  # stores and moves vLLM's job stopped waiting for
+
+
+class _Bridge:
+    """What the worker half tells the manager half of one cache: keys whose store or move
+    failed (the manager frees their slots) and errors to count per tier; the keys of copies
+    vLLM's job does not wait for (moves; stores given up at their deadline), which the
+    manager completes when the worker reports their end, not when vLLM completes the job.
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._new = False  # anything to drain (read unlocked: a stale False waits a call)
+        self._r = _Reports([], [], 0, [], [])
+        # The worker half's way to report copies that ended since vLLM last polled it (set
+        # by the worker): an idle engine polls nobody, and a copy into a disk that hung may
+        # end while it idles.
+        self.collect: Callable[[], None] = lambda: None
+
+    def store_failed(self, keys: Sequence[bytes], tier: int, *, errors: int) -> None:
+        """Keys of a store or move that did not arrive; `errors` of them count against the
+        tier (not blocks a store given up never read, nor ones a shared store no longer
+        held)."""
+        with self._lock:
+            self._r.failed.append(tuple(keys))
+            if errors:
+                self._r.errors.append((tier, errors))
+            self._new = True
+
+    def load_failed(self, tier: int, n: int, *, errors: int) -> None:
+        """`n` blocks of a load did not arrive; `errors` of them count against the tier."""
+        with self._lock:
+            if errors:
+                self._r.errors.append((tier, errors))
+            self._r.load_failures += n
+            self._new = True
+
+    def ended(self, keys: Sequence[bytes]) -> None:
+        """A copy vLLM's job did not wait for wrote `keys`: they are ready."""
+        with self._lock:
+            self._r.ended.append(tuple(keys))
+            self._new = True
+
+    def detach(self, keys: Sequence[bytes]) -> None:
+        """A store or move past its deadline: vLLM's job ends without it, and its keys are
+        misses, never "pending", meanwhile (`ended` or `store_failed` follow when the copy
+        really ends)."""
+        with self._lock:
+            self._r.detached.append(tuple(keys))
+            self._new = True
+
+    def drain(self) -> _Reports | None:
+        """What was reported since the last call; None when nothing was."""
+        if not self._new:
+            return None
+        with self._lock:
+            r, self._r, self._new = self._r, _Reports([], [], 0, [], []), False
+        return r
+
+
+def _bridge(store: SharedStore) -> _Bridge:
+    with store.lock:
+        b = store.state.get(_BRIDGE_KEY)
+        if b is None:
+            b = store.state[_BRIDGE_KEY] = _Bridge()
+        return b

@@ -1,0 +1,85 @@
+"""The bottom file of `tiercache.connectors.vllm_offloading`: what the manager half and the
+worker half of the `TierCacheOffloadingSpec` pass each other and share, with no behaviour of
+their own. Keys (`offload_key_to_key`: tiercache's key of vLLM's `OffloadKey`), the names the
+halves find their shared state under in a `SharedStore`, the labels of vLLM's config-info
+metric (`CONFIG_INFO_KEYS`, `config_info`), and the `LoadStoreSpec`s the scheduler hands the
+worker (`TierLoadSpec`, `TierStoreSpec`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from vllm.v1.kv_offload.base import LoadStoreSpec
+from xxhash import xxh3_128_digest
+
+from tiercache.cache import TierCache
+from tiercache.records import LoadSpec
+from tiercache.records import PrepareStoreOutput as TierPlan
+
+_KEY_PREFIX = b"tiercache/vllm-offload-key/v1\x00"
+_BRIDGE_KEY = "vllm_offloading.bridge"
+_WORKER_KEY = "vllm_offloading.worker"  # SharedStore.state: the worker half runs here
+# Tier kinds whose blocks live in memory; vLLM's events know only CPU and STORAGE mediums.
+_MEMORY_KINDS = frozenset({"cpu", "gpu"})
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def holding(lock_of: Callable[[Any], AbstractContextManager[Any]]) -> Callable[[_F], _F]:
+    """A method decorator: run the method holding `lock_of(self)` (the manager half's
+    `_locked`, the worker half's `_serialized`)."""
+
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with lock_of(self):
+                return fn(self, *args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def offload_key_to_key(namespace: str, key: bytes) -> bytes:
+    """tiercache's 16-byte key for vLLM's `OffloadKey` (block hash + 4-byte group index)."""
+    return xxh3_128_digest(_KEY_PREFIX + namespace.encode("utf-8") + b"\x00" + bytes(key))
+
+
+CONFIG_INFO_KEYS = ("tiercache_tiers", "tiercache_block_bytes", "tiercache_promote")
+
+
+def config_info(cache: TierCache) -> dict[str, str | int | bool]:
+    """Static facts of `cache` for vLLM's info metric: tiers as ``kind:blocks`` fastest
+    first, bytes per block, whether lower-tier hits are promoted."""
+    return {
+        "tiercache_tiers": ",".join(f"{t.kind}:{t.capacity_blocks}" for t in cache.tiers),
+        "tiercache_block_bytes": cache.block_bytes,
+        "tiercache_promote": bool(cache.config.promote),
+    }
+
+
+@dataclass(frozen=True)
+class TierLoadSpec(LoadStoreSpec):
+    """Where the blocks of a `prepare_load` live (tiercache's `LoadSpec`, keys in order), and
+    `promote`: a plan copying the blocks served from lower tiers into the first tier once
+    they are loaded (None when nothing is promoted)."""
+
+    load: LoadSpec
+    promote: TierPlan | None = None
+
+
+@dataclass(frozen=True)
+class TierStoreSpec(LoadStoreSpec):
+    """A store plan: run `plan.moves` (demotions), then write `plan.stored_keys` (the first
+    tier's, then what went around it into lower tiers). `keys`: the same keys in the order of
+    the `prepare_store` call, which is the order of the engine blocks vLLM hands the worker
+    (it walks its groups and chunks the way it listed the keys)."""
+
+    plan: TierPlan
+    keys: tuple[bytes, ...]

