@@ -1,0 +1,172 @@
+"""The shape of the house (issue 33), checked on the source so that it stays that way.
+
+- No production file under tiercache/, tiers/ or policies/ is over 1,000 lines, and no class
+  over 700, except `OffloadingManager` (the manager's brain, kept whole: at most 1,000).
+- The CLI imports no private (underscore) name from tiers/ or connectors/.
+- No import circle between tiercache's modules, counting the imports a module runs when it
+  is imported (module level, `TYPE_CHECKING` blocks left out; imports inside functions run
+  later and break no circle).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Source folder -> the package name it installs as (pyproject's package-dir).
+TREES = {"tiercache": "tiercache", "tiers": "tiercache.tiers", "policies": "tiercache.policies"}
+FILE_MAX = 1000
+CLASS_MAX = 700
+CLASS_EXCEPTIONS = {"OffloadingManager": 1000}
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every production module."""
+    out = {}
+    for folder, package in TREES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join((package, *parts))] = path
+    return out
+
+
+MODULES = modules()
+
+
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def test_the_source_tree_is_found() -> None:
+    assert "tiercache.manager" in MODULES and "tiercache.tiers.base" in MODULES
+    assert "tiercache.policies.lru" in MODULES
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_file_and_class_sizes(name: str) -> None:
+    path = MODULES[name]
+    lines = len(path.read_text().splitlines())
+    assert lines <= FILE_MAX, f"{path.relative_to(ROOT)}: {lines} lines (at most {FILE_MAX})"
+    for node in ast.walk(parse(path)):
+        if isinstance(node, ast.ClassDef):
+            size = node.end_lineno - node.lineno + 1
+            limit = CLASS_EXCEPTIONS.get(node.name, CLASS_MAX)
+            assert size <= limit, f"{name}.{node.name}: {size} lines (at most {limit})"
+
+
+def imported(module: str, tree: ast.Module) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import `tree` runs when imported (relative ones resolved)."""
+    out: list[tuple[str, list[str]]] = []
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                out.extend((a.name, []) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{parent}.{base}" if base else parent
+                out.append((base, [a.name for a in node.names]))
+            elif isinstance(node, ast.If):
+                test = node.test
+                name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", "")
+                if name != "TYPE_CHECKING":
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+
+    visit(tree.body)
+    return out
+
+
+def edges() -> dict[str, set[str]]:
+    """Module -> the tiercache modules it imports at import time (a submodule named in a
+    `from package import name` counts as that submodule)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        deps = set()
+        for base, names in imported(name, parse(path)):
+            subs = [f"{base}.{n}" for n in names if f"{base}.{n}" in MODULES]
+            if subs:
+                deps.update(subs)
+            if base in MODULES and len(subs) < len(names or [None]):
+                deps.add(base)
+        graph[name] = deps - {name}
+    return graph
+
+
+def find_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles a depth-first walk of `graph` meets (each as a closed path)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+    circles: list[list[str]] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                circles.append([*path[path.index(dep) :], dep])
+            elif dep not in state:
+                walk(dep)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node)
+    return circles
+
+
+def test_no_import_circles() -> None:
+    circles = find_circles(edges())
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_checks_can_fail() -> None:
+    """A circle and a private import written as source are found."""
+    assert find_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert find_circles({"a": {"b"}, "b": set()}) == []
+    tree = ast.parse("from tiercache.tiers.redis import _mask\nimport tiercache.cache\n")
+    found = imported("tiercache.cli.inspect", tree)
+    assert ("tiercache.tiers.redis", ["_mask"]) in found
+    assert private_names(found) == ["tiercache.tiers.redis._mask"]
+
+
+def private_names(found: list[tuple[str, list[str]]]) -> list[str]:
+    bad = []
+    for base, names in found:
+        if base.startswith(("tiercache.tiers", "tiercache.connectors")):
+            bad += [f"{base}.{n}" for n in names if n.startswith("_")]
+            bad += [base] if any(p.startswith("_") for p in base.split(".")) else []
+    return bad
+
+
+def all_imports(name: str) -> list[tuple[str, list[str]]]:
+    """Every import in the module, at any depth (functions included)."""
+    out = []
+    for node in ast.walk(parse(MODULES[name])):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out.extend((a.name, []) for a in node.names)
+    return out
+
+
+def test_the_cli_imports_no_private_name_from_tiers_or_connectors() -> None:
+    cli = [m for m in MODULES if m.startswith("tiercache.cli")]
+    assert cli
+    bad = {m: private_names(all_imports(m)) for m in cli}
+    assert not {m: b for m, b in bad.items() if b}
