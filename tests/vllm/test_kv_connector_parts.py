@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import pickle
 import threading
 import time
@@ -23,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tiercache.config import CacheConfig
 from tiercache.connectors.common import acquire_store, release_store, resolve_config
+from tiercache.connectors.deadlines import Flights
 from tiercache.connectors.vllm import (
     TierCacheConnector,
     TierCacheConnectorMetadata,
@@ -445,6 +445,7 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
     w._worker = SimpleNamespace(
         wait=lambda jobs, timeout=None: waits.append(timeout) or list(jobs), get_finished=list
     )
+    w._flights = Flights(w._worker, shared.cache.config.deadlines)
     shared.state[_SETTLE] = w._settle
     try:
         m = shared.cache.manager
@@ -452,12 +453,12 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
             plan = m.prepare_store(new)  # b moves into NVMe ...
         assert plan is not None
         (move,) = plan.moves
-        w._flights[0] = _Flight("move", move.keys, 1, plan=0, due=time.monotonic() + 0.2)
+        w._flights.add(0, _Flight("move", move.keys, 1, plan=0))  # due in store_timeout
         assert c._lookup_local(a + b, "r") is None  # ... and is in flight: ask again
         assert waits == [MOVE_WAIT_S]  # the scheduler waited for it only briefly
         time.sleep(0.25)
         w.get_finished(set())  # ... and never lands: given up at its deadline
-        assert w._flights[0].due == math.inf and not m.is_moving(b[0])
+        assert w._flights.is_late(0) and not m.is_moving(b[0])
         assert m.suspended()[1] > 0
         time.sleep(0.3)  # the back-off ends
         answers = [c._lookup_local(a + b, "r") for _ in range(40)]

