@@ -245,7 +245,7 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
             )
         )
         assert _ask(c, chain) == 0 and not c.remote.held_by_all(chain[0], frozenset({"cpu"}))
-        c.remote._off["cpu"] = 0.0  # its back-off is over
+        c.remote._off["cpu"].until = 0.0  # its back-off is over
         assert _ask(c, chain) == 4
         # The workers hold chain[0] in LMDB too, by their events, but the shared store no
         # longer does (another engine's stores evicted it): the probes decide, not the index.

@@ -19,6 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from tiercache.backoff import Backoff
+from tiercache.config import DeadlineConfig
 from tiercache.connectors.common import probe_chain
 from tiercache.connectors.vllm_kv.settings import BAD_KEYS_MAX, PROBE_WAIT_S
 from tiercache.tiers.base import StoreProbe
@@ -33,8 +35,10 @@ class RemoteIndex:
         tp_size: int,
         count: Callable[..., None],
         probes: list[list[tuple[str, StoreProbe]]] | None = None,
+        deadlines: DeadlineConfig | None = None,
     ) -> None:
         self._tp_size = tp_size
+        self._deadlines = deadlines or DeadlineConfig()
         self._count = count  # the scheduler's counters
         self._probes: list[list[tuple[str, StoreProbe]]] = list(probes or [])
         if not any(self._probes):
@@ -48,8 +52,9 @@ class RemoteIndex:
         self._probing: dict[str, tuple[tuple[Any, ...], Future[list[int]]]] = {}
         # key -> rank -> mediums holding it
         self._index: dict[bytes, dict[int, set[str]]] = {}
-        # medium -> monotonic time its suspension (worker's breaker) ends
-        self._off: dict[str, float] = {}
+        # medium -> its suspension by a worker's circuit breaker. The breaker owns the
+        # back-off (doubling, reset); here a `Backoff` only holds the time it ends (`hold`).
+        self._off: dict[str, Backoff] = {}
         # keys a worker found damaged (bounded, oldest first out)
         self._bad_keys: dict[bytes, None] = {}
 
@@ -80,8 +85,12 @@ class RemoteIndex:
     def suspend(self, suspended: dict[str, float]) -> None:
         """The workers' circuit breakers suspended these mediums for these seconds."""
         now = time.monotonic()
+        d = self._deadlines
         for medium, seconds in suspended.items():
-            self._off[medium] = max(self._off.get(medium, 0.0), now + seconds)
+            off = self._off.get(medium)
+            if off is None:
+                off = self._off[medium] = Backoff(d.backoff, d.backoff_max)
+            off.hold(now + seconds)
 
     def damaged(self, keys: list[bytes]) -> None:
         """A worker found these keys damaged: the probes never offer them again."""
@@ -159,7 +168,7 @@ class RemoteIndex:
         if not self._off:
             return frozenset()
         now = time.monotonic()
-        self._off = {m: t for m, t in self._off.items() if t > now}
+        self._off = {m: off for m, off in self._off.items() if not off.ready(now)}
         return frozenset(self._off)
 
     def _rank_holds(self, key: bytes, rank: int, off: frozenset[str]) -> bool:

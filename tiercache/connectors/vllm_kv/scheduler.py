@@ -95,7 +95,7 @@ class KVScheduler(RoleBase):
         self._key_namespace = settings.keys_namespace
         self._loads_on, self._stores_on = settings.loads_on, settings.stores_on
         self.local = shared is not None
-        self.remote = RemoteIndex(settings.tp_size, self._count, probes)
+        self.remote = RemoteIndex(settings.tp_size, self._count, probes, settings.config.deadlines)
         self.local_lookup = (
             LocalLookup(shared, settings.block_bytes, self._count, self._affordable)
             if shared is not None
