@@ -52,11 +52,11 @@ class KVSettings:
     every rank's configs (scheduler role: the probes of each rank's shared tiers)."""
 
     config: CacheConfig
-    block_size: int
-    block_bytes: int
-    num_blocks: int = 0
+    block_size: int  # tokens per block
+    block_bytes: int  # bytes per block of one KV cache group
+    num_blocks: int = 0  # blocks in the engine's KV cache (the worker's layout)
     tp_size: int = 1
-    tp_rank: int = 0
+    tp_rank: int = 0  # this worker's; the scheduler's is 0
     groups: tuple[KVGroup, ...] = ()
     key_namespace: str | None = None
     loads_on: bool = True  # kv_role "kv_both" or "kv_consumer"
