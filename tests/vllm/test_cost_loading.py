@@ -17,8 +17,12 @@ pytest.importorskip("vllm")
 
 from tiercache.config import CacheConfig
 from tiercache.connectors.common import SharedStore, acquire_store, release_store, resolve_config
-from tiercache.connectors.vllm import TierCacheConnector
-from tiercache.connectors.vllm_kv import TierCacheConnectorMetadata, TierCacheWorkerMetadata
+from tiercache.connectors.vllm_kv import (
+    KVScheduler,
+    KVSettings,
+    KVWorker,
+    TierCacheWorkerMetadata,
+)
 from tiercache.costs import ForwardTimer
 
 BLOCK_BYTES = 64
@@ -26,14 +30,12 @@ BLOCK_TOKENS = 4
 DELAY_S = 0.05  # each read of the slow tier
 
 
-def _connector(config: CacheConfig, shared: SharedStore | None) -> TierCacheConnector:
-    """The scheduler half's lookup path alone; local placement when `shared` is given."""
-    return TierCacheConnector._bare(
-        config, shared, block_size=BLOCK_TOKENS, block_bytes=BLOCK_BYTES
-    )
+def _connector(config: CacheConfig, shared: SharedStore | None) -> KVScheduler:
+    """The scheduler role's lookup path alone; local placement when `shared` is given."""
+    return KVScheduler(KVSettings(config, block_size=BLOCK_TOKENS, block_bytes=BLOCK_BYTES), shared)
 
 
-def _ask_local(c: TierCacheConnector, keys: list[bytes]) -> int:
+def _ask_local(c: KVScheduler, keys: list[bytes]) -> int:
     """`_lookup_local` as vLLM calls it: again while it answers None (a read still runs)."""
     while (n := c._lookup_local(keys, "req")) is None:
         pass
@@ -102,8 +104,8 @@ def test_worker_samples_reach_a_remote_scheduler_and_decide_there(tmp_path: Path
     worker_cfg = resolve_config({"tiers": tiers[:1]}, block_size=BLOCK_TOKENS, namespace="w")
     worker_shared = acquire_store(worker_cfg, BLOCK_BYTES)
     try:
-        w = TierCacheConnector._bare(
-            worker_cfg, worker_shared, block_size=BLOCK_TOKENS, block_bytes=BLOCK_BYTES
+        w = KVWorker(
+            KVSettings(worker_cfg, block_size=BLOCK_TOKENS, block_bytes=BLOCK_BYTES), worker_shared
         )
         clock = iter([10.0, 10.1, 20.0, 20.2]).__next__  # two forwards: 0.1 s and 0.2 s
         w._timer = ForwardTimer(clock=clock)
@@ -113,7 +115,7 @@ def test_worker_samples_reach_a_remote_scheduler_and_decide_there(tmp_path: Path
         # ... and two forwards, bound then saved as vLLM calls them: 1 ms per block's 4 tokens
         # past 10 ms.
         for tokens in (400, 800):
-            w.bind_connector_metadata(TierCacheConnectorMetadata())
+            w.bind()
             w._timer.stop(tokens)
         meta = pickle.loads(pickle.dumps(w.build_connector_worker_meta()))  # across processes
     finally:

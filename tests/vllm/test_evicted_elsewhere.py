@@ -39,8 +39,8 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from tiercache import TierCache
 from tiercache.connectors.common import acquire_store, resolve_config, store_snapshots
-from tiercache.connectors.vllm import TierCacheConnector, TierCacheConnectorMetadata
-from tiercache.connectors.vllm_kv import LoadJob
+from tiercache.connectors.vllm import TierCacheConnectorMetadata
+from tiercache.connectors.vllm_kv import KVSettings, KVWorker, LoadJob
 from tiercache.connectors.vllm_offloading import TierCacheOffloadingSpec, offload_key_to_key
 
 CAP = 4  # blocks the shared store keeps per namespace
@@ -70,8 +70,7 @@ def test_kv_connector_load_of_a_block_evicted_elsewhere_is_a_miss(tmp_path: Path
     keys = a.hash_tokens(list(range(8 * 4)))
     a.put(keys[:CAP], _rows(CAP, bb, 1))
     shared = acquire_store(config, bb)  # B opens after A stored: it indexes A's blocks
-    c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=bb)
-    c._num_blocks = 8
+    c = KVWorker(KVSettings(config, block_size=4, block_bytes=bb, num_blocks=8), shared)
     try:
         c.register_kv_caches({"model.layers.0.attn": torch.zeros((8, bb), dtype=torch.uint8)})
         cache = shared.cache
@@ -82,15 +81,13 @@ def test_kv_connector_load_of_a_block_evicted_elsewhere_is_a_miss(tmp_path: Path
         with shared.lock:
             spec = cache.manager.prepare_load(keys[:2])
         block_ids = (5, 6)
-        c.bind_connector_metadata(
+        c.bind()
+        c.start_load_kv(
             TierCacheConnectorMetadata(loads=[LoadJob("r", tuple(keys[:2]), block_ids, spec)])
         )
-        c.start_load_kv(None)
-        c.clear_connector_metadata()
         # vLLM recomputes both blocks; they are plain misses: no error, the tier healthy.
         assert c.get_block_ids_with_load_errors() == set(block_ids)
-        stats = c.get_kv_connector_stats()
-        data = stats.data if stats is not None else {}
+        data = c.take_stats()
         assert data.get("load_error_blocks", 0) == 0, data
         assert data.get("load_gone_blocks") == 2, data
         c._drain()  # drops them from the index once unpinned

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import pickle
 import threading
 import time
@@ -23,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tiercache.config import CacheConfig
 from tiercache.connectors.common import acquire_store, release_store, resolve_config
+from tiercache.connectors.deadlines import Flights
 from tiercache.connectors.vllm import (
     TierCacheConnector,
     TierCacheConnectorMetadata,
@@ -30,6 +30,9 @@ from tiercache.connectors.vllm import (
 )
 from tiercache.connectors.vllm_kv import (
     _SETTLE,
+    KVScheduler,
+    KVSettings,
+    KVWorker,
     LoadJob,
     StoreJob,
     TierCacheHandshake,
@@ -58,15 +61,20 @@ def test_worker_metadata_aggregates_across_workers() -> None:
     assert [(e[0], e[3]) for e in out.events] == [(0, False), (1, True)]
 
 
-def _scheduler(tp_size: int) -> TierCacheConnector:
-    """The scheduler half's index and bookkeeping alone (remote placement), without vLLM."""
+def _scheduler(tp_size: int) -> KVScheduler:
+    """The scheduler role's index and bookkeeping alone (remote placement), without vLLM."""
     config = CacheConfig.from_mapping({"tiers": [{"kind": "cpu", "blocks": 8}]})
-    return TierCacheConnector._bare(config, None, block_size=4, block_bytes=64, tp_size=tp_size)
+    return KVScheduler(KVSettings(config, block_size=4, block_bytes=64, tp_size=tp_size))
 
 
-def _ask(c: TierCacheConnector, keys: list[bytes]) -> int:
-    """`_lookup_remote` as vLLM calls it: again while it answers None (a probe still runs)."""
-    while (n := c._lookup_remote(keys, "req")) is None:
+def _local(config: CacheConfig, shared: Any) -> KVScheduler:
+    """The scheduler role on a shared store (local placement), without vLLM."""
+    return KVScheduler(KVSettings(config, block_size=4, block_bytes=64), shared)
+
+
+def _ask(c: KVScheduler, keys: list[bytes]) -> int:
+    """`RemoteIndex.lookup` as vLLM calls it: again while it answers None (a probe runs)."""
+    while (n := c.remote.lookup(keys, "req")) is None:
         pass
     return n
 
@@ -90,21 +98,21 @@ def test_tp_index_hits_only_keys_every_rank_holds() -> None:
         )
     )
     # K1: rank 0 in cpu, rank 1 in nvme: held by both (in different tiers); K2 by rank 0 only.
-    assert c._held_by_all(K1) and not c._held_by_all(K2)
+    assert c.remote.held_by_all(K1) and not c.remote.held_by_all(K2)
     assert c._events == []  # no tier holds K1 on both ranks yet: nothing announced
     c.update_connector_output(_out(TierCacheWorkerMetadata(events=[(1, (K1, K2), "cpu", False)])))
-    assert c._held_by_all(K2)
+    assert c.remote.held_by_all(K2)
     assert c._events == [((K1, K2), "cpu", False)]
     # Rank 0 demotes K1: still held by both; vLLM hears it left the cpu tier.
     c._events = []
     c.update_connector_output(
         _out(TierCacheWorkerMetadata(events=[(0, (K1,), "cpu", True), (0, (K1,), "nvme", False)]))
     )
-    assert c._held_by_all(K1)
+    assert c.remote.held_by_all(K1)
     assert c._events == [((K1,), "cpu", True), ((K1,), "nvme", False)]
     # Rank 1 drops K2: no longer a hit, and the index forgets rank 1 for it.
     c.update_connector_output(_out(TierCacheWorkerMetadata(events=[(1, (K2,), "cpu", True)])))
-    assert not c._held_by_all(K2) and set(c._index[K2]) == {0}
+    assert not c.remote.held_by_all(K2) and set(c.remote._index[K2]) == {0}
 
 
 def test_tp_handshake_per_rank() -> None:
@@ -115,14 +123,14 @@ def test_tp_handshake_per_rank() -> None:
             1: TierCacheHandshake(held={"lmdb": (K1,)}, rank=1),
         }
     )
-    assert c._held_by_all(K1) and not c._held_by_all(K2)
+    assert c.remote.held_by_all(K1) and not c.remote.held_by_all(K2)
     assert c._events == [((K1,), "lmdb", False)]
 
 
 def test_tp1_index_and_events_unchanged() -> None:
     c = _scheduler(1)
     c.update_connector_output(_out(TierCacheWorkerMetadata(events=[(0, (K1,), "cpu", False)])))
-    assert c._held_by_all(K1) and c._events == [((K1,), "cpu", False)]
+    assert c.remote.held_by_all(K1) and c._events == [((K1,), "cpu", False)]
 
 
 def test_tp_save_plans_finish_when_every_rank_reported() -> None:
@@ -174,7 +182,7 @@ def test_a_lookup_that_waits_for_a_store_counts_each_block_once() -> None:
             return True
 
         shared.state[_SETTLE] = settle
-        c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=64)
+        c = _local(config, shared)
         before = cache.stats()["cpu"]
         assert c._lookup_local(keys) == 4
         after = cache.stats()["cpu"]
@@ -220,24 +228,24 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
             )
         )
         assert _ask(c, chain) == 1  # the index alone
-        c._probes, c._probe_pool = probes, ThreadPoolExecutor(1)
-        c._shared_mediums = frozenset({"lmdb"})
+        c.remote._probes, c.remote._probe_pool = probes, ThreadPoolExecutor(1)
+        c.remote._shared_mediums = frozenset({"lmdb"})
         # rank 0: index 1, probe 3 -> 4; rank 1: index 1, probe 2, index 1 -> 4.
         assert _ask(c, chain) == 4
         assert c._stats["probe_hit_blocks"] == 3
-        c._probes = [probes[0], []]  # rank 1 without a shared tier: the index only
+        c.remote._probes = [probes[0], []]  # rank 1 without a shared tier: the index only
         assert _ask(c, chain) == 1
         # A worker's circuit breaker suspended the cpu tier (a load missed its deadline):
         # what only it holds is no hit, or vLLM would ask, fail and ask again in a loop.
-        c._probes = probes
+        c.remote._probes = probes
         c.update_connector_output(
             _out(
                 TierCacheWorkerMetadata(suspended={"cpu": 60.0}),
                 TierCacheWorkerMetadata(suspended={"cpu": 1.0, "lmdb": 0.0}),
             )
         )
-        assert _ask(c, chain) == 0 and not c._held_by_all(chain[0], frozenset({"cpu"}))
-        c._off["cpu"] = 0.0  # its back-off is over
+        assert _ask(c, chain) == 0 and not c.remote.held_by_all(chain[0], frozenset({"cpu"}))
+        c.remote._off["cpu"].until = 0.0  # its back-off is over
         assert _ask(c, chain) == 4
         # The workers hold chain[0] in LMDB too, by their events, but the shared store no
         # longer does (another engine's stores evicted it): the probes decide, not the index.
@@ -250,11 +258,11 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
                 ),
             )
         )
-        assert set(c._index[chain[0]][0]) == {"lmdb"}
+        assert set(c.remote._index[chain[0]][0]) == {"lmdb"}
         assert _ask(c, chain) == 0  # a plain miss, not a load that fails
         # A worker found chain[2] damaged (its header well-formed, its checksum not): the
         # probes stop before it, or vLLM would be offered it, fail and ask again, for ever.
-        c._index.pop(chain[0])
+        c.remote._index.pop(chain[0])
         c.update_connector_output(
             _out(TierCacheWorkerMetadata(events=[(r, (chain[0],), "cpu", False) for r in (0, 1)]))
         )
@@ -262,8 +270,8 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
         c.update_connector_output(_out(TierCacheWorkerMetadata(bad=[chain[2]])))
         assert _ask(c, chain) == 2
     finally:
-        if c._probe_pool is not None:
-            c._probe_pool.shutdown()
+        if c.remote._probe_pool is not None:
+            c.remote._probe_pool.shutdown()
         for _, p in (p for ps in probes for p in ps):
             p.close()
         for s in stores:
@@ -292,20 +300,20 @@ def test_a_slow_probe_never_stalls_the_scheduler() -> None:
     chain = [bytes([i]) * 16 for i in range(1, 5)]
     hung = _HungProbe(chain[:3])
     c = _scheduler(1)
-    c._probes, c._probe_pool = [[("redis", hung)]], ThreadPoolExecutor(1)
+    c.remote._probes, c.remote._probe_pool = [[("redis", hung)]], ThreadPoolExecutor(1)
     try:
-        assert c._lookup_remote(chain, "r") is None
-        assert c._lookup_remote(chain, "r") is None  # still waiting: the same probe
+        assert c.remote.lookup(chain, "r") is None
+        assert c.remote.lookup(chain, "r") is None  # still waiting: the same probe
         assert c._stats["probe_waits"] == 2
         hung.release.set()
         assert _ask(c, chain) == 3  # another request: a probe of its own
-        while (n := c._lookup_remote(chain, "r")) is None:
+        while (n := c.remote.lookup(chain, "r")) is None:
             pass
         assert n == 3
         assert hung.calls == 4  # per request: its run, then where the run ended
-        assert c._probing == {}
+        assert c.remote._probing == {}
     finally:
-        c._probe_pool.shutdown()
+        c.remote._probe_pool.shutdown()
 
 
 def test_a_hung_verifying_read_never_stalls_scheduling(tmp_path) -> None:
@@ -338,7 +346,7 @@ def test_a_hung_verifying_read_never_stalls_scheduling(tmp_path) -> None:
             return read(slots, dst, keys)
 
         nvme.read = hung_read
-        c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=64)
+        c = _local(config, shared)
         t0 = time.monotonic()
         answers = []
         while (n := c._lookup_local(keys, "r1")) is None:
@@ -353,13 +361,13 @@ def test_a_hung_verifying_read_never_stalls_scheduling(tmp_path) -> None:
         assert cache.manager.suspended()[0] > 0
         assert c._lookup_local(keys, "r2") == 0  # suspended: no hit, no read
         release.set()
-        for pool in c._verify_pools.values():
+        for pool in c.local_lookup._verify_pools.values():
             pool.shutdown(wait=True)  # the late read ends now ...
         # ... and is no cost sample: its seconds would make "auto" decline the tier for long.
         assert "nvme" not in cache.load_costs.tier_stats()
     finally:
         release.set()
-        for pool in c._verify_pools.values():
+        for pool in c.local_lookup._verify_pools.values():
             pool.shutdown(wait=True)
         release_store(shared)
 
@@ -373,7 +381,7 @@ def _cpu_then_nvme(tmp_path, namespace: str, **extra: Any) -> tuple[Any, Any, An
     tiers = [{"kind": "cpu", "blocks": 2}, {**nvme, "write_policy": "write-back"}]
     config = resolve_config({"tiers": tiers, **extra}, block_size=4, namespace=namespace)
     shared = acquire_store(config, 64)
-    c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=64)
+    c = _local(config, shared)
     cache = shared.cache
     a, b = cache.hash_tokens(list(range(8))), cache.hash_tokens(list(range(100, 108)))
     new = cache.hash_tokens(list(range(200, 208)))
@@ -397,7 +405,7 @@ def test_a_verifying_read_that_meets_a_moving_block_asks_again(tmp_path) -> None
         cache, m = shared.cache, shared.cache.manager
         cat = lambda ks: torch.cat([rows[k] for k in ks])  # noqa: E731
         # The verify thread is busy with another request's read: this one waits its turn.
-        pool = c._verify_pools[1] = ThreadPoolExecutor(1)
+        pool = c.local_lookup._verify_pools[1] = ThreadPoolExecutor(1)
         pool.submit(gate.wait, 10)
         assert c._lookup_local(a + b, "r") is None
         with shared.lock:  # another store begins: b is moving into NVMe
@@ -417,7 +425,7 @@ def test_a_verifying_read_that_meets_a_moving_block_asks_again(tmp_path) -> None
         assert torch.equal(cache.get(a + b), cat(a + b))
     finally:
         gate.set()
-        for p in c._verify_pools.values():
+        for p in c.local_lookup._verify_pools.values():
             p.shutdown(wait=True)
         release_store(shared)
 
@@ -433,22 +441,24 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
     shared, c, (a, b, new, _) = _cpu_then_nvme(tmp_path, "hung-move", deadlines=deadlines)
     # The worker role, minus the transfer threads: a move that never finishes.
     waits: list[float | None] = []
-    c._worker = SimpleNamespace(
+    w = KVWorker(c.settings, shared)
+    w._worker = SimpleNamespace(
         wait=lambda jobs, timeout=None: waits.append(timeout) or list(jobs), get_finished=list
     )
-    shared.state[_SETTLE] = c._settle
+    w._flights = Flights(w._worker, shared.cache.config.deadlines)
+    shared.state[_SETTLE] = w._settle
     try:
         m = shared.cache.manager
         with shared.lock:
             plan = m.prepare_store(new)  # b moves into NVMe ...
         assert plan is not None
         (move,) = plan.moves
-        c._flights[0] = _Flight("move", move.keys, 1, plan=0, due=time.monotonic() + 0.2)
+        w._flights.add(0, _Flight("move", move.keys, 1, plan=0))  # due in store_timeout
         assert c._lookup_local(a + b, "r") is None  # ... and is in flight: ask again
         assert waits == [MOVE_WAIT_S]  # the scheduler waited for it only briefly
         time.sleep(0.25)
-        c.get_finished(set())  # ... and never lands: given up at its deadline
-        assert c._flights[0].due == math.inf and not m.is_moving(b[0])
+        w.get_finished(set())  # ... and never lands: given up at its deadline
+        assert w._flights.is_late(0) and not m.is_moving(b[0])
         assert m.suspended()[1] > 0
         time.sleep(0.3)  # the back-off ends
         answers = [c._lookup_local(a + b, "r") for _ in range(40)]
@@ -457,8 +467,8 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
         c._lookup_local(a + b, "r2")
         assert time.monotonic() - t0 < 0.2  # the lookup does not wait for the hung move
     finally:
-        for p in c._verify_pools.values():
+        for p in c.local_lookup._verify_pools.values():
             p.shutdown(wait=True)
         shared.state.pop(_SETTLE, None)
-        c._worker = None
+        w._worker = None
         release_store(shared)

@@ -31,8 +31,8 @@ from tests.test_moving_reads import hung_lmdb_config
 from tests.vllm.test_evicted_elsewhere import _offloading_config
 from tiercache import TierCache
 from tiercache.connectors.common import acquire_store, resolve_config
-from tiercache.connectors.vllm import TierCacheConnector, TierCacheConnectorMetadata
-from tiercache.connectors.vllm_kv import LoadJob
+from tiercache.connectors.vllm import TierCacheConnectorMetadata
+from tiercache.connectors.vllm_kv import KVScheduler, KVSettings, KVWorker, LoadJob
 from tiercache.connectors.vllm_offloading import offload_key_to_key
 
 
@@ -57,12 +57,13 @@ def test_kv_connector_serves_a_block_moving_into_a_hung_tier(tmp_path: Path) -> 
     bb = 1024
     config = resolve_config(hung_lmdb_config(tmp_path), block_size=4, namespace="moving-kv")
     shared = acquire_store(config, bb)
-    c = TierCacheConnector._bare(config, shared, block_size=4, block_bytes=bb)
-    c._num_blocks = 8
+    # Local placement: both roles in this process, each with its reference to the store.
+    settings = KVSettings(config, block_size=4, block_bytes=bb, num_blocks=8)
+    w, s = KVWorker(settings, shared), KVScheduler(settings, acquire_store(config, bb))
     engine = torch.zeros((8, bb), dtype=torch.uint8)
     hang = None
     try:
-        c.register_kv_caches({"model.layers.0.attn": engine})
+        w.register_kv_caches({"model.layers.0.attn": engine})
         cache = shared.cache
         a, b = cache.hash_tokens(list(range(8))), cache.hash_tokens(list(range(100, 108)))
         hang = _move_a_down(cache, a, b, bb)
@@ -70,24 +71,22 @@ def test_kv_connector_serves_a_block_moving_into_a_hung_tier(tmp_path: Path) -> 
         #    its NVMe slot), not "ask again" until the move is given up.
         got = None
         for _ in range(200):
-            if (got := c._lookup_local(a, "r")) is not None:
+            if (got := s._lookup_local(a, "r")) is not None:
                 break
         assert got == 2
         # 2. The load, pinned as the scheduler pins it, lands A's bytes in engine blocks.
         with shared.lock:
             spec = cache.manager.prepare_load(a, leaving=True)
-        c.bind_connector_metadata(
-            TierCacheConnectorMetadata(loads=[LoadJob("r", tuple(a), (3, 4), spec)])
-        )
-        c.start_load_kv(None)
-        c.clear_connector_metadata()
-        assert c.get_block_ids_with_load_errors() == set()
+        w.bind()
+        w.start_load_kv(TierCacheConnectorMetadata(loads=[LoadJob("r", tuple(a), (3, 4), spec)]))
+        assert w.get_block_ids_with_load_errors() == set()
         assert torch.equal(engine[3:5], _rows(2, bb, 1))
         assert cache.stats()["nvme"]["errors"] == 0
     finally:
         if hang is not None:
             hang.release.set()
-        c.shutdown()
+        w.shutdown()
+        s.shutdown()
 
 
 def _kv_caches() -> CanonicalKVCaches:

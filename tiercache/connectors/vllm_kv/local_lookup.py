@@ -1,0 +1,179 @@
+"""The scheduler's lookup in the local placement: verified hits on the shared cache.
+
+When the worker runs in the scheduler's process both roles share one `TierCache`. A lookup
+asks the manager, waits briefly for a store of the key it reached (the worker's `_settle`),
+applies the cost gate, and reads the blocks held only in persistent tiers before reporting
+them (checksums verified, promoted), on a thread per tier so a hung disk stalls only its own
+reads: a corrupt block shortens the hit instead of reaching vLLM. A read not done within
+VERIFY_WAIT_S makes the lookup answer None (vLLM asks again); one past `load_timeout` is given
+up and its tier suspended.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from tiercache.connectors.common import SharedStore
+from tiercache.connectors.vllm_kv.settings import _SETTLE, VERIFY_WAIT_S, log
+
+
+@dataclass(frozen=True)
+class _Verifying:
+    """Scheduler-side (local placement): a lookup's verifying read in flight."""
+
+    keys: tuple[bytes, ...]  # the hit it verifies
+    first_disk: int  # keys before this are held in memory tiers (good without a read)
+    tier: int  # the persistent tier of keys[first_disk]
+    started: float  # time.monotonic() it was submitted
+    future: Future[int]
+
+
+class LocalLookup:
+    """Verified lookups of `shared` for the scheduler (local placement). `count` adds to the
+    scheduler's counters; `affordable(keys, n)` is its cost gate (how many of the `n` leading
+    hit keys to load)."""
+
+    def __init__(
+        self,
+        shared: SharedStore,
+        block_bytes: int,
+        count: Callable[..., None],
+        affordable: Callable[[list[bytes], int], int],
+    ) -> None:
+        self._shared = shared
+        self._block_bytes = block_bytes
+        self._count = count
+        self._affordable = affordable
+        # Verifying reads of persistent tiers, one thread per tier (a hung one stalls only
+        # its own), and per request the read in flight (see `lookup`).
+        self._verify_pools: dict[int, ThreadPoolExecutor] = {}
+        self._verifying: dict[str, _Verifying] = {}
+
+    def forget(self, req_id: str) -> None:
+        """A finished request's verifying read, if any, is no longer waited for."""
+        self._verifying.pop(req_id, None)
+
+    def shutdown(self) -> None:
+        for pool in self._verify_pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)  # a hung read must not stall exit
+
+    def lookup(self, keys: list[bytes], req_id: str = "") -> int | None:
+        """Leading `keys` the shared cache holds, as far as loading them pays (`_affordable`)
+        and their bytes are good: blocks held only in persistent tiers are read first (see
+        `_verify`), on a thread of the tier's own. A lookup waits for that read at most
+        VERIFY_WAIT_S, then answers None (vLLM asks again next step, and the read goes on),
+        so a slow or hung disk never stalls scheduling. A read not done `load_timeout`
+        seconds after it started is given up: the hit ends before it, and the tier is
+        suspended (the manager's lookups skip it until its back-off ends)."""
+        pending = self._verifying.get(req_id)
+        if pending is not None and pending.keys == tuple(keys[: len(pending.keys)]):
+            return self._verified(req_id, pending)
+        manager = self._shared.cache.manager
+        with self._shared.lock:
+            # A block the cache's write-through thread is moving down is served from its
+            # source slot (`leaving`: the copy into that slot waits for the load's pin).
+            n, moving = manager.lookup_ready(keys, leaving=True)
+            settle = self._shared.state.get(_SETTLE)
+            if n < len(keys) and settle is not None and settle(keys[n]):
+                # The chain continued with a block the worker was still storing or
+                # demoting; it has now finished: look again. Not counted: the first look
+                # counted each block once already (as the tiers held it when asked).
+                n, moving = manager.lookup_ready(keys, count=False, leaving=True)
+            if moving:
+                return None
+            n = self._affordable(keys, n)
+            persistent = [t.persistent for t in self._shared.cache.tiers]
+            first_disk = next(
+                (
+                    i
+                    for i, k in enumerate(keys[:n])
+                    if persistent[manager.where(k, leaving=True)[0]]
+                ),
+                n,
+            )
+            if first_disk == n:
+                return n
+            tier = manager.where(keys[first_disk], leaving=True)[0]
+        pool = self._verify_pools.get(tier)
+        if pool is None:
+            pool = self._verify_pools[tier] = ThreadPoolExecutor(
+                1, thread_name_prefix=f"tiercache-verify-{tier}"
+            )
+        fut = pool.submit(self._verify, keys[:n], first_disk, tier)
+        pending = self._verifying[req_id] = _Verifying(
+            tuple(keys[:n]), first_disk, tier, time.monotonic(), fut
+        )
+        return self._verified(req_id, pending)
+
+    def _verified(self, req_id: str, pending: _Verifying) -> int | None:
+        """The hit of a lookup whose verifying read is `pending`: its result once done (within
+        VERIFY_WAIT_S), None while it runs, and the part before it once it is late."""
+        timeout = self._shared.cache.config.deadlines.load_timeout
+        try:
+            # Never past the deadline: a late read is given up in this very call, not at the
+            # next step's lookup (up to VERIFY_WAIT_S later).
+            left = pending.started + timeout - time.monotonic()
+            n = pending.future.result(timeout=max(0.0, min(VERIFY_WAIT_S, left)))
+        except FutureTimeout:
+            if time.monotonic() - pending.started < timeout:
+                self._count("verify_waits")
+                return None
+            del self._verifying[req_id]
+            with self._shared.lock:
+                seconds = self._shared.cache.manager.suspend(pending.tier)
+                self._count("verify_deadline_blocks", len(pending.keys) - pending.first_disk)
+            log.warning(
+                "tiercache: reading %d blocks from tier %d took longer than %.1f s; vLLM "
+                "recomputes them, and the tier is skipped for %.1f s",
+                len(pending.keys) - pending.first_disk,
+                pending.tier,
+                timeout,
+                seconds,
+            )
+            return pending.first_disk
+        del self._verifying[req_id]
+        if n < len(pending.keys):
+            with self._shared.lock:
+                moving = self._shared.cache.manager.is_moving(pending.keys[n])
+            if moving:
+                # The read stopped at a block that a move started since the lookup (a
+                # demotion making room for another request's blocks) is still writing: vLLM
+                # asks again, and the next lookup waits for it (`_settle`). Bounded: a move
+                # into a hung tier is given up at `store_timeout` (`manager.unmove`).
+                self._count("verify_moving")
+                return None
+        return n
+
+    def _verify(self, keys: list[bytes], first_disk: int, tier: int) -> int:
+        """On a verify thread: how many leading `keys` have good bytes. From `first_disk` on
+        (the first held only in a persistent tier: `tier`) they are read, checksums verified,
+        and promoted into the first tier when the config promotes; a block that fails is
+        dropped and counted by the cache, and the hit ends before it. The cache reads without
+        its lock (`TierCache.fetch`: straight into the first tier's slots, no bytes handed
+        back), so the engine's other calls go on meanwhile."""
+        cache = self._shared.cache
+        with self._shared.lock:
+            errors_before = self._tier_errors()
+        t0 = time.perf_counter()
+        # The manager's lookup counted these blocks already: reading them is not a request.
+        got = cache.fetch(keys[first_disk:], count=False)
+        seconds = time.perf_counter() - t0
+        with self._shared.lock:
+            # Here, in the local placement, the read is the load (it promotes): its cost. A
+            # read past load_timeout was given up (its tier suspended): a failure for the
+            # circuit breaker, not a cost sample.
+            medium = cache.tiers[tier].medium
+            if seconds <= cache.config.deadlines.load_timeout:
+                cache.load_costs.observe_load(medium, got * self._block_bytes, seconds)
+            bad = self._tier_errors() - errors_before
+            if bad:
+                self._count("verify_errors", bad)
+            self._count("verified_blocks", got)
+        return first_disk + got
+
+    def _tier_errors(self) -> int:
+        return sum(int(s.get("errors", 0)) for s in self._shared.cache.manager.stats().values())

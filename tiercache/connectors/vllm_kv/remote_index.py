@@ -1,0 +1,218 @@
+"""The scheduler's view of the workers' keys in the remote placement, and its probes.
+
+In vLLM's multiprocess mode (and always with TP > 1) the worker owns the cache; the
+scheduler answers lookups from `RemoteIndex`: an index of the keys each rank's worker holds
+per medium (from the handshake, then the worker metadata's events), and, where the index
+ends, read-only probes of each rank's shared tiers (LMDB opened read-only, Redis with one
+pipelined header read), run on a thread of their own so a slow store never stalls a step.
+It also keeps the mediums the workers' circuit breakers suspended (their blocks are no hits
+until the suspension ends) and the keys a worker found damaged (never offered again).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from tiercache.backoff import Backoff
+from tiercache.config import DeadlineConfig
+from tiercache.connectors.common import probe_chain
+from tiercache.connectors.vllm_kv.settings import BAD_KEYS_MAX, PROBE_WAIT_S
+from tiercache.tiers.base import StoreProbe
+
+
+class RemoteIndex:
+    """Which rank holds which key in which medium, suspended mediums, damaged keys, and the
+    probes of each rank's shared tiers (`probes[rank]`: (medium, probe), fastest first)."""
+
+    def __init__(
+        self,
+        tp_size: int,
+        count: Callable[..., None],
+        probes: list[list[tuple[str, StoreProbe]]] | None = None,
+        deadlines: DeadlineConfig | None = None,
+    ) -> None:
+        self._tp_size = tp_size
+        self._deadlines = deadlines or DeadlineConfig()
+        self._count = count  # the scheduler's counters
+        self._probes: list[list[tuple[str, StoreProbe]]] = list(probes or [])
+        if not any(self._probes):
+            self._probes = []
+        # Probes run on a thread of their own: a lookup waits for them at most PROBE_WAIT_S,
+        # then tells vLLM to ask again (None), so a slow or hung store never stalls a step.
+        self._probe_pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="tiercache-probe") if self._probes else None
+        )
+        self._shared_mediums = frozenset(m for rank in self._probes for m, _ in rank)
+        self._probing: dict[str, tuple[tuple[Any, ...], Future[list[int]]]] = {}
+        # key -> rank -> mediums holding it
+        self._index: dict[bytes, dict[int, set[str]]] = {}
+        # medium -> its suspension by a worker's circuit breaker. The breaker owns the
+        # back-off (doubling, reset); here a `Backoff` only holds the time it ends (`hold`).
+        self._off: dict[str, Backoff] = {}
+        # keys a worker found damaged (bounded, oldest first out)
+        self._bad_keys: dict[bytes, None] = {}
+
+    @property
+    def probing(self) -> bool:
+        """Shared tiers can be probed where the index ends."""
+        return self._probe_pool is not None
+
+    def has_fn(self) -> Callable[[bytes], bool]:
+        """Hybrid lookups: "is this key worth asking for" (the index, or any key not known
+        damaged when shared tiers can be probed)."""
+        if self._probe_pool is not None:
+            return lambda k: self.held_by_all(k) or k not in self._bad_keys
+        return self.held_by_all
+
+    def knows(self, key: bytes) -> bool:
+        """Some rank holds `key`, by the index."""
+        return key in self._index
+
+    def ranks(self, key: bytes) -> dict[int, set[str]]:
+        """Per rank, the mediums holding `key` (empty: none)."""
+        return self._index.get(key, {})
+
+    def forget(self, req_id: str) -> None:
+        """A finished request's probe, if any, is no longer waited for."""
+        self._probing.pop(req_id, None)
+
+    def suspend(self, suspended: dict[str, float]) -> None:
+        """The workers' circuit breakers suspended these mediums for these seconds."""
+        now = time.monotonic()
+        d = self._deadlines
+        for medium, seconds in suspended.items():
+            off = self._off.get(medium)
+            if off is None:
+                off = self._off[medium] = Backoff(d.backoff, d.backoff_max)
+            off.hold(now + seconds)
+
+    def damaged(self, keys: list[bytes]) -> None:
+        """A worker found these keys damaged: the probes never offer them again."""
+        for k in keys:
+            self._bad_keys[k] = None
+            if len(self._bad_keys) > BAD_KEYS_MAX:
+                del self._bad_keys[next(iter(self._bad_keys))]
+
+    def lookup(self, keys: list[bytes], req_id: str = "") -> int | None:
+        """Leading `keys` every rank holds: in the index of its worker's keys, or else in a
+        shared tier, as the probes find them where the index ends (as the worker's lookup
+        then adopts them: `probe_chain`, once per rank). None while the probes run longer
+        than PROBE_WAIT_S (vLLM asks again next step; the probe goes on meanwhile).
+
+        With probes, the index is trusted only for private tiers: what a worker holds in a
+        shared tier, another engine's stores may have evicted since (the store's capacity
+        is shared), so the probes confirm it; a block gone is a plain miss, never a load
+        error (which `kv_load_failure_policy = "fail"` would turn into a failed request)."""
+        suspended = self._suspended_mediums()
+        off = suspended | self._shared_mediums  # the index is not enough for these
+        held = self.held_by_all if not off else functools.partial(self.held_by_all, off=off)
+        n = sum(1 for _ in itertools.takewhile(held, keys))
+        if n == len(keys) or self._probe_pool is None:
+            return n
+        # Per rank, which keys from n on the index vouches for (a private tier holds them):
+        # taken here, so the probe thread never reads the index while this thread changes it.
+        private = [
+            tuple(self._rank_holds(k, r, off) for k in keys[n:]) for r in range(len(self._probes))
+        ]
+        ask = (keys[n], len(keys), tuple(private), suspended)
+        pending = self._probing.get(req_id)
+        if pending is None or pending[0] != ask:
+            fut = self._probe_pool.submit(self._probe_ranks, keys, n, private, suspended)
+            pending = self._probing[req_id] = (ask, fut)
+        try:
+            ends = pending[1].result(timeout=PROBE_WAIT_S)
+        except FutureTimeout:
+            self._count("probe_waits")
+            return None
+        del self._probing[req_id]
+        found = min(ends)
+        if found > n:
+            self._count("probe_hit_blocks", found - n)
+        return found
+
+    def _probe_ranks(
+        self,
+        keys: list[bytes],
+        n: int,
+        private: list[tuple[bool, ...]],
+        off: frozenset[str],
+    ) -> list[int]:
+        """On the probe thread: per rank, where its run of keys from `n` ends, walking keys a
+        private tier holds (`private`, from the index) and runs its shared tiers hold (one
+        tier's run after another, as the worker's lookups adopt them)."""
+        bad = self._bad_keys
+        ends = []
+        for probes, mine in zip(self._probes, private, strict=True):
+            j = n
+            while j < len(keys):
+                if mine[j - n]:
+                    j += 1
+                elif keys[j] not in bad and (got := probe_chain(probes, keys[j:], off)):
+                    # Never past a key a worker found damaged: the store may still hold it,
+                    # its header well-formed, and offering it again would fail again.
+                    j += next((i for i in range(got) if keys[j + i] in bad), got)
+                else:
+                    break
+            ends.append(j)
+        return ends
+
+    def _suspended_mediums(self) -> frozenset[str]:
+        """Mediums the workers' circuit breakers suspended, for now: their blocks are no hits
+        (a load from them would fail again at once, and vLLM would ask again: a loop)."""
+        if not self._off:
+            return frozenset()
+        now = time.monotonic()
+        self._off = {m: off for m, off in self._off.items() if not off.ready(now)}
+        return frozenset(self._off)
+
+    def _rank_holds(self, key: bytes, rank: int, off: frozenset[str]) -> bool:
+        """The index says `rank` holds `key` in a tier not in `off`."""
+        ms = self._index.get(key, {}).get(rank)
+        return bool(ms) and not (off and ms <= off)
+
+    def held_by_all(self, key: bytes, off: frozenset[str] = frozenset()) -> bool:
+        """Remote placement: every rank holds `key` (in some tier of its own not in `off`)."""
+        ranks = self._index.get(key, ())
+        if len(ranks) != self._tp_size:
+            return False
+        return not off or all(not ms <= off for ms in ranks.values())
+
+    def apply(
+        self, rank: int, keys: tuple[bytes, ...], medium: str, removed: bool
+    ) -> tuple[bytes, ...]:
+        """`rank` now holds (or no longer holds) `keys` in `medium`. Returns the keys every
+        rank now holds there, or no longer all do: with TP > 1 vLLM is told a block is stored
+        in a medium once every rank holds it there, and removed once one rank no longer does
+        (with TP 1 the scheduler passes the events to vLLM as they are)."""
+        full = self._tp_size
+        changed: list[bytes] = []
+        for k in keys:
+            ranks = self._index.setdefault(k, {})
+            before = sum(1 for ms in ranks.values() if medium in ms) == full
+            where = ranks.setdefault(rank, set())
+            if removed:
+                where.discard(medium)
+                if not where:
+                    del ranks[rank]
+                    if not ranks:
+                        del self._index[k]
+            else:
+                where.add(medium)
+            after = sum(1 for ms in ranks.values() if medium in ms) == full
+            if before != after:
+                changed.append(k)
+        return tuple(changed)
+
+    def shutdown(self) -> None:
+        """Stop probing and close the probes (a probe in flight ends within its timeout)."""
+        probes, self._probes = self._probes, []
+        if self._probe_pool is not None:
+            self._probe_pool.shutdown(wait=True)  # a probe in flight ends within its timeout
+        for _, p in (p for rank in probes for p in rank):
+            p.close()

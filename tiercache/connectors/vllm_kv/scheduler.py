@@ -1,0 +1,538 @@
+"""`KVScheduler`: the connector's scheduler role (keys and block ids, never bytes).
+
+- Request state (`_Req`): each request's prefix keys (tiercache's own, deterministic across
+  restarts; LoRA, cache salt and multimodal inputs as extra keys) and engine block ids.
+- Matching (`get_num_new_matched_tokens`): a lookup from the first block vLLM has not
+  computed, whole blocks only and never the block holding the last prompt token; local
+  placement through `LocalLookup` (verified reads), remote through `RemoteIndex` (the
+  workers' keys and probes of the shared tiers); hybrid models (`_match_groups`): the longest
+  prefix every KV cache group serves. The cost gate (`_affordable`) loads only the part of a
+  hit cheaper to load than to recompute.
+- Planning (`update_state_after_alloc`, `build_connector_meta`): this step's loads, and the
+  stores of the blocks this step completes (sliding windows: `_window_keep`).
+- Events and finished stores (`update_connector_output`, `request_finished`, `take_events`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+
+from tiercache.connectors.common import (
+    KVGroup,
+    SharedStore,
+    extra_keys_for,
+    hit_end,
+    release_store,
+    window_positions,
+)
+from tiercache.connectors.vllm_kv.local_lookup import LocalLookup
+from tiercache.connectors.vllm_kv.messages import (
+    Event,
+    LoadJob,
+    StoreJob,
+    TierCacheConnectorMetadata,
+    TierCacheHandshake,
+    TierCacheWorkerMetadata,
+)
+from tiercache.connectors.vllm_kv.remote_index import RemoteIndex
+from tiercache.connectors.vllm_kv.settings import KVSettings, RoleBase, log
+from tiercache.costs import LoadGate
+from tiercache.hashing import group_keys, prefix_hashes
+from tiercache.tiers.base import StoreProbe
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class _Req:
+    """Scheduler-side view of one request."""
+
+    request: Request
+    extra: dict[int, tuple[Any, ...]] | None
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    stored: int = 0  # leading blocks already handed to the worker for saving
+    skip: bool = False  # prompt embeddings: token ids do not identify the KV, never cached
+    hit: tuple[int, int] = (0, 0)  # (first block, number of blocks) of the last lookup
+    # Hybrid models (several KV cache groups): keys and engine block ids per group, what
+    # the last hit loads as (group, block position, key), and block positions where a hit
+    # is likely to end later (see `_window_keep`).
+    gkeys: dict[int, list[bytes]] = field(default_factory=dict)
+    gblock_ids: list[list[int]] = field(default_factory=list)
+    hit_plan: tuple[tuple[int, int, bytes], ...] = ()
+    marks: set[int] = field(default_factory=set)
+
+
+class KVScheduler(RoleBase):
+    """The scheduler role over `settings`. With `shared` (local placement: the worker runs in
+    this process and shares its store) lookups ask the shared cache; without it (remote
+    placement) they ask the index of the workers' keys and `probes` (per rank, the read-only
+    probes of its shared tiers). `shutdown` releases `shared` and closes the probes."""
+
+    def __init__(
+        self,
+        settings: KVSettings,
+        shared: SharedStore | None = None,
+        probes: list[list[tuple[str, StoreProbe]]] | None = None,
+    ) -> None:
+        super().__init__(settings, shared)
+        self._config = settings.config
+        self._block_size, self._block_bytes = settings.block_size, settings.block_bytes
+        self._tp_size = settings.tp_size
+        self._groups, self._hma = settings.groups, settings.hma
+        self._key_namespace = settings.keys_namespace
+        self._loads_on, self._stores_on = settings.loads_on, settings.stores_on
+        self.local = shared is not None
+        self.remote = RemoteIndex(settings.tp_size, self._count, probes, settings.config.deadlines)
+        self.local_lookup = (
+            LocalLookup(shared, settings.block_bytes, self._count, self._affordable)
+            if shared is not None
+            else None
+        )
+        self._reqs: dict[str, _Req] = {}
+        self._loads: list[LoadJob] = []
+        self._pending: dict[str, int] = {}  # req id -> store plans not reported finished
+        self._delayed: list[str] = []  # request_finished returned True; tell the worker
+        self._events: list[Event] = []
+        # Cost-aware loading ([loading], `tiercache.costs`): the gate, over the shared cache's
+        # estimates (local) or its own, fed by the worker's samples (remote).
+        self._gate = LoadGate(
+            self._config.loading, shared.cache.load_costs if shared is not None else None
+        )
+
+    def shutdown(self) -> None:
+        """Stop probes and verifying reads, then drop this role's reference to the store (the
+        last one closes it: write-back and flush)."""
+        self.remote.shutdown()
+        if self.local_lookup is not None:
+            self.local_lookup.shutdown()
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            release_store(shared)
+
+    def _lookup_local(self, keys: list[bytes], req_id: str = "") -> int | None:
+        assert self.local_lookup is not None
+        return self.local_lookup.lookup(keys, req_id)
+
+    def _state(self, request: Request) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            lora = getattr(request, "lora_request", None)
+            mm = [
+                (str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+                for f in (getattr(request, "mm_features", None) or [])
+            ]
+            extra = extra_keys_for(
+                block_size=self._block_size,
+                lora_name=getattr(lora, "lora_name", None) if lora else None,
+                cache_salt=getattr(request, "cache_salt", None),
+                mm_items=mm,
+            )
+            st = self._reqs[request.request_id] = _Req(request, extra)
+            st.skip = getattr(request, "prompt_embeds", None) is not None
+        return st
+
+    def _keys(self, st: _Req, n_blocks: int) -> list[bytes]:
+        """The first `n_blocks` prefix keys of the request (hashing again only when more
+        blocks filled up since the last call)."""
+        if len(st.keys) < n_blocks:
+            tokens = st.request.all_token_ids
+            full = len(tokens) // self._block_size
+            st.keys = prefix_hashes(
+                list(tokens[: full * self._block_size]),
+                self._block_size,
+                namespace=self._key_namespace,
+                extra_keys=st.extra,
+            )
+        return st.keys[:n_blocks]
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        st = self._state(request)
+        st.hit = (0, 0)
+        bs = self._block_size
+        # Never the block holding the last token: vLLM must compute at least one token.
+        limit = (request.num_tokens - 1) // bs
+        start = num_computed_tokens // bs
+        if (
+            limit <= start
+            or st.skip
+            or not self._loads_on
+            or getattr(request, "skip_reading_prefix_cache", False)
+        ):
+            return 0, False
+        if self._hma:
+            return self._match_groups(st, start, limit)
+        keys = self._keys(st, limit)[start:]
+        if self._shared is None:
+            n = self.remote.lookup(keys, request.request_id)
+        else:
+            n = self._lookup_local(keys, request.request_id)
+        if n is None:  # a block is moving between tiers, or a probe is slow: vLLM asks again
+            return None, False
+        if self._shared is None:  # cost-aware loading (local placement: in _lookup_local)
+            n = self._affordable(keys, n)
+        if n == 0:
+            return 0, False
+        st.hit = (start, n)
+        self._count("lookup_hit_blocks", n)
+        # Remote placement loads asynchronously: vLLM keeps the request waiting, and its blocks
+        # out of the prefix cache, until the worker reports the load, so a block that fails
+        # is recomputed by this request alone, never read by another one in the meantime.
+        return n * bs, self._shared is None
+
+    def _gkeys(self, st: _Req, group: KVGroup, n_blocks: int) -> list[bytes]:
+        """The first `n_blocks` keys of `group` (hybrid models), extended as blocks fill."""
+        have = st.gkeys.setdefault(group.index, [])
+        if len(have) < n_blocks:
+            base = self._keys(st, n_blocks)
+            have.extend(group_keys(base[len(have) :], group.name))
+        return have[:n_blocks]
+
+    def _has_fn(self) -> Any:
+        """Hybrid lookups: a quick "is this key worth asking for" predicate (local: the
+        manager's lookup of the key alone, which wakes a block dormant since the open and
+        finds one a shared tier holds unindexed, e.g. any block of a store opened lazily;
+        remote: the index, or any key not known damaged when shared tiers can be probed).
+        The real lookup then confirms (`_match_groups`)."""
+        if self._shared is not None:
+            manager = self._shared.cache.manager
+            return lambda k: manager.lookup_ready((k,), count=False, leaving=True)[0] > 0
+        return self.remote.has_fn()
+
+    def _match_groups(self, st: _Req, start: int, limit: int) -> tuple[int | None, bool]:
+        """`get_num_new_matched_tokens` for several KV cache groups: the longest hit from
+        block `start` every group can serve (full-attention groups: every block; sliding
+        windows: the blocks of the window before the hit's end), confirmed by the usual
+        lookup (local: pinned-free lookup, settle, cost gate, verified persistent reads;
+        remote: index and probes) over exactly the keys it loads. Loads are asynchronous, so
+        a failed one is reported for the request (vLLM cannot take block-level load errors
+        with several groups) and recomputed whole."""
+        bs = self._block_size
+        gk = {g.index: self._gkeys(st, g, limit) for g in self._groups}
+        full = [g for g in self._groups if not g.window_blocks]
+        has = self._has_fn()
+        end, plan = limit, ()
+        lock = self._shared.lock if self._shared is not None else contextlib.nullcontext()
+        while end > start:
+            with lock:
+                f = start
+                while f < end and all(has(gk[g.index][f]) for g in full):
+                    f += 1
+                st.marks.add(f)  # where the stored prefix ends: a later hit may end here
+                end = hit_end(self._groups, start, f, lambda g, p: has(gk[g][p]))
+            if end == start:
+                break
+            plan = tuple(
+                (g.index, p, gk[g.index][p])
+                for p in range(start, end)
+                for g in self._groups
+                if p in window_positions(g, start, end)
+            )
+            keys = [k for _, _, k in plan]
+            if self._shared is None:
+                m = self.remote.lookup(keys, st.request.request_id)
+                if m is not None:
+                    m = self._affordable(keys, m)
+            else:
+                m = self._lookup_local(keys, st.request.request_id)
+            if m is None:  # moving between tiers, or a probe is slow: vLLM asks again
+                return None, False
+            if m == len(keys):
+                break
+            end = plan[m][1]  # blocks before the first key not served; windows shift
+        n = end - start
+        if n <= 0:
+            return 0, False
+        st.hit, st.hit_plan = (start, n), plan
+        st.marks.add(end)
+        self._count("lookup_hit_blocks", n)
+        return n * bs, True
+
+    def _affordable(self, keys: list[bytes], n: int) -> int:
+        """Cost-aware loading: how many of the `n` leading hit `keys` to load (the rest is
+        recomputed), by the tier each block would load from: the first tier holding it (with
+        TP, the slowest rank's); a block the index does not place (found by a probe of a
+        shared tier) counts as the last tier's."""
+        if n == 0:
+            return 0
+        names = [t.name for t in self._config.tiers]
+        if self._shared is not None:
+            manager = self._shared.cache.manager
+            tiers = [names[(manager.where(k, leaving=True) or [-1])[0]] for k in keys[:n]]
+        else:
+            last = len(names) - 1
+            order = {m: i for i, m in enumerate(names)}
+            tiers = []
+            for k in keys[:n]:
+                ranks = self.remote.ranks(k)
+                fastest = [min(order.get(m, last) for m in ms) for ms in ranks.values() if ms]
+                tiers.append(names[max(fastest, default=last)])
+        d = self._gate.decide(tiers, block_bytes=self._block_bytes, block_tokens=self._block_size)
+        if d.load:
+            self._count("loading_blocks", d.load)
+        if d.declined:
+            self._count("loading_declined_blocks", d.declined)
+            log.debug(
+                "tiercache: loading %d of %d hit blocks (%.4f s) and recomputing the rest "
+                "(their load estimated slower than the %.4f s recompute it saves)",
+                d.load,
+                d.hit,
+                d.load_s,
+                d.recompute_s,
+            )
+        if d.cold:
+            self._count("loading_cold_blocks", d.load)
+        return d.load
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens == 0:
+            return
+        st = self._reqs[request.request_id]
+        start, n = st.hit
+        assert n * self._block_size == num_external_tokens, (st.hit, num_external_tokens)
+        if self._hma:
+            # Per group, the blocks vLLM allocated; a sliding window's blocks before its
+            # window are vLLM's null block (id 0), and the plan has none of them.
+            ids = blocks.get_block_ids()
+            pairs = [(k, ids[g][p]) for g, p, k in st.hit_plan if ids[g][p] != 0]
+            keys, targets = tuple(k for k, _ in pairs), tuple(b for _, b in pairs)
+            st.hit_plan = ()
+        else:
+            targets = tuple(blocks.get_block_ids()[0][start : start + n])
+            keys = tuple(st.keys[start : start + n])
+        spec = None
+        if self._shared is not None:
+            # Pin now (a block evicted since the lookup is left to the worker to report).
+            manager = self._shared.cache.manager
+            with self._shared.lock:
+                held = functools.partial(manager.where, leaving=True)
+                m = sum(1 for _ in itertools.takewhile(held, keys))
+                spec = manager.prepare_load(keys[:m], leaving=True) if m else None
+        remote = self._shared is None
+        self._loads.append(
+            LoadJob(request.request_id, keys, targets, spec, remote, asynchronous=self._hma)
+        )
+        st.hit = (0, 0)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheConnectorMetadata:
+        meta = TierCacheConnectorMetadata(loads=self._loads, delayed=self._delayed)
+        self._loads, self._delayed = [], []
+        meta.preempted = bool(scheduler_output.preempted_req_ids)
+        meta.step_tokens = int(scheduler_output.total_num_scheduled_tokens)
+        bs = self._block_size
+        # Block ids per KV cache group, as vLLM hands them over.
+        steps: list[tuple[str, tuple[list[int], ...] | None, bool, int]] = [
+            (r.req_id, tuple(r.block_ids), True, r.num_computed_tokens)
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            ids = tuple(new) if new else None
+            steps.append((req_id, ids, resumed, cached.num_computed_tokens[i]))
+        if not self._stores_on:  # kv_consumer: loads only
+            steps = []
+        planned: set[bytes] = set()  # hybrid: full-attention keys stored by this step
+        for req_id, new_groups, replace, computed in steps:
+            st = self._reqs.get(req_id)
+            if st is None or st.skip:  # never asked about (prefix caching off), or embeddings
+                continue
+            if self._hma:
+                scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                self._plan_groups(meta, st, new_groups, replace, computed, scheduled, planned)
+                continue
+            new_ids = new_groups[0] if new_groups else None
+            if replace:
+                st.block_ids = list(new_ids or [])
+            elif new_ids:
+                st.block_ids.extend(new_ids)
+            # num_computed_tokens can go backwards (a recomputed load error, a preemption):
+            # blocks from there on are saved again once recomputed.
+            st.stored = min(st.stored, computed // bs)
+            done = (computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // bs
+            done = min(done, len(st.block_ids), st.request.num_tokens // bs)
+            if done <= st.stored:
+                continue
+            keys = self._keys(st, done)
+            ids = st.block_ids[st.stored : done]
+            if 0 not in ids:  # the null block stands for a block vLLM does not hold
+                meta.stores.append(StoreJob(req_id, tuple(keys[st.stored : done]), tuple(ids)))
+                # Every rank saves its shard and reports the plan once.
+                self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
+            st.stored = done
+        return meta
+
+    def _plan_groups(
+        self,
+        meta: TierCacheConnectorMetadata,
+        st: _Req,
+        new_groups: tuple[list[int], ...] | None,
+        replace: bool,
+        computed: int,
+        scheduled: int,
+        planned: set[bytes],
+    ) -> None:
+        """`build_connector_meta` for several KV cache groups: the blocks this step completes,
+        every one for full-attention groups, for sliding windows those `_window_keep` keeps.
+        Only blocks completed by this step are stored: vLLM frees a sliding window's blocks
+        once they leave the window, without telling the connector."""
+        bs = self._block_size
+        req_id = st.request.request_id
+        if replace or not st.gblock_ids:
+            st.gblock_ids = [list(ids) for ids in (new_groups or [[] for _ in self._groups])]
+        elif new_groups:
+            for have, add in zip(st.gblock_ids, new_groups, strict=True):
+                have.extend(add)
+        st.stored = min(st.stored, computed // bs)
+        done = (computed + scheduled) // bs
+        done = min(done, *(len(ids) for ids in st.gblock_ids), st.request.num_tokens // bs)
+        if done <= st.stored:
+            return
+        keep = self._window_keep(st, st.stored, done, planned)
+        keys: list[bytes] = []
+        ids: list[int] = []
+        groups: list[int] = []
+        for g in self._groups:
+            gk = self._gkeys(st, g, done)
+            for p in range(st.stored, done):
+                b = st.gblock_ids[g.index][p]
+                if b == 0 or (g.window_blocks and p not in keep[g.index]):
+                    continue  # null block (vLLM does not hold it), or outside every window
+                keys.append(gk[p])
+                ids.append(b)
+                groups.append(g.index)
+                if not g.window_blocks:
+                    planned.add(gk[p])
+        if keys:
+            tokens = (done - st.stored) * bs
+            meta.stores.append(StoreJob(req_id, tuple(keys), tuple(ids), tuple(groups), tokens))
+            self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
+        st.stored = done
+
+    def _window_keep(self, st: _Req, lo: int, hi: int, planned: set[bytes]) -> dict[int, set[int]]:
+        """Per sliding-window group, the block positions in [lo, hi) to store: those inside
+        the window before a block where a later hit is likely to end, so that stored bytes
+        stay bounded by the window instead of growing with the prompt:
+
+        - the end of the prompt's hit (the block before the one holding its last token: the
+          same prompt again),
+        - where this request's lookup found the stored prefix ending (`_Req.marks`),
+        - where this request leaves what the store holds or another request of this step
+          stores (a shared prefix ends there: the next request sharing it hits there).
+
+        A hit ending elsewhere is served by the nearest such block before it."""
+        bs = self._block_size
+        n_keys = len(st.request.all_token_ids) // bs
+        marks = set(st.marks)
+        prompt_end = (st.request.num_prompt_tokens - 1) // bs
+        if prompt_end > 0:
+            marks.add(prompt_end)
+        full = [g for g in self._groups if not g.window_blocks]
+        if full:
+            wmax = max(g.window_blocks for g in self._groups)
+            top = min(hi + wmax, n_keys)
+            gk = self._gkeys(st, full[0], top)
+            known = self._known_fn(planned)
+            seen = {p: known(gk[p]) for p in range(lo, top)}
+            for c in range(lo + 1, top):
+                if seen[c - 1] and not seen[c]:
+                    marks.add(c)
+        out: dict[int, set[int]] = {}
+        for g in self._groups:
+            if g.window_blocks:
+                out[g.index] = {
+                    p for c in marks for p in range(max(lo, c - g.window_blocks), min(hi, c))
+                }
+        return out
+
+    def _known_fn(self, planned: set[bytes]) -> Any:
+        """Whether a key is stored (or being stored) already, or planned by this step."""
+        if self._shared is not None:
+            manager = self._shared.cache.manager
+            return lambda k: k in planned or manager.holds(k)
+        return lambda k: k in planned or self.remote.knows(k)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, TierCacheWorkerMetadata):
+            return
+        self.remote.suspend(meta.suspended)
+        self.remote.damaged(meta.bad)
+        if self._shared is None and (meta.load_samples or meta.forward_samples):
+            # Cost samples (remote placement; local shares the cache's estimates).
+            self._gate.costs.absorb(meta.load_samples, meta.forward_samples)
+        for req_id, n in meta.plans_done.items():
+            left = self._pending.get(req_id, 0) - n
+            if left > 0:
+                self._pending[req_id] = left
+            else:
+                self._pending.pop(req_id, None)
+        for rank, keys, medium, removed in meta.events:
+            if self._tp_size == 1:
+                self._events.append((keys, medium, removed))
+            if self._shared is None:
+                self._index_event(rank, keys, medium, removed)
+
+    def _index_event(self, rank: int, keys: tuple[bytes, ...], medium: str, removed: bool) -> None:
+        """Remote placement: `rank` now holds (or no longer holds) `keys` in `medium`; with
+        TP > 1, vLLM hears of the keys every rank now holds there, or no longer all do."""
+        changed = self.remote.apply(rank, keys, medium, removed)
+        if self._tp_size > 1 and changed:
+            self._events.append((changed, medium, removed))
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        # One entry per TP rank (vLLM's key is the rank; the metadata carries it too).
+        if self._shared is not None:
+            return
+        for m in metadata.values():
+            if isinstance(m, TierCacheHandshake):
+                for medium, keys in m.held.items():
+                    self._index_event(m.rank, tuple(keys), medium, False)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        self.remote.forget(request.request_id)
+        if self.local_lookup is not None:
+            self.local_lookup.forget(request.request_id)
+        if self._pending.get(request.request_id, 0) > 0:
+            self._delayed.append(request.request_id)
+            return True, None
+        return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events, self._events = self._events, []
+        for keys, medium, removed in events:
+            hashes: list[bytes | int] = list(keys)
+            if removed:
+                yield BlockRemoved(block_hashes=hashes, medium=medium)
+            else:
+                yield BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=self._block_size,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                )

