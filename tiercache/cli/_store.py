@@ -3,7 +3,7 @@
 Primitives:
 - `resolve(target)` -> `Target`: a TOML config (its tiers and telemetry directory), one store
   directory (NVMe: has meta.json; LMDB: has data.mdb) or a telemetry directory (stats.json).
-  An NVMe store's instances (``path/instance{k}``, tiers/nvme.py) are stores of their own.
+  An NVMe store's instances (``path/instance{k}``, tiers/nvme/layout.py) are stores of their own.
 - `inspect_store(ref, names)`: what a store holds, read-only (works beside a running engine).
 - `verify_store(ref, advance)`: every block read and checked; `repair_store` drops bad ones.
 - `list_blocks(ref)` / `drop_blocks(ref, keys)`: what `evict` and `clear` choose from and drop.

@@ -326,7 +326,7 @@ def per_rank_config(user: Mapping[str, Any], *, tp_rank: int, tp_size: int) -> d
 
 def per_dp_rank_config(user: Mapping[str, Any], *, dp_rank: int, dp_size: int) -> dict[str, Any]:
     """The user's config mapping for data-parallel rank `dp_rank` of `dp_size` engines on one
-    host: every NVMe tier gets ``instance = dp_rank`` (see tiers/nvme.py: rank 0 opens the
+    host: every NVMe tier gets ``instance = dp_rank`` (see tiers/nvme/layout.py: rank 0 opens the
     path itself, rank r > 0 ``path/instance{r}``); everything else is unchanged: the ranks
     share the namespace, the LMDB and Redis stores (and their capacity) and differ only in
     their private tiers. With `dp_size` 1 the mapping is returned unchanged. ConfigError when
