@@ -945,3 +945,29 @@ def test_discovery_while_redis_is_down_is_a_plain_miss(tmp_path) -> None:
         t.close()
     finally:
         srv.kill()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (b"not json", "unreadable tiercache metadata"),
+        (b'{"format": "other"}', "does not describe a tiercache Redis store"),
+        (b'{"format": "tiercache-redis", "version": 999}', "format version 999"),
+    ],
+)
+def test_foreign_or_newer_store_meta_is_refused_naming_the_prefix(server, value, message) -> None:
+    """The store's metadata key is checked by the one store-meta rule (`store_dir.MetaFormat`):
+    a foreign or newer store under the prefix is a ConfigError on `prefix`, and its key is
+    left as it was."""
+    from tiercache.tiers.redis.client import META_SUFFIX, STORE_FORMAT
+
+    prefix, namespace = unique_prefix("meta"), "model/bf16"
+    value = value.replace(b"tiercache-redis", STORE_FORMAT.encode())
+    client = redis.Redis.from_url(server.url)
+    meta_key = (prefix + namespace).encode() + META_SUFFIX
+    client.set(meta_key, value)
+    with pytest.raises(ConfigError, match=message) as exc:
+        open_tier(server, prefix=prefix, namespace=namespace)
+    assert exc.value.field.endswith("prefix")
+    assert "choose another prefix" in str(exc.value) or message.startswith("unreadable")
+    assert client.get(meta_key) == value

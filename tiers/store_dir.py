@@ -129,25 +129,32 @@ class MetaFormat:
     store_format: str
     version: int
     positive: tuple[str, ...] = ("block_bytes",)
+    # The config field a mismatch is charged to, and what the user can do about it: a store
+    # on disk is a directory (`path`); a Redis store is a key prefix (`prefix`).
+    field: str = "path"
+    advice: str = "use another directory or remove it"
 
     def check(self, meta: object, where: str) -> dict[str, Any]:
         """`meta` (a store's decoded metadata) as a dict when it is this format; else
-        ConfigError("path") naming the problem, `where` naming the metadata."""
+        ConfigError(`field`) naming the problem, `where` naming the metadata."""
         if not isinstance(meta, dict):
-            raise ConfigError("path", f"{where}: unreadable tiercache metadata")
+            raise ConfigError(self.field, f"{where}: unreadable tiercache metadata")
         if meta.get("format") != self.store_format:
-            raise ConfigError("path", f"{where} does not describe a tiercache {self.kind} store")
+            raise ConfigError(
+                self.field,
+                f"{where} does not describe a tiercache {self.kind} store ({self.advice})",
+            )
         if meta.get("version") != self.version:
             raise ConfigError(
-                "path",
+                self.field,
                 f"{where} holds a tiercache {self.kind} store of format version "
-                f"{meta.get('version')!r}; this build reads version {self.version} (use another "
-                "directory or remove it)",
+                f"{meta.get('version')!r}; this build reads version {self.version} "
+                f"({self.advice})",
             )
         for k in self.positive:
             v = meta.get(k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError("path", f"{where}: bad {k} {v!r} in tiercache metadata")
+                raise ConfigError(self.field, f"{where}: bad {k} {v!r} in tiercache metadata")
         return meta
 
     def parse(self, raw: bytes | memoryview, where: str) -> dict[str, Any]:

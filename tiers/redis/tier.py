@@ -53,13 +53,17 @@ from tiercache.tiers.redis.client import (
     secret,
     shown,
 )
-from tiercache.tiers.store_dir import over_capacity
+from tiercache.tiers.store_dir import MetaFormat, over_capacity
 
 log = logging.getLogger(__package__)  # "tiercache.tiers.redis", as before the split
 
 PIPELINE_BYTES = 64 << 20  # most value bytes in one pipeline execute (bounds client memory)
 SCAN_BATCH = 1000
 BACKOFF_START_S = 0.1
+# The store's metadata key (format, version, block size): a mismatch names the prefix.
+_META_FORMAT = MetaFormat(
+    "Redis", STORE_FORMAT, STORE_VERSION, field="prefix", advice="choose another prefix"
+)
 _COUNTERS = (
     "blocks_written",
     "raw_bytes",
@@ -281,22 +285,8 @@ class RedisTier(KeyedTier):
             if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
                 raise
         raw = client.get(self._meta_key)
-        try:
-            got = json.loads(raw.decode()) if raw is not None else meta
-        except (UnicodeDecodeError, ValueError):
-            got = None
-        if not isinstance(got, dict) or got.get("format") != STORE_FORMAT:
-            raise ConfigError(
-                "prefix",
-                f"{self._meta_key!r} on {self._url_shown} holds no tiercache metadata; "
-                "choose another prefix",
-            )
-        if got.get("version") != STORE_VERSION:
-            raise ConfigError(
-                "prefix",
-                f"the store under {self._kprefix!r} has format version {got.get('version')!r}, "
-                f"this build reads {STORE_VERSION}; choose another prefix",
-            )
+        where = f"{self._meta_key!r} on {self._url_shown}"
+        got = meta if raw is None else _META_FORMAT.parse(raw, where)
         if got.get("block_bytes") != self.block_bytes:
             raise ConfigError(
                 "block_bytes",
