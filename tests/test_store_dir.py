@@ -213,3 +213,19 @@ def test_over_capacity(caplog) -> None:
     assert (
         rec.getMessage() == "/s: holds 11 blocks of this namespace, capacity is 8: the 3 oldest go"
     )
+
+
+def test_block_bytes_mismatch_names_the_field_and_the_way_out() -> None:
+    """One rule for every store: the block size recorded must be the tier's."""
+    nvme = MetaFormat("NVMe", "f", 1)
+    nvme.check_block_bytes(4096, 4096, "the store at 'x'")  # equal: nothing raised
+    with pytest.raises(
+        ConfigError,
+        match=r"holds blocks of 4096 bytes; .*block_bytes=8192 "
+        r"\(use the same block size or another path\)",
+    ) as exc:
+        nvme.check_block_bytes(4096, 8192, "the store at 'x'")
+    assert exc.value.field == "block_bytes"
+    redis = MetaFormat("Redis", "f", 1, other="prefix")
+    with pytest.raises(ConfigError, match="or another prefix"):
+        redis.check_block_bytes(None, 8192, "the store under b'p'")

@@ -133,6 +133,17 @@ class MetaFormat:
     # on disk is a directory (`path`); a Redis store is a key prefix (`prefix`).
     field: str = "path"
     advice: str = "use another directory or remove it"
+    other: str = "path"  # what else a tier opened with another block size can use
+
+    def check_block_bytes(self, stored: object, wanted: int, where: str) -> None:
+        """ConfigError("block_bytes") unless the store (`where`) holds blocks of `wanted`
+        bytes, the block size this tier was opened with."""
+        if stored != wanted:
+            raise ConfigError(
+                "block_bytes",
+                f"{where} holds blocks of {stored!r} bytes; this tier was opened with "
+                f"block_bytes={wanted} (use the same block size or another {self.other})",
+            )
 
     def check(self, meta: object, where: str) -> dict[str, Any]:
         """`meta` (a store's decoded metadata) as a dict when it is this format; else

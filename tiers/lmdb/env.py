@@ -205,7 +205,7 @@ def attach(path: str, block_bytes: int, map_size: int, sync: str) -> _SharedEnv:
         if shared is None:
             shared = _ENVS[path] = _open_env(path, block_bytes, map_size, sync)
         else:
-            _check_block_bytes(path, shared.block_bytes, block_bytes)
+            _META_FORMAT.check_block_bytes(shared.block_bytes, block_bytes, path)
             if map_size > shared.map_size:
                 # Growing the map of an environment in use needs every transaction of this
                 # process closed: refuse rather than remap under another tier's readers.
@@ -247,15 +247,6 @@ def borrow(path: str) -> _SharedEnv | None:
 def is_open(path: str) -> bool:
     """Whether this process holds the LMDB environment at `path` open (as a tier)."""
     return os.path.realpath(path) in _ENVS
-
-
-def _check_block_bytes(path: str, stored: int, wanted: int) -> None:
-    if stored != wanted:
-        raise ConfigError(
-            "block_bytes",
-            f"{path} holds blocks of {stored} bytes; this tier was opened with "
-            f"block_bytes={wanted} (use the same block size or another path)",
-        )
 
 
 def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> _SharedEnv:
@@ -333,7 +324,7 @@ def _init_store(env: lmdb.Environment, path: str, block_bytes: int) -> tuple[Any
             txn.put(META_KEY, json.dumps(meta, sort_keys=True).encode(), db=meta_db)
         else:
             meta = _parse_meta(path, raw)
-            _check_block_bytes(path, meta["block_bytes"], block_bytes)
+            _META_FORMAT.check_block_bytes(meta["block_bytes"], block_bytes, path)
         return (meta_db, *(env.open_db(n, txn=txn) for n in (HEADS_DB, BLOCKS_DB, ORDER_DB)))
 
 

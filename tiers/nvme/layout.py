@@ -159,13 +159,7 @@ def store_meta(block_bytes: int, capacity_blocks: int, slot_bytes: int) -> dict[
 def check_meta(meta: dict[str, Any], path: str, block_bytes: int, slot_bytes: int) -> None:
     """ConfigError unless the store at `path` (its `meta`) holds blocks of `block_bytes` in
     slots of `slot_bytes` with this build's header."""
-    if meta.get("block_bytes") != block_bytes:
-        raise ConfigError(
-            "block_bytes",
-            f"the store at {path!r} holds blocks of "
-            f"{meta.get('block_bytes')!r} bytes, not "
-            f"{block_bytes}; use another path",
-        )
+    _META_FORMAT.check_block_bytes(meta.get("block_bytes"), block_bytes, f"the store at {path!r}")
     if meta.get("slot_bytes") != slot_bytes or meta.get("header_bytes") != HEADER_SIZE:
         raise ConfigError(
             "path",

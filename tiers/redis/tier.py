@@ -62,7 +62,12 @@ SCAN_BATCH = 1000
 BACKOFF_START_S = 0.1
 # The store's metadata key (format, version, block size): a mismatch names the prefix.
 _META_FORMAT = MetaFormat(
-    "Redis", STORE_FORMAT, STORE_VERSION, field="prefix", advice="choose another prefix"
+    "Redis",
+    STORE_FORMAT,
+    STORE_VERSION,
+    field="prefix",
+    advice="choose another prefix",
+    other="prefix",
 )
 _COUNTERS = (
     "blocks_written",
@@ -287,13 +292,9 @@ class RedisTier(KeyedTier):
         raw = client.get(self._meta_key)
         where = f"{self._meta_key!r} on {self._url_shown}"
         got = meta if raw is None else _META_FORMAT.parse(raw, where)
-        if got.get("block_bytes") != self.block_bytes:
-            raise ConfigError(
-                "block_bytes",
-                f"the store under {self._kprefix!r} holds blocks of {got.get('block_bytes')} "
-                f"bytes; this tier was opened with block_bytes={self.block_bytes} "
-                "(use the same block size or another prefix)",
-            )
+        _META_FORMAT.check_block_bytes(
+            got.get("block_bytes"), self.block_bytes, f"the store under {self._kprefix!r}"
+        )
 
     def _conn(self) -> Any:
         """The client, or OSError at once while the tier is in its backoff window."""
