@@ -971,3 +971,32 @@ def test_foreign_or_newer_store_meta_is_refused_naming_the_prefix(server, value,
     assert exc.value.field.endswith("prefix")
     assert "choose another prefix" in str(exc.value) or message.startswith("unreadable")
     assert client.get(meta_key) == value
+
+
+def _clients(observer: redis.Redis) -> int:
+    """Connections the server holds open, the observer's own left out."""
+    return len(observer.client_list()) - 1
+
+
+def test_close_and_a_refused_open_leave_no_connection_open(server) -> None:
+    # The tier builds its client on a pool of its own, which `Redis.close` alone leaves
+    # connected: its sockets stayed open until the garbage collector found them.
+    import gc
+
+    observer = server.client()
+    try:
+        gc.collect()  # other tests' tiers, dropped without close
+        before = _clients(observer)
+        prefix = unique_prefix("close")
+        t = open_tier(server, block_bytes=256, prefix=prefix)
+        keys = keys_for(4, 3)
+        t.write(t.allocate(keys), rand_blocks(4, 256, 2), keys)
+        assert _clients(observer) > before
+        t.close()
+        assert _clients(observer) <= before
+        # A store under this prefix with another block size: refused, and nothing stays open.
+        with pytest.raises(ConfigError, match="block_bytes"):
+            open_tier(server, block_bytes=512, prefix=prefix)
+        assert _clients(observer) <= before
+    finally:
+        observer.close()

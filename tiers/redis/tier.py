@@ -46,6 +46,7 @@ from tiercache.tiers.redis.client import (
     STORE_FORMAT,
     STORE_VERSION,
     auth_error,
+    close_client,
     glob_escape,
     make_client,
     parse_nodes,
@@ -257,6 +258,13 @@ class RedisTier(KeyedTier):
         """Connect, check the store's metadata and index what it holds. An unreachable server
         is not fatal (the tier starts unavailable and retries); bad credentials are."""
         try:
+            self._connect_at_open()
+        except ConfigError:  # refused: the tier is never built, so nothing else closes it
+            self._shutdown_client()
+            raise
+
+    def _connect_at_open(self) -> None:
+        try:
             client = self._make_client()
             self._client = client
             client.ping()
@@ -321,8 +329,11 @@ class RedisTier(KeyedTier):
             raise OSError(errno.ECONNREFUSED, f"{self.medium}: connect failed: {exc}") from None
         with self._lock:
             if self._client is None:
-                self._client = client
-            return self._client
+                self._client, client = client, None
+            kept = self._client
+        if client is not None:  # another thread's client won
+            self._close_quietly(client)
+        return kept
 
     def _mark_up(self) -> None:
         if self._up:
@@ -645,10 +656,15 @@ class RedisTier(KeyedTier):
     def _shutdown_client(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            try:
-                client.close()
-            except RedisError as exc:  # pragma: no cover - closing sockets rarely fails
-                log.debug("%s: closing the client: %s", self.medium, exc)
+            self._close_quietly(client)
+
+    def _close_quietly(self, client: Any) -> None:
+        """Close `client` and its pool's sockets: the tier builds its clients on a pool of
+        its own, which `Redis.close` leaves connected."""
+        try:
+            close_client(client)
+        except RedisError as exc:  # pragma: no cover - closing sockets rarely fails
+            log.debug("%s: closing the client: %s", self.medium, exc)
 
     def __repr__(self) -> str:
         return (
