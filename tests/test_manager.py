@@ -202,6 +202,34 @@ def test_write_through_copies_new_blocks_below_off_the_store_path() -> None:
     assert all(set(mv.keys).isdisjoint(chain(0, 2)) for mv in out.moves)
 
 
+def test_a_block_moving_when_its_write_through_is_planned_is_copied_once_it_lands() -> None:
+    # t0 -> t1 written back, t2 written through: every stored block must reach t2 (a fleet's
+    # shared store), however its demotion from t0 and its copy are interleaved.
+    caps = (2, 2, 8)
+    tiers = [CPUTier(name=f"t{i}", block_bytes=8, capacity_blocks=c) for i, c in enumerate(caps)]
+    m = OffloadingManager(
+        tiers, [LRUPolicy(2), LRUPolicy(2), LRUPolicy(8)], write_through=[False, False, True]
+    )
+    store(m, chain(0, 2))  # queued for t2
+    # A store evicts both from t0 before their copies are planned: they move into t1.
+    out = m.prepare_store(chain(10, 12))
+    (mv,) = out.moves
+    assert set(mv.keys) == set(chain(0, 2))
+    # Planned while they move (ready nowhere): no copy yet, and none given up.
+    moves = m.plan_write_through(limit=8)
+    assert all(set(w.keys).isdisjoint(chain(0, 2)) for w in moves)
+    assert m.stats()["t2"]["through_dropped"] == 0
+    m.complete_store(mv.keys)
+    m.complete_store(out.keys_to_store)
+    # Landed in t1: the copy reads them from there.
+    copies = m.plan_write_through(limit=8)
+    src = {k: w.src.tier for w in copies for k in w.keys}
+    assert src[K(0)] == 1 and src[K(1)] == 1
+    m.complete_write_through([k for w in copies for k in w.keys])
+    assert 2 in m.where(K(0)) and 2 in m.where(K(1))
+    assert m.stats()["t2"]["through_dropped"] == 0
+
+
 def test_failed_write_through_frees_its_slot_and_unpins() -> None:
     tiers = [CPUTier(name=f"t{i}", block_bytes=8, capacity_blocks=c) for i, c in enumerate((4, 8))]
     m = OffloadingManager(tiers, [LRUPolicy(4), LRUPolicy(8)], write_through=[False, True])
