@@ -230,6 +230,31 @@ def test_a_block_moving_when_its_write_through_is_planned_is_copied_once_it_land
     assert m.stats()["t2"]["through_dropped"] == 0
 
 
+def test_victims_go_past_a_lower_tier_full_of_blocks_in_flight_or_suspended() -> None:
+    m = make(2, 2, 8)
+    store(m, chain(0, 2))
+    # chain(0, 2) leaves t0 for t1; its move is still running: t1 has no slot to give.
+    first = m.prepare_store(chain(2, 4))
+    (mv,) = first.moves
+    assert mv.dst.tier == 1
+    m.complete_store(first.keys_to_store)
+    # The next victims go on into t2 instead of being dropped (under load, a busy t1 lost
+    # the head of a chain this way: it was in no tier afterwards).
+    out = m.prepare_store(chain(4, 6))
+    assert [(w.src.tier, w.dst.tier, set(w.keys)) for w in out.moves] == [(0, 2, set(chain(2, 4)))]
+    for w in (mv, *out.moves):
+        m.complete_store(w.keys)
+    m.complete_store(out.keys_to_store)
+    assert m.stats()["t0"]["dropped"] == 0
+    assert [m.where(k) for k in chain(0, 6)] == [[1], [1], [2], [2], [0], [0]]
+    # A suspended t1 (it hung) is passed by too: nothing waits on it, nothing is lost.
+    m.suspend(1)
+    out = store(m, chain(6, 8))
+    assert {w.dst.tier for w in out.moves} == {2}
+    assert [m.where(k) for k in chain(4, 6)] == [[2], [2]]
+    assert m.stats()["t0"]["dropped"] == 0
+
+
 def test_failed_write_through_frees_its_slot_and_unpins() -> None:
     tiers = [CPUTier(name=f"t{i}", block_bytes=8, capacity_blocks=c) for i, c in enumerate((4, 8))]
     m = OffloadingManager(tiers, [LRUPolicy(4), LRUPolicy(8)], write_through=[False, True])

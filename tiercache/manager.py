@@ -582,8 +582,8 @@ class OffloadingManager:
 
     def _evict(self, level: Level, victims: list[bytes], moves: list[BlockMove]) -> None:
         """Remove `victims` (already taken out of the policy) from `level`, demoting those no
-        lower tier holds into the next tier. Deeper moves are appended before this level's
-        move, because the slots they free may be the ones this level's move writes into."""
+        lower tier holds into the next tier that takes them. Deeper moves are appended before
+        this level's move: the slots they free may be the ones this level's move writes into."""
         if self._open_marks:
             self._send_open(level)
         slots_of = level.slots
@@ -630,19 +630,22 @@ class OffloadingManager:
         # the copy becomes as recent as a demotion would have made it (now the only copy).
         for lv in self._levels[level.index + 1 :] if below else ():
             below = lv.warm(self._ready, below)
-        nxt = self._levels[level.index + 1] if level.index + 1 < len(self._levels) else None
-        if nxt is not None and nxt.bit & self._breaker.mask():
-            nxt = None  # suspended (it hung): a demotion would wait on it; the victims go
-        if demote and nxt is not None and nxt.bit & self._admit_mask:
-            keep = set(self._admitted(nxt, demote))
-            if len(keep) < len(demote):
-                level.counters.dropped += len(demote) - len(keep)
-                pairs = [(k, s) for k, s in zip(demote, demote_slots, strict=True) if k in keep]
-                demote, demote_slots = [k for k, _ in pairs], [s for _, s in pairs]
-        if demote and (
-            nxt is None or not self._demote_into(nxt, level, demote, demote_slots, moves)
-        ):
-            level.counters.dropped += len(demote)
+        # The victims go into the first lower tier that admits them and has room, past a
+        # suspended one (it hung: a demotion would wait on it) and a full one (its slots taken
+        # by blocks in flight: under load, the next tier's stores); what none takes goes.
+        off = self._breaker.mask()
+        for lv in self._levels[level.index + 1 :] if demote else ():
+            if lv.bit & off:
+                continue
+            fit = set(self._admitted(lv, demote) if lv.bit & self._admit_mask else demote)
+            keys = [k for k in demote if k in fit]
+            slots = [s for k, s in zip(demote, demote_slots, strict=True) if k in fit]
+            if keys and self._demote_into(lv, level, keys, slots, moves):
+                rest = [(k, s) for k, s in zip(demote, demote_slots, strict=True) if k not in fit]
+                demote, demote_slots = [k for k, _ in rest], [s for _, s in rest]
+            if not demote:
+                break
+        level.counters.dropped += len(demote)
         # Slots go back only after the move is planned: the move reads them first.
         level.tier.free(freed)
 
