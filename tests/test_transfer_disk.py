@@ -178,3 +178,40 @@ def test_disk_handler_validation() -> None:
         worker.close()
     with pytest.raises(ValueError, match="threads"):
         DiskHandler([cpu], threads=0)
+
+
+def test_a_second_namespace_on_a_full_nvme_store_stores_and_loads(tmp_path) -> None:
+    # Namespace "a" fills the store; "b" (another model, a changed config) then opens it: a's
+    # blocks are kept in their slots, so b's are numbered past the capacity. The transfer
+    # engine refused them ("slots outside tier"), so b stored and loaded nothing.
+    from tiercache.tiers.nvme import NVMeTier
+
+    caches, kv_first = make_kv("kv_separate", NB)
+    layout = KVLayout(caches, NB, 2)
+    path, bb = str(tmp_path / "nvme"), layout.block_bytes
+    a = NVMeTier(name="nvme", path=path, block_bytes=bb, capacity_blocks=4, namespace="a")
+    keys_a = [K(i) for i in range(4)]
+    a.write(a.allocate(keys_a), torch.ones(4, bb, dtype=torch.uint8), keys_a)
+    a.close()
+    b = NVMeTier(name="nvme", path=path, block_bytes=bb, capacity_blocks=4, namespace="b")
+    keys_b = [K(100 + i) for i in range(2)]
+    slots = b.allocate(keys_b)
+    assert slots is not None and max(slots) >= b.capacity_blocks < b.slot_count
+    src, dst = [0, 1, 2, 3], [8, 9, 10, 11]  # two slots of two engine blocks each
+    want = snapshot(caches, kv_first, src)
+    worker = build_worker(layout, [b])
+    try:
+        worker.transfer_async(1, (GPULoadStoreSpec(src), spec(0, "nvme", slots, keys_b)))
+        worker.transfer_async(2, (spec(0, "nvme", slots, keys_b), GPULoadStoreSpec(dst)))
+        got = drain(worker, [1, 2])
+        assert all(r.success for r in got.values())
+        assert_blocks(caches, kv_first, dst, want)
+    finally:
+        worker.close()
+        b.close()
+    # a's blocks are still there for a.
+    a = NVMeTier(name="nvme", path=path, block_bytes=bb, capacity_blocks=4, namespace="a")
+    try:
+        assert sorted(k for k, _ in a.recover()) == sorted(keys_a)
+    finally:
+        a.close()

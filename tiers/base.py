@@ -112,6 +112,12 @@ class Tier(ABC):
         return self._capacity
 
     @property
+    def slot_count(self) -> int:
+        """Slot numbers run from 0 to slot_count - 1: the capacity, or more in a tier that
+        keeps another namespace's blocks in slots of its own (NVMe)."""
+        return self._capacity
+
+    @property
     def used_blocks(self) -> int:
         return self._capacity - len(self._free)
 

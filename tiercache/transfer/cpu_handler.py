@@ -34,10 +34,9 @@ def tier_of(tiers: Sequence[Tier], spec: TierLoadStoreSpec) -> Tier:
 
 def check_ranges(job: Job, tier: Tier, side: TierLoadStoreSpec, num_blocks: int) -> None:
     """Slots inside the tier, engine block ids inside the engine buffer."""
-    if side.slots and not (min(side.slots) >= 0 and max(side.slots) < tier.capacity_blocks):
+    if side.slots and not (min(side.slots) >= 0 and max(side.slots) < tier.slot_count):
         raise ValueError(
-            f"job {job.job_id}: slots outside tier {tier.medium!r} "
-            f"(capacity {tier.capacity_blocks})"
+            f"job {job.job_id}: slots outside tier {tier.medium!r} (slots 0..{tier.slot_count - 1})"
         )
     for spec in (job.src, job.dst):
         ids = spec.block_ids if isinstance(spec, GPULoadStoreSpec) else ()

@@ -362,6 +362,11 @@ class NVMeTier(Tier):
                 len(items) - len(checked),
             )
 
+    @property
+    def slot_count(self) -> int:
+        # Kept blocks of other namespaces hold slots too: ours may be numbered past capacity.
+        return max(self.capacity_blocks, self._nslots)
+
     def _settle(self, got: recovery.Replayed) -> None:
         """Adopt the entries an open found: ours up to the capacity, the rest kept (lock
         held; `recovery.settle`)."""
