@@ -132,8 +132,19 @@ def test_pending_deletes_rules() -> None:
     p.add([key(4)])
     p.restore(taken, stored=[key(1)])  # the send failed; key(1) was stored meanwhile
     assert p.entries == {key(4): None, b"bad": 7}
-    p.restore([key(6)])
-    assert key(6) in p and p.snapshot() == {key(4), b"bad", key(6)}
+    # Stored again while its delete was out (another thread's write): a failed send must
+    # not make the delete of a live key pending again.
+    taken = p.take()
+    p.unpend([key(4)])
+    p.restore(taken)
+    assert p.entries == {b"bad": 7}
+    # Sent: forgotten, a late restore puts nothing back.
+    p.add([key(6)])
+    taken = p.take()
+    assert set(taken) == {key(6), b"bad"}
+    p.sent(taken)
+    p.restore(taken)
+    assert not p and p.snapshot() == set()
 
 
 def test_probe_stops_at_a_pending_key() -> None:

@@ -268,6 +268,41 @@ def test_key_freed_then_stored_again_is_not_deleted(server) -> None:
         t.close()
 
 
+def test_a_failed_flush_never_deletes_a_key_stored_again_meanwhile(server, monkeypatch) -> None:
+    # flush() sends its deletes outside the tier's lock. If another thread stores a freed key
+    # again meanwhile and the send fails, the delete went back to pending, and the next
+    # flush deleted the live block.
+    t = open_tier(server, capacity=4, block_bytes=256)
+    c = server.client()
+    try:
+        keys = keys_for(2, 9)
+        slots = t.allocate(keys)
+        t.write(slots, rand_blocks(2, 256, 1), keys)
+        t.free(slots[:1])
+        run = t._run
+        again: list[int] = []
+
+        def fails_after_a_store(client, cmds, what):
+            if what == "delete":  # the other thread's store lands while the deletes are out
+                again.extend(t.allocate(keys[:1]))
+                t.write(again, rand_blocks(1, 256, 5), keys[:1])
+                raise OSError(104, "connection reset (injected)")
+            return run(client, cmds, what)
+
+        monkeypatch.setattr(t, "_run", fails_after_a_store)
+        with pytest.raises(OSError, match="injected"):
+            t.flush()
+        monkeypatch.setattr(t, "_run", run)
+        assert t.stats()["pending_deletes"] == 0
+        t.flush()
+        assert c.exists(t.redis_key(keys[0])) == 1
+        out = torch.empty((1, 256), dtype=torch.uint8)
+        assert t.read(again, out, keys[:1]) == []
+        assert torch.equal(out, rand_blocks(1, 256, 5))
+    finally:
+        t.close()
+
+
 def test_recovery_keeps_the_newest_capacity_blocks(server) -> None:
     prefix = unique_prefix("cap")
     t = open_tier(server, capacity=8, prefix=prefix)

@@ -96,10 +96,13 @@ class PendingDeletes:
     Not locked: callers hold the lock that guards it (LMDB: the shared environment's state
     lock, for every tier of the process on that environment; Redis: the tier's lock)."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("_sending", "entries")
 
     def __init__(self) -> None:
         self.entries: dict[bytes, int | None] = {}
+        # Taken and neither sent nor restored yet: a key stored again meanwhile leaves it, so
+        # a failed send never restores the delete of a live key.
+        self._sending: set[bytes] = set()
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -117,22 +120,30 @@ class PendingDeletes:
 
     def unpend(self, keys: Iterable[bytes]) -> None:
         """Keys stored again (live: no pending delete may remove them), or deleted."""
-        if self.entries:
+        if self.entries or self._sending:
             for k in keys:
                 self.entries.pop(k, None)
+                self._sending.discard(k)
 
     def take(self) -> dict[bytes, int | None]:
-        """Every pending delete, to send now; the set is left empty (see `restore`)."""
+        """Every pending delete, to send now; the set is left empty. Then `sent` or
+        `restore` them."""
         taken, self.entries = self.entries, {}
+        self._sending.update(taken)
         return taken
 
+    def sent(self, taken: Iterable[bytes]) -> None:
+        """Deletes `take`n have been sent."""
+        self._sending.difference_update(taken)
+
     def restore(self, taken: Iterable[bytes], stored: Collection[bytes] = ()) -> None:
-        """Deletes `take`n and not sent (the call failed) are pending again, except keys in
-        `stored`: stored again meanwhile, they are live."""
+        """Deletes `take`n and not sent (the call failed) are pending again, except keys
+        stored again since the take (`unpend`) or in `stored`: they are live."""
         values = taken if isinstance(taken, dict) else dict.fromkeys(taken)
         for k, v in values.items():
-            if k not in stored:
+            if k in self._sending and k not in stored:
                 self.entries[k] = v
+        self._sending.difference_update(values)
 
     def snapshot(self) -> set[bytes]:
         """The pending keys now (a probe's view, taken under the lock, used outside it)."""

@@ -473,7 +473,7 @@ class RedisTier(KeyedTier):
             stored += len(payload)
         with self._lock:
             self._pending.unpend(keys)
-            dels = list(self._pending.take())
+            dels = taken = list(self._pending.take())
         rkeys = [self._kprefix + k for k in keys]
         px = self._ttl_ms
         try:
@@ -492,10 +492,12 @@ class RedisTier(KeyedTier):
         except OSError:
             with self._lock:  # deletes not sent stay pending
                 self._pending.restore(dels, stored=set(keys))
+                self._pending.sent(taken)  # those of the chunks that went through
             raise
         with self._lock:
             # Claimed after the send (LMDB claims before its commit): a failed write leaves
             # the slots unowned, so freeing them deletes nothing.
+            self._pending.sent(taken)
             self._pending.add(self._claim(slots, keys))
             self._keep.difference_update(keys)
             self._pending.unpend(keys)
@@ -639,6 +641,8 @@ class RedisTier(KeyedTier):
             with self._lock:
                 self._pending.restore(dels)
             raise
+        with self._lock:
+            self._pending.sent(dels)
 
     def close(self) -> None:
         if self._closed:
