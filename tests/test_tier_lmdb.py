@@ -786,3 +786,29 @@ def test_discovery_beside_a_writer_that_keeps_evicting(tmp_path) -> None:
         st = cache.stats()["lmdb"]
         assert st["discovered"] > 0 and served > 0
     assert json.loads(out)["puts"] > 0
+
+
+def test_over_capacity_at_open_counts_what_is_held_after_dropping_malformed_entries(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = keys_for(6, 41)
+    t = open_tier(tmp_path / "lmdb", capacity=6, block_bytes=256)
+    t.write(t.allocate(keys), rand_blocks(6, 256, 4), keys)
+    t.close()
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=8, mode=0o600)
+    try:  # one block loses its payload (damage): its entry is dropped at the next open
+        db = env.open_db(b"blocks", create=False)
+        with env.begin(write=True, db=db) as txn:
+            assert txn.delete(sk(keys[0]))
+    finally:
+        env.close()
+    with caplog.at_level(logging.WARNING, logger="tiercache"):
+        t = open_tier(tmp_path / "lmdb", capacity=4, block_bytes=256)
+    try:
+        warned = [r.getMessage() for r in caplog.records if "capacity is 4" in r.getMessage()]
+        # 6 entries, 1 malformed: 5 held, 1 over (it said "holds 6").
+        assert len(warned) == 1 and "holds 5 blocks" in warned[0], warned
+        assert t.open_report["blocks_dropped"] == 1
+        assert t.open_report["blocks_over_capacity"] == 1
+    finally:
+        t.close()

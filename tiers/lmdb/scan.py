@@ -170,9 +170,10 @@ def scan(
             for sk, seq in bad.items():  # with the seq each delete wants
                 shared.pending.add((sk,), seq)
         commit()
-    excess = over_capacity(count - len(bad), scope.capacity)
+    held = count - len(bad)  # the malformed entries just dropped are not held
+    excess = over_capacity(held, scope.capacity)
     then = "indexing the newest; " + EVICTS_LATER
-    warn_over_capacity(log, scope.path, count, scope.capacity, excess, then)
+    warn_over_capacity(log, scope.path, held, scope.capacity, excess, then)
     report = {
         "bulk_scan": int(fast is not None),
         "blocks_dropped": len(bad),
