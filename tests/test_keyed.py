@@ -90,6 +90,46 @@ def test_is_header_of_agrees_with_header_problem() -> None:
     assert not fmt.is_header_of(None, key(1), NS, BB)
 
 
+def _decoded_check(buf: object, k: bytes, ns: int, raw_len: int) -> bool:
+    """The reference `header_check` must agree with: decode the header, then header_problem."""
+    if not isinstance(buf, bytes | memoryview) or len(buf) < fmt.HEADER_SIZE:
+        return False
+    try:
+        h = fmt.decode_header(buf)
+    except fmt.BlockCorruptError:
+        return False
+    return fmt.header_problem(h, k, ns, raw_len) is None
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("raw_len", [BB, BB + 1])
+def test_header_check_accepts_exactly_what_decoding_accepts(compression: str, raw_len: int) -> None:
+    # Every single-byte change of a real header (each byte set to several values, the
+    # codec byte to every one), plus lengths, keys, namespaces and a memoryview (as LMDB
+    # hands them out): the byte compares answer as decode_header + header_problem do.
+    rows = {
+        "raw": fmt.encode_block(key(1), b"x" * raw_len, namespace=NS, seq=3)[0],
+        "packed": fmt.encode_block(
+            key(1), bytes(raw_len), namespace=NS, seq=3, compression=compression
+        )[0],
+    }
+    check = fmt.header_check(NS, raw_len)
+    seen = {True: 0, False: 0}
+    for head in rows.values():
+        variants = [head, head + b"\0" * 8, head[:-1], b"", head[:40]]
+        for at in range(fmt.HEADER_SIZE):
+            for v in {0, 1, 2, 3, 255, head[at] ^ 1, (head[at] + 2) % 256}:
+                variants.append(head[:at] + bytes([v]) + head[at + 1 :])
+        for buf in variants:
+            for k, ns, n in ((key(1), NS, raw_len), (key(2), NS, raw_len), (key(1), NS + 1, 64)):
+                want = _decoded_check(buf, k, ns, n)
+                assert fmt.header_check(ns, n)(buf, k) is want, (buf.hex(), k, ns, n)
+                assert fmt.is_header_of(memoryview(buf), k, ns, n) is want
+                seen[want] += 1
+        assert check(head, key(1)) and not check(None, key(1))
+    assert seen[True] > 10 and seen[False] > 100  # both answers were exercised
+
+
 # -- ownership and pending deletes ------------------------------------------------------------
 def test_release_answers_only_blocks_this_instance_stored() -> None:
     t = _Store()

@@ -272,23 +272,21 @@ class OffloadingManager:
             if k in present:  # held here already, its store or move still in flight
                 break
             tail.append(k)
-        if not tail:
-            return 0
-        last = self._levels[-1]
-        for lv in self._shared:
+        for lv in self._shared if tail else ():
             if off & lv.bit:
                 continue
             tier = lv.tier
             found = tier.probe(tail)
             if not found:
                 continue
-            short = found - tier.free_blocks
-            if short > 0 and lv is last:
-                self._wake_oldest(lv, short)
-                victims = lv.policy.evict(short, lv.protected(keys))
+            free = tier.free_blocks
+            if found > free and lv is self._levels[-1]:
+                self._wake_oldest(lv, found - free)
+                victims = lv.policy.evict(found - free, lv.protected(keys))
                 if victims:
                     self._evict(lv, victims, [])
-            take = tail[: min(found, tier.free_blocks)]
+                free = tier.free_blocks
+            take = tail if found == len(tail) <= free else tail[: min(found, free)]
             slots = tier.adopt(take) if take else None
             if not slots:
                 continue
@@ -944,14 +942,14 @@ class OffloadingManager:
         at open); `cold`: they enter the policy as its first victims."""
         if not keys:
             return
-        ready, present, bit = self._ready, self._present, level.bit
-        held = len(level.slots)
-        level.slots.update(zip(keys, slots, strict=True))  # with one tier, `present` too
+        ready, present, bit, slots_of = self._ready, self._present, level.bit, level.slots
+        held = len(slots_of)
+        slots_of.update(zip(keys, slots, strict=True))  # with one tier, `present` too
         # Every key new to this tier (and so to its policy) and none given twice: the
-        # policy may skip its residency tests.
-        new = len(level.slots) - held == len(keys)
+        # policy may skip its residency tests (and, with one tier, no key has a ready bit).
+        new = len(slots_of) - held == len(keys)
         for masks in (ready,) if self._single else (ready, present):
-            if not masks:
+            if not masks or (new and self._single):
                 masks.update(dict.fromkeys(keys, bit))
                 continue
             for k in keys:

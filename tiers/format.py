@@ -5,7 +5,8 @@ Primitives:
   -> (header bytes, stored payload): compresses when it pays, checksums header and payload.
 - `decode_header(buf) -> BlockHeader` (raises `BlockCorruptError` on anything malformed).
 - `header_problem(header, key, ns, length) -> str | None`: whether a header belongs to this
-  key, namespace and raw length (the one check every reader makes); `is_header_of` on bytes.
+  key, namespace and raw length (the one check every reader makes); `is_header_of` on bytes,
+  and `header_check(ns, length)`, the same on bytes as a function of (buf, key) for probes.
 - `decode_payload(header, stored, dst)`: verifies the checksum, decompresses into `dst`.
 - `namespace_id(namespace) -> int`: the 64-bit namespace tag stamped into each header.
 
@@ -30,7 +31,9 @@ block can never be served under the wrong key. Nothing here unpickles or evaluat
 
 from __future__ import annotations
 
+import functools
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +50,11 @@ MIN_RATIO = 1.05  # store raw unless compression saves at least ~5%
 
 _HEAD = struct.Struct("<4sHBB16sQIIQQ")  # the first 56 bytes
 _SUM = struct.Struct("<Q")
+_IDENT = struct.Struct("<QI")  # namespace id, raw length: header bytes 24..36
+_MAGIC_VERSION = MAGIC + FORMAT_VERSION.to_bytes(2, "little")
+_CODECS = (CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_SHUFFLE2)
+_CHECKED = 40  # header_check reads the header up to the stored length
+_BUFFERS = (bytes, memoryview)
 assert _HEAD.size + _SUM.size == HEADER_SIZE
 
 
@@ -158,17 +166,32 @@ def header_problem(
     return None
 
 
+@functools.lru_cache(maxsize=64)  # a tier asks for the same one at every probe
+def header_check(namespace: int, raw_len: int) -> Callable[[object, bytes], bool]:
+    """`is_header_of` for one namespace and raw length, as a function of (buf, key) that
+    compares bytes in place (no `BlockHeader` built): a lookup's probe runs it once per key.
+    It accepts exactly the headers `decode_header` + `header_problem` accept."""
+    tail = _IDENT.pack(namespace, raw_len)  # namespace id and raw length, as stored
+    raw_stored = tail[8:]  # a raw block's stored length equals its raw length
+    codecs = (CODEC_RAW, CODEC_ZSTD) if raw_len % 2 else _CODECS  # shuffle2 needs pairs
+
+    def check(buf: object, key: bytes) -> bool:
+        if not isinstance(buf, _BUFFERS) or len(buf) < HEADER_SIZE:
+            return False
+        b = bytes(buf[:_CHECKED])
+        if b[:6] != _MAGIC_VERSION or b[8:36] != key + tail:
+            return False
+        codec = b[6]
+        return codec in codecs and (codec != CODEC_RAW or b[36:40] == raw_stored)
+
+    return check
+
+
 def is_header_of(buf: object, key: bytes, namespace: int, raw_len: int) -> bool:
     """Whether `buf` starts with a well-formed header of block `key` in `namespace` holding
     `raw_len` bytes (a shared tier's cheap check that another process stored it; the payload
     is verified when it is read)."""
-    if not isinstance(buf, bytes | memoryview) or len(buf) < HEADER_SIZE:
-        return False
-    try:
-        h = decode_header(buf)
-    except BlockCorruptError:
-        return False
-    return header_problem(h, key, namespace, raw_len) is None
+    return header_check(namespace, raw_len)(buf, key)
 
 
 def verify(header: BlockHeader, stored: bytes | memoryview) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import lmdb
 
 from tiercache.tiers.base import KEY_BYTES
-from tiercache.tiers.format import HEADER_SIZE, is_header_of
+from tiercache.tiers.format import HEADER_SIZE, header_check
 from tiercache.tiers.store_dir import DirRules
 
 STORE_FORMAT = "tiercache-lmdb"
@@ -184,15 +184,17 @@ def _leading_heads(
     naming the key at the header's seq (the seq is not covered by the checksum). `bad`
     hears of the entry (store key, head) where the run stops on one that is malformed."""
     nsb = ns.to_bytes(NS_BYTES, "big")
+    ours = header_check(ns, block_bytes)  # byte compares: no header object per key
+    get = txn.get
     n = 0
     try:
         for k in keys:
             sk = nsb + k
-            head = txn.get(sk, db=heads)
+            head = get(sk, db=heads)
             if head is None:
                 break
-            if not is_header_of(head, k, ns, block_bytes) or (
-                order is not None and txn.get(nsb + head[HEADER_SIZE:], db=order) != k
+            if not ours(head, k) or (
+                order is not None and get(nsb + head[HEADER_SIZE:], db=order) != k
             ):
                 if bad is not None:
                     bad(sk, bytes(head))
