@@ -1,8 +1,9 @@
 """A block moving out of a tier stays readable from its source slot until the move completes
 or is given up (issue 35), where the facade runs the move: the write-through thread's batch,
-whose copies run without the cache's lock. A read pins the source slot; the copy that reuses
-the slot waits for it. Real tiers: CPU, then NVMe written through, then LMDB whose writes
-hang (a hung lower tier)."""
+whose copies run without the cache's lock, and a put whose store demotes blocks (its plan
+runs without the lock). A read pins the source slot; the copy or store that reuses the slot
+waits for it. Real tiers: CPU, then NVMe written through, then LMDB whose writes hang (a hung
+lower tier); CPU over LMDB; CPU over a real Redis server that is SIGSTOPped."""
 
 from __future__ import annotations
 
@@ -199,3 +200,246 @@ def test_a_leaving_block_given_up_is_a_miss_and_other_moves_never_leave() -> Non
     out = m2.prepare_store([K(2)])
     (mv,) = out.moves
     assert m2.lookup_ready(mv.keys, leaving=True) == (0, True)
+
+
+# -- a put's own demotions --------------------------------------------------------------------
+class FailWrites:
+    """Makes a tier's writes block until released, then fail with an I/O error (a disk that
+    hung, then gave up)."""
+
+    def __init__(self, tier) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+        def failing_write(slots, blocks, keys=None):
+            self.entered.set()
+            self.release.wait(30)
+            raise OSError(5, "injected: the disk gave up")
+
+        tier.write = failing_write
+
+
+def _cpu_over_lmdb(tmp_path: Path) -> TierCache:
+    """CPU (4 blocks) over LMDB written back (16): its writes are demotions only; no
+    promotion."""
+    cfg = {
+        "block_size": 4,
+        "promote": False,
+        "tiers": [
+            {"kind": "cpu", "blocks": 4},
+            {
+                "kind": "lmdb",
+                "path": str(tmp_path / "lmdb"),
+                "blocks": 16,
+                "write_policy": "write-back",  # its writes are the put's demotions alone
+            },
+        ],
+    }
+    return TierCache.open(cfg, block_bytes=BB)
+
+
+def _put_in_thread(cache: TierCache, keys: list[bytes], data: torch.Tensor) -> tuple:
+    out: list[int] = []
+    t = threading.Thread(target=lambda: out.append(cache.put(keys, data)))
+    t.start()
+    return t, out
+
+
+def _chains(cache: TierCache) -> tuple[list[bytes], torch.Tensor, list[bytes], torch.Tensor]:
+    """Chain A (4 blocks) fills the CPU tier; chain B (2) will evict A's tail into LMDB."""
+    a, b = cache.hash_tokens(list(range(16))), cache.hash_tokens(list(range(100, 108)))
+    data_a, data_b = _rows(4, 1), _rows(2, 2)
+    assert cache.put(a, data_a) == 4
+    return a, data_a, b, data_b
+
+
+def test_a_put_demoting_into_a_hung_tier_leaves_every_cpu_block_served(tmp_path: Path) -> None:
+    """B's store evicts A's tail from the CPU tier; the demotion into LMDB hangs. Meanwhile
+    every block the CPU tier holds (A whole, two of its blocks leaving) is served whole, at
+    once: the put runs its plan without the cache's lock, and the leaving blocks are read
+    from their source slots. Then the move lands and B is stored, exact."""
+    cache = _cpu_over_lmdb(tmp_path)
+    a, data_a, b, data_b = _chains(cache)
+    hang = HangWrites(cache.tiers[1])
+    t, out = _put_in_thread(cache, b, data_b)
+    m = cache.manager
+    try:
+        assert hang.entered.wait(10)
+        assert m.is_moving(a[2]) and m.is_moving(a[3]) and m.where(a[0]) == [0]
+        assert cache.lookup(a) == 4
+        assert torch.equal(cache.get(a), data_a)  # whole: A's tail from its CPU slots
+        assert cache.lookup(b) == 0  # B is not stored yet: its slots wait for the move
+        # Served while the put still hangs (a get waiting for it would see it done).
+        assert t.is_alive() and m.is_moving(a[2])
+        hang.release.set()
+        t.join(10)
+        assert out == [2]
+        assert m.where(a[2]) == [1] and m.where(b[0]) == [0]
+        assert torch.equal(cache.get(a), data_a)  # head from the CPU tier, tail from LMDB
+        assert torch.equal(cache.get(b), data_b)
+        st = cache.stats()
+        assert st["cpu"]["errors"] == 0 and st["lmdb"]["errors"] == 0
+    finally:
+        hang.release.set()
+        t.join(10)
+        cache.close()
+
+
+def test_a_puts_store_into_a_leaving_slot_waits_for_its_reader(tmp_path: Path) -> None:
+    """A read of a leaving block pins its source slot: B's store into that slot waits for
+    the read, even once the move has landed, so the reader gets A's bytes whole and never a
+    half-written B."""
+    cache = _cpu_over_lmdb(tmp_path)
+    a, data_a, b, data_b = _chains(cache)
+    hang = HangWrites(cache.tiers[1])
+    cpu = cache.tiers[0]
+    read, write = cpu.read, cpu.write
+    reading, go, writes = threading.Event(), threading.Event(), []
+
+    def slow_read(slots, dst, keys=None):
+        reading.set()
+        go.wait(10)  # the reader holds the slots while the move ends
+        return read(slots, dst, keys)
+
+    def logged_write(slots, src, keys=None):
+        writes.append(time.monotonic())
+        return write(slots, src, keys)
+
+    t, out = _put_in_thread(cache, b, data_b)
+    got: list[torch.Tensor] = []
+    reader = threading.Thread(target=lambda: got.append(cache.get(a)))
+    try:
+        assert hang.entered.wait(10)
+        cpu.read, cpu.write = slow_read, logged_write
+        reader.start()
+        assert reading.wait(10)  # A's four slots pinned, two of them leaving
+        hang.release.set()  # the move lands in LMDB; B's store into A's tail slots is next
+        time.sleep(0.3)
+        assert writes == [] and t.is_alive()  # ... and waits for the reader
+        released = time.monotonic()
+        go.set()
+        reader.join(10)
+        assert torch.equal(got[0], data_a)
+        t.join(10)
+        assert out == [2] and writes and min(writes) >= released
+        cpu.read = read
+        assert torch.equal(cache.get(b), data_b)
+        assert torch.equal(cache.get(a), data_a)  # the tail from LMDB now
+        assert cache.manager.where(a[3]) == [1]
+    finally:
+        go.set()
+        hang.release.set()
+        reader.join(10) if reader.is_alive() else None
+        t.join(10)
+        cache.close()
+
+
+def test_a_put_whose_demotion_fails_drops_the_block_and_serves_nothing_half_written(
+    tmp_path: Path,
+) -> None:
+    """The demotion hangs, then fails: reads while it hung got A whole; once it failed, A's
+    tail is a miss (dropped, as any failed move's block), counted, and its old slots hold B,
+    served under B's keys only."""
+    cache = _cpu_over_lmdb(tmp_path)
+    a, data_a, b, data_b = _chains(cache)
+    fail = FailWrites(cache.tiers[1])
+    t, out = _put_in_thread(cache, b, data_b)
+    try:
+        assert fail.entered.wait(10)
+        assert torch.equal(cache.get(a), data_a) and t.is_alive()
+        fail.release.set()
+        t.join(10)
+        assert out == [2]
+        assert cache.lookup(a) == 2 and not cache.manager.is_moving(a[2])
+        assert torch.equal(cache.get(a), data_a[:2])
+        assert torch.equal(cache.get(b), data_b)
+        assert cache.stats()["lmdb"]["errors"] == 1
+    finally:
+        fail.release.set()
+        t.join(10)
+        cache.close()
+
+
+def test_a_stopped_redis_server_leaves_every_cpu_block_served(tmp_path: Path) -> None:
+    """Issue 35's case: CPU over a real Redis server that is SIGSTOPped. B's store demotes
+    A's tail into Redis, whose write waits for the server; every block the CPU tier holds is
+    served whole meanwhile. The server resumes: the move lands, and A and B read back exact."""
+    from tests.test_tier_redis import RedisServer, require_redis
+
+    require_redis()
+    srv = RedisServer(tmp_path / "r")
+    cfg = {
+        "block_size": 4,
+        "promote": False,
+        "tiers": [
+            {"kind": "cpu", "blocks": 4},
+            {
+                "kind": "redis",
+                "url": srv.url,
+                "blocks": 16,
+                "timeout": 20.0,
+                "write_policy": "write-back",
+            },
+        ],
+    }
+    cache = TierCache.open(cfg, block_bytes=BB)
+    t = None
+    try:
+        a, data_a, b, data_b = _chains(cache)
+        redis_tier = cache.tiers[1]
+        entered, write = threading.Event(), redis_tier.write
+
+        def watched_write(slots, blocks, keys=None):
+            entered.set()
+            return write(slots, blocks, keys)
+
+        redis_tier.write = watched_write
+        srv.pause()
+        t, out = _put_in_thread(cache, b, data_b)
+        assert entered.wait(10)
+        m = cache.manager
+        assert m.is_moving(a[2]) and m.is_moving(a[3])
+        assert cache.lookup(a) == 4 and torch.equal(cache.get(a), data_a)
+        assert t.is_alive() and m.is_moving(a[2])  # the server is still stopped
+        srv.resume()
+        t.join(20)
+        assert out == [2] and m.where(a[2]) == [1]
+        assert torch.equal(cache.get(a), data_a) and torch.equal(cache.get(b), data_b)
+        assert cache.stats()["redis"]["errors"] == 0
+    finally:
+        srv.resume()
+        if t is not None:
+            t.join(20)
+        cache.close()
+        srv.kill()
+
+
+def test_manager_a_stores_own_demotion_leaves_when_asked() -> None:
+    """prepare_store(leaving=True): the blocks its moves demote are served from their source
+    slots, which stay busy (`reading`) while the move runs, and while a read pins them."""
+    m = OffloadingManager(
+        [CPUTier(name=f"t{i}", block_bytes=8, capacity_blocks=2) for i in range(2)],
+        [LRUPolicy(2), LRUPolicy(2)],
+    )
+    out = m.prepare_store([K(0), K(1)])
+    m.complete_store(out.keys_to_store)
+    out = m.prepare_store([K(2)], leaving=True)
+    (mv,) = out.moves
+    (k,) = mv.keys
+    # 1. Moving: served from its source slot, which is the slot K2 is stored into.
+    assert m.lookup([k]) is None and m.lookup_ready([k], leaving=True) == (1, False)
+    assert out.store_spec.slots == mv.src.slots and m.reading(0, mv.src.slots)
+    spec = m.prepare_load([k], leaving=True)
+    assert spec.tiers == (0,) and spec.slots == mv.src.slots
+    # 2. The move lands: served from t1 now; the source stays busy while the read pins it.
+    m.complete_store(mv.keys)
+    assert m.where(k) == [1] and m.reading(0, mv.src.slots)
+    m.complete_load([k])
+    assert not m.reading(0, mv.src.slots)
+    # 3. Another leaving move, given up: a miss from then on, its source no longer busy.
+    m.complete_store(out.keys_to_store)
+    out = m.prepare_store([K(3)], leaving=True)
+    (mv,) = out.moves
+    m.unmove(mv.keys)
+    assert m.lookup_ready(mv.keys, leaving=True) == (0, False)
+    assert not m.reading(0, mv.src.slots)

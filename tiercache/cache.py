@@ -9,6 +9,9 @@ Who calls what, in which order (the seams other code relies on):
   misses. `get` touches what it returns (a use); `put` touches what was already held, before
   it stores (vLLM's scheduler order: touch, then store), so a block just stored is not "used
   twice" and ARC keeps it in its recency list.
+- A `put` whose plan moves blocks down runs it without the lock: the blocks it demotes stay
+  readable from their source slots until their moves end (`tiercache.leaving`), so a slow
+  or hung lower tier stalls that put alone.
 - Every plan the manager hands out (`prepare_store`, `prepare_promote`) is completed here,
   whatever is raised while it runs (`PlanRunner.run_plan`, tiercache/plan_runner.py): no slot
   leaks and no key stays "moving".
@@ -132,10 +135,11 @@ class TierCache:
             ),
         )
         self._lock = threading.RLock()
-        # Notified when a read of a leaving block (one the write-through batch is moving
-        # down, read from its source slot) ends: the batch's copy into that slot waits.
+        # Notified when a read of a leaving block (one a put or the write-through batch is
+        # moving down, read from its source slot) ends: the write into that slot waits.
         self._reads_done = threading.Condition(self._lock)
         self._closed = False
+        self._storing = 0  # puts running their plan without the lock (see put)
         self._runner = PlanRunner(self._manager, self._tiers, block_bytes, self._reads_done)
         # Moving load and forward costs, fed by adapters (`tiercache.costs`), shown in stats.
         self.load_costs = LoadCosts()
@@ -248,12 +252,27 @@ class TierCache:
             self._check_open()
             self._asked.chain = None
             self._manager.touch(keys)  # policies ignore the keys they do not hold
-            plan = self._manager.prepare_store(keys)
+            plan = self._manager.prepare_store(keys, leaving=True)
             if plan is None:
                 log.debug("put: no room in any tier (pinned blocks, stores in flight)")
-            elif plan.keys_to_store or plan.around:
+            elif not plan.moves and (plan.keys_to_store or plan.around):
                 self._runner.run_plan(plan, blocks, keys)
                 self._through.wake()
+            if plan is None or not plan.moves:
+                self._tap_events()
+                return self._manager.count_ready(keys)
+            self._storing += 1
+        # Its moves demote leaving blocks (tiercache.leaving): the plan runs without the
+        # lock, so reads go on, of those blocks too (from their source slots), while a lower
+        # tier is slow or hung; the runner writes their slots once their moves and reads end.
+        try:
+            self._runner.run_plan(plan, blocks, keys)
+        finally:
+            with self._reads_done:
+                self._storing -= 1
+                self._reads_done.notify_all()  # close waits for the stores in flight
+        with self._lock:
+            self._through.wake()
             self._tap_events()
             return self._manager.count_ready(keys)
 
@@ -507,6 +526,11 @@ class TierCache:
                 return
             self._closed = True
         hung: set[int] = set()
+        with self._reads_done:  # puts whose moves run without the lock finish first (bounded)
+            if not self._reads_done.wait_for(
+                lambda: not self._storing, self._config.deadlines.store_timeout
+            ):
+                log.warning("tiercache: a store into a hung tier is still running at close")
         thread = self._through.thread
         if thread is not None:  # it finishes the batch it is copying
             self._through.wake_event.set()
