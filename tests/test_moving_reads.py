@@ -443,3 +443,83 @@ def test_manager_a_stores_own_demotion_leaves_when_asked() -> None:
     m.unmove(mv.keys)
     assert m.lookup_ready(mv.keys, leaving=True) == (0, False)
     assert not m.reading(0, mv.src.slots)
+
+
+def test_concurrent_puts_and_gets_never_serve_a_half_written_block(tmp_path: Path) -> None:
+    """Puts that demote (CPU -> NVMe -> LMDB, small tiers, slowed disk writes) beside gets:
+    every block a get returns is its key's own bytes, whatever moves or reuses its slot
+    meanwhile (leaving blocks read from their source slots, stores waiting for them)."""
+    cfg = {
+        "block_size": 4,
+        "promote": False,
+        "tiers": [
+            {"kind": "cpu", "blocks": 4},
+            {
+                "kind": "nvme",
+                "path": str(tmp_path / "nvme"),
+                "blocks": 6,
+                "fsync": "never",
+                "write_policy": "write-back",
+            },
+            {
+                "kind": "lmdb",
+                "path": str(tmp_path / "lmdb"),
+                "blocks": 64,
+                "write_policy": "write-back",
+            },
+        ],
+    }
+    cache = TierCache.open(cfg, block_bytes=BB)
+    for tier in cache.tiers[1:]:  # slow disks: moves stay in flight while others read
+        write = tier.write
+
+        def slow_write(slots, blocks, keys=None, write=write):
+            time.sleep(0.002)
+            return write(slots, blocks, keys)
+
+        tier.write = slow_write
+    chains = [cache.hash_tokens(list(range(i * 100, i * 100 + 4 * (1 + i % 3)))) for i in range(12)]
+
+    def rows(keys: list[bytes]) -> torch.Tensor:  # each block is its key, repeated
+        return torch.frombuffer(
+            bytearray(b"".join(k * (BB // 16) for k in keys)), dtype=torch.uint8
+        ).view(len(keys), BB)
+
+    errors: list[str] = []
+    served = [0]
+
+    def putter(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(60):
+            c = chains[int(torch.randint(0, len(chains), (1,), generator=g))]
+            cache.put(c, rows(c))
+
+    def getter(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(150):
+            c = chains[int(torch.randint(0, len(chains), (1,), generator=g))]
+            got = cache.get(c)
+            served[0] += got.shape[0]
+            if got.shape[0] and not torch.equal(got, rows(c[: got.shape[0]])):
+                errors.append(f"chain {chains.index(c)}: wrong bytes in {got.shape[0]} blocks")
+
+    def run(body, seed: int) -> None:  # a thread's exception fails the test
+        try:
+            body(seed)
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=run, args=(putter, s)) for s in (1, 2)]
+    threads += [threading.Thread(target=run, args=(getter, s)) for s in (3, 4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == [] and served[0] > 0
+        st = cache.stats()
+        assert all(st[m]["errors"] == 0 for m in ("cpu", "nvme", "lmdb")), st
+        assert st["nvme"]["demoted_in"] > 0 and st["lmdb"]["demoted_in"] > 0
+    finally:
+        cache.close()
