@@ -523,3 +523,46 @@ def test_concurrent_puts_and_gets_never_serve_a_half_written_block(tmp_path: Pat
         assert st["nvme"]["demoted_in"] > 0 and st["lmdb"]["demoted_in"] > 0
     finally:
         cache.close()
+
+
+def test_close_leaves_the_tier_a_hung_put_writes_as_it_is(tmp_path: Path) -> None:
+    """close() waits for a put whose demotion hangs only up to `store_timeout`: then the
+    hung tier is suspended and neither flushed nor closed under the put's write; the put
+    still completes once the disk comes back."""
+    cfg = {
+        "block_size": 4,
+        "promote": False,
+        "deadlines": {"store_timeout": 0.2},
+        "tiers": [
+            {"kind": "cpu", "blocks": 4},
+            {
+                "kind": "lmdb",
+                "path": str(tmp_path / "lmdb"),
+                "blocks": 16,
+                "write_policy": "write-back",
+            },
+        ],
+    }
+    cache = TierCache.open(cfg, block_bytes=BB)
+    _, _, b, data_b = _chains(cache)
+    lmdb = cache.tiers[1]
+    hang = HangWrites(lmdb)
+    closed: list[str] = []
+    close = lmdb.close
+    lmdb.close = lambda: closed.append("closed")
+    t, out = _put_in_thread(cache, b, data_b)
+    closer = threading.Thread(target=cache.close)
+    try:
+        assert hang.entered.wait(10)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive() and t.is_alive()  # closed while the put still hangs
+        assert closed == [] and cache.manager.suspended()[1] > 0
+        hang.release.set()
+        t.join(10)
+        assert out == [2]
+    finally:
+        hang.release.set()
+        t.join(10)
+        closer.join(10) if closer.is_alive() else None
+        close()

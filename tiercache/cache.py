@@ -139,7 +139,8 @@ class TierCache:
         # moving down, read from its source slot) ends: the write into that slot waits.
         self._reads_done = threading.Condition(self._lock)
         self._closed = False
-        self._storing = 0  # puts running their plan without the lock (see put)
+        # Per put running its plan without the lock (see put): the tiers the plan touches.
+        self._storing: list[frozenset[int]] = []
         self._runner = PlanRunner(self._manager, self._tiers, block_bytes, self._reads_done)
         # Moving load and forward costs, fed by adapters (`tiercache.costs`), shown in stats.
         self.load_costs = LoadCosts()
@@ -261,7 +262,12 @@ class TierCache:
             if plan is None or not plan.moves:
                 self._tap_events()
                 return self._manager.count_ready(keys)
-            self._storing += 1
+            touched = frozenset(
+                [m.src.tier for m in plan.moves]
+                + [m.dst.tier for m in plan.moves]
+                + [w.spec.tier for w in plan.writes()]
+            )
+            self._storing.append(touched)
         # Its moves demote leaving blocks (tiercache.leaving): the plan runs without the
         # lock, so reads go on, of those blocks too (from their source slots), while a lower
         # tier is slow or hung; the runner writes their slots once their moves and reads end.
@@ -269,7 +275,7 @@ class TierCache:
             self._runner.run_plan(plan, blocks, keys)
         finally:
             with self._reads_done:
-                self._storing -= 1
+                self._storing.remove(touched)
                 self._reads_done.notify_all()  # close waits for the stores in flight
         with self._lock:
             self._through.wake()
@@ -526,11 +532,20 @@ class TierCache:
                 return
             self._closed = True
         hung: set[int] = set()
-        with self._reads_done:  # puts whose moves run without the lock finish first (bounded)
+        with self._reads_done:  # puts whose moves run without the lock finish first
+            # Bounded, as the write-through thread below: the tiers a put still running
+            # touches are suspended and left as they are (a flush or close would hang too,
+            # or pull a tier from under its I/O).
             if not self._reads_done.wait_for(
                 lambda: not self._storing, self._config.deadlines.store_timeout
             ):
-                log.warning("tiercache: a store into a hung tier is still running at close")
+                hung.update(*self._storing)
+                for t in hung:
+                    self._manager.suspend(t)
+                log.warning(
+                    "tiercache: a store into %s hung at close; those tiers are left as they are",
+                    ", ".join(self._tiers[t].medium for t in sorted(hung)),
+                )
         thread = self._through.thread
         if thread is not None:  # it finishes the batch it is copying
             self._through.wake_event.set()
