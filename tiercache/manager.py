@@ -179,7 +179,7 @@ class OffloadingManager:
         self._moving.difference_update(keys)
         self._leaving.end(keys)
 
-    def reading(self, tier: int, slots: Iterable[int]) -> bool:
+    def reading(self, tier: int, slots: Sequence[int]) -> bool:
         """Whether one of `slots` of `tier` is busy: a leaving block's source, its move still
         running, or pinned by a read of one. A plan's runner writes them only once this is
         False (see the module doc)."""
