@@ -566,3 +566,59 @@ def test_close_leaves_the_tier_a_hung_put_writes_as_it_is(tmp_path: Path) -> Non
         t.join(10)
         closer.join(10) if closer.is_alive() else None
         close()
+
+
+def test_a_gets_promotion_demoting_into_a_hung_tier_leaves_the_rest_served(
+    tmp_path: Path,
+) -> None:
+    """CPU (2) over NVMe (4) over LMDB (16) whose writes hang, with promotion: a get of a
+    chain held on NVMe promotes it, which demotes the CPU tier's chain into NVMe and NVMe's
+    oldest into LMDB (hung). That get runs its promotion without the cache's lock, so both
+    demoted chains are served whole from their source slots meanwhile; then all land."""
+    cfg = {
+        "block_size": 4,
+        "tiers": [
+            {"kind": "cpu", "blocks": 2},
+            {
+                "kind": "nvme",
+                "path": str(tmp_path / "nvme"),
+                "blocks": 4,
+                "fsync": "never",
+                "write_policy": "write-back",
+            },
+            {
+                "kind": "lmdb",
+                "path": str(tmp_path / "lmdb"),
+                "blocks": 16,
+                "write_policy": "write-back",
+            },
+        ],
+    }
+    cache = TierCache.open(cfg, block_bytes=BB)
+    a, b, c = (cache.hash_tokens(list(range(i, i + 8))) for i in (0, 100, 200))
+    data = {0: _rows(2, 1), 1: _rows(2, 2), 2: _rows(2, 3)}
+    for i, keys in enumerate((a, b, c)):  # the CPU tier holds C; NVMe holds A and B
+        cache.put(keys, data[i])
+    m = cache.manager
+    assert m.where(c[0]) == [0] and m.where(a[0]) == [1] and m.where(b[0]) == [1]
+    hang = HangWrites(cache.tiers[2])
+    got_a: list[torch.Tensor] = []
+    t = threading.Thread(target=lambda: got_a.append(cache.get(a)))
+    try:
+        t.start()
+        assert hang.entered.wait(10)  # B's demotion into LMDB hangs; C's into NVMe waits
+        assert m.is_moving(b[0]) and m.is_moving(c[0])
+        assert torch.equal(cache.get(b), data[1])  # from its NVMe slots
+        assert torch.equal(cache.get(c), data[2])  # from its CPU slots
+        assert t.is_alive() and m.is_moving(b[0])  # served beside the hung promotion
+        hang.release.set()
+        t.join(10)
+        assert torch.equal(got_a[0], data[0])
+        assert m.where(a[0]) == [0, 1] and m.where(c[0]) == [1] and m.where(b[0]) == [2]
+        for i, keys in enumerate((a, b, c)):
+            assert torch.equal(cache.get(keys), data[i])
+        assert all(cache.stats()[t]["errors"] == 0 for t in ("cpu", "nvme", "lmdb"))
+    finally:
+        hang.release.set()
+        t.join(10)
+        cache.close()

@@ -9,9 +9,9 @@ Who calls what, in which order (the seams other code relies on):
   misses. `get` touches what it returns (a use); `put` touches what was already held, before
   it stores (vLLM's scheduler order: touch, then store), so a block just stored is not "used
   twice" and ARC keeps it in its recency list.
-- A `put` whose plan moves blocks down runs it without the lock: the blocks it demotes stay
-  readable from their source slots until their moves end (`tiercache.leaving`), so a slow
-  or hung lower tier stalls that put alone.
+- A `put` (or a `get`'s promotion) whose plan moves blocks down runs it without the lock:
+  the blocks it demotes stay readable from their source slots until their moves end
+  (`tiercache.leaving`), so a slow or hung lower tier stalls that call alone.
 - Every plan the manager hands out (`prepare_store`, `prepare_promote`) is completed here,
   whatever is raised while it runs (`PlanRunner.run_plan`, tiercache/plan_runner.py): no slot
   leaks and no key stays "moving".
@@ -262,21 +262,8 @@ class TierCache:
             if plan is None or not plan.moves:
                 self._tap_events()
                 return self._manager.count_ready(keys)
-            touched = frozenset(
-                [m.src.tier for m in plan.moves]
-                + [m.dst.tier for m in plan.moves]
-                + [w.spec.tier for w in plan.writes()]
-            )
-            self._storing.append(touched)
-        # Its moves demote leaving blocks (tiercache.leaving): the plan runs without the
-        # lock, so reads go on, of those blocks too (from their source slots), while a lower
-        # tier is slow or hung; the runner writes their slots once their moves and reads end.
-        try:
-            self._runner.run_plan(plan, blocks, keys)
-        finally:
-            with self._reads_done:
-                self._storing.remove(touched)
-                self._reads_done.notify_all()  # close waits for the stores in flight
+            touched = self._storing_plan(plan)
+        self._run_unlocked(plan, blocks, keys, touched)
         with self._lock:
             self._through.wake()
             self._tap_events()
@@ -344,11 +331,21 @@ class TierCache:
         with self._lock:
             k = self._runner.end_load(chain, bad, down)
             out = out[:k]
+            plan = None
             if k:
                 self._manager.touch(chain[:k])
-                self._promote(chain[:k], out)
+                plan = self._manager.prepare_promote(chain[:k], leaving=True)
+                if plan is not None and not plan.moves:
+                    self._runner.run_plan(plan, out, chain[:k])
+                    plan = None
+            if plan is None:
+                self._tap_events()
+                return out
+            touched = self._storing_plan(plan)
+        self._run_unlocked(plan, out, chain[:k], touched)  # a promotion that demotes: as put
+        with self._lock:
             self._tap_events()
-            return out
+        return out
 
     def fetch(self, keys: Sequence[bytes], *, count: bool = True) -> int:
         """Read the leading held blocks of `keys`, verify them and make them ready in the
@@ -605,11 +602,34 @@ class TierCache:
                 self._events_buf.extend(events)
                 self._telemetry.record_events(events)
 
-    def _promote(self, chain: list[bytes], loaded: torch.Tensor) -> None:
-        plan = self._manager.prepare_promote(chain)
-        if plan is None:
-            return
-        self._runner.run_plan(plan, loaded, chain)
+    def _storing_plan(self, plan: PrepareStoreOutput) -> frozenset[int]:
+        """Record a plan about to run without the lock (lock held): the tiers it touches,
+        which `close` waits for (bounded) and leaves alone if it hangs."""
+        touched = frozenset(
+            [m.src.tier for m in plan.moves]
+            + [m.dst.tier for m in plan.moves]
+            + [w.spec.tier for w in plan.writes()]
+        )
+        self._storing.append(touched)
+        return touched
+
+    def _run_unlocked(
+        self,
+        plan: PrepareStoreOutput,
+        blocks: torch.Tensor,
+        keys: Sequence[bytes],
+        touched: frozenset[int],
+    ) -> None:
+        """Run a store or promotion plan whose moves demote leaving blocks (tiercache.leaving)
+        without the lock (recorded by `_storing_plan`): reads go on, of those blocks too (from
+        their source slots), while a lower tier is slow or hung; the runner writes their
+        slots once their moves and reads have ended."""
+        try:
+            self._runner.run_plan(plan, blocks, keys)
+        finally:
+            with self._reads_done:
+                self._storing.remove(touched)
+                self._reads_done.notify_all()  # close waits for the plans in flight
 
     def check_through(self, timeout: float) -> int | None:
         """The write-through copy in progress, if it has run `timeout` seconds or more: its

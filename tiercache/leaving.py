@@ -15,17 +15,29 @@ source -> key, for `busy`. It holds no bytes and no tier; the manager changes it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 
 class LeavingBlocks(dict[bytes, tuple[int, int]]):
-    """key -> (tier, slot) of each leaving block; `sources`: (tier, slot) -> key."""
+    """key -> (tier, slot) of each leaving block; `sources`: (tier, slot) -> key;
+    `planning`: whether the plan being made demotes leaving blocks (`plan`)."""
 
-    __slots__ = ("sources",)
+    __slots__ = ("planning", "sources")
 
     def __init__(self) -> None:
         super().__init__()
         self.sources: dict[tuple[int, int], bytes] = {}
+        self.planning = False
+
+    @contextmanager
+    def plan(self, leaving: bool) -> Iterator[None]:
+        """While a plan is made: its demotions make leaving blocks if `leaving`."""
+        self.planning = leaving
+        try:
+            yield
+        finally:
+            self.planning = False
 
     def leave(self, tier: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """`keys` leave `tier` from `slots` (their moves are planned)."""

@@ -105,9 +105,7 @@ class OffloadingManager:
         # the tier's slot map, so the map serves as both and the bitmask is never built.
         self._present: dict[bytes, int] = self._levels[0].slots if self._single else {}
         self._moving: set[bytes] = set()  # keys being demoted (in no tier's lookup meanwhile)
-        # Leaving blocks (see the module doc), while their moves run; whether the plan being
-        # made creates them.
-        self._leaving, self._leave = LeavingBlocks(), False
+        self._leaving = LeavingBlocks()  # see the module doc: while their moves run
         # Outstanding loads: where each reads, and the slots (leaving blocks' too) they pin.
         self._loads = Loads(self._levels)
         self._events: list[OffloadingEvent] = []
@@ -454,13 +452,10 @@ class OffloadingManager:
         # A suspended tier (its circuit breaker open: it hung) takes no store: its blocks would
         # hold the engine's until it came back. They go around it, or are not stored.
         off = self._breaker.mask()
-        self._leave = leaving
-        try:
+        with self._leaving.plan(leaving):
             plan = None if off & 1 else self._reserve_first_tier(new, distinct)
             if plan is None and new:
                 plan = self._reserve_around(new, distinct, off)
-        finally:
-            self._leave = False
         if plan is None and seen_before is not None:  # a refusal changes nothing
             self._seen.unsight(seen_before)
         return plan
@@ -529,8 +524,11 @@ class OffloadingManager:
         assert slots is not None, f"{level.medium} ran out of slots after eviction"
         return slots
 
-    def prepare_promote(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
-        """Plan copies of keys ready only in lower tiers into the first tier.
+    def prepare_promote(
+        self, keys: Iterable[bytes], *, leaving: bool = False
+    ) -> PrepareStoreOutput | None:
+        """Plan copies of keys ready only in lower tiers into the first tier (`leaving`: as
+        in `prepare_store`).
 
         The caller writes the bytes it loaded into `store_spec` and completes the store as
         usual. Returns None when promotion is off, nothing needs promoting, or no room.
@@ -544,7 +542,8 @@ class OffloadingManager:
         todo = [k for k in keys if ready.get(k, 0) and not present[k] & first_bit]
         if not todo:
             return None
-        return self._reserve_first_tier(todo, keys)
+        with self._leaving.plan(leaving):
+            return self._reserve_first_tier(todo, keys)
 
     def _reserve_first_tier(
         self, new: list[bytes], protect: Collection[bytes]
@@ -666,7 +665,7 @@ class OffloadingManager:
             return False
         dst.hold(self._present, keys, slots)
         self._moving.update(keys)
-        if self._leave:  # readable from the source slots until the move completes
+        if self._leaving.planning:  # readable from the source slots until the move completes
             self._leaving.leave(src.index, keys, src_slots)
         dst.counters.demoted_in += len(keys)
         moves.append(
@@ -764,11 +763,8 @@ class OffloadingManager:
         write-through tier, which makes room through its policy (deeper demotions come first
         in the list). Run them in order and complete each with `complete_write_through`.
         The blocks those demotions move out are leaving blocks (see the module doc)."""
-        self._leave = True
-        try:
+        with self._leaving.plan(True):
             return self._plan_write_through(limit)
-        finally:
-            self._leave = False
 
     def _plan_write_through(self, limit: int) -> list[BlockMove]:
         moves: list[BlockMove] = []
