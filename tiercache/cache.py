@@ -9,6 +9,9 @@ Who calls what, in which order (the seams other code relies on):
   misses. `get` touches what it returns (a use); `put` touches what was already held, before
   it stores (vLLM's scheduler order: touch, then store), so a block just stored is not "used
   twice" and ARC keeps it in its recency list.
+- A `put` (or a `get`'s promotion) whose plan moves blocks down runs it without the lock:
+  the blocks it demotes stay readable from their source slots until their moves end
+  (`tiercache.leaving`), so a slow or hung lower tier stalls that call alone.
 - Every plan the manager hands out (`prepare_store`, `prepare_promote`) is completed here,
   whatever is raised while it runs (`PlanRunner.run_plan`, tiercache/plan_runner.py): no slot
   leaks and no key stays "moving".
@@ -132,10 +135,12 @@ class TierCache:
             ),
         )
         self._lock = threading.RLock()
-        # Notified when a read of a leaving block (one the write-through batch is moving
-        # down, read from its source slot) ends: the batch's copy into that slot waits.
+        # Notified when a read of a leaving block (one a put or the write-through batch is
+        # moving down, read from its source slot) ends: the write into that slot waits.
         self._reads_done = threading.Condition(self._lock)
         self._closed = False
+        # Per put running its plan without the lock (see put): the tiers the plan touches.
+        self._storing: list[frozenset[int]] = []
         self._runner = PlanRunner(self._manager, self._tiers, block_bytes, self._reads_done)
         # Moving load and forward costs, fed by adapters (`tiercache.costs`), shown in stats.
         self.load_costs = LoadCosts()
@@ -248,12 +253,19 @@ class TierCache:
             self._check_open()
             self._asked.chain = None
             self._manager.touch(keys)  # policies ignore the keys they do not hold
-            plan = self._manager.prepare_store(keys)
+            plan = self._manager.prepare_store(keys, leaving=True)
             if plan is None:
                 log.debug("put: no room in any tier (pinned blocks, stores in flight)")
-            elif plan.keys_to_store or plan.around:
+            elif not plan.moves and (plan.keys_to_store or plan.around):
                 self._runner.run_plan(plan, blocks, keys)
                 self._through.wake()
+            if plan is None or not plan.moves:
+                self._tap_events()
+                return self._manager.count_ready(keys)
+            touched = self._storing_plan(plan)
+        self._run_unlocked(plan, blocks, keys, touched)
+        with self._lock:
+            self._through.wake()
             self._tap_events()
             return self._manager.count_ready(keys)
 
@@ -319,11 +331,21 @@ class TierCache:
         with self._lock:
             k = self._runner.end_load(chain, bad, down)
             out = out[:k]
+            plan = None
             if k:
                 self._manager.touch(chain[:k])
-                self._promote(chain[:k], out)
+                plan = self._manager.prepare_promote(chain[:k], leaving=True)
+                if plan is not None and not plan.moves:
+                    self._runner.run_plan(plan, out, chain[:k])
+                    plan = None
+            if plan is None:
+                self._tap_events()
+                return out
+            touched = self._storing_plan(plan)
+        self._run_unlocked(plan, out, chain[:k], touched)  # a promotion that demotes: as put
+        with self._lock:
             self._tap_events()
-            return out
+        return out
 
     def fetch(self, keys: Sequence[bytes], *, count: bool = True) -> int:
         """Read the leading held blocks of `keys`, verify them and make them ready in the
@@ -507,6 +529,20 @@ class TierCache:
                 return
             self._closed = True
         hung: set[int] = set()
+        with self._reads_done:  # puts whose moves run without the lock finish first
+            # Bounded, as the write-through thread below: the tiers a put still running
+            # touches are suspended and left as they are (a flush or close would hang too,
+            # or pull a tier from under its I/O).
+            if not self._reads_done.wait_for(
+                lambda: not self._storing, self._config.deadlines.store_timeout
+            ):
+                hung.update(*self._storing)
+                for t in hung:
+                    self._manager.suspend(t)
+                log.warning(
+                    "tiercache: a store into %s hung at close; those tiers are left as they are",
+                    ", ".join(self._tiers[t].medium for t in sorted(hung)),
+                )
         thread = self._through.thread
         if thread is not None:  # it finishes the batch it is copying
             self._through.wake_event.set()
@@ -566,11 +602,34 @@ class TierCache:
                 self._events_buf.extend(events)
                 self._telemetry.record_events(events)
 
-    def _promote(self, chain: list[bytes], loaded: torch.Tensor) -> None:
-        plan = self._manager.prepare_promote(chain)
-        if plan is None:
-            return
-        self._runner.run_plan(plan, loaded, chain)
+    def _storing_plan(self, plan: PrepareStoreOutput) -> frozenset[int]:
+        """Record a plan about to run without the lock (lock held): the tiers it touches,
+        which `close` waits for (bounded) and leaves alone if it hangs."""
+        touched = frozenset(
+            [m.src.tier for m in plan.moves]
+            + [m.dst.tier for m in plan.moves]
+            + [w.spec.tier for w in plan.writes()]
+        )
+        self._storing.append(touched)
+        return touched
+
+    def _run_unlocked(
+        self,
+        plan: PrepareStoreOutput,
+        blocks: torch.Tensor,
+        keys: Sequence[bytes],
+        touched: frozenset[int],
+    ) -> None:
+        """Run a store or promotion plan whose moves demote leaving blocks (tiercache.leaving)
+        without the lock (recorded by `_storing_plan`): reads go on, of those blocks too (from
+        their source slots), while a lower tier is slow or hung; the runner writes their
+        slots once their moves and reads have ended."""
+        try:
+            self._runner.run_plan(plan, blocks, keys)
+        finally:
+            with self._reads_done:
+                self._storing.remove(touched)
+                self._reads_done.notify_all()  # close waits for the plans in flight
 
     def check_through(self, timeout: float) -> int | None:
         """The write-through copy in progress, if it has run `timeout` seconds or more: its

@@ -20,13 +20,13 @@ OffloadingManager shape, on 16-byte prefix keys):
 - `suspend(tier)` / `record_ok(tier)`: the circuit breaker (`tiercache.breaker`). A tier that
   missed a load deadline is skipped by lookups (and by loads, where a faster or slower copy
   exists) for a back-off period, then tried again by itself.
-- leaving blocks: a block that the write-through plan (`plan_write_through`) demotes stays
-  readable from its source slot until its move completes or is given up: `lookup_ready` and
-  `prepare_load` with `leaving=True` serve it from there and pin that slot (`reading`), and
-  the runner of the plan writes the slot's next block only once no read pins it (a slot
-  freed meanwhile goes back to its tier when the last read ends). Other plans' moves are run
-  by a transfer engine whose store into the slot waits only for the move's read, so their
-  blocks are not served while they move.
+- leaving blocks (`tiercache.leaving`): a block that `plan_write_through` or
+  `prepare_store(leaving=True)` demotes stays readable from its source slot until its move
+  completes or is given up: `lookup_ready` and `prepare_load` with `leaving=True` serve it
+  from there and pin that slot; the plan's runner writes the slot's next block only once
+  `reading(tier, slots)` is False (a slot freed meanwhile goes back to its tier when the last
+  read ends). Adapters' plans run on a transfer engine whose store into the slot waits only
+  for the move's read: their blocks are not served while they move.
 
 - dormant blocks: what a persistent tier recovered at open without handing it over
   (`Tier.open_columns`, tiers/dormant.py). The manager keeps no state for them: a lookup or a
@@ -50,6 +50,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 from tiercache.admission import Sightings, admit_flags
 from tiercache.breaker import CircuitBreaker
+from tiercache.leaving import LeavingBlocks
 from tiercache.levels import Level, Loads, TierCounters, count_lookup, not_ready, unpin
 from tiercache.policies import EvictionPolicy
 from tiercache.records import (
@@ -104,10 +105,7 @@ class OffloadingManager:
         # the tier's slot map, so the map serves as both and the bitmask is never built.
         self._present: dict[bytes, int] = self._levels[0].slots if self._single else {}
         self._moving: set[bytes] = set()  # keys being demoted (in no tier's lookup meanwhile)
-        # Leaving blocks (see the module doc): moving key -> (source tier, source slot), while
-        # the move runs; whether the plan being made creates leaving blocks.
-        self._leaving: dict[bytes, tuple[int, int]] = {}
-        self._leave = False
+        self._leaving = LeavingBlocks()  # see the module doc: while their moves run
         # Outstanding loads: where each reads, and the slots (leaving blocks' too) they pin.
         self._loads = Loads(self._levels)
         self._events: list[OffloadingEvent] = []
@@ -177,14 +175,13 @@ class OffloadingManager:
         a leaving block is no longer served from its source (reads in flight finish)."""
         keys = _seq(keys)
         self._moving.difference_update(keys)
-        if self._leaving:
-            for k in keys:
-                self._leaving.pop(k, None)
+        self._leaving.end(keys)
 
-    def reading(self, tier: int, slots: Iterable[int]) -> bool:
-        """Whether a read of a leaving block pins one of `slots` of `tier`: the plan's runner
-        writes into them only once this is False (see the module doc)."""
-        return self._loads.reading(tier, slots)
+    def reading(self, tier: int, slots: Sequence[int]) -> bool:
+        """Whether one of `slots` of `tier` is busy: a leaving block's source, its move still
+        running, or pinned by a read of one. A plan's runner writes them only once this is
+        False (see the module doc)."""
+        return self._leaving.busy(tier, slots) or self._loads.reading(tier, slots)
 
     def holds(self, key: bytes) -> bool:
         """Whether some tier holds `key`, ready (dormant included) or with its store (or a
@@ -429,11 +426,14 @@ class OffloadingManager:
             lv.policy.touch(keys)
 
     # -- store -----------------------------------------------------------------------------
-    def prepare_store(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Iterable[bytes], *, leaving: bool = False
+    ) -> PrepareStoreOutput | None:
         """Reserve slots for the keys not held anywhere yet, in the first tier; what it cannot
         take (a chain longer than it, or its room held by pinned blocks and stores in flight)
         goes straight into the next tiers with room (write-around, `plan.around`), the
-        chain's head placed first, as lookups reach it first.
+        chain's head placed first, as lookups reach it first. `leaving`: the blocks its moves
+        demote are leaving blocks (the caller's runner guards their slots: see the module doc).
 
         Keys no tier can take are left out of the plan. Returns None, changing nothing, when
         no key can be placed at all. Raises ValueError on duplicate keys.
@@ -450,9 +450,10 @@ class OffloadingManager:
         # A suspended tier (its circuit breaker open: it hung) takes no store: its blocks would
         # hold the engine's until it came back. They go around it, or are not stored.
         off = self._breaker.mask()
-        plan = None if off & 1 else self._reserve_first_tier(new, distinct)
-        if plan is None and new:
-            plan = self._reserve_around(new, distinct, off)
+        with self._leaving.plan(leaving):
+            plan = None if off & 1 else self._reserve_first_tier(new, distinct)
+            if plan is None and new:
+                plan = self._reserve_around(new, distinct, off)
         if plan is None and seen_before is not None:  # a refusal changes nothing
             self._seen.unsight(seen_before)
         return plan
@@ -521,8 +522,11 @@ class OffloadingManager:
         assert slots is not None, f"{level.medium} ran out of slots after eviction"
         return slots
 
-    def prepare_promote(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
-        """Plan copies of keys ready only in lower tiers into the first tier.
+    def prepare_promote(
+        self, keys: Iterable[bytes], *, leaving: bool = False
+    ) -> PrepareStoreOutput | None:
+        """Plan copies of keys ready only in lower tiers into the first tier (`leaving`: as
+        in `prepare_store`).
 
         The caller writes the bytes it loaded into `store_spec` and completes the store as
         usual. Returns None when promotion is off, nothing needs promoting, or no room.
@@ -536,7 +540,8 @@ class OffloadingManager:
         todo = [k for k in keys if ready.get(k, 0) and not present[k] & first_bit]
         if not todo:
             return None
-        return self._reserve_first_tier(todo, keys)
+        with self._leaving.plan(leaving):
+            return self._reserve_first_tier(todo, keys)
 
     def _reserve_first_tier(
         self, new: list[bytes], protect: Collection[bytes]
@@ -661,8 +666,8 @@ class OffloadingManager:
             return False
         dst.hold(self._present, keys, slots)
         self._moving.update(keys)
-        if self._leave:  # readable from the source slots until the move completes
-            self._leaving.update((k, (src.index, s)) for k, s in zip(keys, src_slots, strict=True))
+        if self._leaving.planning:  # readable from the source slots until the move completes
+            self._leaving.leave(src.index, keys, src_slots)
         dst.counters.demoted_in += len(keys)
         moves.append(
             BlockMove(
@@ -712,11 +717,9 @@ class OffloadingManager:
                             present[k] = p
                         else:
                             del present[k]
-            if done and moving:
+            if done and moving:  # a leaving block is served from where it now is (or gone)
                 moving.difference_update(done)
-                if self._leaving:  # served from where it now is (or gone)
-                    for k in done:
-                        self._leaving.pop(k, None)
+                self._leaving.end(done)
             if done and success:
                 if cold:  # tail first: the chain's tail is evicted first
                     lv.policy.insert_cold(done)
@@ -760,14 +763,9 @@ class OffloadingManager:
         tier holding each block (pinned there until the copy completes) into its
         write-through tier, which makes room through its policy (deeper demotions come first
         in the list). Run them in order and complete each with `complete_write_through`.
-
-        The blocks those demotions move out are leaving blocks (see the module doc): the
-        runner writes a copy into a slot only once `reading(tier, slots)` is False."""
-        self._leave = True
-        try:
+        The blocks those demotions move out are leaving blocks (see the module doc)."""
+        with self._leaving.plan(True):
             return self._plan_write_through(limit)
-        finally:
-            self._leave = False
 
     def _plan_write_through(self, limit: int) -> list[BlockMove]:
         moves: list[BlockMove] = []

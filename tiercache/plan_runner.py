@@ -9,9 +9,12 @@ It does the I/O of a plan and completes its keys on the manager, whatever happen
   blocks dropped and counted, unreachable tiers suspended).
 
 It holds no lock of its own: the facade's lock is held where a method says so, and
-`reads_done` (a condition on that lock) is notified when a load ends, so a copy into a slot
-that a read of a leaving block pins goes on. Failed tier I/O (`IO_ERRORS`) fails the blocks
-it touched and is counted; anything else propagates. Logs as "tiercache.cache".
+`reads_done` (a condition on that lock) is notified when a load ends, so a copy or a store
+into a slot that a read of a leaving block pins goes on (`wait_slots`). `run_plan` and
+`move` take that lock for each completion, so they run with it held or without it (a
+store whose moves demote leaving blocks: their reads go on meanwhile). Failed tier I/O
+(`IO_ERRORS`) fails the blocks it touched and is counted; anything else propagates. Logs as
+"tiercache.cache".
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from tiercache.tiers.pool import PoolTier
 log = logging.getLogger("tiercache.cache")
 
 MOVE_CHUNK_BYTES = 64 * 2**20  # staging per step of a tier-to-tier copy
-READS_POLL_S = 0.05  # a copy into a slot a read of a leaving block pins looks again this often
+READS_POLL_S = 0.05  # a write into a busy slot (`wait_slots`) looks again this often
 
 # Errors that say a tier cannot be reached at all (a stopped or lost server), not that some
 # of its blocks failed: the tier is suspended (`CircuitBreaker`).
@@ -108,8 +111,10 @@ class PlanRunner:
     def run_plan(
         self, plan: PrepareStoreOutput, blocks: torch.Tensor, keys: Sequence[bytes]
     ) -> None:
-        """Run a store plan to its completion (lock held): its moves in order, then its
-        writes (first tier, then write-around) of the rows of `blocks` (one per key of `keys`).
+        """Run a store plan to its completion, the lock held or not (each completion takes
+        it): its moves in order, then its writes (first tier, then write-around) of the rows
+        of `blocks` (one per key of `keys`), each once its slots are not busy (`wait_slots`:
+        a leaving block's source slot is written once its move ended and its reads did).
 
         A failed tier write fails that write (a counted error). Anything else raised on the
         way (a bug, a device mismatch, out of memory) first completes every key of the plan
@@ -122,31 +127,46 @@ class PlanRunner:
             for w in plan.writes():
                 tier = self._tiers[w.spec.tier]
                 src = rows_of(blocks, keys, w.keys)
+                self.wait_slots(w.spec.tier, w.spec.slots)
                 try:
                     tier.write(w.spec.slots, src, w.keys)
                 except IO_ERRORS as exc:
                     log.warning(
                         "store of %d blocks into %s failed: %s", len(w.keys), tier.medium, exc
                     )
-                    self._manager.record_error(w.spec.tier)
-                    self._manager.complete_store(w.keys, success=False)
+                    with self._reads_done:
+                        self._manager.record_error(w.spec.tier)
+                        self._manager.complete_store(w.keys, success=False)
                     continue
-                self._manager.complete_store(w.keys, success=True)
+                with self._reads_done:
+                    self._manager.complete_store(w.keys, success=True)
         except BaseException:
             # complete_store skips keys already completed (moves and writes that finished),
             # so this fails exactly what is still in flight.
-            for move in plan.moves:
-                self._manager.complete_store(move.keys, success=False)
-            self._manager.complete_store(plan.stored_keys, success=False)
+            with self._reads_done:
+                for move in plan.moves:
+                    self._manager.complete_store(move.keys, success=False)
+                self._manager.complete_store(plan.stored_keys, success=False)
             raise
 
     # -- tier-to-tier copies ---------------------------------------------------------------
     def move(self, move: BlockMove) -> None:
         """Copy blocks between tiers through a host staging buffer, in bounded chunks, each
-        completed on the manager (lock held)."""
+        completed on the manager (the lock held or not: each completion takes it)."""
         for keys, src_slots, dst_slots in chunks(move, self._block_bytes):
             ok, errors = self.copy_chunk(keys, move.src.tier, src_slots, move.dst.tier, dst_slots)
-            self.finish_copy(keys, ok, errors, self._manager.complete_store)
+            with self._reads_done:
+                self.finish_copy(keys, ok, errors, self._manager.complete_store)
+
+    def wait_slots(self, tier: int, slots: Sequence[int]) -> None:
+        """Return once no slot of `slots` in `tier` is busy (`OffloadingManager.reading`: a
+        leaving block's source whose move still runs, or pinned by a read of one); the lock
+        held or not (a wait releases it)."""
+        if self._manager.reading(tier, slots):  # an unlocked hint; checked again locked
+            with self._reads_done:
+                while self._manager.reading(tier, slots):
+                    # Polled too: an adapter may unpin on the manager itself, not notifying.
+                    self._reads_done.wait(READS_POLL_S)
 
     def finish_copy(
         self,
@@ -176,12 +196,8 @@ class PlanRunner:
         """Copy blocks between two tiers through host staging (I/O only, no bookkeeping):
         the keys that arrived, and failures to count per tier. A destination slot that a
         read of a leaving block still reads (a write-through copy into the slot of a block
-        its batch moved down) is written once that read ends."""
-        if self._manager.reading(dst, dst_slots):  # an unlocked hint; checked again locked
-            with self._reads_done:
-                while self._manager.reading(dst, dst_slots):
-                    # Polled too: an adapter may unpin on the manager itself, not notifying.
-                    self._reads_done.wait(READS_POLL_S)
+        its batch moved down) is written once that read ends (`wait_slots`)."""
+        self.wait_slots(dst, dst_slots)
         src_tier, dst_tier = self._tiers[src], self._tiers[dst]
         errors: dict[int, int] = {}
         runs = host_runs(src_tier, src_slots)
