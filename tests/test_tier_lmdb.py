@@ -469,18 +469,27 @@ def test_restart_in_a_fresh_process_after_a_crash(tmp_path) -> None:
 
 
 def test_reader_process_next_to_a_writer_process(tmp_path) -> None:
-    # The writer cycles 64 keys through a 32-block tier for ~2 s (each allocation past
-    # capacity frees the oldest slot, so keys are deleted and stored again all the time);
-    # the reader, another process, reads random keys meanwhile: a miss or the exact bytes.
-    path = str(tmp_path / "shared")
+    # The writer cycles 64 keys through a 32-block tier (each allocation past capacity frees
+    # the oldest slot, so keys are deleted and stored again all the time); the reader, another
+    # process, reads random keys meanwhile: a miss or the exact bytes. Neither runs for a set
+    # time (under load a process may get little CPU in it): the reader reads until it has
+    # seen hits and misses and made READS reads since its first hit, then creates `done`;
+    # the writer writes until `done` exists (so every read ran beside its writes) and it has
+    # made WRITES writes. Each gives up after DEADLINE_S instead of waiting for ever.
+    path, done = str(tmp_path / "shared"), str(tmp_path / "reader-done")
+    reads, writes, deadline_s = 200, 400, 90
     writer = run_child(
         """
+        import os
         bb, cap = 65536, 32
+        writes, deadline_s, done = int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
         data = torch.cat([block(i, bb) for i in range(64)])
         t = LMDBTier(path=sys.argv[1], block_bytes=bb, capacity_blocks=cap)
         order, slots = [], {}  # FIFO eviction, as a manager would do it
         t0 = time.monotonic(); n = 0
-        while time.monotonic() - t0 < 2.0:
+        while n < writes or not os.path.exists(done):
+            if time.monotonic() - t0 > deadline_s:
+                raise SystemExit(f"the reader was not done after {deadline_s} s ({n} writes)")
             ids = [i for i in ((n + j) % 64 for j in range(4)) if key(i) not in slots]
             n += 4
             if not ids:
@@ -495,20 +504,27 @@ def test_reader_process_next_to_a_writer_process(tmp_path) -> None:
         print(json.dumps({"writes": n}))
     """,
         path,
+        str(writes),
+        str(deadline_s),
+        done,
     )
     reader = run_child(
         """
         import random
         bb = 65536
+        reads, deadline_s, done = int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
         data = torch.cat([block(i, bb) for i in range(64)])
         # Both processes may create the store at the same moment: neither may fail.
         t = LMDBTier(path=sys.argv[1], block_bytes=bb, capacity_blocks=32)
-        rnd = random.Random(0); hits = misses = 0
+        rnd = random.Random(0); hits = misses = after_hit = 0
         out = torch.empty((4, bb), dtype=torch.uint8)
         t0 = time.monotonic()
-        while time.monotonic() - t0 < (2.0 if hits else 15.0):  # under load: wait for data
+        while not (hits and misses and after_hit >= reads):
+            if time.monotonic() - t0 > deadline_s:
+                raise SystemExit(f"after {deadline_s} s: {hits} hits, {misses} misses")
             ids = rnd.sample(range(64), 4)
             failed = t.read([0, 1, 2, 3], out, [key(i) for i in ids])
+            after_hit += hits > 0
             for j, i in enumerate(ids):
                 if j in failed:
                     misses += 1
@@ -516,19 +532,24 @@ def test_reader_process_next_to_a_writer_process(tmp_path) -> None:
                     raise SystemExit(f"wrong bytes for key {i}")
                 else:
                     hits += 1
+        open(done, "w").close()  # the writer stops now, not before
         t.close()
         print(json.dumps({"hits": hits, "misses": misses}))
     """,
         path,
+        str(reads),
+        str(deadline_s),
+        done,
     )
-    w_out, w_err = writer.communicate(timeout=60)
-    r_out, r_err = reader.communicate(timeout=60)
+    w_out, w_err = writer.communicate(timeout=2 * deadline_s)
+    r_out, r_err = reader.communicate(timeout=2 * deadline_s)
     assert writer.returncode == 0, w_err
     assert reader.returncode == 0, r_err
     assert "Error" not in r_err and "Error" not in w_err
     result = json.loads(r_out.strip().splitlines()[-1])
     assert result["hits"] > 0 and result["misses"] > 0, result
-    assert json.loads(w_out.strip().splitlines()[-1])["writes"] > 100
+    # The keys went round the store many times: deletes and stores again beside the reads.
+    assert json.loads(w_out.strip().splitlines()[-1])["writes"] >= writes
 
 
 # -- faults and bad paths ------------------------------------------------------------------

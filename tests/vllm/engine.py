@@ -40,10 +40,12 @@ with ``"stop_pid": PID`` sends SIGSTOP to that process before the batch and SIGC
 A batch with ``"settle_through": true`` starts once the connector's write-through copies
 queued so far have run (in a multiprocess engine, those of the worker's process; TP 1 only;
 e.g. hits timed apart from the previous batch's background writes). A batch may also say
-``"wait_s": S`` (sleep S seconds before it), ``"wait_for": PATH`` (start it only once PATH
-exists: another engine finished something) and ``"touch": PATH`` (create PATH after it):
-engines started together with `start_in_subprocess` then run in a set order, each in its
-own process.
+``"wait_s": S`` (sleep S seconds before it), ``"wait_serving": true`` (start it once no
+tier of this process's stores is suspended; in-process engines; ``waited_s`` says how long),
+``"wait_for": PATH`` (start it only once PATH exists: another engine finished something)
+and ``"touch": PATH`` (create PATH after it): engines started together with
+`start_in_subprocess` then run in a set order, each in its own process. Every batch records
+``suspended_s``: per in-process store, the seconds each tier was still suspended at its start.
 
 With ``"hang_writes": PATH`` every NVMe tier write in the engine's process blocks until PATH
 exists (a hung disk; in-process engines only), and ``"num_gpu_blocks_override": N`` gives
@@ -353,6 +355,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         if batch.get("wait_for"):
             wait_for_file(Path(batch["wait_for"]))
         time.sleep(float(batch.get("wait_s", 0)))
+        waited_s = _wait_serving() if batch.get("wait_serving") else 0.0
+        suspended_s = _suspended()  # what the batch starts with (a test's failure shows it)
         th0 = thread_cpu()  # the settling's background copies count in this batch's threads
         if batch.get("settle_through"):
             if spec.get("multiprocessing"):
@@ -390,6 +394,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
                 "wall_s": wall,
                 "cpu_s": cpu,
                 "connector_s": spent[0] - s0,
+                "suspended_s": suspended_s,
+                "waited_s": waited_s,
                 "request_s": request_s,
                 "request_cpu_s": request_cpu_s,
                 "thread_cpu_s": {k: v - th0.get(k, 0.0) for k, v in th1.items()},
@@ -487,6 +493,32 @@ def _settle_through(deadline_s: float = 120) -> None:
             if not queued:
                 break
             time.sleep(0.02)  # the copier takes the next batch
+
+
+def _suspended() -> list[list[float]]:
+    """Per store of this process (in-process engines), seconds each tier stays suspended."""
+    from tiercache.connectors import common
+
+    with common._REGISTRY_LOCK:
+        caches = [s.cache for s in common._REGISTRY.values()]
+    out = []
+    for cache in caches:
+        with cache.lock:
+            out.append(cache.manager.suspended())
+    return out
+
+
+def _wait_serving(deadline_s: float = 120) -> float:
+    """Wait until no tier of any store of this process is suspended (a hung tier's back-off
+    ended: it doubles with every trip that follows without a success in between, so its
+    length depends on how long the tier hung, not only on `[deadlines] backoff`). Returns
+    the seconds waited; RuntimeError after `deadline_s`."""
+    t0 = time.monotonic()
+    while any(s > 0 for tiers in _suspended() for s in tiers):
+        if time.monotonic() - t0 > deadline_s:
+            raise RuntimeError(f"a tier was still suspended after {deadline_s} s: {_suspended()}")
+        time.sleep(0.05)
+    return time.monotonic() - t0
 
 
 def _settle_worker(worker: Any) -> None:

@@ -13,6 +13,7 @@ back-off ends, stores resume and a repeated batch hits.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -23,6 +24,20 @@ pytest.importorskip("vllm")
 
 PROMPT_TOKENS = 100  # 3 full 32-token blocks; with 8 new tokens, 4 blocks per request
 BACKOFF_S = 2.0
+# _WAIT_SERVING: the batch after the disk is back waits until no tier is suspended, not for
+# BACKOFF_S. The suspension is BACKOFF_S only if the tier tripped once: a hung copy still
+# running when that period ends trips it again for twice as long (the breaker's back-off
+# doubles while the tier has not served in between). Under load the batches take longer and
+# that second trip comes before the release: the batch after a fixed BACKOFF_S wait then
+# found the disk suspended for 1.6 s more, its stores could not go below the 4-block CPU
+# tier, and the last batch hit 1 request of 6 (`suspended_s` in the batch facts shows it).
+
+
+def _batch_facts(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per batch, what says why it hit or missed: its hits, wall time, and what the engine
+    recorded before it started (`suspended_s`, `waited_s`)."""
+    keys = ("num_cached_tokens", "wall_s", "suspended_s", "waited_s")
+    return [{k: b[k] for k in keys if k in b} for b in result["batches"]]
 
 
 def _counter(result: dict[str, Any], name: str) -> int:
@@ -77,12 +92,19 @@ def test_a_hung_store_gives_vllm_its_blocks_back(
             "deadlines": {"store_timeout": 1.0, "backoff": BACKOFF_S},
         }
     )
+    # Batch 3 starts once the back-off has ended (`_WAIT_SERVING`), however long it is, and
+    # not before BACKOFF_S: without that pause it once started 0.75 s after the release and
+    # its stores of the first set were skipped (`store_skipped_blocks` 9), likely while
+    # batch 1's given-up stores of the same keys were still finishing; batch 4 hit 2 of 6.
+    # Not yet understood (see the report of issue 36 part 4): the pause stays until it is.
     batches[2]["wait_s"] = BACKOFF_S
+    batches[2]["wait_serving"] = True
     assert not release.exists()
     got = engine.run_in_subprocess(
         {**common, "batches": batches, "kv_transfer_config": kv, "hang_writes": str(release)},
         timeout=300,
     )
+    print(json.dumps({"batches": _batch_facts(got), "stores": got["stores"]}, default=str))
     assert [b["outputs"] for b in got["batches"]] == [want[0], want[1], want[0], want[0]]
     # Batch 1's stores were given up (18 full blocks, the first of each maybe read already),
     # batch 2 found the tier suspended and stored nothing; the wall time of batch 2 is far
@@ -177,7 +199,7 @@ def test_a_hung_store_gives_vllm_its_blocks_back_through_the_offloading_spec(
         "tiers": [nvme] if tiers == "nvme" else [{"kind": "cpu", "blocks": 4}, nvme],
         "deadlines": {"store_timeout": 1.0, "backoff": BACKOFF_S},
     }
-    batches[2]["wait_s"] = BACKOFF_S
+    batches[2]["wait_serving"] = True  # once the back-off has ended (`_WAIT_SERVING`)
     got = engine.run_in_subprocess(
         {
             **common,
@@ -190,6 +212,8 @@ def test_a_hung_store_gives_vllm_its_blocks_back_through_the_offloading_spec(
     assert [b["outputs"] for b in got["batches"]] == [want[0], want[1], want[0], want[0]]
     assert got["batches"][1]["wall_s"] < 60
     (store,) = got["stores"].values()
+    # On a failure, pytest shows what the engine's store counted (suspensions, drops, ...).
+    print(json.dumps({"batches": _batch_facts(got), "store": store}, default=str))
     assert store["stats"]["nvme"]["suspensions"] >= 1
     if tiers == "nvme":
         assert store["counters"]["offload_store_deadline_blocks"] > 0
