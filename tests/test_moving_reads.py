@@ -24,6 +24,27 @@ from tiercache.tiers.cpu import CPUTier
 BB = 4096
 
 
+def _cpu_nvme_lmdb(tmp_path: Path, cpu: int, nvme: int, lmdb: int, **extra: Any) -> dict[str, Any]:
+    """A cache config of CPU, NVMe and LMDB tiers of these sizes, both disks written back
+    (a block reaches them only by demotion), 4-token blocks."""
+    disk = {"write_policy": "write-back"}
+    return {
+        "block_size": 4,
+        **extra,
+        "tiers": [
+            {"kind": "cpu", "blocks": cpu},
+            {
+                "kind": "nvme",
+                "path": str(tmp_path / "nvme"),
+                "blocks": nvme,
+                "fsync": "never",
+                **disk,
+            },
+            {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "blocks": lmdb, **disk},
+        ],
+    }
+
+
 def _rows(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n, BB), dtype=torch.uint8, generator=g)
@@ -449,26 +470,7 @@ def test_concurrent_puts_and_gets_never_serve_a_half_written_block(tmp_path: Pat
     """Puts that demote (CPU -> NVMe -> LMDB, small tiers, slowed disk writes) beside gets:
     every block a get returns is its key's own bytes, whatever moves or reuses its slot
     meanwhile (leaving blocks read from their source slots, stores waiting for them)."""
-    cfg = {
-        "block_size": 4,
-        "promote": False,
-        "tiers": [
-            {"kind": "cpu", "blocks": 4},
-            {
-                "kind": "nvme",
-                "path": str(tmp_path / "nvme"),
-                "blocks": 6,
-                "fsync": "never",
-                "write_policy": "write-back",
-            },
-            {
-                "kind": "lmdb",
-                "path": str(tmp_path / "lmdb"),
-                "blocks": 64,
-                "write_policy": "write-back",
-            },
-        ],
-    }
+    cfg = _cpu_nvme_lmdb(tmp_path, 4, 6, 64, promote=False)
     cache = TierCache.open(cfg, block_bytes=BB)
     for tier in cache.tiers[1:]:  # slow disks: moves stay in flight while others read
         write = tier.write
@@ -575,25 +577,7 @@ def test_a_gets_promotion_demoting_into_a_hung_tier_leaves_the_rest_served(
     chain held on NVMe promotes it, which demotes the CPU tier's chain into NVMe and NVMe's
     oldest into LMDB (hung). That get runs its promotion without the cache's lock, so both
     demoted chains are served whole from their source slots meanwhile; then all land."""
-    cfg = {
-        "block_size": 4,
-        "tiers": [
-            {"kind": "cpu", "blocks": 2},
-            {
-                "kind": "nvme",
-                "path": str(tmp_path / "nvme"),
-                "blocks": 4,
-                "fsync": "never",
-                "write_policy": "write-back",
-            },
-            {
-                "kind": "lmdb",
-                "path": str(tmp_path / "lmdb"),
-                "blocks": 16,
-                "write_policy": "write-back",
-            },
-        ],
-    }
+    cfg = _cpu_nvme_lmdb(tmp_path, 2, 4, 16)
     cache = TierCache.open(cfg, block_bytes=BB)
     a, b, c = (cache.hash_tokens(list(range(i, i + 8))) for i in (0, 100, 200))
     data = {0: _rows(2, 1), 1: _rows(2, 2), 2: _rows(2, 3)}
