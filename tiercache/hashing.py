@@ -6,6 +6,8 @@ Primitives
 - ``root_hash(namespace) -> bytes``: the parent of block 0 (``key[-1]``).
 - ``group_keys(keys, group) -> list[bytes]``: the keys of one KV cache group of a model
   with several (vLLM's hybrid KV cache manager); group ``""`` leaves the keys as they are.
+- ``shard_keys(keys, shards) -> list[bytes]``: the keys of head shards ``shards`` of each
+  block (the TP-independent layout, `tiercache.transfer.head_shards`), block-major.
 - ``make_namespace(*, model, dtype, block_size, layout, tp_size, tp_rank, extra) -> str``
 - ``FORMAT_VERSION``: the version of the byte format below; bump it on any change.
 
@@ -53,6 +55,11 @@ key says which layers its bytes hold). The empty name is no group: ``gkey = key`
 single-group store keeps the keys it always had. Group keys are not chained among
 themselves: ``gkey[i]`` commits to the whole prefix through ``key[i]``.
 
+Shard keys (one block's KV split by KV-head ranges, so that any tensor-parallel rank reads
+and writes exactly its own heads): shard ``j`` of the block with key ``k`` is::
+
+    skey = H(b"tiercache/shard/v1\x00" + u16(j) + k)
+
 Python's ``hash()`` is never used, so keys are equal across processes, machines
 and ``PYTHONHASHSEED`` values. See ``docs/hashing.md``.
 """
@@ -78,6 +85,7 @@ __all__ = [
     "make_namespace",
     "prefix_hashes",
     "root_hash",
+    "shard_keys",
 ]
 
 FORMAT_VERSION = 1
@@ -85,6 +93,7 @@ KEY_SIZE = 16
 _ROOT_PREFIX = f"tiercache/prefix/v{FORMAT_VERSION}\x00".encode()
 _NAMESPACE_PREFIX = f"tiercache-ns/v{FORMAT_VERSION}:"
 _GROUP_PREFIX = b"tiercache/group/v1\x00"
+_SHARD_PREFIX = b"tiercache/shard/v1\x00"
 _TOKEN_LIMIT = 2**32
 _U64 = struct.Struct("<Q").pack
 _F64 = struct.Struct("<d").pack
@@ -103,7 +112,7 @@ def make_namespace(
     dtype: str,
     block_size: int,
     layout: str = "",
-    tp_size: int = 1,
+    tp_size: int | None = 1,
     tp_rank: int = 0,
     extra: str = "",
 ) -> str:
@@ -112,7 +121,8 @@ def make_namespace(
     The result is ``"tiercache-ns/v1:"`` followed by compact JSON with sorted keys,
     e.g. ``tiercache-ns/v1:{"block_size":16,"dtype":"bfloat16","extra":"",
     "layout":"","model":"m","tp_rank":0,"tp_size":1}``. It is hashed verbatim, so
-    its layout is part of the v1 byte format.
+    its layout is part of the v1 byte format. ``tp_size=None`` leaves both TP fields out:
+    blocks whose bytes do not depend on the tensor-parallel layout (head shards).
     """
     fields: dict[str, Any] = {
         "model": _check_str("model", model, nonempty=True),
@@ -120,9 +130,12 @@ def make_namespace(
         "layout": _check_str("layout", layout),
         "extra": _check_str("extra", extra),
         "block_size": _check_int("block_size", block_size, 1),
-        "tp_size": _check_int("tp_size", tp_size, 1),
-        "tp_rank": _check_int("tp_rank", tp_rank, 0),
     }
+    if tp_size is None:
+        body = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return _NAMESPACE_PREFIX + body
+    fields["tp_size"] = _check_int("tp_size", tp_size, 1)
+    fields["tp_rank"] = _check_int("tp_rank", tp_rank, 0)
     if fields["tp_rank"] >= fields["tp_size"]:
         raise ValueError(f"tp_rank must be < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
     body = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
@@ -180,6 +193,18 @@ def group_keys(keys: Sequence[bytes], group: str) -> list[bytes]:
     head = _GROUP_PREFIX + _U64(len(name)) + name
     digest = xxh3_128_digest
     return [digest(head + k) for k in keys]
+
+
+def shard_keys(keys: Sequence[bytes], shards: Sequence[int] | range) -> list[bytes]:
+    """The keys of head shards `shards` of each block of `keys` (see the module docstring),
+    block-major: ``[skey(keys[0], shards[0]), skey(keys[0], shards[1]), ...]``."""
+    heads = []
+    for j in shards:
+        if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < 1 << 16:
+            raise ValueError(f"shards: expected ints in [0, 65536), got {j!r}")
+        heads.append(_SHARD_PREFIX + j.to_bytes(2, "little"))
+    digest = xxh3_128_digest
+    return [digest(h + k) for k in keys for h in heads]
 
 
 def _chain(buf: memoryview, step: int, parent: bytes, out: list[bytes]) -> bytes:

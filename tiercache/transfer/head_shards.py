@@ -1,0 +1,137 @@
+"""Head shards: one block layout for every tensor-parallel size (issue 32, docs/tp-layout.md).
+
+Tensor parallelism splits a block's KV by KV heads: rank `r` of `n` holds heads
+``[r*H/n, (r+1)*H/n)``. A store written in one rank's bytes per block serves only that rank of
+that TP size. Instead, a block is stored as `shards` head shards of ``g = H/shards``
+consecutive heads each, every layer, K and V; rank `r` of `n` (``shards % n == 0``) owns
+shards ``[r*shards/n, (r+1)*shards/n)`` and writes and reads exactly those: no byte is stored
+twice, no rank reads another's bytes, and a TP=1 engine reads what a TP=2 engine stored.
+
+Primitives:
+- `HeadShards(shards, tp_size, tp_rank)`: which shards a rank owns (`owned`, `local`), and the
+  mapping the connector uses at its edge: block keys -> this rank's shard keys (`keys`), or
+  every rank's (`all_keys`: the scheduler's rule "a hit needs every shard"), engine block ids
+  -> shard units (`units`) and back (`blocks`).
+- `HeadShards.unit_views(kv_caches, num_blocks)`: the engine buffer seen as `num_blocks *
+  local` units of one shard each, views of the same memory (no copy), which `KVLayout` then
+  copies like blocks. A unit's bytes (per layer, in address order, its heads' pages) are
+  equal on every TP size: TP=1's shard `j` and TP=2 rank 1's local shard ``j - shards/2``
+  hold the same bytes for the same tokens.
+- `default_shards(total_heads)`: the largest power of two dividing the KV-head count, at most
+  8: the largest TP size the store serves by default.
+
+The engine's layout must keep a block's heads outermost and contiguous (vLLM's canonical
+``LBHNC``, which the CPU backend uses: per layer ``[num_blocks, heads, tokens, 2*head]``, or
+K/V first ``[2, num_blocks, heads, tokens, head]``); anything else is refused by
+`unit_views` with a ValueError (the connector then names the setting that keeps the
+per-rank layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tiercache.hashing import shard_keys
+
+MAX_DEFAULT_SHARDS = 8
+
+
+def default_shards(total_heads: int) -> int:
+    """The largest power of two dividing `total_heads`, at most `MAX_DEFAULT_SHARDS`."""
+    if isinstance(total_heads, bool) or not isinstance(total_heads, int) or total_heads < 1:
+        raise ValueError(f"total_heads: expected an int >= 1, got {total_heads!r}")
+    s = 1
+    while s < MAX_DEFAULT_SHARDS and total_heads % (2 * s) == 0:
+        s *= 2
+    return s
+
+
+@dataclass(frozen=True)
+class HeadShards:
+    """The head shards of a store (`shards` per block) and the ones TP rank `tp_rank` of
+    `tp_size` owns. ValueError unless `tp_size` divides `shards`."""
+
+    shards: int
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("shards", "tp_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        if self.shards % self.tp_size:
+            raise ValueError(
+                f"a store of {self.shards} head shards per block serves TP sizes dividing "
+                f"{self.shards}, not {self.tp_size}"
+            )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank: expected 0 <= tp_rank < {self.tp_size}, got {self.tp_rank}")
+
+    @property
+    def local(self) -> int:
+        """Shards per block this rank owns."""
+        return self.shards // self.tp_size
+
+    @property
+    def owned(self) -> range:
+        """The shard indices this rank owns."""
+        return range(self.tp_rank * self.local, (self.tp_rank + 1) * self.local)
+
+    def keys(self, block_keys: Sequence[bytes]) -> list[bytes]:
+        """This rank's shard keys of `block_keys`, block-major (`local` per block)."""
+        return shard_keys(block_keys, self.owned)
+
+    def all_keys(self, block_keys: Sequence[bytes]) -> list[bytes]:
+        """Every rank's shard keys of `block_keys`, block-major (`shards` per block)."""
+        return shard_keys(block_keys, range(self.shards))
+
+    def units(self, block_ids: Iterable[int]) -> list[int]:
+        """The shard units of engine blocks `block_ids`, in the order of `keys`."""
+        s = self.local
+        return [b * s + j for b in block_ids for j in range(s)]
+
+    def blocks(self, unit_ids: Iterable[int]) -> set[int]:
+        """The engine blocks of shard units `unit_ids`."""
+        s = self.local
+        return {u // s for u in unit_ids}
+
+    def whole(self, n: int, per_block: int | None = None) -> int:
+        """`n` shard keys rounded down to whole blocks of `per_block` (default `local`)
+        keys: a block is there only with every one of its shards."""
+        s = per_block or self.local
+        return n - n % s
+
+    def unit_views(
+        self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int
+    ) -> dict[str, torch.Tensor]:
+        """Each layer's tensor as `num_blocks * local` units (see the module docstring);
+        views of the same memory. ValueError naming the layer when its layout does not keep
+        a block's heads outermost and contiguous."""
+        s = self.local
+        out: dict[str, torch.Tensor] = {}
+        for name, t in kv_caches.items():
+            shape, stride = list(t.shape), list(t.stride())
+            kv_first = len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks
+            b = 1 if kv_first else 0  # the block dim; the head dim follows it
+            if len(shape) < b + 3 or shape[b] != num_blocks:
+                raise ValueError(
+                    f"kv_caches[{name!r}]: shape {tuple(shape)} is not [num_blocks, heads, ...] "
+                    f"or [2, num_blocks, heads, ...] with num_blocks={num_blocks}"
+                )
+            heads = shape[b + 1]
+            page = t[0, 0] if kv_first else t[0]
+            if heads % s or not page.is_contiguous() or stride[b] != heads * stride[b + 1]:
+                raise ValueError(
+                    f"kv_caches[{name!r}]: shape {tuple(shape)}, strides {tuple(stride)}: a "
+                    f"block's {heads} KV heads are not outermost and contiguous in {s} equal "
+                    "shards; head shards need vLLM's LBHNC layout"
+                )
+            g = heads // s
+            shape[b : b + 2] = [num_blocks * s, g]
+            stride[b : b + 2] = [g * stride[b + 1], stride[b + 1]]
+            out[name] = t.as_strided(shape, stride, t.storage_offset())
+        return out
