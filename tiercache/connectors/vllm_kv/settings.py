@@ -26,7 +26,7 @@ from tiercache.connectors.common import (
     read_user_config,
     resolve_rank_config,
 )
-from tiercache.connectors.tp_layout import check_no_rank_dirs, choose_shards
+from tiercache.connectors.tp_layout import blocks_as_shards, check_no_rank_dirs, choose_shards
 from tiercache.transfer.head_shards import HeadShards
 
 if TYPE_CHECKING:
@@ -122,6 +122,7 @@ class KVSettings:
         per_rank = shards is None
         if shards is not None:
             layout += f"/heads:{shards.shards}"
+            user = blocks_as_shards(user, shards)
 
         def rank_config(r: int) -> RankConfig:
             return resolve_rank_config(
