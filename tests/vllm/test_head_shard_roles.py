@@ -49,6 +49,7 @@ def _settings(root: Path, tp: int, rank: int) -> KVSettings:
         tp_rank=rank,
         shards=shards,
         engine_block_bytes=engine_bytes,
+        kv_heads=H // tp,
     )
 
 

@@ -72,6 +72,7 @@ class KVSettings:
     rank_configs: tuple[CacheConfig, ...] = ()
     shards: HeadShards | None = None
     engine_block_bytes: int = 0  # this rank's bytes of an engine block (0: block_bytes)
+    kv_heads: int = 0  # this rank's KV heads (head shards: checked against the KV caches)
 
     @property
     def hma(self) -> bool:
@@ -167,6 +168,7 @@ class KVSettings:
             rank_configs=() if worker else (rank.config, *others),
             shards=shards,
             engine_block_bytes=engine_bytes,
+            kv_heads=int(getattr(spec, "num_kv_heads", 0) or 0),
         )
 
 
