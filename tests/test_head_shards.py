@@ -8,7 +8,9 @@ the same KV split by heads (rank `r` of `n` holds heads ``[r*H/n, (r+1)*H/n)``),
   ``j % local`` of the same block, and the documented bytes (per layer, its heads' pages);
 - gathering every rank's shards and scattering them into a zeroed engine of another TP size
   gives that engine's tensors exactly;
-- layouts whose heads are not outermost and contiguous in a block are refused, naming the layer.
+- layouts whose heads are not outermost and contiguous in a block are refused, naming the layer;
+- through the transfer engine as the KV connector drives it, on real CPU, NVMe and LMDB tiers:
+  TP=2 ranks store, a TP=1 engine loads (a hit only once every shard is there), and back.
 Then `HeadShards`' bookkeeping, the shard key format (pinned digests) and `default_shards`.
 """
 
@@ -22,9 +24,12 @@ import pytest
 import torch
 from xxhash import xxh3_128_digest
 
+from tiercache import TierCache
 from tiercache.hashing import prefix_hashes, shard_keys
+from tiercache.transfer import build_worker
 from tiercache.transfer.head_shards import HeadShards, default_shards
 from tiercache.transfer.kv_layout import KVLayout
+from tiercache.transfer.specs import load_transfers, store_transfers
 
 L, H, BS, HS = 3, 4, 4, 8  # layers, KV heads (TP=1), tokens per block, head size
 NB = 5  # engine blocks (not 2: [2, 2, ...] would read as K/V first)
@@ -417,3 +422,96 @@ def test_default_shards(heads: int, shards: int) -> None:
 def test_default_shards_refuses_bad_head_counts(bad) -> None:
     with pytest.raises(ValueError, match="total_heads"):
         default_shards(bad)
+
+
+# -- through the transfer engine and real tiers ------------------------------------------------
+def run_all(worker, specs) -> None:
+    ids = []
+    for spec in specs:
+        ids.append(len(ids))
+        assert worker.transfer_async(ids[-1], spec)
+    assert not worker.wait(ids, timeout=60)
+    done = worker.get_finished()
+    assert sorted(r.job_id for r in done) == sorted(ids) and all(r.success for r in done)
+
+
+def open_store(tmp_path, tier: str, block_bytes: int) -> TierCache:
+    conf: dict[str, object] = {"kind": tier, "blocks": 64}
+    if tier != "cpu":
+        conf["path"] = str(tmp_path / tier)
+    return TierCache.open({"tiers": [conf]}, block_bytes=block_bytes)
+
+
+def store_through(cache: TierCache, hs: HeadShards, layout: KVLayout, keys, ids) -> None:
+    """As the KV connector's worker: prepare_store -> store_transfers -> complete_store."""
+    mine = hs.keys(keys)
+    plan = cache.manager.prepare_store(mine)
+    assert plan is not None and len(plan.stored_keys) == len(mine)
+    with build_worker(layout, cache.tiers) as worker:
+        run_all(worker, store_transfers(plan, mine, hs.units(ids)))
+    cache.manager.complete_store(mine)
+
+
+def load_through(cache: TierCache, hs: HeadShards, layout: KVLayout, keys, ids) -> None:
+    """A hit only on whole blocks (every shard of every rank), then this rank's shards."""
+    found = cache.manager.lookup_ready(hs.all_keys(keys))[0]
+    assert hs.whole(found, per_block=hs.shards) == len(keys) * hs.shards
+    mine = hs.keys(keys)
+    spec = cache.manager.prepare_load(mine)
+    with build_worker(layout, cache.tiers) as worker:
+        run_all(worker, load_transfers(spec, hs.units(ids)))
+    cache.manager.complete_load(mine)
+
+
+def assert_placed(fresh, want, places) -> None:
+    """The blocks at `places` equal `want`'s; the others stayed zero."""
+    for name, t in fresh.items():
+        for e in range(NB):
+            if e in places:
+                assert torch.equal(bits(t[e]), bits(want[name][e])), (name, e)
+            else:
+                assert not bits(t[e]).any(), (name, e)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "lmdb"])
+def test_a_tp1_engine_stores_and_tp2_ranks_load_through_one_store(tmp_path, tier: str) -> None:
+    v = values(torch.float32, seed=4)
+    one = HeadShards(4)
+    src = unit_layout(one, engine("layers_outer", v, 1, 0))
+    cache = open_store(tmp_path, tier, src.block_bytes)
+    keys = block_keys(len(PLACES[1]))
+    try:
+        store_through(cache, one, src, keys, PLACES[1])
+        for r in range(2):
+            hs = HeadShards(4, 2, r)
+            fresh = engine("layers_outer", v, 2, r, zero=True)
+            load_through(cache, hs, unit_layout(hs, fresh), keys, PLACES[2])
+            assert_placed(fresh, engine("layers_outer", v, 2, r), PLACES[2])
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "lmdb"])
+def test_tp2_ranks_store_and_a_tp1_engine_loads_through_one_store(tmp_path, tier: str) -> None:
+    # Two TP=2 ranks store their shards into one store, through the transfer engine as the KV
+    # connector drives it; a TP=1 engine's hit needs every shard, and it loads them into its
+    # own block ids, getting exactly the tensors a TP=1 engine that computed them holds.
+    v = values(torch.float32, seed=3)
+    one = HeadShards(4)
+    fresh = engine("layers_outer", v, 1, 0, zero=True)
+    target = unit_layout(one, fresh)
+    cache = open_store(tmp_path, tier, target.block_bytes)
+    keys = block_keys(len(PLACES[1]))
+    try:
+        for r in range(2):
+            hs = HeadShards(4, 2, r)
+            layout = unit_layout(hs, engine("layers_outer", v, 2, r))
+            assert layout.block_bytes == target.block_bytes  # one unit size on every TP
+            store_through(cache, hs, layout, keys, PLACES[2])
+            found = cache.manager.lookup_ready(one.all_keys(keys))[0]
+            if r == 0:  # rank 0's shards alone: no whole block for the TP=1 engine
+                assert found == 2 and one.whole(found, per_block=4) == 0
+        load_through(cache, one, target, keys, PLACES[1])
+    finally:
+        cache.close()
+    assert_placed(fresh, engine("layers_outer", v, 1, 0), PLACES[1])
