@@ -251,7 +251,7 @@ def test_unit_views_refuse_a_layer_after_accepting_others() -> None:
     "flash-attention layout) is accepted and split by tokens when block_size % local == 0",
 )
 def test_unit_views_refuse_an_nhd_layout() -> None:
-    kv = {"layer.0": torch.zeros(2, NB, BS, H, HS)}  # tokens outside heads
+    kv = {"layer.0": torch.zeros(2, NB, 2 * BS, H, HS)}  # tokens (8) outside heads (4)
     with pytest.raises(ValueError, match=r"kv_caches\['layer.0'\]"):
         HeadShards(2).unit_views(kv, NB)
 
@@ -268,10 +268,16 @@ def test_unit_views_refuse_an_nhd_layout_whose_tokens_do_not_split() -> None:
     reason="bug: with num_blocks == 2 a blocks-first [2, H=2, bs, 2hs] layer reads as K/V "
     "first and is split by tokens; KVLayout refuses the same shape as ambiguous",
 )
-def test_unit_views_refuse_an_ambiguous_shape() -> None:
-    kv = {"layer.0": torch.zeros(2, 2, BS, 2 * HS)}  # num_blocks 2, 2 heads: which is which?
-    with pytest.raises(ValueError, match=r"kv_caches\['layer.0'\]"):
-        HeadShards(2).unit_views(kv, 2)
+def test_unit_views_read_two_blocks_of_two_heads_by_heads_or_refuse() -> None:
+    t = torch.arange(2 * 2 * BS * 2 * HS, dtype=torch.float32).view(2, 2, BS, 2 * HS)
+    try:
+        u = HeadShards(2).unit_views({"layer.0": t}, 2)["layer.0"]
+    except ValueError as exc:  # refusing the ambiguous shape is fine too
+        assert "kv_caches['layer.0']" in str(exc)
+        return
+    assert u.shape == (4, 1, BS, 2 * HS)
+    for unit in range(4):  # unit = block * 2 + head
+        assert torch.equal(u[unit], t[unit // 2, unit % 2 : unit % 2 + 1])
 
 
 # -- HeadShards bookkeeping -------------------------------------------------------------------
