@@ -171,7 +171,8 @@ def bench(m: Model, kind: str, args: argparse.Namespace, root: Path) -> None:
         if v.shards is None:
             layout = KVLayout(e.kv, num_blocks)
         else:
-            layout = KVLayout(v.shards.unit_views(e.kv, num_blocks), num_blocks * v.shards.local)
+            views = v.shards.unit_views(e.kv, num_blocks, m.heads // v.tp)
+            layout = KVLayout(views, num_blocks * v.shards.local)
         local = v.shards.local if v.shards else 1
         v.cache = open_cache(kind, layout.block_bytes, n * local, root, f"{m.name}_{v.name}")
         v.worker = build_worker(layout, v.cache.tiers)

@@ -101,7 +101,7 @@ def expected_shard(kind: str, v: torch.Tensor, b: int, j: int, g: int) -> torch.
 
 
 def unit_layout(hs: HeadShards, kv: dict[str, torch.Tensor]) -> KVLayout:
-    return KVLayout(hs.unit_views(kv, NB), NB * hs.local)
+    return KVLayout(hs.unit_views(kv, NB, heads=_heads(kv)), NB * hs.local)
 
 
 def gather_all(hs: HeadShards, kv: dict[str, torch.Tensor], tp: int) -> torch.Tensor:
@@ -196,7 +196,7 @@ def test_round_trips_between_tp_sizes(kind: str, shards: int) -> None:
 def test_unit_views_are_views_of_the_engine_buffer(kind: str) -> None:
     kv = engine(kind, values(torch.float32), 2, 1)
     hs = HeadShards(4, 2, 1)  # local 2, g = 1
-    views = hs.unit_views(kv, NB)
+    views = hs.unit_views(kv, NB, heads=_heads(kv))
     for name, t in kv.items():
         u = views[name]
         assert u.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
@@ -217,7 +217,12 @@ def test_unit_views_refuse_a_block_major_cross_layer_allocation() -> None:
     a = torch.zeros(NB, L, H, BS, 2 * HS)  # [nb, L, H, bs, 2hs]: layers inside a block
     kv = {f"layer.{i}": a[:, i] for i in range(L)}
     with pytest.raises(ValueError, match=r"kv_caches\['layer.0'\].*LBHNC"):
-        HeadShards(2).unit_views(kv, NB)
+        HeadShards(2).unit_views(kv, NB, heads=_heads(kv))
+
+
+def _heads(kv: dict[str, torch.Tensor]) -> int:
+    """A rank's KV heads in these layouts (dim -3 in each)."""
+    return next(iter(kv.values())).shape[-3]
 
 
 @pytest.mark.parametrize("kind", ["separate", "kv_first"])
@@ -225,53 +230,42 @@ def test_unit_views_refuse_heads_not_divisible_by_the_local_shards(kind: str) ->
     shape = (NB, 3, BS, 2 * HS) if kind == "separate" else (2, NB, 3, BS, HS)
     kv = {"attn.1": torch.zeros(shape)}
     with pytest.raises(ValueError, match=r"kv_caches\['attn.1'\].*3 KV heads"):
-        HeadShards(2).unit_views(kv, NB)
+        HeadShards(2).unit_views(kv, NB, heads=3)
     with pytest.raises(ValueError, match=r"kv_caches\['attn.1'\]"):
-        HeadShards(4, 2, 0).unit_views(kv, NB)  # 2 local shards of 3 heads
-    HeadShards(6, 2, 1).unit_views(kv, NB)  # 3 local shards of one head: fine
+        HeadShards(4, 2, 0).unit_views(kv, NB, heads=3)  # 2 local shards of 3 heads
+    HeadShards(6, 2, 1).unit_views(kv, NB, heads=3)  # 3 local shards of one head: fine
 
 
 def test_unit_views_refuse_a_tensor_that_is_not_blocks_first() -> None:
     with pytest.raises(ValueError, match=r"kv_caches\['x'\].*num_blocks=5"):
-        HeadShards(1).unit_views({"x": torch.zeros(NB + 1, H, BS, 2 * HS)}, NB)
+        HeadShards(1).unit_views({"x": torch.zeros(NB + 1, H, BS, 2 * HS)}, NB, heads=H)
     with pytest.raises(ValueError, match=r"kv_caches\['x'\]"):
-        HeadShards(1).unit_views({"x": torch.zeros(NB, H)}, NB)
+        HeadShards(1).unit_views({"x": torch.zeros(NB, H)}, NB, heads=H)
 
 
 def test_unit_views_refuse_a_layer_after_accepting_others() -> None:
     ok = torch.zeros(NB, H, BS, 2 * HS)
     bad = torch.zeros(NB, L, H, BS, 2 * HS)[:, 0]
     with pytest.raises(ValueError, match=r"kv_caches\['second'\]"):
-        HeadShards(2).unit_views({"first": ok, "second": bad}, NB)
+        HeadShards(2).unit_views({"first": ok, "second": bad}, NB, heads=H)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: unit_views cannot tell heads from tokens; NHD [2, nb, bs, H, hs] (vLLM's "
-    "flash-attention layout) is accepted and split by tokens when block_size % local == 0",
-)
 def test_unit_views_refuse_an_nhd_layout() -> None:
     kv = {"layer.0": torch.zeros(2, NB, 2 * BS, H, HS)}  # tokens (8) outside heads (4)
     with pytest.raises(ValueError, match=r"kv_caches\['layer.0'\]"):
-        HeadShards(2).unit_views(kv, NB)
+        HeadShards(2).unit_views(kv, NB, heads=H)
 
 
 def test_unit_views_refuse_an_nhd_layout_whose_tokens_do_not_split() -> None:
-    # What the check catches today: block_size 3 does not divide into 2 "shards".
     kv = {"layer.0": torch.zeros(2, NB, 3, H, HS)}
     with pytest.raises(ValueError, match=r"kv_caches\['layer.0'\]"):
-        HeadShards(2).unit_views(kv, NB)
+        HeadShards(2).unit_views(kv, NB, heads=H)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: with num_blocks == 2 a blocks-first [2, H=2, bs, 2hs] layer reads as K/V "
-    "first and is split by tokens; KVLayout refuses the same shape as ambiguous",
-)
 def test_unit_views_read_two_blocks_of_two_heads_by_heads_or_refuse() -> None:
     t = torch.arange(2 * 2 * BS * 2 * HS, dtype=torch.float32).view(2, 2, BS, 2 * HS)
     try:
-        u = HeadShards(2).unit_views({"layer.0": t}, 2)["layer.0"]
+        u = HeadShards(2).unit_views({"layer.0": t}, 2, heads=2)["layer.0"]
     except ValueError as exc:  # refusing the ambiguous shape is fine too
         assert "kv_caches['layer.0']" in str(exc)
         return
@@ -300,7 +294,6 @@ def test_head_shards_refuse_bad_arguments(args, match: str) -> None:
         HeadShards(*args)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: tp_rank's type is not checked (1.5 and True pass)")
 @pytest.mark.parametrize("rank", [1.5, True, "1"])
 def test_head_shards_refuse_a_rank_that_is_not_an_int(rank) -> None:
     with pytest.raises(ValueError, match="tp_rank"):
