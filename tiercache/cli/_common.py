@@ -84,12 +84,22 @@ def confirm(question: str, yes: bool) -> None:
 
 def kv_groups_table(section: dict[str, Any]) -> Table:
     """The KV connector's `kv_groups` telemetry section: per KV cache group its kind, layers,
-    window, bytes per block, blocks kept and bytes per token stored."""
+    window, bytes per block, blocks kept and bytes per token stored; the caption names the
+    block layout across TP sizes (head shards, or one store per rank)."""
+    lay = section.get("tp_layout") or {}
+    if lay.get("layout") == "heads":
+        o = lay.get("owned_shards") or ["?", "?"]
+        where = f"; {lay.get('shards')} head shards per block, TP rank {lay.get('tp_rank')} "
+        where += f"of {lay.get('tp_size')} holds shards {o[0]}-{o[-1]}"
+    elif lay:
+        where = f"; one store per TP rank (TP {lay.get('tp_size')})"
+    else:
+        where = ""
     t = Table(
         title="KV cache groups",
         caption=(
             f"blocks of {section.get('block_size', '?')} tokens; "
-            f"{section.get('kept_tokens', 0)} tokens stored"
+            f"{section.get('kept_tokens', 0)} tokens stored{where}"
         ),
         title_justify="left",
     )

@@ -124,12 +124,13 @@ def derive_namespace(
     kv_dtype: str,
     block_size: int,
     layout: str,
-    tp_size: int = 1,
+    tp_size: int | None = 1,
     tp_rank: int = 0,
     settings: str = "",
 ) -> str:
     """The namespace of KV blocks that are byte-compatible (see `make_namespace`);
-    `settings` is `kv_settings_digest` of the engine's configuration."""
+    `settings` is `kv_settings_digest` of the engine's configuration; `tp_size` None: blocks
+    whose bytes do not depend on TP (head shards: the layout names them)."""
     return make_namespace(
         model=model,
         dtype=kv_dtype,
@@ -248,8 +249,11 @@ def _dtype_name(dtype: object) -> str:
     return s.removeprefix("torch.")
 
 
-def namespace_from_vllm(vllm_config: Any, *, layout: str, tp_rank: int = 0) -> str:
+def namespace_from_vllm(
+    vllm_config: Any, *, layout: str, tp_rank: int = 0, per_rank: bool = True
+) -> str:
     """`derive_namespace` from a vLLM `VllmConfig` (read by attribute; no vLLM import).
+    `per_rank` False: a namespace that names no TP size or rank (head shards).
 
     The model is its name or path plus revision; the KV dtype is the cache dtype, or the
     model dtype when the cache dtype is ``"auto"``; every other KV-affecting setting enters
@@ -269,8 +273,8 @@ def namespace_from_vllm(vllm_config: Any, *, layout: str, tp_rank: int = 0) -> s
         kv_dtype=kv_dtype,
         block_size=int(cache_cfg.block_size),
         layout=layout,
-        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-        tp_rank=tp_rank,
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size) if per_rank else None,
+        tp_rank=tp_rank if per_rank else 0,
         settings=kv_settings_digest(vllm_config),
     )
 
@@ -396,6 +400,7 @@ class RankConfig:
     tp_size: int
     dp_rank: int = 0
     dp_size: int = 1
+    shared: bool = False  # head shards: the ranks share the user's paths
 
 
 def resolve_rank_config(
@@ -408,24 +413,31 @@ def resolve_rank_config(
     tp_size: int,
     dp_rank: int = 0,
     dp_size: int = 1,
+    shared: bool = False,
 ) -> RankConfig:
     """`resolve_config` for one TP rank of one data-parallel rank: `store_namespace` (derived
     with the TP rank) names the rank's store, `key_namespace` (derived with TP rank 0) the
     keys; a namespace the user gives prefixes both. With `tp_size` 1 both namespaces are
     equal and the paths unchanged; with `dp_size` > 1 each NVMe tier opens instance `dp_rank`
     of its (per-TP-rank) path (`per_dp_rank_config`). With several ranks, each has its own
-    telemetry (`per_rank_telemetry`)."""
-    mapping = per_rank_config(user, tp_rank=tp_rank, tp_size=tp_size)
+    telemetry (`per_rank_telemetry`).
+
+    `shared` (head shards, `tiercache.connectors.tp_layout`): every TP rank uses the paths as
+    given, so ranks of every TP size share one store per tier; each (DP, TP) rank opens an
+    NVMe instance of its own (one writer per instance)."""
+    mapping = dict(user) if shared else per_rank_config(user, tp_rank=tp_rank, tp_size=tp_size)
     mapping = per_rank_telemetry(
         mapping, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size
     )
-    config = resolve_config(
-        per_dp_rank_config(mapping, dp_rank=dp_rank, dp_size=dp_size),
-        block_size=block_size,
-        namespace=store_namespace,
-    )
+    if shared:
+        mapping = per_dp_rank_config(
+            mapping, dp_rank=dp_rank * tp_size + tp_rank, dp_size=dp_size * tp_size
+        )
+    else:
+        mapping = per_dp_rank_config(mapping, dp_rank=dp_rank, dp_size=dp_size)
+    config = resolve_config(mapping, block_size=block_size, namespace=store_namespace)
     keys = _user_prefixed(user, key_namespace)
-    return RankConfig(config, keys, tp_rank, tp_size, dp_rank, dp_size)
+    return RankConfig(config, keys, tp_rank, tp_size, dp_rank, dp_size, shared)
 
 
 def prepare_rank_dirs(rank: RankConfig) -> None:
@@ -434,7 +446,7 @@ def prepare_rank_dirs(rank: RankConfig) -> None:
     as a tier or the telemetry creates its own path with one rank: only when that
     directory's parent exists (otherwise the tier or telemetry reports the missing one)."""
     parents = []
-    if rank.tp_size > 1:
+    if rank.tp_size > 1 and not rank.shared:
         suffix = rank_suffix(rank.tp_rank, rank.tp_size)
         for t in rank.config.tiers:
             path = t.options.get("path")

@@ -11,6 +11,11 @@
 - Planning (`update_state_after_alloc`, `build_connector_meta`): this step's loads, and the
   stores of the blocks this step completes (sliding windows: `_window_keep`).
 - Events and finished stores (`update_connector_output`, `request_finished`, `take_events`).
+- Head shards (`settings.shards`): keys and block ids stay the blocks' in requests and plans
+  (the worker maps them to its shards); lookups ask for every shard of every block (all
+  ranks', `HeadShards.all_keys`), and a block is a hit only with all of them; the index holds
+  shard keys as one rank would (they are disjoint between ranks); events for vLLM are
+  block events again (`ShardEvents`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tiercache.connectors.common import (
     release_store,
     window_positions,
 )
+from tiercache.connectors.shard_events import ShardEvents
 from tiercache.connectors.vllm_kv.local_lookup import LocalLookup
 from tiercache.connectors.vllm_kv.messages import (
     Event,
@@ -91,11 +97,17 @@ class KVScheduler(RoleBase):
         self._config = settings.config
         self._block_size, self._block_bytes = settings.block_size, settings.block_bytes
         self._tp_size = settings.tp_size
+        self._shards = settings.shards
+        # Head shards: one key per shard and rank, so the index keeps them as one rank's.
+        index_ranks = settings.tp_size if self._shards is None else 1
+        self._per = self._shards.shards if self._shards is not None else 1  # keys per block
+        self._shard_events = ShardEvents(self._shards) if self._shards is not None else None
+        self._engine_block_bytes = settings.engine_block_bytes or settings.block_bytes
         self._groups, self._hma = settings.groups, settings.hma
         self._key_namespace = settings.keys_namespace
         self._loads_on, self._stores_on = settings.loads_on, settings.stores_on
         self.local = shared is not None
-        self.remote = RemoteIndex(settings.tp_size, self._count, probes, settings.config.deadlines)
+        self.remote = RemoteIndex(index_ranks, self._count, probes, settings.config.deadlines)
         self.local_lookup = (
             LocalLookup(shared, settings.block_bytes, self._count, self._affordable)
             if shared is not None
@@ -177,14 +189,16 @@ class KVScheduler(RoleBase):
         if self._hma:
             return self._match_groups(st, start, limit)
         keys = self._keys(st, limit)[start:]
+        look = keys if self._shards is None else self._shards.all_keys(keys)
         if self._shared is None:
-            n = self.remote.lookup(keys, request.request_id)
+            n = self.remote.lookup(look, request.request_id)
         else:
-            n = self._lookup_local(keys, request.request_id)
+            n = self._lookup_local(look, request.request_id)
         if n is None:  # a block is moving between tiers, or a probe is slow: vLLM asks again
             return None, False
         if self._shared is None:  # cost-aware loading (local placement: in _lookup_local)
-            n = self._affordable(keys, n)
+            n = self._affordable(look, n)
+        n //= self._per  # whole blocks (head shards: every shard of each)
         if n == 0:
             return 0, False
         st.hit = (start, n)
@@ -265,23 +279,30 @@ class KVScheduler(RoleBase):
     def _affordable(self, keys: list[bytes], n: int) -> int:
         """Cost-aware loading: how many of the `n` leading hit `keys` to load (the rest is
         recomputed), by the tier each block would load from: the first tier holding it (with
-        TP, the slowest rank's); a block the index does not place (found by a probe of a
-        shared tier) counts as the last tier's."""
+        TP, the slowest rank's; head shards: the slowest shard's, and whole blocks only); a
+        block the index does not place (found by a probe of a shared tier) counts as the last
+        tier's."""
+        per = self._per
+        n -= n % per
         if n == 0:
             return 0
         names = [t.name for t in self._config.tiers]
+        last = len(names) - 1
         if self._shared is not None:
             manager = self._shared.cache.manager
-            tiers = [names[(manager.where(k, leaving=True) or [-1])[0]] for k in keys[:n]]
+            where = [(manager.where(k, leaving=True) or [-1])[0] for k in keys[:n]]
+            at = [last if w < 0 else w for w in where]
         else:
-            last = len(names) - 1
             order = {m: i for i, m in enumerate(names)}
-            tiers = []
+            at = []
             for k in keys[:n]:
                 ranks = self.remote.ranks(k)
                 fastest = [min(order.get(m, last) for m in ms) for ms in ranks.values() if ms]
-                tiers.append(names[max(fastest, default=last)])
-        d = self._gate.decide(tiers, block_bytes=self._block_bytes, block_tokens=self._block_size)
+                at.append(max(fastest, default=last))
+        tiers = [names[max(at[i : i + per])] for i in range(0, n, per)]
+        d = self._gate.decide(
+            tiers, block_bytes=self._engine_block_bytes, block_tokens=self._block_size
+        )
         if d.load:
             self._count("loading_blocks", d.load)
         if d.declined:
@@ -296,7 +317,7 @@ class KVScheduler(RoleBase):
             )
         if d.cold:
             self._count("loading_cold_blocks", d.load)
-        return d.load
+        return d.load * per
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -320,10 +341,14 @@ class KVScheduler(RoleBase):
         if self._shared is not None:
             # Pin now (a block evicted since the lookup is left to the worker to report).
             manager = self._shared.cache.manager
+            # Head shards (TP 1 here: this rank owns every shard): the shards' keys, whole
+            # blocks only.
+            look = keys if self._shards is None else self._shards.keys(keys)
             with self._shared.lock:
                 held = functools.partial(manager.where, leaving=True)
-                m = sum(1 for _ in itertools.takewhile(held, keys))
-                spec = manager.prepare_load(keys[:m], leaving=True) if m else None
+                m = sum(1 for _ in itertools.takewhile(held, look))
+                m -= m % self._per
+                spec = manager.prepare_load(look[:m], leaving=True) if m else None
         remote = self._shared is None
         self._loads.append(
             LoadJob(request.request_id, keys, targets, spec, remote, asynchronous=self._hma)
@@ -374,6 +399,8 @@ class KVScheduler(RoleBase):
             ids = st.block_ids[st.stored : done]
             if 0 not in ids:  # the null block stands for a block vLLM does not hold
                 meta.stores.append(StoreJob(req_id, tuple(keys[st.stored : done]), tuple(ids)))
+                if self._shard_events is not None:  # their events, as blocks, for vLLM
+                    self._shard_events.expect(keys[st.stored : done])
                 # Every rank saves its shard and reports the plan once.
                 self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
             st.stored = done
@@ -485,14 +512,23 @@ class KVScheduler(RoleBase):
             else:
                 self._pending.pop(req_id, None)
         for rank, keys, medium, removed in meta.events:
-            if self._tp_size == 1:
+            if self._shard_events is not None:
+                blocks = self._shard_events.apply(keys, medium, removed)
+                if blocks:
+                    self._events.append((tuple(blocks), medium, removed))
+            elif self._tp_size == 1:
                 self._events.append((keys, medium, removed))
             if self._shared is None:
                 self._index_event(rank, keys, medium, removed)
 
     def _index_event(self, rank: int, keys: tuple[bytes, ...], medium: str, removed: bool) -> None:
         """Remote placement: `rank` now holds (or no longer holds) `keys` in `medium`; with
-        TP > 1, vLLM hears of the keys every rank now holds there, or no longer all do."""
+        TP > 1, vLLM hears of the keys every rank now holds there, or no longer all do (head
+        shards: the keys are shards, disjoint between ranks, indexed as one rank's; vLLM
+        hears of whole blocks through `ShardEvents`)."""
+        if self._shards is not None:
+            self.remote.apply(0, keys, medium, removed)
+            return
         changed = self.remote.apply(rank, keys, medium, removed)
         if self._tp_size > 1 and changed:
             self._events.append((changed, medium, removed))

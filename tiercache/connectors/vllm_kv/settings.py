@@ -26,6 +26,8 @@ from tiercache.connectors.common import (
     read_user_config,
     resolve_rank_config,
 )
+from tiercache.connectors.tp_layout import check_no_rank_dirs, choose_shards
+from tiercache.transfer.head_shards import HeadShards
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,14 +48,19 @@ VERIFY_WAIT_S = 0.05  # how long a local lookup waits for its verifying read (se
 class KVSettings:
     """What a role needs to know, fixed for its life.
 
-    `config` is this rank's store (namespace with its rank, per-rank paths); `key_namespace`
-    hashes block keys, the same on every rank (None: `config.namespace`, as with TP 1).
-    `groups` are vLLM's KV cache groups (empty or one: a plain model). `rank_configs` are
-    every rank's configs (scheduler role: the probes of each rank's shared tiers)."""
+    `config` is this rank's store (per-rank layout: namespace with its rank, per-rank paths;
+    head shards: the store every rank and TP size shares); `key_namespace` hashes block keys,
+    the same on every rank (None: `config.namespace`, as with TP 1). `groups` are vLLM's KV
+    cache groups (empty or one: a plain model). `rank_configs` are every rank's configs
+    (scheduler role: the probes of each rank's shared tiers; one with head shards).
+
+    `shards` (None: the per-rank layout) maps the engine's blocks to head shards
+    (`tiercache.transfer.head_shards`): the store's blocks are then shards, `block_bytes` is a
+    shard's bytes, and `engine_block_bytes` this rank's bytes of an engine block."""
 
     config: CacheConfig
     block_size: int  # tokens per block
-    block_bytes: int  # bytes per block of one KV cache group
+    block_bytes: int  # bytes per block of one KV cache group (head shards: of one shard)
     num_blocks: int = 0  # blocks in the engine's KV cache (the worker's layout)
     tp_size: int = 1
     tp_rank: int = 0  # this worker's; the scheduler's is 0
@@ -63,6 +70,8 @@ class KVSettings:
     stores_on: bool = True  # kv_role "kv_both" or "kv_producer"
     rank: RankConfig | None = field(default=None, compare=False)  # this rank (dirs to make)
     rank_configs: tuple[CacheConfig, ...] = ()
+    shards: HeadShards | None = None
+    engine_block_bytes: int = 0  # this rank's bytes of an engine block (0: block_bytes)
 
     @property
     def hma(self) -> bool:
@@ -100,15 +109,33 @@ class KVSettings:
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         user = read_user_config(ktc.kv_connector_extra_config)
+        # One layout for every TP size where the engine allows it (connectors/tp_layout.py).
+        shards = choose_shards(
+            ktc.kv_connector_extra_config,
+            spec=spec,
+            groups=len(groups),
+            kv_cache_layout=kv_cache_config.kv_cache_layout,
+            total_kv_heads=_total_kv_heads(vllm_config),
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+        )
+        per_rank = shards is None
+        if shards is not None:
+            layout += f"/heads:{shards.shards}"
 
         def rank_config(r: int) -> RankConfig:
             return resolve_rank_config(
                 user,
                 block_size=block_size,
-                key_namespace=namespace_from_vllm(vllm_config, layout=layout, tp_rank=0),
-                store_namespace=namespace_from_vllm(vllm_config, layout=layout, tp_rank=r),
+                key_namespace=namespace_from_vllm(
+                    vllm_config, layout=layout, tp_rank=0, per_rank=per_rank
+                ),
+                store_namespace=namespace_from_vllm(
+                    vllm_config, layout=layout, tp_rank=r, per_rank=per_rank
+                ),
                 tp_rank=r,
                 tp_size=tp_size,
+                shared=not per_rank,
                 # Data-parallel ranks (and replicas) share the shared tiers; each opens an
                 # NVMe instance of its own (`per_dp_rank_config`).
                 dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
@@ -116,12 +143,17 @@ class KVSettings:
             )
 
         rank = rank_config(tp_rank)
-        # The scheduler probes every rank's shared tiers (remote placement, `RemoteIndex`).
-        others = () if worker else tuple(rank_config(r).config for r in range(1, tp_size))
+        if shards is not None:
+            check_no_rank_dirs(rank.config)
+        # The scheduler probes every rank's shared tiers (remote placement, `RemoteIndex`);
+        # with head shards the ranks share them.
+        ranks = range(1, tp_size) if per_rank and not worker else range(0)
+        others = tuple(rank_config(r).config for r in ranks)
+        engine_bytes = groups[0].block_bytes
         return cls(
             config=rank.config,
             block_size=block_size,
-            block_bytes=groups[0].block_bytes,
+            block_bytes=engine_bytes // shards.local if shards is not None else engine_bytes,
             num_blocks=int(kv_cache_config.num_blocks),
             tp_size=tp_size,
             tp_rank=tp_rank,
@@ -132,6 +164,8 @@ class KVSettings:
             stores_on=bool(ktc.is_kv_producer),
             rank=rank,
             rank_configs=() if worker else (rank.config, *others),
+            shards=shards,
+            engine_block_bytes=engine_bytes,
         )
 
 
@@ -153,6 +187,15 @@ class RoleBase:
         """The counters since the last call (empty: nothing counted)."""
         stats, self._stats = self._stats, {}
         return stats
+
+
+def _total_kv_heads(vllm_config: VllmConfig) -> int | None:
+    """The model's KV heads over all TP ranks (None where vLLM does not say)."""
+    get = getattr(vllm_config.model_config, "get_total_num_kv_heads", None)
+    try:
+        return int(get()) if get is not None else None
+    except Exception:  # an attention-free or unusual model: decided from the spec instead
+        return None
 
 
 def _worker_tp_rank() -> int:

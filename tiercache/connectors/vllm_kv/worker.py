@@ -1,7 +1,11 @@
 """`KVWorker`: the connector's worker role (bytes, through tiercache's transfer engine).
 
 - `register_kv_caches`: the engine buffer as a `KVLayout` (hybrid models: one layout shared by
-  the overlaid groups, `_group_layout`), and an `OffloadingWorker` over the cache's tiers.
+  the overlaid groups, `_group_layout`; head shards: of shard units, `HeadShards.unit_views`),
+  and an `OffloadingWorker` over the cache's tiers.
+- Head shards (`settings.shards`): the scheduler speaks of blocks (block keys, engine block
+  ids); at this edge (`_edge`) each becomes this rank's shard keys and shard units, which the
+  cache and the transfer engine handle like blocks; load errors go back as engine blocks.
 - `start_load_kv`: submits the step's loads; a synchronous one (local placement) completes
   before the forward, an asynchronous one (remote, hybrid) is reported by `get_finished`. A
   block that fails is reported by `get_block_ids_with_load_errors` (vLLM recomputes it).
@@ -83,6 +87,8 @@ class KVWorker(RoleBase):
         self._num_blocks = settings.num_blocks
         self._tp_rank = settings.tp_rank
         self._groups, self._hma = settings.groups, settings.hma
+        self._shards = settings.shards
+        self._units: dict[str, int] = {}  # head shards counted towards blocks (_count_keys)
         self._worker: OffloadingWorker | None = None
         # Jobs in flight with their deadlines (`connectors.deadlines`), once the engine buffer
         # is registered (`register_kv_caches`); none before.
@@ -120,6 +126,15 @@ class KVWorker(RoleBase):
         assert self._shared is not None
         if self._hma:
             layout = _group_layout(kv_caches, self._groups, self._num_blocks)
+        elif self._shards is not None:
+            try:
+                units = self._shards.unit_views(kv_caches, self._num_blocks)
+            except ValueError as exc:
+                raise ValueError(
+                    f"register_kv_caches: {exc}; set kv_connector_extra_config.tp_layout to "
+                    "'rank' for one store per TP rank"
+                ) from None
+            layout = KVLayout(units, self._num_blocks * self._shards.local)
         else:
             layout = KVLayout(kv_caches, self._num_blocks)
         if layout.block_bytes != self._block_bytes:
@@ -160,7 +175,26 @@ class KVWorker(RoleBase):
                     "bytes_per_token": round(kept * g.block_bytes / tokens, 1) if tokens else None,
                 }
             )
-        return {"block_size": self._block_size, "kept_tokens": tokens, "groups": groups}
+        return {
+            "block_size": self._block_size,
+            "kept_tokens": tokens,
+            "groups": groups,
+            "tp_layout": self._layout_report(),
+        }
+
+    def _layout_report(self) -> dict[str, Any]:
+        """The block layout across TP sizes (`tiercache.connectors.tp_layout`), for inspect."""
+        sh, tp = self._shards, self.settings.tp_size
+        if sh is None:
+            return {"layout": "rank", "tp_size": tp, "tp_rank": self._tp_rank}
+        owned = [sh.owned.start, sh.owned.stop - 1]
+        return {
+            "layout": "heads",
+            "shards": sh.shards,
+            "tp_size": tp,
+            "tp_rank": self._tp_rank,
+            "owned_shards": owned,
+        }
 
     def get_handshake_metadata(self) -> TierCacheHandshake | None:
         if self._worker is None:
@@ -251,6 +285,27 @@ class KVWorker(RoleBase):
             self._fl.add(job_id, flight)  # due by its kind's timeout from now
         return job_id
 
+    def _count_keys(self, name: str, n: int) -> None:
+        """Count `n` of the cache's keys as blocks: head shards add up to engine blocks (a
+        block counts once all its shards have), so counters mean the same at any TP size."""
+        if self._shards is None:
+            self._count(name, n)
+            return
+        units = self._units.get(name, 0) + n
+        blocks, self._units[name] = divmod(units, self._shards.local)
+        if blocks:
+            self._count(name, blocks)
+
+    def _edge(
+        self, keys: Iterable[bytes], block_ids: Iterable[int]
+    ) -> tuple[list[bytes], list[int]]:
+        """The scheduler's block keys and engine block ids as the cache's keys and the
+        transfer engine's blocks: unchanged, or (head shards) this rank's shard keys and
+        shard units, block-major."""
+        if self._shards is None:
+            return list(keys), list(block_ids)
+        return self._shards.keys(list(keys)), self._shards.units(block_ids)
+
     def start_load_kv(self, meta: TierCacheConnectorMetadata) -> None:
         """Submit the step's loads (`meta`, the bound metadata); wait for the synchronous ones."""
         self._watch.update(meta.delayed)
@@ -262,19 +317,22 @@ class KVWorker(RoleBase):
         for job in meta.loads:
             spec, remote = job.spec, job.remote
             asynchronous = remote or job.asynchronous  # reported by get_finished
+            keys, ids = self._edge(job.keys, job.block_ids)
             if remote:  # planned here, loaded asynchronously
                 with self._shared.lock:
-                    n = manager.lookup_ready(job.keys, leaving=True)[0]
-                    spec = manager.prepare_load(job.keys[:n], leaving=True) if n else None
+                    n = manager.lookup_ready(keys, leaving=True)[0]
+                    if self._shards is not None:  # whole blocks: every shard of each
+                        n = self._shards.whole(n)
+                    spec = manager.prepare_load(keys[:n], leaving=True) if n else None
             n = len(spec.keys) if spec is not None else 0
-            if n < len(job.keys):  # gone since the scheduler looked: vLLM recomputes them
+            if n < len(keys):  # gone since the scheduler looked: vLLM recomputes them
                 # (evicted here or by another process sharing a tier: misses, no tier's error)
-                self._load_failed(job.req_id, job.block_ids[n:])
-                self._count("load_gone_blocks", len(job.keys) - n)
+                self._load_failed(job.req_id, ids[n:])
+                self._count_keys("load_gone_blocks", len(keys) - n)
             if asynchronous:
                 self._recving[job.req_id] = 0
             if spec is not None:
-                for src, dst in load_transfers(spec, job.block_ids[:n]):
+                for src, dst in load_transfers(spec, ids[:n]):
                     assert isinstance(src, TierLoadStoreSpec)
                     flight = _Flight("load", src.keys, src.tier, block_ids=dst.block_ids)
                     if asynchronous:
@@ -318,7 +376,7 @@ class KVWorker(RoleBase):
             f.abandoned = True
             self._fl.mark_late(j)
             self._load_failed(f.req_id, f.block_ids)
-            self._count("load_deadline_blocks", len(f.keys))
+            self._count_keys("load_deadline_blocks", len(f.keys))
             seconds = self._suspend(f.tier)
             log.warning(
                 "tiercache: a load of %d blocks from tier %d missed its deadline; vLLM "
@@ -387,7 +445,7 @@ class KVWorker(RoleBase):
                     continue  # a copy from memory that started: it ends soon
                 f.abandoned = True
                 self._fl.mark_late(j)
-                self._count("store_deadline_blocks", len(f.keys))
+                self._count_keys("store_deadline_blocks", len(f.keys))
                 self._plan_job_done(f.plan)
             else:
                 self._fl.mark_late(j)  # suspend once per move
@@ -431,11 +489,13 @@ class KVWorker(RoleBase):
 
     def _save(self, job: StoreJob) -> None:
         assert self._shared is not None and self._worker is not None
-        keys, ids = list(job.keys), list(job.block_ids)
+        keys, ids = self._edge(job.keys, job.block_ids)
         # Never save a block whose load failed this step (its bytes are garbage), nor any
         # block after it in the request: vLLM recomputes from the first bad block.
         bad = next((i for i, b in enumerate(ids) if b in self._load_errors), None)
         if bad is not None:
+            if self._shards is not None:  # from the first shard of that block on
+                bad = self._shards.whole(bad)
             keys, ids = keys[:bad], ids[:bad]
         plan = None
         absent = 0
@@ -453,8 +513,8 @@ class KVWorker(RoleBase):
         # written now): the bytes per token of each group (`_group_report`).
         # (Not a job cut short by a failed load: what it covers is recomputed and stored again.)
         if bad is None:
-            self._count("kept_tokens", job.tokens or len(keys) * self._block_size)
-            for g, n in Counter(job.groups or (0,) * len(keys)).items():
+            self._count("kept_tokens", job.tokens or len(job.keys) * self._block_size)
+            for g, n in Counter(job.groups or (0,) * len(job.keys)).items():
                 self._count(f"kept_blocks_g{g}", n)
         if stored and job.groups:  # hybrid models: blocks stored per KV cache group
             written = set(plan.stored_keys)
@@ -462,7 +522,7 @@ class KVWorker(RoleBase):
                 if k in written:
                     self._count(f"stored_blocks_g{g}")
         if absent > stored:
-            self._count("store_skipped_blocks", absent - stored)
+            self._count_keys("store_skipped_blocks", absent - stored)
         if plan is None or (not stored and not plan.moves):
             self._plan_done(job.req_id)
             return
@@ -548,14 +608,14 @@ class KVWorker(RoleBase):
                     if errors:
                         manager.record_error(f.tier, len(errors))
                         self._bad_report.extend(errors)
-                        self._count("load_error_blocks", len(errors))
+                        self._count_keys("load_error_blocks", len(errors))
                     else:  # in time, and every failure a plain miss: the tier is healthy
                         manager.record_ok(f.tier)
                     if gone:
-                        self._count("load_gone_blocks", len(gone))
+                        self._count_keys("load_gone_blocks", len(gone))
                     if not bad:
                         self._load_sample(f.tier, r.transfer_size, r.transfer_time)
-                    self._count("loaded_blocks", len(f.keys) - len(bad))
+                    self._count_keys("loaded_blocks", len(f.keys) - len(bad))
                     if f.req_id:
                         self._received(f.req_id)
                 else:
@@ -566,9 +626,9 @@ class KVWorker(RoleBase):
                         manager.complete_store(bad, success=False)
                     if errors and not f.abandoned:  # those were counted at their deadline
                         manager.record_error(f.tier, len(errors))
-                        self._count("store_error_blocks", len(errors))
+                        self._count_keys("store_error_blocks", len(errors))
                     if f.kind == "store":
-                        self._count("stored_blocks", len(ok))
+                        self._count_keys("stored_blocks", len(ok))
                     if f.kind == "store" and not f.abandoned:  # (abandoned: counted out)
                         self._plan_job_done(f.plan)
                 self._count("bytes", r.transfer_size)
@@ -619,6 +679,8 @@ class KVWorker(RoleBase):
         errors, self._load_errors = self._load_errors, set()
         if self._hma:  # reported per request (get_transfer_results), never per block
             return set()
+        if self._shards is not None:  # shard units -> engine blocks
+            return self._shards.blocks(errors)
         return errors
 
 

@@ -31,9 +31,11 @@ from tiercache.connectors.common import (
     release_store,
     resolve_config,
 )
+from tiercache.connectors.tp_layout import read_tp_layout
 from tiercache.connectors.vllm_offloading.manager import TierCacheOffloadingManager
 from tiercache.connectors.vllm_offloading.specs import _WORKER_KEY, CONFIG_INFO_KEYS
 from tiercache.connectors.vllm_offloading.worker import TierCacheOffloadingWorker
+from tiercache.errors import ConfigError
 
 log = logging.getLogger(__package__)  # the former module's logger name
 
@@ -67,6 +69,15 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             raise ValueError(
                 "kv_connector_extra_config.block_size/blocks_per_chunk: TierCacheOffloadingSpec "
                 f"offloads one vLLM block per tiercache block, got {self.blocks_per_chunk}"
+            )
+        if read_tp_layout(config.extra_config)[0] == "heads":
+            # Its blocks are vLLM's OffloadKeys, booked by one manager beside the scheduler;
+            # the spec needs the workers in that process, which vLLM allows only at TP 1.
+            raise ConfigError(
+                "kv_connector_extra_config.tp_layout",
+                "'heads' (one store for every TP size) is not supported by "
+                "TierCacheOffloadingSpec, which runs at TP 1 only (its workers must share the "
+                "scheduler's process); use TierCacheConnector to share a store across TP sizes",
             )
         self.tokens_per_chunk = config.groups[0].tokens_per_block * self.blocks_per_chunk
         self.block_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
