@@ -27,13 +27,14 @@ subdirectories, hits at the same TP size); ``"heads"`` with a ``max_tp`` the TP 
 divide is refused when the engine starts, naming the setting.
 
 Timing: each TP=2 engine start costs tens of seconds on two cores, so the engines are shared
-by the tests and run together where the order allows (the baselines; E3 and E4; the "rank"
-and the refused engine).
+by the tests and run together where the order allows, in three phases: the two baselines
+with E1; E2 with the "rank" and the refused engine (stores of their own); E3 with E4.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,6 +117,14 @@ def _facts(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _report(name: str, result: dict[str, Any]) -> None:
+    """One line per engine in the captured output (pytest -rA, or a failure, shows it): its
+    start-up and batch times, and each batch's cached tokens."""
+    batches = [(round(b["wall_s"], 1), sum(b["num_cached_tokens"])) for b in result["batches"]]
+    line = {"import_s": round(result["import_s"], 1), "init_s": round(result["init_s"], 1)}
+    print(json.dumps({"engine": name, **line, "batches (wall_s, cached)": batches}))
+
+
 def assert_loads(
     result: dict[str, Any], batch: int, prompts: list[list[int]], want: list[list[int]]
 ) -> None:
@@ -189,49 +198,99 @@ def _results(running: list[Any], timeout: float = 600) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def baselines(
-    engine: ModuleType, model: Path, sets: dict[str, list[list[int]]]
-) -> dict[int, dict[str, list[list[int]]]]:
-    """Per TP size (1, 2), each batch's outputs without a connector (BASELINE_BATCHES)."""
-    batches = [_one(sets[name]) for name in BASELINE_BATCHES]
-    specs = [_spec(model, None, batches, tensor_parallel_size=tp) for tp in (1, 2)]
-    with _together(engine, *specs) as running:
-        results = _results(running)
-    out = {}
-    for tp, result in zip((1, 2), results, strict=True):
-        outputs = [b["outputs"] for b in result["batches"]]
-        out[tp] = dict(zip(BASELINE_BATCHES, outputs, strict=True))
-        # The model is a useful oracle only if different prompts give different tokens.
-        assert len({tuple(o) for o in out[tp]["p1+p2"]}) == 2 * N_PROMPTS
-    return out
-
-
-@pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared store (E1 to E4)."""
     return tmp_path_factory.mktemp("tp-layout-store")
 
 
 @pytest.fixture(scope="module")
-def e1(
+def phase_a(
     engine: ModuleType, model: Path, sets: dict[str, list[list[int]]], root: Path
-) -> dict[str, Any]:
-    """E1, TP=2 (default tp_layout "auto": head shards): stores P1."""
-    spec = _spec(model, _kv(root), [_one(sets["p1"])], tensor_parallel_size=2)
-    return engine.run_in_subprocess(spec, timeout=600)
+) -> tuple[dict[int, dict[str, list[list[int]]]], dict[str, Any]]:
+    """At the same time: the baselines (TP 1 and 2 without a connector, BASELINE_BATCHES)
+    and E1 (TP=2, default tp_layout "auto": head shards), which stores P1. Returns per TP
+    size each baseline batch's outputs, and E1's result."""
+    batches = [_one(sets[name]) for name in BASELINE_BATCHES]
+    # No prefix caching: every baseline batch computes all its tokens (P1 + P2 would
+    # otherwise reuse P1's and P2's blocks from the batches before it).
+    specs = [
+        _spec(model, None, batches, tensor_parallel_size=tp, enable_prefix_caching=False)
+        for tp in (1, 2)
+    ]
+    specs.append(_spec(model, _kv(root), [_one(sets["p1"])], tensor_parallel_size=2))
+    with _together(engine, *specs) as running:
+        *bases, e1 = _results(running)
+    out = {}
+    for tp, base in zip((1, 2), bases, strict=True):
+        outputs = [b["outputs"] for b in base["batches"]]
+        out[tp] = dict(zip(BASELINE_BATCHES, outputs, strict=True))
+        # The model is a useful oracle only if different prompts give different tokens.
+        assert len({tuple(o) for o in out[tp]["p1+p2"]}) == 2 * N_PROMPTS
+        _report(f"baseline TP={tp}", base)
+    _report("E1 (TP=2)", e1)
+    return out, e1
 
 
 @pytest.fixture(scope="module")
-def e2(
+def baselines(
+    phase_a: tuple[dict[int, dict[str, list[list[int]]]], dict[str, Any]],
+) -> dict[int, dict[str, list[list[int]]]]:
+    """Per TP size (1, 2), each batch's outputs without a connector (BASELINE_BATCHES)."""
+    return phase_a[0]
+
+
+@pytest.fixture(scope="module")
+def e1(phase_a: tuple[dict[int, dict[str, list[list[int]]]], dict[str, Any]]) -> dict[str, Any]:
+    return phase_a[1]
+
+
+@pytest.fixture(scope="module")
+def phase_b(
     engine: ModuleType,
     model: Path,
     sets: dict[str, list[list[int]]],
     root: Path,
     e1: dict[str, Any],
-) -> dict[str, Any]:
-    """E2, TP=1 in vLLM's multiprocess mode, fresh: loads P1 (E1's), then stores P2."""
-    batches = [_one(sets["p1"]), _one(sets["p2"])]
-    spec = _spec(model, _kv(root), batches, multiprocessing=True)
-    return engine.run_in_subprocess(spec, timeout=600)
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, Any], Path, dict[str, Any], str]:
+    """At the same time, once E1 is done:
+    - E2, TP=1 in vLLM's multiprocess mode, fresh on E1's store: loads P1, then stores P2;
+    - on a store of its own, a TP=2 engine with tp_layout "rank": P1 cold, vLLM's prefix
+      cache reset, P1 again (served by tiercache);
+    - on another, a TP=2 engine with tp_layout "heads" and max_tp 1 (2 does not divide 1),
+      which must not start.
+    Returns E2's result, the "rank" engine's store root and result, and the refused engine's
+    error ("" if it ran)."""
+    rank_root = tmp_path_factory.mktemp("tp-layout-rank")
+    heads_root = tmp_path_factory.mktemp("tp-layout-heads")
+    e2 = _spec(model, _kv(root), [_one(sets["p1"]), _one(sets["p2"])], multiprocessing=True)
+    rank = _spec(
+        model,
+        _kv(rank_root, tp_layout="rank"),
+        [_one(sets["p1"], reset_prefix_cache=True), _one(sets["p1"])],
+        tensor_parallel_size=2,
+    )
+    refused = _spec(
+        model,
+        _kv(heads_root, tp_layout="heads", max_tp=1),
+        [_one(sets["p1"])],
+        tensor_parallel_size=2,
+    )
+    error = ""
+    with _together(engine, e2, rank, refused) as (a, b, c):
+        try:
+            c.result(600)
+        except RuntimeError as exc:
+            error = str(exc)
+        e2_result, rank_result = _results([a, b])
+    _report("E2 (TP=1, multiprocess)", e2_result)
+    _report("rank (TP=2)", rank_result)
+    return e2_result, rank_root, rank_result, error
+
+
+@pytest.fixture(scope="module")
+def e2(phase_b: tuple[dict[str, Any], Path, dict[str, Any], str]) -> dict[str, Any]:
+    return phase_b[0]
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +328,8 @@ def pair(
     )
     with _together(engine, *specs) as running:
         e3_result, e4_result = _results(running)
+    _report("E3 (TP=1, in process)", e3_result)
+    _report("E4 (TP=2)", e4_result)
     return e3_result, e4_result
 
 
@@ -329,46 +390,12 @@ def test_tp1_and_tp2_engines_share_one_lmdb_live(
     assert_loads(e4, 3, sets["q1"], baselines[2]["q1"])  # what the TP=1 engine stored
 
 
-@pytest.fixture(scope="module")
-def rank_and_refused(
-    engine: ModuleType,
-    model: Path,
-    sets: dict[str, list[list[int]]],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[Path, dict[str, Any], str]:
-    """At the same time, on stores of their own: a TP=2 engine with tp_layout "rank" (P1
-    cold, vLLM's prefix cache reset, P1 again: served by tiercache), and a TP=2 engine with
-    tp_layout "heads" and max_tp 1 (2 does not divide 1), which must not start. Returns the
-    first's store root, its result, and the second's error."""
-    rank_root = tmp_path_factory.mktemp("tp-layout-rank")
-    heads_root = tmp_path_factory.mktemp("tp-layout-heads")
-    rank = _spec(
-        model,
-        _kv(rank_root, tp_layout="rank"),
-        [_one(sets["p1"], reset_prefix_cache=True), _one(sets["p1"])],
-        tensor_parallel_size=2,
-    )
-    refused = _spec(
-        model,
-        _kv(heads_root, tp_layout="heads", max_tp=1),
-        [_one(sets["p1"])],
-        tensor_parallel_size=2,
-    )
-    error = ""
-    with _together(engine, rank, refused) as (a, b):
-        try:
-            b.result(600)
-        except RuntimeError as exc:
-            error = str(exc)
-        return rank_root, a.result(600), error
-
-
 def test_rank_layout_keeps_per_rank_stores(
-    rank_and_refused: tuple[Path, dict[str, Any], str],
+    phase_b: tuple[dict[str, Any], Path, dict[str, Any], str],
     sets: dict[str, list[list[int]]],
     baselines: dict[int, dict[str, list[list[int]]]],
 ) -> None:
-    rank_root, result, _ = rank_and_refused
+    _, rank_root, result, _ = phase_b
     assert result["batches"][0]["outputs"] == baselines[2]["p1"]
     assert_loads(result, 1, sets["p1"], baselines[2]["p1"])
     assert sorted(p.name for p in (rank_root / "lmdb").iterdir()) == ["tp0of2", "tp1of2"]
@@ -377,8 +404,8 @@ def test_rank_layout_keeps_per_rank_stores(
 
 
 def test_heads_layout_refuses_a_tp_size_not_dividing_max_tp(
-    rank_and_refused: tuple[Path, dict[str, Any], str],
+    phase_b: tuple[dict[str, Any], Path, dict[str, Any], str],
 ) -> None:
-    _, _, error = rank_and_refused
+    *_, error = phase_b
     assert error, "a TP=2 engine started with tp_layout 'heads' and max_tp 1"
     assert "ConfigError" in error and ("max_tp" in error or "tp_layout" in error), error[-3000:]
