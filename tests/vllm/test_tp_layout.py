@@ -119,10 +119,18 @@ def _facts(result: dict[str, Any]) -> dict[str, Any]:
 
 def _report(name: str, result: dict[str, Any]) -> None:
     """One line per engine in the captured output (pytest -rA, or a failure, shows it): its
-    start-up and batch times, and each batch's cached tokens."""
+    start-up and batch times, each batch's cached tokens, and per store (TP > 1: per rank)
+    the blocks it stored and loaded."""
     batches = [(round(b["wall_s"], 1), sum(b["num_cached_tokens"])) for b in result["batches"]]
-    line = {"import_s": round(result["import_s"], 1), "init_s": round(result["init_s"], 1)}
-    print(json.dumps({"engine": name, **line, "batches (wall_s, cached)": batches}))
+    names = ("stored_blocks", "loaded_blocks", "load_error_blocks")
+    line = {
+        "engine": name,
+        "import_s": round(result["import_s"], 1),
+        "init_s": round(result["init_s"], 1),
+        "batches (wall_s, cached)": batches,
+        "stores": [{n: s["counters"].get(n, 0) for n in names} for s in _snapshots(result)],
+    }
+    print(json.dumps(line))
 
 
 def assert_loads(
