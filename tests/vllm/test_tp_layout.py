@@ -28,7 +28,8 @@ divide is refused when the engine starts, naming the setting.
 
 Timing: each TP=2 engine start costs tens of seconds on two cores, so the engines are shared
 by the tests and run together where the order allows, in three phases: the two baselines
-with E1; E2 with the "rank" and the refused engine (stores of their own); E3 with E4.
+with E1; E2 with the "rank" and the refused engine (stores of their own; only when their
+tests run: not under ``-m every_vllm``); E3 with E4.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -252,6 +254,22 @@ def e1(phase_a: tuple[dict[int, dict[str, list[list[int]]]], dict[str, Any]]) ->
     return phase_a[1]
 
 
+@dataclass(frozen=True)
+class PhaseB:
+    """What `phase_b` ran: E2, and (when their tests run) the "rank" engine with its store
+    root and the refused engine's error ("" if it started)."""
+
+    e2: dict[str, Any]
+    rank_root: Path | None = None
+    rank: dict[str, Any] | None = None
+    refused_error: str = ""
+
+
+# The tests of the settings: their engines run only when one of them is selected (under
+# `-m every_vllm` they are not, and E2 then runs alone).
+SETTINGS_TESTS = ("test_rank_layout_", "test_heads_layout_")
+
+
 @pytest.fixture(scope="module")
 def phase_b(
     engine: ModuleType,
@@ -260,18 +278,22 @@ def phase_b(
     root: Path,
     e1: dict[str, Any],
     tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[dict[str, Any], Path, dict[str, Any], str]:
+    request: pytest.FixtureRequest,
+) -> PhaseB:
     """At the same time, once E1 is done:
     - E2, TP=1 in vLLM's multiprocess mode, fresh on E1's store: loads P1, then stores P2;
     - on a store of its own, a TP=2 engine with tp_layout "rank": P1 cold, vLLM's prefix
       cache reset, P1 again (served by tiercache);
     - on another, a TP=2 engine with tp_layout "heads" and max_tp 1 (2 does not divide 1),
       which must not start.
-    Returns E2's result, the "rank" engine's store root and result, and the refused engine's
-    error ("" if it ran)."""
+    The last two only if a test of SETTINGS_TESTS is selected."""
+    e2 = _spec(model, _kv(root), [_one(sets["p1"]), _one(sets["p2"])], multiprocessing=True)
+    if not any(item.name.startswith(SETTINGS_TESTS) for item in request.session.items):
+        result = engine.run_in_subprocess(e2, timeout=600)
+        _report("E2 (TP=1, multiprocess)", result)
+        return PhaseB(result)
     rank_root = tmp_path_factory.mktemp("tp-layout-rank")
     heads_root = tmp_path_factory.mktemp("tp-layout-heads")
-    e2 = _spec(model, _kv(root), [_one(sets["p1"]), _one(sets["p2"])], multiprocessing=True)
     rank = _spec(
         model,
         _kv(rank_root, tp_layout="rank"),
@@ -293,12 +315,12 @@ def phase_b(
         e2_result, rank_result = _results([a, b])
     _report("E2 (TP=1, multiprocess)", e2_result)
     _report("rank (TP=2)", rank_result)
-    return e2_result, rank_root, rank_result, error
+    return PhaseB(e2_result, rank_root, rank_result, error)
 
 
 @pytest.fixture(scope="module")
-def e2(phase_b: tuple[dict[str, Any], Path, dict[str, Any], str]) -> dict[str, Any]:
-    return phase_b[0]
+def e2(phase_b: PhaseB) -> dict[str, Any]:
+    return phase_b.e2
 
 
 @pytest.fixture(scope="module")
@@ -399,11 +421,12 @@ def test_tp1_and_tp2_engines_share_one_lmdb_live(
 
 
 def test_rank_layout_keeps_per_rank_stores(
-    phase_b: tuple[dict[str, Any], Path, dict[str, Any], str],
+    phase_b: PhaseB,
     sets: dict[str, list[list[int]]],
     baselines: dict[int, dict[str, list[list[int]]]],
 ) -> None:
-    _, rank_root, result, _ = phase_b
+    rank_root, result = phase_b.rank_root, phase_b.rank
+    assert rank_root is not None and result is not None
     assert result["batches"][0]["outputs"] == baselines[2]["p1"]
     assert_loads(result, 1, sets["p1"], baselines[2]["p1"])
     assert sorted(p.name for p in (rank_root / "lmdb").iterdir()) == ["tp0of2", "tp1of2"]
@@ -412,8 +435,8 @@ def test_rank_layout_keeps_per_rank_stores(
 
 
 def test_heads_layout_refuses_a_tp_size_not_dividing_max_tp(
-    phase_b: tuple[dict[str, Any], Path, dict[str, Any], str],
+    phase_b: PhaseB,
 ) -> None:
-    *_, error = phase_b
+    error = phase_b.refused_error
     assert error, "a TP=2 engine started with tp_layout 'heads' and max_tp 1"
     assert "ConfigError" in error and ("max_tp" in error or "tp_layout" in error), error[-3000:]
