@@ -7,18 +7,21 @@ block, 2 per TP=2 rank. Tiers: CPU (per process) + LMDB (one store shared by eve
 every engine, at the configured path). Every engine runs in a fresh process, in this order,
 on one store:
 
-- E1, TP=2: stores P1.
+- E1, TP=2: stores P1, then R. This process reads the store's keys in between, and once E1
+  is done deletes one of R's records (one head shard of one block).
 - E2, TP=1, multiprocess: a fresh engine loads P1 (TP=2 -> TP=1), then stores P2.
 - E3 (TP=1, in process) and E4 (TP=2) at the same time. First each loads as a fresh engine:
   E3 P1 (TP=2 -> TP=1 in process), E4 P1 + P2 (P1: the same-TP restart TP=2 -> TP=2; P2:
-  TP=1 -> TP=2). Then each stores its own set (E3 Q1, E4 Q2), waits until its write-through
-  copies reached LMDB, says so (a file), and once the other said so, loads the other's set:
-  live sharing, each hitting what the other stored after both started.
+  TP=1 -> TP=2), then E4 R: its scheduler, answering for both ranks, must miss the block
+  without its shard (and the rest of that prompt). Then each stores its own set (E3 Q1,
+  E4 Q2), waits until its write-through copies reached LMDB, says so (a file), and once the
+  other said so, loads the other's set: live sharing, each hitting what the other stored
+  after both started.
 - The TP=1 engines look the store up two ways: E2's scheduler (its own process) from its
   index of the worker's keys and read-only probes of LMDB; E3's in its worker's store.
 
 Every engine's outputs equal the engine of the same TP size without a connector (the same
-batches), and every load hits at least 90 % of the loadable tokens (the issue's bound; the
+batches), and every load (but R's) hits at least 90 % of the loadable tokens (the issue's bound; the
 full blocks before the block holding each prompt's last token): the prompts share no prefix,
 so every cached token of a batch came from tiercache, not from vLLM's own prefix cache.
 
@@ -52,11 +55,12 @@ PROMPT_LEN = 200  # 6 full blocks of 32; the 7th holds the last prompt token
 N_PROMPTS = 4
 TOKENS = 8
 KV_HEADS = 4
+SHARDS = 4  # head shards per block: the default max_tp (largest power of 2 dividing 4)
 MIN_HIT = 0.9  # issue 32's bound: hits >= 90 % of the loadable tokens
 
 # Baseline batches (no connector), the same composition as the connector engines' batches:
 # greedy outputs are compared batch by batch.
-BASELINE_BATCHES = ("p1", "p2", "p1+p2", "q1", "q2")
+BASELINE_BATCHES = ("p1", "p2", "p1+p2", "q1", "q2", "r")
 
 
 def _kv(root: Path, **extra: Any) -> dict[str, Any]:
@@ -163,10 +167,10 @@ def model(engine: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def sets(engine: ModuleType) -> dict[str, list[list[int]]]:
-    """Four prompt sets, no prefix shared within or across them."""
+    """Five prompt sets, no prefix shared within or across them."""
     out = {
         name: engine.make_prompts(N_PROMPTS, PROMPT_LEN, seed=320 + i)
-        for i, name in enumerate(("p1", "p2", "q1", "q2"))
+        for i, name in enumerate(("p1", "p2", "q1", "q2", "r"))
     }
     out["p1+p2"] = out["p1"] + out["p2"]
     return out
@@ -213,13 +217,42 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tp-layout-store")
 
 
+@dataclass(frozen=True)
+class PhaseA:
+    """What `phase_a` ran: per TP size each baseline batch's outputs, E1's result, the LMDB
+    records E1 stored for P1 and for R, and the one R record then deleted."""
+
+    baselines: dict[int, dict[str, list[list[int]]]]
+    e1: dict[str, Any]
+    p1_records: int
+    r_records: int
+    deleted: int
+
+
+def _lmdb_keys(path: Path) -> set[bytes]:
+    """The store keys of every block record (header or payload) in the LMDB store."""
+    from tiercache.tiers.lmdb import iter_entries, open_store
+
+    with open_store(path) as h:
+        return {key for key, _, _ in iter_entries(h)}
+
+
 @pytest.fixture(scope="module")
 def phase_a(
-    engine: ModuleType, model: Path, sets: dict[str, list[list[int]]], root: Path
-) -> tuple[dict[int, dict[str, list[list[int]]]], dict[str, Any]]:
+    engine: ModuleType,
+    model: Path,
+    sets: dict[str, list[list[int]]],
+    root: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> PhaseA:
     """At the same time: the baselines (TP 1 and 2 without a connector, BASELINE_BATCHES)
-    and E1 (TP=2, default tp_layout "auto": head shards), which stores P1. Returns per TP
-    size each baseline batch's outputs, and E1's result."""
+    and E1 (TP=2, default tp_layout "auto": head shards), which stores P1, then R.
+
+    Between the two, once P1's write-through copies reached LMDB, this process reads the
+    store's keys: those E1 adds afterwards are R's. Once E1 is done, one of R's records (one
+    head shard of one block) is deleted: a block missing one shard (E4 loads R)."""
+    flags = tmp_path_factory.mktemp("tp-layout-e1")
+    p1_done, go_on = flags / "p1-stored", flags / "go-on"
     batches = [_one(sets[name]) for name in BASELINE_BATCHES]
     # No prefix caching: every baseline batch computes all its tokens (P1 + P2 would
     # otherwise reuse P1's and P2's blocks from the batches before it).
@@ -227,9 +260,23 @@ def phase_a(
         _spec(model, None, batches, tensor_parallel_size=tp, enable_prefix_caching=False)
         for tp in (1, 2)
     ]
-    specs.append(_spec(model, _kv(root), [_one(sets["p1"])], tensor_parallel_size=2))
+    e1 = [
+        _one(sets["p1"], reset_prefix_cache=True),
+        {**_tick(), "touch": str(p1_done)},
+        _one(sets["r"], wait_for=str(go_on), reset_prefix_cache=True),
+        _tick(),
+    ]
+    specs.append(_spec(model, _kv(root), e1, tensor_parallel_size=2))
     with _together(engine, *specs) as running:
-        *bases, e1 = _results(running)
+        running[2].wait_for(p1_done, timeout=600)
+        p1_keys = _lmdb_keys(root / "lmdb")
+        go_on.touch()
+        *bases, e1_result = _results(running)
+    r_keys = sorted(_lmdb_keys(root / "lmdb") - p1_keys)
+    from tiercache.tiers.lmdb import delete_entries, open_store
+
+    with open_store(root / "lmdb", write=True) as h:
+        deleted = delete_entries(h, r_keys[:1])
     out = {}
     for tp, base in zip((1, 2), bases, strict=True):
         outputs = [b["outputs"] for b in base["batches"]]
@@ -237,21 +284,19 @@ def phase_a(
         # The model is a useful oracle only if different prompts give different tokens.
         assert len({tuple(o) for o in out[tp]["p1+p2"]}) == 2 * N_PROMPTS
         _report(f"baseline TP={tp}", base)
-    _report("E1 (TP=2)", e1)
-    return out, e1
+    _report("E1 (TP=2)", e1_result)
+    return PhaseA(out, e1_result, len(p1_keys), len(r_keys), deleted)
 
 
 @pytest.fixture(scope="module")
-def baselines(
-    phase_a: tuple[dict[int, dict[str, list[list[int]]]], dict[str, Any]],
-) -> dict[int, dict[str, list[list[int]]]]:
+def baselines(phase_a: PhaseA) -> dict[int, dict[str, list[list[int]]]]:
     """Per TP size (1, 2), each batch's outputs without a connector (BASELINE_BATCHES)."""
-    return phase_a[0]
+    return phase_a.baselines
 
 
 @pytest.fixture(scope="module")
-def e1(phase_a: tuple[dict[int, dict[str, list[list[int]]]], dict[str, Any]]) -> dict[str, Any]:
-    return phase_a[1]
+def e1(phase_a: PhaseA) -> dict[str, Any]:
+    return phase_a.e1
 
 
 @dataclass(frozen=True)
@@ -323,6 +368,11 @@ def e2(phase_b: PhaseB) -> dict[str, Any]:
     return phase_b.e2
 
 
+# The batches of E3 and E4 that store their own set, and that load the other's.
+STORE = {"e3": 1, "e4": 2}
+LIVE = {"e3": 3, "e4": 4}
+
+
 @pytest.fixture(scope="module")
 def pair(
     engine: ModuleType,
@@ -334,10 +384,11 @@ def pair(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """E3 (TP=1, in process) and E4 (TP=2) at the same time on E1's and E2's store.
 
-    Each: batch 0 loads as a fresh engine (E3 P1, E4 P1 + P2); batch 1 stores its own set
-    (E3 Q1, E4 Q2) and resets vLLM's prefix cache once the connector's saves are done;
-    batch 2 waits for its write-through copies to reach LMDB, then touches its file; batch 3
-    waits for the other's file and loads the other's set."""
+    Each: batch 0 loads as a fresh engine (E3 P1, E4 P1 + P2; then E4 R, one block of which
+    misses a shard); batch STORE stores its own set (E3 Q1, E4 Q2) and resets vLLM's prefix
+    cache once the connector's saves are done; the next batch waits for its write-through
+    copies to reach LMDB, then touches its file; batch LIVE waits for the other's file and
+    loads the other's set."""
     flags = tmp_path_factory.mktemp("tp-layout-flags")
     e3_done, e4_done = flags / "e3-stored", flags / "e4-stored"
     e3 = [
@@ -348,6 +399,7 @@ def pair(
     ]
     e4 = [
         _one(sets["p1+p2"]),
+        _one(sets["r"]),
         _one(sets["q2"], reset_prefix_cache=True),
         {**_tick(), "touch": str(e4_done)},
         _one(sets["q1"], wait_for=str(e3_done)),
@@ -414,10 +466,10 @@ def test_tp1_and_tp2_engines_share_one_lmdb_live(
     baselines: dict[int, dict[str, list[list[int]]]],
 ) -> None:
     e3, e4 = pair
-    assert e3["batches"][1]["outputs"] == baselines[1]["q1"]
-    assert e4["batches"][1]["outputs"] == baselines[2]["q2"]
-    assert_loads(e3, 3, sets["q2"], baselines[1]["q2"])  # what the TP=2 engine stored
-    assert_loads(e4, 3, sets["q1"], baselines[2]["q1"])  # what the TP=1 engine stored
+    assert e3["batches"][STORE["e3"]]["outputs"] == baselines[1]["q1"]
+    assert e4["batches"][STORE["e4"]]["outputs"] == baselines[2]["q2"]
+    assert_loads(e3, LIVE["e3"], sets["q2"], baselines[1]["q2"])  # what the TP=2 engine stored
+    assert_loads(e4, LIVE["e4"], sets["q1"], baselines[2]["q1"])  # what the TP=1 engine stored
 
 
 def test_rank_layout_keeps_per_rank_stores(
@@ -440,3 +492,30 @@ def test_heads_layout_refuses_a_tp_size_not_dividing_max_tp(
     error = phase_b.refused_error
     assert error, "a TP=2 engine started with tp_layout 'heads' and max_tp 1"
     assert "ConfigError" in error and ("max_tp" in error or "tp_layout" in error), error[-3000:]
+
+
+def test_tp2_stores_each_head_shard_once(phase_a: PhaseA) -> None:
+    """E1's two ranks wrote every block of P1 and of R as its 4 head shards (max_tp 4: one
+    KV head each), 2 per rank, once: one LMDB record per shard, none twice."""
+    blocks = N_PROMPTS * loadable([[0] * PROMPT_LEN]) // BLOCK
+    counts = (phase_a.p1_records, phase_a.r_records, phase_a.deleted)
+    assert counts == (blocks * SHARDS, blocks * SHARDS, 1), (counts, _facts(phase_a.e1))
+    assert phase_a.e1["batches"][2]["outputs"] == phase_a.baselines[2]["r"]
+
+
+def test_tp2_scheduler_misses_a_block_missing_one_shard(
+    pair: tuple[dict[str, Any], dict[str, Any]],
+    baselines: dict[int, dict[str, list[list[int]]]],
+) -> None:
+    """One head shard of one of R's blocks was deleted: E4's scheduler (TP=2, answering for
+    both ranks) must count that block, and so the rest of its prompt, as a miss, never
+    promise it (a half-loaded block would be a load error, or wrong tokens)."""
+    _, e4 = pair
+    got = e4["batches"][1]
+    assert got["outputs"] == baselines[2]["r"], _facts(e4)
+    cached = sorted(got["num_cached_tokens"])
+    whole = loadable([[0] * PROMPT_LEN])
+    # The three prompts without the damaged block hit whole; the fourth stops before it.
+    assert cached[1:] == [whole] * (N_PROMPTS - 1), _facts(e4)
+    assert cached[0] < whole and cached[0] % BLOCK == 0, _facts(e4)
+    assert _counter(e4, "load_error_blocks") == 0, _facts(e4)
