@@ -43,7 +43,7 @@ than wall time does. Ratios are taken within a round, then the median over round
 with each round's value. Outputs (one greedy token per request) are compared with the baseline's.
 
 Run: .venv-vllm/bin/python bench/bench_vllm_ttft.py [--rounds 3] [--prompts 8] [--len 2048]
-     [--load-timeout 1.0] [--quick] [--overhead] [--compare PATH] [--json PATH]
+     [--load-timeout 1.0] [--quick] [--overhead] [--compare PATH] [--json PATH] [--tp-layout rank]
 """
 
 from __future__ import annotations
@@ -82,13 +82,17 @@ def block_bytes() -> int:
     return SHAPE["layers"] * BLOCK * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2 * 4
 
 
+TP_LAYOUT: list[str] = []  # --tp-layout: kv_connector_extra_config's tp_layout, if given
+
+
 def connector(tiers: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    layout = {"tp_layout": TP_LAYOUT[0]} if TP_LAYOUT else {}
     return {
         "kv_connector": "TierCacheConnector",
         "kv_connector_module_path": "tiercache.connectors.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"config": {"tiers": tiers, **extra}},
+        "kv_connector_extra_config": {"config": {"tiers": tiers, **extra}, **layout},
     }
 
 
@@ -328,6 +332,12 @@ def main() -> int:
     ap.add_argument("--load-timeout", type=float, default=1.0)
     ap.add_argument("--dir", help="directory for the model and stores (default: under /tmp)")
     ap.add_argument("--quick", action="store_true", help="1 round of 5 prompts")
+    ap.add_argument(
+        "--tp-layout",
+        choices=("auto", "heads", "rank"),
+        help="the connector's tp_layout (default: its default, head shards here): 'rank' "
+        "measures whole blocks, one key each, as before head shards (issue 32)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write every round's raw figures there")
     ap.add_argument(
         "--compare",
@@ -339,6 +349,8 @@ def main() -> int:
         "--overhead", action="store_true", help="only processes 1 and 2 (recompute, misses, floor)"
     )
     args = ap.parse_args()
+    if args.tp_layout:
+        TP_LAYOUT.append(args.tp_layout)
     if args.quick:
         args.rounds, args.prompts = 1, 5
     if args.prompts < 3:

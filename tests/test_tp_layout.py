@@ -10,7 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from tiercache.config import CacheConfig
-from tiercache.connectors.tp_layout import check_no_rank_dirs, choose_shards, read_tp_layout
+from tiercache.connectors.tp_layout import (
+    blocks_as_shards,
+    check_no_rank_dirs,
+    choose_shards,
+    read_tp_layout,
+)
 from tiercache.errors import ConfigError
 from tiercache.transfer.head_shards import HeadShards
 
@@ -145,6 +150,23 @@ def test_a_block_is_stored_once_every_shard_is_and_removed_once_one_leaves() -> 
     assert ev.apply([b"\x09" * 16], "CPU", False) == []  # unknown keys: no events
 
 
+def test_shards_stored_before_their_blocks_are_known_are_announced_once_they_are() -> None:
+    from tiercache.connectors.shard_events import ShardEvents
+
+    shards = HeadShards(2)
+    ev = ShardEvents(shards)
+    a, b = bytes([1]) * 16, bytes([2]) * 16
+    ka, kb = shards.keys([a]), shards.keys([b])
+    # recovered at start-up (the handshake): a whole in LMDB and CPU, b half in LMDB
+    assert ev.apply(ka + kb[:1], "LMDB", False) == []
+    assert ev.apply(ka, "CPU", False) == []
+    assert ev.apply(ka[:1], "CPU", True) == []  # one of a's shards left the CPU tier
+    assert ev.expect([a, b]) == {"LMDB": [a]}
+    assert ev.expect([a, b]) == {}  # once
+    assert ev.apply(kb[1:], "LMDB", False) == [b]
+    assert ev.apply(ka[1:], "LMDB", True) == [a]
+
+
 def test_shard_events_forget_the_oldest_blocks_past_their_bound() -> None:
     from tiercache.connectors.shard_events import ShardEvents
 
@@ -154,3 +176,11 @@ def test_shard_events_forget_the_oldest_blocks_past_their_bound() -> None:
     ev.expect([c])  # a's two shard keys out
     assert ev.apply(HeadShards(2).keys([a]), "CPU", False) == []
     assert ev.apply(HeadShards(2).keys([c]), "CPU", False) == [c]
+
+
+def test_a_tiers_blocks_keep_counting_engine_blocks() -> None:
+    user = {"tiers": [{"kind": "cpu", "blocks": 8}, {"kind": "lmdb", "capacity": "1MiB"}]}
+    out = blocks_as_shards(user, HeadShards(4, 2, 1))
+    assert out["tiers"] == [{"kind": "cpu", "blocks": 16}, {"kind": "lmdb", "capacity": "1MiB"}]
+    assert user["tiers"][0]["blocks"] == 8  # the caller's mapping is not changed
+    assert blocks_as_shards({"tiers": "bad"}, HeadShards(2)) == {"tiers": "bad"}

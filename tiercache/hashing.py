@@ -58,7 +58,7 @@ themselves: ``gkey[i]`` commits to the whole prefix through ``key[i]``.
 Shard keys (one block's KV split by KV-head ranges, so that any tensor-parallel rank reads
 and writes exactly its own heads): shard ``j`` of the block with key ``k`` is::
 
-    skey = H(b"tiercache/shard/v1\x00" + u16(j) + k)
+    skey = H(b"tiercache/shard/v1\x00" + u16(j) + k),   u16(j) = struct.pack("<H", j)
 
 Python's ``hash()`` is never used, so keys are equal across processes, machines
 and ``PYTHONHASHSEED`` values. See ``docs/hashing.md``.

@@ -13,8 +13,9 @@ process, sharing persistent tiers (NVMe + LMDB) in a temporary directory:
   verifies persistent blocks before it reports them, so no request fails. Outputs equal the
   baseline and the errors are counted.
 
-- TP=2 (two worker processes): outputs equal TP=2 without the connector, cold and after a
-  prefix-cache reset (loads on both ranks); each rank writes its own `tp{rank}of2` stores;
+- TP=2 (two worker processes), `tp_layout = "rank"`: outputs equal TP=2 without the
+  connector, cold and after a prefix-cache reset (loads on both ranks); each rank writes its
+  own `tp{rank}of2` stores;
   a fresh process hits both ranks' persistent tiers; corrupting rank 1's store only costs
   recomputation (rank 1 reports load errors, vLLM recomputes).
 
@@ -39,9 +40,12 @@ N_PROMPTS = 8  # conftest's llama_prompts
 PROMPT_LEN = 200  # 6 full blocks of 32; the 7th holds the last prompt token
 SHARED = 64  # two blocks common to all prompts
 MAGIC = b"TCB\x01"
+# Head shards per block (tp_layout "auto"): the tiny Llama's 2 KV heads, one shard each; a
+# tier's blocks and counters are shards, so a block looked up is SHARDS hits of a tier.
+SHARDS = 2
 
 
-def _kv_config(root: Path, *, policy: str | None) -> dict[str, Any]:
+def _kv_config(root: Path, *, policy: str | None, tp_layout: str | None = None) -> dict[str, Any]:
     tiers = [
         {"kind": "cpu", "blocks": 8},
         {"kind": "nvme", "path": str(root / "nvme"), "blocks": 8},
@@ -53,6 +57,8 @@ def _kv_config(root: Path, *, policy: str | None) -> dict[str, Any]:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"config": {"namespace": "e2e", "tiers": tiers}},
     }
+    if tp_layout is not None:
+        cfg["kv_connector_extra_config"]["tp_layout"] = tp_layout
     if policy is not None:
         cfg["kv_load_failure_policy"] = policy
     return cfg
@@ -234,16 +240,18 @@ def test_b_restart_hits_persistent_tiers(
     (store,) = local["stores"].values()
     assert store["counters"]["verified_blocks"] >= 2 + N_PROMPTS * 4
     assert _errors(local) == 0
-    # One block looked up once is one hit, in the tier that served it: reading persistent
-    # blocks to verify them before reporting the hit counts nothing more (issue 14).
+    # One block looked up once is one hit per shard (SHARDS), in the tier that served it:
+    # reading persistent blocks to verify them before reporting the hit counts nothing more
+    # (issue 14).
     # Exactly: the first prompt asks for its 6 full blocks, the others for their 4 own ones
     # (vLLM's prefix cache has the 2 shared blocks by then), and every one of them hits.
     # A tier counts a miss for each block asked of it that it did not serve (found below, or
     # nowhere): every block reaches the first tier once, and the last one misses none.
     tiers = list(store["stats"].values())  # fastest first
     asked = 2 + N_PROMPTS * 4
-    assert sum(int(t["hits"]) for t in tiers) == asked, store
-    assert tiers[0]["hits"] + tiers[0]["misses"] == asked and tiers[-1]["misses"] == 0, store
+    shards = asked * SHARDS
+    assert sum(int(t["hits"]) for t in tiers) == shards, store
+    assert tiers[0]["hits"] + tiers[0]["misses"] == shards and tiers[-1]["misses"] == 0, store
     assert store["counters"]["lookup_hit_blocks"] == asked, store
     # What the persistent tiers recovered at start-up is announced to vLLM as stored.
     assert local["events"]["BlockStored:nvme"] > 0 and local["events"]["BlockStored:lmdb"] > 0
@@ -271,7 +279,7 @@ def test_c_corrupted_store_recomputes_and_counts_errors(
     assert sum(batch["num_cached_tokens"]) < 192 * N_PROMPTS
 
 
-# -- tensor parallel (TP=2): two worker processes, each with its own shard and store ----------
+# -- tensor parallel (TP=2), tp_layout "rank": two worker processes, each its own store -------
 TP = 2
 TP_PROMPTS = 4
 TP_TOKENS = 8
@@ -307,9 +315,11 @@ def tp_runs(
     the second is served by tiercache), B (a fresh process on A's persistent tiers), C (rank
     1's persistent store corrupted: rank 1's loads fail, vLLM recomputes those blocks)."""
     root = tmp_path_factory.mktemp("tiercache-tp-store")
-    kv = _kv_config(root, policy="recompute")
+    # One store per rank (tp_layout "rank", the layout before head shards; head shards across
+    # TP sizes: test_tp_layout.py).
+    kv = _kv_config(root, policy="recompute", tp_layout="rank")
     # A with telemetry and Prometheus on: each rank its own directory and port.
-    kv_a = _kv_config(root, policy="recompute")
+    kv_a = _kv_config(root, policy="recompute", tp_layout="rank")
     kv_a["kv_connector_extra_config"]["config"]["telemetry"] = {
         "dir": str(root / "telemetry"),
         "prometheus": f"127.0.0.1:{free_port(also=1)}",

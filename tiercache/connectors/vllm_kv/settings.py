@@ -26,7 +26,7 @@ from tiercache.connectors.common import (
     read_user_config,
     resolve_rank_config,
 )
-from tiercache.connectors.tp_layout import check_no_rank_dirs, choose_shards
+from tiercache.connectors.tp_layout import blocks_as_shards, check_no_rank_dirs, choose_shards
 from tiercache.transfer.head_shards import HeadShards
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ class KVSettings:
     rank_configs: tuple[CacheConfig, ...] = ()
     shards: HeadShards | None = None
     engine_block_bytes: int = 0  # this rank's bytes of an engine block (0: block_bytes)
+    kv_heads: int = 0  # this rank's KV heads (head shards: checked against the KV caches)
 
     @property
     def hma(self) -> bool:
@@ -122,6 +123,7 @@ class KVSettings:
         per_rank = shards is None
         if shards is not None:
             layout += f"/heads:{shards.shards}"
+            user = blocks_as_shards(user, shards)
 
         def rank_config(r: int) -> RankConfig:
             return resolve_rank_config(
@@ -166,6 +168,7 @@ class KVSettings:
             rank_configs=() if worker else (rank.config, *others),
             shards=shards,
             engine_block_bytes=engine_bytes,
+            kv_heads=int(getattr(spec, "num_kv_heads", 0) or 0),
         )
 
 

@@ -128,7 +128,7 @@ class KVWorker(RoleBase):
             layout = _group_layout(kv_caches, self._groups, self._num_blocks)
         elif self._shards is not None:
             try:
-                units = self._shards.unit_views(kv_caches, self._num_blocks)
+                units = self._shards.unit_views(kv_caches, self._num_blocks, self.settings.kv_heads)
             except ValueError as exc:
                 raise ValueError(
                     f"register_kv_caches: {exc}; set kv_connector_extra_config.tp_layout to "
