@@ -7,8 +7,9 @@
 - `make_prompts(n, length, seed, shared_prefix=0)`: token-id prompts (lists of ints).
 - `run_spec(spec) -> dict`: build one `LLM` in this process, generate every batch of the
   spec greedily, return outputs, `num_cached_tokens`, wall and CPU times, tiercache's
-  counters (multiprocess engines: those of the process running vLLM's worker, TP 1 only) and
-  (in-process engines) the KV events the connector gave vLLM. A batch with
+  counters (multiprocess engines: those of the process running vLLM's worker, TP 1 only;
+  with TP > 1, ``rank_stores``: each worker's, in rank order) and (in-process engines) the KV
+  events the connector gave vLLM. A batch with
   ``"reset_prefix_cache": true`` resets vLLM's prefix cache after it, once the connector's
   saves of the batch are done (see `_reset_prefix_cache`).
 - `run_in_subprocess(spec, python=sys.executable) -> dict`: the same in a fresh interpreter
@@ -38,8 +39,9 @@ with ``"stop_pid": PID`` sends SIGSTOP to that process before the batch and SIGC
 (a hung server, e.g. Redis, during exactly that batch).
 
 A batch with ``"settle_through": true`` starts once the connector's write-through copies
-queued so far have run (in a multiprocess engine, those of the worker's process; TP 1 only;
-e.g. hits timed apart from the previous batch's background writes). A batch may also say
+queued so far have run (in a multiprocess or TP > 1 engine, those of every worker's process;
+e.g. hits timed apart from the previous batch's background writes, or a store another engine
+must find in a shared tier before this one says so with ``"touch"``). A batch may also say
 ``"wait_s": S`` (sleep S seconds before it), ``"wait_serving": true`` (start it once no
 tier of this process's stores is suspended; in-process engines; ``waited_s`` says how long),
 ``"wait_for": PATH`` (start it only once PATH exists: another engine finished something)
@@ -69,6 +71,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -304,7 +307,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") else "0"
     tp = int(spec.get("tensor_parallel_size", 1))
     remote = bool(spec.get("multiprocessing")) and spec.get("kv_transfer_config") is not None
-    if remote or spec.get("kv_groups"):
+    ranks = tp > 1 and spec.get("kv_transfer_config") is not None
+    if remote or ranks or spec.get("kv_groups"):
         # The counters live in the worker's process: fetched with a function sent over vLLM's
         # RPC, which vLLM pickles only when allowed to.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -359,8 +363,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         suspended_s = _suspended()  # what the batch starts with (a test's failure shows it)
         th0 = thread_cpu()  # the settling's background copies count in this batch's threads
         if batch.get("settle_through"):
-            if spec.get("multiprocessing"):
-                llm.collective_rpc(_settle_worker)  # the stores live in the worker's process
+            if spec.get("multiprocessing") or tp > 1:
+                llm.collective_rpc(_settle_worker)  # the stores live in the workers' processes
             else:
                 _settle_through()
         params = SamplingParams(
@@ -411,6 +415,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         stores = store_snapshots()
     elif remote and tp == 1:
         stores = llm.collective_rpc(_worker_snapshots)[0]
+    # TP > 1: each worker process has its own stores (rank order, as vLLM's RPC answers).
+    rank_stores = llm.collective_rpc(_worker_snapshots) if ranks else []
     groups = llm.collective_rpc(_kv_groups)[0] if spec.get("kv_groups") else []
     spec_decode: dict[str, int] = {}  # draft and accepted tokens (speculative decoding)
     if spec.get("speculative_config") is not None:
@@ -424,6 +430,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         "import_s": t_import,
         "init_s": t_init,
         "stores": stores,
+        "rank_stores": rank_stores,
         "events": events,
     }
 
@@ -701,9 +708,14 @@ def run_in_subprocess(
     return start_in_subprocess(spec, python).result(timeout)
 
 
+_RAISED = re.compile(r"\b\w+(Error|Exception): ")  # a traceback's last line, e.g. ConfigError
+
+
 def _errors_of(log: str) -> str:
-    """vLLM's ERROR lines (the engine core logs its failures to stdout)."""
-    return "\n".join(line for line in log.splitlines() if " ERROR " in line)[-8000:]
+    """vLLM's ERROR lines (the engine core logs its failures to stdout) and the exceptions'
+    lines (a worker's traceback ends with its exception's, e.g. a ConfigError's message)."""
+    lines = (line for line in log.splitlines() if " ERROR " in line or _RAISED.search(line))
+    return "\n".join(lines)[-8000:]
 
 
 def main(argv: list[str]) -> int:

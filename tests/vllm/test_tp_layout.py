@@ -1,0 +1,521 @@
+"""Head shards end to end: KV stored under one tensor-parallel size, loaded under another
+(issue 32, docs/tp-layout.md), through the KV connector on real vLLM CPU engines.
+
+A tiny random-weight Llama with 4 KV heads (fp32), so TP 1 and TP 2 both serve it; its
+default ``max_tp`` is 4 (the largest power of two dividing 4, at most 8): 4 head shards per
+block, 2 per TP=2 rank. Tiers: CPU (per process) + LMDB (one store shared by every rank of
+every engine, at the configured path). Every engine runs in a fresh process, in this order,
+on one store:
+
+- E1, TP=2: stores P1, then R. This process reads the store's keys in between, and once E1
+  is done deletes one of R's records (one head shard of one block).
+- E2, TP=1, multiprocess: a fresh engine loads P1 (TP=2 -> TP=1), then stores P2.
+- E3 (TP=1, in process) and E4 (TP=2) at the same time. First each loads as a fresh engine:
+  E3 P1 (TP=2 -> TP=1 in process), E4 P1 + P2 (P1: the same-TP restart TP=2 -> TP=2; P2:
+  TP=1 -> TP=2), then E4 R: its scheduler, answering for both ranks, must miss the block
+  without its shard (and the rest of that prompt). Then each stores its own set (E3 Q1,
+  E4 Q2), waits until its write-through copies reached LMDB, says so (a file), and once the
+  other said so, loads the other's set: live sharing, each hitting what the other stored
+  after both started.
+- The TP=1 engines look the store up two ways: E2's scheduler (its own process) from its
+  index of the worker's keys and read-only probes of LMDB; E3's in its worker's store.
+
+Every engine's outputs equal the engine of the same TP size without a connector (the same
+batches), and every load (but R's) hits at least 90 % of the loadable tokens (the issue's bound; the
+full blocks before the block holding each prompt's last token): the prompts share no prefix,
+so every cached token of a batch came from tiercache, not from vLLM's own prefix cache.
+
+Settings: ``"tp_layout": "rank"`` keeps today's per-rank stores (``tp{r}of{n}``
+subdirectories, hits at the same TP size); ``"heads"`` with a ``max_tp`` the TP size does not
+divide is refused when the engine starts, naming the setting.
+
+Timing: each TP=2 engine start costs tens of seconds on two cores, so the engines are shared
+by the tests and run together where the order allows, in three phases: the two baselines
+with E1; E2 with the "rank" and the refused engine (stores of their own; only when their
+tests run: not under ``-m every_vllm``); E3 with E4.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+BLOCK = 32
+PROMPT_LEN = 200  # 6 full blocks of 32; the 7th holds the last prompt token
+N_PROMPTS = 4
+TOKENS = 8
+KV_HEADS = 4
+SHARDS = 4  # head shards per block: the default max_tp (largest power of 2 dividing 4)
+MIN_HIT = 0.9  # issue 32's bound: hits >= 90 % of the loadable tokens
+
+# Baseline batches (no connector), the same composition as the connector engines' batches:
+# greedy outputs are compared batch by batch.
+BASELINE_BATCHES = ("p1", "p2", "p1+p2", "q1", "q2", "r")
+
+
+def _kv(root: Path, **extra: Any) -> dict[str, Any]:
+    """The connector's kv_transfer_config: CPU tier + LMDB under `root`; `extra` goes next
+    to "config" in kv_connector_extra_config (tp_layout, max_tp)."""
+    tiers = [
+        {"kind": "cpu", "blocks": 64},
+        # Room for every shard of every prompt set (4 sets x 24 blocks x 4 shards) whatever
+        # a block counts as: nothing is evicted, so a miss is never the capacity's.
+        {"kind": "lmdb", "path": str(root / "lmdb"), "blocks": 2048, "compression": "none"},
+    ]
+    return {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connectors.vllm",
+        "kv_role": "kv_both",
+        # A block a scheduler promised and a worker could not load is recomputed (same
+        # tokens): the tests then see it as fewer hits and as load_error_blocks.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "config": {"namespace": "tp-layout", "tiers": tiers},
+            **extra,
+        },
+    }
+
+
+def loadable(prompts: list[list[int]]) -> int:
+    """Tokens a connector can serve: the full blocks before each prompt's last token's block."""
+    return sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
+
+
+def _snapshots(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every store snapshot of an engine: its process's (TP=1) and each rank's (TP > 1)."""
+    out = list(result["stores"].values())
+    for rank in result.get("rank_stores", []):
+        out += list(rank.values())
+    return out
+
+
+def _counter(result: dict[str, Any], name: str) -> int:
+    return sum(int(s["counters"].get(name, 0)) for s in _snapshots(result))
+
+
+def _errors(result: dict[str, Any]) -> int:
+    return sum(int(t["errors"]) for s in _snapshots(result) for t in s["stats"].values())
+
+
+def _namespaces(result: dict[str, Any]) -> set[str]:
+    names = set(result["stores"])
+    for rank in result.get("rank_stores", []):
+        names |= set(rank)
+    return names
+
+
+def _facts(result: dict[str, Any]) -> dict[str, Any]:
+    """What a failed assertion shows: hits per batch, the counters, per-tier stats."""
+    return {
+        "cached": [b["num_cached_tokens"] for b in result["batches"]],
+        "init_s": result["init_s"],
+        "stores": [{"counters": s["counters"], "stats": s["stats"]} for s in _snapshots(result)],
+    }
+
+
+def _report(name: str, result: dict[str, Any]) -> None:
+    """One line per engine in the captured output (pytest -rA, or a failure, shows it): its
+    start-up and batch times, each batch's cached tokens, and per store (TP > 1: per rank)
+    the blocks it stored and loaded."""
+    batches = [(round(b["wall_s"], 1), sum(b["num_cached_tokens"])) for b in result["batches"]]
+    names = ("stored_blocks", "loaded_blocks", "load_error_blocks")
+    line = {
+        "engine": name,
+        "import_s": round(result["import_s"], 1),
+        "init_s": round(result["init_s"], 1),
+        "batches (wall_s, cached)": batches,
+        "stores": [{n: s["counters"].get(n, 0) for n in names} for s in _snapshots(result)],
+    }
+    print(json.dumps(line))
+
+
+def assert_loads(
+    result: dict[str, Any], batch: int, prompts: list[list[int]], want: list[list[int]]
+) -> None:
+    """Batch `batch` of `result` served `prompts`: outputs equal `want` (the same TP size
+    without a connector), at least MIN_HIT of the loadable tokens hit, no load failed."""
+    got = result["batches"][batch]
+    assert got["outputs"] == want, _facts(result)
+    hit, full = sum(got["num_cached_tokens"]), loadable(prompts)
+    assert hit >= MIN_HIT * full, (hit, full, _facts(result))
+    assert _counter(result, "load_error_blocks") == 0, _facts(result)
+    assert _errors(result) == 0, _facts(result)
+
+
+def _tick() -> dict[str, Any]:
+    """A batch of one 1-token prompt (nothing to look up or store) that first waits until the
+    engine's write-through copies reached LMDB: the stores of the batch before it, whose
+    `reset_prefix_cache` waited for the connector's saves into the CPU tier."""
+    return {"prompts": [[3]], "max_tokens": 1, "settle_through": True}
+
+
+@pytest.fixture(scope="module")
+def model(engine: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with 4 KV heads (4 attention heads of 32: hidden 128), fp32."""
+    return engine.write_tiny_llama(tmp_path_factory.mktemp("llama-4kv"), heads=4, kv_heads=KV_HEADS)
+
+
+@pytest.fixture(scope="module")
+def sets(engine: ModuleType) -> dict[str, list[list[int]]]:
+    """Five prompt sets, no prefix shared within or across them."""
+    out = {
+        name: engine.make_prompts(N_PROMPTS, PROMPT_LEN, seed=320 + i)
+        for i, name in enumerate(("p1", "p2", "q1", "q2", "r"))
+    }
+    out["p1+p2"] = out["p1"] + out["p2"]
+    return out
+
+
+def _spec(model: Path, kv: dict[str, Any] | None, batches: list[dict[str, Any]], **kw: Any):
+    return {"model": str(model), "kv_transfer_config": kv, "batches": batches, **kw}
+
+
+def _one(prompts: list[list[int]], **kw: Any) -> dict[str, Any]:
+    return {"prompts": prompts, "max_tokens": TOKENS, **kw}
+
+
+@contextlib.contextmanager
+def _together(engine: ModuleType, *specs: dict[str, Any]) -> Iterator[list[Any]]:
+    """Engines started at once (each in its own process); every one left is killed on exit
+    (one that failed must not leave the other waiting for its file for minutes)."""
+    running = [engine.start_in_subprocess(s) for s in specs]
+    try:
+        yield running
+    finally:
+        for r in running:
+            r.kill()
+
+
+def _results(running: list[Any], timeout: float = 600) -> list[dict[str, Any]]:
+    """The results of engines started together, in order; the first failure raises at once
+    (its partner may be waiting for a file the failed one never touches)."""
+    done: dict[int, dict[str, Any]] = {}
+    end = time.monotonic() + timeout
+    while len(done) < len(running):
+        for i, r in enumerate(running):
+            if i not in done and r.proc.poll() is not None:
+                done[i] = r.result(0)  # raises with the engine's errors if it failed
+        if time.monotonic() > end:
+            raise TimeoutError(f"engines {sorted(set(range(len(running))) - set(done))} ran on")
+        time.sleep(0.1)
+    return [done[i] for i in range(len(running))]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared store (E1 to E4)."""
+    return tmp_path_factory.mktemp("tp-layout-store")
+
+
+@dataclass(frozen=True)
+class PhaseA:
+    """What `phase_a` ran: per TP size each baseline batch's outputs, E1's result, the LMDB
+    records E1 stored for P1 and for R, and the one R record then deleted."""
+
+    baselines: dict[int, dict[str, list[list[int]]]]
+    e1: dict[str, Any]
+    p1_records: int
+    r_records: int
+    deleted: int
+
+
+def _lmdb_keys(path: Path) -> set[bytes]:
+    """The store keys of every block record (header or payload) in the LMDB store."""
+    from tiercache.tiers.lmdb import iter_entries, open_store
+
+    with open_store(path) as h:
+        return {key for key, _, _ in iter_entries(h)}
+
+
+@pytest.fixture(scope="module")
+def phase_a(
+    engine: ModuleType,
+    model: Path,
+    sets: dict[str, list[list[int]]],
+    root: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> PhaseA:
+    """At the same time: the baselines (TP 1 and 2 without a connector, BASELINE_BATCHES)
+    and E1 (TP=2, default tp_layout "auto": head shards), which stores P1, then R.
+
+    Between the two, once P1's write-through copies reached LMDB, this process reads the
+    store's keys: those E1 adds afterwards are R's. Once E1 is done, one of R's records (one
+    head shard of one block) is deleted: a block missing one shard (E4 loads R)."""
+    flags = tmp_path_factory.mktemp("tp-layout-e1")
+    p1_done, go_on = flags / "p1-stored", flags / "go-on"
+    batches = [_one(sets[name]) for name in BASELINE_BATCHES]
+    # No prefix caching: every baseline batch computes all its tokens (P1 + P2 would
+    # otherwise reuse P1's and P2's blocks from the batches before it).
+    specs = [
+        _spec(model, None, batches, tensor_parallel_size=tp, enable_prefix_caching=False)
+        for tp in (1, 2)
+    ]
+    e1 = [
+        _one(sets["p1"], reset_prefix_cache=True),
+        {**_tick(), "touch": str(p1_done)},
+        _one(sets["r"], wait_for=str(go_on), reset_prefix_cache=True),
+        _tick(),
+    ]
+    specs.append(_spec(model, _kv(root), e1, tensor_parallel_size=2))
+    with _together(engine, *specs) as running:
+        running[2].wait_for(p1_done, timeout=600)
+        p1_keys = _lmdb_keys(root / "lmdb")
+        go_on.touch()
+        *bases, e1_result = _results(running)
+    r_keys = sorted(_lmdb_keys(root / "lmdb") - p1_keys)
+    from tiercache.tiers.lmdb import delete_entries, open_store
+
+    with open_store(root / "lmdb", write=True) as h:
+        deleted = delete_entries(h, r_keys[:1])
+    out = {}
+    for tp, base in zip((1, 2), bases, strict=True):
+        outputs = [b["outputs"] for b in base["batches"]]
+        out[tp] = dict(zip(BASELINE_BATCHES, outputs, strict=True))
+        # The model is a useful oracle only if different prompts give different tokens.
+        assert len({tuple(o) for o in out[tp]["p1+p2"]}) == 2 * N_PROMPTS
+        _report(f"baseline TP={tp}", base)
+    _report("E1 (TP=2)", e1_result)
+    return PhaseA(out, e1_result, len(p1_keys), len(r_keys), deleted)
+
+
+@pytest.fixture(scope="module")
+def baselines(phase_a: PhaseA) -> dict[int, dict[str, list[list[int]]]]:
+    """Per TP size (1, 2), each batch's outputs without a connector (BASELINE_BATCHES)."""
+    return phase_a.baselines
+
+
+@pytest.fixture(scope="module")
+def e1(phase_a: PhaseA) -> dict[str, Any]:
+    return phase_a.e1
+
+
+@dataclass(frozen=True)
+class PhaseB:
+    """What `phase_b` ran: E2, and (when their tests run) the "rank" engine with its store
+    root and the refused engine's error ("" if it started)."""
+
+    e2: dict[str, Any]
+    rank_root: Path | None = None
+    rank: dict[str, Any] | None = None
+    refused_error: str = ""
+
+
+# The tests of the settings: their engines run only when one of them is selected (under
+# `-m every_vllm` they are not, and E2 then runs alone).
+SETTINGS_TESTS = ("test_rank_layout_", "test_heads_layout_")
+
+
+@pytest.fixture(scope="module")
+def phase_b(
+    engine: ModuleType,
+    model: Path,
+    sets: dict[str, list[list[int]]],
+    root: Path,
+    e1: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> PhaseB:
+    """At the same time, once E1 is done:
+    - E2, TP=1 in vLLM's multiprocess mode, fresh on E1's store: loads P1, then stores P2;
+    - on a store of its own, a TP=2 engine with tp_layout "rank": P1 cold, vLLM's prefix
+      cache reset, P1 again (served by tiercache);
+    - on another, a TP=2 engine with tp_layout "heads" and max_tp 1 (2 does not divide 1),
+      which must not start.
+    The last two only if a test of SETTINGS_TESTS is selected."""
+    e2 = _spec(model, _kv(root), [_one(sets["p1"]), _one(sets["p2"])], multiprocessing=True)
+    if not any(item.name.startswith(SETTINGS_TESTS) for item in request.session.items):
+        result = engine.run_in_subprocess(e2, timeout=600)
+        _report("E2 (TP=1, multiprocess)", result)
+        return PhaseB(result)
+    rank_root = tmp_path_factory.mktemp("tp-layout-rank")
+    heads_root = tmp_path_factory.mktemp("tp-layout-heads")
+    rank = _spec(
+        model,
+        _kv(rank_root, tp_layout="rank"),
+        [_one(sets["p1"], reset_prefix_cache=True), _one(sets["p1"])],
+        tensor_parallel_size=2,
+    )
+    refused = _spec(
+        model,
+        _kv(heads_root, tp_layout="heads", max_tp=1),
+        [_one(sets["p1"])],
+        tensor_parallel_size=2,
+    )
+    error = ""
+    with _together(engine, e2, rank, refused) as (a, b, c):
+        try:
+            c.result(600)
+        except RuntimeError as exc:
+            error = str(exc)
+        e2_result, rank_result = _results([a, b])
+    _report("E2 (TP=1, multiprocess)", e2_result)
+    _report("rank (TP=2)", rank_result)
+    return PhaseB(e2_result, rank_root, rank_result, error)
+
+
+@pytest.fixture(scope="module")
+def e2(phase_b: PhaseB) -> dict[str, Any]:
+    return phase_b.e2
+
+
+# The batches of E3 and E4 that store their own set, and that load the other's.
+STORE = {"e3": 1, "e4": 2}
+LIVE = {"e3": 3, "e4": 4}
+
+
+@pytest.fixture(scope="module")
+def pair(
+    engine: ModuleType,
+    model: Path,
+    sets: dict[str, list[list[int]]],
+    root: Path,
+    e2: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """E3 (TP=1, in process) and E4 (TP=2) at the same time on E1's and E2's store.
+
+    Each: batch 0 loads as a fresh engine (E3 P1, E4 P1 + P2; then E4 R, one block of which
+    misses a shard); batch STORE stores its own set (E3 Q1, E4 Q2) and resets vLLM's prefix
+    cache once the connector's saves are done; the next batch waits for its write-through
+    copies to reach LMDB, then touches its file; batch LIVE waits for the other's file and
+    loads the other's set."""
+    flags = tmp_path_factory.mktemp("tp-layout-flags")
+    e3_done, e4_done = flags / "e3-stored", flags / "e4-stored"
+    e3 = [
+        _one(sets["p1"]),
+        _one(sets["q1"], reset_prefix_cache=True),
+        {**_tick(), "touch": str(e3_done)},
+        _one(sets["q2"], wait_for=str(e4_done)),
+    ]
+    e4 = [
+        _one(sets["p1+p2"]),
+        _one(sets["r"]),
+        _one(sets["q2"], reset_prefix_cache=True),
+        {**_tick(), "touch": str(e4_done)},
+        _one(sets["q1"], wait_for=str(e3_done)),
+    ]
+    specs = (
+        _spec(model, _kv(root), e3),
+        _spec(model, _kv(root), e4, tensor_parallel_size=2),
+    )
+    with _together(engine, *specs) as running:
+        e3_result, e4_result = _results(running)
+    _report("E3 (TP=1, in process)", e3_result)
+    _report("E4 (TP=2)", e4_result)
+    return e3_result, e4_result
+
+
+def test_tp2_stores_tp1_loads_in_multiprocess_mode(
+    e1: dict[str, Any],
+    e2: dict[str, Any],
+    sets: dict[str, list[list[int]]],
+    baselines: dict[int, dict[str, list[list[int]]]],
+    root: Path,
+) -> None:
+    assert e1["batches"][0]["outputs"] == baselines[2]["p1"], _facts(e1)
+    assert _counter(e1, "stored_blocks") > 0, _facts(e1)
+    # Head shards: both ranks share the one store at the configured path (no tp{r}of{n}).
+    assert (root / "lmdb" / "data.mdb").is_file()
+    assert not list((root / "lmdb").glob("tp*of*")), sorted((root / "lmdb").iterdir())
+    # The namespace names no TP size: both ranks and the TP=1 engine use the same one.
+    assert len(_namespaces(e1)) == 1 and _namespaces(e1) == _namespaces(e2), (
+        _namespaces(e1),
+        _namespaces(e2),
+    )
+    assert_loads(e2, 0, sets["p1"], baselines[1]["p1"])
+    assert e2["batches"][1]["outputs"] == baselines[1]["p2"]
+
+
+def test_tp2_stores_tp1_loads_in_process(
+    pair: tuple[dict[str, Any], dict[str, Any]],
+    sets: dict[str, list[list[int]]],
+    baselines: dict[int, dict[str, list[list[int]]]],
+) -> None:
+    e3, _ = pair
+    assert_loads(e3, 0, sets["p1"], baselines[1]["p1"])
+
+
+def test_tp1_stores_tp2_loads_and_same_tp_restart_hits(
+    pair: tuple[dict[str, Any], dict[str, Any]],
+    sets: dict[str, list[list[int]]],
+    baselines: dict[int, dict[str, list[list[int]]]],
+) -> None:
+    """E4's first batch: P1 (stored by E1, TP=2: the same-TP restart) and P2 (stored by E2,
+    TP=1), each at least MIN_HIT of its own loadable tokens."""
+    _, e4 = pair
+    assert_loads(e4, 0, sets["p1+p2"], baselines[2]["p1+p2"])
+    cached = e4["batches"][0]["num_cached_tokens"]
+    same_tp, other_tp = sum(cached[:N_PROMPTS]), sum(cached[N_PROMPTS:])
+    assert same_tp >= MIN_HIT * loadable(sets["p1"]), _facts(e4)
+    assert other_tp >= MIN_HIT * loadable(sets["p2"]), _facts(e4)
+
+
+def test_tp1_and_tp2_engines_share_one_lmdb_live(
+    pair: tuple[dict[str, Any], dict[str, Any]],
+    sets: dict[str, list[list[int]]],
+    baselines: dict[int, dict[str, list[list[int]]]],
+) -> None:
+    e3, e4 = pair
+    assert e3["batches"][STORE["e3"]]["outputs"] == baselines[1]["q1"]
+    assert e4["batches"][STORE["e4"]]["outputs"] == baselines[2]["q2"]
+    assert_loads(e3, LIVE["e3"], sets["q2"], baselines[1]["q2"])  # what the TP=2 engine stored
+    assert_loads(e4, LIVE["e4"], sets["q1"], baselines[2]["q1"])  # what the TP=1 engine stored
+
+
+def test_rank_layout_keeps_per_rank_stores(
+    phase_b: PhaseB,
+    sets: dict[str, list[list[int]]],
+    baselines: dict[int, dict[str, list[list[int]]]],
+) -> None:
+    rank_root, result = phase_b.rank_root, phase_b.rank
+    assert rank_root is not None and result is not None
+    assert result["batches"][0]["outputs"] == baselines[2]["p1"]
+    assert_loads(result, 1, sets["p1"], baselines[2]["p1"])
+    assert sorted(p.name for p in (rank_root / "lmdb").iterdir()) == ["tp0of2", "tp1of2"]
+    # Each rank its own namespace (it names the rank), as before head shards.
+    assert len(_namespaces(result)) == 2, _namespaces(result)
+
+
+def test_heads_layout_refuses_a_tp_size_not_dividing_max_tp(
+    phase_b: PhaseB,
+) -> None:
+    error = phase_b.refused_error
+    assert error, "a TP=2 engine started with tp_layout 'heads' and max_tp 1"
+    assert "ConfigError" in error and ("max_tp" in error or "tp_layout" in error), error[-3000:]
+
+
+def test_tp2_stores_each_head_shard_once(phase_a: PhaseA) -> None:
+    """E1's two ranks wrote every block of P1 and of R as its 4 head shards (max_tp 4: one
+    KV head each), 2 per rank, once: one LMDB record per shard, none twice."""
+    blocks = N_PROMPTS * loadable([[0] * PROMPT_LEN]) // BLOCK
+    counts = (phase_a.p1_records, phase_a.r_records, phase_a.deleted)
+    assert counts == (blocks * SHARDS, blocks * SHARDS, 1), (counts, _facts(phase_a.e1))
+    assert phase_a.e1["batches"][2]["outputs"] == phase_a.baselines[2]["r"]
+
+
+def test_tp2_scheduler_misses_a_block_missing_one_shard(
+    pair: tuple[dict[str, Any], dict[str, Any]],
+    baselines: dict[int, dict[str, list[list[int]]]],
+) -> None:
+    """One head shard of one of R's blocks was deleted: E4's scheduler (TP=2, answering for
+    both ranks) must count that block, and so the rest of its prompt, as a miss, never
+    promise it (a half-loaded block would be a load error, or wrong tokens)."""
+    _, e4 = pair
+    got = e4["batches"][1]
+    assert got["outputs"] == baselines[2]["r"], _facts(e4)
+    cached = sorted(got["num_cached_tokens"])
+    whole = loadable([[0] * PROMPT_LEN])
+    # The three prompts without the damaged block hit whole; the fourth stops before it.
+    assert cached[1:] == [whole] * (N_PROMPTS - 1), _facts(e4)
+    assert cached[0] < whole and cached[0] % BLOCK == 0, _facts(e4)
+    assert _counter(e4, "load_error_blocks") == 0, _facts(e4)
