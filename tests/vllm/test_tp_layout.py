@@ -25,14 +25,14 @@ batches), and every load (but R's) hits at least 90 % of the loadable tokens (th
 full blocks before the block holding each prompt's last token): the prompts share no prefix,
 so every cached token of a batch came from tiercache, not from vLLM's own prefix cache.
 
-Settings: ``"tp_layout": "rank"`` keeps today's per-rank stores (``tp{r}of{n}``
-subdirectories, hits at the same TP size); ``"heads"`` with a ``max_tp`` the TP size does not
-divide is refused when the engine starts, naming the setting.
+Settings: ``"heads"`` with a ``max_tp`` the TP size does not divide is refused when the
+engine starts, naming the setting. (``"tp_layout": "rank"``, today's per-rank stores, is
+test_kv_connector.py's TP=2 test.)
 
 Timing: each TP=2 engine start costs tens of seconds on two cores, so the engines are shared
 by the tests and run together where the order allows, in three phases: the two baselines
-with E1; E2 with the "rank" and the refused engine (stores of their own; only when their
-tests run: not under ``-m every_vllm``); E3 with E4.
+with E1; E2 with the refused engine (a store of its own; only when its test runs: not under
+``-m every_vllm``); E3 with E4.
 """
 
 from __future__ import annotations
@@ -301,18 +301,17 @@ def e1(phase_a: PhaseA) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class PhaseB:
-    """What `phase_b` ran: E2, and (when their tests run) the "rank" engine with its store
-    root and the refused engine's error ("" if it started)."""
+    """What `phase_b` ran: E2, and (when its test runs) the refused engine's error ("" if it
+    started)."""
 
     e2: dict[str, Any]
-    rank_root: Path | None = None
-    rank: dict[str, Any] | None = None
     refused_error: str = ""
 
 
 # The tests of the settings: their engines run only when one of them is selected (under
 # `-m every_vllm` they are not, and E2 then runs alone).
-SETTINGS_TESTS = ("test_rank_layout_", "test_heads_layout_")
+# (tp_layout "rank", one store per rank at TP=2: test_kv_connector.py's TP=2 test.)
+SETTINGS_TESTS = ("test_heads_layout_",)
 
 
 @pytest.fixture(scope="module")
@@ -327,24 +326,14 @@ def phase_b(
 ) -> PhaseB:
     """At the same time, once E1 is done:
     - E2, TP=1 in vLLM's multiprocess mode, fresh on E1's store: loads P1, then stores P2;
-    - on a store of its own, a TP=2 engine with tp_layout "rank": P1 cold, vLLM's prefix
-      cache reset, P1 again (served by tiercache);
-    - on another, a TP=2 engine with tp_layout "heads" and max_tp 1 (2 does not divide 1),
-      which must not start.
-    The last two only if a test of SETTINGS_TESTS is selected."""
+    - on a store of its own, a TP=2 engine with tp_layout "heads" and max_tp 1 (2 does not
+      divide 1), which must not start; only if a test of SETTINGS_TESTS is selected."""
     e2 = _spec(model, _kv(root), [_one(sets["p1"]), _one(sets["p2"])], multiprocessing=True)
     if not any(item.name.startswith(SETTINGS_TESTS) for item in request.session.items):
         result = engine.run_in_subprocess(e2, timeout=600)
         _report("E2 (TP=1, multiprocess)", result)
         return PhaseB(result)
-    rank_root = tmp_path_factory.mktemp("tp-layout-rank")
     heads_root = tmp_path_factory.mktemp("tp-layout-heads")
-    rank = _spec(
-        model,
-        _kv(rank_root, tp_layout="rank"),
-        [_one(sets["p1"], reset_prefix_cache=True), _one(sets["p1"])],
-        tensor_parallel_size=2,
-    )
     refused = _spec(
         model,
         _kv(heads_root, tp_layout="heads", max_tp=1),
@@ -352,15 +341,14 @@ def phase_b(
         tensor_parallel_size=2,
     )
     error = ""
-    with _together(engine, e2, rank, refused) as (a, b, c):
+    with _together(engine, e2, refused) as (a, c):
         try:
             c.result(600)
         except RuntimeError as exc:
             error = str(exc)
-        e2_result, rank_result = _results([a, b])
+        (e2_result,) = _results([a])
     _report("E2 (TP=1, multiprocess)", e2_result)
-    _report("rank (TP=2)", rank_result)
-    return PhaseB(e2_result, rank_root, rank_result, error)
+    return PhaseB(e2_result, error)
 
 
 @pytest.fixture(scope="module")
@@ -470,20 +458,6 @@ def test_tp1_and_tp2_engines_share_one_lmdb_live(
     assert e4["batches"][STORE["e4"]]["outputs"] == baselines[2]["q2"]
     assert_loads(e3, LIVE["e3"], sets["q2"], baselines[1]["q2"])  # what the TP=2 engine stored
     assert_loads(e4, LIVE["e4"], sets["q1"], baselines[2]["q1"])  # what the TP=1 engine stored
-
-
-def test_rank_layout_keeps_per_rank_stores(
-    phase_b: PhaseB,
-    sets: dict[str, list[list[int]]],
-    baselines: dict[int, dict[str, list[list[int]]]],
-) -> None:
-    rank_root, result = phase_b.rank_root, phase_b.rank
-    assert rank_root is not None and result is not None
-    assert result["batches"][0]["outputs"] == baselines[2]["p1"]
-    assert_loads(result, 1, sets["p1"], baselines[2]["p1"])
-    assert sorted(p.name for p in (rank_root / "lmdb").iterdir()) == ["tp0of2", "tp1of2"]
-    # Each rank its own namespace (it names the rank), as before head shards.
-    assert len(_namespaces(result)) == 2, _namespaces(result)
 
 
 def test_heads_layout_refuses_a_tp_size_not_dividing_max_tp(
