@@ -802,9 +802,9 @@ def test_always_orders_data_sync_before_index(tmp_path, monkeypatch) -> None:
 
 
 def test_batch_syncs_by_count_and_by_timer(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(nvme_tier, "BATCH_SYNC_BLOCKS", 4)
     monkeypatch.setattr(nvme_tier, "BATCH_SYNC_SECONDS", 0.05)
     t = open_tier(tmp_path / "nvme", capacity=16)
+    monkeypatch.setattr(nvme_tier, "BATCH_SYNC_BYTES", 4 * t._slot_bytes)  # 4 blocks' slots
     log = _trace(monkeypatch, t)
     t.write(t.allocate(keys_for(2)), rand_blocks(2, BB), keys_for(2))
     assert "fdatasync:slab" not in log  # 2 < 4 blocks: not yet ...

@@ -38,7 +38,7 @@ checksum (a failed position on read). No path serves bytes under a key they were
 for.
 
 fsync modes: "always" = durable when `write` returns; "batch" = slab then journal are
-fdatasynced at `flush()`/`close()`, after every BATCH_SYNC_BLOCKS blocks written, and at most
+fdatasynced at `flush()`/`close()`, after every BATCH_SYNC_BYTES bytes of slots written, and at most
 BATCH_SYNC_SECONDS after an unsynced write (a timer); "never" = no fsync at all, not even at
 `flush()` (the OS writes back when it likes; a power loss may lose the whole index).
 
@@ -72,7 +72,7 @@ The package, one concern per module (each imports only modules listed before it)
 - `io`: `_write_all`, aligned buffers, the O_DIRECT probe, the slab's size, `SlotPipeline`.
 - `recovery`: the open's recovery as pure functions returning a `Recovered` record.
 - `reader`: `NVMeStoreReader`, offline access for the CLI.
-- `tier`: `NVMeTier`, and the tunables it reads (BATCH_SYNC_BLOCKS, BATCH_SYNC_SECONDS,
+- `tier`: `NVMeTier`, and the tunables it reads (BATCH_SYNC_BYTES, BATCH_SYNC_SECONDS,
   COMPACT_SLACK: patch them on `tiercache.tiers.nvme.tier`).
 """
 
