@@ -121,13 +121,18 @@ def run_jobs(worker: OffloadingWorker, specs: list, job: list[int]) -> None:
     assert len(done) == len(ids) and all(r.success for r in done), done
 
 
+def edge(v: Variant, block_keys: list[bytes], ids: list[int]) -> tuple[list[bytes], list[int]]:
+    """The cache's keys and the transfer engine's blocks of `block_keys` and engine `ids`, as
+    the KV connector's worker maps them (`KVWorker._edge`): shards, or the blocks as they are."""
+    hs = v.shards
+    return (hs.keys(block_keys), hs.units(ids)) if hs else (block_keys, ids)
+
+
 def store(v: Variant, block_keys: list[bytes], ids: list[int], job: list[int]) -> float:
     assert v.cache is not None and v.worker is not None
     manager = v.cache.manager
     t0 = time.perf_counter()
-    hs = v.shards
-    keys = hs.keys(block_keys) if hs else block_keys
-    units = hs.units(ids) if hs else ids
+    keys, units = edge(v, block_keys, ids)
     plan = manager.prepare_store(keys)
     assert plan is not None and len(plan.stored_keys) == len(keys)
     run_jobs(v.worker, store_transfers(plan, keys, units), job)
@@ -139,9 +144,7 @@ def load(v: Variant, block_keys: list[bytes], ids: list[int], job: list[int]) ->
     assert v.cache is not None and v.worker is not None
     manager = v.cache.manager
     t0 = time.perf_counter()
-    hs = v.shards
-    keys = hs.keys(block_keys) if hs else block_keys
-    units = hs.units(ids) if hs else ids
+    keys, units = edge(v, block_keys, ids)
     spec = manager.prepare_load(keys)
     run_jobs(v.worker, load_transfers(spec, units), job)
     manager.complete_load(keys)

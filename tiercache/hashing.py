@@ -131,13 +131,11 @@ def make_namespace(
         "extra": _check_str("extra", extra),
         "block_size": _check_int("block_size", block_size, 1),
     }
-    if tp_size is None:
-        body = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-        return _NAMESPACE_PREFIX + body
-    fields["tp_size"] = _check_int("tp_size", tp_size, 1)
-    fields["tp_rank"] = _check_int("tp_rank", tp_rank, 0)
-    if fields["tp_rank"] >= fields["tp_size"]:
-        raise ValueError(f"tp_rank must be < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
+    if tp_size is not None:
+        fields["tp_size"] = _check_int("tp_size", tp_size, 1)
+        fields["tp_rank"] = _check_int("tp_rank", tp_rank, 0)
+        if fields["tp_rank"] >= fields["tp_size"]:
+            raise ValueError(f"tp_rank must be < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
     body = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return _NAMESPACE_PREFIX + body
 

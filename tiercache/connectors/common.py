@@ -429,12 +429,11 @@ def resolve_rank_config(
     mapping = per_rank_telemetry(
         mapping, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size
     )
-    if shared:
-        mapping = per_dp_rank_config(
-            mapping, dp_rank=dp_rank * tp_size + tp_rank, dp_size=dp_size * tp_size
-        )
-    else:
-        mapping = per_dp_rank_config(mapping, dp_rank=dp_rank, dp_size=dp_size)
+    # NVMe instances: one per DP rank, or (shared paths) one per (DP, TP) rank.
+    instance, instances = (
+        (dp_rank * tp_size + tp_rank, dp_size * tp_size) if shared else (dp_rank, dp_size)
+    )
+    mapping = per_dp_rank_config(mapping, dp_rank=instance, dp_size=instances)
     config = resolve_config(mapping, block_size=block_size, namespace=store_namespace)
     keys = _user_prefixed(user, key_namespace)
     return RankConfig(config, keys, tp_rank, tp_size, dp_rank, dp_size, shared)
