@@ -136,7 +136,7 @@ class Interpreted(KVLayout):
     # ids as kernel arguments where a job is small enough (`inline`), else in a list.
     inline = False
 
-    def _batched(self, block_ids, rows, buf, *, store):
+    def _batched(self, block_ids, rows, buf, *, store, stream=None):
         if self._table is None:
             self._table = batched.ChunkTable(self)
         batched.run_interpreted(
@@ -190,3 +190,157 @@ def test_every_cuda_copy_mode_writes_the_same_bytes(kind: str) -> None:
         assert _run(kind, 2, mode, "cuda", pinned=True) == want, mode
     # A pageable pool: the kernel cannot reach it; "direct" falls back to staging.
     assert _run(kind, 2, "direct", "cuda", pinned=False) == want
+
+
+class _FakeLauncher:
+    """Triton 3.6's launcher object: `__call__` allocates scratch memory, then `launch`."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = "coop", "pdl"
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def launch(self, gx, gy, gz, stream, fn, coop, pdl, gscratch, pscratch, *rest):
+        assert (coop, pdl, gscratch, pscratch) == ("coop", "pdl", None, None)
+        self.calls.append(("launcher", (gx, gy, gz, stream, fn, *rest)))
+
+
+class _FakeCompiled:
+    """What Triton's `JITFunction.run` returns: a compiled kernel with its launcher (a plain
+    callable, or 3.6's launcher object, which is then called past its `__call__`)."""
+
+    function = "fn"
+    packed_metadata = "meta"
+    launcher_object = False
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    @property
+    def run(self):
+        if self.launcher_object:
+            return _FakeLauncher(self.calls)
+        return lambda *a: self.calls.append(("launcher", a))
+
+
+class _FakeJIT:
+    """`_kv_blocks_kernel` standing in for Triton: `[grid](*args)` records and compiles."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.compiled: list[_FakeCompiled] = []
+
+    def __getitem__(self, grid):
+        def run(*args):
+            self.calls.append(("jit", grid, args))
+            k = _FakeCompiled(self.calls)
+            self.compiled.append(k)
+            return k
+
+        return run
+
+
+class _Stream:
+    cuda_stream = 0xBEEF
+
+
+@pytest.mark.parametrize("launcher_object", [False, True])
+def test_later_jobs_of_a_kind_launch_through_the_compiled_kernels_launcher(
+    monkeypatch, launcher_object: bool
+) -> None:
+    """The launcher cache on the CPU: the first job of each kind goes through Triton's
+    `JITFunction.run`; later ones of that kind call the kernel it returned, with the grid,
+    the stream's handle and the same arguments; a job of another kind (inline or not,
+    row_bytes, store or load, an address past 2**31 where one was below) compiles its own."""
+    caches, kv_first = make_kv("kv_separate", NB)
+    layout = KVLayout(caches, NB, kv_first=kv_first)
+    table = batched.ChunkTable(layout)
+    table.launchers.enabled = True
+    fake = _FakeJIT()
+    monkeypatch.setattr(_FakeCompiled, "launcher_object", launcher_object)
+    monkeypatch.setattr(batched, "_kv_blocks_kernel", fake)
+    monkeypatch.setattr(batched, "_no_launch_hooks", lambda: True)
+    rb = layout.block_bytes
+
+    def job(ids, rows, base=2**40, *, store=True, row_bytes=rb, fast=True):
+        batched.launch(
+            table,
+            ids,
+            rows,
+            base,
+            row_bytes,
+            store=store,
+            stream=_Stream(),
+            fast=fast,
+            idx_tensor=None if len(ids) <= 4 else torch.zeros(2),
+        )
+
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    job([1], [0])
+    job([2, 3], [4, 5], 2**40 + 64)
+    assert [c[0] for c in fake.calls] == ["jit", "launcher"]
+    jit_args, (gx, gy, gz, handle, fn, meta, lm, enter, exit_, *args) = (
+        fake.calls[0][2],
+        fake.calls[1][1],
+    )
+    assert (gx, gz, handle, fn, meta, (lm, enter, exit_)) == (
+        2 * table.chunks,
+        1,
+        0xBEEF,
+        "fn",
+        "meta",
+        (None, None, None),
+    )
+    assert gy == fake.calls[0][1][1]
+    assert len(args) == len(jit_args) and args[2] == 2 and args[5] == 2**40 + 64
+    assert args[8:10] == [2, 3] and args[12:14] == [4, 5]
+    assert table.launchers.launched == 1
+    # Other kinds compile (here: go through run) once each, then reuse their own kernel.
+    for kw in ({"store": False}, {"row_bytes": 2 * rb}, {"base": 4096}):
+        n = len(fake.compiled)
+        job([5], [1], **kw)
+        job([6], [2], **kw)
+        assert len(fake.compiled) == n + 1, kw
+        assert fake.calls[-1][0] == "launcher", kw
+    job(list(range(5)), [0] * 5)  # ids from a list: its own kind
+    assert fake.calls[-1][0] == "jit"
+    # fast=False always binds through run; launch hooks (a profiler) do too.
+    job([1], [0], fast=False)
+    assert fake.calls[-1][0] == "jit"
+    monkeypatch.setattr(batched, "_no_launch_hooks", lambda: False)
+    job([1], [0])
+    assert fake.calls[-1][0] == "jit"
+
+
+def test_the_launcher_cache_is_off_where_triton_differs(monkeypatch) -> None:
+    """Only a Triton whose launcher interface was read (3.4 to 3.x) uses the cache."""
+    if not batched.triton_available():
+        assert not batched._launcher_interface()
+        return
+    for version, want in (("3.6.0", True), ("3.4.1", True), ("3.3.1", False), ("4.0.0", False)):
+        monkeypatch.setattr(batched.triton, "__version__", version)
+        assert batched._launcher_interface() is want, version
+
+
+@cuda_only
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_launches_through_the_compiled_launcher_write_the_layer_paths_bytes(kind: str) -> None:
+    """Every operation twice on one layout: the second round's launches reuse the kernels the
+    first compiled (`Launchers`), and the bytes match the layer path's, pool pinned and on
+    the device."""
+    if not batched.triton_available():
+        pytest.skip("Triton is not installed: CUDA copies run by layers")
+    for pinned in (True, False):
+        snaps = {}
+        for mode in ("layers", "direct"):
+            caches, kv_first = make_kv(kind, NB, device="cuda")
+            layout = KVLayout(caches, NB, 2, kv_first=kv_first)
+            layout.copy_mode = mode
+            pool = torch.zeros((8, layout.block_bytes), dtype=torch.uint8, pin_memory=pinned)
+            if not pinned:
+                pool = pool.cuda()
+            snaps[mode] = [_ops(layout, caches, pool) for _ in range(2)]
+            if mode == "direct" and layout._table.launchers.enabled:
+                assert layout._table.launchers.launched > 0
+        assert snaps["direct"] == snaps["layers"], pinned

@@ -330,6 +330,32 @@ def test_cuda_store_waits_for_compute_stream() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_recycled_marks_and_timers_keep_every_round_ordered_and_timed() -> None:
+    # The handler reuses its compute marks and timing start events: round after round, a
+    # store submitted behind a long kernel still copies what the model wrote last (round i's
+    # value), jobs in flight together each keep their own mark, and every job is timed.
+    caches, _kv_first, layout, tier = setup("kv_separate", "cuda", 1)
+    with build_worker(layout, [tier]) as worker:
+        job = 0
+        for i in range(1, 9):
+            torch.cuda._sleep(20_000_000)
+            for t in caches.values():
+                t[:, i].view(torch.int16).fill_(100 + i)
+            ids = []
+            for slot in (i % 8, (i + 4) % 8):  # two stores in flight at once, then a load
+                worker.transfer_async(job, (GPULoadStoreSpec([i]), tier_spec([slot])))
+                ids.append(job)
+                job += 1
+            worker.transfer_async(job, (tier_spec([i % 8]), GPULoadStoreSpec([12 + i])))
+            ids.append(job)
+            job += 1
+            res = drain(worker, ids)
+            assert all(r.success and r.transfer_time > 0 for r in res.values()), i
+            for t in caches.values():
+                assert bool((t[:, 12 + i].view(torch.int16) == 100 + i).all()), i
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_gpu_tier_same_device() -> None:
     from tiercache.tiers.gpu import GPUTier
 
@@ -412,11 +438,14 @@ def test_pool_copies_fence_and_the_cuda_lane_waits_for_the_fence(monkeypatch) ->
     handler = CUDACopyHandler.__new__(CUDACopyHandler)  # no CUDA here: no real streams
     handler.layout, handler._tiers = layout, [tier]
     handler._streams = {"store": _FakeStream(log, "store"), "load": _FakeStream(log, "load")}
+    handler._marks = []
     job = Job(1, tier_spec([3]), GPULoadStoreSpec([5]))
-    job.compute_event = _FakeEvent(log, "compute")
+    mark = job.compute_event = _FakeEvent(log, "compute")
     log.clear()
     assert handler.wait_deps(job, "load")
     assert log == ["load waits compute", "load waits default#2"]
+    # Once the wait is queued, the compute mark is free for the next job's submission.
+    assert handler._marks == [mark] and job.compute_event is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -79,10 +79,13 @@ class ChunkTable:
         # not have read it yet (it knows of copies, not of kernels reading host memory).
         self._held: deque[tuple[Any, torch.Tensor]] = deque()
         self._lock = threading.Lock()
+        self.launchers = Launchers(self.device.index)
 
-    def hold(self, idx: torch.Tensor) -> None:
-        """Keep `idx` until what the current stream queued so far has run."""
-        ev = torch.cuda.current_stream(self.device.index).record_event()
+    def hold(self, idx: torch.Tensor, stream: Any = None) -> None:
+        """Keep `idx` until what `stream` (default: the current stream) queued so far has run."""
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device.index)
+        ev = stream.record_event()
         with self._lock:  # lanes of one handler launch from several threads
             held = self._held
             while held and held[0][0].query():
@@ -150,13 +153,18 @@ def launch(
     *,
     store: bool,
     idx_tensor: torch.Tensor | None = None,
+    stream: Any = None,
+    fast: bool = True,
 ) -> None:
-    """Queue the kernel on the current CUDA stream (asynchronous, like any launch).
+    """Queue the kernel on `stream` (a `torch.cuda.Stream`; default: the current stream), as
+    any launch, asynchronously; the engine's device must be the current device.
 
     A job of at most `INLINE_IDS` engine blocks (a decode step's store) passes its ids as
     arguments; a larger one in one pinned int64 list (block ids, then rows) that the GPU reads
     through unified addressing: no host-to-device copy of its own either way.
     `idx_tensor`: a list of the caller's instead (the interpreter's, on the CPU).
+    `fast`: launch through the compiled kernel's own launcher once Triton has compiled it for
+    this job's kind (`Launchers`); False: always through Triton's `JITFunction.run`.
     """
     f = table.check_job(len(block_ids), len(rows))
     n_eng = len(block_ids)
@@ -170,8 +178,10 @@ def launch(
         ids = rws = (0,) * INLINE_IDS
     wide = table.wide_for(row_base, row_bytes)
     words = table.max_bytes // 8 if wide else table.max_bytes
-    _kv_blocks_kernel[(n_eng * table.chunks, -(-words // BLOCK))](
-        0 if idx is None else idx.data_ptr(),
+    ids_addr = 0 if idx is None else idx.data_ptr()
+    grid = (n_eng * table.chunks, -(-words // BLOCK))
+    args = (
+        ids_addr,
         table.tensor,
         n_eng,
         f,
@@ -181,13 +191,105 @@ def launch(
         table.engine_block_bytes,
         *ids,
         *rws,
-        STORE=store,
-        WIDE=wide,
-        INLINE=idx is None,
-        BLOCK=BLOCK,
+        store,
+        wide,
+        idx is None,
+        BLOCK,
     )
+    launchers = table.launchers
+    kind = (store, wide, idx is None, row_bytes, ids_addr >= _I32, row_base >= _I32)
+    if not (fast and launchers.launch(kind, grid, stream, args)):
+        if stream is None:
+            kernel = _kv_blocks_kernel[grid](*args)
+        else:
+            with torch.cuda.stream(stream):
+                kernel = _kv_blocks_kernel[grid](*args)
+        if fast:
+            launchers.learn(kind, kernel)
     if idx is not None and idx_tensor is None:
-        table.hold(idx)
+        table.hold(idx, stream)
+
+
+_I32 = 2**31  # Triton passes an int below this as i32, from it as i64: part of a kernel's kind
+
+
+class Launchers:
+    """Compiled kernels by job kind, launched without Triton's per-call binding.
+
+    `JITFunction.run` binds and specializes all 20 arguments on every call (tens of
+    microseconds of Python per job, a third of a one-block job's host time). The compiled
+    kernel it returns depends only on what Triton specializes: the constexprs, the table (its
+    tensor, block factor, chunk count, engine block bytes: fixed per table), `row_bytes`, and
+    the width Triton gives each unspecialized int (i32 below 2**31, else i64) — the job's
+    `kind`. Later jobs of a kind call that kernel's launcher directly on the stream's handle,
+    as `JITFunction.run` does, minus the binding (and, where the kernel needs no scratch
+    memory, the launcher object's `__call__`, which only allocates it). Used only where the
+    Triton in use has the launcher interface this was written against (3.4 to 3.6, checked
+    on the first kernel) and no launch hook is set (a profiler's: those go through `run`,
+    which calls them).
+    """
+
+    def __init__(self, device_index: int | None) -> None:
+        self._index = device_index
+        self._kernels: dict[tuple[Any, ...], Any] = {}
+        self.enabled = _launcher_interface()
+        self.launched = 0  # launches through a compiled kernel's launcher (tests read it)
+
+    def learn(self, kind: tuple[Any, ...], kernel: Any) -> None:
+        """Remember what `JITFunction.run` returned for a job of `kind`."""
+        if not (self.enabled and all(hasattr(kernel, a) for a in ("function", "packed_metadata"))):
+            return
+        run = kernel.run  # the launcher (a property: loads the module on first use)
+        fn, meta = kernel.function, kernel.packed_metadata
+        if (
+            getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0
+        ):
+            # The launcher object's __call__ only allocates scratch memory (none here) and
+            # calls its compiled `launch`: call that, with what __call__ would add.
+            coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+            self._kernels[kind] = (run.launch, (fn, coop, pdl, None, None, meta, None, None, None))
+        else:
+            self._kernels[kind] = (run, (fn, meta, None, None, None))
+
+    def launch(
+        self, kind: tuple[Any, ...], grid: tuple[int, int], stream: Any, args: tuple
+    ) -> bool:
+        """Launch a known kind's kernel on `stream` (None: the current stream); False when
+        this kind is not compiled yet, or launch hooks are set."""
+        k = self._kernels.get(kind)
+        if k is None or not _no_launch_hooks():
+            return False
+        handle = (
+            torch._C._cuda_getCurrentRawStream(self._index)
+            if stream is None
+            else stream.cuda_stream
+        )
+        fn, tail = k
+        fn(grid[0], grid[1], 1, handle, *tail, *args)
+        self.launched += 1
+        return True
+
+
+def _launcher_interface() -> bool:
+    """Whether this Triton's compiled kernels take `run(gx, gy, gz, stream, function,
+    packed_metadata, launch_metadata, enter_hook, exit_hook, *args)` (read in 3.6's
+    `JITFunction.run`; the same from 3.4) and it has `knobs` to tell whether hooks are set."""
+    if triton is None or not hasattr(triton, "knobs"):
+        return False
+    try:
+        major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return (3, 4) <= (major, minor) < (4, 0)
+
+
+def _no_launch_hooks() -> bool:
+    rt = triton.knobs.runtime
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):  # a HookChain with hooks, or a hook
+            return False
+    return True
 
 
 def run_interpreted(

@@ -94,16 +94,21 @@ class CPUCopyHandler(LaneHandler):
         _, side, _ = engine_sides(job)
         return getattr(self._tiers[side.tier], "fence", None)
 
-    def copy(self, job: Job, *, non_blocking: bool = False) -> None:
-        """The bytes of an engine <-> pool job (shared with the CUDA handler)."""
+    def copy(self, job: Job, *, non_blocking: bool = False, stream: Any = None) -> None:
+        """The bytes of an engine <-> pool job (shared with the CUDA handler, which passes
+        its lane's `stream`)."""
         eng, side, store = engine_sides(job)
         tier = self._tiers[side.tier]
         pool = tier.pool  # type: ignore[attr-defined]
         self.layout.check_pool(pool, f"tier {tier.medium!r}")  # e.g. closed since submission
         if store:
-            self.layout.copy_to_pool(eng.block_ids, pool, side.slots, non_blocking=non_blocking)
+            self.layout.copy_to_pool(
+                eng.block_ids, pool, side.slots, non_blocking=non_blocking, stream=stream
+            )
         else:
-            self.layout.copy_from_pool(pool, side.slots, eng.block_ids, non_blocking=non_blocking)
+            self.layout.copy_from_pool(
+                pool, side.slots, eng.block_ids, non_blocking=non_blocking, stream=stream
+            )
         job.size = len(side.slots) * self.layout.block_bytes
 
     def run(self, job: Job, lane: str) -> None:

@@ -34,6 +34,9 @@ class CUDACopyHandler(CPUCopyHandler):
                 f"layout: the engine buffer is on {layout.device}, not CUDA; use CPUCopyHandler"
             )
         self._index = layout.device.index  # an int: cheaper for torch to resolve per job
+        self._caller: tuple[int, torch.cuda.Stream] | None = None  # (raw handle, stream)
+        self._marks: list[torch.cuda.Event] = []  # compute marks free for reuse
+        self._starts: list[torch.cuda.Event] = []  # timing start events free for reuse
         self._streams = {
             lane: torch.cuda.Stream(layout.device) for lane in ("store", "load", EXPEDITED)
         }
@@ -42,7 +45,18 @@ class CUDACopyHandler(CPUCopyHandler):
     def prepare(self, job: Job) -> None:
         # Copies must see what the model wrote (stores) and land after what it last read
         # (loads): mark the caller's current stream now; the lane's stream waits for it.
-        job.compute_event = torch.cuda.current_stream(self._index).record_event()
+        # The stream object is looked up by its raw handle (a fraction of a microsecond;
+        # `torch.cuda.current_stream` costs several), and the mark is a recycled event.
+        handle = torch._C._cuda_getCurrentRawStream(self._index)
+        caller = self._caller
+        if caller is None or caller[0] != handle:
+            caller = self._caller = (handle, torch.cuda.current_stream(self._index))
+        try:
+            mark = self._marks.pop()
+        except IndexError:
+            mark = torch.cuda.Event()
+        mark.record(caller[1])
+        job.compute_event = mark
 
     def wait_deps(self, job: Job, lane: str) -> bool:
         stream = self._streams[lane]
@@ -56,6 +70,10 @@ class CUDACopyHandler(CPUCopyHandler):
             if reads_it and not dep.ok:
                 ok = False
         stream.wait_event(job.compute_event)
+        # The wait is queued with what the mark held at this call: recording the event again
+        # for a later job cannot move it, so the mark is free for reuse from here.
+        self._marks.append(job.compute_event)
+        job.compute_event = None
         # The pool's own copies (the facade's writes, demotions) run on the device's current
         # stream, not this one: wait for the last of them before touching its slots.
         fence = self.pool_fence(job)
@@ -65,16 +83,34 @@ class CUDACopyHandler(CPUCopyHandler):
 
     def run(self, job: Job, lane: str) -> None:
         stream = self._streams[lane]
-        with torch.cuda.stream(stream):  # makes the stream's device current too
-            job.start_event = torch.cuda.Event(enable_timing=True)
-            job.start_event.record(stream)
-            try:
-                self.copy(job, non_blocking=True)
-            finally:
-                # Even a job that failed half way is done only when its queued copies are.
-                end = torch.cuda.Event(enable_timing=True)
-                end.record(stream)
-                job.end_event = end
+        # The stream goes to the copy itself (a one-launch job passes it to the kernel's
+        # launcher; other modes switch to it): no stream switch on the caller's thread.
+        try:
+            start = self._starts.pop()
+        except IndexError:
+            start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        job.start_event = start
+        try:
+            self.copy(job, non_blocking=True, stream=stream)
+        finally:
+            # Even a job that failed half way is done only when its queued copies are.
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            job.end_event = end
+
+    def get_finished(self) -> list[Job]:
+        done = super().get_finished()
+        for job in done:
+            # Time a finished job now, and give its start event back: nothing else reads it
+            # (its end event stays: later jobs and waiters may still hold it).
+            start = job.start_event
+            if start is not None:
+                if job.ok:
+                    job.time = start.elapsed_time(job.end_event) / 1000.0
+                job.start_event = None
+                self._starts.append(start)
+        return done
 
     def close(self, timeout: float | None = None) -> None:
         super().close(timeout)

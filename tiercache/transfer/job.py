@@ -26,33 +26,42 @@ ENGINE = -1
 
 class Flag:
     """A one-shot event: set once, then every `wait` returns at once. `threading.Event` with
-    one lock instead of a Condition (a job makes two per submission: a one-block decode-time
-    store pays for them on the engine's thread)."""
+    one lock instead of a Condition, made only when someone waits before it is set (a job
+    makes two flags per submission, and a one-block decode-time store, issued at once, pays
+    for them on the engine's thread)."""
 
     __slots__ = ("_lock", "_set")
 
     def __init__(self) -> None:
         self._set = False
-        self._lock = threading.Lock()
-        self._lock.acquire()  # held until set(): waiters block on it
+        self._lock: threading.Lock | None = None  # held until set(): waiters block on it
 
     def is_set(self) -> bool:
         return self._set
 
     def set(self) -> None:
-        with _SETTING:  # two setters must not both release
+        with _SETTING:  # against a second setter and a first waiter making the lock
             if self._set:
                 return
             self._set = True
-            self._lock.release()
+            lock = self._lock
+        if lock is not None:
+            lock.release()
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once set; False if `timeout` seconds passed first."""
         if self._set:
             return True
-        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+        with _SETTING:
+            if self._set:
+                return True
+            lock = self._lock
+            if lock is None:
+                lock = self._lock = threading.Lock()
+                lock.acquire()
+        if not lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return self._set
-        self._lock.release()  # let the next waiter through
+        lock.release()  # let the next waiter through
         return True
 
 
@@ -100,7 +109,7 @@ class Job:
         # bytes; None when this job only overwrites what it reads: it waits for `read_done`)
         self.deps: list[tuple[Job, bool | None]] = []
         self.compute_event: Any = None  # CUDA event on the caller's stream at submission
-        self.start_event: Any = None
+        self.start_event: Any = None  # a CUDA job's: the handler times it when it finishes
         self.end_event: Any = None
         self.issued = Flag()
         # Set once the job has read all its source bytes (at the latest when issued): a
@@ -162,11 +171,8 @@ class Job:
         return self.issued.is_set() and (self.end_event is None or self.end_event.query())
 
     def result(self) -> TransferResult:
-        elapsed = self.time
-        if self.ok and self.start_event is not None:
-            elapsed = self.start_event.elapsed_time(self.end_event) / 1000.0
         return TransferResult(
-            self.job_id, self.ok, self.size, elapsed, self.transfer_type, self.failed, self.gone
+            self.job_id, self.ok, self.size, self.time, self.transfer_type, self.failed, self.gone
         )
 
 

@@ -27,6 +27,7 @@ one layer after another in a shared allocation) in address order. Pages are opaq
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -34,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 import numpy as np
 import torch
@@ -158,6 +160,11 @@ def _merge(chunks: list[_Chunk]) -> list[tuple[int, int, int, int, list[_Chunk]]
     return [(c.start, 1, c.size, c.size, [c]) for c in cs]
 
 
+def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """`torch.cuda.stream(stream)`, or nothing to do for None (the current stream)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
 class KVLayout:
     """The engine KV buffer as segments; copies blocks to and from pool rows and buffers."""
 
@@ -227,6 +234,7 @@ class KVLayout:
         self.segments: tuple[Segment, ...] = tuple(segments)
         self.engine_block_bytes = offset
         self._pool_views: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        self._pool_kinds: dict[int, tuple[int, tuple[bool, bool]]] = {}
         self.block_bytes = offset * block_size_factor
         self._table: batched.ChunkTable | None = None
         self.copy_mode = os.environ.get("TIERCACHE_CUDA_COPY", "auto")
@@ -242,16 +250,14 @@ class KVLayout:
             raise ValueError(f"copy_mode: {mode!r} is not one of {', '.join(COPY_MODES)}")
         self._copy_mode = mode
 
-    def copy_mode_for(self, buf: torch.Tensor, rows: int) -> str:
-        """The copy mode for a job of `rows` blocks into or out of `buf`."""
+    def copy_mode_for(self, buf: torch.Tensor, rows: int, *, pool: bool = False) -> str:
+        """The copy mode for a job of `rows` blocks into or out of `buf`. `pool`: `buf` is a
+        tier's pool, whose kind (`_buffer_kind`) is kept while it lives."""
         mode = self._copy_mode
-        rows_of_blocks = (
-            buf.dtype == torch.uint8
-            and buf.dim() == 2
-            and buf.shape[1] == self.block_bytes
-            and buf.is_contiguous()
-        )
-        if mode == "layers" or not rows_of_blocks:
+        if mode == "layers":
+            return "layers"
+        rows_of_blocks, reachable = self._pool_kind(buf) if pool else self._buffer_kind(buf)
+        if not rows_of_blocks:
             return "layers"
         if self.device.type == "cpu":  # the twin, where asked for, on host memory only
             return "direct" if mode != "auto" and buf.device.type == "cpu" else "layers"
@@ -262,16 +268,44 @@ class KVLayout:
             mode = (
                 "staged" if big and rows * self.block_bytes >= AUTO_STAGED_MIN_BYTES else "direct"
             )
-        # The kernel reaches the engine's device and pinned host memory, nothing else.
-        reachable = buf.device == self.device or (buf.device.type == "cpu" and buf.is_pinned())
         if mode == "direct" and not reachable:
             mode = "staged"
         if mode == "staged" and buf.device == self.device:
             mode = "direct"  # a staging buffer on the device would be a second copy
         return mode
 
+    def _buffer_kind(self, buf: torch.Tensor) -> tuple[bool, bool]:
+        """(whether `buf` is uint8 `[n, block_bytes]` rows, whether the kernel reaches it: the
+        engine's device or pinned host memory)."""
+        rows_of_blocks = (
+            buf.dtype == torch.uint8
+            and buf.dim() == 2
+            and buf.shape[1] == self.block_bytes
+            and buf.is_contiguous()
+        )
+        reachable = buf.device == self.device or (buf.device.type == "cpu" and buf.is_pinned())
+        return rows_of_blocks, reachable
+
+    def _pool_kind(self, pool: torch.Tensor) -> tuple[bool, bool]:
+        """`_buffer_kind` of a pool, kept while the pool tensor lives (a few microseconds of a
+        one-block job: the pinned-memory lookup and device comparisons)."""
+        key = id(pool)
+        hit = self._pool_kinds.get(key)
+        if hit is not None and hit[0] == pool.data_ptr():
+            return hit[1]
+        kind = self._buffer_kind(pool)
+        self._pool_kinds[key] = (pool.data_ptr(), kind)
+        weakref.finalize(pool, self._pool_kinds.pop, key, None)
+        return kind
+
     def _batched(
-        self, block_ids: Sequence[int], rows: Sequence[int], buf: torch.Tensor, *, store: bool
+        self,
+        block_ids: Sequence[int],
+        rows: Sequence[int],
+        buf: torch.Tensor,
+        *,
+        store: bool,
+        stream: Any = None,
     ) -> None:
         """Blocks <-> rows of `buf` (uint8 `[n, block_bytes]`) in one launch (or its CPU twin)."""
         if rows and not (min(rows) >= 0 and max(rows) < buf.shape[0]):
@@ -287,10 +321,10 @@ class KVLayout:
             return
         args = (self._table, block_ids, rows, buf.data_ptr(), self.block_bytes)
         if torch.cuda.current_device() == self.device.index:  # e.g. a lane stream's context
-            batched.launch(*args, store=store)
+            batched.launch(*args, store=store, stream=stream)
             return
         with torch.cuda.device(self.device):
-            batched.launch(*args, store=store)
+            batched.launch(*args, store=store, stream=stream)
 
     def _staged(
         self,
@@ -321,18 +355,21 @@ class KVLayout:
         *,
         store: bool,
         non_blocking: bool,
+        stream: Any = None,
+        pool: bool = False,
     ) -> bool:
         """A job by the kernel where the mode says so (False: the caller copies by layers).
         Blocking callers return with the bytes in place, as `copy_` does."""
-        mode = self.copy_mode_for(buf, len(rows))
+        mode = self.copy_mode_for(buf, len(rows), pool=pool)
         if mode == "layers":
             return False
         if mode == "staged":
-            self._staged(block_ids, buf, rows, store=store, non_blocking=non_blocking)
-        else:
-            self._batched(block_ids, rows, buf, store=store)
+            with on_stream(stream):
+                self._staged(block_ids, buf, rows, store=store, non_blocking=non_blocking)
+        else:  # one launch: the stream goes to the launcher, no stream switch
+            self._batched(block_ids, rows, buf, store=store, stream=stream)
         if not non_blocking and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            (stream or torch.cuda.current_stream(self.device)).synchronize()
         return True
 
     # -- pool rows -------------------------------------------------------------------------
@@ -391,11 +428,26 @@ class KVLayout:
         slots: Sequence[int],
         *,
         non_blocking: bool = False,
+        stream: Any = None,
     ) -> None:
-        """Store: engine blocks -> pool rows `slots`."""
+        """Store: engine blocks -> pool rows `slots`. `stream`: a CUDA stream to queue the
+        copies on instead of the current one."""
         self._check_ids(block_ids, len(slots))
-        if self._one_launch(block_ids, pool, slots, store=True, non_blocking=non_blocking):
+        if self._one_launch(
+            block_ids, pool, slots, store=True, non_blocking=non_blocking, stream=stream, pool=True
+        ):
             return
+        with on_stream(stream):
+            self._to_pool_by_layers(block_ids, pool, slots, non_blocking=non_blocking)
+
+    def _to_pool_by_layers(
+        self,
+        block_ids: Sequence[int],
+        pool: torch.Tensor,
+        slots: Sequence[int],
+        *,
+        non_blocking: bool,
+    ) -> None:
         recs = self._record_ids(slots)
         if pool.device == self.device:
             plan = RowPlan(recs, block_ids)
@@ -413,11 +465,25 @@ class KVLayout:
         block_ids: Sequence[int],
         *,
         non_blocking: bool = False,
+        stream: Any = None,
     ) -> None:
-        """Load: pool rows `slots` -> engine blocks."""
+        """Load: pool rows `slots` -> engine blocks. `stream`: as `copy_to_pool`'s."""
         self._check_ids(block_ids, len(slots))
-        if self._one_launch(block_ids, pool, slots, store=False, non_blocking=non_blocking):
+        if self._one_launch(
+            block_ids, pool, slots, store=False, non_blocking=non_blocking, stream=stream, pool=True
+        ):
             return
+        with on_stream(stream):
+            self._from_pool_by_layers(pool, slots, block_ids, non_blocking=non_blocking)
+
+    def _from_pool_by_layers(
+        self,
+        pool: torch.Tensor,
+        slots: Sequence[int],
+        block_ids: Sequence[int],
+        *,
+        non_blocking: bool,
+    ) -> None:
         if pool.device == self.device:
             recs = self._record_ids(slots)
             plan = RowPlan(block_ids, recs)

@@ -58,6 +58,7 @@ class OffloadingWorker:
 
     def __init__(self) -> None:
         self._handlers: dict[TransferType, TransferHandler] = {}
+        self._distinct: list[TransferHandler] = []  # each handler once, in registration order
         self._jobs: dict[int, tuple[Job, TransferHandler]] = {}
         self._tracker = DependencyTracker()
         self._stats = TransferStats()
@@ -76,6 +77,7 @@ class OffloadingWorker:
                 f"a handler for {src_medium!r} -> {dst_medium!r} is already registered"
             )
         self._handlers[pair] = handler
+        self._distinct = list({id(h): h for h in self._handlers.values()}.values())
 
     def transfer_async(self, job_id: int, spec: TransferSpec, *, expedited: bool = False) -> bool:
         """Start a transfer without blocking; False if no handler serves its mediums.
@@ -182,7 +184,4 @@ class OffloadingWorker:
         self.close()
 
     def _distinct_handlers(self) -> list[TransferHandler]:
-        seen: dict[int, TransferHandler] = {}
-        for h in self._handlers.values():
-            seen.setdefault(id(h), h)
-        return list(seen.values())
+        return self._distinct
