@@ -263,6 +263,17 @@ def test_resolve_rank_config_same_keys_on_every_rank_own_store_namespace() -> No
     assert one.config == resolve_config(_TP_USER, block_size=32, namespace="n")
 
 
+def test_a_user_set_nvme_instance_is_refused_naming_what_sets_it() -> None:
+    """The engine's rank decides each NVMe instance: per data-parallel rank, and with head
+    shards (`shared`) per (data-parallel, tensor-parallel) rank; the refusal says which."""
+    user = {"tiers": [{"kind": "nvme", "path": "/srv/tc/nvme", "blocks": 8, "instance": 1}]}
+    args = {"block_size": 16, "key_namespace": "k", "store_namespace": "k"}
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.instance: the data-parallel rank"):
+        resolve_rank_config(user, **args, tp_rank=0, tp_size=1, dp_rank=0, dp_size=2)
+    with pytest.raises(ConfigError, match=r"instance: the \(data-parallel, tensor-parallel\)"):
+        resolve_rank_config(user, **args, tp_rank=1, tp_size=2, shared=True)
+
+
 def test_prepare_rank_dirs_creates_the_users_directory(tmp_path: Path) -> None:
     user = {"tiers": [{"kind": "lmdb", "path": str(tmp_path / "db"), "blocks": 8}]}
     rank = resolve_rank_config(

@@ -353,6 +353,9 @@ def test_whole_counts_whole_blocks_only() -> None:
     assert hs.whole(15, per_block=8) == 8  # every rank's shards (all_keys): 8 per block
     assert hs.whole(16, per_block=8) == 16
     assert HeadShards(1).whole(5) == 5
+    for bad in (0, -8, True, 2.0):  # never a silent fallback to `local`
+        with pytest.raises(ValueError, match="per_block: expected an int >= 1"):
+            hs.whole(8, per_block=bad)
 
 
 # -- shard keys: the format -------------------------------------------------------------------
@@ -389,6 +392,14 @@ def test_shard_keys_are_block_major_and_distinct() -> None:
 def test_shard_keys_refuse_bad_indices(bad) -> None:
     with pytest.raises(ValueError, match="shards: expected ints in"):
         shard_keys([KEY], [0, bad])
+
+
+@pytest.mark.parametrize("bad", ["a" * 16, bytearray(16), 7])
+def test_shard_keys_refuse_keys_that_are_not_bytes(bad) -> None:
+    with pytest.raises(
+        TypeError, match=f"keys: expected bytes block keys, got {type(bad).__name__}"
+    ):
+        shard_keys([KEY, bad], [0])
 
 
 def test_shard_keys_are_equal_across_processes() -> None:

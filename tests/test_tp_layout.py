@@ -176,6 +176,30 @@ def test_shard_events_forget_the_oldest_blocks_past_their_bound() -> None:
     ev.expect([c])  # a's two shard keys out
     assert ev.apply(HeadShards(2).keys([a]), "CPU", False) == []
     assert ev.apply(HeadShards(2).keys([c]), "CPU", False) == [c]
+    assert ev.take_forgotten() == {}  # a was whole nowhere
+
+
+def test_a_block_past_the_bound_is_forgotten_whole_and_announced_removed() -> None:
+    """A bound that cuts through a block's shard keys forgets the whole block; one announced
+    whole is announced removed, since its later removal could not be seen any more."""
+    from tiercache.connectors.shard_events import ShardEvents
+
+    shards = HeadShards(4)
+    ev = ShardEvents(shards, cap=6)
+    a, b = bytes([1]) * 16, bytes([2]) * 16
+    ka, kb = shards.keys([a]), shards.keys([b])
+    ev.expect([a])
+    assert ev.apply(ka, "CPU", False) == [a]
+    assert ev.apply(ka[:2], "LMDB", False) == []  # half of a in LMDB: never announced there
+    ev.expect([b])  # 8 keys past a bound of 6: a's first two out, so all of a goes
+    assert ev.take_forgotten() == {"CPU": [a]}
+    assert ev.take_forgotten() == {}  # once
+    # a's shards are unmapped now, all of them: events wait for a's next lookup and replay.
+    assert ev.apply(ka[3:], "CPU", True) == []
+    assert ev.apply(kb, "CPU", False) == [b]
+    assert ev.expect([a]) == {}  # what a held was forgotten with it
+    assert ev.take_forgotten() == {"CPU": [b]}  # mapping a again pushed b out the same way
+    assert ev.apply(ka, "LMDB", False) == [a]  # a's keys map to a again, all of them
 
 
 def test_a_tiers_blocks_keep_counting_engine_blocks() -> None:

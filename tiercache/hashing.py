@@ -201,6 +201,9 @@ def shard_keys(keys: Sequence[bytes], shards: Sequence[int] | range) -> list[byt
         if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < 1 << 16:
             raise ValueError(f"shards: expected ints in [0, 65536), got {j!r}")
         heads.append(_SHARD_PREFIX + j.to_bytes(2, "little"))
+    for k in keys:
+        if not isinstance(k, bytes):
+            raise TypeError(f"keys: expected bytes block keys, got {type(k).__name__}")
     digest = xxh3_128_digest
     return [digest(h + k) for k in keys for h in heads]
 

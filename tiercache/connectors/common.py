@@ -328,13 +328,20 @@ def per_rank_config(user: Mapping[str, Any], *, tp_rank: int, tp_size: int) -> d
     return m
 
 
-def per_dp_rank_config(user: Mapping[str, Any], *, dp_rank: int, dp_size: int) -> dict[str, Any]:
+def per_dp_rank_config(
+    user: Mapping[str, Any],
+    *,
+    dp_rank: int,
+    dp_size: int,
+    setter: str = "the data-parallel rank",
+) -> dict[str, Any]:
     """The user's config mapping for data-parallel rank `dp_rank` of `dp_size` engines on one
     host: every NVMe tier gets ``instance = dp_rank`` (see tiers/nvme/layout.py: rank 0 opens the
     path itself, rank r > 0 ``path/instance{r}``); everything else is unchanged: the ranks
     share the namespace, the LMDB and Redis stores (and their capacity) and differ only in
     their private tiers. With `dp_size` 1 the mapping is returned unchanged. ConfigError when
-    the user set an NVMe tier's `instance` or `instance_env` (the rank decides it)."""
+    the user set an NVMe tier's `instance` or `instance_env` (the rank decides it; `setter`
+    names what sets it in that message)."""
     _check_rank("dp", dp_rank, dp_size)
     m = dict(user)
     tiers = m.get("tiers")
@@ -347,7 +354,7 @@ def per_dp_rank_config(user: Mapping[str, Any], *, dp_rank: int, dp_size: int) -
                 if opt in t:
                     raise ConfigError(
                         f"tiers[{i}].{opt}",
-                        f"the data-parallel rank sets the instance ({dp_size} ranks); leave it out",
+                        f"{setter} sets the instance ({dp_size} ranks); leave it out",
                     )
             t = {**t, "instance": dp_rank}
         out.append(t)
@@ -433,7 +440,8 @@ def resolve_rank_config(
     instance, instances = (
         (dp_rank * tp_size + tp_rank, dp_size * tp_size) if shared else (dp_rank, dp_size)
     )
-    mapping = per_dp_rank_config(mapping, dp_rank=instance, dp_size=instances)
+    setter = "the (data-parallel, tensor-parallel) rank" if shared else "the data-parallel rank"
+    mapping = per_dp_rank_config(mapping, dp_rank=instance, dp_size=instances, setter=setter)
     config = resolve_config(mapping, block_size=block_size, namespace=store_namespace)
     keys = _user_prefixed(user, key_namespace)
     return RankConfig(config, keys, tp_rank, tp_size, dp_rank, dp_size, shared)

@@ -6,7 +6,11 @@ stored in a medium once every one of its shards is (from any rank), and removed 
 one of them leaves. A shard key maps back to its block only once the scheduler computed the
 block's keys (`expect`: a lookup or a store of a request's blocks); events of shards not
 mapped yet (e.g. what persistent tiers recovered at start-up) are kept and replayed then.
-Both maps are bounded, oldest first out.
+Both maps are bounded, oldest first out. Past the bound a block is forgotten whole (every
+shard key of it, and where it is held); one announced whole in a medium is then announced
+removed from it (`take_forgotten`), since its later removal could no longer be seen: a
+router then misses a hit it could have had, rather than sending a request where the block
+has gone.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class ShardEvents:
         self._block: OrderedDict[bytes, bytes] = OrderedDict()  # shard key -> block key
         self._held: dict[bytes, dict[str, set[bytes]]] = {}  # block -> medium -> shard keys
         self._unmapped: OrderedDict[bytes, set[str]] = OrderedDict()  # shard -> mediums
+        self._forgotten: dict[str, list[bytes]] = {}  # medium -> blocks to announce removed
 
     def expect(
         self, block_keys: Sequence[bytes], shard_keys: Sequence[bytes] | None = None
@@ -49,8 +54,21 @@ class ShardEvents:
                         out.setdefault(medium, []).append(b)
         while len(self._block) > self._cap:
             _, b = self._block.popitem(last=False)
-            self._held.pop(b, None)
+            self._forget(b)
         return out
+
+    def take_forgotten(self) -> dict[str, list[bytes]]:
+        """Blocks forgotten past the bound while whole in a medium, per medium, each once:
+        to announce as removed."""
+        out, self._forgotten = self._forgotten, {}
+        return out
+
+    def _forget(self, block: bytes) -> None:
+        for k in self._shards.all_keys([block]):
+            self._block.pop(k, None)
+        for medium, have in self._held.pop(block, {}).items():
+            if len(have) == self._shards.shards:
+                self._forgotten.setdefault(medium, []).append(block)
 
     def apply(self, keys: Sequence[bytes], medium: str, removed: bool) -> list[bytes]:
         """Shard event (`keys` stored in or `removed` from `medium`) -> the block keys now

@@ -103,9 +103,12 @@ class HeadShards:
         return {u // s for u in unit_ids}
 
     def whole(self, n: int, per_block: int | None = None) -> int:
-        """`n` shard keys rounded down to whole blocks of `per_block` (default `local`)
-        keys: a block is there only with every one of its shards."""
-        s = per_block or self.local
+        """`n` shard keys rounded down to whole blocks of `per_block` keys (default `local`,
+        this rank's; the scheduler, which looks up every rank's, gives `shards`): a block is
+        there only with every one of its shards."""
+        s = self.local if per_block is None else per_block
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(f"per_block: expected an int >= 1, got {per_block!r}")
         return n - n % s
 
     def unit_views(

@@ -283,6 +283,8 @@ class KVScheduler(RoleBase):
         if self._shard_events is not None:
             for medium, blocks in self._shard_events.expect(keys, skeys).items():
                 self._events.append((tuple(blocks), medium, False))
+            for medium, blocks in self._shard_events.take_forgotten().items():
+                self._events.append((tuple(blocks), medium, True))
 
     def _affordable(self, keys: list[bytes], n: int) -> int:
         """Cost-aware loading: how many of the `n` leading hit `keys` to load (the rest is
@@ -291,7 +293,8 @@ class KVScheduler(RoleBase):
         block the index does not place (found by a probe of a shared tier) counts as the last
         tier's."""
         per = self._per
-        n -= n % per
+        if self._shards is not None:
+            n = self._shards.whole(n, per)
         if n == 0:
             return 0
         names = [t.name for t in self._config.tiers]
@@ -355,7 +358,7 @@ class KVScheduler(RoleBase):
             with self._shared.lock:
                 held = functools.partial(manager.where, leaving=True)
                 m = sum(1 for _ in itertools.takewhile(held, look))
-                m -= m % self._per
+                m = self._shards.whole(m) if self._shards is not None else m
                 spec = manager.prepare_load(look[:m], leaving=True) if m else None
         remote = self._shared is None
         self._loads.append(
