@@ -166,3 +166,38 @@ def test_a_block_missing_one_shard_is_a_miss_for_the_whole_block(tmp_path: Path)
     got = _whole(kv, 1)
     assert torch.equal(got[:, 7], ref[:, 1]) and torch.equal(got[:, 0], ref[:, 2])
     assert not got[:, [6, 2, 3]].any()
+
+
+def test_the_scheduler_counts_a_shard_where_its_owner_holds_it() -> None:
+    """Remote placement: a shard is a hit where the rank that owns it holds it. A TP=1 store
+    reopened by TP=2 ranks sits in rank 0's private NVMe whole, rank 1's shards too; only
+    rank 0 can read that tier, so rank 1's shards there are no hits (offered, each lookup
+    would plan a load that fails until they age out)."""
+    from tiercache.connectors.vllm_kv.remote_index import RemoteIndex
+
+    shards = HeadShards(SHARDS, 2, 0)  # the scheduler's view: 2 shards per rank
+    a, b = prefix_hashes(list(range(2 * BS)), BS, namespace="heads-roles")
+    look = shards.all_keys([a, b])  # a's shards 0..3, then b's
+
+    def index() -> RemoteIndex:
+        return RemoteIndex(2, lambda *args, **kw: None, None, None, shards)
+
+    def blocks(idx: RemoteIndex) -> int:  # as the scheduler counts: whole blocks only
+        return idx.lookup(look) // SHARDS
+
+    idx = index()
+    idx.apply(0, tuple(look), "NVMe", False)  # rank 0 recovered every shard of a and b
+    assert blocks(idx) == 0
+    idx.apply(1, tuple(look[2:4]), "CPU", False)  # rank 1 holds its own shards of a
+    assert blocks(idx) == 1  # a whole, b not
+    idx.apply(1, tuple(look[2:4]), "CPU", True)
+    assert blocks(idx) == 0
+    # Rank 0's shards count only as rank 0's: held by rank 1 alone they are no hits.
+    other = index()
+    other.apply(1, tuple(look), "CPU", False)
+    assert other.lookup(look) == 0  # not even rank 0's first shard
+    # Each rank holding its own: both blocks; the owner's tier suspended: none.
+    idx.apply(1, tuple(look[2:4] + look[6:8]), "CPU", False)
+    assert blocks(idx) == 2
+    idx.suspend({"CPU": 60.0})
+    assert blocks(idx) == 0

@@ -92,6 +92,10 @@ class HeadShards:
         """Every rank's shard keys of `block_keys`, block-major (`shards` per block)."""
         return shard_keys(block_keys, range(self.shards))
 
+    def owner(self, position: int) -> int:
+        """The TP rank that owns the shard at `position` of an `all_keys` list."""
+        return (position % self.shards) // self.local
+
     def units(self, block_ids: Iterable[int]) -> list[int]:
         """The shard units of engine blocks `block_ids`, in the order of `keys`."""
         s = self.local

@@ -7,6 +7,7 @@ ends, read-only probes of each rank's shared tiers (LMDB opened read-only, Redis
 pipelined header read), run on a thread of their own so a slow store never stalls a step.
 It also keeps the mediums the workers' circuit breakers suspended (their blocks are no hits
 until the suspension ends) and the keys a worker found damaged (never offered again).
+With head shards, a shard key counts where the rank that owns the shard holds it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -24,6 +25,7 @@ from tiercache.config import DeadlineConfig
 from tiercache.connectors.common import probe_chain
 from tiercache.connectors.vllm_kv.settings import BAD_KEYS_MAX, PROBE_WAIT_S
 from tiercache.tiers.base import StoreProbe
+from tiercache.transfer.head_shards import HeadShards
 
 
 class RemoteIndex:
@@ -36,8 +38,15 @@ class RemoteIndex:
         count: Callable[..., None],
         probes: list[list[tuple[str, StoreProbe]]] | None = None,
         deadlines: DeadlineConfig | None = None,
+        shards: HeadShards | None = None,
     ) -> None:
         self._tp_size = tp_size
+        # Head shards: keys are shards, each loaded by the rank that owns it (`HeadShards`,
+        # of this TP size): a shard counts where its owner holds it. Another rank's private
+        # tier may hold it too (a store written at another TP size, recovered at start-up),
+        # but only that rank can read it: offered, it would be a load that fails, on every
+        # lookup, until it ages out.
+        self._shards = shards
         self._deadlines = deadlines or DeadlineConfig()
         self._count = count  # the scheduler's counters
         self._probes: list[list[tuple[str, StoreProbe]]] = list(probes or [])
@@ -111,15 +120,22 @@ class RemoteIndex:
         error (which `kv_load_failure_policy = "fail"` would turn into a failed request)."""
         suspended = self._suspended_mediums()
         off = suspended | self._shared_mediums  # the index is not enough for these
-        held = self.held_by_all if not off else functools.partial(self.held_by_all, off=off)
-        n = sum(1 for _ in itertools.takewhile(held, keys))
+        if self._shards is not None:  # `keys` are every rank's shards, block-major
+            n = sum(1 for _ in itertools.takewhile(bool, self._owners_hold(keys, 0, off)))
+        else:
+            held = self.held_by_all if not off else functools.partial(self.held_by_all, off=off)
+            n = sum(1 for _ in itertools.takewhile(held, keys))
         if n == len(keys) or self._probe_pool is None:
             return n
         # Per rank, which keys from n on the index vouches for (a private tier holds them):
         # taken here, so the probe thread never reads the index while this thread changes it.
-        private = [
-            tuple(self._rank_holds(k, r, off) for k in keys[n:]) for r in range(len(self._probes))
-        ]
+        if self._shards is not None:  # the ranks share their shared tiers: one set of probes
+            private = [tuple(self._owners_hold(keys[n:], n, off))]
+        else:
+            private = [
+                tuple(self._rank_holds(k, r, off) for k in keys[n:])
+                for r in range(len(self._probes))
+            ]
         ask = (keys[n], len(keys), tuple(private), suspended)
         pending = self._probing.get(req_id)
         if pending is None or pending[0] != ask:
@@ -170,6 +186,14 @@ class RemoteIndex:
         now = time.monotonic()
         self._off = {m: off for m, off in self._off.items() if not off.ready(now)}
         return frozenset(self._off)
+
+    def _owners_hold(self, keys: list[bytes], start: int, off: frozenset[str]) -> Iterator[bool]:
+        """Head shards: for each of `keys` (shard keys of whole blocks, block-major, the
+        first at position `start`), whether the rank owning that shard holds it in a tier
+        not in `off`."""
+        owner = self._shards.owner  # type: ignore[union-attr]
+        for i, k in enumerate(keys, start):
+            yield self._rank_holds(k, owner(i), off)
 
     def _rank_holds(self, key: bytes, rank: int, off: frozenset[str]) -> bool:
         """The index says `rank` holds `key` in a tier not in `off`."""

@@ -98,8 +98,6 @@ class KVScheduler(RoleBase):
         self._block_size, self._block_bytes = settings.block_size, settings.block_bytes
         self._tp_size = settings.tp_size
         self._shards = settings.shards
-        # Head shards: one key per shard and rank, so the index keeps them as one rank's.
-        index_ranks = settings.tp_size if self._shards is None else 1
         self._per = self._shards.shards if self._shards is not None else 1  # keys per block
         self._shard_events = ShardEvents(self._shards) if self._shards is not None else None
         self._engine_block_bytes = settings.engine_block_bytes or settings.block_bytes
@@ -107,7 +105,9 @@ class KVScheduler(RoleBase):
         self._key_namespace = settings.keys_namespace
         self._loads_on, self._stores_on = settings.loads_on, settings.stores_on
         self.local = shared is not None
-        self.remote = RemoteIndex(index_ranks, self._count, probes, settings.config.deadlines)
+        self.remote = RemoteIndex(
+            settings.tp_size, self._count, probes, settings.config.deadlines, self._shards
+        )
         self.local_lookup = (
             LocalLookup(shared, settings.block_bytes, self._count, self._affordable)
             if shared is not None
@@ -306,8 +306,10 @@ class KVScheduler(RoleBase):
         else:
             order = {m: i for i, m in enumerate(names)}
             at = []
-            for k in keys[:n]:
+            for i, k in enumerate(keys[:n]):
                 ranks = self.remote.ranks(k)
+                if self._shards is not None:  # a shard loads from its owner's tiers
+                    ranks = {0: ranks.get(self._shards.owner(i), set())}
                 fastest = [min(order.get(m, last) for m in ms) for ms in ranks.values() if ms]
                 at.append(max(fastest, default=last))
         tiers = [names[max(at[i : i + per])] for i in range(0, n, per)]
@@ -534,10 +536,10 @@ class KVScheduler(RoleBase):
     def _index_event(self, rank: int, keys: tuple[bytes, ...], medium: str, removed: bool) -> None:
         """Remote placement: `rank` now holds (or no longer holds) `keys` in `medium`; with
         TP > 1, vLLM hears of the keys every rank now holds there, or no longer all do (head
-        shards: the keys are shards, disjoint between ranks, indexed as one rank's; vLLM
-        hears of whole blocks through `ShardEvents`)."""
+        shards: the keys are shards, each counted where its owner holds it (`RemoteIndex`);
+        vLLM hears of whole blocks through `ShardEvents`)."""
         if self._shards is not None:
-            self.remote.apply(0, keys, medium, removed)
+            self.remote.apply(rank, keys, medium, removed)
             return
         changed = self.remote.apply(rank, keys, medium, removed)
         if self._tp_size > 1 and changed:
