@@ -119,6 +119,12 @@ def resize_slab(
 # aiofiles O_DIRECT reads (no checksum, no copy) at 0.59-0.80x raw here, and shared/limits
 # measured it at 3.7 vs 15.1 GB/s for a pool of os.pread (2 MiB, 4 in flight, page cache;
 # 1.6 vs 1.85 GB/s cold).
+# One item is a run of adjacent slots (`slot_runs`, at most the tier's RUN_BYTES): one syscall
+# into or out of one buffer, each slot in it filled or checked alone. Head shards (issue 32)
+# turned one 2 MiB block into 8 slots of 260 KiB, usually adjacent; bench_tp_layout
+# (`--models large,ttft,tiny --tiers nvme`, 5 A/B pairs) measured runs against one syscall per
+# slot: tiny (16 KiB shards) store/load 1.74/2.04x -> 1.23/1.38x of whole blocks, ttft (96 KiB)
+# 1.10/1.12x -> 1.05/1.04x; 2 MiB blocks are one slot per run and unchanged (bench_nvme).
 class SlotPipeline:
     """A pool of `io_threads` threads for slot syscalls, with aligned buffers of `run_slots`
     slots each kept between calls (one item of `run` is one slot or one run of slots)."""

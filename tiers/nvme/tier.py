@@ -87,7 +87,8 @@ BATCH_SYNC_SECONDS = 1.0  # ... and at most this long after the first unsynced w
 COMPACT_SLACK = 1024  # journal records allowed beyond 2 * capacity before a rewrite
 # Adjacent slots of one read or write go to the disk as one syscall of up to this many bytes
 # (at least one slot): head shards (issue 32) store a block as S/n small blocks, usually in
-# adjacent slots, which one syscall each read at 0.74x the speed of whole blocks.
+# adjacent slots; one syscall per slot made 16 KiB shards load 2.0x slower than whole blocks
+# (1.4x with runs: bench_tp_layout, see io.SlotPipeline).
 RUN_BYTES = 2 << 20
 
 
