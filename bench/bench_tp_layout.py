@@ -32,9 +32,11 @@ ratios and every run's ratio.
 
 Models (`--models`): `large`: 16 layers, 8 KV heads of 128, block 32 tokens, bf16 (a 2 MiB
 block at TP=1, a 256 KiB shard at S=8); `tiny`: the vLLM tests' model shape, 2 layers,
-head 32, block 32, fp32, with `--tiny-heads` KV heads (default 4; the test model has 2).
+head 32, block 32, fp32, with `--tiny-heads` KV heads (default 4; the test model has 2);
+`ttft`: `bench_vllm_ttft.py`'s model, 6 layers, 4 KV heads of 64, block 32, fp32 (a 384 KiB
+block at TP=1, a 96 KiB shard at S=4).
 
-Run: .venv/bin/python bench/bench_tp_layout.py [--models large,tiny] [--tiers cpu,nvme,lmdb]
+Run: .venv/bin/python bench/bench_tp_layout.py [--models large,tiny,ttft] [--tiers cpu,nvme,lmdb]
          [--blocks 8] [--jobs 4] [--runs 7] [--dir DIR]
 """
 
@@ -241,7 +243,7 @@ def report(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--models", default="large,tiny", help="comma-separated: large, tiny")
+    p.add_argument("--models", default="large,tiny", help="comma-separated: large, tiny, ttft")
     p.add_argument("--tiers", default="cpu,nvme,lmdb", help="comma-separated: cpu, nvme, lmdb")
     p.add_argument("--blocks", type=int, default=8, help="blocks per job")
     p.add_argument("--jobs", type=int, default=4, help="jobs per run (each waited for alone)")
@@ -252,6 +254,7 @@ def main() -> None:
     models = {
         "large": Model("large", 16, 8, 128, 32, torch.bfloat16),
         "tiny": Model("tiny", 2, args.tiny_heads, 32, 32, torch.float32),
+        "ttft": Model("ttft", 6, 4, 64, 32, torch.float32),
     }
     # As bench_transfer: copies on one thread (the lanes and the engine thread run alike).
     torch.set_num_threads(1)

@@ -44,6 +44,7 @@ with each round's value. Outputs (one greedy token per request) are compared wit
 
 Run: .venv-vllm/bin/python bench/bench_vllm_ttft.py [--rounds 3] [--prompts 8] [--len 2048]
      [--load-timeout 1.0] [--quick] [--overhead] [--compare PATH] [--json PATH] [--tp-layout rank]
+     [--no-startup]
 """
 
 from __future__ import annotations
@@ -348,6 +349,11 @@ def main() -> int:
     ap.add_argument(
         "--overhead", action="store_true", help="only processes 1 and 2 (recompute, misses, floor)"
     )
+    ap.add_argument(
+        "--no-startup",
+        action="store_true",
+        help="skip the start-up timing (its large tiers reserve 16 GiB of disk for a moment)",
+    )
     args = ap.parse_args()
     if args.tp_layout:
         TP_LAYOUT.append(args.tp_layout)
@@ -363,7 +369,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tc-bench-ttft-", dir=args.dir) as tmp:
         model = eng.write_tiny_llama(Path(tmp) / "model", **MODEL)
         rate = raw_read_rate(Path(tmp), nvme, blocks=4 * (args.len // BLOCK))
-        opens = startup(Path(tmp))
+        opens = None if args.no_startup else startup(Path(tmp))
         with bredis.redis_server() as redis:
             for rnd in range(args.rounds):
                 work = Path(tmp) / f"round{rnd}"
@@ -377,14 +383,15 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"rate": [rate, rate_after], "rounds": rounds}))
     report(rounds, args, rate, rate_after, time.perf_counter() - t_start)
-    print(
-        "\nstart-up (issue 16, item 5): TierCache.open in a fresh process, CPU + NVMe + LMDB; "
-        + "; ".join(
-            f"{size} ({'2 + 8 + 8 GiB' if size == 'large' else '3 x 512 MiB'}): first "
-            f"{opens[size + '_first'][0]:.3f} s, reopen {opens[size + '_reopen'][0]:.3f} s"
-            for size in ("small", "large")
+    if opens is not None:
+        print(
+            "\nstart-up (issue 16, item 5): TierCache.open in a fresh process, CPU + NVMe + LMDB; "
+            + "; ".join(
+                f"{size} ({'2 + 8 + 8 GiB' if size == 'large' else '3 x 512 MiB'}): first "
+                f"{opens[size + '_first'][0]:.3f} s, reopen {opens[size + '_reopen'][0]:.3f} s"
+                for size in ("small", "large")
+            )
         )
-    )
     inits = {
         k[: -len("_init")]: statistics.median(r[k][0] for r in rounds)
         for k in rounds[0]

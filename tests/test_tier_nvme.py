@@ -737,13 +737,13 @@ def test_eio_on_read_is_a_failed_position(tmp_path, monkeypatch) -> None:
     t.write(slots, data, keys)
     real = os.preadv
 
-    def eio(fd, bufs, off):
-        if off == slots[1] * t.slot_bytes:
+    def eio(fd, bufs, off):  # a media error in slot 1: every read that covers it fails
+        if off <= slots[1] * t.slot_bytes < off + sum(len(b) for b in bufs):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(fd, bufs, off)
 
     monkeypatch.setattr(os, "preadv", eio)
-    try:
+    try:  # the three slots are adjacent: their run fails, then each is read alone
         out, bad = read_back(t, list(zip(keys, slots, strict=True)))
         assert bad == [1] and torch.equal(out[[0, 2]], data[[0, 2]])
         with pytest.raises(OSError):  # nothing could be read at all
@@ -798,7 +798,8 @@ def test_always_orders_data_sync_before_index(tmp_path, monkeypatch) -> None:
     t.write(slots, rand_blocks(3, BB), keys)
     monkeypatch.undo()
     t.close()
-    assert log == ["pwrite:slab"] * 3 + ["fdatasync:slab", "pwrite:index", "fdatasync:index"]
+    # the three slots are adjacent: one pwrite of their run, synced before any record
+    assert log == ["pwrite:slab", "fdatasync:slab", "pwrite:index", "fdatasync:index"]
 
 
 def test_batch_syncs_by_count_and_by_timer(tmp_path, monkeypatch) -> None:

@@ -9,7 +9,8 @@ Layout under `path` (a private directory, 0700; every file 0600):
   at `i * slot_bytes` and holds a `tiers.format` record: the 64-byte header (key, namespace id,
   length, write sequence, xxh3 checksum over header and payload), the raw payload, zero
   padding. `slot_bytes` = HEADER_SIZE + block_bytes rounded up to 4096, so every slot offset
-  and length is O_DIRECT aligned.
+  and length is O_DIRECT aligned. A read or write moves each run of adjacent slots it
+  names with one syscall (up to `RUN_BYTES`), then checks every slot alone.
 - `index`: the journal. Fixed 40-byte records `(magic, version, op, slot, seq, key, xxh3)` with
   op PUT (key now lives in slot), FREE (slot emptied) or BASE (the sequence counter so far).
   On open every record is checked alone (a flipped byte loses one record, a torn tail loses
@@ -69,7 +70,8 @@ The package, one concern per module (each imports only modules listed before it)
 - `image`: the index image, `encode_image` / `decode_image`.
 - `options`: option and argument checks (fsync, io_threads, instances, keys).
 - `layout`: file names, instance directories and their lock, private directories, `meta.json`.
-- `io`: `_write_all`, aligned buffers, the O_DIRECT probe, the slab's size, `SlotPipeline`.
+- `io`: `_write_all`, aligned buffers, the O_DIRECT probe, the slab's size, `slot_runs`,
+  `SlotPipeline`.
 - `recovery`: the open's recovery as pure functions returning a `Recovered` record.
 - `reader`: `NVMeStoreReader`, offline access for the CLI.
 - `tier`: `NVMeTier`, and the tunables it reads (BATCH_SYNC_BYTES, BATCH_SYNC_SECONDS,

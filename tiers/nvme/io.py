@@ -1,6 +1,7 @@
 """The NVMe tier's I/O primitives: a complete `pwrite`, page-aligned slot buffers, the
-O_DIRECT probe, the slab's size, and `SlotPipeline` (syscalls on a pool, buffers filled and
-checked on the caller's thread)."""
+O_DIRECT probe, the slab's size, `slot_runs` (a call's slots as runs of adjacent slots, one
+syscall each) and `SlotPipeline` (syscalls on a pool, buffers filled and checked on the
+caller's thread)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,8 +30,45 @@ def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+@dataclass(frozen=True, slots=True)
+class SlotRun:
+    """`count` adjacent slots from `first`, read or written with one syscall. `members`:
+    (k, i) for each position i of the caller's list that names slot `first + k` (a read may
+    name a slot twice: read once, decoded for both)."""
+
+    first: int
+    count: int
+    members: tuple[tuple[int, int], ...]
+
+
+def slot_runs(slots: Sequence[int], max_slots: int) -> list[SlotRun]:
+    """`slots` as runs of consecutive slot numbers, at most `max_slots` each, by slot.
+    Slots need not come in order: the blocks of one call may have been given slots in any
+    order, and the run a slot lands in does not change what is read or written there."""
+    if max_slots < 1:
+        raise ValueError(f"max_slots: expected an int >= 1, got {max_slots!r}")
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    runs: list[SlotRun] = []
+    first = count = -1
+    members: list[tuple[int, int]] = []
+    for i in order:
+        s = slots[i]
+        if members and s == first + count - 1:  # the same slot again (reads only)
+            members.append((count - 1, i))
+            continue
+        if not members or s != first + count or count == max_slots:
+            if members:
+                runs.append(SlotRun(first, count, tuple(members)))
+            first, count, members = s, 0, []
+        members.append((count, i))
+        count += 1
+    if members:
+        runs.append(SlotRun(first, count, tuple(members)))
+    return runs
+
+
 class _Buffer:
-    """A page-aligned slot-sized buffer (anonymous mmap) with memoryview and numpy views."""
+    """A page-aligned buffer (anonymous mmap) with memoryview and numpy views."""
 
     __slots__ = ("arr", "mm", "view")
 
@@ -79,14 +119,23 @@ def resize_slab(
 # aiofiles O_DIRECT reads (no checksum, no copy) at 0.59-0.80x raw here, and shared/limits
 # measured it at 3.7 vs 15.1 GB/s for a pool of os.pread (2 MiB, 4 in flight, page cache;
 # 1.6 vs 1.85 GB/s cold).
+# One item is a run of adjacent slots (`slot_runs`, at most the tier's RUN_BYTES): one syscall
+# into or out of one buffer, each slot in it filled or checked alone. Head shards (issue 32)
+# turned one 2 MiB block into 8 slots of 260 KiB, usually adjacent; bench_tp_layout
+# (`--models large,ttft,tiny --tiers nvme`, 5 A/B pairs) measured runs against one syscall per
+# slot: tiny (16 KiB shards) store/load 1.74/2.04x -> 1.23/1.38x of whole blocks, ttft (96 KiB)
+# 1.10/1.12x -> 1.05/1.04x; 2 MiB blocks are one slot per run and unchanged (bench_nvme).
 class SlotPipeline:
-    """A pool of `io_threads` threads for slot syscalls, with aligned slot buffers kept
-    between calls."""
+    """A pool of `io_threads` threads for slot syscalls, with aligned buffers of `run_slots`
+    slots each kept between calls (one item of `run` is one slot or one run of slots)."""
 
-    def __init__(self, io_threads: int, slot_bytes: int, name: str) -> None:
+    def __init__(self, io_threads: int, slot_bytes: int, name: str, run_slots: int = 1) -> None:
+        if run_slots < 1:
+            raise ValueError(f"run_slots: expected an int >= 1, got {run_slots!r}")
         self._io_threads = io_threads
         self._slot_bytes = slot_bytes
-        self._spare: list[_Buffer] = []  # aligned slot buffers kept between calls
+        self.run_slots = run_slots
+        self._spare: list[_Buffer] = []  # aligned run buffers kept between calls
         self._spare_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             io_threads, thread_name_prefix=name
@@ -100,7 +149,7 @@ class SlotPipeline:
         depth = min(n, 2 * self._io_threads)
         with self._spare_lock:
             bufs = [
-                self._spare.pop() if self._spare else _Buffer(self._slot_bytes)
+                self._spare.pop() if self._spare else _Buffer(self.run_slots * self._slot_bytes)
                 for _ in range(depth)
             ]
         out: list[Any] = [None] * n
