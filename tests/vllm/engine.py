@@ -14,7 +14,8 @@
   saves of the batch are done (see `_reset_prefix_cache`).
 - `run_in_subprocess(spec, python=sys.executable) -> dict`: the same in a fresh interpreter
   (what the tests use: every engine starts from a clean process, as a restart would);
-  `start_in_subprocess(spec) -> RunningEngine` starts one without waiting (`.result()`).
+  `start_in_subprocess(spec) -> RunningEngine` starts one without waiting (`.result()`);
+  `run_together(specs) -> list[dict]` runs independent engines at once.
 
 Run as a script: ``python tests/vllm/engine.py SPEC.json OUT.json``. The spec is JSON::
 
@@ -706,6 +707,22 @@ def run_in_subprocess(
 ) -> dict[str, Any]:
     """`run_spec(spec)` in a fresh interpreter; raises with its stderr tail if it fails."""
     return start_in_subprocess(spec, python).result(timeout)
+
+
+def run_together(
+    specs: list[dict[str, Any]], python: str = sys.executable, timeout: float = 600
+) -> list[dict[str, Any]]:
+    """`run_spec` of every spec at once, each in a fresh interpreter, and their results in
+    order; the first failure raises, and every engine still running is killed. Only for
+    engines whose order does not matter (e.g. a baseline without a connector beside an
+    engine with one, or engines on stores of their own): on two cores an engine's start-up
+    leaves a core idle much of the time, so two together take less than one after the other."""
+    running = [start_in_subprocess(s, python) for s in specs]
+    try:
+        return [r.result(timeout) for r in running]
+    finally:
+        for r in running:
+            r.kill()
 
 
 _RAISED = re.compile(r"\b\w+(Error|Exception): ")  # a traceback's last line, e.g. ConfigError

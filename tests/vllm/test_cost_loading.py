@@ -167,9 +167,12 @@ def test_engine_outputs_equal_with_loading_never_and_auto(
     cross from the worker's process) loads what it finds worth it; greedy outputs are the
     same either way and equal the first, cold batch's."""
     prompts = engine.make_prompts(4, 200, seed=11, shared_prefix=64)
-    never = engine.run_in_subprocess(_engine_spec(tiny_llama, tmp_path / "n", "never", prompts))
-    auto = engine.run_in_subprocess(
-        _engine_spec(tiny_llama, tmp_path / "a", "auto", prompts, multiprocessing=True)
+    # Two stores and namespaces: the engines run at the same time.
+    never, auto = engine.run_together(
+        [
+            _engine_spec(tiny_llama, tmp_path / "n", "never", prompts),
+            _engine_spec(tiny_llama, tmp_path / "a", "auto", prompts, multiprocessing=True),
+        ]
     )
     cold, again = never["batches"]
     assert again["outputs"] == cold["outputs"]

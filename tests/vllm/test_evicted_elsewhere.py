@@ -192,10 +192,6 @@ def test_engines_sharing_a_store_see_blocks_another_evicted_as_plain_misses(
     first = engine.make_prompts(4, 300, seed=61)
     other = engine.make_prompts(4, 300, seed=62)
     warm = engine.make_prompts(1, 40, seed=63)
-    base = engine.run_in_subprocess(
-        {"model": str(tiny_llama), "batches": [{"prompts": first, "max_tokens": 4}]}
-    )
-    want = base["batches"][0]["outputs"]
     lmdb = {"kind": "lmdb", "path": str(tmp_path / "shared"), "blocks": 40}
     kv = engine.tiercache_kv(
         {"namespace": "gone-e2e", "tiers": [{"kind": "cpu", "blocks": 4}, lmdb]}
@@ -204,7 +200,14 @@ def test_engines_sharing_a_store_see_blocks_another_evicted_as_plain_misses(
     def spec(batches: list[dict[str, Any]]) -> dict[str, Any]:
         return {"model": str(tiny_llama), "kv_transfer_config": kv, "batches": batches}
 
-    engine.run_in_subprocess(spec([{"prompts": first, "max_tokens": 4}]))  # A
+    # A, and at the same time an engine without tiercache (the outputs to match).
+    base, _ = engine.run_together(
+        [
+            {"model": str(tiny_llama), "batches": [{"prompts": first, "max_tokens": 4}]},
+            spec([{"prompts": first, "max_tokens": 4}]),
+        ]
+    )
+    want = base["batches"][0]["outputs"]
     ready, evicted = tmp_path / "ready", tmp_path / "evicted"
     b = engine.start_in_subprocess(
         spec(

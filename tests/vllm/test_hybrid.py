@@ -313,11 +313,14 @@ def test_ngram_speculative_decoding_matches_and_hits(
         {"prompts": prompts, "max_tokens": 24, "reset_prefix_cache": True},
         {"prompts": prompts, "max_tokens": 24},
     ]
-    base = engine.run_in_subprocess(
-        _spec(model, None, batches, speculative_config=NGRAM, kv_groups=False)
-    )
     kv = _kv_config(tmp_path_factory.mktemp("tiercache-spec"), policy="recompute")
-    run = engine.run_in_subprocess(_spec(model, kv, batches, speculative_config=NGRAM))
+    # Without and with the connector, at the same time.
+    base, run = engine.run_together(
+        [
+            _spec(model, None, batches, speculative_config=NGRAM, kv_groups=False),
+            _spec(model, kv, batches, speculative_config=NGRAM),
+        ]
+    )
     assert run["kv_cache_groups"] == GROUPS
     for got, want in zip(run["batches"], base["batches"], strict=True):
         assert got["outputs"] == want["outputs"]
@@ -390,13 +393,18 @@ def test_eagle_speculative_decoding_matches_and_hits(
         {"prompts": prompts, "max_tokens": 16, "reset_prefix_cache": True},
         {"prompts": prompts, "max_tokens": 16},
     ]
-    base = engine.run_in_subprocess(_spec(tiny_llama, None, batches, speculative_config=eagle))
+    kv = _kv_config(tmp_path / "store", policy="recompute")
+    (tmp_path / "store").mkdir()
+    # Without and with the connector, at the same time.
+    base, local = engine.run_together(
+        [
+            _spec(tiny_llama, None, batches, speculative_config=eagle),
+            _spec(tiny_llama, kv, batches, speculative_config=eagle),
+        ]
+    )
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
     assert base["kv_cache_groups"] == [["FullAttentionSpec", layers]]
     want = [b["outputs"] for b in base["batches"]]
-    kv = _kv_config(tmp_path / "store", policy="recompute")
-    (tmp_path / "store").mkdir()
-    local = engine.run_in_subprocess(_spec(tiny_llama, kv, batches, speculative_config=eagle))
     assert [b["outputs"] for b in local["batches"]] == want
     full = 6 * BS  # 200 tokens: 6 full blocks, the one holding the last token never loaded
     assert local["batches"][0]["num_cached_tokens"] == [0] * 3

@@ -6,33 +6,35 @@ process, sharing persistent tiers (NVMe + LMDB) in a temporary directory:
 - A (cold): greedy outputs equal the baseline; after vLLM's own prefix cache is reset, the
   prompts come back from tiercache (external hits) and the outputs still match.
 - B (restart): a fresh process with the same config hits the persistent tiers for every
-  prompt (`num_cached_tokens` > 0), outputs equal; B' is the same in multiprocess mode.
+  prompt (`num_cached_tokens` > 0), outputs equal; B' is the same in multiprocess mode (on
+  a copy of A's store, beside B).
+- Keys carry everything that changes KV values (issue 14, item 4), beside B: an engine whose
+  `hf_overrides` change the rope (its KV differs), on a copy of A's store, gets nothing from
+  it, and its outputs equal a run without the connector with the same override; B, without
+  the override, still hits.
 - C (corrupted): bytes flipped inside every stored record of both persistent tiers. C1 in
   multiprocess mode: the worker's loads fail verification, vLLM recomputes (policy
-  "recompute"). C2 in process with vLLM's default policy ("fail") on purpose: the connector
-  verifies persistent blocks before it reports them, so no request fails. Outputs equal the
-  baseline and the errors are counted.
+  "recompute"). C2, beside C1 on a copy of the corrupted store, in process with vLLM's
+  default policy ("fail") on purpose: the connector verifies persistent blocks before it
+  reports them, so no request fails. Outputs equal the baseline and the errors are counted.
 
-- TP=2 (two worker processes), `tp_layout = "rank"`: outputs equal TP=2 without the
-  connector, cold and after a prefix-cache reset (loads on both ranks); each rank writes its
-  own `tp{rank}of2` stores;
-  a fresh process hits both ranks' persistent tiers; corrupting rank 1's store only costs
-  recomputation (rank 1 reports load errors, vLLM recomputes).
+Tensor parallelism (TP=2) is test_tp_layout.py's: head shards across TP sizes, and
+`tp_layout = "rank"` (each rank its own `tp{rank}of2` stores; restart; one rank's store
+corrupted), whose engines run beside that module's TP=2 engines.
 
-The checks are batched per engine process to keep the run short (vLLM takes ~12 s to import).
+The checks are batched per engine process, and engines independent of each other run at
+once, to keep the run short (vLLM takes ~12 s to import).
 """
 
 from __future__ import annotations
 
+import shutil
 import struct
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-
-from tests.ports import free_port
-from tiercache.telemetry import read_stats
 
 pytest.importorskip("vllm")
 
@@ -158,6 +160,9 @@ def run_a(
     return engine.run_in_subprocess(_spec(tiny_llama, kv, batches))
 
 
+ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
+
+
 @pytest.fixture(scope="module")
 def run_b(
     engine: ModuleType,
@@ -165,13 +170,27 @@ def run_b(
     prompts: list[list[int]],
     store_root: Path,
     run_a: dict[str, Any],
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """B: a restart on A's store, in process; then B' the same in multiprocess mode."""
-    kv = _kv_config(store_root, policy="recompute")
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """At the same time (independent engines, each on a store of its own: together they
+    take less than one after the other), fresh processes on A's store or on copies of it
+    taken before any of them ran (an engine's own stores must not serve another):
+    - B, a restart on A's store, in process; B', the same in multiprocess mode (a copy);
+    - the rope override with the connector (a copy), and without a connector."""
     one = [{"prompts": prompts, "max_tokens": 16}]
-    local = engine.run_in_subprocess(_spec(tiny_llama, kv, one))
-    remote = engine.run_in_subprocess(_spec(tiny_llama, kv, one, multiprocessing=True))
-    return local, remote
+    copies = [tmp_path_factory.mktemp(f"tiercache-store-{n}") / "store" for n in ("mp", "rope")]
+    for copy in copies:
+        shutil.copytree(store_root, copy)
+    mp, rope = (_kv_config(copy, policy="recompute") for copy in copies)
+    local, remote, rope, rope_base = engine.run_together(
+        [
+            _spec(tiny_llama, _kv_config(store_root, policy="recompute"), one),
+            _spec(tiny_llama, mp, one, multiprocessing=True),
+            _spec(tiny_llama, rope, one, hf_overrides=ROPE),
+            {"model": str(tiny_llama), "batches": one, "hf_overrides": ROPE},
+        ]
+    )
+    return local, remote, rope, rope_base
 
 
 @pytest.fixture(scope="module")
@@ -181,20 +200,26 @@ def run_c(
     prompts: list[list[int]],
     store_root: Path,
     run_b: Any,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[dict[str, Any], dict[str, Any], tuple[int, int]]:
-    """C: the store corrupted. C1 multiprocess (the worker finds the bad blocks at load and
-    reports them; vLLM recomputes), then, corrupted again, C2 in process with vLLM's default
-    policy "fail" (the scheduler finds them before it reports a hit)."""
+    """C: the store corrupted, then at the same time: C1 multiprocess (the worker finds the
+    bad blocks at load and reports them; vLLM recomputes), and on a copy of the corrupted
+    store (C1's recomputed blocks, stored again, must not heal it) C2 in process with vLLM's
+    default policy "fail" (the scheduler finds them before it reports a hit)."""
     one = [{"prompts": prompts, "max_tokens": 16}]
     flipped = (
         corrupt_records(store_root / "nvme", payload=True),
         corrupt_records(store_root / "lmdb", payload=False),
     )
+    copy = tmp_path_factory.mktemp("tiercache-store-corrupted") / "store"
+    shutil.copytree(store_root, copy)
     kv = _kv_config(store_root, policy="recompute")
-    remote = engine.run_in_subprocess(_spec(tiny_llama, kv, one, multiprocessing=True))
-    corrupt_records(store_root / "nvme", payload=True, round=1)
-    corrupt_records(store_root / "lmdb", payload=False, round=1)
-    local = engine.run_in_subprocess(_spec(tiny_llama, _kv_config(store_root, policy=None), one))
+    remote, local = engine.run_together(
+        [
+            _spec(tiny_llama, kv, one, multiprocessing=True),
+            _spec(tiny_llama, _kv_config(copy, policy=None), one),
+        ]
+    )
     return remote, local, flipped
 
 
@@ -230,9 +255,9 @@ def test_a_cold_engine_matches_baseline_and_hits_after_reset(
 
 
 def test_b_restart_hits_persistent_tiers(
-    run_b: tuple[dict[str, Any], dict[str, Any]], baseline: list[list[int]]
+    run_b: tuple[dict[str, Any], ...], baseline: list[list[int]]
 ) -> None:
-    local, remote = run_b
+    local, remote, _, _ = run_b
     (batch,) = local["batches"]
     assert batch["outputs"] == baseline
     assert batch["num_cached_tokens"] == [192] * N_PROMPTS
@@ -260,6 +285,28 @@ def test_b_restart_hits_persistent_tiers(
     assert remote["batches"][0]["num_cached_tokens"] == [192] * N_PROMPTS
 
 
+def test_b_an_override_that_changes_kv_never_hits_another_engines_store(
+    run_a: dict[str, Any], run_b: tuple[dict[str, Any], ...], baseline: list[list[int]]
+) -> None:
+    """Issue 14, item 4, through TierCacheConnector (vLLM's OffloadingConnector:
+    test_offloading_spec.py): the override engine misses A's blocks, the others hit them."""
+    local, _, rope, rope_base = run_b
+    want = rope_base["batches"][0]["outputs"]
+    plain = run_a["batches"][0]["outputs"]
+    assert want != plain  # the override changes the model's outputs (and so its KV)
+    (batch,) = rope["batches"]
+    # Before the digest: every loadable token came from the other engine's store, and the
+    # outputs differed from `want`. Now only vLLM's own cache serves: the shared prefix,
+    # computed by the first prompt of the batch (as in A's cold batch); A's blocks, which
+    # the copy holds in its persistent tiers only, are never hit.
+    assert batch["num_cached_tokens"] == [0] + [SHARED] * (N_PROMPTS - 1)
+    assert _tier_hits(rope, "nvme") == 0 and _tier_hits(rope, "lmdb") == 0, rope["stores"]
+    assert batch["outputs"] == want
+    # B, without the override, on the store the copy was taken from: every block hits.
+    assert local["batches"][0]["num_cached_tokens"] == [192] * N_PROMPTS
+    assert local["batches"][0]["outputs"] == plain
+
+
 def test_c_corrupted_store_recomputes_and_counts_errors(
     run_c: tuple[dict[str, Any], dict[str, Any], tuple[int, int]], baseline: list[list[int]]
 ) -> None:
@@ -277,102 +324,3 @@ def test_c_corrupted_store_recomputes_and_counts_errors(
     assert _errors(local) > 0
     assert store["counters"].get("load_error_blocks", 0) == 0
     assert sum(batch["num_cached_tokens"]) < 192 * N_PROMPTS
-
-
-# -- tensor parallel (TP=2), tp_layout "rank": two worker processes, each its own store -------
-TP = 2
-TP_PROMPTS = 4
-TP_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def tp_prompts(engine: ModuleType) -> list[list[int]]:
-    return engine.make_prompts(TP_PROMPTS, PROMPT_LEN, seed=11, shared_prefix=SHARED)
-
-
-@pytest.fixture(scope="module")
-def tp_baseline(
-    engine: ModuleType, tiny_llama: Path, tp_prompts: list[list[int]]
-) -> list[list[int]]:
-    spec = {
-        "model": str(tiny_llama),
-        "batches": [{"prompts": tp_prompts, "max_tokens": TP_TOKENS}],
-        "tensor_parallel_size": TP,
-    }
-    outputs = engine.run_in_subprocess(spec)["batches"][0]["outputs"]
-    assert len({tuple(o) for o in outputs}) == TP_PROMPTS
-    return outputs
-
-
-@pytest.fixture(scope="module")
-def tp_runs(
-    engine: ModuleType,
-    tiny_llama: Path,
-    tp_prompts: list[list[int]],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[Path, dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """TP=2 with the connector: A (cold; vLLM's prefix cache reset after the first batch, so
-    the second is served by tiercache), B (a fresh process on A's persistent tiers), C (rank
-    1's persistent store corrupted: rank 1's loads fail, vLLM recomputes those blocks)."""
-    root = tmp_path_factory.mktemp("tiercache-tp-store")
-    # One store per rank (tp_layout "rank", the layout before head shards; head shards across
-    # TP sizes: test_tp_layout.py).
-    kv = _kv_config(root, policy="recompute", tp_layout="rank")
-    # A with telemetry and Prometheus on: each rank its own directory and port.
-    kv_a = _kv_config(root, policy="recompute", tp_layout="rank")
-    kv_a["kv_connector_extra_config"]["config"]["telemetry"] = {
-        "dir": str(root / "telemetry"),
-        "prometheus": f"127.0.0.1:{free_port(also=1)}",
-    }
-    one = {"prompts": tp_prompts, "max_tokens": TP_TOKENS}
-    a = engine.run_in_subprocess(
-        _spec(tiny_llama, kv_a, [{**one, "reset_prefix_cache": True}, one], tensor_parallel_size=TP)
-    )
-    b = engine.run_in_subprocess(_spec(tiny_llama, kv, [one], tensor_parallel_size=TP))
-    for tier, payload in (("nvme", True), ("lmdb", False)):
-        assert corrupt_records(root / tier / f"tp1of{TP}", payload=payload) > 0
-    c = engine.run_in_subprocess(_spec(tiny_llama, kv, [one], tensor_parallel_size=TP))
-    return root, a, b, c
-
-
-def test_tp2_matches_tp2_without_connector_and_restart_hits(
-    tp_runs: tuple[Path, dict[str, Any], dict[str, Any], dict[str, Any]],
-    tp_baseline: list[list[int]],
-) -> None:
-    root, a, b, c = tp_runs
-    full = 192  # 6 whole blocks of each 200-token prompt
-    first, second = a["batches"]
-    assert first["outputs"] == tp_baseline
-    assert first["num_cached_tokens"] == [0] + [SHARED] * (TP_PROMPTS - 1)
-    # After the reset: every rank loaded its shard of every block (a hit needs both ranks).
-    assert second["outputs"] == tp_baseline
-    assert second["num_cached_tokens"] == [full] * TP_PROMPTS
-    # vLLM is told a block is stored in a tier once both ranks hold it there (each rank
-    # demotes on its own schedule, so not every block is announced in the CPU tier).
-    assert _stored_events(a) > 0, a["events"]
-    # Each rank has its own store: its own subdirectory of every persistent tier path.
-    for tier in ("nvme", "lmdb"):
-        assert sorted(p.name for p in (root / tier).iterdir()) == ["tp0of2", "tp1of2"]
-        for rank in range(TP):
-            assert any(p.is_file() for p in (root / tier / f"tp{rank}of{TP}").rglob("*"))
-    # Each rank wrote its own telemetry (before, rank 1 could not open its cache: the
-    # Prometheus port was taken).
-    stats = [read_stats(root / "telemetry" / f"tp{r}of{TP}") for r in range(TP)]
-    assert len({s["namespace"] for s in stats}) == TP
-    assert all(s["tiers"]["cpu"]["stored"] > 0 for s in stats), stats
-    # B: a fresh process hits both ranks' persistent tiers (announced in the handshakes).
-    assert b["batches"][0]["outputs"] == tp_baseline
-    assert b["batches"][0]["num_cached_tokens"] == [full] * TP_PROMPTS
-    assert _stored_events(b, "nvme") + _stored_events(b, "lmdb") > 0, b["events"]
-    # C: rank 1 cannot load its corrupted shards; vLLM recomputes them: same tokens.
-    assert c["batches"][0]["outputs"] == tp_baseline
-    assert sum(c["batches"][0]["num_cached_tokens"]) < full * TP_PROMPTS
-
-
-def _stored_events(result: dict[str, Any], medium: str = "") -> int:
-    """Blocks announced to vLLM as stored (in `medium`, or in any tier)."""
-    return sum(
-        n
-        for kind, n in result["events"].items()
-        if kind.startswith("BlockStored:") and (not medium or kind == f"BlockStored:{medium}")
-    )

