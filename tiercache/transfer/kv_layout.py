@@ -31,7 +31,7 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import pairwise
@@ -158,6 +158,22 @@ def _merge(chunks: list[_Chunk]) -> list[tuple[int, int, int, int, list[_Chunk]]
         if step >= cs[0].size and all(b.start - a.start == step for a, b in pairwise(cs)):
             return [(cs[0].start, len(cs), step, cs[0].size, cs)]
     return [(c.start, 1, c.size, c.size, [c]) for c in cs]
+
+
+def per_pool(
+    cache: dict[int, tuple[int, Any]], pool: torch.Tensor, make: Callable[[torch.Tensor], Any]
+) -> Any:
+    """`make(pool)`, kept in `cache` while the pool tensor lives (and its memory stays put):
+    what a job needs of a tier's pool is the same for every job on it."""
+    key = id(pool)
+    hit = cache.get(key)
+    if hit is not None and hit[0] == pool.data_ptr():
+        return hit[1]
+    value = make(pool)
+    cache[key] = (pool.data_ptr(), value)
+    # The value may hold the pool's storage (views): drop it with the pool (a closed tier).
+    weakref.finalize(pool, cache.pop, key, None)
+    return value
 
 
 def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
@@ -289,14 +305,7 @@ class KVLayout:
     def _pool_kind(self, pool: torch.Tensor) -> tuple[bool, bool]:
         """`_buffer_kind` of a pool, kept while the pool tensor lives (a few microseconds of a
         one-block job: the pinned-memory lookup and device comparisons)."""
-        key = id(pool)
-        hit = self._pool_kinds.get(key)
-        if hit is not None and hit[0] == pool.data_ptr():
-            return hit[1]
-        kind = self._buffer_kind(pool)
-        self._pool_kinds[key] = (pool.data_ptr(), kind)
-        weakref.finalize(pool, self._pool_kinds.pop, key, None)
-        return kind
+        return per_pool(self._pool_kinds, pool, self._buffer_kind)
 
     def _batched(
         self,
@@ -398,15 +407,7 @@ class KVLayout:
 
     def _pool_records(self, pool: torch.Tensor) -> list[torch.Tensor]:
         """`_records` of a pool, cached while the pool tensor lives (saves ~10 us per job)."""
-        key = id(pool)
-        hit = self._pool_views.get(key)
-        if hit is not None and hit[0] == pool.data_ptr():
-            return hit[1]
-        views = self._records(pool)
-        self._pool_views[key] = (pool.data_ptr(), views)
-        # The views hold the pool's storage: drop them with the pool (e.g. a closed tier).
-        weakref.finalize(pool, self._pool_views.pop, key, None)
-        return views
+        return per_pool(self._pool_views, pool, self._records)
 
     def _record_ids(self, slots: Sequence[int]) -> list[int]:
         f = self.factor
