@@ -121,6 +121,12 @@ def engine() -> ModuleType:
 
 
 @pytest.fixture(scope="session")
+def kv_connector_module() -> ModuleType:
+    """`tests/vllm/test_kv_connector.py` (its store-corrupting helper, `corrupt_records`)."""
+    return _load("test_kv_connector")
+
+
+@pytest.fixture(scope="session")
 def server() -> ModuleType:
     """The `tests/vllm/server.py` module."""
     return _load("server")

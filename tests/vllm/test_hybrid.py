@@ -21,7 +21,6 @@ directory:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import shutil
@@ -47,16 +46,6 @@ GROUPS = [
     ["SlidingWindowSpec", ["model.layers.1.self_attn.attn", "model.layers.4.self_attn.attn"]],
     ["FullAttentionSpec", ["model.layers.2.self_attn.attn", "model.layers.5.self_attn.attn"]],
 ]
-
-
-def _kv_module() -> ModuleType:
-    """`test_kv_connector` (its store-corrupting helper), loaded by path as conftest does."""
-    path = Path(__file__).resolve().parent / "test_kv_connector.py"
-    spec = importlib.util.spec_from_file_location("tiercache_tests_vllm_kv_corrupt", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _kv_config(root: Path, *, policy: str | None) -> dict[str, Any]:
@@ -215,9 +204,10 @@ def test_corrupted_store_still_matches_baseline(
     store_root: Path,
     baseline: dict[str, Any],
     run_load: Any,
+    kv_connector_module: ModuleType,
 ) -> None:
     _, load = _prompts()
-    kvmod = _kv_module()
+    kvmod = kv_connector_module
     one = [{"prompts": load, "max_tokens": MAX_TOKENS}]
     flipped = kvmod.corrupt_records(store_root / "nvme", payload=True) + kvmod.corrupt_records(
         store_root / "lmdb", payload=False
@@ -338,7 +328,11 @@ def _offloading_kv(engine: ModuleType, root: Path) -> dict[str, Any]:
 
 
 def test_offloading_spec_keeps_the_groups_matches_and_hits_after_a_restart(
-    engine: ModuleType, gemma: Path, baseline: dict[str, Any], tmp_path: Path
+    engine: ModuleType,
+    gemma: Path,
+    baseline: dict[str, Any],
+    tmp_path: Path,
+    kv_connector_module: ModuleType,
 ) -> None:
     """The spec under vLLM's OffloadingConnector (in process: the spec needs both halves in
     one): vLLM keeps its three groups and decides per group what to store and load; the
@@ -366,7 +360,7 @@ def test_offloading_spec_keeps_the_groups_matches_and_hits_after_a_restart(
         assert run["num_cached_tokens"] == loadable, loadable
     # Every stored record damaged: the scheduler's verifying lookup finds it before it
     # promises a hit (vLLM 0.32's OffloadingConnector takes no failed load); recomputed.
-    kvmod = _kv_module()
+    kvmod = kv_connector_module
     flipped = kvmod.corrupt_records(tmp_path / "nvme", payload=True)
     flipped += kvmod.corrupt_records(tmp_path / "lmdb", payload=False)
     assert flipped > 0

@@ -45,7 +45,6 @@ RC). The refused engine and RA to RC run only when their tests do: not under
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import time
 from collections.abc import Iterator
@@ -72,16 +71,6 @@ MIN_HIT = 0.9  # issue 32's bound: hits >= 90 % of the loadable tokens
 # Baseline batches (no connector), the same composition as the connector engines' batches:
 # greedy outputs are compared batch by batch.
 BASELINE_BATCHES = ("p1", "p2", "p1+p2", "q1", "q2", "r")
-
-
-def _kv_module() -> ModuleType:
-    """`test_kv_connector` (its store-corrupting helper), loaded by path as conftest does."""
-    path = Path(__file__).resolve().parent / "test_kv_connector.py"
-    spec = importlib.util.spec_from_file_location("tiercache_tests_vllm_kv_corrupt", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _kv(root: Path, **extra: Any) -> dict[str, Any]:
@@ -457,6 +446,7 @@ def phase_c(
     e2: dict[str, Any],
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
+    kv_connector_module: ModuleType,
 ) -> PhaseC:
     """E3 (TP=1, in process) and E4 (TP=2) at the same time on E1's and E2's store.
 
@@ -489,7 +479,7 @@ def phase_c(
     ]
     rank = _selected(request, RANK_TESTS)
     if rank:
-        corrupt = _kv_module().corrupt_records
+        corrupt = kv_connector_module.corrupt_records
         for tier, payload in (("nvme", True), ("lmdb", False)):
             assert corrupt(rank_root / tier / "tp1of2", payload=payload) > 0
         rc = [_one(sets[RANK_SET])]
