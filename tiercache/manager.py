@@ -68,7 +68,7 @@ __all__ = ["OffloadingManager", "TierCounters"]  # TierCounters: tiercache.level
 
 
 def _seq(keys: Iterable[bytes]) -> Sequence[bytes]:
-    return keys if isinstance(keys, list | tuple) else list(keys)
+    return keys if isinstance(keys, (list, tuple)) else list(keys)  # `list | tuple`: slower
 
 
 class OffloadingManager:
@@ -222,7 +222,7 @@ class OffloadingManager:
         ready, and whether the next key is moving (it will be ready again shortly).
         `leaving`: a leaving block (see the module doc) counts as ready in its source tier
         (the caller loads with `prepare_load(leaving=True)`)."""
-        keys = _seq(keys)
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)  # `_seq`, inline: hot
         off = self._breaker.mask()
         get = self._ready.get
         out = self._leaving if leaving else None

@@ -237,13 +237,12 @@ class LMDBTier(KeyedTier):
         if self._closed or not keys:
             return 0
         shared = self._shared
-        clear = len(keys)
         # An empty set is read without the lock (one atomic length read, as the lock-held
         # snapshot is one instant): a single-key lookup's probe skips the lock's cost.
         if shared.pending.entries:
             with shared.state_lock:
                 pending = shared.pending.snapshot()
-            clear = leading_clear(keys, pending, self._nsb)  # stop at a key we are deleting
+            keys = keys[: leading_clear(keys, pending, self._nsb)]  # stop where we delete
         try:
             txn = self._begin(False, False)
         except OSError:
@@ -251,13 +250,7 @@ class LMDBTier(KeyedTier):
         try:
             # A malformed entry met here is damage the (lazy) open did not scan: dropped.
             return _leading_heads(
-                txn,
-                shared.heads,
-                shared.order,
-                keys[:clear] if clear < len(keys) else keys,
-                self._nsb,
-                self._ours,
-                self._drop_malformed,
+                txn, shared.heads, shared.order, keys, self._nsb, self._ours, self._drop_malformed
             )
         finally:
             txn.abort()
