@@ -104,7 +104,9 @@ def map_base(data_file: str) -> int | None:
 def _populate(base: int, psize: int, runs: Sequence[tuple[int, int]]) -> int:
     """Map pages [start, end) of each run, at `base` in this process, into its page tables
     (read from disk where the page cache lacks them); how many pages. Stops at the first
-    error (an old kernel, a map that moved): a hint, like the pass."""
+    error (an old kernel, a map that moved): a hint, like the pass. A read fault changes no
+    data: should the environment close or remap meanwhile, the range is unmapped (the call
+    fails) or another mapping's, whose pages are then only read in."""
     madvise, mapped = _libc_madvise(), 0
     for start, end in runs:
         if madvise(base + start * psize, (end - start) * psize, MADV_POPULATE_READ) != 0:
