@@ -15,7 +15,6 @@ read a difference smaller than that as none.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -26,6 +25,9 @@ import tempfile
 from io import BytesIO
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _child import child_json
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Run inside each child: the replay with time.perf_counter swapped for process CPU time.
@@ -34,6 +36,7 @@ import json, sys, time
 import tiercache
 from tiercache.benchharness import replay
 from tiercache.benchharness.traces import make_trace
+
 name, policy, runs, requests, fraction = sys.argv[1:6]
 trace = make_trace(name, int(requests), seed=0)
 cap = max(1, round(trace.unique_blocks * float(fraction)))
@@ -66,15 +69,7 @@ def run_child(path: Path, args: argparse.Namespace, trace: str) -> dict:
     argv = [trace, args.policy, str(args.runs), str(args.requests), str(args.fraction)]
     # cwd: `python -c` puts it first on sys.path, and the repository root holds a tiercache/
     # that would shadow the revision being measured.
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, *argv],
-        env=env,
-        cwd=path,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = child_json([sys.executable, "-c", CHILD, *argv], env=env, cwd=path, what=f"child {trace}")
     if not got["from"].startswith(str(path)):
         raise SystemExit(f"measured the wrong tiercache: {got['from']} is not under {path}")
     return got

@@ -47,6 +47,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _child import child_json
+
 TARGET_BLOCKS = 16_800_000  # 1 TiB of 64 KiB blocks
 
 
@@ -228,10 +231,7 @@ def child_open(
 # -- driver --------------------------------------------------------------------------------------
 def run_child(args: list[str], timeout: float = 7200) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(args)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"child {args[0]} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return child_json(cmd, timeout=timeout, what=f"child {args[0]}")
 
 
 def fill_and_kill(kind: str, path: str, n: int, bb: int, batch: int) -> float:

@@ -64,6 +64,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _child import child_json
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"layers": 6, "hidden": 512, "heads": 8, "kv_heads": 4, "head_dim": 64}
 MODEL = {**SHAPE, "intermediate": 1536, "dtype": "float32", "max_positions": 4096}
@@ -298,8 +301,6 @@ def startup(work: Path) -> dict[str, list[float]]:
     """Seconds `TierCache.open` takes in a fresh process (issue 16, item 5): the benchmark's
     tiers (CPU 512 MiB, NVMe 512 MiB) against the issue's large ones (CPU 2 GiB, NVMe 8 GiB,
     LMDB 8 GiB), each opened first (files made, space reserved) and then again (reopen)."""
-    import subprocess
-
     sizes = {"small": ("512MiB", "512MiB", "512MiB"), "large": ("2GiB", "8GiB", "8GiB")}
     out: dict[str, list[float]] = {}
     for name, (cpu, disk, lmdb) in sizes.items():
@@ -314,13 +315,11 @@ def startup(work: Path) -> dict[str, list[float]]:
             ],
         }
         for when in ("first", "reopen"):
-            r = subprocess.run(
+            got = child_json(
                 [sys.executable, "-c", OPEN_CHILD, json.dumps(config), str(block_bytes())],
-                capture_output=True,
-                text=True,
-                check=True,
+                what=f"the {when} open of the {name} tiers",
             )
-            out[f"{name}_{when}"] = [json.loads(r.stdout.splitlines()[-1])["open_s"]]
+            out[f"{name}_{when}"] = [got["open_s"]]
         shutil.rmtree(root)
     return out
 

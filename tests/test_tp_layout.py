@@ -203,8 +203,40 @@ def test_a_block_past_the_bound_is_forgotten_whole_and_announced_removed() -> No
 
 
 def test_a_tiers_blocks_keep_counting_engine_blocks() -> None:
-    user = {"tiers": [{"kind": "cpu", "blocks": 8}, {"kind": "lmdb", "capacity": "1MiB"}]}
+    user = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 8},
+            {"kind": "nvme", "blocks": 8},
+            {"kind": "lmdb", "blocks": 8},
+            {"kind": "redis", "blocks": 8},
+            {"kind": "lmdb", "capacity": "1MiB"},
+            {"kind": "nosuch", "blocks": 8},
+        ]
+    }
     out = blocks_as_shards(user, HeadShards(4, 2, 1))
-    assert out["tiers"] == [{"kind": "cpu", "blocks": 16}, {"kind": "lmdb", "capacity": "1MiB"}]
+    # This rank's 2 shards per block in its own tiers and in Redis's index of what it
+    # stored; all 4 in LMDB, whose capacity bounds the store every rank writes to.
+    assert [t.get("blocks") for t in out["tiers"]] == [16, 16, 32, 16, None, 16]
+    assert out["tiers"][4] == {"kind": "lmdb", "capacity": "1MiB"}
     assert user["tiers"][0]["blocks"] == 8  # the caller's mapping is not changed
     assert blocks_as_shards({"tiers": "bad"}, HeadShards(2)) == {"tiers": "bad"}
+
+
+def test_tp1_and_tp2_engines_give_one_lmdb_store_the_same_capacity(tmp_path: Path) -> None:
+    """Every rank of every TP size opens the shared LMDB store with the same capacity, and
+    the store keeps `blocks` engine blocks of every rank's shards: TP=2 kept half before."""
+    from tiercache.tiers import build_tier
+
+    user = {"tiers": [{"kind": "lmdb", "path": str(tmp_path / "lmdb"), "blocks": 6}]}
+    caps = {
+        (tp, r): blocks_as_shards(user, HeadShards(4, tp, r))["tiers"][0]["blocks"]
+        for tp in (1, 2, 4)
+        for r in range(tp)
+    }
+    assert set(caps.values()) == {24}, caps
+    cfg = CacheConfig.from_mapping(blocks_as_shards(user, HeadShards(4, 2, 0)))
+    tier = build_tier(cfg.tiers[0], block_bytes=64, namespace="heads-test")
+    try:
+        assert tier.capacity_blocks == 24
+    finally:
+        tier.close()

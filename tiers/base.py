@@ -74,6 +74,10 @@ class Tier(ABC):
     kind: ClassVar[str] = ""
     persistent: ClassVar[bool] = False
     shared: ClassVar[bool] = False
+    # True where `capacity_blocks` bounds the whole store (every process and TP rank that
+    # writes to it evicts by it: LMDB), not what this instance indexes (Redis: the server's
+    # maxmemory bounds the store).
+    store_capacity: ClassVar[bool] = False
     OPTIONS: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
 
     def __init__(self, *, name: str, block_bytes: int, capacity_blocks: int) -> None:

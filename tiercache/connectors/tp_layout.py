@@ -18,7 +18,10 @@ unpadded pages, and vLLM's ``LBHNC`` block layout (the CPU backend's; GPU backen
 tokens outside heads do not qualify).
 
 `blocks_as_shards(user, shards)`: a tier's ``blocks`` keeps counting this engine's blocks:
-with head shards a tier's blocks are shards, `HeadShards.local` per engine block.
+with head shards a tier's blocks are shards, `HeadShards.local` per engine block; a tier
+whose capacity bounds the whole store (`Tier.store_capacity`: LMDB, shared by every rank and
+TP size) holds every rank's shards, `HeadShards.shards` per block, so that ``blocks`` engine
+blocks fit whatever the TP size of the engines writing to it.
 
 `check_no_rank_dirs(config)`: a head-shard store refuses a tier path that holds per-rank
 stores (`tp{r}of{n}` subdirectories) with a message saying both ways out.
@@ -34,6 +37,7 @@ from typing import Any
 
 from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError
+from tiercache.tiers import available_kinds, tier_class
 from tiercache.transfer.head_shards import HeadShards, default_shards
 
 log = logging.getLogger("tiercache.connectors.tp_layout")
@@ -111,7 +115,8 @@ def choose_shards(
 
 
 def blocks_as_shards(user: Mapping[str, Any], shards: HeadShards) -> dict[str, Any]:
-    """The user's config mapping with each tier's ``blocks`` (engine blocks) in shards."""
+    """The user's config mapping with each tier's ``blocks`` (engine blocks) in shards: this
+    rank's (`local`) per block, or every rank's (`shards`) where the capacity is the store's."""
     m = dict(user)
     tiers = m.get("tiers")
     if not isinstance(tiers, list | tuple):
@@ -120,10 +125,22 @@ def blocks_as_shards(user: Mapping[str, Any], shards: HeadShards) -> dict[str, A
     for t in tiers:
         n = t.get("blocks") if isinstance(t, Mapping) else None
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            t = {**t, "blocks": n * shards.local}
+            t = {**t, "blocks": n * (shards.shards if _store_capacity(t) else shards.local)}
         out.append(t)
     m["tiers"] = out
     return m
+
+
+def _store_capacity(tier: Mapping[str, Any]) -> bool:
+    """Whether the tier kind's capacity bounds the whole store; False for a kind that does
+    not resolve (resolve_config reports it)."""
+    kind = tier.get("kind")
+    if not isinstance(kind, str) or kind not in available_kinds():
+        return False
+    try:
+        return tier_class(kind).store_capacity
+    except ConfigError:
+        return False
 
 
 def check_no_rank_dirs(config: CacheConfig) -> None:

@@ -224,9 +224,10 @@ class Launchers:
     `kind`. Later jobs of a kind call that kernel's launcher directly on the stream's handle,
     as `JITFunction.run` does, minus the binding (and, where the kernel needs no scratch
     memory, the launcher object's `__call__`, which only allocates it). Used only where the
-    Triton in use has the launcher interface this was written against (3.4 to 3.6, checked
-    on the first kernel) and no launch hook is set (a profiler's: those go through `run`,
-    which calls them).
+    Triton in use is a version with the launcher interface this was written against (3.4 to
+    3.x, checked when the table is built), each compiled kernel has the attributes it uses
+    (checked as `learn` takes it), and no launch hook is set (a profiler's: those go through
+    `run`, which calls them).
     """
 
     def __init__(self, device_index: int | None) -> None:

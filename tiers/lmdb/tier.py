@@ -85,6 +85,7 @@ class LMDBTier(KeyedTier):
     store_label: ClassVar[str] = "LMDB"
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
+    store_capacity: ClassVar[bool] = True  # the store evicts by it (`_StoreTxn`)
     OPTIONS: ClassVar = {
         "path": str,
         "compression": str,
