@@ -365,3 +365,65 @@ def lmdb_die_in_read_txn(path: str, bb: int, cap: int) -> None:
     txn = t._shared.env.begin()
     txn.get(b"x")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- first lookups after a lazy open -----------------------------------------------------------
+def first_lookups(path: str, bb: int, capacity: int, ops: list, general: bool) -> dict[str, Any]:
+    """Open namespace "a" of the LMDB store at `path` (lazily, as after a restart) and run
+    `ops`: ["one", id, count] a one-key `lookup`, ["chain", ids] a chain `lookup`, ["get", id]
+    a one-key `get` (a digest of the bytes served). `general`: the manager's one-key fast path
+    is turned off, so every lookup takes the general loop (`_discover`). Returns the answers,
+    the stats, the events, how often `_discover` ran, and the keys of "a" left in the store
+    after the close (a malformed entry met is deleted at the close)."""
+    import lmdb
+
+    from tiercache import TierCache
+    from tiercache.tiers import lmdb as lmdb_tier
+    from tiercache.tiers.format import namespace_id
+
+    config = {"namespace": "a", "tiers": [{"kind": "lmdb", "blocks": capacity, "path": path}]}
+    cache = TierCache.open(config, block_bytes=bb)
+    manager = cache.manager
+    if general:
+        manager._lone = None  # type: ignore[attr-defined]
+    discover, calls = manager._discover, [0]
+
+    def counted(*args: Any) -> int:
+        calls[0] += 1
+        return discover(*args)
+
+    manager._discover = counted  # type: ignore[method-assign]
+    answers: list[Any] = []
+    try:
+        for op in ops:
+            if op[0] == "one":
+                answers.append(cache.lookup([key(op[1])], count=op[2]))
+            elif op[0] == "chain":
+                answers.append(cache.lookup([key(i) for i in op[1]]))
+            else:
+                rows = cache.get([key(op[1])])
+                answers.append([len(rows), int(rows.to(torch.int64).sum())])
+        stats = cache.stats()
+        tier = {k: v for k, v in cache.tiers[0].stats().items() if not k.startswith("index_warm")}
+        events = [[[k.hex() for k in e.keys], e.medium, e.removed] for e in cache.take_events()]
+    finally:
+        cache.close()
+    env = lmdb.open(path, readonly=True, lock=False, max_dbs=4, subdir=True)
+    try:
+        nsb = namespace_id("a").to_bytes(lmdb_tier.NS_BYTES, "big")
+        with env.begin(db=env.open_db(lmdb_tier.HEADS_DB, create=False)) as txn:
+            held = sorted(
+                key_id(bytes(k[-16:]))
+                for k in txn.cursor().iternext(values=False)
+                if bytes(k[: len(nsb)]) == nsb
+            )
+    finally:
+        env.close()
+    return {
+        "answers": answers,
+        "stats": stats,
+        "tier": tier,
+        "events": events,
+        "discover_calls": calls[0],
+        "held_after": held,
+    }

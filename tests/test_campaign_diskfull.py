@@ -265,10 +265,10 @@ def install_lmdb_faults(monkeypatch, faults: Faults) -> None:
             raise err(str(exc)) from None
         return real_txn(self, chunk, encoded)
 
-    def begin(self, write):
+    def begin(self, write, *rest):
         if not write:
             faults.maybe("read txn")
-        return real_begin(self, write)
+        return real_begin(self, write, *rest)
 
     monkeypatch.setattr(lmdb_tier.LMDBTier, "_txn", txn)
     monkeypatch.setattr(lmdb_tier.LMDBTier, "_begin", begin)

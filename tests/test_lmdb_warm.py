@@ -1,9 +1,10 @@
 """`tiers/lmdb/warm.py`: the index warm pass asks for exactly the B-tree pages (branch and
-leaf) of the databases named, never the payloads; a lazy open starts it; `will_need` takes
-any value."""
+leaf) of the databases named, never the payloads, and maps them into this process's map of
+the store where it has one; a lazy open starts it; `will_need` takes any value."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 
@@ -49,6 +50,33 @@ def test_warm_asks_for_the_index_pages_only(tmp_path):
     assert got["pages"] == sum(want.values())
 
 
+def populate_read() -> bool:
+    """Whether this kernel has MADV_POPULATE_READ (5.14)."""
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    return (major, minor) >= (5, 14)
+
+
+def test_warm_maps_the_pages_it_asks_for_where_this_process_maps_the_store(tmp_path):
+    path = str(tmp_path / "s")
+    tier = fill(path, 3000, compression="none")
+    try:
+        data = os.path.join(path, "data.mdb")
+        base = lmdb_warm.map_base(data)
+        assert base is not None  # LMDB's map of the file, from its first byte
+        with open(data, "rb") as f:
+            assert ctypes.string_at(base, 4096) == f.read(4096)
+        got = lmdb_warm.warm_index(path, (HEADS_DB, ORDER_DB))
+        want = tree_pages(tier)
+        assert got["pages"] == want["heads"] + want["order"]
+        assert got["mapped"] == (got["pages"] if populate_read() else 0)
+    finally:
+        tier.close()
+    # No map of it in this process once closed: asked for, not mapped.
+    assert lmdb_warm.map_base(os.path.join(path, "data.mdb")) is None
+    got = lmdb_warm.warm_index(path, (HEADS_DB, ORDER_DB))
+    assert got["pages"] > 10 and got["mapped"] == 0
+
+
 def test_warm_of_a_missing_or_empty_database_is_a_no_op(tmp_path):
     LMDBTier(path=str(tmp_path / "s"), block_bytes=4096, capacity_blocks=8).close()
     assert lmdb_warm.warm_index(str(tmp_path / "s"), (HEADS_DB, b"nope"))["pages"] == 0
@@ -67,7 +95,9 @@ def test_lazy_open_warms_in_the_background(tmp_path):
         deadline = time.monotonic() + 10
         while "index_warm_pages" not in tier.stats() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert tier.stats()["index_warm_pages"] > 0
+        st = tier.stats()
+        assert st["index_warm_pages"] > 0
+        assert st["index_warm_mapped"] == (st["index_warm_pages"] if populate_read() else 0)
         assert tier.probe(keys_for(16)) == 16
     finally:
         tier.close()

@@ -93,6 +93,10 @@ register_exit_hook(_close_open_caches)
 
 def check_keys(keys: object, name: str = "keys") -> list[bytes]:
     """Validate a chain of block keys: a non-empty sequence of distinct 16-byte `bytes`."""
+    if type(keys) is list and len(keys) == 1:  # one key (a probe, a prompt's first block)
+        k = keys[0]
+        if type(k) is bytes and len(k) == KEY_BYTES:
+            return [k]  # what the checks below return for it, without their loop
     if isinstance(keys, bytes | str) or not isinstance(keys, Sequence):
         raise TypeError(
             f"{name}: expected a sequence of {KEY_BYTES}-byte keys, got {type(keys).__name__}"

@@ -66,6 +66,43 @@ class Level:
             slots_of[k] = s
             present[k] = present.get(k, 0) | bit
 
+    def adopt(
+        self,
+        ready: dict[bytes, int],
+        present: dict[bytes, int],
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        *,
+        single: bool,
+        cold: bool = False,
+    ) -> None:
+        """Index `keys` (oldest first) as held and ready in `slots` and hand them to the policy
+        (`cold`: as its first victims). `ready`, `present`: the manager's key -> bitmask of
+        tiers where it is ready, resp. held; `single`: this is the only tier (`present` is
+        `slots`). Bulk dict updates: at open this runs once per held block."""
+        bit, slots_of = self.bit, self.slots
+        if single and len(keys) == 1 and keys[0] not in slots_of:
+            # One key new to the only tier (a single-key first lookup): no bulk updates.
+            slots_of[keys[0]] = slots[0]
+            ready[keys[0]] = bit
+            new = True
+        else:
+            held = len(slots_of)
+            slots_of.update(zip(keys, slots, strict=True))  # with one tier, `present` too
+            # Every key new to this tier (and so to its policy) and none given twice: the
+            # policy may skip its residency tests (and, with one tier, no key has a ready bit).
+            new = len(slots_of) - held == len(keys)
+            for masks in (ready,) if single else (ready, present):
+                if not masks or (new and single):
+                    masks.update(dict.fromkeys(keys, bit))
+                    continue
+                for k in keys:
+                    masks[k] = masks.get(k, 0) | bit
+        if cold:
+            self.policy.insert_cold(keys)
+        else:
+            self.policy.insert_many(keys, new=new)
+
     def evictable(self, ready: Mapping[bytes, int], protect: Collection[bytes], need: int) -> int:
         """How many of the ready blocks the policy may evict (not pinned, not in `protect`),
         or any number >= `need` when that is plain without counting. `ready`: the manager's

@@ -68,7 +68,7 @@ __all__ = ["OffloadingManager", "TierCounters"]  # TierCounters: tiercache.level
 
 
 def _seq(keys: Iterable[bytes]) -> Sequence[bytes]:
-    return keys if isinstance(keys, list | tuple) else list(keys)
+    return keys if isinstance(keys, (list, tuple)) else list(keys)  # `list | tuple`: slower
 
 
 class OffloadingManager:
@@ -111,6 +111,7 @@ class OffloadingManager:
         self._events: list[OffloadingEvent] = []
         # Tiers other processes write into: a lookup miss asks them (see _discover).
         self._shared = [lv for lv in self._levels if lv.tier.shared]
+        self._lone = self._levels[0] if self._single and self._shared else None
         # Write-through: per tier, keys waiting for their copy (oldest first, bounded), and
         # the source (tier, key) pinned by each copy in flight.
         self._through = ThroughQueue(write_through, len(tiers), write_through_queue)
@@ -221,7 +222,7 @@ class OffloadingManager:
         ready, and whether the next key is moving (it will be ready again shortly).
         `leaving`: a leaving block (see the module doc) counts as ready in its source tier
         (the caller loads with `prepare_load(leaving=True)`)."""
-        keys = _seq(keys)
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)  # `_seq`, inline: hot
         off = self._breaker.mask()
         get = self._ready.get
         out = self._leaving if leaving else None
@@ -239,15 +240,29 @@ class OffloadingManager:
             if not get(k):
                 break
             n += 1
-        # Where the ready run stops, a dormant run may continue it, then a run a shared tier
-        # holds unindexed, then dormant again (a chain spread over an NVMe and an LMDB tier
-        # after a restart): each step indexes at least one key, so this ends.
-        while n < len(keys) and (
-            (self._sleepers and self._wake_run(keys, n))
-            or (self._shared and keys[n] not in self._moving and self._discover(keys, n, off))
+        lone = self._lone
+        if (
+            not n
+            and lone is not None
+            and len(keys) == 1
+            and not (off or self._sleepers or self._leaving)
+            and keys[0] not in lone.slots  # `present`, with one tier
+            and keys[0] not in self._moving
+            and lone.tier.free_blocks
         ):
-            while n < len(keys) and get(keys[n]):
-                n += 1
+            # A first lookup of one key after a lazy open: what the loop below does for it
+            # (`_discover`: probe, then adopt) without the loop's steps.
+            n = self._adopt_found(lone, keys) if lone.tier.probe(keys) else 0
+        else:
+            # Where the ready run stops, a dormant run may continue it, then a run a shared
+            # tier holds unindexed, then dormant again (a chain spread over an NVMe and an
+            # LMDB tier after a restart): each step indexes at least one key, so this ends.
+            while n < len(keys) and (
+                (self._sleepers and self._wake_run(keys, n))
+                or (self._shared and keys[n] not in self._moving and self._discover(keys, n, off))
+            ):
+                while n < len(keys) and get(keys[n]):
+                    n += 1
         missed = len(keys) - n
         if count and self._single:
             c = self._levels[0].counters
@@ -264,11 +279,11 @@ class OffloadingManager:
         go, as when it stores). Suspended tiers (`off`) are not asked. Returns how many keys
         became ready."""
         present = self._present
-        tail: list[bytes] = []
-        for k in keys[n:]:
+        tail = keys[n:] if n else keys
+        for i, k in enumerate(tail):
             if k in present:  # held here already, its store or move still in flight
+                tail = tail[:i]
                 break
-            tail.append(k)
         for lv in self._shared if tail else ():
             if off & lv.bit:
                 continue
@@ -284,14 +299,20 @@ class OffloadingManager:
                     self._evict(lv, victims, [])
                 free = tier.free_blocks
             take = tail if found == len(tail) <= free else tail[: min(found, free)]
-            slots = tier.adopt(take) if take else None
-            if not slots:
-                continue
-            # Tail first into the policy, so the chain's head ends up most recently used.
-            self._adopt(lv, take[::-1], slots[::-1])
-            lv.counters.discovered += len(take)
-            return len(take)
+            took = self._adopt_found(lv, take) if take else 0
+            if took:
+                return took
         return 0
+
+    def _adopt_found(self, lv: Level, take: Sequence[bytes]) -> int:
+        """Adopt `take`, leading keys a probe of shared `lv` found (room made): how many."""
+        slots, n = lv.tier.adopt(take), len(take)
+        if not slots:
+            return 0
+        # Tail first into the policy, so the chain's head ends up most recently used.
+        self._adopt(lv, take[::-1], slots[::-1]) if n > 1 else self._adopt(lv, take, slots)
+        lv.counters.discovered += n
+        return n
 
     def _wake_run(self, keys: Sequence[bytes], n: int) -> int:
         """`lookup` stopped at keys[n]: take over the leading run of the keys from there that
@@ -928,36 +949,19 @@ class OffloadingManager:
     def _adopt(
         self,
         level: Level,
-        keys: list[bytes],
-        slots: list[int],
+        keys: Sequence[bytes],
+        slots: Sequence[int],
         *,
         event: bool = True,
         cold: bool = False,
     ) -> None:
         """Take over blocks a persistent tier recovered on open (or a shared tier's probe
-        found, or a dormant block woken), oldest first. Bulk dict updates: at open this runs
-        once per held block. `event`: emit their stored event (a woken block's was emitted
-        at open); `cold`: they enter the policy as its first victims."""
-        if not keys:
-            return
-        ready, present, bit, slots_of = self._ready, self._present, level.bit, level.slots
-        held = len(slots_of)
-        slots_of.update(zip(keys, slots, strict=True))  # with one tier, `present` too
-        # Every key new to this tier (and so to its policy) and none given twice: the
-        # policy may skip its residency tests (and, with one tier, no key has a ready bit).
-        new = len(slots_of) - held == len(keys)
-        for masks in (ready,) if self._single else (ready, present):
-            if not masks or (new and self._single):
-                masks.update(dict.fromkeys(keys, bit))
-                continue
-            for k in keys:
-                masks[k] = masks.get(k, 0) | bit
-        if cold:
-            level.policy.insert_cold(keys)
-        else:
-            level.policy.insert_many(keys, new=new)
-        if event:
-            self._events.append(OffloadingEvent(tuple(keys), level.medium, False))
+        found, or a dormant block woken), oldest first (`Level.adopt`; `cold`: as the policy's
+        first victims). `event`: emit their stored event (a woken block's was at open)."""
+        if keys:
+            level.adopt(self._ready, self._present, keys, slots, single=self._single, cold=cold)
+            if event:
+                self._events.append(OffloadingEvent(tuple(keys), level.medium, False))
 
     def record_error(self, tier: int, n: int = 1) -> None:
         """Count failed transfers or verifications against a tier."""

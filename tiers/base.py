@@ -138,6 +138,8 @@ class Tier(ABC):
         n = len(keys)
         if n > len(self._free):
             return None
+        if n == 1:  # a single-key lookup's adoption: no slice
+            return [self._free.pop()]
         if n == 0:
             return []
         slots = self._free[-n:].tolist()

@@ -174,15 +174,17 @@ def header_check(namespace: int, raw_len: int) -> Callable[[object, bytes], bool
     tail = _IDENT.pack(namespace, raw_len)  # namespace id and raw length, as stored
     raw_stored = tail[8:]  # a raw block's stored length equals its raw length
     codecs = (CODEC_RAW, CODEC_ZSTD) if raw_len % 2 else _CODECS  # shuffle2 needs pairs
+    starts = tuple(_MAGIC_VERSION + bytes((c,)) for c in codecs)  # magic, version, codec
 
     def check(buf: object, key: bytes) -> bool:
         if not isinstance(buf, _BUFFERS) or len(buf) < HEADER_SIZE:
             return False
-        b = bytes(buf[:_CHECKED])
-        if b[:6] != _MAGIC_VERSION or b[8:36] != key + tail:
-            return False
-        codec = b[6]
-        return codec in codecs and (codec != CODEC_RAW or b[36:40] == raw_stored)
+        b = buf if isinstance(buf, bytes) else bytes(buf[:_CHECKED])
+        return (
+            b.startswith(starts)
+            and b[8:36] == key + tail
+            and (b[6] != CODEC_RAW or b[36:40] == raw_stored)
+        )
 
     return check
 

@@ -181,10 +181,10 @@ class KeyedTier(Tier):
         # on the thread that read, so two threads reading one absent key each see it gone.
         self._gone = threading.local()
 
-    def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
-        """Slots for blocks another process stored: not recorded as ours, so evicting them
-        later only forgets them."""
-        return Tier.allocate(self, keys)
+    # Slots for blocks another process stored: `Tier.allocate`, not the subclass's (they are
+    # not recorded as ours, so evicting them later only forgets them). An alias, not a method
+    # calling it: a first lookup of one key after a lazy open adopts one block.
+    adopt = Tier.allocate
 
     def _note_gone(self, keys: Sequence[bytes]) -> None:
         """Keys this thread's read found absent from the store (see `take_gone`)."""

@@ -22,7 +22,7 @@ from typing import Any
 import lmdb
 
 from tiercache.tiers.base import KEY_BYTES
-from tiercache.tiers.format import HEADER_SIZE, header_check
+from tiercache.tiers.format import HEADER_SIZE
 from tiercache.tiers.store_dir import DirRules
 
 STORE_FORMAT = "tiercache-lmdb"
@@ -172,30 +172,27 @@ class _StoreTxn:
 def _leading_heads(
     txn: lmdb.Transaction,
     heads: Any,
+    order: Any,
     keys: Sequence[bytes],
-    ns: int,
-    block_bytes: int,
-    *,
-    order: Any = None,
+    nsb: bytes,
+    ours: Callable[[object, bytes], bool],
     bad: Callable[[bytes, bytes], None] | None = None,
 ) -> int:
-    """How many leading `keys` have a well-formed header of namespace `ns` in `heads` and,
-    where `order` is given, an order entry
-    naming the key at the header's seq (the seq is not covered by the checksum). `bad`
-    hears of the entry (store key, head) where the run stops on one that is malformed."""
-    nsb = ns.to_bytes(NS_BYTES, "big")
-    ours = header_check(ns, block_bytes)  # byte compares: no header object per key
+    """How many leading `keys` have a well-formed header in `heads` under the namespace
+    prefix `nsb` (`ours`: `format.header_check` of that namespace and block size) and an
+    entry in `order` naming the key at the header's seq (the seq is not covered by the
+    checksum). `bad` hears of the entry (store key, head) where the run stops on one that is
+    malformed. Both callers hold `nsb` and `ours` from their open: a single-key lookup's
+    probe runs this once per key."""
     get = txn.get
     n = 0
     try:
         for k in keys:
             sk = nsb + k
-            head = get(sk, db=heads)
+            head = get(sk, None, heads)  # positional: py-lmdb parses keywords slowly
             if head is None:
                 break
-            if not ours(head, k) or (
-                order is not None and get(nsb + head[HEADER_SIZE:], db=order) != k
-            ):
+            if not ours(head, k) or get(nsb + head[HEADER_SIZE:], None, order) != k:
                 if bad is not None:
                     bad(sk, bytes(head))
                 break

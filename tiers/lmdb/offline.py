@@ -25,7 +25,7 @@ import lmdb
 
 from tiercache.backoff import Backoff
 from tiercache.errors import ConfigError
-from tiercache.tiers.format import namespace_id
+from tiercache.tiers.format import header_check, namespace_id
 from tiercache.tiers.lmdb.env import _parse_meta, borrow, detach, is_open
 from tiercache.tiers.lmdb.layout import (
     BLOCKS_DB,
@@ -36,6 +36,7 @@ from tiercache.tiers.lmdb.layout import (
     META_DB,
     META_KEY,
     MIN_TXN_OPS,
+    NS_BYTES,
     ORDER_DB,
     _leading_heads,
     _StoreTxn,
@@ -153,6 +154,8 @@ class LMDBProbe:
         self._path = path
         self._block_bytes = block_bytes
         self._ns = namespace_id(namespace)
+        self._nsb = self._ns.to_bytes(NS_BYTES, "big")
+        self._ours = header_check(self._ns, block_bytes)
         self._stack: contextlib.ExitStack | None = None
         self._handle: StoreHandle | None = None
         self._retry = Backoff(self.RETRY_S, self.RETRY_S)  # ready at first
@@ -185,9 +188,7 @@ class LMDBProbe:
                 log.debug("LMDB probe of %s: %s", self._path, exc)
                 return 0
             try:
-                return _leading_heads(
-                    txn, h.heads, keys, self._ns, self._block_bytes, order=h.order
-                )
+                return _leading_heads(txn, h.heads, h.order, keys, self._nsb, self._ours)
             finally:
                 txn.abort()
 

@@ -26,6 +26,7 @@ from tiercache.errors import ConfigError
 from tiercache.tiers.base import check_blocks
 from tiercache.tiers.format import (
     encode_block,
+    header_check,
     namespace_id,
 )
 from tiercache.tiers.keyed import (
@@ -122,6 +123,7 @@ class LMDBTier(KeyedTier):
         self._sync = sync
         self._ns = namespace_id(namespace)
         self._nsb = self._ns.to_bytes(NS_BYTES, "big")  # prefix of every store key of ours
+        self._ours = header_check(self._ns, block_bytes)  # a probe's header check
         self._txn_ops = txn_ops_for(capacity_blocks)
         self._lazy = lazy
         self.open_report: dict[str, int] = {}  # what _scan found: dropped, recovered blocks
@@ -236,23 +238,20 @@ class LMDBTier(KeyedTier):
         if self._closed or not keys:
             return 0
         shared = self._shared
-        with shared.state_lock:
-            pending = shared.pending.snapshot() if shared.pending else set()
-        clear = leading_clear(keys, pending, self._nsb)  # stop at a key we are deleting
+        # An empty set is read without the lock (one atomic length read, as the lock-held
+        # snapshot is one instant): a single-key lookup's probe skips the lock's cost.
+        if shared.pending.entries:
+            with shared.state_lock:
+                pending = shared.pending.snapshot()
+            keys = keys[: leading_clear(keys, pending, self._nsb)]  # stop where we delete
         try:
-            txn = self._begin(write=False)
+            txn = self._begin(False, False)
         except OSError:
             return 0
         try:
             # A malformed entry met here is damage the (lazy) open did not scan: dropped.
             return _leading_heads(
-                txn,
-                shared.heads,
-                keys[:clear],
-                self._ns,
-                self.block_bytes,
-                order=shared.order,
-                bad=self._drop_malformed,
+                txn, shared.heads, shared.order, keys, self._nsb, self._ours, self._drop_malformed
             )
         finally:
             txn.abort()
@@ -603,12 +602,15 @@ class LMDBTier(KeyedTier):
         self._slot_key.clear()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _begin(self, write: bool) -> lmdb.Transaction:
-        """A transaction (default db: blocks); retries what other processes cause briefly."""
+    def _begin(self, write: bool, buffers: bool = True) -> lmdb.Transaction:
+        """A transaction (default db: blocks); retries what other processes cause briefly.
+        A read returns memoryviews into the map unless `buffers` is False (bytes: cheaper
+        for a probe's small values)."""
         shared = self._shared
         for attempt in range(_RETRIES):
             try:
-                return shared.env.begin(db=shared.blocks, write=write, buffers=not write)
+                # positional: py-lmdb parses keywords slowly (a probe begins one per lookup)
+                return shared.env.begin(shared.blocks, None, write, buffers and not write)
             except (lmdb.ReadersFullError, lmdb.BadRslotError):
                 shared.env.reader_check()  # frees the slots of readers that died
             except lmdb.MapResizedError:
