@@ -45,9 +45,7 @@ class TierLoadStoreSpec:
     slots: tuple[int, ...]
     keys: tuple[bytes, ...]
 
-    def __init__(
-        self, tier: int, medium: str, slots: Sequence[int], keys: Sequence[bytes]
-    ) -> None:
+    def __init__(self, tier: int, medium: str, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         slots = tuple(map(int, slots))
         keys = tuple(keys)
         if len(slots) != len(keys):
