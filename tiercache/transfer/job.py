@@ -68,6 +68,20 @@ class Flag:
 _SETTING = threading.Lock()
 
 
+def set_flags(*flags: Flag) -> None:
+    """`flag.set()` for each of `flags` in order, taking the setting lock once: a waiter
+    that sees a later flag set sees the earlier ones set too, as with separate calls."""
+    locks = []
+    with _SETTING:
+        for flag in flags:
+            if not flag._set:
+                flag._set = True
+                if flag._lock is not None:
+                    locks.append(flag._lock)
+    for lock in locks:
+        lock.release()
+
+
 class Job:
     """A transfer between two specs, its dependencies and its outcome."""
 
