@@ -43,6 +43,10 @@ from tiercache.transfer.specs import GPULoadStoreSpec, TierLoadStoreSpec
 __all__ = ["IO_ERRORS", "DiskHandler"]
 
 
+class _Cancelled(Exception):
+    """Raised by a load's sink once its job is cancelled: `Tier.read_to` stops reading."""
+
+
 class DiskHandler(LaneHandler):
     """Tier <-> tier and engine <-> tier through host staging, on a pool of threads."""
 
@@ -150,11 +154,26 @@ class DiskHandler(LaneHandler):
         gone: list[int] = []
         if self._cuda and job.compute_event is not None:
             self._stream().wait_event(job.compute_event)
+        # A CUDA engine keeps the staged path: the host -> device DMA is a copy anyway, and
+        # it wants the pinned staging buffer as its source.
+        load_in_place = (
+            isinstance(src, TierLoadStoreSpec)
+            and isinstance(dst, GPULoadStoreSpec)
+            and not self._cuda
+        )
         for a in range(0, n, step):
             b = min(n, a + step)
             if job.cancelled:  # the engine gave up on it: read nothing more
                 failed.extend(range(a, n))
                 break
+            if load_in_place:  # one copy: the tier's verified rows -> engine blocks
+                failed.extend(a + i for i in self._load(job, a, b, gone))
+                if b == n:
+                    job.read_done.set()
+                if job.cancelled:
+                    failed.extend(range(b, n))
+                    break
+                continue
             buf = self._staging(b - a, bb)
             # 1. source -> staging; `bad` are chunk positions whose bytes did not arrive.
             if isinstance(src, TierLoadStoreSpec):
@@ -200,6 +219,40 @@ class DiskHandler(LaneHandler):
             job.fail(tuple(sorted(failed)))
             job.gone = tuple(gone)
         job.time = time.perf_counter() - t0
+
+    def _load(self, job: Job, a: int, b: int, gone: list[int]) -> list[int]:
+        """Chunk a..b of a tier -> engine job on a CPU engine, through `Tier.read_to`: each
+        stretch of verified rows is scattered into the engine blocks from wherever the tier
+        hands it over (NVMe: its aligned read buffer, so the bytes are copied once), under
+        the job's fence. The chunk positions (0-based) that did not land; gone ones (a
+        shared store's misses) are added to `gone`, as job positions."""
+        src, dst = job.src, job.dst
+        assert isinstance(src, TierLoadStoreSpec) and isinstance(dst, GPULoadStoreSpec)
+        assert self.layout is not None
+        layout, f = self.layout, self.layout.factor
+        tier = tier_of(self._tiers, src)
+        landed: set[int] = set()
+
+        def sink(positions: list[int], rows: torch.Tensor) -> None:
+            ids = [dst.block_ids[(a + i) * f + j] for i in positions for j in range(f)]
+            with job.fence:  # after Job.cancel, no byte reaches the engine
+                if job.cancelled:
+                    raise _Cancelled  # stops the read: nothing more is wanted
+                layout.scatter(ids, rows)
+            landed.update(positions)
+
+        staging = None if tier.reads_in_place else self._staging(b - a, tier.block_bytes)
+        keys = src.keys[a:b]
+        try:
+            bad = tier.read_to(src.slots[a:b], sink, keys, staging=staging)
+        except IO_ERRORS:
+            bad = [i for i in range(b - a) if i not in landed]
+        except _Cancelled:
+            bad = []
+        # Sorted here, on the thread that read: blocks a shared store no longer held are
+        # plain misses for whoever completes the job (`Tier.sort_failed`).
+        gone.extend(a + i for i in tier.sort_failed(keys, bad)[0])
+        return [i for i in range(b - a) if i not in landed]
 
     def _gather(self, block_ids: Sequence[int], buf: torch.Tensor) -> None:
         assert self.layout is not None
