@@ -239,7 +239,8 @@ class Tier(ABC):
         strided, valid only during the call) holds position `positions[j]`'s verified
         bytes. Each good position is handed over exactly once, possibly in several calls;
         a failed one never. Returns the failed positions, as `read`; raises OSError when
-        nothing could be read.
+        nothing could be read. An exception the sink raises ends the read and propagates
+        (a cancelled load stops reading that way).
 
         This version reads into `staging` (a uint8 tensor of at least `len(slots)` rows; a
         new one when None) and hands over its stretches of good rows. A tier that can hand

@@ -1,17 +1,26 @@
-"""`DiskHandler`: transfers through a tier's `read`/`write`, staged in host memory.
+"""`DiskHandler`: transfers through a tier's `read`/`write`/`read_to`, in host memory.
 
 For the tiers that have no pool tensor (NVMe, LMDB) and for tier-to-tier copies (the
 manager's demotions and write-backs, which run here as ordinary jobs):
 - tier -> tier: `src.read` into a staging buffer, `dst.write` of the rows that arrived;
 - engine -> tier: `KVLayout.gather` into the staging buffer, `tier.write`;
-- tier -> engine: `tier.read` into the staging buffer, `KVLayout.scatter` of the rows that
-  arrived (each staged chunk synchronized before the buffer is reused when CUDA is involved).
+- tier -> engine on a CPU engine: `tier.read_to`, whose sink scatters each stretch of
+  verified rows into the engine's blocks (`KVLayout.scatter` takes the strided rows as they
+  are). NVMe (`Tier.reads_in_place`) hands them over from its aligned read buffer, so a hit
+  is copied once, the next runs read meanwhile; other tiers read into the staging buffer
+  first (LMDB and Redis decompress and copy out of their own stores anyway);
+- tier -> engine on a CUDA engine: `tier.read` into the pinned staging buffer, then
+  `KVLayout.scatter` of the rows that arrived (each chunk synchronized before the buffer is
+  reused): the host -> device copy needs a host source anyway, and a pinned one to be fast.
+Not zero copies: a slot's payload follows its 64-byte header, so it is not 4 KiB aligned in
+the file, and O_DIRECT cannot read it into engine memory (see tiers/nvme/slot_reads.py).
 It works on any `Tier`, so it knows nothing about files or LMDB. Threads keep slow devices off
 the engine's thread: `threads` per lane, one lane per tier for engine transfers and one per
 pair of tiers for copies between them, so a tier that hangs stalls only jobs that touch it.
 The worker's dependencies order jobs that touch the same slots. A load into the engine can
 be cancelled (`Job.cancel`, the engine's deadline): each chunk is scattered under the job's
-fence only while it is not cancelled, so an abandoned load never writes engine blocks later.
+fence only while it is not cancelled (a `read_to` load: each stretch of rows; the sink stops
+the read once cancelled), so an abandoned load never writes engine blocks later.
 A store from the engine is cancellable the same way: each chunk is gathered under the fence,
 so once a store past its deadline is cancelled, vLLM may reuse its blocks (the chunks
 gathered before still reach the tier: they hold the right bytes for their keys).
