@@ -57,7 +57,7 @@ class _Cancelled(Exception):
 
 
 class DiskHandler(LaneHandler):
-    """Tier <-> tier and engine <-> tier through host staging, on a pool of threads."""
+    """Tier <-> tier and engine <-> tier through host memory, on a pool of threads."""
 
     cancellable = True  # `Job.cancel` is honoured between chunks (see the module doc)
 
