@@ -77,9 +77,9 @@ class Tier(ABC):
     kind: ClassVar[str] = ""
     persistent: ClassVar[bool] = False
     shared: ClassVar[bool] = False
+    OPTIONS: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
     # Whether `read_to` hands over the tier's own buffers (no staging copy): see `read_to`.
     reads_in_place: ClassVar[bool] = False
-    OPTIONS: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
 
     def __init__(self, *, name: str, block_bytes: int, capacity_blocks: int) -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
