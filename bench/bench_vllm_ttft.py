@@ -26,9 +26,11 @@ One round is six processes, each on its own store (a round's stores are new):
    set A (hits from Redis), then set B with the redis-server SIGSTOPped for exactly that set
    (time to a result with a hung Redis; SIGCONT after it).
 Processes 1 and 2 swap places from round to round, so neither drift nor position favours one.
-`--compare PATH` adds process 2 once more per round, importing tiercache from PATH (another
-revision's checkout), in the same rotation: an A/B of the overhead within one run.
-`--overhead` runs processes 1 and 2 only.
+`--compare PATH` adds processes 2 and 3 once more per round, importing tiercache (with its
+`tiers` and `policies`, through a tree of links: `compare_tree`) from PATH (another revision's
+checkout), each in rotation with this tree's: an A/B of the overhead and of NVMe hits within
+one run, each revision on its own store. `--overhead` runs processes 1 and 2 only, `--nvme`
+processes 1 to 3.
 
 The raw read time is the bytes a hit loads per request (`num_cached_tokens` / 32 blocks of
 layers x 32 x 4 x 64 x 2 x 4 bytes) at this disk's O_DIRECT read rate, measured here with
@@ -43,13 +45,14 @@ than wall time does. Ratios are taken within a round, then the median over round
 with each round's value. Outputs (one greedy token per request) are compared with the baseline's.
 
 Run: .venv-vllm/bin/python bench/bench_vllm_ttft.py [--rounds 3] [--prompts 8] [--len 2048]
-     [--load-timeout 1.0] [--quick] [--overhead] [--compare PATH] [--json PATH] [--tp-layout rank]
-     [--no-startup]
+     [--load-timeout 1.0] [--quick] [--overhead] [--nvme] [--compare PATH] [--json PATH]
+     [--tp-layout rank] [--no-startup]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import mmap
@@ -60,6 +63,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -119,6 +123,37 @@ def raw_read_rate(work: Path, nvme: ModuleType, blocks: int, runs: int = 5) -> f
     finally:
         raw.close()
         images.close()
+
+
+def compare_tree(path: str, work: Path) -> str:
+    """A directory to put on PYTHONPATH so that `tiercache` and its root-level packages
+    (`tiers/`, `policies/`, installed as `tiercache.tiers` / `tiercache.policies`) all come
+    from the checkout at `path`: `tiercache` alone on PYTHONPATH would take those two from
+    this tree's editable install."""
+    src = Path(path).resolve()
+    shim = work / "compare-tree" / "tiercache"
+    shim.mkdir(parents=True)
+    for entry in (src / "tiercache").iterdir():
+        (shim / entry.name).symlink_to(entry)
+    for pkg in ("tiers", "policies"):
+        if (src / pkg).is_dir() and not (shim / pkg).exists():
+            (shim / pkg).symlink_to(src / pkg)
+    return str(shim.parent)
+
+
+@contextlib.contextmanager
+def pythonpath(path: str | None) -> Iterator[None]:
+    """PYTHONPATH set to `path` (None: unchanged) for the engines started inside."""
+    old = os.environ.get("PYTHONPATH")
+    if path is not None:  # the engine and vLLM's workers import tiercache from there
+        os.environ["PYTHONPATH"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def _med(xs: list[float]) -> float:
@@ -181,18 +216,17 @@ def one_round(
         out["outputs"] = first["outputs"]
         out["floor_outputs"] = again["outputs"]
 
-    def default(tag: str = "", pythonpath: str | None = None) -> None:
-        tiers = (
+    def tiers_of(tag: str) -> list[dict[str, Any]]:
+        return (
             nvme_tiers if not tag else [nvme_tiers[0], {**nvme_tiers[1], "path": str(work / tag)}]
         )
-        old = os.environ.get("PYTHONPATH")
-        if pythonpath is not None:  # the engine and vLLM's workers import tiercache from there
-            os.environ["PYTHONPATH"] = pythonpath
-        try:
+
+    def default(tag: str = "", path: str | None = None) -> None:
+        with pythonpath(path):
             first, busy, again, floor_here, batch = run(
                 tag or "default",
                 {
-                    "kv_transfer_config": connector(tiers),
+                    "kv_transfer_config": connector(tiers_of(tag)),
                     "batches": [
                         {"prompts": a, **one, "reset_prefix_cache": True},
                         # CPU-tier hits right after the misses: the write-through of their
@@ -205,11 +239,6 @@ def one_round(
                     ],
                 },
             )
-        finally:
-            if old is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = old
         out[tag + "batch_miss"] = [batch["wall_s"]]
         # tiercache's own share of the CPU of the no-reuse set: its store copies and
         # write-through threads (over this set and the next two, which store nothing, so the
@@ -236,18 +265,33 @@ def one_round(
         out[tag + "floor_here_outputs"] = floor_here["outputs"]
         out[tag + "floor_here_cached"] = floor_here["num_cached_tokens"]
 
+    def nvme(tag: str = "", path: str | None = None) -> None:
+        # A fresh process on process 2's tiers (the --compare revision: on its own store).
+        with pythonpath(path):
+            (hits,) = run(
+                tag + "nvme",
+                {
+                    "kv_transfer_config": connector(tiers_of(tag)),
+                    "batches": [{"prompts": a, **one}],
+                },
+            )
+        out[tag + "nvme"], out[tag + "nvme_outputs"] = hits["request_s"][1:], hits["outputs"]
+        out[tag + "nvme_cached"] = hits["num_cached_tokens"]
+
+    compare = compare_tree(args.compare, work) if args.compare else None
     steps = [baseline, default]
-    if args.compare:
-        steps.append(lambda: default("compare_", args.compare))
+    if compare:
+        steps.append(lambda: default("compare_", compare))
     for step in steps[rnd % len(steps) :] + steps[: rnd % len(steps)]:
         step()
     if args.overhead:
         return out
-    (hits,) = run(
-        "nvme", {"kv_transfer_config": connector(nvme_tiers), "batches": [{"prompts": a, **one}]}
-    )
-    out["nvme"], out["nvme_outputs"] = hits["request_s"][1:], hits["outputs"]
-    out["nvme_cached"] = hits["num_cached_tokens"]
+    # With --compare, the two trees' NVMe processes swap places from round to round.
+    hit_steps = [nvme, lambda: nvme("compare_", compare)] if compare else [nvme]
+    for step in hit_steps[rnd % len(hit_steps) :] + hit_steps[: rnd % len(hit_steps)]:
+        step()
+    if args.nvme:
+        return out
     through = {"write_policy": "write-through"}
     (populated,) = run(
         "populate",
@@ -349,6 +393,11 @@ def main() -> int:
         "--overhead", action="store_true", help="only processes 1 and 2 (recompute, misses, floor)"
     )
     ap.add_argument(
+        "--nvme",
+        action="store_true",
+        help="only processes 1 to 3 (and --compare's 2 and 3): no LMDB, no Redis",
+    )
+    ap.add_argument(
         "--no-startup",
         action="store_true",
         help="skip the start-up timing (its large tiers reserve 16 GiB of disk for a moment)",
@@ -438,6 +487,7 @@ def report(
         ("tiercache CPU tier, same process (write-through settled)", "cpu"),
         ("the same, --compare revision", "compare_cpu"),
         ("tiercache NVMe, fresh process", "nvme"),
+        ("the same, --compare revision", "compare_nvme"),
         ("tiercache LMDB, fresh process", "lmdb"),
         ("tiercache Redis, fresh process", "redis"),
         ("batch of all prompts, 16 tokens each, no connector (wall time)", "batch_recompute"),
@@ -506,6 +556,7 @@ def report(
         ]
     targets += [
         ("nvme/(floor+raw read)", "nvme", lambda r: floor(r) + raw_s, "<= 1.2"),
+        ("compare: nvme/(floor+raw read)", "compare_nvme", lambda r: floor(r) + raw_s, "<= 1.2"),
         ("lmdb/(floor+raw read)", "lmdb", lambda r: floor(r) + raw_s, "report"),
         ("redis/floor", "redis", floor, "report"),
     ]
@@ -514,6 +565,10 @@ def report(
             ("miss/compare miss", "miss", lambda r: _med(r["compare_miss"]), "report"),
             ("batch/compare batch", "batch_miss", lambda r: r["compare_batch_miss"][0], "report"),
         ]
+        if "compare_nvme" in rounds[0]:
+            targets.append(
+                ("nvme/compare nvme", "nvme", lambda r: _med(r["compare_nvme"]), "report")
+            )
     for tag in ("", "compare_"):
         if "share_" + tag + "miss" in rounds[0]:
             xs = [r["share_" + tag + "miss"][0] for r in rounds]
@@ -527,7 +582,7 @@ def report(
             print(f"RATIO {name} {_rounds(xs)}  target {goal}")
     for key in (
         *("floor", "floor_here", "cpu_busy", "cpu", "compare_cpu"),
-        *("nvme", "lmdb", "redis", "hung"),
+        *("nvme", "compare_nvme", "lmdb", "redis", "hung"),
     ):
         if f"{key}_outputs" not in rounds[0]:
             continue
@@ -538,7 +593,7 @@ def report(
         "hit tokens per request (median): "
         + ", ".join(
             f"{k} {statistics.median(c for r in rounds for c in r[f'{k}_cached'])}"
-            for k in ("cpu", "floor_here", "nvme", "lmdb", "redis", "hung")
+            for k in ("cpu", "floor_here", "nvme", "compare_nvme", "lmdb", "redis", "hung")
             if f"{k}_cached" in rounds[0]
         )
     )

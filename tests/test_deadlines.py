@@ -125,14 +125,19 @@ class Hang:
     def __init__(self, tier) -> None:
         self.release = threading.Event()
         self.entered = threading.Event()
-        read = tier.read
+        read, read_to = tier.read, tier.read_to
 
         def hung_read(slots, dst, keys=None):
             self.entered.set()
             self.release.wait(30)
             return read(slots, dst, keys)
 
-        tier.read = hung_read
+        def hung_read_to(slots, sink, keys=None, **kw):  # a CPU engine's loads (one copy)
+            self.entered.set()
+            self.release.wait(30)
+            return read_to(slots, sink, keys, **kw)
+
+        tier.read, tier.read_to = hung_read, hung_read_to
 
 
 @pytest.mark.parametrize("factor", [1, 2])

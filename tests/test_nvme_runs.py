@@ -93,9 +93,27 @@ def stored(t: NVMeTier, slots: list[int], seed: int = 1) -> tuple[list[bytes], t
     return keys, data
 
 
-def read(t: NVMeTier, slots: list[int], keys: list[bytes]) -> tuple[torch.Tensor, list[int]]:
+@pytest.fixture(params=["read", "read_to"])
+def how(request) -> str:
+    """Through `read` (into a tensor) or `read_to` (rows handed over from the run buffers)."""
+    return request.param
+
+
+def read(
+    t: NVMeTier, slots: list[int], keys: list[bytes], how: str = "read"
+) -> tuple[torch.Tensor, list[int]]:
     out = torch.full((len(slots), BB), SENTINEL, dtype=torch.uint8)
-    return out, t.read(slots, out, keys)
+    if how == "read":
+        return out, t.read(slots, out, keys)
+    seen: list[int] = []
+
+    def sink(positions: list[int], rows: torch.Tensor) -> None:
+        seen.extend(positions)
+        out[positions] = rows
+
+    bad = t.read_to(slots, sink, keys)
+    assert sorted(seen + bad) == list(range(len(slots)))  # each position once: good or bad
+    return out, bad
 
 
 def untouched(row: torch.Tensor) -> bool:
@@ -139,18 +157,18 @@ def test_runs_are_capped_at_run_bytes(tmp_path, monkeypatch, direct) -> None:
         t.close()
 
 
-def test_a_slot_read_twice_in_one_call(tmp_path, direct) -> None:
+def test_a_slot_read_twice_in_one_call(tmp_path, direct, how) -> None:
     t = open_tier(tmp_path / "nvme", direct)
     try:
         keys, data = stored(t, [0, 1])
-        out, bad = read(t, [1, 0, 1], [keys[1], keys[0], keys[1]])
+        out, bad = read(t, [1, 0, 1], [keys[1], keys[0], keys[1]], how)
         assert bad == [] and torch.equal(out, data[[1, 0, 1]])
     finally:
         t.close()
 
 
 @pytest.mark.parametrize("where", ["payload", "header"])
-def test_a_corrupt_slot_inside_a_run_fails_only_its_block(tmp_path, direct, where) -> None:
+def test_a_corrupt_slot_inside_a_run_fails_only_its_block(tmp_path, direct, where, how) -> None:
     t = open_tier(tmp_path / "nvme", direct)
     sb = t.slot_bytes
     try:
@@ -162,7 +180,7 @@ def test_a_corrupt_slot_inside_a_run_fails_only_its_block(tmp_path, direct, wher
             b = f.read(1)
             f.seek(off)
             f.write(bytes([b[0] ^ 0xFF]))
-        out, bad = read(t, slots, keys)
+        out, bad = read(t, slots, keys, how)
         assert bad == [2] and untouched(out[2])  # nothing unverified is handed back
         good = [0, 1, 3, 4, 5]
         assert torch.equal(out[good], data[good])
@@ -170,21 +188,21 @@ def test_a_corrupt_slot_inside_a_run_fails_only_its_block(tmp_path, direct, wher
         t.close()
 
 
-def test_a_short_read_at_the_slab_end_fails_only_the_cut_slot(tmp_path, direct) -> None:
+def test_a_short_read_at_the_slab_end_fails_only_the_cut_slot(tmp_path, direct, how) -> None:
     t = open_tier(tmp_path / "nvme", direct, capacity=8)
     sb = t.slot_bytes
     try:
         slots = [5, 6, 7]  # the last three slots of the slab
         keys, data = stored(t, slots)
         os.truncate(tmp_path / "nvme" / "slab", 7 * sb + fmt.HEADER_SIZE + 10)  # cut slot 7
-        out, bad = read(t, slots, keys)
+        out, bad = read(t, slots, keys, how)
         assert bad == [2] and untouched(out[2])
         assert torch.equal(out[:2], data[:2])
     finally:
         t.close()
 
 
-def test_an_io_error_inside_a_run_fails_only_its_slot(tmp_path, monkeypatch, direct) -> None:
+def test_an_io_error_inside_a_run_fails_only_its_slot(tmp_path, monkeypatch, direct, how) -> None:
     t = open_tier(tmp_path / "nvme", direct)
     sb = t.slot_bytes
     try:
@@ -198,12 +216,12 @@ def test_an_io_error_inside_a_run_fails_only_its_slot(tmp_path, monkeypatch, dir
             return real(fd, bufs, off)
 
         monkeypatch.setattr(os, "preadv", eio)
-        out, bad = read(t, slots, keys)
+        out, bad = read(t, slots, keys, how)
         assert bad == [3] and untouched(out[3])
         good = [0, 1, 2, 4, 5]
         assert torch.equal(out[good], data[good])
         with pytest.raises(OSError, match="no block could be read"):
-            read(t, [3], [keys[3]])
+            read(t, [3], [keys[3]], how)
     finally:
         monkeypatch.undo()
         t.close()

@@ -4,6 +4,9 @@ A tier knows bytes, never policies or other tiers. Primitives:
 - capacity and slot bookkeeping (here, once for every tier): `allocate`, `free`, `used_blocks`;
 - `write(slots, src)` / `read(slots, dst)`: batched copies of uint8 tensors
   `[len(slots), block_bytes]` (the only abstract methods besides `from_config`);
+  `read_to(slots, sink)`: a read that hands the verified blocks to a callback instead,
+  straight from the tier's own buffers where it can (`reads_in_place`: NVMe), else through
+  a staging tensor;
 - `recover()`: what a persistent tier already holds when it opens (key, slot) pairs;
   `recover_columns()` the same as two lists; `open_columns()` the part of it the manager
   adopts at open, the rest left dormant (`dormant_blocks`, `find_dormant`, `wake`,
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
@@ -79,6 +82,8 @@ class Tier(ABC):
     # maxmemory bounds the store).
     store_capacity: ClassVar[bool] = False
     OPTIONS: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
+    # Whether `read_to` hands over the tier's own buffers (no staging copy): see `read_to`.
+    reads_in_place: ClassVar[bool] = False
 
     def __init__(self, *, name: str, block_bytes: int, capacity_blocks: int) -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
@@ -226,6 +231,40 @@ class Tier(ABC):
         their rows of `dst` are garbage and the caller treats them as misses. Raises OSError
         when nothing could be read.
         """
+
+    def read_to(
+        self,
+        slots: Sequence[int],
+        sink: Callable[[list[int], torch.Tensor], None],
+        keys: Sequence[bytes] | None = None,
+        *,
+        staging: torch.Tensor | None = None,
+    ) -> list[int]:
+        """`read`, handing the blocks that arrived to `sink(positions, rows)` instead of
+        filling a tensor: `rows[j]` (uint8 `[len(positions), block_bytes]`, rows possibly
+        strided, valid only during the call) holds position `positions[j]`'s verified
+        bytes. Each good position is handed over exactly once, possibly in several calls;
+        a failed one never. Returns the failed positions, as `read`; raises OSError when
+        nothing could be read. An exception the sink raises ends the read and propagates
+        (a cancelled load stops reading that way).
+
+        This version reads into `staging` (a uint8 tensor of at least `len(slots)` rows; a
+        new one when None) and hands over its stretches of good rows. A tier that can hand
+        over its own buffers (NVMe: its aligned read buffers) overrides it to save that
+        copy; `reads_in_place` says so.
+        """
+        n = len(slots)
+        if staging is None:
+            staging = torch.empty((n, self.block_bytes), dtype=torch.uint8)
+        buf = staging[:n]
+        bad = set(self.read(slots, buf, keys))
+        start = 0
+        for i in range(n + 1):  # stretches of good positions, as slices (no copy)
+            if i == n or i in bad:
+                if i > start:
+                    sink(list(range(start, i)), buf[start:i])
+                start = i + 1
+        return sorted(bad)
 
     # -- lifecycle -------------------------------------------------------------------------
     def recover(self) -> list[tuple[bytes, int]]:

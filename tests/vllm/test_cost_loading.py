@@ -61,13 +61,17 @@ def test_a_slow_tier_is_declined_in_auto_mode_and_loaded_in_always_mode(
         keys = cache.hash_tokens(list(range(4 * BLOCK_TOKENS)))  # 4 blocks
         cache.put(keys, torch.ones((4, BLOCK_BYTES), dtype=torch.uint8))
         nvme = cache.tiers[0]
-        read = nvme.read
+        read, read_to = nvme.read, nvme.read_to
 
         def slow_read(slots, dst, keys=None):  # a slow disk (or network)
             time.sleep(DELAY_S)
             return read(slots, dst, keys)
 
-        nvme.read = slow_read
+        def slow_read_to(slots, sink, keys=None, **kw):  # the same for a CPU engine's loads
+            time.sleep(DELAY_S)
+            return read_to(slots, sink, keys, **kw)
+
+        nvme.read, nvme.read_to = slow_read, slow_read_to
         # The engine's forward, as the worker measured it: 1 µs per token past 10 ms a step,
         # so recomputing the hit (16 tokens) costs 16 µs, far below one read of this tier.
         cache.load_costs.observe_forward(1000, 0.011)

@@ -379,6 +379,7 @@ def test_io_errors_fail_only_their_blocks(
     # A load whose read fails is reported as failed (vLLM stops rather than use garbage).
     assert pair.hits([a]) == 1
     monkeypatch.setattr(tier, "read", failing)
+    monkeypatch.setattr(tier, "read_to", failing)  # a CPU engine's loads (one copy)
     assert not pair.load([a], [9])
     monkeypatch.undo()
     pair.manager.lookup(a, CTX)  # the manager applies the worker's reports on its next call

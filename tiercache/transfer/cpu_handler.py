@@ -3,7 +3,9 @@
 One lane per direction ("store": engine -> tier, "load": tier -> engine), each served by one
 thread, so `transfer_async` never blocks and jobs of one direction finish in order. The bytes
 move between the engine's layers and the tier's `pool` tensor directly (no staging), through
-`KVLayout`: one batched copy per distinct allocation, not per layer or block.
+`KVLayout`: one batched copy per distinct allocation, not per layer or block. A CPU-tier hit
+is one copy (`KVLayout.copy_from_pool`: pool rows -> engine blocks, split with a helper thread
+when large) and no verification pass: pool tiers hold volatile memory and keep no checksum.
 `CUDACopyHandler` is this class with a CUDA stream per lane.
 """
 

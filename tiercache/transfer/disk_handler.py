@@ -1,17 +1,26 @@
-"""`DiskHandler`: transfers through a tier's `read`/`write`, staged in host memory.
+"""`DiskHandler`: transfers through a tier's `read`/`write`/`read_to`, in host memory.
 
 For the tiers that have no pool tensor (NVMe, LMDB) and for tier-to-tier copies (the
 manager's demotions and write-backs, which run here as ordinary jobs):
 - tier -> tier: `src.read` into a staging buffer, `dst.write` of the rows that arrived;
 - engine -> tier: `KVLayout.gather` into the staging buffer, `tier.write`;
-- tier -> engine: `tier.read` into the staging buffer, `KVLayout.scatter` of the rows that
-  arrived (each staged chunk synchronized before the buffer is reused when CUDA is involved).
+- tier -> engine on a CPU engine: `tier.read_to`, whose sink scatters each stretch of
+  verified rows into the engine's blocks (`KVLayout.scatter` takes the strided rows as they
+  are). NVMe (`Tier.reads_in_place`) hands them over from its aligned read buffer, so a hit
+  is copied once, the next runs read meanwhile; other tiers read into the staging buffer
+  first (LMDB and Redis decompress and copy out of their own stores anyway);
+- tier -> engine on a CUDA engine: `tier.read` into the pinned staging buffer, then
+  `KVLayout.scatter` of the rows that arrived (each chunk synchronized before the buffer is
+  reused): the host -> device copy needs a host source anyway, and a pinned one to be fast.
+Not zero copies: a slot's payload follows its 64-byte header, so it is not 4 KiB aligned in
+the file, and O_DIRECT cannot read it into engine memory (see tiers/nvme/slot_reads.py).
 It works on any `Tier`, so it knows nothing about files or LMDB. Threads keep slow devices off
 the engine's thread: `threads` per lane, one lane per tier for engine transfers and one per
 pair of tiers for copies between them, so a tier that hangs stalls only jobs that touch it.
 The worker's dependencies order jobs that touch the same slots. A load into the engine can
 be cancelled (`Job.cancel`, the engine's deadline): each chunk is scattered under the job's
-fence only while it is not cancelled, so an abandoned load never writes engine blocks later.
+fence only while it is not cancelled (a `read_to` load: each stretch of rows; the sink stops
+the read once cancelled), so an abandoned load never writes engine blocks later.
 A store from the engine is cancellable the same way: each chunk is gathered under the fence,
 so once a store past its deadline is cancelled, vLLM may reuse its blocks (the chunks
 gathered before still reach the tier: they hold the right bytes for their keys).
@@ -43,8 +52,12 @@ from tiercache.transfer.specs import GPULoadStoreSpec, TierLoadStoreSpec
 __all__ = ["IO_ERRORS", "DiskHandler"]
 
 
+class _Cancelled(Exception):
+    """Raised by a load's sink once its job is cancelled: `Tier.read_to` stops reading."""
+
+
 class DiskHandler(LaneHandler):
-    """Tier <-> tier and engine <-> tier through host staging, on a pool of threads."""
+    """Tier <-> tier and engine <-> tier through host memory, on a pool of threads."""
 
     cancellable = True  # `Job.cancel` is honoured between chunks (see the module doc)
 
@@ -150,11 +163,26 @@ class DiskHandler(LaneHandler):
         gone: list[int] = []
         if self._cuda and job.compute_event is not None:
             self._stream().wait_event(job.compute_event)
+        # A CUDA engine keeps the staged path: the host -> device DMA is a copy anyway, and
+        # it wants the pinned staging buffer as its source.
+        load_in_place = (
+            isinstance(src, TierLoadStoreSpec)
+            and isinstance(dst, GPULoadStoreSpec)
+            and not self._cuda
+        )
         for a in range(0, n, step):
             b = min(n, a + step)
             if job.cancelled:  # the engine gave up on it: read nothing more
                 failed.extend(range(a, n))
                 break
+            if load_in_place:  # one copy: the tier's verified rows -> engine blocks
+                failed.extend(a + i for i in self._load(job, a, b, gone))
+                if b == n:
+                    job.read_done.set()
+                if job.cancelled:
+                    failed.extend(range(b, n))
+                    break
+                continue
             buf = self._staging(b - a, bb)
             # 1. source -> staging; `bad` are chunk positions whose bytes did not arrive.
             if isinstance(src, TierLoadStoreSpec):
@@ -200,6 +228,40 @@ class DiskHandler(LaneHandler):
             job.fail(tuple(sorted(failed)))
             job.gone = tuple(gone)
         job.time = time.perf_counter() - t0
+
+    def _load(self, job: Job, a: int, b: int, gone: list[int]) -> list[int]:
+        """Chunk a..b of a tier -> engine job on a CPU engine, through `Tier.read_to`: each
+        stretch of verified rows is scattered into the engine blocks from wherever the tier
+        hands it over (NVMe: its aligned read buffer, so the bytes are copied once), under
+        the job's fence. The chunk positions (0-based) that did not land; gone ones (a
+        shared store's misses) are added to `gone`, as job positions."""
+        src, dst = job.src, job.dst
+        assert isinstance(src, TierLoadStoreSpec) and isinstance(dst, GPULoadStoreSpec)
+        assert self.layout is not None
+        layout, f = self.layout, self.layout.factor
+        tier = tier_of(self._tiers, src)
+        landed: set[int] = set()
+
+        def sink(positions: list[int], rows: torch.Tensor) -> None:
+            ids = [dst.block_ids[(a + i) * f + j] for i in positions for j in range(f)]
+            with job.fence:  # after Job.cancel, no byte reaches the engine
+                if job.cancelled:
+                    raise _Cancelled  # stops the read: nothing more is wanted
+                layout.scatter(ids, rows)
+            landed.update(positions)
+
+        staging = None if tier.reads_in_place else self._staging(b - a, tier.block_bytes)
+        keys = src.keys[a:b]
+        try:
+            bad = tier.read_to(src.slots[a:b], sink, keys, staging=staging)
+        except IO_ERRORS:
+            bad = [i for i in range(b - a) if i not in landed]
+        except _Cancelled:
+            bad = []
+        # Sorted here, on the thread that read: blocks a shared store no longer held are
+        # plain misses for whoever completes the job (`Tier.sort_failed`).
+        gone.extend(a + i for i in tier.sort_failed(keys, bad)[0])
+        return [i for i in range(b - a) if i not in landed]
 
     def _gather(self, block_ids: Sequence[int], buf: torch.Tensor) -> None:
         assert self.layout is not None

@@ -395,10 +395,13 @@ class KVLayout:
 
     def _records(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """Per segment, a view `[rows * factor, chunks, chunk]` of a uint8 `[rows, block_bytes]`
-        tensor (engine-block records)."""
+        tensor (engine-block records), or `[rows, chunks, chunk]` of `[rows,
+        engine_block_bytes]` (one record a row). Where a row is one record, rows may be
+        strided (each row contiguous): `scatter` of a tier's read buffer."""
         u = self.unit
         rec = buf.view(self._dtype) if u == 8 else buf
-        rec = rec.view(buf.shape[0] * self.factor, self.engine_block_bytes // u)
+        if buf.shape[1] != self.engine_block_bytes:
+            rec = rec.view(buf.shape[0] * self.factor, self.engine_block_bytes // u)
         out = []
         for s in self.segments:
             v = rec[:, s.offset // u : (s.offset + s.nbytes) // u]
@@ -517,9 +520,22 @@ class KVLayout:
     def scatter(
         self, block_ids: Sequence[int], src: torch.Tensor, *, non_blocking: bool = False
     ) -> None:
-        """`src` (uint8 `[len(block_ids) // factor, block_bytes]`) -> engine blocks."""
+        """`src` (uint8 `[len(block_ids) // factor, block_bytes]`) -> engine blocks. Its rows
+        may be strided, each row contiguous (a tier's read buffer: `Tier.read_to`): copied
+        from where they are, by layers."""
         n = src.shape[0]
         self._check_ids(block_ids, n)
+        if n > 1 and src.stride(0) != src.shape[1] and self.factor > 1:
+            # Strided rows of several engine blocks each: one pass per engine block of a row
+            # (its columns are again rows of one engine-block record each).
+            eb, f = self.engine_block_bytes, self.factor
+            for j in range(f):
+                ids = block_ids[j::f]
+                plan = RowPlan(ids, range(n))
+                recs = self._records(src[:, j * eb : (j + 1) * eb])
+                for seg, view in zip(self.segments, recs, strict=True):
+                    copy_rows(seg.rows, ids, view, range(n), plan=plan)
+            return
         if self._one_launch(block_ids, src, range(n), store=False, non_blocking=non_blocking):
             return
         if src.device != self.device:

@@ -26,10 +26,7 @@ from tiercache.tiers.base import Tier, check_blocks, slot_stack
 from tiercache.tiers.dormant import DormantIndex
 from tiercache.tiers.format import (
     HEADER_SIZE,
-    decode_header,
-    decode_payload,
     encode_block,
-    header_problem,
     namespace_id,
 )
 from tiercache.tiers.nvme import recovery
@@ -75,6 +72,7 @@ from tiercache.tiers.nvme.options import (
     check_options,
     instance_from_env,
 )
+from tiercache.tiers.nvme.slot_reads import Sink, SlotReads
 from tiercache.tiers.store_dir import warn_over_capacity
 
 log = logging.getLogger(__package__)  # "tiercache.tiers.nvme", as before the split
@@ -98,6 +96,7 @@ class NVMeTier(Tier):
     kind: ClassVar[str] = "nvme"
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = False
+    reads_in_place: ClassVar[bool] = True  # read_to hands over the aligned read buffers
     OPTIONS: ClassVar = {
         "path": str,
         "fsync": str,
@@ -490,81 +489,69 @@ class NVMeTier(Tier):
     ) -> list[int]:
         n = len(slots)
         check_blocks(dst, n, self.block_bytes, "dst")
-        keys = check_keys(keys, n)
-        self._check_slots(slots, unique=False)
-        if n == 0:
+        reads = self._reads(slots, keys)
+        if reads is None:
             return []
         host = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
-        rows = host.numpy()
-        fd, sb, seqs, index_keys = self._fd, self._slot_bytes, self._seqs, self._keys
-        assert self._io is not None
-        runs = slot_runs(slots, self._io.run_slots)
-        results: list[BaseException | None] = [None] * n
+        failed = self._failed(slots, reads, reads.into(host.numpy()))
+        if host is not dst:
+            dst.copy_(host)
+        return failed
 
-        def decode(i: int, view: memoryview, got: int) -> BaseException | None:
-            """Check and decode position i from its slot's bytes (`got` of them arrived)
-            into its row; the error instead of raising it."""
-            if got < HEADER_SIZE + self.block_bytes:
-                return OSError(errno.EIO, f"short read ({max(got, 0)} bytes)")
-            try:
-                h = decode_header(view[:HEADER_SIZE])
-                problem = header_problem(h, keys[i], self._ns, None)
-                if problem is not None:
-                    return BlockCorruptError(problem)
-                # An indexed slot serves exactly the write its entry names: an entry loaded
-                # from the image is not checked against the header at open, and a failed
-                # rewrite of the same key can leave another write in the slot. (A slot freed
-                # since has no entry; its bytes stay readable until rewritten.)
-                want = seqs.item(slots[i])
-                if want and want != h.seq and index_keys[slots[i]].tobytes() == h.key:
-                    return BlockCorruptError(f"slot holds write {h.seq}, indexed {want}")
-                # Verifies the checksum over header + payload, then one copy into the row.
-                decode_payload(h, view[HEADER_SIZE : HEADER_SIZE + h.stored_len], rows[i])
-            except BlockCorruptError as exc:
-                return exc
+    def read_to(
+        self,
+        slots: Sequence[int],
+        sink: Sink,
+        keys: Sequence[bytes] | None = None,
+        *,
+        staging: torch.Tensor | None = None,
+    ) -> list[int]:
+        """`Tier.read_to` without the staging copy: each run's verified payloads go to `sink`
+        as a strided view of the aligned run buffer, while the next runs are read
+        (slot_reads.py). `staging` is not used."""
+        reads = self._reads(slots, keys)
+        if reads is None:
+            return []
+        return self._failed(slots, reads, reads.to_sink(sink))
+
+    def _reads(self, slots: Sequence[int], keys: Sequence[bytes] | None) -> SlotReads | None:
+        """A checked read of `slots` (None when there are none)."""
+        keys = check_keys(keys, len(slots))
+        self._check_slots(slots, unique=False)
+        if not slots:
             return None
+        assert self._io is not None
+        return SlotReads(
+            fd=self._fd,
+            slot_bytes=self._slot_bytes,
+            block_bytes=self.block_bytes,
+            ns=self._ns,
+            seqs=self._seqs,
+            index_keys=self._keys,
+            pipeline=self._io,
+            slots=slots,
+            keys=keys,
+        )
 
-        def alone(i: int) -> BaseException | None:
-            """Position i read by itself: a run that failed or came back short is read again
-            slot by slot, so an I/O error fails only the slots it hits, as without runs."""
-            one = _Buffer(sb)
-            try:
-                got = os.preadv(fd, [one.mm], slots[i] * sb)
-            except OSError as exc:
-                return exc
-            return decode(i, one.view, got)
-
-        def get(r: int, buf: _Buffer) -> int:
-            run = runs[r]
-            return os.preadv(fd, [buf.view[: run.count * sb]], run.first * sb)
-
-        def check(r: int, buf: _Buffer, got: int | BaseException) -> None:
-            run = runs[r]
-            for k, i in run.members:
-                if isinstance(got, BaseException):
-                    res: BaseException | None = got
-                else:
-                    res = decode(i, buf.view[k * sb : (k + 1) * sb], min(got - k * sb, sb))
-                if isinstance(res, OSError) and run.count > 1:
-                    res = alone(i)
-                results[i] = res
-
-        self._pipeline(len(runs), get, lambda r, buf: None, check)
+    def _failed(
+        self, slots: Sequence[int], reads: SlotReads, results: list[BaseException | None]
+    ) -> list[int]:
+        """The failed positions of a read (each logged); raises a bug's exception, and OSError
+        when no block could be read."""
         for r in results:
             if r is not None and not isinstance(r, OSError | BlockCorruptError):
                 raise r  # a bug, not a bad block
         failed = [i for i, r in enumerate(results) if r is not None]
-        if len(failed) == n and all(isinstance(r, OSError) for r in results):
+        if len(failed) == len(results) and all(isinstance(r, OSError) for r in results):
             raise OSError(
                 getattr(results[0], "errno", errno.EIO),
                 f"{self.medium}: no block could be read: {results[0]}",
             )
+        keys = reads.keys
         for i in failed:
             log.warning(
                 "%s: slot %d (key %s): %s", self.medium, slots[i], keys[i].hex(), results[i]
             )
-        if host is not dst:
-            dst.copy_(host)
         return failed
 
     # -- slots and index -------------------------------------------------------------------

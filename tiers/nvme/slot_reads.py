@@ -1,0 +1,225 @@
+"""Reading an NVMe tier's slots: `SlotReads`, one read of a list of slots.
+
+Each run of adjacent slots (`io.slot_runs`) is one `preadv` into an aligned run buffer on the
+tier's `SlotPipeline` pool; the caller's thread checks every slot of a run (header, the
+indexed write, the checksum over header + payload) while the next runs are read. A checked
+slot then goes one of two ways:
+- `into(rows)`: decoded into the caller's row (`NVMeTier.read`: the bytes are copied once
+  here, and the caller copies them again wherever they go);
+- `to_sink(sink)`: handed over in place (`NVMeTier.read_to`): `sink(positions, rows)` gets
+  the verified payloads of a run as a strided uint8 view `[k, block_bytes]` of the run buffer
+  (row stride `slot_bytes`), so the only copy is the sink's own. A compressed block (never
+  written by this tier, but readable) and a slot read again alone are handed over from a
+  buffer of their own.
+A slot that fails its checks is never handed over. A run that fails or comes back short is
+read again slot by slot, so an I/O error fails only the slots it hits.
+
+Why not straight into the destination (O_DIRECT DMA into the engine's blocks): a slot is a
+64-byte header followed by the payload, so the payload does not start on a 4 KiB boundary in
+the file, and torch CPU tensors are only 64-byte aligned; O_DIRECT needs both (and the
+length) aligned. It would take another on-disk format; this one is kept.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from tiercache.errors import BlockCorruptError
+from tiercache.tiers.format import (
+    CODEC_RAW,
+    HEADER_SIZE,
+    BlockHeader,
+    decode_header,
+    decode_payload,
+    header_problem,
+    verify,
+)
+from tiercache.tiers.nvme.io import SlotPipeline, SlotRun, _Buffer, slot_runs
+
+# sink(positions, rows): rows[j] holds the verified bytes of position positions[j] (indices
+# into the slots read); a view valid only during the call.
+Sink = Callable[[list[int], torch.Tensor], None]
+
+
+class SlotReads:
+    """One read of `slots`, whose slot `slots[i]` should hold `keys[i]` (checked by the
+    caller), from the slab `fd`. `seqs` and `index_keys` are the tier's index (per slot: the
+    indexed write's seq, 0 for none, and its key); `ns` the namespace id, or None for any."""
+
+    def __init__(
+        self,
+        *,
+        fd: int,
+        slot_bytes: int,
+        block_bytes: int,
+        ns: int | None,
+        seqs: np.ndarray,
+        index_keys: np.ndarray,
+        pipeline: SlotPipeline,
+        slots: Sequence[int],
+        keys: Sequence[bytes],
+    ) -> None:
+        self._fd, self._sb, self._bb, self._ns = fd, slot_bytes, block_bytes, ns
+        self._seqs, self._index_keys = seqs, index_keys
+        self._pipeline = pipeline
+        self._slots, self.keys = slots, keys
+        self._runs = slot_runs(slots, pipeline.run_slots)
+        # Per position: None (good), or the error that failed it.
+        self.results: list[BaseException | None] = [None] * len(slots)
+
+    # -- checks ----------------------------------------------------------------------------
+    def _header(self, i: int, view: memoryview, got: int) -> BlockHeader | BaseException:
+        """Position i's header from its slot's bytes (`got` of them arrived), checked against
+        the key, the namespace and the index; the error instead of raising it. The payload
+        is not verified yet."""
+        if got < HEADER_SIZE + self._bb:
+            return OSError(errno.EIO, f"short read ({max(got, 0)} bytes)")
+        try:
+            h = decode_header(view[:HEADER_SIZE])
+        except BlockCorruptError as exc:
+            return exc
+        problem = header_problem(h, self.keys[i], self._ns, None)
+        if problem is not None:
+            return BlockCorruptError(problem)
+        # An indexed slot serves exactly the write its entry names: an entry loaded from
+        # the image is not checked against the header at open, and a failed rewrite of the
+        # same key can leave another write in the slot. (A slot freed since has no entry;
+        # its bytes stay readable until rewritten.)
+        slot = self._slots[i]
+        want = self._seqs.item(slot)
+        if want and want != h.seq and self._index_keys[slot].tobytes() == h.key:
+            return BlockCorruptError(f"slot holds write {h.seq}, indexed {want}")
+        if h.raw_len != self._bb:
+            return BlockCorruptError(f"block holds {h.raw_len} bytes, expected {self._bb}")
+        return h
+
+    def _decode(self, i: int, view: memoryview, got: int, row: np.ndarray) -> BaseException | None:
+        """Check position i and decode its payload into `row` (verifies the checksum first)."""
+        h = self._header(i, view, got)
+        if isinstance(h, BaseException):
+            return h
+        try:
+            decode_payload(h, view[HEADER_SIZE : HEADER_SIZE + h.stored_len], row)
+        except BlockCorruptError as exc:
+            return exc
+        return None
+
+    def _alone(self, i: int) -> tuple[_Buffer, int] | BaseException:
+        """Position i's slot read by itself (after its run failed or came back short)."""
+        one = _Buffer(self._sb)
+        try:
+            return one, os.preadv(self._fd, [one.mm], self._slots[i] * self._sb)
+        except OSError as exc:
+            return exc
+
+    def _get(self, r: int, buf: _Buffer) -> int:
+        run = self._runs[r]
+        return os.preadv(self._fd, [buf.view[: run.count * self._sb]], run.first * self._sb)
+
+    def _read(self, check: Callable[[SlotRun, _Buffer, int | BaseException], None]) -> None:
+        self._pipeline.run(
+            len(self._runs),
+            self._get,
+            lambda r, buf: None,
+            lambda r, buf, got: check(self._runs[r], buf, got),
+        )
+
+    # -- the two destinations --------------------------------------------------------------
+    def into(self, rows: np.ndarray) -> list[BaseException | None]:
+        """Decode every good position i into `rows[i]` (uint8 `[n, block_bytes]`)."""
+        sb = self._sb
+
+        def check(run: SlotRun, buf: _Buffer, got: int | BaseException) -> None:
+            for k, i in run.members:
+                res: BaseException | None
+                if isinstance(got, BaseException):
+                    res = got
+                else:
+                    view = buf.view[k * sb : (k + 1) * sb]
+                    res = self._decode(i, view, min(got - k * sb, sb), rows[i])
+                if isinstance(res, OSError) and run.count > 1:
+                    one = self._alone(i)
+                    if isinstance(one, BaseException):
+                        res = one
+                    else:
+                        res = self._decode(i, *_v(one), rows[i])
+                self.results[i] = res
+
+        self._read(check)
+        return self.results
+
+    def to_sink(self, sink: Sink) -> list[BaseException | None]:
+        """Hand every good position to `sink`, verified, without copying it first: a run's
+        good raw slots as strided views of the run buffer, one call per stretch of them
+        (a slot named twice starts a new stretch); the others one by one."""
+        sb, bb = self._sb, self._bb
+
+        def alone(i: int, view: memoryview, got: int) -> BaseException | None:
+            """Position i from a slot of its own, or a compressed one: verified, decoded if
+            compressed, then handed over."""
+            h = self._header(i, view, got)
+            if isinstance(h, BaseException):
+                return h
+            if h.codec == CODEC_RAW:
+                try:
+                    verify(h, view[HEADER_SIZE : HEADER_SIZE + bb])
+                except BlockCorruptError as exc:
+                    return exc
+                row = torch.frombuffer(view[HEADER_SIZE : HEADER_SIZE + bb], dtype=torch.uint8)
+            else:
+                out = np.empty(bb, dtype=np.uint8)
+                try:
+                    decode_payload(h, view[HEADER_SIZE : HEADER_SIZE + h.stored_len], out)
+                except BlockCorruptError as exc:
+                    return exc
+                row = torch.from_numpy(out)
+            sink([i], row.view(1, bb))
+            return None
+
+        def check(run: SlotRun, buf: _Buffer, got: int | BaseException) -> None:
+            ready: list[tuple[int, int]] = []  # (k, i) verified in place, in slot order
+            for k, i in run.members:
+                res: BaseException | None = None
+                if isinstance(got, BaseException):
+                    res = got
+                else:
+                    view = buf.view[k * sb : (k + 1) * sb]
+                    n = min(got - k * sb, sb)
+                    h = self._header(i, view, n)
+                    if isinstance(h, BaseException):
+                        res = h
+                    elif h.codec != CODEC_RAW:
+                        res = alone(i, view, n)
+                    else:
+                        try:
+                            verify(h, view[HEADER_SIZE : HEADER_SIZE + bb])
+                            ready.append((k, i))
+                        except BlockCorruptError as exc:
+                            res = exc
+                if isinstance(res, OSError) and run.count > 1:
+                    one = self._alone(i)
+                    res = one if isinstance(one, BaseException) else alone(i, *_v(one))
+                self.results[i] = res
+            if not ready:
+                return
+            # The run buffer as [slots, slot_bytes]; payloads are columns 64..64+bb.
+            t = torch.from_numpy(buf.arr[: run.count * sb]).view(run.count, sb)
+            payloads = t[:, HEADER_SIZE : HEADER_SIZE + bb]
+            start = 0
+            for j in range(1, len(ready) + 1):
+                if j == len(ready) or ready[j][0] != ready[j - 1][0] + 1:
+                    k0 = ready[start][0]
+                    sink([i for _, i in ready[start:j]], payloads[k0 : k0 + j - start])
+                    start = j
+
+        self._read(check)
+        return self.results
+
+
+def _v(one: tuple[_Buffer, int]) -> tuple[memoryview, int]:
+    return one[0].view, one[1]
