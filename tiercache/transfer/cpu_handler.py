@@ -15,10 +15,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from tiercache.tiers import Tier
 from tiercache.transfer.handler import LaneHandler
 from tiercache.transfer.job import Job
-from tiercache.transfer.kv_layout import KVLayout
+from tiercache.transfer.kv_layout import KVLayout, per_pool
 from tiercache.transfer.specs import GPULoadStoreSpec, TierLoadStoreSpec
 
 
@@ -34,15 +36,21 @@ def tier_of(tiers: Sequence[Tier], spec: TierLoadStoreSpec) -> Tier:
     return tier
 
 
+def _inside(ids: tuple[int, ...], n: int) -> bool:
+    """Every id in 0..n-1 (none: True). One id, a decode-time job's, without min and max."""
+    if len(ids) == 1:
+        return 0 <= ids[0] < n
+    return not ids or (min(ids) >= 0 and max(ids) < n)
+
+
 def check_ranges(job: Job, tier: Tier, side: TierLoadStoreSpec, num_blocks: int) -> None:
     """Slots inside the tier, engine block ids inside the engine buffer."""
-    if side.slots and not (min(side.slots) >= 0 and max(side.slots) < tier.slot_count):
+    if not _inside(side.slots, tier.slot_count):
         raise ValueError(
             f"job {job.job_id}: slots outside tier {tier.medium!r} (slots 0..{tier.slot_count - 1})"
         )
     for spec in (job.src, job.dst):
-        ids = spec.block_ids if isinstance(spec, GPULoadStoreSpec) else ()
-        if ids and not (min(ids) >= 0 and max(ids) < num_blocks):
+        if isinstance(spec, GPULoadStoreSpec) and not _inside(spec.block_ids, num_blocks):
             raise ValueError(f"job {job.job_id}: engine block ids outside 0..{num_blocks - 1}")
 
 
@@ -59,12 +67,18 @@ def engine_sides(job: Job) -> tuple[GPULoadStoreSpec, TierLoadStoreSpec, bool]:
     )
 
 
+def _passed(pool: torch.Tensor) -> bool:
+    return True
+
+
 class CPUCopyHandler(LaneHandler):
     """Engine blocks <-> rows of a pool tier, on one thread per direction."""
 
     def __init__(self, layout: KVLayout, tiers: Sequence[Tier], *, name: str = "copy") -> None:
         self.layout = layout
         self._tiers = list(tiers)
+        # Pools that passed `KVLayout.check_pool`, while they live (`per_pool`).
+        self._pools_ok: dict[int, tuple[int, Any]] = {}
         super().__init__({"store": 1, "load": 1}, name=name)
 
     def lane_of(self, job: Job) -> str:
@@ -80,7 +94,7 @@ class CPUCopyHandler(LaneHandler):
         pool = getattr(tier, "pool", None)
         if pool is None:
             raise ValueError(f"tier {tier.medium!r} has no pool tensor; use a DiskHandler")
-        self.layout.check_pool(pool, f"tier {tier.medium!r}")
+        self._check_pool(tier, pool)
         check_ranges(job, tier, side, self.layout.num_blocks)
         if len(eng.block_ids) != len(side.slots) * self.layout.factor:
             raise ValueError(
@@ -88,6 +102,16 @@ class CPUCopyHandler(LaneHandler):
                 f"{len(side.slots)} slots (block_size_factor "
                 f"{self.layout.factor})"
             )
+
+    def _check_pool(self, tier: Tier, pool: torch.Tensor) -> None:
+        """`KVLayout.check_pool`, once per pool tensor while it lives and its memory stays
+        put: a tier's pool keeps its dtype and shape (closing a tier swaps in another, empty
+        tensor, which is checked afresh). A pool that fails is never kept."""
+        hit = self._pools_ok.get(id(pool))
+        if hit is not None and hit[0] == pool.data_ptr():
+            return
+        self.layout.check_pool(pool, f"tier {tier.medium!r}")
+        per_pool(self._pools_ok, pool, _passed)
 
     def pool_fence(self, job: Job) -> Any:
         """The fence of the pool tier `job` uses: an event after that pool's own last copy
@@ -102,7 +126,7 @@ class CPUCopyHandler(LaneHandler):
         eng, side, store = engine_sides(job)
         tier = self._tiers[side.tier]
         pool = tier.pool  # type: ignore[attr-defined]
-        self.layout.check_pool(pool, f"tier {tier.medium!r}")  # e.g. closed since submission
+        self._check_pool(tier, pool)  # e.g. closed since submission
         if store:
             self.layout.copy_to_pool(
                 eng.block_ids, pool, side.slots, non_blocking=non_blocking, stream=stream

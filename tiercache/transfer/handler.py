@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from tiercache.priority import lower_this_thread
-from tiercache.transfer.job import Job
+from tiercache.transfer.job import Job, set_flags
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class LaneHandler(TransferHandler):
             self._start_lane(lane, 1 if job.expedited else self._lane_threads)
         if self.issues_inline:
             with self._idle:
-                if not self._pending[lane] and all(d.issued.is_set() for d, _ in job.deps):
+                if not self._pending[lane] and _all_issued(job.deps):
                     self._execute(job, lane)  # nothing to wait for on the host: issue it now
                     return True
                 self._pending[lane] += 1
@@ -161,8 +161,8 @@ class LaneHandler(TransferHandler):
 
     def get_finished(self) -> list[Job]:
         out: list[Job] = []
-        with self._lock:
-            for issued in list(self._issued.values()):
+        with self._lock:  # lanes are added under it too (`_start_lane`): no copy of the dict
+            for issued in self._issued.values():
                 # Per lane, jobs finish in issue order (one thread or stream per lane).
                 while issued and issued[0].done():
                     out.append(issued.popleft())
@@ -210,5 +210,13 @@ class LaneHandler(TransferHandler):
         finally:
             with self._lock:
                 self._issued[lane].append(job)
-            job.read_done.set()
-            job.issued.set()
+            set_flags(job.read_done, job.issued)  # in this order, under one lock
+
+
+def _all_issued(deps: list[tuple[Job, bool | None]]) -> bool:
+    """Whether every job in `deps` is issued (a loop: `all` over a generator costs more for
+    the none or one a decode-time job has)."""
+    for dep, _ in deps:  # noqa: SIM110 - see the docstring
+        if not dep.issued.is_set():
+            return False
+    return True

@@ -68,6 +68,20 @@ class Flag:
 _SETTING = threading.Lock()
 
 
+def set_flags(*flags: Flag) -> None:
+    """`flag.set()` for each of `flags` in order, taking the setting lock once: a waiter
+    that sees a later flag set sees the earlier ones set too, as with separate calls."""
+    locks = []
+    with _SETTING:
+        for flag in flags:
+            if not flag._set:
+                flag._set = True
+                if flag._lock is not None:
+                    locks.append(flag._lock)
+    for lock in locks:
+        lock.release()
+
+
 class Job:
     """A transfer between two specs, its dependencies and its outcome."""
 
@@ -103,8 +117,8 @@ class Job:
         self.src = src
         self.dst = dst
         self.transfer_type: TransferType = (src.medium, dst.medium)
-        self.reads: list[Resource] = _resources(src)
-        self.writes: list[Resource] = _resources(dst)
+        self.reads: tuple[Resource, ...] = _resources(src)
+        self.writes: tuple[Resource, ...] = _resources(dst)
         # (earlier job, whether its failure fails this one: True when this job reads its
         # bytes; None when this job only overwrites what it reads: it waits for `read_done`)
         self.deps: list[tuple[Job, bool | None]] = []
@@ -176,8 +190,11 @@ class Job:
         )
 
 
-def _resources(spec: LoadStoreSpec) -> list[Resource]:
+def _resources(spec: LoadStoreSpec) -> tuple[Resource, ...]:
     if isinstance(spec, GPULoadStoreSpec):
-        return [(ENGINE, b) for b in spec.block_ids]
-    t = spec.tier
-    return [(t, s) for s in spec.slots]
+        where, ids = ENGINE, spec.block_ids
+    else:
+        where, ids = spec.tier, spec.slots
+    if len(ids) == 1:  # a decode-time job: no list to build
+        return ((where, ids[0]),)
+    return tuple([(where, i) for i in ids])

@@ -31,8 +31,10 @@ class DependencyTracker:
 
         Read-only: call `record(job)` once the job is accepted by its handler.
         """
-        deps: dict[int, tuple[Job, bool | None]] = {}
         writer, readers = self._writer, self._readers
+        if not writer and not readers:  # nothing in flight (a lone decode-time job)
+            return []
+        deps: dict[int, tuple[Job, bool | None]] = {}
         for r in job.reads:
             w = writer.get(r)
             if w is not None:

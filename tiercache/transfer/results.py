@@ -9,7 +9,7 @@ from typing import TypeAlias
 TransferType: TypeAlias = tuple[str, str]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class TransferResult:
     """One finished job.
 
@@ -29,3 +29,32 @@ class TransferResult:
     transfer_type: TransferType
     failed: tuple[int, ...] = ()
     gone: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        job_id: int,
+        success: bool,
+        transfer_size: int,
+        transfer_time: float,
+        transfer_type: TransferType,
+        failed: tuple[int, ...] = (),
+        gone: tuple[int, ...] = (),
+    ) -> None:
+        # The generated frozen __init__ calls object.__setattr__ per field; the slots' own
+        # setters cost a fraction of that, and every job reports one result.
+        _set_job_id(self, job_id)
+        _set_success(self, success)
+        _set_transfer_size(self, transfer_size)
+        _set_transfer_time(self, transfer_time)
+        _set_transfer_type(self, transfer_type)
+        _set_failed(self, failed)
+        _set_gone(self, gone)
+
+
+_set_job_id = TransferResult.job_id.__set__  # type: ignore[attr-defined]
+_set_success = TransferResult.success.__set__  # type: ignore[attr-defined]
+_set_transfer_size = TransferResult.transfer_size.__set__  # type: ignore[attr-defined]
+_set_transfer_time = TransferResult.transfer_time.__set__  # type: ignore[attr-defined]
+_set_transfer_type = TransferResult.transfer_type.__set__  # type: ignore[attr-defined]
+_set_failed = TransferResult.failed.__set__  # type: ignore[attr-defined]
+_set_gone = TransferResult.gone.__set__  # type: ignore[attr-defined]

@@ -22,18 +22,21 @@ from tiercache.records import BlockMove, LoadSpec, PrepareStoreOutput
 ENGINE_MEDIUM = "GPU"
 
 
-@dataclass(frozen=True, slots=True)
+# The specs set their slots directly: the generated frozen `__init__` and a `__post_init__`
+# call `object.__setattr__` once per field and again per normalized one; the slots' own
+# setters cost a fraction of that, and a decode-time store builds two specs per block.
+@dataclass(frozen=True, slots=True, init=False)
 class GPULoadStoreSpec:
     """Engine block ids, in the order of the offloaded blocks they make up."""
 
     block_ids: tuple[int, ...]
     medium: ClassVar[str] = ENGINE_MEDIUM
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+    def __init__(self, block_ids: Sequence[int]) -> None:
+        _set_block_ids(self, tuple(map(int, block_ids)))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class TierLoadStoreSpec:
     """Slots of tier `tier` (named `medium`); `keys[i]` is the block in `slots[i]`."""
 
@@ -42,13 +45,22 @@ class TierLoadStoreSpec:
     slots: tuple[int, ...]
     keys: tuple[bytes, ...]
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "slots", tuple(int(s) for s in self.slots))
-        object.__setattr__(self, "keys", tuple(self.keys))
-        if len(self.slots) != len(self.keys):
-            raise ValueError(
-                f"TierLoadStoreSpec: {len(self.slots)} slots but {len(self.keys)} keys"
-            )
+    def __init__(self, tier: int, medium: str, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        slots = tuple(map(int, slots))
+        keys = tuple(keys)
+        if len(slots) != len(keys):
+            raise ValueError(f"TierLoadStoreSpec: {len(slots)} slots but {len(keys)} keys")
+        _set_tier(self, tier)
+        _set_medium(self, medium)
+        _set_slots(self, slots)
+        _set_keys(self, keys)
+
+
+_set_block_ids = GPULoadStoreSpec.block_ids.__set__  # type: ignore[attr-defined]
+_set_tier = TierLoadStoreSpec.tier.__set__  # type: ignore[attr-defined]
+_set_medium = TierLoadStoreSpec.medium.__set__  # type: ignore[attr-defined]
+_set_slots = TierLoadStoreSpec.slots.__set__  # type: ignore[attr-defined]
+_set_keys = TierLoadStoreSpec.keys.__set__  # type: ignore[attr-defined]
 
 
 LoadStoreSpec: TypeAlias = GPULoadStoreSpec | TierLoadStoreSpec

@@ -52,6 +52,8 @@ from tiercache.transfer.results import TransferResult, TransferType
 from tiercache.transfer.specs import GPULoadStoreSpec, TierLoadStoreSpec, TransferSpec
 from tiercache.transfer.stats import TransferStats
 
+_SPECS = (GPULoadStoreSpec, TierLoadStoreSpec)  # a tuple: `X | Y` builds a union per call
+
 
 class OffloadingWorker:
     """Dispatches transfers by (source medium, destination medium) and collects results."""
@@ -83,11 +85,11 @@ class OffloadingWorker:
         """Start a transfer without blocking; False if no handler serves its mediums.
         `expedited`: the caller will wait for it soon; it does not queue behind regular jobs."""
         src, dst = spec
-        for s in (src, dst):
-            if not isinstance(s, GPULoadStoreSpec | TierLoadStoreSpec):
-                raise TypeError(
-                    f"spec: expected GPULoadStoreSpec or TierLoadStoreSpec, got {type(s).__name__}"
-                )
+        if not (isinstance(src, _SPECS) and isinstance(dst, _SPECS)):
+            bad = dst if isinstance(src, _SPECS) else src
+            raise TypeError(
+                f"spec: expected GPULoadStoreSpec or TierLoadStoreSpec, got {type(bad).__name__}"
+            )
         handler = self._handlers.get((src.medium, dst.medium))
         if handler is None:
             return False
@@ -108,11 +110,12 @@ class OffloadingWorker:
     def get_finished(self) -> list[TransferResult]:
         """Results of the jobs finished since the last call, each exactly once."""
         out: list[TransferResult] = []
+        release, jobs = self._tracker.release, self._jobs
         with self._lock:
-            for handler in self._distinct_handlers():
+            for handler in self._distinct:
                 for job in handler.get_finished():
-                    self._tracker.release(job)
-                    del self._jobs[job.job_id]
+                    release(job)
+                    del jobs[job.job_id]
                     r = job.result()
                     if r.transfer_size:
                         self._stats.record_transfer(
