@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,13 @@ class PrepareStoreOutput:
         return head + list(self.around)
 
 
+def slot_setters(cls: type, *names: str) -> tuple[Callable[[Any, Any], None], ...]:
+    """The setters of `cls`'s slots `names`, for a frozen slotted record's own `__init__` on a
+    hot path: the generated frozen `__init__` calls `object.__setattr__` per field, and a
+    slot's own setter costs a fraction of that. The record stays frozen for everyone else."""
+    return tuple(getattr(cls, n).__set__ for n in names)
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class OffloadingEvent:
     """Blocks stored in (`removed=False`) or removed from (`removed=True`) one medium."""
@@ -137,13 +146,10 @@ class OffloadingEvent:
     removed: bool
 
     def __init__(self, keys: tuple[bytes, ...], medium: str, removed: bool) -> None:
-        # The generated frozen __init__ calls object.__setattr__ per field; the slots' own
-        # setters cost a third less, and a first lookup emits one event per block.
+        # `slot_setters`: a third cheaper, and a first lookup emits one event per block.
         _set_keys(self, keys)
         _set_medium(self, medium)
         _set_removed(self, removed)
 
 
-_set_keys = OffloadingEvent.keys.__set__  # type: ignore[attr-defined]
-_set_medium = OffloadingEvent.medium.__set__  # type: ignore[attr-defined]
-_set_removed = OffloadingEvent.removed.__set__  # type: ignore[attr-defined]
+_set_keys, _set_medium, _set_removed = slot_setters(OffloadingEvent, "keys", "medium", "removed")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from tiercache.records import slot_setters
+
 # (source medium, destination medium), e.g. ("GPU", "cpu"); stats key it as "GPU_to_cpu".
 TransferType: TypeAlias = tuple[str, str]
 
@@ -40,8 +42,7 @@ class TransferResult:
         failed: tuple[int, ...] = (),
         gone: tuple[int, ...] = (),
     ) -> None:
-        # The generated frozen __init__ calls object.__setattr__ per field; the slots' own
-        # setters cost a fraction of that, and every job reports one result.
+        # `slot_setters`: every job reports one result.
         _set_job_id(self, job_id)
         _set_success(self, success)
         _set_transfer_size(self, transfer_size)
@@ -51,10 +52,21 @@ class TransferResult:
         _set_gone(self, gone)
 
 
-_set_job_id = TransferResult.job_id.__set__  # type: ignore[attr-defined]
-_set_success = TransferResult.success.__set__  # type: ignore[attr-defined]
-_set_transfer_size = TransferResult.transfer_size.__set__  # type: ignore[attr-defined]
-_set_transfer_time = TransferResult.transfer_time.__set__  # type: ignore[attr-defined]
-_set_transfer_type = TransferResult.transfer_type.__set__  # type: ignore[attr-defined]
-_set_failed = TransferResult.failed.__set__  # type: ignore[attr-defined]
-_set_gone = TransferResult.gone.__set__  # type: ignore[attr-defined]
+(
+    _set_job_id,
+    _set_success,
+    _set_transfer_size,
+    _set_transfer_time,
+    _set_transfer_type,
+    _set_failed,
+    _set_gone,
+) = slot_setters(
+    TransferResult,
+    "job_id",
+    "success",
+    "transfer_size",
+    "transfer_time",
+    "transfer_type",
+    "failed",
+    "gone",
+)

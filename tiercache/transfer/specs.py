@@ -17,14 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, TypeAlias
 
-from tiercache.records import BlockMove, LoadSpec, PrepareStoreOutput
+from tiercache.records import BlockMove, LoadSpec, PrepareStoreOutput, slot_setters
 
 ENGINE_MEDIUM = "GPU"
 
 
-# The specs set their slots directly: the generated frozen `__init__` and a `__post_init__`
-# call `object.__setattr__` once per field and again per normalized one; the slots' own
-# setters cost a fraction of that, and a decode-time store builds two specs per block.
+# The specs set their slots directly (`slot_setters`): a decode-time store builds two specs
+# per block.
 @dataclass(frozen=True, slots=True, init=False)
 class GPULoadStoreSpec:
     """Engine block ids, in the order of the offloaded blocks they make up."""
@@ -56,11 +55,10 @@ class TierLoadStoreSpec:
         _set_keys(self, keys)
 
 
-_set_block_ids = GPULoadStoreSpec.block_ids.__set__  # type: ignore[attr-defined]
-_set_tier = TierLoadStoreSpec.tier.__set__  # type: ignore[attr-defined]
-_set_medium = TierLoadStoreSpec.medium.__set__  # type: ignore[attr-defined]
-_set_slots = TierLoadStoreSpec.slots.__set__  # type: ignore[attr-defined]
-_set_keys = TierLoadStoreSpec.keys.__set__  # type: ignore[attr-defined]
+(_set_block_ids,) = slot_setters(GPULoadStoreSpec, "block_ids")
+_set_tier, _set_medium, _set_slots, _set_keys = slot_setters(
+    TierLoadStoreSpec, "tier", "medium", "slots", "keys"
+)
 
 
 LoadStoreSpec: TypeAlias = GPULoadStoreSpec | TierLoadStoreSpec
