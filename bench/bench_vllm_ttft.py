@@ -129,18 +129,11 @@ def raw_read_rate(work: Path, nvme: ModuleType, blocks: int, runs: int = 5) -> f
 
 def copy_rate(nbytes: int, runs: int = 7) -> float:
     """This machine's memcpy rate in bytes/s (median of `runs`): one copy of `nbytes` between
-    two host buffers, as a CPU-tier hit's one copy (issue 35: the floor plus one copy)."""
-    import torch
+    two host buffers, as a CPU-tier hit's one copy (issue 35: the floor plus one copy); the
+    demo's own measure (`tiercache.cli.demo.memcpy_gbps`)."""
+    from tiercache.cli.demo import memcpy_gbps
 
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # both buffers faulted in before timing
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times)
+    return memcpy_gbps(nbytes, runs) * 1e9
 
 
 def compare_tree(path: str, work: Path) -> str:
