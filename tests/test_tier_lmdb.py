@@ -403,21 +403,40 @@ def test_sync_modes_round_trip(tmp_path, sync) -> None:
         t.close()
 
 
-@pytest.mark.parametrize(("sync", "expected"), [("batch", 2), ("never", 0), ("always", 0)])
-def test_batch_syncs_every_n_txns_in_the_background(tmp_path, monkeypatch, sync, expected):
-    monkeypatch.setattr(lmdb_tier_mod, "SYNC_EVERY_TXNS", 2)
-    monkeypatch.setattr(lmdb_tier_mod, "SYNC_EVERY_S", 1e9)
-    t = open_tier(tmp_path / "bg", capacity=8, sync=sync)
+@pytest.mark.parametrize(
+    ("sync", "interval", "expected"),
+    [("batch", 1e-6, 5), ("batch", 3600.0, 0), ("never", 1e-6, 0), ("always", 1e-6, 0)],
+)
+def test_batch_syncs_in_the_background_at_most_once_an_interval(
+    tmp_path, monkeypatch, sync, interval, expected
+):
+    t = open_tier(tmp_path / "bg", capacity=8, sync=sync, sync_interval=interval)
     calls = []
     monkeypatch.setattr(t._shared, "background_sync", lambda: calls.append(1))
     try:
-        for i in range(5):  # 5 txns: background syncs after the 2nd and the 4th
+        for i in range(5):  # 5 txns, each after the last background sync ended
             k = keys_for(1, i)
             t.write(t.allocate(k), rand_blocks(1, 4096, i), k)
             t._shared.wait_sync()
         assert len(calls) == expected
     finally:
         t.close()
+
+
+def test_sync_interval_comes_from_the_config(tmp_path) -> None:
+    cfg = {
+        "tiers": [
+            {"kind": "cpu", "blocks": 4},
+            {"kind": "lmdb", "path": str(tmp_path / "l"), "blocks": 8, "sync_interval": 0.25},
+        ]
+    }
+    cache = TierCache.open(cfg, block_bytes=4096)
+    try:
+        assert cache.tiers[1]._sync_interval == 0.25
+    finally:
+        cache.close()
+    with pytest.raises(ConfigError, match=r"^sync_interval: must be > 0"):
+        open_tier(tmp_path / "bad", sync_interval=-1)
 
 
 # -- processes -----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ In such a store slots are only handles: a block lives under its key. Shared here
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Collection, Iterable, MutableMapping, Sequence
 from typing import Any, ClassVar
@@ -69,6 +70,18 @@ def check_codec(compression: object, level: object, element_size: object, where:
             f"{p}element_size",
             f"expected 1 (no shuffle) or 2 (byte-plane shuffle, bf16/fp16), got {element_size!r}",
         )
+
+
+def check_seconds(
+    value: object, field: str, *, minimum: float = 0.0, allow_zero: bool = False
+) -> float:
+    """A duration option in seconds (ConfigError naming `field`): a finite number > 0 (>= 0
+    with `allow_zero`) and >= `minimum`; returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(field, f"expected a number of seconds, got {value!r}")
+    if value < minimum or (value == 0 and not allow_zero) or value < 0:
+        raise ConfigError(field, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return float(value)
 
 
 def add_written(counts: MutableMapping[str, int], blocks: int, raw: int, stored: int) -> None:

@@ -70,9 +70,11 @@ process evicted reads as a plain miss (`take_gone`). A process that does not hol
 as a tier (vLLM's scheduler) asks it through `LMDBProbe`: headers only, read-only.
 
 Durability (`sync`): "always" opens the environment with sync and metasync (a write is
-durable when it returns); "batch" commits without fsync, starts a background `env.sync` every
-`SYNC_EVERY_TXNS` transactions or `SYNC_EVERY_S` seconds (writers do not wait for it) and
-syncs in the foreground at `flush()`/`close()`; "never" syncs only at `close()`. The map is
+durable when it returns); "batch" commits without fsync, starts a background `env.sync`
+after a commit at most every `sync_interval` seconds (default `SYNC_EVERY_S`, 5; writers do
+not wait for it) and syncs in the foreground at `flush()`/`close()`; "never" syncs only at
+`close()`. A sync writes back every map page written since the last one, so a longer
+interval costs puts less on a large store and lets an OS crash lose more. The map is
 opened with `writemap` (2x faster puts, shared/limits/lmdb_raw.py): with "batch"/"never" an
 operating-system crash between syncs may damage the environment. Every block is
 checksummed together with its key, so a damaged block reads as a miss, never as wrong
@@ -87,8 +89,8 @@ Modules, bottom up (each imports only those above it):
 - `scan`: what an open indexes (lazy, bulk, entry by entry).
 - `offline`: `open_store`/`StoreHandle`, `LMDBProbe`, offline iteration and deletes,
   `open_here` (whether this process holds a store open).
-- `tier`: `LMDBTier`, and the tunables of its write path (`SYNC_EVERY_TXNS`,
-  `SYNC_EVERY_S`, `MAP_FULL_TRIES`: patch them on `tiercache.tiers.lmdb.tier`).
+- `tier`: `LMDBTier`, and the tunables of its write path (`SYNC_EVERY_S`, `MAP_FULL_TRIES`:
+  patch them on `tiercache.tiers.lmdb.tier`).
 
 This module re-exports the names importable from `tiercache.tiers.lmdb` before it became a
 package.
@@ -138,7 +140,6 @@ from tiercache.tiers.lmdb.offline import (
 from tiercache.tiers.lmdb.tier import (
     MAP_FULL_TRIES,
     SYNC_EVERY_S,
-    SYNC_EVERY_TXNS,
     LMDBTier,
     check_settings,
 )
@@ -163,7 +164,6 @@ __all__ = [
     "STORE_FORMAT",
     "STORE_VERSION",
     "SYNC_EVERY_S",
-    "SYNC_EVERY_TXNS",
     "SYNC_MODES",
     "ZSTD_MIN_LEVEL",
     "LMDBProbe",

@@ -153,7 +153,6 @@ class _SharedEnv:
         # LMDBTier.read); one set for every tier of this process on the environment.
         self.pending = PendingDeletes()
         self.seq = 0
-        self.txns_since_sync = 0
         self.last_sync = time.monotonic()
         self.bg_sync: Future[None] | None = None
         self.warm: threading.Thread | None = None  # the index warm pass (warm.py), once

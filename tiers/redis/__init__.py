@@ -75,7 +75,6 @@ from tiercache.tiers.redis.tier import (
     PIPELINE_BYTES,
     SCAN_BATCH,
     RedisTier,
-    _number,
     check_settings,
 )
 
@@ -105,7 +104,6 @@ __all__ = [
     "_glob_escape",
     "_host_port",
     "_mask",
-    "_number",
     "_secret",
     "auth_error",
     "check_settings",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -36,6 +35,7 @@ from tiercache.tiers.keyed import (
     PendingDeletes,
     add_written,
     check_codec,
+    check_seconds,
     compression_ratio,
     leading_clear,
 )
@@ -84,14 +84,6 @@ _COUNTERS = (
 )
 
 
-def _number(value: object, field: str, *, minimum: float = 0.0, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(field, f"expected a number of seconds, got {value!r}")
-    if value < minimum or (value == 0 and not allow_zero) or value < 0:
-        raise ConfigError(field, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return float(value)
-
-
 def check_settings(o: Mapping[str, Any], where: str = "") -> None:
     """Value checks shared by the constructor and `validate_options` (ConfigError)."""
     p = f"{where}." if where else ""
@@ -99,9 +91,9 @@ def check_settings(o: Mapping[str, Any], where: str = "") -> None:
     check_codec(o.get("compression", "none"), o.get("level", 1), o.get("element_size", 2), where)
     ttl = o.get("ttl")
     if ttl is not None:
-        _number(ttl, f"{p}ttl", allow_zero=True)
-    _number(o.get("timeout", 0.5), f"{p}timeout")
-    _number(o.get("backoff_max", 5.0), f"{p}backoff_max")
+        check_seconds(ttl, f"{p}ttl", allow_zero=True)
+    check_seconds(o.get("timeout", 0.5), f"{p}timeout")
+    check_seconds(o.get("backoff_max", 5.0), f"{p}backoff_max")
     prefix = o.get("prefix", "tiercache:")
     if not isinstance(prefix, str):
         raise ConfigError(f"{p}prefix", f"expected a string, got {type(prefix).__name__}")
