@@ -84,6 +84,71 @@ def test_gather_scatter_round_trip(kind: str) -> None:
         assert not sel_rest.view(torch.uint8).any()  # nothing else written
 
 
+@pytest.mark.parametrize("kind", LAYOUTS)
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize(
+    "ids",
+    [[9, 3, 4, 5, 0, 15], [0, 1, 2, 3, 4, 5, 6, 7], [14, 12, 10, 8, 6, 4, 2, 0], [7]],
+)
+def test_host_scatter_writes_what_the_general_path_writes(
+    monkeypatch, kind: str, strided: bool, ids: list[int]
+) -> None:
+    """The CPU engine's scatter by numpy slices (`_scatter_on_host`, an NVMe load's sink) and
+    the general path by `copy_rows` write the same bytes, and only into the blocks named: from
+    contiguous rows and from strided ones (a read buffer's payload columns behind 64-byte
+    headers, as `Tier.read_to` hands them over); many short runs fall back to `index_copy_`."""
+    caches, _ = make_kv(kind, NB)
+    layout = KVLayout(caches, NB)
+    g = torch.Generator().manual_seed(len(ids) * 7 + strided)
+    n, bb = len(ids), layout.block_bytes
+    if strided:
+        run = torch.randint(0, 256, (n, 64 + bb + 40), dtype=torch.uint8, generator=g)
+        src = run[:, 64 : 64 + bb]
+        assert src.stride(0) != bb
+    else:
+        src = torch.randint(0, 256, (n, bb), dtype=torch.uint8, generator=g)
+    for t in caches.values():
+        t.zero_()
+    taken: list[bool] = []
+    real = KVLayout._scatter_on_host
+
+    def spy(self, block_ids, rows):
+        taken.append(real(self, block_ids, rows))
+        return taken[-1]
+
+    monkeypatch.setattr(KVLayout, "_scatter_on_host", spy)
+    layout.scatter(ids, src)
+    fast = {k: t.clone() for k, t in caches.items()}
+    assert taken == [
+        len(paired_runs(ids, range(n))) <= kv_layout.FEW_RUNS
+        or n * min(s.nbytes for s in layout.segments)
+        >= kv_layout.LOOP_MIN_BYTES * len(paired_runs(ids, range(n)))
+    ]
+    monkeypatch.setattr(KVLayout, "_scatter_on_host", lambda self, block_ids, rows: False)
+    for t in caches.values():
+        t.zero_()
+    layout.scatter(ids, src)
+    for k, t in caches.items():
+        assert torch.equal(fast[k].view(torch.uint8), t.view(torch.uint8)), k
+    back = torch.empty((n, bb), dtype=torch.uint8)
+    layout.gather(ids, back)
+    assert torch.equal(back, src)
+
+
+def test_host_scatter_refuses_block_ids_out_of_range() -> None:
+    caches, _ = make_kv("separate", NB)
+    layout = KVLayout(caches, NB)
+    src = torch.ones((2, layout.block_bytes), dtype=torch.uint8)
+    before = {k: t.clone() for k, t in caches.items()}
+    with pytest.raises(IndexError, match="out of range"):
+        layout.scatter([NB - 1, NB], src)
+    with pytest.raises(IndexError, match="out of range"):
+        layout.scatter([-1, 0], src)
+    assert all(
+        torch.equal(before[k].view(torch.uint8), t.view(torch.uint8)) for k, t in caches.items()
+    )
+
+
 def test_a_jobs_block_ids_are_indexed_once_for_every_segment(monkeypatch) -> None:
     """Every segment of a job copies the same block ids: their index tensor (on CUDA a
     host->device copy each) is made once, not once per layer (bench/bench_transfer.py --layers

@@ -253,6 +253,7 @@ class KVLayout:
         self._pool_kinds: dict[int, tuple[int, tuple[bool, bool]]] = {}
         self.block_bytes = offset * block_size_factor
         self._table: batched.ChunkTable | None = None
+        self._host_rows: list[tuple[int, int, int, int, np.ndarray]] | None = None
         self.copy_mode = os.environ.get("TIERCACHE_CUDA_COPY", "auto")
 
     @property
@@ -525,6 +526,8 @@ class KVLayout:
         from where they are, by layers."""
         n = src.shape[0]
         self._check_ids(block_ids, n)
+        if self._scatter_on_host(block_ids, src):
+            return
         if n > 1 and src.stride(0) != src.shape[1] and self.factor > 1:
             # Strided rows of several engine blocks each: one pass per engine block of a row
             # (its columns are again rows of one engine-block record each).
@@ -545,12 +548,64 @@ class KVLayout:
         for seg, view in zip(self.segments, self._records(src), strict=True):
             copy_rows(seg.rows, block_ids, view, dense, plan=plan)
 
+    def _scatter_on_host(self, block_ids: Sequence[int], src: torch.Tensor) -> bool:
+        """`scatter` on a CPU engine from host rows of one engine block each (strided rows
+        too), by numpy slice copies straight from `src`: what `copy_rows` would do per
+        segment, without its per-call views and checks (an NVMe load calls this once per
+        run of slots read: ~20% of the load's CPU went there). False where it does not
+        apply (another device or mode, several engine blocks a row, many short runs: there
+        `index_copy_` is faster) and the general path copies."""
+        if (
+            self.device.type != "cpu"
+            or src.device.type != "cpu"
+            or self._copy_mode not in ("auto", "layers")
+            or src.dtype != torch.uint8
+            or src.dim() != 2
+            or src.shape[1] != self.engine_block_bytes
+            or (src.shape[0] > 1 and src.stride(1) != 1)
+        ):
+            return False
+        rows = self._host_rows
+        if rows is None:
+            rows = self._host_rows = [
+                (seg.offset, seg.nbytes, seg.chunks, seg.chunk_bytes, _host_view(seg, self))
+                for seg in self.segments
+            ]
+        n = src.shape[0]
+        runs = paired_runs(block_ids, range(n))
+        if len(runs) > FEW_RUNS and min(r[1] for r in rows) * n < LOOP_MIN_BYTES * len(runs):
+            return False
+        nb = self.num_blocks
+        for d, _, k in runs:  # a slice past the end would copy less, silently: refuse it
+            if d < 0 or d + k > nb:
+                raise IndexError(
+                    f"copy_rows: rows {d}..{d + k} out of range ({nb} destination rows)"
+                )
+        host = src.numpy()
+        for offset, nbytes, chunks, chunk_bytes, dst in rows:
+            part = host[:, offset : offset + nbytes].reshape(n, chunks, chunk_bytes)
+            for d, s, k in runs:
+                np.copyto(dst[d : d + k], part[s : s + k])
+        return True
+
     def __repr__(self) -> str:
         return (
             f"KVLayout(device={self.device}, num_blocks={self.num_blocks}, "
             f"segments={len(self.segments)}, engine_block_bytes={self.engine_block_bytes}, "
             f"factor={self.factor})"
         )
+
+
+def _host_view(seg: Segment, layout: KVLayout) -> np.ndarray:
+    """A segment's rows as a uint8 numpy view `[num_blocks, chunks, chunk_bytes]` of the
+    engine's memory (never a copy: writes through it must land in the engine)."""
+    base = seg.rows.numpy()
+    out = base.view(np.uint8).reshape(layout.num_blocks, seg.chunks, seg.chunk_bytes)
+    if out.__array_interface__["data"][0] != base.__array_interface__["data"][0] or (
+        out.base is None
+    ):
+        raise AssertionError("a segment's host view is not a view")
+    return out
 
 
 # -- row copies ----------------------------------------------------------------------------
