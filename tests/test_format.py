@@ -96,3 +96,28 @@ def test_wrong_destination_size() -> None:
     head, stored = fmt.encode_block(KEY, b"y" * 64, namespace=1, seq=1)
     with pytest.raises(BlockCorruptError, match="expected 32"):
         fmt.decode_payload(fmt.decode_header(head), stored, np.empty(32, dtype=np.uint8))
+
+
+def test_is_raw_block_accepts_exactly_what_decoding_accepts() -> None:
+    """`is_raw_block` (NVMe's read path, knowing the seq from its index) says yes only where
+    decode_header + header_problem + verify would, for that key, namespace, length and seq."""
+    key, ns, seq = bytes(range(16)), fmt.namespace_id("m"), 77
+    payload = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    header, stored = fmt.encode_block(key, payload, namespace=ns, seq=seq)
+    slot = bytearray(header + bytes(stored) + b"\0" * 100)  # a slot: header, payload, slack
+    view = memoryview(slot)
+    assert fmt.is_raw_block(view, key, ns, 4096, seq)
+    h = fmt.decode_header(view)
+    assert fmt.header_problem(h, key, ns, 4096) is None
+    fmt.verify(h, view[fmt.HEADER_SIZE : fmt.HEADER_SIZE + 4096])
+    assert not fmt.is_raw_block(view, key, ns, 4096, seq + 1)  # another write of the key
+    assert not fmt.is_raw_block(view, bytes(16), ns, 4096, seq)
+    assert not fmt.is_raw_block(view, key, ns + 1, 4096, seq)
+    assert not fmt.is_raw_block(view, key, ns, 4095, seq)
+    for at in (0, 8, 30, 60, fmt.HEADER_SIZE, fmt.HEADER_SIZE + 4095):
+        bad = bytearray(slot)
+        bad[at] ^= 0x01
+        assert not fmt.is_raw_block(memoryview(bad), key, ns, 4096, seq), at
+    zeros = bytes(4096)  # compresses: another codec, never "raw"
+    header, stored = fmt.encode_block(key, zeros, namespace=ns, seq=seq, compression="zstd")
+    assert not fmt.is_raw_block(memoryview(header + bytes(stored) + zeros), key, ns, 4096, seq)

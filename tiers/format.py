@@ -8,6 +8,8 @@ Primitives:
   key, namespace and raw length (the one check every reader makes); `is_header_of` on bytes,
   and `header_check(ns, length)`, the same on bytes as a function of (buf, key) for probes.
 - `decode_payload(header, stored, dst)`: verifies the checksum, decompresses into `dst`.
+- `is_raw_block(buf, key, ns, raw_len, seq)`: one compare and the checksum, for a reader
+  that knows every header field (NVMe: the index names each slot's seq).
 - `namespace_id(namespace) -> int`: the 64-bit namespace tag stamped into each header.
 
 Header, little-endian, `HEADER_SIZE` = 64 bytes:
@@ -204,6 +206,22 @@ def verify(header: BlockHeader, stored: bytes | memoryview) -> None:
     h.update(stored)
     if h.intdigest() != header.checksum:
         raise BlockCorruptError("checksum mismatch")
+
+
+def is_raw_block(buf: memoryview, key: bytes, namespace: int, raw_len: int, seq: int) -> bool:
+    """Whether `buf` (a header, then at least `raw_len` payload bytes) holds exactly the raw
+    block `key` of `namespace`, `raw_len` bytes, written as `seq`, checksum verified: one
+    compare against the header these fields make, and the checksum (a reader that knows the
+    seq, NVMe from its index, skips decoding the header). False says nothing more: the
+    caller decodes the header to learn what is wrong, or that the block is compressed."""
+    prefix = _HEAD.pack(
+        MAGIC, FORMAT_VERSION, CODEC_RAW, 0, key, namespace, raw_len, raw_len, seq, 0
+    )
+    if buf[: _HEAD.size] != prefix:
+        return False
+    h = xxhash.xxh3_64(prefix)
+    h.update(buf[HEADER_SIZE : HEADER_SIZE + raw_len])
+    return h.intdigest() == int.from_bytes(buf[_HEAD.size : HEADER_SIZE], "little")
 
 
 def decode_payload(

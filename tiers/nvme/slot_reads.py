@@ -37,6 +37,7 @@ from tiercache.tiers.format import (
     decode_header,
     decode_payload,
     header_problem,
+    is_raw_block,
     verify,
 )
 from tiercache.tiers.nvme.io import SlotPipeline, SlotRun, _Buffer, slot_runs
@@ -98,6 +99,17 @@ class SlotReads:
             return BlockCorruptError(f"block holds {h.raw_len} bytes, expected {self._bb}")
         return h
 
+    def _plain(self, i: int, view: memoryview, got: int) -> bool:
+        """Whether position i's slot holds exactly the raw block its index entry names,
+        verified (`is_raw_block`); False: `_header` and `_decode` tell what it holds."""
+        seq = self._seqs.item(self._slots[i])
+        return (
+            seq != 0
+            and self._ns is not None
+            and got >= HEADER_SIZE + self._bb
+            and is_raw_block(view, self.keys[i], self._ns, self._bb, seq)
+        )
+
     def _decode(self, i: int, view: memoryview, got: int, row: np.ndarray) -> BaseException | None:
         """Check position i and decode its payload into `row` (verifies the checksum first)."""
         h = self._header(i, view, got)
@@ -141,7 +153,12 @@ class SlotReads:
                     res = got
                 else:
                     view = buf.view[k * sb : (k + 1) * sb]
-                    res = self._decode(i, view, min(got - k * sb, sb), rows[i])
+                    n = min(got - k * sb, sb)
+                    if self._plain(i, view, n):
+                        rows[i] = view[HEADER_SIZE : HEADER_SIZE + self._bb]
+                        self.results[i] = None
+                        continue
+                    res = self._decode(i, view, n, rows[i])
                 if isinstance(res, OSError) and run.count > 1:
                     one = self._alone(i)
                     if isinstance(one, BaseException):
@@ -190,6 +207,10 @@ class SlotReads:
                 else:
                     view = buf.view[k * sb : (k + 1) * sb]
                     n = min(got - k * sb, sb)
+                    if self._plain(i, view, n):
+                        ready.append((k, i))
+                        self.results[i] = None
+                        continue
                     h = self._header(i, view, n)
                     if isinstance(h, BaseException):
                         res = h
