@@ -74,7 +74,7 @@ def test_the_siblings_tier_follows_each_nvme_tier_under_head_shards(tmp_path: Pa
     assert kinds == [
         ("cpu", "cpu", None),
         ("nvme", "nvme", 1),
-        ("nvme-siblings", "nvme-siblings", None),
+        ("nvme-siblings", "nvme-siblings", 1),  # its own instance: not read
     ]
     assert shared.config.write_through == [False, True, False]  # never written through
     per_rank = resolve_rank_config(

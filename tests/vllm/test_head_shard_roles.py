@@ -14,7 +14,13 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tiercache.connectors.common import SharedStore, acquire_store, release_store, resolve_config
+from tiercache.connectors.common import (
+    SharedStore,
+    acquire_store,
+    release_store,
+    resolve_config,
+    with_nvme_siblings,
+)
 from tiercache.connectors.vllm import TierCacheConnectorMetadata
 from tiercache.connectors.vllm_kv import KVSettings, KVWorker, LoadJob, StoreJob
 from tiercache.hashing import prefix_hashes
@@ -35,10 +41,17 @@ def _engine(tp: int, fill: torch.Tensor | None = None, rank: int = 0) -> dict[st
 
 
 def _settings(root: Path, tp: int, rank: int) -> KVSettings:
-    user = {"tiers": [{"kind": "cpu", "blocks": 4}, {"kind": "lmdb", "path": str(root)}]}
+    """Rank `rank` of `tp`: CPU + LMDB at `root`, or, where `root` is named ``nvme``, CPU +
+    NVMe as the connector resolves it under head shards (instance `rank` with TP > 1, and
+    the other instances read-only: `with_nvme_siblings`)."""
+    lower: dict[str, Any] = {"kind": "lmdb", "path": str(root), "blocks": 64}
+    if root.name == "nvme":
+        lower = {"kind": "nvme", "path": str(root), "blocks": 64}
+        if tp > 1:
+            lower["instance"] = rank
+    user = with_nvme_siblings({"tiers": [{"kind": "cpu", "blocks": 4}, lower]})
     shards = HeadShards(SHARDS, tp, rank)
     engine_bytes = (H // tp) * BS * 2 * HS * 4 * L
-    user["tiers"][1]["blocks"] = 64
     config = resolve_config(user, block_size=BS, namespace="heads-roles")
     return KVSettings(
         config,
@@ -126,15 +139,30 @@ def _whole(kv: list[dict[str, torch.Tensor]], tp: int) -> torch.Tensor:
     return torch.cat(per_rank, dim=2) if tp > 1 else per_rank[0]
 
 
-@pytest.mark.parametrize(("store_tp", "load_tp"), [(2, 1), (1, 2), (4, 2), (2, 2)])
-def test_what_one_tp_size_stores_another_loads(tmp_path: Path, store_tp: int, load_tp: int) -> None:
+@pytest.mark.parametrize(
+    ("store_tp", "load_tp", "tier"),
+    [
+        (2, 1, "lmdb"),
+        (1, 2, "lmdb"),
+        (4, 2, "lmdb"),
+        (2, 2, "lmdb"),
+        (2, 1, "nvme"),
+        (1, 2, "nvme"),
+    ],
+)
+def test_what_one_tp_size_stores_another_loads(
+    tmp_path: Path, store_tp: int, load_tp: int, tier: str
+) -> None:
+    """Through LMDB (one store), and through NVMe alone: each rank writes its own instance
+    and reads the others' read-only (TP 1 -> 2: rank 1's shards in instance 0, rank 0's;
+    TP 2 -> 1: shards 2..3 in instance 1)."""
     ref = torch.randn((L, NB, H, BS, 2 * HS), generator=torch.Generator().manual_seed(7))
     keys = prefix_hashes(list(range(N * BS)), BS, namespace="heads-roles")
     src = (1, 2, 3, 4, 5)
-    stats = _store(tmp_path / "lmdb", store_tp, ref, keys, src)
+    stats = _store(tmp_path / tier, store_tp, ref, keys, src)
     assert stats.get("stored_blocks") == N * store_tp, stats  # each rank counts its blocks
     dst = (7, 0, 6, 2, 3)
-    kv, errors = _load(tmp_path / "lmdb", load_tp, keys, dst)
+    kv, errors = _load(tmp_path / tier, load_tp, keys, dst)
     assert errors == set()
     got = _whole(kv, load_tp)
     for s, d in zip(src, dst, strict=True):

@@ -48,15 +48,23 @@ RELOAD_S = 1.0  # the journals are read again at most this often (on a stale slo
 
 class Siblings:
     """The NVMe instances under `path` whose blocks are `block_bytes` long, read-only, except
-    those a process `skip_pid` holds open (its own); `find` and `reader` are safe from any
-    thread."""
+    instance `skip` (the rank's own) or, without one, those process `skip_pid` holds open;
+    `find` and `where` are safe from any thread."""
 
-    def __init__(self, path: str, block_bytes: int, namespace: str, skip_pid: int | None) -> None:
+    def __init__(
+        self,
+        path: str,
+        block_bytes: int,
+        namespace: str,
+        *,
+        skip: int | None = None,
+        skip_pid: int | None = None,
+    ) -> None:
         self.path = os.path.abspath(path)
         self._block_bytes = block_bytes
         self._ns = namespace_id(namespace)
         self._check = header_check(self._ns, block_bytes)
-        self._skip_pid = skip_pid
+        self._skip, self._skip_pid = skip, skip_pid
         self._lock = threading.Lock()
         self.readers: dict[int, NVMeStoreReader] = {}  # instance -> its reader
         self._index: dict[bytes, tuple[int, int]] = {}  # key -> (instance, slot)
@@ -77,12 +85,16 @@ class Siblings:
             self._loaded = now
             index: dict[bytes, tuple[int, int]] = {}
             for k, d in self._dirs():
+                if k == self._skip:
+                    continue
                 r = self.readers.get(k)
                 try:
                     if r is None:
                         r = NVMeStoreReader(d)
                         if r.block_bytes != self._block_bytes or (
-                            self._skip_pid is not None and r.holder() == self._skip_pid
+                            self._skip is None
+                            and self._skip_pid is not None
+                            and r.holder() == self._skip_pid
                         ):
                             r.close()  # another block size, or this process's own instance
                             continue
@@ -139,7 +151,7 @@ class SiblingsProbe:
     """`StoreProbe` over every instance of an NVMe path (the scheduler's, read-only)."""
 
     def __init__(self, path: str, block_bytes: int, namespace: str) -> None:
-        self._siblings = Siblings(path, block_bytes, namespace, skip_pid=None)
+        self._siblings = Siblings(path, block_bytes, namespace)
 
     def probe(self, keys: Sequence[bytes]) -> int:
         return self._siblings.probe(keys)
@@ -157,14 +169,22 @@ class NVMeSiblingsTier(Tier):
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
     read_only: ClassVar[bool] = True
-    OPTIONS: ClassVar = {"path": str}
+    # path: the NVMe tier's; instance: the rank's own (not read; without it, the instances
+    # this process holds open are not read)
+    OPTIONS: ClassVar = {"path": str, "instance": int}
 
     def __init__(
-        self, *, name: str = "nvme-siblings", block_bytes: int, path: str, namespace: str = ""
+        self,
+        *,
+        name: str = "nvme-siblings",
+        block_bytes: int,
+        path: str,
+        namespace: str = "",
+        instance: int | None = None,
     ) -> None:
         if not isinstance(path, str) or not path:
             raise ConfigError("path", f"expected a directory path, got {path!r}")
-        sib = Siblings(path, block_bytes, namespace, skip_pid=os.getpid())
+        sib = Siblings(path, block_bytes, namespace, skip=instance, skip_pid=os.getpid())
         slots = sum(r.slots for r in sib.readers.values())
         super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=max(1, slots))
         self._siblings = sib
@@ -176,8 +196,13 @@ class NVMeSiblingsTier(Tier):
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> NVMeSiblingsTier:
         if "path" not in cfg.options:
             raise ConfigError(f"{cfg.field}.path", f"an {cls.kind!r} tier needs a directory path")
+        o = cfg.options
         return cls(
-            name=cfg.name, block_bytes=block_bytes, path=cfg.options["path"], namespace=namespace
+            name=cfg.name,
+            block_bytes=block_bytes,
+            path=o["path"],
+            namespace=namespace,
+            instance=o.get("instance"),
         )
 
     @classmethod
