@@ -229,3 +229,35 @@ def test_the_scheduler_counts_a_shard_where_its_owner_holds_it() -> None:
     assert blocks(idx) == 2
     idx.suspend({"CPU": 60.0})
     assert blocks(idx) == 0
+
+
+def test_the_scheduler_finds_a_ranks_shards_in_another_ranks_nvme_instance(
+    tmp_path: Path,
+) -> None:
+    """TP 1 -> 2 on NVMe alone: instance 0 (rank 0's) holds every shard. The index counts
+    rank 1's shards there as no hits (rank 0's tier), but the siblings probe, which reads
+    every instance of the path read-only as rank 1's siblings tier does, finds them: whole
+    blocks hit. A shard no instance holds ends the hit at its block."""
+    from tiercache.connectors.vllm_kv.remote_index import RemoteIndex
+    from tiercache.tiers.nvme.siblings import SiblingsProbe
+
+    ref = torch.randn((L, NB, H, BS, 2 * HS), generator=torch.Generator().manual_seed(9))
+    keys = prefix_hashes(list(range(N * BS)), BS, namespace="heads-roles")
+    _store(tmp_path / "nvme", 1, ref, keys[:3], (1, 2, 3))  # TP=1: blocks 0..2, all shards
+    shards = HeadShards(SHARDS, 2, 0)
+    look = shards.all_keys(keys)
+    bb = _settings(tmp_path / "nvme", 2, 0).block_bytes
+    probe = SiblingsProbe(str(tmp_path / "nvme"), bb, "heads-roles")
+    # Head shards: one set of probes for every rank (they share their paths).
+    idx = RemoteIndex(2, lambda *a, **kw: None, [[("nvme-siblings", probe)]], None, shards)
+    try:
+        idx.apply(0, tuple(look[: 3 * SHARDS]), "nvme", False)  # rank 0 recovered them all
+        deadline = time.monotonic() + 30
+        while (n := idx.lookup(look, "r")) is None:
+            assert time.monotonic() < deadline
+        assert n == 3 * SHARDS  # blocks 0..2 whole; block 3 held nowhere
+    finally:
+        idx.shutdown()
+    bare = RemoteIndex(2, lambda *a, **kw: None, None, None, shards)
+    bare.apply(0, tuple(look[: 3 * SHARDS]), "nvme", False)
+    assert bare.lookup(look) == 2  # without the siblings: rank 0's first shards only
