@@ -198,9 +198,10 @@ def test_a_block_missing_one_shard_is_a_miss_for_the_whole_block(tmp_path: Path)
 
 def test_the_scheduler_counts_a_shard_where_its_owner_holds_it() -> None:
     """Remote placement: a shard is a hit where the rank that owns it holds it. A TP=1 store
-    reopened by TP=2 ranks sits in rank 0's private NVMe whole, rank 1's shards too; only
-    rank 0 can read that tier, so rank 1's shards there are no hits (offered, each lookup
-    would plan a load that fails until they age out)."""
+    reopened by TP=2 ranks sits in rank 0's private NVMe whole, rank 1's shards too; the
+    index counts them as rank 0's tier's: no hits by the index alone (rank 1 reads them
+    through its siblings tier, and the scheduler finds them with the siblings probe: the
+    next test)."""
     from tiercache.connectors.vllm_kv.remote_index import RemoteIndex
 
     shards = HeadShards(SHARDS, 2, 0)  # the scheduler's view: 2 shards per rank
