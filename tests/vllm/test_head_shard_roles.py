@@ -257,6 +257,15 @@ def test_the_scheduler_finds_a_ranks_shards_in_another_ranks_nvme_instance(
         while (n := idx.lookup(look, "r")) is None:
             assert time.monotonic() < deadline
         assert n == 3 * SHARDS  # blocks 0..2 whole; block 3 held nowhere
+        # A same-TP engine's miss: no journal names the key, so the probe is not run (the
+        # scheduler answers from memory, without waiting for the probe thread).
+        asked: list[int] = []
+        real = probe.probe
+        probe.probe = lambda keys: asked.append(len(keys)) or real(keys)  # type: ignore[method-assign]
+        assert idx.lookup(look[3 * SHARDS :], "s") == 0 and asked == []
+        while (n := idx.lookup(look, "t")) is None:
+            assert time.monotonic() < deadline
+        assert n == 3 * SHARDS and asked  # keys a journal names: probed
     finally:
         idx.shutdown()
     bare = RemoteIndex(2, lambda *a, **kw: None, None, None, shards)

@@ -156,6 +156,11 @@ class SiblingsProbe:
     def probe(self, keys: Sequence[bytes]) -> int:
         return self._siblings.probe(keys)
 
+    def may_hold(self, key: bytes) -> bool:
+        """False when no instance's journal names `key` (from memory, no I/O): the
+        scheduler's index then answers a miss without waiting for the probe thread."""
+        return self._siblings.where(key) is not None
+
     def close(self) -> None:
         self._siblings.close()
 
