@@ -216,3 +216,15 @@ def test_a_siblings_tier_refuses_writes(tmp_path: Path) -> None:
         assert os.path.exists(tmp_path / "slab")
     finally:
         t.close()
+
+
+def test_the_siblings_index_keeps_keys_ending_in_zero_bytes() -> None:
+    """Numpy's fixed-width bytes drop trailing zero bytes; the index must not confuse keys
+    that differ only there, and a newer entry of a key wins."""
+    from tiercache.tiers.nvme.siblings import _Index
+
+    a, b = b"k" + bytes(15), b"k" + bytes(14) + b"\x01"
+    idx = _Index([a, b, a], [(1 << 40) | 5, 7, 9])
+    assert idx.get(a) == (0, 9) and idx.get(b) == (0, 7)
+    assert idx.get(b"k") is None and idx.get(bytes(16)) is None and len(idx) == 2
+    assert _Index([], []).get(a) is None

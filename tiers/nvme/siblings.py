@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from tiercache.errors import BlockCorruptError, ConfigError
@@ -44,6 +45,33 @@ from tiercache.tiers.nvme.layout import instance_dirs
 from tiercache.tiers.nvme.reader import NVMeStoreReader
 
 RELOAD_S = 1.0  # the journals are read again at most this often (on a stale slot)
+_SLOT_BITS = 40  # an index entry packs (instance, slot) as instance << 40 | slot
+
+
+class _Index:
+    """key -> (instance, slot) as two sorted numpy columns, no Python object per block (a
+    same-TP rank indexes its siblings' every block, and asks for none of them): 17 bytes
+    of key (the 16 and a 0x01, so numpy's fixed-width bytes keep trailing zero bytes) and 8
+    of place per block."""
+
+    def __init__(self, keys: list[bytes], places: list[int]) -> None:
+        k = np.array([x + b"\x01" for x in keys], dtype="S17")
+        v = np.array(places, dtype=np.int64)
+        # The last entry of a key wins (entries come oldest first): unique over the reversed
+        # columns keeps each key's first occurrence there.
+        self._keys, first = np.unique(k[::-1], return_index=True)
+        self._places = v[::-1][first]
+
+    def get(self, key: bytes) -> tuple[int, int] | None:
+        probe = key + b"\x01"
+        i = int(np.searchsorted(self._keys, probe))
+        if i == len(self._keys) or self._keys[i] != probe:
+            return None
+        place = int(self._places[i])
+        return place >> _SLOT_BITS, place & ((1 << _SLOT_BITS) - 1)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class Siblings:
@@ -67,7 +95,7 @@ class Siblings:
         self._skip, self._skip_pid = skip, skip_pid
         self._lock = threading.Lock()
         self.readers: dict[int, NVMeStoreReader] = {}  # instance -> its reader
-        self._index: dict[bytes, tuple[int, int]] = {}  # key -> (instance, slot)
+        self._index = _Index([], [])  # key -> (instance, slot)
         self._loaded = float("-inf")
         self.reload(force=True)
 
@@ -83,7 +111,8 @@ class Siblings:
             if not force and now - self._loaded < RELOAD_S:
                 return False
             self._loaded = now
-            index: dict[bytes, tuple[int, int]] = {}
+            keys: list[bytes] = []
+            places: list[int] = []
             for k, d in self._dirs():
                 if k == self._skip:
                     continue
@@ -103,9 +132,10 @@ class Siblings:
                         r.reload()
                 except (OSError, ConfigError, ValueError):
                     continue  # not (yet) a readable store: none of its blocks
-                for e in r.entries:  # oldest first: a newer entry of a key wins
-                    index[e.key] = (k, e.slot)
-            self._index = index
+                keys += (e.key for e in r.entries)  # oldest first: a newer entry of a key wins
+                places += ((k << _SLOT_BITS) | e.slot for e in r.entries)
+                r.entries = []  # indexed here: no object per block kept
+            self._index = _Index(keys, places)
             return True
 
     def where(self, key: bytes) -> tuple[int, int] | None:
@@ -144,7 +174,7 @@ class Siblings:
             for r in self.readers.values():
                 r.close()
             self.readers.clear()
-            self._index = {}
+            self._index = _Index([], [])
 
 
 class SiblingsProbe:
