@@ -333,6 +333,7 @@ class CacheConfig:
         persistent = [tier_class(t.kind).persistent for t in self.tiers]
         return [
             i > 0
+            and not tier_class(t.kind).read_only  # written never (NVMe siblings)
             and (
                 t.write_policy == "write-through"
                 or (t.write_policy is None and persistent[i] and not persistent[i - 1])

@@ -15,8 +15,8 @@ OffloadingManager shape, on 16-byte prefix keys):
 - admission on reuse (per tier): a block enters such a tier (demotion, write-around,
   write-through) only once it has been sighted twice (stored or loaded), remembered in a
   bounded ghost map of keys (`tiercache.admission.Sightings`);
-- `prepare_promote(keys)`: plan copies of lower-tier hits into the first tier;
-- `discard(keys)`: drop blocks found corrupt; `take_events()`; `stats()`;
+- `prepare_promote(keys)`: copies of lower-tier hits into the first tier; `discard(keys)`:
+  drop blocks found corrupt; `take_events()`; `stats()`; a read-only tier is written never;
 - `suspend(tier)` / `record_ok(tier)`: the circuit breaker (`tiercache.breaker`). A tier that
   missed a load deadline is skipped by lookups (and by loads, where a faster or slower copy
   exists) for a back-off period, then tried again by itself.
@@ -27,7 +27,6 @@ OffloadingManager shape, on 16-byte prefix keys):
   `reading(tier, slots)` is False (a slot freed meanwhile goes back to its tier when the last
   read ends). Adapters' plans run on a transfer engine whose store into the slot waits only
   for the move's read: their blocks are not served while they move.
-
 - dormant blocks: what a persistent tier recovered at open without handing it over
   (`Tier.open_columns`, tiers/dormant.py). The manager keeps no state for them: a lookup or a
   store that reaches one wakes it (adopts it, in every tier holding it dormant), and a tier
@@ -117,6 +116,8 @@ class OffloadingManager:
         self._through = ThroughQueue(write_through, len(tiers), write_through_queue)
         admit = admit_flags(admit_on_reuse, len(tiers))
         self._admit_mask = sum(lv.bit for lv in self._levels if admit[lv.index])
+        # Tiers a demotion asks (`_admitted`): admitting on reuse, or read-only.
+        self._gated = self._admit_mask | sum(lv.bit for lv in self._levels if lv.tier.read_only)
         # The admission ghosts: sightings of as many keys as the largest admitting tier holds.
         self._seen = Sightings(
             max((lv.tier.capacity_blocks for lv in self._levels if admit[lv.index]), default=0)
@@ -150,13 +151,8 @@ class OffloadingManager:
         mask = self._ready.get(key, 0)
         if not mask and leaving and key in self._leaving:
             return [self._leaving[key][0]]
-        if (
-            not mask
-            and self._sleepers
-            and key not in self._present
-            and key not in self._moving
-            and self._wake_keys((key,))
-        ):
+        asleep = not mask and self._sleepers and key not in self._present
+        if asleep and key not in self._moving and self._wake_keys((key,)):
             mask = self._ready.get(key, 0)
         return [lv.index for lv in self._levels if mask & lv.bit]
 
@@ -661,7 +657,7 @@ class OffloadingManager:
         for lv in self._levels[level.index + 1 :] if demote else ():
             if lv.bit & off:
                 continue
-            fit = set(self._admitted(lv, demote) if lv.bit & self._admit_mask else demote)
+            fit = set(self._admitted(lv, demote) if lv.bit & self._gated else demote)
             keys = [k for k in demote if k in fit]
             slots = [s for k, s in zip(demote, demote_slots, strict=True) if k in fit]
             if keys and self._demote_into(lv, level, keys, slots, moves):
@@ -755,8 +751,10 @@ class OffloadingManager:
 
     # -- admission on reuse, write-through -------------------------------------------------
     def _admitted(self, level: Level, keys: Sequence[bytes]) -> list[bytes]:
-        """The keys `level` takes: all, or with admission on reuse those sighted twice (the
-        rest are counted as not admitted)."""
+        """The keys `level` takes: all, none (read-only), or with admission on reuse those
+        sighted twice (the rest are counted as not admitted)."""
+        if level.tier.read_only:
+            return []
         if not level.bit & self._admit_mask:
             return list(keys)
         out = self._seen.reused(keys)
@@ -872,7 +870,8 @@ class OffloadingManager:
         Complete each move with `complete_store(move.keys)`.
         """
         off = self._breaker.mask()
-        persistent = [lv for lv in self._levels if lv.tier.persistent and not off & lv.bit]
+        ok = [lv for lv in self._levels if not (off & lv.bit or lv.tier.read_only)]
+        persistent = [lv for lv in ok if lv.tier.persistent]
         if not persistent:
             return []
         pmask = sum(lv.bit for lv in persistent)

@@ -19,6 +19,7 @@ _KINDS: dict[str, str] = {
     "cpu": "tiercache.tiers.cpu:CPUTier",
     "gpu": "tiercache.tiers.gpu:GPUTier",
     "nvme": "tiercache.tiers.nvme:NVMeTier",
+    "nvme-siblings": "tiercache.tiers.nvme.siblings:NVMeSiblingsTier",
     "lmdb": "tiercache.tiers.lmdb:LMDBTier",
     "redis": "tiercache.tiers.redis:RedisTier",
 }

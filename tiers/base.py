@@ -11,8 +11,9 @@ A tier knows bytes, never policies or other tiers. Primitives:
   `recover_columns()` the same as two lists; `open_columns()` the part of it the manager
   adopts at open, the rest left dormant (`dormant_blocks`, `find_dormant`, `wake`,
   `wake_oldest`, `open_keys`: see tiers/dormant.py);
-- capability flags: `persistent`, `shared` (between processes); shared tiers also `probe`,
-  `adopt`, `take_gone`, and `open_probe` (a read-only `StoreProbe` for another process);
+- capability flags: `persistent`, `shared` (between processes), `read_only` (written never);
+  shared tiers also `probe`, `adopt`, `take_gone`, and `open_probe` (a read-only
+  `StoreProbe` for another process);
 - `sort_failed(keys, failed)`: the one rule for a read's failed blocks, used by every path
   that reads a tier (the facade, the transfer engine, the adapters): gone (a plain miss) or
   an error;
@@ -77,6 +78,9 @@ class Tier(ABC):
     kind: ClassVar[str] = ""
     persistent: ClassVar[bool] = False
     shared: ClassVar[bool] = False
+    # True for a tier that only serves what others wrote (NVMe siblings): the manager plans
+    # no store, demotion, write-through or write-back into it.
+    read_only: ClassVar[bool] = False
     # True where `capacity_blocks` bounds the whole store (every process and TP rank that
     # writes to it evicts by it: LMDB), not what this instance indexes (Redis: the server's
     # maxmemory bounds the store).

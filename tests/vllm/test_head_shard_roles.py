@@ -14,7 +14,13 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tiercache.connectors.common import SharedStore, acquire_store, release_store, resolve_config
+from tiercache.connectors.common import (
+    SharedStore,
+    acquire_store,
+    release_store,
+    resolve_config,
+    with_nvme_siblings,
+)
 from tiercache.connectors.vllm import TierCacheConnectorMetadata
 from tiercache.connectors.vllm_kv import KVSettings, KVWorker, LoadJob, StoreJob
 from tiercache.hashing import prefix_hashes
@@ -35,10 +41,17 @@ def _engine(tp: int, fill: torch.Tensor | None = None, rank: int = 0) -> dict[st
 
 
 def _settings(root: Path, tp: int, rank: int) -> KVSettings:
-    user = {"tiers": [{"kind": "cpu", "blocks": 4}, {"kind": "lmdb", "path": str(root)}]}
+    """Rank `rank` of `tp`: CPU + LMDB at `root`, or, where `root` is named ``nvme``, CPU +
+    NVMe as the connector resolves it under head shards (instance `rank` with TP > 1, and
+    the other instances read-only: `with_nvme_siblings`)."""
+    lower: dict[str, Any] = {"kind": "lmdb", "path": str(root), "blocks": 64}
+    if root.name == "nvme":
+        lower = {"kind": "nvme", "path": str(root), "blocks": 64}
+        if tp > 1:
+            lower["instance"] = rank
+    user = with_nvme_siblings({"tiers": [{"kind": "cpu", "blocks": 4}, lower]})
     shards = HeadShards(SHARDS, tp, rank)
     engine_bytes = (H // tp) * BS * 2 * HS * 4 * L
-    user["tiers"][1]["blocks"] = 64
     config = resolve_config(user, block_size=BS, namespace="heads-roles")
     return KVSettings(
         config,
@@ -126,15 +139,30 @@ def _whole(kv: list[dict[str, torch.Tensor]], tp: int) -> torch.Tensor:
     return torch.cat(per_rank, dim=2) if tp > 1 else per_rank[0]
 
 
-@pytest.mark.parametrize(("store_tp", "load_tp"), [(2, 1), (1, 2), (4, 2), (2, 2)])
-def test_what_one_tp_size_stores_another_loads(tmp_path: Path, store_tp: int, load_tp: int) -> None:
+@pytest.mark.parametrize(
+    ("store_tp", "load_tp", "tier"),
+    [
+        (2, 1, "lmdb"),
+        (1, 2, "lmdb"),
+        (4, 2, "lmdb"),
+        (2, 2, "lmdb"),
+        (2, 1, "nvme"),
+        (1, 2, "nvme"),
+    ],
+)
+def test_what_one_tp_size_stores_another_loads(
+    tmp_path: Path, store_tp: int, load_tp: int, tier: str
+) -> None:
+    """Through LMDB (one store), and through NVMe alone: each rank writes its own instance
+    and reads the others' read-only (TP 1 -> 2: rank 1's shards in instance 0, rank 0's;
+    TP 2 -> 1: shards 2..3 in instance 1)."""
     ref = torch.randn((L, NB, H, BS, 2 * HS), generator=torch.Generator().manual_seed(7))
     keys = prefix_hashes(list(range(N * BS)), BS, namespace="heads-roles")
     src = (1, 2, 3, 4, 5)
-    stats = _store(tmp_path / "lmdb", store_tp, ref, keys, src)
+    stats = _store(tmp_path / tier, store_tp, ref, keys, src)
     assert stats.get("stored_blocks") == N * store_tp, stats  # each rank counts its blocks
     dst = (7, 0, 6, 2, 3)
-    kv, errors = _load(tmp_path / "lmdb", load_tp, keys, dst)
+    kv, errors = _load(tmp_path / tier, load_tp, keys, dst)
     assert errors == set()
     got = _whole(kv, load_tp)
     for s, d in zip(src, dst, strict=True):
@@ -170,9 +198,10 @@ def test_a_block_missing_one_shard_is_a_miss_for_the_whole_block(tmp_path: Path)
 
 def test_the_scheduler_counts_a_shard_where_its_owner_holds_it() -> None:
     """Remote placement: a shard is a hit where the rank that owns it holds it. A TP=1 store
-    reopened by TP=2 ranks sits in rank 0's private NVMe whole, rank 1's shards too; only
-    rank 0 can read that tier, so rank 1's shards there are no hits (offered, each lookup
-    would plan a load that fails until they age out)."""
+    reopened by TP=2 ranks sits in rank 0's private NVMe whole, rank 1's shards too; the
+    index counts them as rank 0's tier's: no hits by the index alone (rank 1 reads them
+    through its siblings tier, and the scheduler finds them with the siblings probe: the
+    next test)."""
     from tiercache.connectors.vllm_kv.remote_index import RemoteIndex
 
     shards = HeadShards(SHARDS, 2, 0)  # the scheduler's view: 2 shards per rank
@@ -201,3 +230,44 @@ def test_the_scheduler_counts_a_shard_where_its_owner_holds_it() -> None:
     assert blocks(idx) == 2
     idx.suspend({"CPU": 60.0})
     assert blocks(idx) == 0
+
+
+def test_the_scheduler_finds_a_ranks_shards_in_another_ranks_nvme_instance(
+    tmp_path: Path,
+) -> None:
+    """TP 1 -> 2 on NVMe alone: instance 0 (rank 0's) holds every shard. The index counts
+    rank 1's shards there as no hits (rank 0's tier), but the siblings probe, which reads
+    every instance of the path read-only as rank 1's siblings tier does, finds them: whole
+    blocks hit. A shard no instance holds ends the hit at its block."""
+    from tiercache.connectors.vllm_kv.remote_index import RemoteIndex
+    from tiercache.tiers.nvme.siblings import SiblingsProbe
+
+    ref = torch.randn((L, NB, H, BS, 2 * HS), generator=torch.Generator().manual_seed(9))
+    keys = prefix_hashes(list(range(N * BS)), BS, namespace="heads-roles")
+    _store(tmp_path / "nvme", 1, ref, keys[:3], (1, 2, 3))  # TP=1: blocks 0..2, all shards
+    shards = HeadShards(SHARDS, 2, 0)
+    look = shards.all_keys(keys)
+    bb = _settings(tmp_path / "nvme", 2, 0).block_bytes
+    probe = SiblingsProbe(str(tmp_path / "nvme"), bb, "heads-roles")
+    # Head shards: one set of probes for every rank (they share their paths).
+    idx = RemoteIndex(2, lambda *a, **kw: None, [[("nvme-siblings", probe)]], None, shards)
+    try:
+        idx.apply(0, tuple(look[: 3 * SHARDS]), "nvme", False)  # rank 0 recovered them all
+        deadline = time.monotonic() + 30
+        while (n := idx.lookup(look, "r")) is None:
+            assert time.monotonic() < deadline
+        assert n == 3 * SHARDS  # blocks 0..2 whole; block 3 held nowhere
+        # A same-TP engine's miss: no journal names the key, so the probe is not run (the
+        # scheduler answers from memory, without waiting for the probe thread).
+        asked: list[int] = []
+        real = probe.probe
+        probe.probe = lambda keys: asked.append(len(keys)) or real(keys)  # type: ignore[method-assign]
+        assert idx.lookup(look[3 * SHARDS :], "s") == 0 and asked == []
+        while (n := idx.lookup(look, "t")) is None:
+            assert time.monotonic() < deadline
+        assert n == 3 * SHARDS and asked  # keys a journal names: probed
+    finally:
+        idx.shutdown()
+    bare = RemoteIndex(2, lambda *a, **kw: None, None, None, shards)
+    bare.apply(0, tuple(look[: 3 * SHARDS]), "nvme", False)
+    assert bare.lookup(look) == 2  # without the siblings: rank 0's first shards only

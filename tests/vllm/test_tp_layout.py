@@ -35,11 +35,17 @@ fresh TP=2 engine, hits both ranks' persistent tiers; RC, fresh once rank 1's pe
 stores are corrupted, recomputes what rank 1 cannot load. Outputs equal TP=2 without a
 connector (the phase A baseline).
 
+NVMe alone (CPU + NVMe, no shared tier; a store of its own): N1 (TP=1, multiprocess) stores
+P1; N2, a fresh TP=2 engine, loads P1 (TP=1 -> TP=2: rank 1 reads its shards in instance
+0, read-only) and stores P2; N3, a fresh TP=1 engine (multiprocess), loads P2 (TP=2 ->
+TP=1: shards 2..3 in instance 1). Outputs equal the same TP size without a connector.
+
 Timing: each TP=2 engine start costs tens of seconds on two cores, so the engines are shared
 by the tests and run together where the order allows, in three phases: the two baselines
-with E1 (and RA); E2 with the refused engine (a store of its own) and RB; E3 with E4 (and
-RC). The refused engine and RA to RC run only when their tests do: not under
-``-m every_vllm``.
+with E1 (and RA, N1); E2 with the refused engine (a store of its own), RB and N2; E3 with E4
+(and RC, N3). The refused engine, RA to RC and N1 to N3 run only when their tests do: not
+under ``-m every_vllm``. N1 to N3 add about 50 s to the file (2026-11-27, 2-core VM under
+load: 205 s without them, 258 s with).
 """
 
 from __future__ import annotations
@@ -96,6 +102,17 @@ def _kv(root: Path, **extra: Any) -> dict[str, Any]:
     }
 
 
+def _nvme_kv(root: Path) -> dict[str, Any]:
+    """CPU + NVMe only (no shared tier), under `root`: what a fresh engine hits came from the
+    NVMe instances on this host, its own or, read-only, another rank's (the siblings)."""
+    kv = _kv(root)
+    kv["kv_connector_extra_config"]["config"]["tiers"] = [
+        {"kind": "cpu", "blocks": 64},
+        {"kind": "nvme", "path": str(root / "nvme"), "blocks": 256},
+    ]
+    return kv
+
+
 def _rank_kv(root: Path, *, telemetry: bool = False) -> dict[str, Any]:
     """tp_layout "rank": CPU + NVMe + LMDB under `root`, each rank its own store (its own
     ``tp{r}of2`` under every persistent path); with `telemetry`, each rank its own telemetry
@@ -124,6 +141,7 @@ def _rank_kv(root: Path, *, telemetry: bool = False) -> dict[str, Any]:
 # are not): the settings ("heads" refused) and tp_layout "rank".
 SETTINGS_TESTS = ("test_heads_layout_",)
 RANK_TESTS = ("test_rank_layout_",)
+NVME_TESTS = ("test_nvme_alone_",)
 RANK_SET = "q1"  # the prompt set of RA, RB and RC
 
 
@@ -263,6 +281,12 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def nvme_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The NVMe-only store (N1 to N3)."""
+    return tmp_path_factory.mktemp("tp-layout-nvme")
+
+
+@pytest.fixture(scope="module")
 def rank_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tp_layout "rank"'s store (RA to RC)."""
     return tmp_path_factory.mktemp("tp-layout-rank")
@@ -280,6 +304,7 @@ class PhaseA:
     r_records: int
     deleted: int
     rank_a: dict[str, Any] | None = None
+    nvme_1: dict[str, Any] | None = None
 
 
 def _lmdb_keys(path: Path) -> set[bytes]:
@@ -297,6 +322,7 @@ def phase_a(
     sets: dict[str, list[list[int]]],
     root: Path,
     rank_root: Path,
+    nvme_root: Path,
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> PhaseA:
@@ -307,7 +333,10 @@ def phase_a(
 
     Between the two, once P1's write-through copies reached LMDB, this process reads the
     store's keys: those E1 adds afterwards are R's. Once E1 is done, one of R's records (one
-    head shard of one block) is deleted: a block missing one shard (E4 loads R)."""
+    head shard of one block) is deleted: a block missing one shard (E4 loads R).
+
+    With them, if a test of NVME_TESTS runs: N1, TP=1 (multiprocess) on a CPU + NVMe store
+    of its own, stores P1."""
     flags = tmp_path_factory.mktemp("tp-layout-e1")
     p1_done, go_on = flags / "p1-stored", flags / "go-on"
     batches = [_one(sets[name]) for name in BASELINE_BATCHES]
@@ -329,6 +358,10 @@ def phase_a(
         one = _one(sets[RANK_SET])
         ra = [{**one, "reset_prefix_cache": True}, one]
         specs.append(_spec(model, _rank_kv(rank_root, telemetry=True), ra, tensor_parallel_size=2))
+    nvme = _selected(request, NVME_TESTS)
+    if nvme:  # N1, TP=1 (multiprocess) on the NVMe-only store: stores P1
+        n1 = [_one(sets["p1"], reset_prefix_cache=True), _tick()]
+        specs.append(_spec(model, _nvme_kv(nvme_root), n1, multiprocessing=True))
     with _together(engine, *specs) as running:
         running[2].wait_for(p1_done, timeout=600)
         p1_keys = _lmdb_keys(root / "lmdb")
@@ -351,7 +384,10 @@ def phase_a(
     rank_a = results[3] if rank else None
     if rank_a is not None:
         _report("RA (TP=2, rank)", rank_a)
-    return PhaseA(out, e1_result, len(p1_keys), len(r_keys), deleted, rank_a)
+    nvme_1 = results[-1] if nvme else None
+    if nvme_1 is not None:
+        _report("N1 (TP=1, NVMe only)", nvme_1)
+    return PhaseA(out, e1_result, len(p1_keys), len(r_keys), deleted, rank_a, nvme_1)
 
 
 @pytest.fixture(scope="module")
@@ -373,6 +409,7 @@ class PhaseB:
     e2: dict[str, Any]
     refused_error: str = ""
     rank_b: dict[str, Any] | None = None
+    nvme_2: dict[str, Any] | None = None
 
 
 @pytest.fixture(scope="module")
@@ -382,7 +419,8 @@ def phase_b(
     sets: dict[str, list[list[int]]],
     root: Path,
     rank_root: Path,
-    e1: dict[str, Any],
+    nvme_root: Path,
+    phase_a: PhaseA,
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> PhaseB:
@@ -391,7 +429,10 @@ def phase_b(
     - on a store of its own, a TP=2 engine with tp_layout "heads" and max_tp 1 (2 does not
       divide 1), which must not start; only if a test of SETTINGS_TESTS is selected;
     - RB, a fresh TP=2 engine on RA's store (tp_layout "rank"): RANK_SET; only if a test of
-      RANK_TESTS is selected."""
+      RANK_TESTS is selected;
+    - N2, a fresh TP=2 engine on N1's NVMe-only store: loads P1 (TP=1 -> TP=2: rank 1's
+      shards sit in instance 0, rank 0's), then stores P2; only if a test of NVME_TESTS is
+      selected."""
     specs = [_spec(model, _kv(root), [_one(sets["p1"]), _one(sets["p2"])], multiprocessing=True)]
     refused = _selected(request, SETTINGS_TESTS)
     if refused:
@@ -402,6 +443,10 @@ def phase_b(
     if rank:
         rb = [_one(sets[RANK_SET])]
         specs.append(_spec(model, _rank_kv(rank_root), rb, tensor_parallel_size=2))
+    nvme = phase_a.nvme_1 is not None
+    if nvme:
+        n2 = [_one(sets["p1"]), _one(sets["p2"], reset_prefix_cache=True), _tick()]
+        specs.append(_spec(model, _nvme_kv(nvme_root), n2, tensor_parallel_size=2))
     error = ""
     with _together(engine, *specs) as running:
         if refused:
@@ -410,11 +455,15 @@ def phase_b(
             except RuntimeError as exc:
                 error = str(exc)
         results = _results([r for i, r in enumerate(running) if not (refused and i == 1)])
-    e2_result, rank_b = results[0], (results[-1] if rank else None)
+    e2_result = results[0]
+    rank_b = results[1] if rank else None
+    nvme_2 = results[-1] if nvme else None
     _report("E2 (TP=1, multiprocess)", e2_result)
     if rank_b is not None:
         _report("RB (TP=2, rank)", rank_b)
-    return PhaseB(e2_result, error, rank_b)
+    if nvme_2 is not None:
+        _report("N2 (TP=2, NVMe only)", nvme_2)
+    return PhaseB(e2_result, error, rank_b, nvme_2)
 
 
 @pytest.fixture(scope="module")
@@ -434,6 +483,7 @@ class PhaseC:
     e3: dict[str, Any]
     e4: dict[str, Any]
     rank_c: dict[str, Any] | None = None
+    nvme_3: dict[str, Any] | None = None
 
 
 @pytest.fixture(scope="module")
@@ -443,7 +493,8 @@ def phase_c(
     sets: dict[str, list[list[int]]],
     root: Path,
     rank_root: Path,
-    e2: dict[str, Any],
+    nvme_root: Path,
+    phase_b: PhaseB,
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
     kv_connector_module: ModuleType,
@@ -457,7 +508,10 @@ def phase_c(
     loads the other's set.
 
     With them, if its test runs: RC, a fresh TP=2 engine on RA's store once RB is done and
-    rank 1's persistent stores (NVMe payloads, LMDB headers) are corrupted: RANK_SET."""
+    rank 1's persistent stores (NVMe payloads, LMDB headers) are corrupted: RANK_SET.
+
+    And, if N2 ran: N3, a fresh TP=1 engine (multiprocess) on the NVMe-only store: P2
+    (TP=2 -> TP=1: shards 2..3 sit in instance 1, which it reads read-only)."""
     flags = tmp_path_factory.mktemp("tp-layout-flags")
     e3_done, e4_done = flags / "e3-stored", flags / "e4-stored"
     e3 = [
@@ -484,6 +538,10 @@ def phase_c(
             assert corrupt(rank_root / tier / "tp1of2", payload=payload) > 0
         rc = [_one(sets[RANK_SET])]
         specs.append(_spec(model, _rank_kv(rank_root), rc, tensor_parallel_size=2))
+    nvme = phase_b.nvme_2 is not None
+    if nvme:
+        n3 = [_one(sets["p2"])]
+        specs.append(_spec(model, _nvme_kv(nvme_root), n3, multiprocessing=True))
     with _together(engine, *specs) as running:
         results = _results(running)
     _report("E3 (TP=1, in process)", results[0])
@@ -491,7 +549,10 @@ def phase_c(
     rank_c = results[2] if rank else None
     if rank_c is not None:
         _report("RC (TP=2, rank, rank 1 corrupted)", rank_c)
-    return PhaseC(results[0], results[1], rank_c)
+    nvme_3 = results[-1] if nvme else None
+    if nvme_3 is not None:
+        _report("N3 (TP=1, NVMe only)", nvme_3)
+    return PhaseC(results[0], results[1], rank_c, nvme_3)
 
 
 @pytest.fixture(scope="module")
@@ -641,3 +702,40 @@ def test_rank_layout_tp2_matches_restarts_and_survives_one_corrupted_rank(
     # RC: rank 1 cannot load its corrupted shards; vLLM recomputes them: same tokens.
     assert c["batches"][0]["outputs"] == want
     assert sum(c["batches"][0]["num_cached_tokens"]) < full * N_PROMPTS
+
+
+def _discovered(result: dict[str, Any], medium: str = "nvme-siblings") -> list[int]:
+    """Per store snapshot (per rank with TP > 1), the blocks its siblings tier found."""
+    return [int(s["stats"].get(medium, {}).get("discovered", 0)) for s in _snapshots(result)]
+
+
+def test_nvme_alone_tp1_stores_tp2_loads(
+    phase_b: PhaseB,
+    phase_a: PhaseA,
+    sets: dict[str, list[list[int]]],
+    baselines: dict[int, dict[str, list[list[int]]]],
+    nvme_root: Path,
+) -> None:
+    """CPU + NVMe only: N1 (TP=1) stored P1 in instance 0; N2, a fresh TP=2 engine, hits it.
+    Rank 0 reads its shards in its own instance (0), rank 1 its shards there read-only (a
+    sibling), and the scheduler counts a block only with every shard found."""
+    n1, n2 = phase_a.nvme_1, phase_b.nvme_2
+    assert n1 is not None and n2 is not None
+    assert n1["batches"][0]["outputs"] == baselines[1]["p1"], _facts(n1)
+    assert_loads(n2, 0, sets["p1"], baselines[2]["p1"])
+    assert n2["batches"][1]["outputs"] == baselines[2]["p2"], _facts(n2)
+    assert _discovered(n2)[-1] > 0, _facts(n2)  # rank 1: from instance 0, read-only
+    assert (nvme_root / "nvme" / "instance1" / "meta.json").is_file()  # rank 1's own
+
+
+def test_nvme_alone_tp2_stores_tp1_loads(
+    phase_c: PhaseC,
+    sets: dict[str, list[list[int]]],
+    baselines: dict[int, dict[str, list[list[int]]]],
+) -> None:
+    """N2 (TP=2) stored P2: shards 0..1 in instance 0, 2..3 in instance 1. N3, a fresh TP=1
+    engine (multiprocess), owns instance 0 and reads instance 1 read-only."""
+    n3 = phase_c.nvme_3
+    assert n3 is not None
+    assert_loads(n3, 0, sets["p2"], baselines[1]["p2"])
+    assert sum(_discovered(n3)) > 0, _facts(n3)

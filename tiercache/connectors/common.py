@@ -19,6 +19,7 @@ Primitives:
   path (`instance = dp_rank`: rank 0 the path itself, rank r ``path/instance{r}``), so a
   restarted rank finds its blocks again. `resolve_rank_config(..., dp_rank=, dp_size=)`
   applies it under the TP resolution (NVMe paths ``path/tp{t}of{n}/instance{r}``).
+  `with_nvme_siblings(user)`: head shards, every rank also reads the other NVMe instances.
 - `per_rank_telemetry(user, *, tp_rank, tp_size, dp_rank, dp_size) -> dict`: each rank's
   own telemetry directory (``dir/tp{t}of{n}``) and Prometheus port (+ its rank index).
 - `acquire_store(config, block_bytes) -> SharedStore` / `release_store(store)` / `find_store`:
@@ -431,7 +432,8 @@ def resolve_rank_config(
 
     `shared` (head shards, `tiercache.connectors.tp_layout`): every TP rank uses the paths as
     given, so ranks of every TP size share one store per tier; each (DP, TP) rank opens an
-    NVMe instance of its own (one writer per instance)."""
+    NVMe instance of its own (one writer per instance) and reads the others' read-only
+    (`with_nvme_siblings`)."""
     mapping = dict(user) if shared else per_rank_config(user, tp_rank=tp_rank, tp_size=tp_size)
     mapping = per_rank_telemetry(
         mapping, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size
@@ -442,9 +444,36 @@ def resolve_rank_config(
     )
     setter = "the (data-parallel, tensor-parallel) rank" if shared else "the data-parallel rank"
     mapping = per_dp_rank_config(mapping, dp_rank=instance, dp_size=instances, setter=setter)
+    if shared:
+        mapping = with_nvme_siblings(mapping)
     config = resolve_config(mapping, block_size=block_size, namespace=store_namespace)
     keys = _user_prefixed(user, key_namespace)
     return RankConfig(config, keys, tp_rank, tp_size, dp_rank, dp_size, shared)
+
+
+def with_nvme_siblings(user: Mapping[str, Any]) -> dict[str, Any]:
+    """The user's config mapping with, right below each NVMe tier, an ``nvme-siblings``
+    tier of the same path (named ``{name}-siblings``): the other instances there, read-only
+    (tiers/nvme/siblings.py). Under head shards a rank's shards may sit in another rank's
+    instance (written at another TP size): this is how the rank finds them. Nothing is
+    written into a sibling; a block loaded from one is promoted into the rank's own tiers.
+    The siblings tier skips the NVMe tier's `instance` (0 without one; with `instances` or
+    `instance_env`, whichever this process holds)."""
+    m = dict(user)
+    tiers = m.get("tiers")
+    if not isinstance(tiers, list | tuple):
+        return m  # (a malformed tiers list: resolve_config reports the problem)
+    out: list[Any] = []
+    for t in tiers:
+        out.append(t)
+        path = t.get("path") if isinstance(t, Mapping) and t.get("kind") == "nvme" else None
+        if isinstance(path, str | Path) and str(path):
+            sib = {"kind": "nvme-siblings", "name": f"{t.get('name', 'nvme')}-siblings"}
+            sib |= {"path": str(path), "blocks": 1}
+            own = t.get("instance", None if {"instances", "instance_env"} & set(t) else 0)
+            out.append(sib if own is None else {**sib, "instance": own})
+    m["tiers"] = out
+    return m
 
 
 def prepare_rank_dirs(rank: RankConfig) -> None:

@@ -58,6 +58,14 @@ class RemoteIndex:
             ThreadPoolExecutor(1, thread_name_prefix="tiercache-probe") if self._probes else None
         )
         self._shared_mediums = frozenset(m for rank in self._probes for m, _ in rank)
+        # Where every probe can tell from memory that it lacks a key (`may_hold`: NVMe
+        # siblings), a miss none may hold is answered here, without the probe thread.
+        probes = [p for rank in self._probes for _, p in rank]
+        self._may_hold = (
+            [p.may_hold for p in probes]  # type: ignore[attr-defined]
+            if probes and all(hasattr(p, "may_hold") for p in probes)
+            else None
+        )
         self._probing: dict[str, tuple[tuple[Any, ...], Future[list[int]]]] = {}
         # key -> rank -> mediums holding it
         self._index: dict[bytes, dict[int, set[str]]] = {}
@@ -127,6 +135,8 @@ class RemoteIndex:
             n = sum(1 for _ in itertools.takewhile(held, keys))
         if n == len(keys) or self._probe_pool is None:
             return n
+        if self._may_hold is not None and not any(f(keys[n]) for f in self._may_hold):
+            return n  # no probe can find the first key missing: no thread to wait for
         # Per rank, which keys from n on the index vouches for (a private tier holds them):
         # taken here, so the probe thread never reads the index while this thread changes it.
         if self._shards is not None:  # the ranks share their shared tiers: one set of probes

@@ -1,0 +1,330 @@
+"""`NVMeSiblingsTier`: read-only access to the other instances of an NVMe store path, for a
+rank whose blocks another rank's instance holds (head shards after a TP change: a TP=1 engine
+restarted as TP=2 finds rank 1's shards in instance 0, which rank 0 owns; see
+docs/tp-layout.md).
+
+Primitives:
+- `Siblings`: the instances under one path (`path`, `path/instance{k}`) as offline readers
+  (`NVMeStoreReader`: no lock, nothing written), and one index key -> (instance, slot) of
+  what their journals named when last read; `find(key)` checks the slot's header (key,
+  namespace, length), reading the journals again (at most every `RELOAD_S`) when a slot
+  no longer holds what they said.
+- `NVMeSiblingsTier`: a shared, read-only tier over the siblings of this process's own
+  instances (those this process holds open are skipped): `probe` finds keys there, `adopt`
+  indexes them under slots of its own (each mapped to an instance and slot), `read`
+  verifies header, key and checksum as every NVMe read does. A slot the owner freed and
+  wrote again since its journal was read is a plain miss (`take_gone`), never an error.
+  It never writes: the manager plans no store, demotion or write-back into a read-only
+  tier, and `write` refuses.
+- `SiblingsProbe`: the scheduler's read-only `StoreProbe` over every instance of the path
+  (each rank reads every instance: its own as its tier, the others as siblings).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from tiercache.errors import BlockCorruptError, ConfigError
+from tiercache.tiers.base import Tier, check_blocks
+from tiercache.tiers.format import (
+    HEADER_SIZE,
+    decode_header,
+    decode_payload,
+    header_check,
+    header_problem,
+    namespace_id,
+)
+from tiercache.tiers.nvme.layout import instance_dirs
+from tiercache.tiers.nvme.reader import NVMeStoreReader
+
+RELOAD_S = 1.0  # the journals are read again at most this often (on a stale slot)
+_SLOT_BITS = 40  # an index entry packs (instance, slot) as instance << 40 | slot
+
+
+class _Index:
+    """key -> (instance, slot) as two sorted numpy columns, no Python object per block (a
+    same-TP rank indexes its siblings' every block, and asks for none of them): 17 bytes
+    of key (the 16 and a 0x01, so numpy's fixed-width bytes keep trailing zero bytes) and 8
+    of place per block."""
+
+    def __init__(self, keys: list[bytes], places: list[int]) -> None:
+        k = np.array([x + b"\x01" for x in keys], dtype="S17")
+        v = np.array(places, dtype=np.int64)
+        # The last entry of a key wins (entries come oldest first): unique over the reversed
+        # columns keeps each key's first occurrence there.
+        self._keys, first = np.unique(k[::-1], return_index=True)
+        self._places = v[::-1][first]
+
+    def get(self, key: bytes) -> tuple[int, int] | None:
+        probe = key + b"\x01"
+        i = int(np.searchsorted(self._keys, probe))
+        if i == len(self._keys) or self._keys[i] != probe:
+            return None
+        place = int(self._places[i])
+        return place >> _SLOT_BITS, place & ((1 << _SLOT_BITS) - 1)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class Siblings:
+    """The NVMe instances under `path` whose blocks are `block_bytes` long, read-only, except
+    instance `skip` (the rank's own) or, without one, those process `skip_pid` holds open;
+    `find` and `where` are safe from any thread."""
+
+    def __init__(
+        self,
+        path: str,
+        block_bytes: int,
+        namespace: str,
+        *,
+        skip: int | None = None,
+        skip_pid: int | None = None,
+    ) -> None:
+        self.path = os.path.abspath(path)
+        self._block_bytes = block_bytes
+        self._ns = namespace_id(namespace)
+        self._check = header_check(self._ns, block_bytes)
+        self._skip, self._skip_pid = skip, skip_pid
+        self._lock = threading.Lock()
+        self.readers: dict[int, NVMeStoreReader] = {}  # instance -> its reader
+        self._index = _Index([], [])  # key -> (instance, slot)
+        self._loaded = float("-inf")
+        self.reload(force=True)
+
+    def _dirs(self) -> list[tuple[int, str]]:
+        found = [(0, self.path)] if os.path.exists(os.path.join(self.path, "meta.json")) else []
+        return found + instance_dirs(self.path)
+
+    def reload(self, *, force: bool = False) -> bool:
+        """Read the journals again (and look for new instances), unless done within
+        `RELOAD_S`; whether it did."""
+        now = time.monotonic()
+        with self._lock:
+            if not force and now - self._loaded < RELOAD_S:
+                return False
+            self._loaded = now
+            keys: list[bytes] = []
+            places: list[int] = []
+            for k, d in self._dirs():
+                if k == self._skip:
+                    continue
+                r = self.readers.get(k)
+                try:
+                    if r is None:
+                        r = NVMeStoreReader(d)
+                        if r.block_bytes != self._block_bytes or (
+                            self._skip is None
+                            and self._skip_pid is not None
+                            and r.holder() == self._skip_pid
+                        ):
+                            r.close()  # another block size, or this process's own instance
+                            continue
+                        self.readers[k] = r
+                    else:
+                        r.reload()
+                except (OSError, ConfigError, ValueError):
+                    continue  # not (yet) a readable store: none of its blocks
+                keys += (e.key for e in r.entries)  # oldest first: a newer entry of a key wins
+                places += ((k << _SLOT_BITS) | e.slot for e in r.entries)
+                r.entries = []  # indexed here: no object per block kept
+            self._index = _Index(keys, places)
+            return True
+
+    def where(self, key: bytes) -> tuple[int, int] | None:
+        """(instance, slot) the journals last named for `key`, unchecked."""
+        return self._index.get(key)
+
+    def find(self, key: bytes) -> tuple[int, int] | None:
+        """(instance, slot) holding a well-formed header of `key` (namespace, length), else
+        None; a stale entry reads the journals again (rate-limited) and retries once."""
+        for attempt in (0, 1):
+            at = self._index.get(key)
+            if at is not None and self._holds(at, key):
+                return at
+            if attempt or at is None or not self.reload():
+                return None
+        return None
+
+    def _holds(self, at: tuple[int, int], key: bytes) -> bool:
+        r = self.readers.get(at[0])
+        try:
+            return r is not None and self._check(r.read_slot(at[1], HEADER_SIZE), key)
+        except (OSError, ValueError):
+            return False
+
+    def probe(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` some instance holds (headers checked)."""
+        n = 0
+        for k in keys:
+            if self.find(k) is None:
+                break
+            n += 1
+        return n
+
+    def close(self) -> None:
+        with self._lock:
+            for r in self.readers.values():
+                r.close()
+            self.readers.clear()
+            self._index = _Index([], [])
+
+
+class SiblingsProbe:
+    """`StoreProbe` over every instance of an NVMe path (the scheduler's, read-only)."""
+
+    def __init__(self, path: str, block_bytes: int, namespace: str) -> None:
+        self._siblings = Siblings(path, block_bytes, namespace)
+
+    def probe(self, keys: Sequence[bytes]) -> int:
+        return self._siblings.probe(keys)
+
+    def may_hold(self, key: bytes) -> bool:
+        """False when no instance's journal names `key` (from memory, no I/O): the
+        scheduler's index then answers a miss without waiting for the probe thread."""
+        return self._siblings.where(key) is not None
+
+    def close(self) -> None:
+        self._siblings.close()
+
+
+class NVMeSiblingsTier(Tier):
+    """Blocks other NVMe instances of one path hold, read-only (see the module doc). Its
+    slots are its own numbering: each adopted slot maps to (instance, slot) there. Its
+    capacity is every sibling slot, so it can index all of them at once."""
+
+    kind: ClassVar[str] = "nvme-siblings"
+    persistent: ClassVar[bool] = True
+    shared: ClassVar[bool] = True
+    read_only: ClassVar[bool] = True
+    # path: the NVMe tier's; instance: the rank's own (not read; without it, the instances
+    # this process holds open are not read)
+    OPTIONS: ClassVar = {"path": str, "instance": int}
+
+    def __init__(
+        self,
+        *,
+        name: str = "nvme-siblings",
+        block_bytes: int,
+        path: str,
+        namespace: str = "",
+        instance: int | None = None,
+    ) -> None:
+        if not isinstance(path, str) or not path:
+            raise ConfigError("path", f"expected a directory path, got {path!r}")
+        sib = Siblings(path, block_bytes, namespace, skip=instance, skip_pid=os.getpid())
+        slots = sum(r.slots for r in sib.readers.values())
+        super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=max(1, slots))
+        self._siblings = sib
+        self._ns = namespace_id(namespace)
+        self._at: dict[int, tuple[int, int]] = {}  # our slot -> (instance, slot)
+        self._gone = threading.local()  # keys a read on this thread found gone
+
+    @classmethod
+    def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> NVMeSiblingsTier:
+        if "path" not in cfg.options:
+            raise ConfigError(f"{cfg.field}.path", f"an {cls.kind!r} tier needs a directory path")
+        o = cfg.options
+        return cls(
+            name=cfg.name,
+            block_bytes=block_bytes,
+            path=o["path"],
+            namespace=namespace,
+            instance=o.get("instance"),
+        )
+
+    @classmethod
+    def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> SiblingsProbe | None:
+        return SiblingsProbe(cfg.options["path"], block_bytes, namespace)
+
+    @property
+    def siblings(self) -> list[int]:
+        """The instances read, by number."""
+        return sorted(self._siblings.readers)
+
+    # -- finding and indexing ----------------------------------------------------------------
+    def probe(self, keys: Sequence[bytes]) -> int:
+        return self._siblings.probe(keys)
+
+    def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
+        at = [self._siblings.where(k) for k in keys]
+        if any(a is None for a in at):  # reloaded since the probe: ask again
+            return None
+        slots = self.allocate(keys)
+        if slots is not None:
+            for s, a in zip(slots, at, strict=True):
+                self._at[s] = a  # type: ignore[assignment]
+        return slots
+
+    def free(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self._at.pop(s, None)
+        super().free(slots)
+
+    def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
+        gone: set[bytes] = getattr(self._gone, "keys", set())
+        self._gone.keys = set()
+        return gone & set(keys)
+
+    # -- bytes -------------------------------------------------------------------------------
+    def write(
+        self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> None:
+        raise OSError(f"{self.medium}: read-only (another rank's NVMe instances)")
+
+    def read(
+        self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> list[int]:
+        """Verified reads of sibling slots. A slot that no longer holds its key (the owner
+        freed and wrote it again since its journal was read) is gone: a plain miss."""
+        n = len(slots)
+        check_blocks(dst, n, self.block_bytes, "dst")
+        if keys is None or len(keys) != n:
+            raise ValueError(f"{self.medium}: keys: expected one per slot ({n})")
+        host = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
+        rows = host.numpy()
+        failed: list[int] = []
+        gone: set[bytes] = set()
+        io_errors = 0
+        for i, (s, key) in enumerate(zip(slots, keys, strict=True)):
+            at = self._at.get(s)
+            r = self._siblings.readers.get(at[0]) if at is not None else None
+            try:
+                if r is None:
+                    raise BlockCorruptError("instance no longer read")
+                buf = r.read_slot(at[1])  # type: ignore[index]
+                header = decode_header(buf)
+                problem = header_problem(header, key, self._ns, self.block_bytes)
+                if problem is not None:
+                    raise BlockCorruptError(problem)
+                stored = memoryview(buf)[HEADER_SIZE : HEADER_SIZE + header.stored_len]
+                decode_payload(header, stored, rows[i])
+            except BlockCorruptError:
+                failed.append(i)
+                gone.add(key)  # the owner moved on: not ours to call damaged
+            except OSError:
+                failed.append(i)
+                io_errors += 1
+        if gone:
+            self._siblings.reload()
+        self._gone.keys = gone
+        if n and io_errors == n:
+            raise OSError(f"{self.medium}: no block could be read")
+        if host is not dst:
+            dst.copy_(host)
+        return failed
+
+    def close(self) -> None:
+        if not self._closed:
+            self._siblings.close()
+        super().close()
+
+
+__all__ = ["NVMeSiblingsTier", "Siblings", "SiblingsProbe"]
