@@ -198,6 +198,20 @@ def heads_prober(
     it once per key, passes two arguments, not seven."""
 
     def leading(txn: lmdb.Transaction, keys: Sequence[bytes]) -> int:
+        if len(keys) == 1:  # a single-key lookup's probe: the loop below, unrolled
+            k = keys[0]
+            sk = nsb + k
+            try:
+                head = txn.get(sk, None, heads)
+                if head is None:
+                    return 0
+                if ours(head, k) and txn.get(nsb + head[HEADER_SIZE:], None, order) == k:
+                    return 1
+            except lmdb.Error:
+                return 0
+            if bad is not None:
+                bad(sk, bytes(head))
+            return 0
         get = txn.get
         n = 0
         try:
