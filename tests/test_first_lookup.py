@@ -24,7 +24,8 @@ from tests.campaign_children import first_lookups
 from tests.campaign_support import blocks, key, payload, run_child
 from tiercache import TierCache
 from tiercache.tiers import lmdb as lmdb_tier
-from tiercache.tiers.format import namespace_id
+from tiercache.tiers.format import header_check, namespace_id
+from tiercache.tiers.lmdb.layout import heads_prober
 
 BB = 256
 IN_A = list(range(8))  # stored in namespace "a", the one the lookups open
@@ -70,6 +71,33 @@ def same_but_path(fast: dict[str, Any], general: dict[str, Any]) -> None:
     for name in ("answers", "stats", "tier", "events", "held_after"):
         assert fast[name] == general[name], name
     assert fast["discover_calls"] <= general["discover_calls"]
+
+
+def test_a_one_key_probe_answers_as_the_chain_loop(tmp_path: Path) -> None:
+    # `heads_prober` unrolls its loop for one key (a single-key lookup's probe): every kind
+    # of entry (held, damaged header, seq naming no order entry, another tenant's, stored
+    # nowhere) answers as the loop does for a chain that starts with it, and the malformed
+    # ones are reported alike.
+    build_store(tmp_path / "s")
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=4, readonly=True, lock=False)
+    try:
+        heads = env.open_db(lmdb_tier.HEADS_DB, create=False)
+        order = env.open_db(lmdb_tier.ORDER_DB, create=False)
+        nsb = namespace_id("a").to_bytes(lmdb_tier.NS_BYTES, "big")
+        ours = header_check(namespace_id("a"), BB)
+        bad_one: list[tuple[bytes, bytes]] = []
+        bad_loop: list[tuple[bytes, bytes]] = []
+        one = heads_prober(heads, order, nsb, ours, lambda sk, h: bad_one.append((sk, h)))
+        loop = heads_prober(heads, order, nsb, ours, lambda sk, h: bad_loop.append((sk, h)))
+        with env.begin() as txn:
+            answers = [one(txn, [key(i)]) for i in IDS]
+            # The chain goes on with a key stored nowhere: the loop answers for the first.
+            assert answers == [loop(txn, [key(i), key(12)]) for i in IDS]
+    finally:
+        env.close()
+    assert answers == [int(i in IN_A and i not in (BAD_HEADER, BAD_SEQ)) for i in IDS]
+    assert [sk[-16:] for sk, _ in bad_one] == [key(BAD_HEADER), key(BAD_SEQ)]
+    assert bad_one == bad_loop
 
 
 def test_one_key_first_lookups_answer_as_the_general_path() -> None:

@@ -278,7 +278,8 @@ class TierCache:
         counters alone (a caller checking blocks it asked for already)."""
         keys = check_keys(keys)
         with self._lock:
-            self._check_open()
+            if self._closed:  # `_check_open`, called only to raise: a lookup is hot
+                self._check_open()
             n = self._manager.lookup_ready(keys, count=count, leaving=True)[0]
             self._asked.chain = tuple(keys) if count else None
             return n

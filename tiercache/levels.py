@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection, Container, Iterable, Mapping, 
 from dataclasses import dataclass
 
 from tiercache.policies import EvictionPolicy
+from tiercache.records import OffloadingEvent
 from tiercache.tiers import Tier
 
 
@@ -102,6 +103,34 @@ class Level:
             self.policy.insert_cold(keys)
         else:
             self.policy.insert_many(keys, new=new)
+
+    def take_one(
+        self,
+        ready: dict[bytes, int],
+        keys: Sequence[bytes],
+        events: list[OffloadingEvent],
+        count: bool,
+    ) -> int:
+        """A first lookup of one key (`keys`, of length 1) that no tier indexes, this level's
+        tier the only one, shared, with a free slot: probe the store and, if it holds the key,
+        adopt it (1) or not (0), counted as a hit or a miss unless `count` is False. What the
+        manager's `_discover`, `_adopt_found` and `lookup_ready` do for it (index, policy, the
+        stored event in `events`, `discovered`, hits and misses), in one call: the common first
+        lookup after a lazy open. `ready`: the manager's key -> bitmask of tiers."""
+        tier, c = self.tier, self.counters
+        if not tier.probe(keys) or not (slots := tier.adopt(keys)):
+            if count:
+                c.misses += 1
+            return 0
+        k = keys[0]
+        self.slots[k] = slots[0]  # with one tier, the manager's `present` too
+        ready[k] = self.bit
+        self.policy.insert_many(keys, new=True)
+        events.append(OffloadingEvent((k,), self.medium, False))
+        c.discovered += 1
+        if count:
+            c.hits += 1
+        return 1
 
     def evictable(self, ready: Mapping[bytes, int], protect: Collection[bytes], need: int) -> int:
         """How many of the ready blocks the policy may evict (not pinned, not in `protect`),

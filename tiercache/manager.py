@@ -220,6 +220,19 @@ class OffloadingManager:
         (the caller loads with `prepare_load(leaving=True)`)."""
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)  # `_seq`, inline: hot
         off = self._breaker.mask()
+        lone = self._lone
+        if (
+            lone is not None
+            and len(keys) == 1
+            and keys[0] not in self._ready  # (the loop below asks again: a dict now cached)
+            and keys[0] not in lone.slots  # nor held (its store in flight): `present`
+            and not (off or self._sleepers or self._leaving)
+            and keys[0] not in self._moving
+            and lone.tier.free_blocks
+        ):
+            # A first lookup of one key after a lazy open: what the rest does for it (the
+            # loop's `_discover`: probe, then adopt; the counting) without their steps.
+            return lone.take_one(self._ready, keys, self._events, count), False  # not moving
         get = self._ready.get
         out = self._leaving if leaving else None
         if off or out:  # suspended tiers serve nothing: a block held only there is a miss
@@ -236,29 +249,15 @@ class OffloadingManager:
             if not get(k):
                 break
             n += 1
-        lone = self._lone
-        if (
-            not n
-            and lone is not None
-            and len(keys) == 1
-            and not (off or self._sleepers or self._leaving)
-            and keys[0] not in lone.slots  # `present`, with one tier
-            and keys[0] not in self._moving
-            and lone.tier.free_blocks
+        # Where the ready run stops, a dormant run may continue it, then a run a shared
+        # tier holds unindexed, then dormant again (a chain spread over an NVMe and an
+        # LMDB tier after a restart): each step indexes at least one key, so this ends.
+        while n < len(keys) and (
+            (self._sleepers and self._wake_run(keys, n))
+            or (self._shared and keys[n] not in self._moving and self._discover(keys, n, off))
         ):
-            # A first lookup of one key after a lazy open: what the loop below does for it
-            # (`_discover`: probe, then adopt) without the loop's steps.
-            n = self._adopt_found(lone, keys) if lone.tier.probe(keys) else 0
-        else:
-            # Where the ready run stops, a dormant run may continue it, then a run a shared
-            # tier holds unindexed, then dormant again (a chain spread over an NVMe and an
-            # LMDB tier after a restart): each step indexes at least one key, so this ends.
-            while n < len(keys) and (
-                (self._sleepers and self._wake_run(keys, n))
-                or (self._shared and keys[n] not in self._moving and self._discover(keys, n, off))
-            ):
-                while n < len(keys) and get(keys[n]):
-                    n += 1
+            while n < len(keys) and get(keys[n]):
+                n += 1
         missed = len(keys) - n
         if count and self._single:
             c = self._levels[0].counters

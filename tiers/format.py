@@ -176,16 +176,19 @@ def header_check(namespace: int, raw_len: int) -> Callable[[object, bytes], bool
     tail = _IDENT.pack(namespace, raw_len)  # namespace id and raw length, as stored
     raw_stored = tail[8:]  # a raw block's stored length equals its raw length
     codecs = (CODEC_RAW, CODEC_ZSTD) if raw_len % 2 else _CODECS  # shuffle2 needs pairs
-    starts = tuple(_MAGIC_VERSION + bytes((c,)) for c in codecs)  # magic, version, codec
+    starts = frozenset(_MAGIC_VERSION + bytes((c,)) for c in codecs)  # magic, version, codec
 
     def check(buf: object, key: bytes) -> bool:
-        if not isinstance(buf, _BUFFERS) or len(buf) < HEADER_SIZE:
+        if type(buf) is not bytes:  # a probe's LMDB read hands out bytes: tested first
+            if not isinstance(buf, _BUFFERS) or len(buf) < HEADER_SIZE:
+                return False
+            buf = bytes(buf[:_CHECKED])
+        elif len(buf) < HEADER_SIZE:
             return False
-        b = buf if isinstance(buf, bytes) else bytes(buf[:_CHECKED])
         return (
-            b.startswith(starts)
-            and b[8:36] == key + tail
-            and (b[6] != CODEC_RAW or b[36:40] == raw_stored)
+            buf[:7] in starts
+            and buf[8:36] == key + tail
+            and (buf[6] != CODEC_RAW or buf[36:40] == raw_stored)
         )
 
     return check

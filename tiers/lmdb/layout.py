@@ -9,7 +9,7 @@ write transaction every process runs alike.
 - `_StoreTxn`: the bookkeeping of one write transaction (puts, deletes, order entries, each
   namespace's count, eviction beyond a capacity), shared by the tier and offline deletes.
 - `_leading_heads`: how many leading keys have a well-formed header (a lookup's probe), for
-  the tier and `LMDBProbe` alike.
+  the tier and `LMDBProbe` alike; `heads_prober`, the same bound to one store and namespace.
 
 Imports nothing of the package: every other module of it builds on this one."""
 
@@ -182,21 +182,51 @@ def _leading_heads(
     prefix `nsb` (`ours`: `format.header_check` of that namespace and block size) and an
     entry in `order` naming the key at the header's seq (the seq is not covered by the
     checksum). `bad` hears of the entry (store key, head) where the run stops on one that is
-    malformed. Both callers hold `nsb` and `ours` from their open: a single-key lookup's
-    probe runs this once per key."""
-    get = txn.get
-    n = 0
-    try:
-        for k in keys:
+    malformed. A caller probing often holds `heads_prober` from its open instead."""
+    return heads_prober(heads, order, nsb, ours, bad)(txn, keys)
+
+
+def heads_prober(
+    heads: Any,
+    order: Any,
+    nsb: bytes,
+    ours: Callable[[object, bytes], bool],
+    bad: Callable[[bytes, bytes], None] | None = None,
+) -> Callable[[lmdb.Transaction, Sequence[bytes]], int]:
+    """`_leading_heads` over these databases, namespace prefix and checks, as a function of
+    (txn, keys): the tier builds it at its open, and a single-key lookup's probe, which runs
+    it once per key, passes two arguments, not seven."""
+
+    def leading(txn: lmdb.Transaction, keys: Sequence[bytes]) -> int:
+        if len(keys) == 1:  # a single-key lookup's probe: the loop below, unrolled
+            k = keys[0]
             sk = nsb + k
-            head = get(sk, None, heads)  # positional: py-lmdb parses keywords slowly
-            if head is None:
-                break
-            if not ours(head, k) or get(nsb + head[HEADER_SIZE:], None, order) != k:
-                if bad is not None:
-                    bad(sk, bytes(head))
-                break
-            n += 1
-    except lmdb.Error:
-        pass  # what was counted stands; a read verifies each block anyway
-    return n
+            try:
+                head = txn.get(sk, None, heads)
+                if head is None:
+                    return 0
+                if ours(head, k) and txn.get(nsb + head[HEADER_SIZE:], None, order) == k:
+                    return 1
+            except lmdb.Error:
+                return 0
+            if bad is not None:
+                bad(sk, bytes(head))
+            return 0
+        get = txn.get
+        n = 0
+        try:
+            for k in keys:
+                sk = nsb + k
+                head = get(sk, None, heads)  # positional: py-lmdb parses keywords slowly
+                if head is None:
+                    break
+                if not ours(head, k) or get(nsb + head[HEADER_SIZE:], None, order) != k:
+                    if bad is not None:
+                        bad(sk, bytes(head))
+                    break
+                n += 1
+        except lmdb.Error:
+            pass  # what was counted stands; a read verifies each block anyway
+        return n
+
+    return leading

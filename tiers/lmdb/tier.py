@@ -52,9 +52,9 @@ from tiercache.tiers.lmdb.env import (
 from tiercache.tiers.lmdb.layout import (
     NS_BYTES,
     SYNC_MODES,
-    _leading_heads,
     _StoreTxn,
     head_seq,
+    heads_prober,
     txn_ops_for,
 )
 from tiercache.tiers.lmdb.offline import LMDBProbe
@@ -163,6 +163,11 @@ class LMDBTier(KeyedTier):
         map_size = map_size_for(capacity_blocks, block_bytes)
         self._shared = attach(self._path, block_bytes, map_size, sync)
         self._token: bytes | None = None  # our attach entry (tiers/lmdb/attach.py)
+        # The probe's check of leading keys (a malformed entry met is damage the lazy open
+        # did not scan: dropped), bound to this store and namespace once.
+        self._leading = heads_prober(
+            self._shared.heads, self._shared.order, self._nsb, self._ours, self._drop_malformed
+        )
         try:
             self._scan()
             self._register(namespace)
@@ -262,15 +267,15 @@ class LMDBTier(KeyedTier):
             with shared.state_lock:
                 pending = shared.pending.snapshot()
             keys = keys[: leading_clear(keys, pending, self._nsb)]  # stop where we delete
+        try:  # `_begin`'s first try inline (a single-key lookup's probe runs it per key)
+            txn = shared.env.begin(shared.blocks, None, False, False)
+        except lmdb.Error:  # what `_begin` retries (other processes), or an error
+            try:
+                txn = self._begin(False, False)
+            except OSError:
+                return 0
         try:
-            txn = self._begin(False, False)
-        except OSError:
-            return 0
-        try:
-            # A malformed entry met here is damage the (lazy) open did not scan: dropped.
-            return _leading_heads(
-                txn, shared.heads, shared.order, keys, self._nsb, self._ours, self._drop_malformed
-            )
+            return self._leading(txn, keys)
         finally:
             txn.abort()
 
