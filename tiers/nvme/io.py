@@ -135,21 +135,27 @@ class SlotPipeline:
         self._io_threads = io_threads
         self._slot_bytes = slot_bytes
         self.run_slots = run_slots
-        self._spare: list[_Buffer] = []  # aligned run buffers kept between calls
+        # Aligned run buffers kept between calls, one stack for reads and one for writes:
+        # on this VM a buffer that an O_DIRECT write had read from then took reads at a
+        # third of the disk's rate (a load's 2 MiB run reads: 23 ms a request, 8.7 ms into
+        # buffers only ever read into; bench_nvme_load's model, raw per-slot reads 13.8 ms).
+        self._spare: dict[bool, list[_Buffer]] = {False: [], True: []}
         self._spare_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             io_threads, thread_name_prefix=name
         )
 
-    def run(self, n: int, io: Any, before: Any, after: Any) -> list[Any]:
+    def run(self, n: int, io: Any, before: Any, after: Any, *, writes: bool = False) -> list[Any]:
         """For i in 0..n-1: `before(i, buf)` (caller), `io(i, buf)` (pool), `after(i, buf,
-        result_or_exception)` (caller, in order). Returns the values of `after`."""
+        result_or_exception)` (caller, in order). Returns the values of `after`. `writes`:
+        the syscalls write from the buffers (they come from the write stack)."""
         pool = self._pool
         assert pool is not None
         depth = min(n, 2 * self._io_threads)
+        spare = self._spare[writes]
         with self._spare_lock:
             bufs = [
-                self._spare.pop() if self._spare else _Buffer(self.run_slots * self._slot_bytes)
+                spare.pop() if spare else _Buffer(self.run_slots * self._slot_bytes)
                 for _ in range(depth)
             ]
         out: list[Any] = [None] * n
@@ -170,7 +176,7 @@ class SlotPipeline:
                 if f is not None:
                     f.exception()
             with self._spare_lock:
-                self._spare.extend(bufs)
+                spare.extend(bufs)
         return out
 
     def shutdown(self) -> None:

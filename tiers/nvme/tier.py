@@ -355,6 +355,7 @@ class NVMeTier(Tier):
                 if isinstance(got, BaseException)
                 else recovery.header_ns(buf.view, got, items[i][1], items[i][2], bb)
             ),
+            writes=False,
         )
         checked = [(*it, ns) for it, ns in zip(items, ns_of, strict=True) if ns is not None]
         self._settle(
@@ -408,11 +409,12 @@ class NVMeTier(Tier):
     # -- bytes -----------------------------------------------------------------------------
     # Syscalls on the pool, buffers filled and checked on the caller's thread: see
     # io.SlotPipeline for why (and the measurements).
-    def _pipeline(self, n: int, io: Any, before: Any, after: Any) -> list[Any]:
-        """For i in 0..n-1: `before(i, buf)` (caller), `io(i, buf)` (pool), `after(i, buf,
-        result_or_exception)` (caller, in order). Returns the values of `after`."""
+    def _pipeline(self, n: int, io: Any, before: Any, after: Any, *, writes: bool) -> list[Any]:
+        """For i in 0..n-1: `before(i, buf)` (caller), `io(i, buf)` (pool; `writes`: from
+        `buf`, else into it), `after(i, buf, result_or_exception)` (caller, in order).
+        Returns the values of `after`."""
         assert self._io is not None
-        return self._io.run(n, io, before, after)
+        return self._io.run(n, io, before, after, writes=writes)
 
     def write(
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
@@ -456,7 +458,7 @@ class NVMeTier(Tier):
 
         # 1. Data: header + payload into every slot, one pwrite per run of adjacent slots.
         # Nothing names these slots yet.
-        outcome = self._pipeline(len(runs), put, fill, check)
+        outcome = self._pipeline(len(runs), put, fill, check, writes=True)
         errors = [e for e in outcome if e]
         for e in errors:
             if not isinstance(e, OSError):
