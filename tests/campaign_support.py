@@ -123,6 +123,33 @@ def served(cache: Any, ids: Iterable[int]) -> tuple[int, int, int]:
     return len(hit), len(miss), len(wrong)
 
 
+def load_on_this_thread(
+    cache: Any, src: int, slots: Any, keys: tuple[bytes, ...], dst_slots: tuple[int, ...]
+) -> Any:
+    """Load `keys` (a `prepare_load` of `cache`'s manager: tier `src`, `slots`) into rows
+    `dst_slots` of its first tier through the transfer engine's `DiskHandler`, on this thread
+    as a lane would, then complete the manager's load; the job's `TransferResult`."""
+    from tiercache.transfer import TierLoadStoreSpec
+    from tiercache.transfer.disk_handler import DiskHandler
+    from tiercache.transfer.job import Job
+
+    tiers = cache.tiers
+    handler = DiskHandler(tiers, threads=1)
+    try:
+        job = Job(
+            1,
+            TierLoadStoreSpec(src, tiers[src].medium, slots, keys),
+            TierLoadStoreSpec(0, tiers[0].medium, dst_slots, keys),
+        )
+        handler.check(job)
+        handler.run(job, handler.lane_of(job))
+    finally:
+        handler.close()
+        with cache.lock:
+            cache.manager.complete_load(keys)
+    return job.result()
+
+
 def lmdb_entries(store: str | Path) -> dict[int, tuple[bytes, bytes]]:
     """Block id -> (its "heads" value, its stored payload) in an LMDB store, read without
     a lock (the campaigns then locate these bytes in data.mdb)."""

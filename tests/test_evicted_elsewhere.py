@@ -12,11 +12,8 @@ from pathlib import Path
 
 import torch
 
-from tests.campaign_support import blocks, key
+from tests.campaign_support import blocks, key, load_on_this_thread
 from tiercache import TierCache
-from tiercache.transfer import TierLoadStoreSpec
-from tiercache.transfer.disk_handler import DiskHandler
-from tiercache.transfer.job import Job
 
 BB, CAP = 4096, 8
 
@@ -94,21 +91,8 @@ def test_the_disk_handler_reports_a_block_evicted_elsewhere_as_gone(tmp_path: Pa
             assert b.manager.lookup(keys[1:2], count=False) == 1  # discovered: A stored it
             spec = b.manager.prepare_load(keys)  # all three in LMDB, as B's index says
         assert spec.tiers == (1, 1, 1)
-        lmdb, cpu = b.tiers[1], b.tiers[0]
-        handler = DiskHandler(b.tiers, threads=1)
-        try:
-            job = Job(
-                1,
-                TierLoadStoreSpec(1, lmdb.medium, spec.slots, keys),
-                TierLoadStoreSpec(0, cpu.medium, (0, 1, 2), keys),
-            )
-            handler.check(job)
-            handler.run(job, handler.lane_of(job))  # on this thread, as a lane would
-        finally:
-            handler.close()
-            with b.lock:
-                b.manager.complete_load(keys)
-        r = job.result()
+        cpu = b.tiers[0]
+        r = load_on_this_thread(b, 1, spec.slots, keys, (0, 1, 2))
         assert not r.success and r.failed == (0, 2) and r.gone == (0, 2)
         assert torch.equal(cpu.pool[1], blocks([CAP], BB)[0])  # the held one arrived
     finally:

@@ -11,14 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.campaign_support import blocks, key
+from tests.campaign_support import blocks, key, load_on_this_thread
 from tiercache import TierCache
 from tiercache.connectors.common import open_probes, resolve_rank_config, with_nvme_siblings
 from tiercache.tiers.nvme import NVMeTier
 from tiercache.tiers.nvme.siblings import NVMeSiblingsTier, SiblingsProbe
-from tiercache.transfer import TierLoadStoreSpec
-from tiercache.transfer.disk_handler import DiskHandler
-from tiercache.transfer.job import Job
 
 BB, NS = 4096, "sib"
 
@@ -163,21 +160,8 @@ def test_the_disk_handler_reports_a_reused_sibling_slot_as_gone(tmp_path: Path) 
             owner.write([slot], blocks([99], BB), [key(99)])
         finally:
             owner.close()
-        sib, cpu = c.tiers[2], c.tiers[0]
-        handler = DiskHandler(c.tiers, threads=1)
-        try:
-            job = Job(
-                1,
-                TierLoadStoreSpec(2, sib.medium, spec.slots, keys),
-                TierLoadStoreSpec(0, cpu.medium, (0, 1, 2), keys),
-            )
-            handler.check(job)
-            handler.run(job, handler.lane_of(job))
-        finally:
-            handler.close()
-            with c.lock:
-                c.manager.complete_load(keys)
-        r = job.result()
+        cpu = c.tiers[0]
+        r = load_on_this_thread(c, 2, spec.slots, keys, (0, 1, 2))
         assert not r.success and r.failed == (1,) and r.gone == (1,)
         assert torch.equal(cpu.pool[0], blocks([0], BB)[0])
         assert torch.equal(cpu.pool[2], blocks([2], BB)[0])
