@@ -124,9 +124,7 @@ def encode_block(
     prefix = _HEAD.pack(
         MAGIC, FORMAT_VERSION, codec, 0, key, namespace, len(raw), len(stored), seq, 0
     )
-    h = xxhash.xxh3_64(prefix)
-    h.update(stored)
-    return prefix + _SUM.pack(h.intdigest()), bytes(stored) if codec else stored  # type: ignore[return-value]
+    return prefix + _SUM.pack(_checksum(prefix, stored)), bytes(stored) if codec else stored  # type: ignore[return-value]
 
 
 def decode_header(buf: bytes | memoryview) -> BlockHeader:
@@ -205,10 +203,15 @@ def verify(header: BlockHeader, stored: bytes | memoryview) -> None:
     """Check the checksum over header and stored payload; `BlockCorruptError` on mismatch."""
     if len(stored) != header.stored_len:
         raise BlockCorruptError(f"short payload ({len(stored)} of {header.stored_len} bytes)")
-    h = xxhash.xxh3_64(header.prefix)
-    h.update(stored)
-    if h.intdigest() != header.checksum:
+    if _checksum(header.prefix, stored) != header.checksum:
         raise BlockCorruptError("checksum mismatch")
+
+
+def _checksum(prefix: bytes, stored: object) -> int:
+    """The checksum a header carries: xxh3_64 over its first 56 bytes, then the payload."""
+    h = xxhash.xxh3_64(prefix)
+    h.update(stored)  # type: ignore[arg-type]
+    return h.intdigest()
 
 
 def is_raw_block(buf: memoryview, key: bytes, namespace: int, raw_len: int, seq: int) -> bool:
@@ -222,9 +225,8 @@ def is_raw_block(buf: memoryview, key: bytes, namespace: int, raw_len: int, seq:
     )
     if buf[: _HEAD.size] != prefix:
         return False
-    h = xxhash.xxh3_64(prefix)
-    h.update(buf[HEADER_SIZE : HEADER_SIZE + raw_len])
-    return h.intdigest() == int.from_bytes(buf[_HEAD.size : HEADER_SIZE], "little")
+    payload = buf[HEADER_SIZE : HEADER_SIZE + raw_len]
+    return _checksum(prefix, payload) == int.from_bytes(buf[_HEAD.size : HEADER_SIZE], "little")
 
 
 def decode_payload(
