@@ -6,7 +6,8 @@ Primitives:
 - `decode_header(buf) -> BlockHeader` (raises `BlockCorruptError` on anything malformed).
 - `header_problem(header, key, ns, length) -> str | None`: whether a header belongs to this
   key, namespace and raw length (the one check every reader makes); `is_header_of` on bytes,
-  and `header_check(ns, length)`, the same on bytes as a function of (buf, key) for probes.
+  and `header_check(ns, length)`, the same on bytes as a function of (buf, key) for probes;
+  `header_of(buf, key, ns, length)`: decode and check, raising what is wrong.
 - `decode_payload(header, stored, dst)`: verifies the checksum, decompresses into `dst`.
 - `is_raw_block(buf, key, ns, raw_len, seq)`: one compare and the checksum, for a reader
   that knows every header field (NVMe: the index names each slot's seq).
@@ -164,6 +165,18 @@ def header_problem(
     if length is not None and header.raw_len != length:
         return f"header says {header.raw_len} bytes, the store's blocks are {length}"
     return None
+
+
+def header_of(
+    buf: bytes | memoryview, key: bytes, ns: int | None, length: int | None
+) -> BlockHeader:
+    """`decode_header`, then `header_problem` raised: the header of block `key` in `ns` of
+    `length` raw bytes, or `BlockCorruptError` saying what it is instead."""
+    h = decode_header(buf)
+    problem = header_problem(h, key, ns, length)
+    if problem is not None:
+        raise BlockCorruptError(problem)
+    return h
 
 
 @functools.lru_cache(maxsize=64)  # a tier asks for the same one at every probe

@@ -42,10 +42,9 @@ from tiercache.tiers.base import Tier, check_blocks
 from tiercache.tiers.format import (
     CODEC_RAW,
     BlockHeader,
-    decode_header,
     decode_payload,
     encode_block,
-    header_problem,
+    header_of,
     verify,
 )
 
@@ -326,10 +325,7 @@ class KeyedTier(Tier):
     def _header(self, key: bytes, head: bytes | memoryview, payload_len: int) -> BlockHeader:
         """The header of block `key` of this namespace and block size whose stored payload
         is `payload_len` bytes; BlockCorruptError if `head` is not that."""
-        h = decode_header(head)
-        problem = header_problem(h, key, self._ns, self.block_bytes)
-        if problem is not None:
-            raise BlockCorruptError(problem)
+        h = header_of(head, key, self._ns, self.block_bytes)
         if payload_len != h.stored_len:
             raise BlockCorruptError("length mismatch")
         return h

@@ -35,10 +35,9 @@ from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.base import Tier, check_blocks
 from tiercache.tiers.format import (
     HEADER_SIZE,
-    decode_header,
     decode_payload,
     header_check,
-    header_problem,
+    header_of,
     namespace_id,
 )
 from tiercache.tiers.nvme.layout import instance_dirs
@@ -300,10 +299,7 @@ class NVMeSiblingsTier(Tier):
                 if r is None:
                     raise BlockCorruptError("instance no longer read")
                 buf = r.read_slot(at[1])  # type: ignore[index]
-                header = decode_header(buf)
-                problem = header_problem(header, key, self._ns, self.block_bytes)
-                if problem is not None:
-                    raise BlockCorruptError(problem)
+                header = header_of(buf, key, self._ns, self.block_bytes)
                 stored = memoryview(buf)[HEADER_SIZE : HEADER_SIZE + header.stored_len]
                 decode_payload(header, stored, rows[i])
             except BlockCorruptError:
