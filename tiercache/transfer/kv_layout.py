@@ -575,12 +575,7 @@ class KVLayout:
         runs = paired_runs(block_ids, range(n))
         if len(runs) > FEW_RUNS and min(r[1] for r in rows) * n < LOOP_MIN_BYTES * len(runs):
             return False
-        nb = self.num_blocks
-        for d, _, k in runs:  # a slice past the end would copy less, silently: refuse it
-            if d < 0 or d + k > nb:
-                raise IndexError(
-                    f"copy_rows: rows {d}..{d + k} out of range ({nb} destination rows)"
-                )
+        _check_runs(runs, self.num_blocks, n)
         host = src.numpy()
         for offset, nbytes, chunks, chunk_bytes, dst in rows:
             part = host[:, offset : offset + nbytes].reshape(n, chunks, chunk_bytes)
@@ -709,13 +704,7 @@ def copy_rows(
     if n == 0:
         return
     runs = plan.runs
-    nd, ns = dst.shape[0], src.shape[0]
-    for d, s, k in runs:  # a slice past the end would copy nothing, silently: refuse it
-        if d < 0 or s < 0 or d + k > nd or s + k > ns:
-            raise IndexError(
-                f"copy_rows: rows {d}..{d + k} <- {s}..{s + k} out of range "
-                f"({nd} destination, {ns} source rows)"
-            )
+    _check_runs(runs, dst.shape[0], src.shape[0])
     row_bytes = src[0].numel() * src.element_size()
     same = dst.device == src.device
     cpu = same and dst.device.type == "cpu"
@@ -737,6 +726,17 @@ def copy_rows(
     dst.index_copy_(
         0, plan.index("dst", dst.device), src.index_select(0, plan.index("src", src.device))
     )
+
+
+def _check_runs(runs: list[tuple[int, int, int]], nd: int, ns: int) -> None:
+    """IndexError for a run (dst start, src start, length) past either end: a slice past the
+    end would copy less, silently."""
+    for d, s, k in runs:
+        if d < 0 or s < 0 or d + k > nd or s + k > ns:
+            raise IndexError(
+                f"copy_rows: rows {d}..{d + k} <- {s}..{s + k} out of range "
+                f"({nd} destination, {ns} source rows)"
+            )
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray | None:
