@@ -38,6 +38,18 @@ def _store(path: Path, instance: int, ids: range) -> None:
         c.close()
 
 
+def _reuse_slot(path: Path, i: int) -> None:
+    """Instance 0's owner frees block i's slot and writes another block (key 99) into it."""
+    owner = NVMeTier(block_bytes=BB, capacity_blocks=16, path=path, namespace=NS, instance=0)
+    try:
+        slot = dict(owner.recover())[key(i)]
+        owner.free([slot])
+        owner.write([slot], blocks([99], BB), [key(99)])
+        owner.flush()
+    finally:
+        owner.close()
+
+
 def _files(d: Path) -> dict[str, tuple[bytes, int]]:
     """Every file of one instance directory (not its sub-instances): bytes and mtime."""
     return {
@@ -121,16 +133,7 @@ def test_a_sibling_slot_reused_by_its_owner_is_a_plain_miss(tmp_path: Path) -> N
     try:
         keys = [key(i) for i in range(4)]
         assert c.lookup(keys, count=False) == 4  # adopted from instance 0
-        owner = NVMeTier(
-            block_bytes=BB, capacity_blocks=16, path=tmp_path, namespace=NS, instance=0
-        )
-        try:
-            slot = dict(owner.recover())[key(2)]
-            owner.free([slot])
-            owner.write([slot], blocks([99], BB), [key(99)])
-            owner.flush()
-        finally:
-            owner.close()
+        _reuse_slot(tmp_path, 2)
         got = c.get(keys, count=False)
         assert torch.equal(got, blocks(range(2), BB))  # served up to the reused slot
         _healthy(c)
@@ -151,15 +154,7 @@ def test_the_disk_handler_reports_a_reused_sibling_slot_as_gone(tmp_path: Path) 
             assert c.manager.lookup(keys, count=False) == 3
             spec = c.manager.prepare_load(keys)
         assert spec.tiers == (2, 2, 2)
-        owner = NVMeTier(
-            block_bytes=BB, capacity_blocks=16, path=tmp_path, namespace=NS, instance=0
-        )
-        try:
-            slot = dict(owner.recover())[key(1)]
-            owner.free([slot])
-            owner.write([slot], blocks([99], BB), [key(99)])
-        finally:
-            owner.close()
+        _reuse_slot(tmp_path, 1)
         cpu = c.tiers[0]
         r = load_on_this_thread(c, 2, spec.slots, keys, (0, 1, 2))
         assert not r.success and r.failed == (1,) and r.gone == (1,)
