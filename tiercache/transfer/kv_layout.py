@@ -253,7 +253,7 @@ class KVLayout:
         self._pool_kinds: dict[int, tuple[int, tuple[bool, bool]]] = {}
         self.block_bytes = offset * block_size_factor
         self._table: batched.ChunkTable | None = None
-        self._host_rows: list[tuple[int, int, int, int, np.ndarray]] | None = None
+        self._host_rows: list[tuple[Segment, np.ndarray]] | None = None
         self.copy_mode = os.environ.get("TIERCACHE_CUDA_COPY", "auto")
 
     @property
@@ -567,18 +567,16 @@ class KVLayout:
             return False
         rows = self._host_rows
         if rows is None:
-            rows = self._host_rows = [
-                (seg.offset, seg.nbytes, seg.chunks, seg.chunk_bytes, _host_view(seg, self))
-                for seg in self.segments
-            ]
+            rows = self._host_rows = [(seg, _host_view(seg, self)) for seg in self.segments]
         n = src.shape[0]
         runs = paired_runs(block_ids, range(n))
-        if len(runs) > FEW_RUNS and min(r[1] for r in rows) * n < LOOP_MIN_BYTES * len(runs):
+        if len(runs) > FEW_RUNS and min(g.nbytes for g, _ in rows) * n < LOOP_MIN_BYTES * len(runs):
             return False
         _check_runs(runs, self.num_blocks, n)
         host = src.numpy()
-        for offset, nbytes, chunks, chunk_bytes, dst in rows:
-            part = host[:, offset : offset + nbytes].reshape(n, chunks, chunk_bytes)
+        for seg, dst in rows:
+            at = seg.offset
+            part = host[:, at : at + seg.nbytes].reshape(n, seg.chunks, seg.chunk_bytes)
             for d, s, k in runs:
                 np.copyto(dst[d : d + k], part[s : s + k])
         return True
@@ -596,9 +594,7 @@ def _host_view(seg: Segment, layout: KVLayout) -> np.ndarray:
     engine's memory (never a copy: writes through it must land in the engine)."""
     base = seg.rows.numpy()
     out = base.view(np.uint8).reshape(layout.num_blocks, seg.chunks, seg.chunk_bytes)
-    if out.__array_interface__["data"][0] != base.__array_interface__["data"][0] or (
-        out.base is None
-    ):
+    if out.__array_interface__["data"][0] != base.__array_interface__["data"][0]:
         raise AssertionError("a segment's host view is not a view")
     return out
 
