@@ -24,6 +24,7 @@ from tiercache.connectors.vllm_kv.scheduler import KVScheduler
 from tiercache.connectors.vllm_kv.settings import (
     _SETTLE,
     BAD_KEYS_MAX,
+    IDLE_WAIT_S,
     MOVE_WAIT_S,
     PROBE_WAIT_S,
     SETTLE_WAIT_S,
@@ -34,6 +35,7 @@ from tiercache.connectors.vllm_kv.worker import KVWorker, _Flight
 
 __all__ = [
     "BAD_KEYS_MAX",
+    "IDLE_WAIT_S",
     "MOVE_WAIT_S",
     "PROBE_WAIT_S",
     "SETTLE_WAIT_S",

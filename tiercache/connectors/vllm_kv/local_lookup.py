@@ -7,6 +7,13 @@ them (checksums verified, promoted), on a thread per tier so a hung disk stalls 
 reads: a corrupt block shortens the hit instead of reaching vLLM. A read not done within
 VERIFY_WAIT_S makes the lookup answer None (vLLM asks again); one past `load_timeout` is given
 up and its tier suspended.
+
+With `kv_load_failure_policy = "recompute"` (`direct`) there is no verifying read: vLLM
+recomputes any block whose load fails, so a hit that reaches a persistent tier is loaded
+asynchronously by the worker, straight from that tier into the engine's blocks and verified
+there (one copy instead of a read into the first tier and a copy out of it; the blocks are not
+promoted, as in the remote placement). With "fail" a corrupt block would fail the request, so
+such hits are read and verified before they are reported.
 """
 
 from __future__ import annotations
@@ -32,10 +39,20 @@ class _Verifying:
     future: Future[int]
 
 
+@dataclass(frozen=True)
+class LocalHit:
+    """A local lookup's answer: `blocks` leading keys are hits; `direct`: some of them are held
+    only in persistent tiers and were not read (the worker loads them asynchronously)."""
+
+    blocks: int
+    direct: bool = False
+
+
 class LocalLookup:
     """Verified lookups of `shared` for the scheduler (local placement). `count` adds to the
     scheduler's counters; `affordable(keys, n)` is its cost gate (how many of the `n` leading
-    hit keys to load)."""
+    hit keys to load); `direct`: persistent hits are loaded by the worker, not read here (see
+    the module doc)."""
 
     def __init__(
         self,
@@ -43,7 +60,10 @@ class LocalLookup:
         block_bytes: int,
         count: Callable[..., None],
         affordable: Callable[[list[bytes], int], int],
+        *,
+        direct: bool = False,
     ) -> None:
+        self._direct = direct
         self._shared = shared
         self._block_bytes = block_bytes
         self._count = count
@@ -61,17 +81,18 @@ class LocalLookup:
         for pool in self._verify_pools.values():
             pool.shutdown(wait=False, cancel_futures=True)  # a hung read must not stall exit
 
-    def lookup(self, keys: list[bytes], req_id: str = "") -> int | None:
+    def lookup(self, keys: list[bytes], req_id: str = "") -> LocalHit | None:
         """Leading `keys` the shared cache holds, as far as loading them pays (`_affordable`)
         and their bytes are good: blocks held only in persistent tiers are read first (see
-        `_verify`), on a thread of the tier's own. A lookup waits for that read at most
+        `_verify`), on a thread of the tier's own, unless `direct` (then the hit is `direct`
+        and they are not read). A lookup waits for that read at most
         VERIFY_WAIT_S, then answers None (vLLM asks again next step, and the read goes on),
         so a slow or hung disk never stalls scheduling. A read not done `load_timeout`
         seconds after it started is given up: the hit ends before it, and the tier is
         suspended (the manager's lookups skip it until its back-off ends)."""
         pending = self._verifying.get(req_id)
         if pending is not None and pending.keys == tuple(keys[: len(pending.keys)]):
-            return self._verified(req_id, pending)
+            return _hit(self._verified(req_id, pending))
         manager = self._shared.cache.manager
         with self._shared.lock:
             # A block the cache's write-through thread is moving down is served from its
@@ -96,7 +117,9 @@ class LocalLookup:
                 n,
             )
             if first_disk == n:
-                return n
+                return LocalHit(n)
+            if self._direct:
+                return LocalHit(n, direct=True)
             tier = manager.where(keys[first_disk], leaving=True)[0]
         pool = self._verify_pools.get(tier)
         if pool is None:
@@ -107,7 +130,7 @@ class LocalLookup:
         pending = self._verifying[req_id] = _Verifying(
             tuple(keys[:n]), first_disk, tier, time.monotonic(), fut
         )
-        return self._verified(req_id, pending)
+        return _hit(self._verified(req_id, pending))
 
     def _verified(self, req_id: str, pending: _Verifying) -> int | None:
         """The hit of a lookup whose verifying read is `pending`: its result once done (within
@@ -177,3 +200,7 @@ class LocalLookup:
 
     def _tier_errors(self) -> int:
         return sum(int(s.get("errors", 0)) for s in self._shared.cache.manager.stats().values())
+
+
+def _hit(blocks: int | None) -> LocalHit | None:
+    return None if blocks is None else LocalHit(blocks)

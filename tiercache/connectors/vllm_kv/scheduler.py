@@ -4,7 +4,8 @@
   restarts; LoRA, cache salt and multimodal inputs as extra keys) and engine block ids.
 - Matching (`get_num_new_matched_tokens`): a lookup from the first block vLLM has not
   computed, whole blocks only and never the block holding the last prompt token; local
-  placement through `LocalLookup` (verified reads), remote through `RemoteIndex` (the
+  placement through `LocalLookup` (verified reads; with the "recompute" load failure policy,
+  asynchronous loads straight from persistent tiers), remote through `RemoteIndex` (the
   workers' keys and probes of the shared tiers); hybrid models (`_match_groups`): the longest
   prefix every KV cache group serves. The cost gate (`_affordable`) loads only the part of a
   hit cheaper to load than to recompute.
@@ -72,6 +73,9 @@ class _Req:
     stored: int = 0  # leading blocks already handed to the worker for saving
     skip: bool = False  # prompt embeddings: token ids do not identify the KV, never cached
     hit: tuple[int, int] = (0, 0)  # (first block, number of blocks) of the last lookup
+    # The last hit reaches blocks held only in persistent tiers, unread (LocalLookup's
+    # `direct`): loaded asynchronously.
+    direct: bool = False
     # Hybrid models (several KV cache groups): keys and engine block ids per group, what
     # the last hit loads as (group, block position, key), and block positions where a hit
     # is likely to end later (see `_window_keep`).
@@ -109,7 +113,13 @@ class KVScheduler(RoleBase):
             settings.tp_size, self._count, probes, settings.config.deadlines, self._shards
         )
         self.local_lookup = (
-            LocalLookup(shared, settings.block_bytes, self._count, self._affordable)
+            LocalLookup(
+                shared,
+                settings.block_bytes,
+                self._count,
+                self._affordable,
+                direct=settings.recompute_failures,
+            )
             if shared is not None
             else None
         )
@@ -135,8 +145,10 @@ class KVScheduler(RoleBase):
             release_store(shared)
 
     def _lookup_local(self, keys: list[bytes], req_id: str = "") -> int | None:
+        """The local placement's hit (LocalLookup), in blocks; None: vLLM asks again."""
         assert self.local_lookup is not None
-        return self.local_lookup.lookup(keys, req_id)
+        hit = self.local_lookup.lookup(keys, req_id)
+        return None if hit is None else hit.blocks
 
     def _state(self, request: Request) -> _Req:
         st = self._reqs.get(request.request_id)
@@ -174,7 +186,7 @@ class KVScheduler(RoleBase):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         st = self._state(request)
-        st.hit = (0, 0)
+        st.hit, st.direct = (0, 0), False
         bs = self._block_size
         # Never the block holding the last token: vLLM must compute at least one token.
         limit = (request.num_tokens - 1) // bs
@@ -194,7 +206,11 @@ class KVScheduler(RoleBase):
         if self._shared is None:
             n = self.remote.lookup(look, request.request_id)
         else:
-            n = self._lookup_local(look, request.request_id)
+            assert self.local_lookup is not None
+            hit = self.local_lookup.lookup(look, request.request_id)
+            # `direct`: it reaches blocks held only in persistent tiers, unread: the worker
+            # loads them asynchronously (the "recompute" policy: see LocalLookup).
+            n, st.direct = (None, False) if hit is None else (hit.blocks, hit.direct)
         if n is None:  # a block is moving between tiers, or a probe is slow: vLLM asks again
             return None, False
         if self._shared is None:  # cost-aware loading (local placement: in _lookup_local)
@@ -204,10 +220,11 @@ class KVScheduler(RoleBase):
             return 0, False
         st.hit = (start, n)
         self._count("lookup_hit_blocks", n)
-        # Remote placement loads asynchronously: vLLM keeps the request waiting, and its blocks
-        # out of the prefix cache, until the worker reports the load, so a block that fails
-        # is recomputed by this request alone, never read by another one in the meantime.
-        return n * bs, self._shared is None
+        # Remote placement loads asynchronously (and so does the local one straight from a
+        # persistent tier): vLLM keeps the request waiting, and its blocks out of the prefix
+        # cache, until the worker reports the load, so a block that fails is recomputed by
+        # this request alone, never read by another one in the meantime.
+        return n * bs, self._shared is None or st.direct
 
     def _gkeys(self, st: _Req, group: KVGroup, n_blocks: int) -> list[bytes]:
         """The first `n_blocks` keys of `group` (hybrid models), extended as blocks fill."""
@@ -364,9 +381,11 @@ class KVScheduler(RoleBase):
                 spec = manager.prepare_load(look[:m], leaving=True) if m else None
         remote = self._shared is None
         self._loads.append(
-            LoadJob(request.request_id, keys, targets, spec, remote, asynchronous=self._hma)
+            LoadJob(
+                request.request_id, keys, targets, spec, remote, asynchronous=self._hma or st.direct
+            )
         )
-        st.hit = (0, 0)
+        st.hit, st.direct = (0, 0), False
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheConnectorMetadata:
         meta = TierCacheConnectorMetadata(loads=self._loads, delayed=self._delayed)

@@ -42,6 +42,10 @@ _SETTLE = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
 SETTLE_WAIT_S = 0.5  # how long a local lookup waits for a store of the key it reached
 MOVE_WAIT_S = 0.05  # ... and for a move: while one runs the lookup answers None (asks again)
 VERIFY_WAIT_S = 0.05  # how long a local lookup waits for its verifying read (see LocalLookup)
+# In a step without a forward (every request waits for its load), how long the worker's
+# `get_finished` waits for the oldest asynchronous load before vLLM's loop goes round again
+# (see KVWorker.get_finished).
+IDLE_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,10 @@ class KVSettings:
     shards: HeadShards | None = None
     engine_block_bytes: int = 0  # this rank's bytes of an engine block (0: block_bytes)
     kv_heads: int = 0  # this rank's KV heads (head shards: checked against the KV caches)
+    # kv_load_failure_policy "recompute": vLLM recomputes blocks whose load fails, so the
+    # local placement loads blocks held only in persistent tiers straight into the engine
+    # (asynchronously) instead of reading them first to verify them (see LocalLookup).
+    recompute_failures: bool = False
 
     @property
     def hma(self) -> bool:
@@ -169,6 +177,7 @@ class KVSettings:
             shards=shards,
             engine_block_bytes=engine_bytes,
             kv_heads=int(getattr(spec, "num_kv_heads", 0) or 0),
+            recompute_failures=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute",
         )
 
 
