@@ -78,6 +78,18 @@ def _idle_step(w: KVWorker, job: Any) -> tuple[set[str] | None, set[str] | None]
     return w.get_finished(set())
 
 
+def _received(w: KVWorker, job: Any) -> set[str] | None:
+    """Steps without a forward, the first submitting `job`, until a load is reported
+    received (at most 2,000 steps); what was."""
+    recved = None
+    for _ in range(2000):
+        _, recved = _idle_step(w, job)
+        job = None
+        if recved:
+            break
+    return recved
+
+
 def _close(shared: Any, s: KVScheduler, w: KVWorker) -> None:
     w.shutdown()
     s.shutdown()
@@ -92,13 +104,7 @@ def test_recompute_policy_loads_a_persistent_hit_straight_into_the_engine(tmp_pa
         assert "verified_blocks" not in s._stats  # nothing read at the lookup
         job = _alloc(s, t.req, 4 * BS)
         assert job.asynchronous and not job.remote and job.spec is not None  # pinned here
-        recved = None
-        for _ in range(2000):
-            _, recved = _idle_step(w, job)
-            job = None
-            if recved:
-                break
-        assert recved == {"r"}
+        assert _received(w, job) == {"r"}
         assert w.get_block_ids_with_load_errors() == set()
         assert torch.equal(t.engine[TARGETS], t.rows)
         # Read from NVMe into the engine only: nothing promoted into the CPU tier.
@@ -116,13 +122,7 @@ def test_a_corrupt_block_is_a_load_error_for_exactly_that_block(tmp_path) -> Non
         flip(Path(nvme.path) / "slab", slot_of(Path(nvme.path), t.keys[2]) * sb + fmt.HEADER_SIZE)
         assert s.get_num_new_matched_tokens(t.req, 0) == (4 * BS, True)
         job = _alloc(s, t.req, 4 * BS)
-        recved = None
-        for _ in range(2000):
-            _, recved = _idle_step(w, job)
-            job = None
-            if recved:
-                break
-        assert recved == {"r"}
+        assert _received(w, job) == {"r"}
         assert w.get_block_ids_with_load_errors() == {TARGETS[2]}
         good = [0, 1, 3]
         assert torch.equal(t.engine[[TARGETS[i] for i in good]], t.rows[good])
