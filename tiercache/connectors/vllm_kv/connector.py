@@ -23,9 +23,12 @@ Worker role (bytes, through tiercache's transfer engine, whole blocks):
 
 Two placements, chosen when the scheduler role starts:
 - local (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the worker is built first, in this process):
-  both roles share one `TierCache` (`common.acquire_store`). Lookups ask the manager, pin the
-  hit, and read and verify blocks held only in persistent tiers before reporting them (and
-  promote them), so a corrupt block shortens the hit instead of reaching vLLM.
+  both roles share one `TierCache` (`common.acquire_store`). Lookups ask the manager and pin
+  the hit. Under vLLM's default ``kv_load_failure_policy="fail"`` they read and verify blocks
+  held only in persistent tiers before reporting them (and promote them), so a corrupt block
+  shortens the hit instead of failing the request; under "recompute" such a hit is loaded
+  asynchronously, straight from the tier into the engine's blocks, and a block that fails is
+  a load error that vLLM recomputes (`local_lookup.py`).
 - remote (vLLM's default multiprocess mode: the worker runs in its own process): the worker
   owns the cache; the scheduler answers lookups from an index of the keys the worker holds
   (its recovered keys in the handshake metadata, then its events each step) and, where the
