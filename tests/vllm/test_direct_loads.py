@@ -68,10 +68,10 @@ def _alloc(s: KVScheduler, req: Request, tokens: int) -> Any:
     return job
 
 
-def _idle_step(w: KVWorker, job: Any) -> tuple[set[str] | None, set[str] | None]:
-    """One engine step without a forward (the request waits for its load), as vLLM calls
-    the worker: bind, start_load_kv, wait_for_save, get_finished."""
-    meta = TierCacheConnectorMetadata(loads=[job] if job is not None else [])
+def _step(w: KVWorker, job: Any, tokens: int = 0) -> tuple[set[str] | None, set[str] | None]:
+    """One engine step computing `tokens` (0: none, every request waits for its load), as
+    vLLM calls the worker: bind, start_load_kv, wait_for_save, get_finished."""
+    meta = TierCacheConnectorMetadata(loads=[job] if job is not None else [], step_tokens=tokens)
     w.bind()
     w.start_load_kv(meta)
     w.wait_for_save(meta)
@@ -83,7 +83,7 @@ def _received(w: KVWorker, job: Any) -> set[str] | None:
     received (at most 2,000 steps); what was."""
     recved = None
     for _ in range(2000):
-        _, recved = _idle_step(w, job)
+        _, recved = _step(w, job)
         job = None
         if recved:
             break
@@ -170,22 +170,16 @@ def test_an_idle_step_waits_for_the_oldest_load_and_a_forward_step_does_not(
         s.get_num_new_matched_tokens(t.req, 0)
         job = _alloc(s, t.req, 4 * BS)
         # A step with a forward (another request computes): no wait beyond the usual.
-        meta = TierCacheConnectorMetadata(loads=[job], step_tokens=8)
-        w.bind()
-        w.start_load_kv(meta)
-        w.wait_for_save(meta)
-        w.get_finished(set())
+        _step(w, job, tokens=8)
         assert waits == []
         # Steps without a forward: each waits for the oldest load, at most IDLE_WAIT_S.
-        recved = None
-        while not recved:
-            _, recved = _idle_step(w, None)
+        assert _received(w, None) == {"r"}
         assert waits and all(len(ids) == 1 for ids, _ in waits)
         assert all(tm is not None and 0 <= tm <= IDLE_WAIT_S for _, tm in waits)
         assert torch.equal(t.engine[TARGETS], t.rows)
         # Nothing in flight: an idle step does not wait.
         n = len(waits)
-        _idle_step(w, None)
+        _step(w, None)
         assert len(waits) == n
     finally:
         _close(shared, s, w)

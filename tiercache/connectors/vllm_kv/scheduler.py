@@ -145,10 +145,18 @@ class KVScheduler(RoleBase):
             release_store(shared)
 
     def _lookup_local(self, keys: list[bytes], req_id: str = "") -> int | None:
-        """The local placement's hit (LocalLookup), in blocks; None: vLLM asks again."""
+        """The local placement's hit (LocalLookup), in blocks; None: vLLM asks again. The
+        request's state records whether the hit is `direct`: it reaches blocks held only in
+        persistent tiers, unread, which the worker loads asynchronously (the "recompute"
+        policy: see LocalLookup)."""
         assert self.local_lookup is not None
         hit = self.local_lookup.lookup(keys, req_id)
-        return None if hit is None else hit.blocks
+        if hit is None:
+            return None
+        st = self._reqs.get(req_id)
+        if st is not None:
+            st.direct = hit.direct
+        return hit.blocks
 
     def _state(self, request: Request) -> _Req:
         st = self._reqs.get(request.request_id)
@@ -206,11 +214,7 @@ class KVScheduler(RoleBase):
         if self._shared is None:
             n = self.remote.lookup(look, request.request_id)
         else:
-            assert self.local_lookup is not None
-            hit = self.local_lookup.lookup(look, request.request_id)
-            # `direct`: it reaches blocks held only in persistent tiers, unread: the worker
-            # loads them asynchronously (the "recompute" policy: see LocalLookup).
-            n, st.direct = (None, False) if hit is None else (hit.blocks, hit.direct)
+            n = self._lookup_local(look, request.request_id)
         if n is None:  # a block is moving between tiers, or a probe is slow: vLLM asks again
             return None, False
         if self._shared is None:  # cost-aware loading (local placement: in _lookup_local)
