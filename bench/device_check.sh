@@ -7,7 +7,8 @@
 #      pinned cudaMemcpy in the same run, with one allocation and with vLLM's 32-layer layout,
 #      each copy mode side by side (MODES: the one-launch kernel direct and staged, by layers);
 #   3. bench/test_micro.py's GPU tier round trip;
-#   4. the whole main suite with CUDA present (CPU tiers are pinned then), time-boxed.
+#   4. the whole main suite with CUDA present (CPU tiers are pinned then), time-boxed, on 8
+#      workers where pytest-xdist is installed (benchmarks then only run once, untimed).
 # Logs go to $OUT (default /tmp/device-check). Wheels in .whl/ (lmdb, zstandard, redis for
 # Python 3.12; bench/device_wheels.sh downloads them) are installed first when present;
 # tiercache runs from this tree, uninstalled. Exits non-zero when any step fails (a test, a
@@ -76,6 +77,9 @@ fi
 if step suite; then
     per_test=(-o faulthandler_timeout=60)
     $PY -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=60 --timeout-method=thread)
+    # Serially the suite outlasts its box there (16 cores idle); with pytest-xdist, one
+    # worker a file (a file's tests share fixtures and ports): 90 s on the H200 machine.
+    $PY -c "import xdist" 2>/dev/null && per_test+=(-n "${SUITE_WORKERS:-8}" --dist loadfile)
     # shellcheck disable=SC2086
     timeout "${SUITE_S:-200}" $PY -m pytest -v -p no:cacheprovider -rs --ignore=tests/vllm \
         --durations=25 "${per_test[@]}" ${SUITE_ARGS:-} 2>&1 | tee "$OUT/suite.log" | tail -30

@@ -19,6 +19,7 @@ import torch
 from tests.campaign_support import blocks, key, report
 from tiercache import TierCache
 from tiercache.errors import ConfigError
+from tiercache.tiers.cpu import CPUTier
 
 BB = 4096
 STORED = list(range(8))  # pre-stored block ids: two chains of four, in every tier
@@ -207,3 +208,39 @@ def test_unwritable_directory_is_refused(tmp_path) -> None:
             subprocess.run(["umount", "-l", str(ro)], check=False)
         else:
             ro.chmod(0o700)
+
+
+def test_a_tiers_bookkeeping_past_the_hosts_memory_is_refused_before_allocating(
+    tmp_path, monkeypatch
+) -> None:
+    """Every tier keeps a free-slot stack of 4 bytes a slot, built through a transient array
+    as large. A host that overcommits memory (the GPU machines do) does not fail such an
+    allocation for 10**12 slots: it fills it page after page until the OOM killer ends the
+    process, as this catalogue's absurd cases did there. The size is checked first; a host of
+    1 MiB stands in for one too small."""
+    import tiercache.tiers.base as base_mod
+
+    monkeypatch.setattr(base_mod, "host_memory_bytes", lambda: 1 << 20)
+    aranged: list[tuple] = []
+    real = np.arange
+    monkeypatch.setattr(base_mod.np, "arange", lambda *a, **k: aranged.append(a) or real(*a, **k))
+    n = (1 << 17) + 1  # 2 x 4 bytes a slot: just past 1 MiB
+    for kind in ("nvme", "lmdb"):
+        cfg = {"tiers": [{"kind": kind, "blocks": n, "path": str(tmp_path / kind)}]}
+        with pytest.raises(
+            ConfigError, match=rf"^tiers\[0\]\.capacity: {n} blocks .*do not fit in memory"
+        ):
+            TierCache.open(cfg, block_bytes=BB)
+        assert not (tmp_path / kind).exists(), kind  # refused before the tier touched its path
+    assert aranged == []
+    with pytest.raises(
+        MemoryError,
+        match=rf"^t: {n} slots need {8 * n} bytes of bookkeeping, more than the 1048576 bytes",
+    ):
+        CPUTier(name="t", block_bytes=1, capacity_blocks=n, pin_memory=False)
+    assert aranged == []
+    # Below the figure, tiers open as before.
+    cfg = {"tiers": [{"kind": "nvme", "blocks": n - 1, "path": str(tmp_path / "nvme")}]}
+    with TierCache.open(cfg, block_bytes=BB) as cache:
+        assert cache.put([key(1)], blocks([1], BB)) == 1
+    assert aranged  # the stand-in is the one the tiers call

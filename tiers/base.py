@@ -22,6 +22,7 @@ A tier knows bytes, never policies or other tiers. Primitives:
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -38,12 +39,37 @@ if TYPE_CHECKING:
 KEY_BYTES = 16
 
 
+def host_memory_bytes() -> int | None:
+    """This host's physical RAM; None where unknown."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def slot_dtype(capacity_blocks: int) -> type[np.unsignedinteger]:
+    """The free-slot stack's entry type: 32 bits, 64 where a slot needs them."""
+    return np.uint64 if capacity_blocks > 1 << 32 else np.uint32
+
+
+def check_geometry(block_bytes: int, capacity_blocks: int) -> None:
+    """Refuse a block size or capacity that is not an int >= 1."""
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
+        raise ValueError(f"block_bytes: expected an int >= 1, got {block_bytes!r}")
+    if (
+        isinstance(capacity_blocks, bool)
+        or not isinstance(capacity_blocks, int)
+        or capacity_blocks < 1
+    ):
+        raise ValueError(f"capacity_blocks: expected an int >= 1, got {capacity_blocks!r}")
+
+
 def slot_stack(slots: np.ndarray) -> array:
     """A tier's free-slot stack (see `Tier.__init__`) holding `slots` in this order (the
     last is handed out first): unsigned 32-bit entries, 64-bit where a slot needs them."""
     wide = len(slots) and int(slots.max()) >= 1 << 32
     code = "Q" if wide else "I"
-    return array(code, slots.astype(np.uint64 if wide else np.uint32).tobytes())
+    return array(code, slots.astype(np.uint64 if wide else np.uint32, copy=False).tobytes())
 
 
 def check_blocks(t: object, n: int, block_bytes: int, name: str) -> torch.Tensor:
@@ -90,21 +116,26 @@ class Tier(ABC):
     reads_in_place: ClassVar[bool] = False
 
     def __init__(self, *, name: str, block_bytes: int, capacity_blocks: int) -> None:
-        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
-            raise ValueError(f"block_bytes: expected an int >= 1, got {block_bytes!r}")
-        if (
-            isinstance(capacity_blocks, bool)
-            or not isinstance(capacity_blocks, int)
-            or capacity_blocks < 1
-        ):
-            raise ValueError(f"capacity_blocks: expected an int >= 1, got {capacity_blocks!r}")
+        check_geometry(block_bytes, capacity_blocks)
+        # Refused before allocating: the free-slot stack below takes 4 bytes a slot (8 past
+        # 2**32), built through a transient array as large, and a host that overcommits
+        # memory does not fail so large an allocation: it fills page after page until the
+        # OOM killer ends the process (a GPU host given 10**12 blocks). On a host that does
+        # not overcommit, the allocation's MemoryError would say less.
+        dtype = slot_dtype(capacity_blocks)
+        need, have = 2 * capacity_blocks * np.dtype(dtype).itemsize, host_memory_bytes()
+        if have is not None and need > have:
+            raise MemoryError(
+                f"{name}: {capacity_blocks} slots need {need} bytes of bookkeeping, more than "
+                f"the {have} bytes of host memory"
+            )
         self._name = name
         self._block_bytes = block_bytes
         self._capacity = capacity_blocks
         # A stack of free slots; popping from the end hands out ascending slots, which keeps
         # fresh batches contiguous and lets pool tiers copy them as one run. An `array`
         # (4 bytes a slot), not a list of ints (36): a terabyte tier has millions of them.
-        self._free = slot_stack(np.arange(capacity_blocks - 1, -1, -1, dtype=np.int64))
+        self._free = slot_stack(np.arange(capacity_blocks - 1, -1, -1, dtype=dtype))
         self._closed = False
         # Blocks recovered at open that the manager has not taken over (persistent tiers
         # that recover lazily set it; None: the manager adopts everything at open).

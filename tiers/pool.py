@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tiercache.tiers.base import Tier, check_blocks
+from tiercache.tiers.base import Tier, check_blocks, check_geometry, host_memory_bytes
 
 
 def _run_start(slots: Sequence[int]) -> int | None:
@@ -111,10 +111,7 @@ def memory_bytes(device: torch.device) -> int | None:
     """The memory a pool on `device` can have at most: physical RAM for the host, the card's
     total for a CUDA device; None where unknown."""
     if device.type == "cpu":
-        try:
-            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError):
-            return None
+        return host_memory_bytes()
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return None
@@ -132,11 +129,10 @@ class PoolTier(Tier):
         device: torch.device,
         pin_memory: bool = False,
     ) -> None:
-        super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks)
-        self._device = device
-        # Refused before allocating: a pinned allocation past the host's memory need not fail
-        # fast, it pins page after page (the likely reason a config asking for 1000 TiB ran
-        # for minutes on a GPU host), and a pageable pool larger than RAM could only swap.
+        # Refused before allocating anything, the base's slot stack included: a pinned
+        # allocation past the host's memory need not fail fast, and a pageable pool larger
+        # than RAM could only swap.
+        check_geometry(block_bytes, capacity_blocks)
         need, have = capacity_blocks * block_bytes, memory_bytes(device)
         if have is not None and need > have:
             where = "host memory" if device.type == "cpu" else f"{device}'s memory"
@@ -144,6 +140,8 @@ class PoolTier(Tier):
                 f"{name}: {capacity_blocks} blocks of {block_bytes} bytes ({need} bytes) exceed "
                 f"the {have} bytes of {where}"
             )
+        super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks)
+        self._device = device
         self._pool = torch.empty(
             (capacity_blocks, block_bytes), dtype=torch.uint8, device=device, pin_memory=pin_memory
         )
