@@ -460,6 +460,12 @@ class ManagerMachine(RuleBasedStateMachine):
             assert all(i in self.m.where(k) for k in ready)
         # Every pinned block is still ready somewhere.
         assert all(self.m.where(k) for k in pinned)
+        # `first_tiers` answers as `where` key by key (-1: held nowhere ready), and with
+        # `stop` ends at the first key held nowhere.
+        keys = [K(i) for i in range(20)]
+        fastest = [(self.m.where(k) or [-1])[0] for k in keys]
+        assert self.m.first_tiers(keys) == fastest
+        assert self.m.first_tiers(keys, stop=True) == fastest[: [*fastest, -1].index(-1)]
 
 
 ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

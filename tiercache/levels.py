@@ -232,6 +232,30 @@ def unpin(pins: dict[bytes, int], key: bytes) -> None:
         del pins[key]
 
 
+def first_tiers(
+    ready: Mapping[bytes, int],
+    where: Callable[[bytes], list[int]],
+    keys: Sequence[bytes],
+    stop: bool = False,
+) -> list[int]:
+    """The fastest tier of each of `keys` (a level's bit is `1 << index`, fastest first), or
+    -1 where none holds it ready; `where` answers for keys without a ready mask (leaving,
+    dormant: it wakes them, or missing). `stop`: only up to the first key held nowhere (the
+    list is then shorter, and no dormant block past it is woken). One pass over a hit's
+    keys, which head shards make many (`OffloadingManager.where` a key costs a call each)."""
+    out = []
+    for k in keys:
+        mask = ready.get(k, 0)
+        if mask:
+            out.append((mask & -mask).bit_length() - 1)
+            continue
+        tiers = where(k)
+        if not tiers and stop:
+            break
+        out.append(tiers[0] if tiers else -1)
+    return out
+
+
 def count_lookup(
     levels: Sequence[Level],
     ready: Mapping[bytes, int],

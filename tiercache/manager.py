@@ -3,15 +3,13 @@
 It holds keys, slots, states and reference counts, never bytes. Primitives (vLLM's
 OffloadingManager shape, on 16-byte prefix keys):
 - `lookup(keys) -> int | None`: leading blocks ready in any tier (None: a block of the chain is
-  moving between tiers right now; ask again later);
+  moving between tiers right now; ask again later); `touch(keys)`: mark a chain used;
 - `prepare_load(keys) -> LoadSpec` / `complete_load(keys)`: pin blocks while they are read;
-- `touch(keys)`: mark a chain used, head most recently;
 - `prepare_store(keys) -> PrepareStoreOutput | None` / `complete_store(keys, success)`:
   two-phase store into the first tier, with eviction and write-back demotion plans; what the
   first tier cannot take goes straight into the next tiers with room (write-around);
-- `plan_write_through(limit)` / `complete_write_through(keys, success)`: copies of newly
-  stored blocks into write-through tiers, queued (bounded, `tiercache.through_queue`) and run
-  off the caller's path;
+- `plan_write_through(limit)` / `complete_write_through(keys, success)`: copies of new
+  blocks into write-through tiers, queued (bounded, `through_queue`), run off the caller's path;
 - admission on reuse (per tier): a block enters such a tier (demotion, write-around,
   write-through) only once it has been sighted twice (stored or loaded), remembered in a
   bounded ghost map of keys (`tiercache.admission.Sightings`);
@@ -30,17 +28,15 @@ OffloadingManager shape, on 16-byte prefix keys):
 - dormant blocks: what a persistent tier recovered at open without handing it over
   (`Tier.open_columns`, tiers/dormant.py). The manager keeps no state for them: a lookup or a
   store that reaches one wakes it (adopts it, in every tier holding it dormant), and a tier
-  that needs room wakes its oldest ones first as its policy's first victims. `where` wakes
-  the block it is asked about (its caller is about to use it); `holds` and `count_ready`
-  see dormant blocks without waking them.
+  that needs room wakes its oldest ones first as its policy's first victims. `where` (and
+  `first_tiers`, over many keys) wakes the block it is asked about (its caller is about to
+  use it); `holds` and `count_ready` see dormant blocks without waking them.
 
 Invariants: a block being stored is invisible to lookup until complete_store(success=True);
 a pinned block is never evicted; a key already held is not stored again; a prepare that
 returns None or raises changes no state (it may wake dormant blocks, which changes no
-answer); a key the manager indexes is dormant in no tier.
-
-The per-tier state (`Level`: slots, pins, policy, counters) and the outstanding loads
-(`Loads`) are `tiercache.levels`; the decisions over them are all here.
+answer); a key the manager indexes is dormant in no tier. The per-tier state (`Level`:
+slots, pins, policy, counters) and the outstanding loads (`Loads`) are `tiercache.levels`.
 """
 
 from __future__ import annotations
@@ -50,7 +46,7 @@ from collections.abc import Collection, Iterable, Sequence
 from tiercache.admission import Sightings, admit_flags
 from tiercache.breaker import CircuitBreaker
 from tiercache.leaving import LeavingBlocks
-from tiercache.levels import Level, Loads, TierCounters, count_lookup, not_ready, unpin
+from tiercache.levels import Level, Loads, TierCounters, count_lookup, first_tiers, not_ready, unpin
 from tiercache.policies import EvictionPolicy
 from tiercache.records import (
     BlockMove,
@@ -155,6 +151,12 @@ class OffloadingManager:
         if asleep and key not in self._moving and self._wake_keys((key,)):
             mask = self._ready.get(key, 0)
         return [lv.index for lv in self._levels if mask & lv.bit]
+
+    def first_tiers(
+        self, keys: Sequence[bytes], *, leaving: bool = False, stop: bool = False
+    ) -> list[int]:
+        """`where(k, leaving=leaving)[0]` of each of `keys`, in one pass (levels.first_tiers)."""
+        return first_tiers(self._ready, lambda k: self.where(k, leaving=leaving), keys, stop)
 
     def is_pending(self, key: bytes) -> bool:
         """Whether `key` is held but not ready anywhere: its store (or a move) is in flight,

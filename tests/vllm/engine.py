@@ -30,6 +30,10 @@ and vLLM's CPU bf16 path can pick different tokens for the same prompt batched o
 time (seen on AMX hosts, with no connector and no prefix caching: issue 36), so a bf16
 "outputs identical" check could fail for reasons that have nothing to do with tiercache.
 
+``"kv_events": true`` (with a ``kv_transfer_config``) turns vLLM's KV events on
+(``kv_events_config``, published nowhere): only then does the connector build the events
+that ``events`` counts. Off by default, as in vLLM.
+
 ``"kv_groups": true`` returns the KV cache groups vLLM built (``kv_cache_groups``: spec class
 and layer names per group).
 
@@ -336,6 +340,14 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["disable_hybrid_kv_cache_manager"] = True
     if spec.get("kv_transfer_config") is not None:
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+        if spec.get("kv_events"):
+            # vLLM's KV events on, published nowhere: the connector builds its events only
+            # when vLLM publishes them (tests that count what it hands vLLM turn them on).
+            from vllm.config import KVEventsConfig
+
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="null"
+            )
     if spec.get("speculative_config") is not None:
         kwargs["speculative_config"] = spec["speculative_config"]
         kwargs["disable_log_stats"] = False

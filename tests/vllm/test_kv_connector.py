@@ -143,7 +143,14 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _spec(model: Path, kv: dict[str, Any], batches: list[dict[str, Any]], **kw: Any) -> dict:
-    return {"model": str(model), "kv_transfer_config": kv, "batches": batches, **kw}
+    # vLLM's KV events on: the connector builds the events these tests count only then.
+    return {
+        "model": str(model),
+        "kv_transfer_config": kv,
+        "batches": batches,
+        "kv_events": True,
+        **kw,
+    }
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from tiercache.connectors.vllm_kv import (
     TierCacheHandshake,
     TierCacheWorkerMetadata,
 )
+from tiercache.transfer.head_shards import HeadShards
 
 
 def test_connector_implements_every_abstract_method_of_vllms_base() -> None:
@@ -472,3 +473,31 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
         shared.state.pop(_SETTLE, None)
         w._worker = None
         release_store(shared)
+
+
+def test_without_vllms_kv_events_the_index_learns_and_no_event_is_built() -> None:
+    """vLLM drops the connector's events unless `kv_events_config.enable_kv_cache_events`:
+    then none are built (head shards: no shard events mapped back to blocks), while the
+    remote index still learns what every rank holds from the same worker events."""
+    config = CacheConfig.from_mapping({"tiers": [{"kind": "cpu", "blocks": 8}]})
+    shards = HeadShards(2, 2, 0)
+    for tp, sh in ((1, None), (2, None), (2, shards)):
+        kw: dict[str, Any] = {"tp_size": tp, "shards": sh}
+        c = KVScheduler(KVSettings(config, block_size=4, block_bytes=64, events=False, **kw))
+        keys = (K1,) if sh is None else tuple(sh.all_keys([K1]))
+        metas = [
+            TierCacheWorkerMetadata(
+                events=[(r, keys if sh is None else keys[r : r + 1], "cpu", False)]
+            )
+            for r in range(tp)
+        ]
+        c.update_connector_output(_out(*metas))
+        c._expect([K1])
+        assert c._events == [] and list(c.take_events()) == [], (tp, sh)
+        assert c._shard_events is None
+        assert _ask(c, list(keys)) == len(keys), (tp, sh)  # a hit all the same
+        # The same scheduler with vLLM's events on announces the block.
+        on = KVScheduler(KVSettings(config, block_size=4, block_bytes=64, **kw))
+        on._expect([K1])
+        on.update_connector_output(_out(*metas))
+        assert on._events == [((K1,), "cpu", False)], (tp, sh, on._events)

@@ -29,7 +29,10 @@ class ShardEvents:
     def __init__(self, shards: HeadShards, cap: int = EXPECT_MAX) -> None:
         self._shards = shards
         self._cap = cap
-        self._block: OrderedDict[bytes, bytes] = OrderedDict()  # shard key -> block key
+        self._block: dict[bytes, bytes] = {}  # shard key -> block key
+        # block key -> its shard keys, oldest first: the bound and the order to forget in
+        # are kept per block (a lookup touches each block once, not each of its shards)
+        self._blocks: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
         self._held: dict[bytes, dict[str, set[bytes]]] = {}  # block -> medium -> shard keys
         self._unmapped: OrderedDict[bytes, set[str]] = OrderedDict()  # shard -> mediums
         self._forgotten: dict[str, list[bytes]] = {}  # medium -> blocks to announce removed
@@ -41,20 +44,33 @@ class ShardEvents:
         if computed already) back to their blocks; the blocks this makes whole, per medium,
         from shard events that came before (to announce as stored)."""
         s = self._shards.shards
-        skeys = shard_keys if shard_keys is not None else self._shards.all_keys(block_keys)
-        out: dict[str, list[bytes]] = {}
+        blocks, out, new = self._blocks, {}, []
         for i, b in enumerate(block_keys):
-            for k in skeys[i * s : (i + 1) * s]:
-                if k in self._block:
-                    self._block.move_to_end(k)
-                    continue
+            if b in blocks:
+                blocks.move_to_end(b)
+            else:
+                new.append(i)
+        if not new:
+            return out
+        if shard_keys is None:  # only the new blocks' keys are needed
+            shard_keys = self._shards.all_keys([block_keys[i] for i in new])
+            new_keys = [shard_keys[j * s : (j + 1) * s] for j in range(len(new))]
+        else:
+            new_keys = [shard_keys[i * s : (i + 1) * s] for i in new]
+        unmapped = self._unmapped
+        for i, keys in zip(new, new_keys, strict=True):
+            b = block_keys[i]
+            if b in blocks:  # twice in `block_keys`
+                continue
+            blocks[b] = tuple(keys)
+            for k in keys:
                 self._block[k] = b
-                for medium in self._unmapped.pop(k, ()):
+                for medium in unmapped.pop(k, ()) if unmapped else ():
                     if self._add(b, k, medium):
                         out.setdefault(medium, []).append(b)
-        while len(self._block) > self._cap:
-            _, b = self._block.popitem(last=False)
-            self._forget(b)
+        while len(blocks) * s > self._cap:
+            b, keys = blocks.popitem(last=False)
+            self._forget(b, keys)
         return out
 
     def take_forgotten(self) -> dict[str, list[bytes]]:
@@ -63,8 +79,8 @@ class ShardEvents:
         out, self._forgotten = self._forgotten, {}
         return out
 
-    def _forget(self, block: bytes) -> None:
-        for k in self._shards.all_keys([block]):
+    def _forget(self, block: bytes, keys: tuple[bytes, ...]) -> None:
+        for k in keys:
             self._block.pop(k, None)
         for medium, have in self._held.pop(block, {}).items():
             if len(have) == self._shards.shards:

@@ -22,8 +22,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -103,7 +101,10 @@ class KVScheduler(RoleBase):
         self._tp_size = settings.tp_size
         self._shards = settings.shards
         self._per = self._shards.shards if self._shards is not None else 1  # keys per block
-        self._shard_events = ShardEvents(self._shards) if self._shards is not None else None
+        self._vllm_events = settings.events  # vLLM publishes KV events: build them
+        self._shard_events = (
+            ShardEvents(self._shards) if self._shards is not None and settings.events else None
+        )
         self._engine_block_bytes = settings.engine_block_bytes or settings.block_bytes
         self._groups, self._hma = settings.groups, settings.hma
         self._key_namespace = settings.keys_namespace
@@ -322,8 +323,7 @@ class KVScheduler(RoleBase):
         last = len(names) - 1
         if self._shared is not None:
             manager = self._shared.cache.manager
-            where = [(manager.where(k, leaving=True) or [-1])[0] for k in keys[:n]]
-            at = [last if w < 0 else w for w in where]
+            at = [last if w < 0 else w for w in manager.first_tiers(keys[:n], leaving=True)]
         else:
             order = {m: i for i, m in enumerate(names)}
             at = []
@@ -379,8 +379,7 @@ class KVScheduler(RoleBase):
             # blocks only.
             look = keys if self._shards is None else self._shards.keys(keys)
             with self._shared.lock:
-                held = functools.partial(manager.where, leaving=True)
-                m = sum(1 for _ in itertools.takewhile(held, look))
+                m = len(manager.first_tiers(look, leaving=True, stop=True))
                 m = self._shards.whole(m) if self._shards is not None else m
                 spec = manager.prepare_load(look[:m], leaving=True) if m else None
         remote = self._shared is None
@@ -551,7 +550,7 @@ class KVScheduler(RoleBase):
                 blocks = self._shard_events.apply(keys, medium, removed)
                 if blocks:
                     self._events.append((tuple(blocks), medium, removed))
-            elif self._tp_size == 1:
+            elif self._tp_size == 1 and self._vllm_events:
                 self._events.append((keys, medium, removed))
             if self._shared is None:
                 self._index_event(rank, keys, medium, removed)
@@ -565,7 +564,7 @@ class KVScheduler(RoleBase):
             self.remote.apply(rank, keys, medium, removed)
             return
         changed = self.remote.apply(rank, keys, medium, removed)
-        if self._tp_size > 1 and changed:
+        if self._tp_size > 1 and changed and self._vllm_events:
             self._events.append((changed, medium, removed))
 
     def set_xfer_handshake_metadata(

@@ -81,6 +81,10 @@ class KVSettings:
     # local placement loads blocks held only in persistent tiers straight into the engine
     # (asynchronously) instead of reading them first to verify them (see LocalLookup).
     recompute_failures: bool = False
+    # vLLM publishes KV events (kv_events_config.enable_kv_cache_events): only then does the
+    # scheduler turn the cache's events into vLLM's (vLLM drops them otherwise, and with head
+    # shards mapping shard events back to blocks costs a lookup's every shard key).
+    events: bool = True
 
     @property
     def hma(self) -> bool:
@@ -116,6 +120,7 @@ class KVSettings:
         layout += groups_tag(groups)  # hybrid: blocks of one group's layers
         tp_rank = _worker_tp_rank() if worker and tp_size > 1 else 0
         ktc = vllm_config.kv_transfer_config
+        events_config = getattr(vllm_config, "kv_events_config", None)
         assert ktc is not None
         user = read_user_config(ktc.kv_connector_extra_config)
         # One layout for every TP size where the engine allows it (connectors/tp_layout.py).
@@ -178,6 +183,7 @@ class KVSettings:
             engine_block_bytes=engine_bytes,
             kv_heads=int(getattr(spec, "num_kv_heads", 0) or 0),
             recompute_failures=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute",
+            events=bool(getattr(events_config, "enable_kv_cache_events", False)),
         )
 
 
