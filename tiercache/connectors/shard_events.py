@@ -44,7 +44,8 @@ class ShardEvents:
         if computed already) back to their blocks; the blocks this makes whole, per medium,
         from shard events that came before (to announce as stored)."""
         s = self._shards.shards
-        blocks, out, new = self._blocks, {}, []
+        blocks, new = self._blocks, []
+        out: dict[str, list[bytes]] = {}
         for i, b in enumerate(block_keys):
             if b in blocks:
                 blocks.move_to_end(b)
