@@ -42,7 +42,7 @@ import torch
 from tiercache.breaker import CircuitBreaker
 from tiercache.config import CacheConfig
 from tiercache.costs import LoadCosts
-from tiercache.errors import IO_ERRORS, ConfigError
+from tiercache.errors import IO_ERRORS, ConfigError, check_count
 from tiercache.hashing import prefix_hashes
 from tiercache.manager import OffloadingManager
 from tiercache.memory import return_freed_heap
@@ -180,8 +180,7 @@ class TierCache:
     ) -> TierCache:
         """Validate `config`, build its tiers (all or none), and return the cache."""
         cfg = CacheConfig.load(config)
-        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
-            raise ValueError(f"block_bytes: expected an int >= 1, got {block_bytes!r}")
+        check_count("block_bytes", block_bytes)
         for tc in cfg.tiers:  # capacity errors surface before any tier allocates memory
             tc.capacity_in_blocks(block_bytes)
         built: list[Tier] = []

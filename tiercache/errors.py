@@ -3,6 +3,7 @@
 - `ConfigError`: an invalid configuration (a `ValueError` whose message names the field).
 - `TierUnavailableError`: a tier cannot start here (e.g. a GPU tier without CUDA).
 - `BlockCorruptError`: bytes read back failed verification; callers treat it as a miss.
+- `check_count(name, value)`: the one check of an argument that must be an int >= 1.
 - `IO_ERRORS`: what a tier raises for failed I/O (the facade's plan runner and the transfer
   handlers catch these and fail the blocks concerned; anything else is a bug and propagates).
 """
@@ -29,6 +30,12 @@ class TierUnavailableError(TierCacheError, RuntimeError):
 
 class BlockCorruptError(TierCacheError):
     """Stored bytes failed verification; the block must be treated as a miss."""
+
+
+def check_count(name: str, value: object) -> None:
+    """`ValueError` naming `name` unless `value` is an int >= 1 (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
 
 
 # Errors a tier raises for failed I/O: they fail the blocks concerned. Anything else is a bug

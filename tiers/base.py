@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from tiercache.errors import ConfigError
+from tiercache.errors import ConfigError, check_count
 
 if TYPE_CHECKING:
     from tiercache.tiers.dormant import DormantIndex
@@ -54,14 +54,8 @@ def slot_dtype(capacity_blocks: int) -> type[np.unsignedinteger]:
 
 def check_geometry(block_bytes: int, capacity_blocks: int) -> None:
     """Refuse a block size or capacity that is not an int >= 1."""
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
-        raise ValueError(f"block_bytes: expected an int >= 1, got {block_bytes!r}")
-    if (
-        isinstance(capacity_blocks, bool)
-        or not isinstance(capacity_blocks, int)
-        or capacity_blocks < 1
-    ):
-        raise ValueError(f"capacity_blocks: expected an int >= 1, got {capacity_blocks!r}")
+    check_count("block_bytes", block_bytes)
+    check_count("capacity_blocks", capacity_blocks)
 
 
 def slot_stack(slots: np.ndarray) -> array:

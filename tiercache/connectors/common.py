@@ -58,7 +58,7 @@ from xxhash import xxh3_128_hexdigest
 
 from tiercache.cache import TierCache, register_exit_hook
 from tiercache.config import CacheConfig, split_addr
-from tiercache.errors import ConfigError
+from tiercache.errors import ConfigError, check_count
 from tiercache.hashing import make_namespace
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import StoreProbe
@@ -511,8 +511,7 @@ def extra_keys_for(
     """Extra keys for `prefix_hashes`: LoRA name and cache salt on block 0 (so they change
     every key of the chain), and ``("mm", identifier, offset)`` on each block that a
     multimodal item ``(identifier, offset, length)`` overlaps. None when there are none."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size: expected an int >= 1, got {block_size!r}")
+    check_count("block_size", block_size)
     out: dict[int, list[Any]] = {}
     if lora_name:
         out.setdefault(0, []).append(("lora", str(lora_name)))

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiercache.errors import check_count
 from tiercache.hashing import shard_keys
 
 MAX_DEFAULT_SHARDS = 8
@@ -43,8 +44,7 @@ MAX_DEFAULT_SHARDS = 8
 
 def default_shards(total_heads: int) -> int:
     """The largest power of two dividing `total_heads`, at most `MAX_DEFAULT_SHARDS`."""
-    if isinstance(total_heads, bool) or not isinstance(total_heads, int) or total_heads < 1:
-        raise ValueError(f"total_heads: expected an int >= 1, got {total_heads!r}")
+    check_count("total_heads", total_heads)
     s = 1
     while s < MAX_DEFAULT_SHARDS and total_heads % (2 * s) == 0:
         s *= 2
@@ -62,9 +62,7 @@ class HeadShards:
 
     def __post_init__(self) -> None:
         for name in ("shards", "tp_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+            check_count(name, getattr(self, name))
         if self.shards % self.tp_size:
             raise ValueError(
                 f"a store of {self.shards} head shards per block serves TP sizes dividing "
@@ -111,8 +109,7 @@ class HeadShards:
         this rank's; the scheduler, which looks up every rank's, gives `shards`): a block is
         there only with every one of its shards."""
         s = self.local if per_block is None else per_block
-        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-            raise ValueError(f"per_block: expected an int >= 1, got {per_block!r}")
+        check_count("per_block", s)  # `local` when not given: always one
         return n - n % s
 
     def unit_views(
@@ -123,8 +120,7 @@ class HeadShards:
         layer when its layout does not keep a block's `heads` heads outermost and contiguous,
         or its shape reads both as ``[num_blocks, heads, ...]`` and as
         ``[2, num_blocks, heads, ...]``."""
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-            raise ValueError(f"heads: expected an int >= 1, got {heads!r}")
+        check_count("heads", heads)
         s = self.local
         out: dict[str, torch.Tensor] = {}
         for name, t in kv_caches.items():

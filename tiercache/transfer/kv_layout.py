@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiercache.errors import check_count
 from tiercache.transfer import batched
 
 # On CPU a scatter by `index_copy_` runs at ~0.75x memcpy, while a loop of per-run memcpys
@@ -194,14 +195,8 @@ class KVLayout:
     ) -> None:
         if not kv_caches:
             raise ValueError("kv_caches: at least one layer is required")
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks: expected an int >= 1, got {num_blocks!r}")
-        if (
-            isinstance(block_size_factor, bool)
-            or not isinstance(block_size_factor, int)
-            or block_size_factor < 1
-        ):
-            raise ValueError(f"block_size_factor: expected an int >= 1, got {block_size_factor!r}")
+        check_count("num_blocks", num_blocks)
+        check_count("block_size_factor", block_size_factor)
         devices = {t.device for t in kv_caches.values()}
         if len(devices) != 1:
             raise ValueError(f"kv_caches: all layers must be on one device, got {devices}")
