@@ -60,6 +60,49 @@ class PersistentTierConformance(TierConformance):
         finally:
             t2.close()
 
+    def test_released_blocks_stay_until_settled(self, tmp_path) -> None:
+        """A demotion releases its source slot (reusable at once) but the block stays stored,
+        and comes back after a restart, until `settle` (its move ended)."""
+        t = self.make_tier(8, self.block_bytes, tmp_path)
+        keys = keys_for(4)
+        slots = t.allocate(keys)
+        data = rand_blocks(4, self.block_bytes, 13)
+        t.write(slots, data, keys)
+        t.release(slots[:3])
+        assert t.free_blocks == 8 - 1
+        t.settle(slots[:1], keys[:1])
+        t.close()  # as a kill would leave it: slots[1:3] released, not settled
+        t2 = self.make_tier(8, self.block_bytes, tmp_path)
+        try:
+            rec = dict(t2.recover())
+            assert sorted(rec) == sorted(keys[1:])
+            out = torch.empty((3, self.block_bytes), dtype=torch.uint8)
+            assert t2.read([rec[k] for k in keys[1:]], out, keys[1:]) == []
+            assert torch.equal(out, data[1:])
+        finally:
+            t2.close()
+
+    def test_a_released_slot_written_again_holds_the_new_block(self, tmp_path) -> None:
+        t = self.make_tier(2, self.block_bytes, tmp_path)
+        old, new = keys_for(2)
+        (s,) = t.allocate([old])
+        t.write([s], rand_blocks(1, self.block_bytes, 14), [old])
+        t.release([s])
+        (s2,) = t.allocate([new])
+        data = rand_blocks(1, self.block_bytes, 15)
+        t.write([s2], data, [new])
+        t.settle([s], [old])  # the move ended after the store: the new block stays
+        t.close()
+        t2 = self.make_tier(2, self.block_bytes, tmp_path)
+        try:
+            rec = dict(t2.recover())
+            assert sorted(rec) == [new]
+            out = torch.empty((1, self.block_bytes), dtype=torch.uint8)
+            assert t2.read([rec[new]], out, [new]) == []
+            assert torch.equal(out, data)
+        finally:
+            t2.close()
+
     def test_read_of_unexpected_key_fails_that_position(self, tier) -> None:
         keys = keys_for(3)
         slots = tier.allocate(keys)

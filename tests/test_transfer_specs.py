@@ -76,6 +76,20 @@ def test_tracker_read_after_write_write_after_read_and_release() -> None:
     assert len(tr) == 0
 
 
+def test_tracker_overwrites_a_durable_slot_only_after_its_move_ends() -> None:
+    """A demotion's source in a persistent tier (index 0 here) holds the block's only durable
+    copy until the move's destination write ends: the store into that slot follows the whole
+    move (False), not just its read (None) as in a volatile tier."""
+    for durable, wait in (((0,), False), ((), None)):
+        tr = DependencyTracker(durable)
+        src = TierLoadStoreSpec(0, "nvme", (3,), (K(3),))
+        move = Job(1, src, TierLoadStoreSpec(1, "lmdb", (8,), (K(3),)))
+        move.deps = tr.dependencies(move)
+        tr.record(move)
+        store = Job(2, GPULoadStoreSpec([0]), TierLoadStoreSpec(0, "nvme", (3,), (K(4),)))
+        assert tr.dependencies(store) == [(move, wait)]
+
+
 # -- property: concurrent execution == sequential execution ---------------------------------
 NB, CAP = 12, 6
 OPS = st.lists(

@@ -15,7 +15,7 @@ source -> key, for `busy`. It holds no bytes and no tier; the manager changes it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 
@@ -60,3 +60,35 @@ class LeavingBlocks(dict[bytes, tuple[int, int]]):
         """Whether one of `slots` of `tier` is still the source of a leaving block."""
         sources = self.sources
         return bool(sources) and any((tier, s) in sources for s in slots)
+
+
+class ReleasedSources(dict[bytes, tuple[int, int]]):
+    """key -> (tier, slot) of each demoted block whose source slot was released
+    (`Tier.release`: reusable, the block still stored there) and whose move has not ended.
+    Every planned demotion is recorded, leaving block or not; `take` hands the manager what
+    to `Tier.settle` once the moves end, either way. Holds no bytes and no tier."""
+
+    __slots__ = ()
+
+    def record(
+        self, tier: int, keys: Sequence[bytes], slots: Sequence[int], dropped: Collection[bytes]
+    ) -> dict[int, None]:
+        """Record the demoted `keys` (from `slots` of `tier`) but those `dropped` (no tier
+        took them); their slots, in order (an ordered set)."""
+        moved: dict[int, None] = {}
+        for k, s in zip(keys, slots, strict=True):
+            if k not in dropped:
+                self[k] = (tier, s)
+                moved[s] = None
+        return moved
+
+    def take(self, keys: Iterable[bytes]) -> dict[int, tuple[list[int], list[bytes]]]:
+        """The released sources of `keys` (others ignored), removed: tier -> (slots, keys)."""
+        out: dict[int, tuple[list[int], list[bytes]]] = {}
+        for k in keys:
+            where = self.pop(k, None)
+            if where is not None:
+                slots, ks = out.setdefault(where[0], ([], []))
+                slots.append(where[1])
+                ks.append(k)
+        return out

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Container, Iterable, Mapping, 
 from dataclasses import dataclass
 
 from tiercache.policies import EvictionPolicy
-from tiercache.records import OffloadingEvent
+from tiercache.records import BlockMove, OffloadingEvent, StoreSpec
 from tiercache.tiers import Tier
 
 
@@ -58,6 +58,16 @@ class Level:
         # first), made as recent as a demotion when the block leaves the faster tiers.
         self.cold: set[bytes] = set()
         self.counters = TierCounters()
+
+    def move_to(
+        self, dst: Level, keys: Sequence[bytes], src_slots: Iterable[int], dst_slots: Sequence[int]
+    ) -> BlockMove:
+        """The move of `keys` from `src_slots` of this tier into `dst_slots` of `dst`."""
+        return BlockMove(
+            tuple(keys),
+            StoreSpec(self.index, self.medium, tuple(src_slots)),
+            StoreSpec(dst.index, dst.medium, tuple(dst_slots)),
+        )
 
     def hold(self, present: dict[bytes, int], keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Record `keys` as held (not ready yet) in `slots` (multi-tier only: `present` is

@@ -45,7 +45,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 from tiercache.admission import Sightings, admit_flags
 from tiercache.breaker import CircuitBreaker
-from tiercache.leaving import LeavingBlocks
+from tiercache.leaving import LeavingBlocks, ReleasedSources
 from tiercache.levels import Level, Loads, TierCounters, count_lookup, first_tiers, not_ready, unpin
 from tiercache.policies import EvictionPolicy
 from tiercache.records import (
@@ -101,6 +101,7 @@ class OffloadingManager:
         self._present: dict[bytes, int] = self._levels[0].slots if self._single else {}
         self._moving: set[bytes] = set()  # keys being demoted (in no tier's lookup meanwhile)
         self._leaving = LeavingBlocks()  # see the module doc: while their moves run
+        self._released = ReleasedSources()  # demoted blocks' sources, kept until settled
         # Outstanding loads: where each reads, and the slots (leaving blocks' too) they pin.
         self._loads = Loads(self._levels)
         self._events: list[OffloadingEvent] = []
@@ -655,6 +656,7 @@ class OffloadingManager:
         # suspended one (it hung: a demotion would wait on it) and a full one (its slots taken
         # by blocks in flight: under load, the next tier's stores); what none takes goes.
         off = self._breaker.mask()
+        out, out_slots = demote, demote_slots
         for lv in self._levels[level.index + 1 :] if demote else ():
             if lv.bit & off:
                 continue
@@ -667,7 +669,13 @@ class OffloadingManager:
             if not demote:
                 break
         level.counters.dropped += len(demote)
-        # Slots go back only after the move is planned: the move reads them first.
+        # Slots go back only after the move is planned: the move reads them first. A moved
+        # block's slot is released, not freed: its block stays stored (a kill recovers it)
+        # until its move ends and `_complete_multi` settles it (`Tier.release`).
+        if out:
+            moved = self._released.record(level.index, out, out_slots, demote)
+            freed = [s for s in freed if s not in moved]
+            level.tier.release(list(moved))
         level.tier.free(freed)
 
     def _demote_into(
@@ -687,13 +695,7 @@ class OffloadingManager:
         if self._leaving.planning:  # readable from the source slots until the move completes
             self._leaving.leave(src.index, keys, src_slots)
         dst.counters.demoted_in += len(keys)
-        moves.append(
-            BlockMove(
-                tuple(keys),
-                StoreSpec(src.index, src.medium, tuple(src_slots)),
-                StoreSpec(dst.index, dst.medium, tuple(slots)),
-            )
-        )
+        moves.append(src.move_to(dst, keys, src_slots, slots))
         return True
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
@@ -738,6 +740,9 @@ class OffloadingManager:
             if done and moving:  # a leaving block is served from where it now is (or gone)
                 moving.difference_update(done)
                 self._leaving.end(done)
+            if done and self._released:  # moves ended: their sources go now, never before
+                for t, (slots, ks) in self._released.take(done).items():
+                    self._levels[t].tier.settle(slots, ks)
             if done and success:
                 if cold:  # tail first: the chain's tail is evicted first
                     lv.policy.insert_cold(done)
@@ -816,13 +821,7 @@ class OffloadingManager:
                 for k in keys:  # the source slot stays put until the copy has read it
                     src.pins[k] = src.pins.get(k, 0) + 1
                 through.pin(keys, src_index, t)
-                moves.append(
-                    BlockMove(
-                        tuple(keys),
-                        StoreSpec(src_index, src.medium, tuple(src.slots[k] for k in keys)),
-                        StoreSpec(t, dst.medium, tuple(slots)),
-                    )
-                )
+                moves.append(src.move_to(dst, keys, map(src.slots.__getitem__, keys), slots))
         return moves
 
     def complete_write_through(self, keys: Iterable[bytes], success: bool = True) -> None:
@@ -898,13 +897,7 @@ class OffloadingManager:
                 for k, s in zip(batch, slots, strict=True):
                     dst.slots[k] = s
                     self._present[k] |= dst.bit
-                moves.append(
-                    BlockMove(
-                        tuple(batch),
-                        StoreSpec(src.index, src.medium, tuple(src.slots[k] for k in batch)),
-                        StoreSpec(dst.index, dst.medium, tuple(slots)),
-                    )
-                )
+                moves.append(src.move_to(dst, batch, map(src.slots.__getitem__, batch), slots))
         return moves
 
     # -- removal, recovery, events, stats --------------------------------------------------

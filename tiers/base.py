@@ -2,6 +2,8 @@
 
 A tier knows bytes, never policies or other tiers. Primitives:
 - capacity and slot bookkeeping (here, once for every tier): `allocate`, `free`, `used_blocks`;
+  `release`/`settle`: a demoted block's slot is reusable at once, its block kept stored
+  until its move ends (persistent tiers override them);
 - `write(slots, src)` / `read(slots, dst)`: batched copies of uint8 tensors
   `[len(slots), block_bytes]` (the only abstract methods besides `from_config`);
   `read_to(slots, sink)`: a read that hands the verified blocks to a callback instead,
@@ -184,6 +186,21 @@ class Tier(ABC):
     def free(self, slots: Sequence[int]) -> None:
         """Return slots to the free list (their bytes become garbage)."""
         self._free.extend(reversed(slots))
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Return slots whose blocks a move is carrying into another tier (a demotion): a
+        store may be planned into them at once, but each block stays stored, and is what a
+        restart recovers, until `settle` says its move ended or its slot is written again.
+        So a kill while the move runs never loses the block: the source copy is released
+        only after the destination's is durable. A volatile tier: `free`."""
+        self.free(slots)
+
+    def settle(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        """The moves of the blocks `release`d from `slots` (holding `keys`, pairwise) ended:
+        their destination copies are durable (or the moves failed and the manager dropped
+        the blocks), so a persistent tier forgets them now. A slot written since holds
+        another block, which stays. A volatile tier: nothing to do."""
+        return None
 
     def _claim(self, slots: Sequence[int]) -> None:
         """Mark specific slots used (persistent tiers call this for what `recover` returns)."""

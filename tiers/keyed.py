@@ -108,10 +108,13 @@ class PendingDeletes:
     Not locked: callers hold the lock that guards it (LMDB: the shared environment's state
     lock, for every tier of the process on that environment; Redis: the tier's lock)."""
 
-    __slots__ = ("_sending", "entries")
+    __slots__ = ("_sending", "entries", "held")
 
     def __init__(self) -> None:
         self.entries: dict[bytes, int | None] = {}
+        # Deletes of blocks a demotion is carrying away (`Tier.release`): they wait for
+        # `settle`, so no write deletes a block before its destination copy is durable.
+        self.held: set[bytes] = set()
         # Taken and neither sent nor restored yet: a key stored again meanwhile leaves it, so
         # a failed send never restores the delete of a live key.
         self._sending: set[bytes] = set()
@@ -130,12 +133,25 @@ class PendingDeletes:
         for k in keys:
             self.entries[k] = value
 
+    def hold(self, keys: Iterable[bytes]) -> None:
+        """Deletes that wait for `settle` (their blocks' moves are running)."""
+        self.held.update(keys)
+
+    def settle(self, keys: Iterable[bytes]) -> None:
+        """Held deletes whose moves ended: pending now (keys stored again since are not)."""
+        held = self.held
+        for k in keys:
+            if k in held:
+                held.discard(k)
+                self.entries[k] = None
+
     def unpend(self, keys: Iterable[bytes]) -> None:
         """Keys stored again (live: no pending delete may remove them), or deleted."""
-        if self.entries or self._sending:
+        if self.entries or self._sending or self.held:
             for k in keys:
                 self.entries.pop(k, None)
                 self._sending.discard(k)
+                self.held.discard(k)
 
     def take(self) -> dict[bytes, int | None]:
         """Every pending delete, to send now; the set is left empty. Then `sent` or

@@ -34,7 +34,7 @@ def build_worker(
                 f"tier {t.medium!r}: blocks of {t.block_bytes} bytes, but the KV "
                 f"layout's offloaded block is {layout.block_bytes} bytes"
             )
-    worker = OffloadingWorker()
+    worker = OffloadingWorker(i for i, t in enumerate(tiers) if t.persistent)
     handlers: dict[str, TransferHandler] = {}
 
     def handler(kind: str) -> TransferHandler:

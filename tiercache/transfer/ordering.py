@@ -5,9 +5,12 @@ worker, which sees every job in submission order, records for each job the earli
 in flight that it must follow:
 - read after write: a load of slots an earlier store or move writes (it fails if that fails:
   the bytes it would read never arrived);
-- write after read: a store into slots an earlier move still reads (the manager frees a
-  demoted block's slot in the same plan that reuses it); it waits only until that move has
-  read its source (`Job.read_done`), not for its write, which may hang on a disk;
+- write after read: a store into slots an earlier move still reads (the manager releases a
+  demoted block's slot in the same plan that reuses it); in a volatile tier it waits only
+  until that move has read its source (`Job.read_done`), not for its write, which may hang
+  on a disk; in a persistent tier (`durable`) it waits until the move has ended: the slot
+  holds the block's only durable copy until the destination's is durable, and a kill
+  between the overwrite and the destination's commit would lose an acknowledged block;
 - write after write: two writes of one slot land in submission order.
 Dependencies only point backwards in submission order and every handler starts its jobs in
 that order, so the earliest unfinished job can always run: no deadlock.
@@ -15,15 +18,19 @@ that order, so the earliest unfinished job can always run: no deadlock.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from tiercache.transfer.job import Job, Resource
 
 
 class DependencyTracker:
     """Last writer and current readers of each resource, over jobs not yet reported."""
 
-    def __init__(self) -> None:
+    def __init__(self, durable: Iterable[int] = ()) -> None:
+        """`durable`: the indices of persistent tiers (see the module docstring)."""
         self._writer: dict[Resource, Job] = {}
         self._readers: dict[Resource, list[Job]] = {}
+        self._durable = frozenset(durable)
 
     def dependencies(self, job: Job) -> list[tuple[Job, bool | None]]:
         """The jobs in flight that `job` must follow, each with whether `job` reads its bytes
@@ -45,7 +52,7 @@ class DependencyTracker:
                 deps[id(w)] = (w, False)
             for rd in readers.get(r, ()):
                 if id(rd) not in deps:
-                    deps[id(rd)] = (rd, None)
+                    deps[id(rd)] = (rd, False if r[0] in self._durable else None)
         return list(deps.values())
 
     def record(self, job: Job) -> None:

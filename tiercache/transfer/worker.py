@@ -58,11 +58,13 @@ _SPECS = (GPULoadStoreSpec, TierLoadStoreSpec)  # a tuple: `X | Y` builds a unio
 class OffloadingWorker:
     """Dispatches transfers by (source medium, destination medium) and collects results."""
 
-    def __init__(self) -> None:
+    def __init__(self, durable_tiers: Iterable[int] = ()) -> None:
+        """`durable_tiers`: indices of persistent tiers, whose slots a store overwrites only
+        after the moves reading them have ended (`DependencyTracker`)."""
         self._handlers: dict[TransferType, TransferHandler] = {}
         self._distinct: list[TransferHandler] = []  # each handler once, in registration order
         self._jobs: dict[int, tuple[Job, TransferHandler]] = {}
-        self._tracker = DependencyTracker()
+        self._tracker = DependencyTracker(durable_tiers)
         self._stats = TransferStats()
         self._lock = threading.Lock()
         self._closed = False

@@ -255,6 +255,18 @@ class LMDBTier(KeyedTier):
                 self._shared.pending.add(self._nsb + k for k in gone)
         super().free(slots)
 
+    def release(self, slots: Sequence[int]) -> None:
+        """`free`, but the deletes of blocks this tier stored wait for `settle`."""
+        gone = self._release(slots)
+        if gone:
+            with self._shared.state_lock:
+                self._shared.pending.hold(self._nsb + k for k in gone)
+        super().free(slots)
+
+    def settle(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        with self._shared.state_lock:
+            self._shared.pending.settle(self._nsb + k for k in keys)
+
     def probe(self, keys: Sequence[bytes]) -> int:
         """Leading `keys` with a well-formed header of this namespace in the environment
         (stored by another process since open); stops at a key this process is deleting."""

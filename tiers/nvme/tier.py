@@ -145,6 +145,9 @@ class NVMeTier(Tier):
         self._seqs = np.zeros(0, dtype=np.uint64)
         self._keys = np.zeros(0, dtype=_KEY)
         self._live = 0  # slots with a nonzero seq
+        # Released slots (a demotion carries their block away: `release`) -> the seq of the
+        # block they still hold, indexed and journaled until `settle` or a rewrite.
+        self._released: dict[int, int] = {}
         self._seq = 0
         self._unsynced = 0
         self._timer: threading.Timer | None = None
@@ -429,6 +432,12 @@ class NVMeTier(Tier):
             return
         rows = (src if src.device.type == "cpu" else src.cpu()).numpy()
         with self._lock:
+            if self._released:
+                # A released block's move has ended before its slot is written again (the
+                # manager orders it), but `settle` may not have come yet: journal its FREE
+                # before new bytes overwrite it, so a kill mid-write never leaves a record
+                # naming a slot that holds another block.
+                self._forget([s for s in slots if self._released.pop(s, None) is not None])
             first = self._seq + 1
             self._seq += n
         fd, sb, bb = self._fd, self._slot_bytes, self.block_bytes
@@ -558,25 +567,56 @@ class NVMeTier(Tier):
 
     # -- slots and index -------------------------------------------------------------------
     def free(self, slots: Sequence[int]) -> None:
-        """Free slots and journal it, so they stay freed after a restart. The bytes stay: a
-        demotion planned with the eviction still reads them before the next write."""
+        """Free slots and journal it, so they stay freed after a restart. The bytes stay
+        until the next write."""
         super().free(slots)
         with self._lock:
-            recs = []
+            if self._released:
+                for s in slots:
+                    self._released.pop(s, None)
+            self._forget(slots)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Return slots to the allocator, their blocks still indexed and journaled (no FREE
+        record: a kill now recovers them) until `settle` or the next write of the slot."""
+        super().free(slots)
+        with self._lock:
             seqs = self._seqs
             for s in slots:
-                if seqs.item(s):
-                    seqs[s] = 0
-                    self._live -= 1
-                    self._seq += 1
-                    recs.append(_record(_OP_FREE, s, self._seq, _NO_KEY))
-            if not recs or self._closed:
+                q = seqs.item(s)
+                if q:
+                    self._released[s] = q
+
+    def settle(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Forget released blocks whose moves ended (their slots not written since)."""
+        with self._lock:
+            if not self._released:
                 return
-            try:  # no sync: a lost FREE record only lets a valid block come back
-                self._append(b"".join(recs))
-                self._after_append(0)
-            except OSError as exc:  # free must not fail (the manager frees while planning)
-                log.warning("%s: journaling %d freed slots failed: %s", self.medium, len(recs), exc)
+            seqs, done = self._seqs, []
+            for s in slots:
+                q = self._released.get(s)
+                if q is not None and seqs.item(s) == q:
+                    del self._released[s]
+                    done.append(s)
+            self._forget(done)
+
+    def _forget(self, slots: Sequence[int]) -> None:
+        """Drop slots' blocks from the index and journal FREE records (lock held)."""
+        recs = []
+        seqs = self._seqs
+        for s in slots:
+            if seqs.item(s):
+                seqs[s] = 0
+                self._live -= 1
+                self._seq += 1
+                recs.append(_record(_OP_FREE, s, self._seq, _NO_KEY))
+        if not recs or self._closed:
+            return
+        try:  # no sync: a lost FREE record only lets a valid block come back
+            self._append(b"".join(recs))
+            self._after_append(0)
+        except OSError as exc:  # free must not fail (the manager frees while planning)
+            log.warning("%s: journaling %d freed slots failed: %s", self.medium, len(recs), exc)
 
     def recover(self) -> list[tuple[bytes, int]]:
         return list(zip(*self.recover_columns(), strict=True))

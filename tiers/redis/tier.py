@@ -445,6 +445,20 @@ class RedisTier(KeyedTier):
                     self._pending.add((k,))
         super().free(slots)
 
+    def release(self, slots: Sequence[int]) -> None:
+        """`free`, but the deletes of blocks this instance stored wait for `settle`."""
+        with self._lock:
+            for k in self._release(slots):
+                if k in self._keep:
+                    self._keep.discard(k)
+                else:
+                    self._pending.hold((k,))
+        super().free(slots)
+
+    def settle(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self._pending.settle(keys)
+
     # -- write -----------------------------------------------------------------------------
     def write(
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
