@@ -1,9 +1,12 @@
 """The AMX tile priming of the vLLM adapters (`tiercache/connectors/amx.py`, issue 36): it
 runs only for a CPU engine with a 16-bit KV cache on a host whose CPU flags name `amx_tile`,
-and nowhere else. /proc/cpuinfo is injected as text, so this runs on any host; the engine
-restart it protects is `tests/vllm/test_amx_restart.py` (AMX hosts only)."""
+and nowhere else. /proc/cpuinfo is injected as text or as a file (tests/data/cpuinfo-*.txt),
+so this runs on any host; the engine restart it protects is `tests/vllm/test_amx_restart.py`
+(AMX hosts only)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,13 +42,50 @@ def test_host_has_amx_reads_the_flags_line(cpuinfo: str, expected: bool) -> None
     assert amx.host_has_amx(cpuinfo) is expected
 
 
-def test_host_has_amx_reads_proc_cpuinfo_by_default() -> None:
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize(
+    ("fixture", "expected"),
+    [("cpuinfo-sapphire-rapids.txt", True), ("cpuinfo-epyc.txt", False)],
+)
+def test_host_has_amx_reads_the_file_it_is_pointed_at(
+    fixture: str, expected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whole /proc/cpuinfo files (an 8480+ guest with `amx_tile` and `amx_bf16`, and this
+    project's AMD EPYC CI/dev hosts, two processors each) read from disk by the default path:
+    the answer follows the file, so a default that never reads it cannot pass both."""
+    text = (DATA / fixture).read_text()
+    assert amx.host_has_amx(text) is expected
+    monkeypatch.setattr(amx, "CPUINFO", DATA / fixture)
+    assert amx.host_has_amx() is expected
+    assert amx.needs_tile_config("cpu", torch.bfloat16) is expected
+
+
+def test_host_has_amx_reads_proc_cpuinfo_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Path("/proc/cpuinfo") == amx.CPUINFO
+    reads: list[Path] = []
+    real = Path.read_text
+
+    def spy(self: Path, *a: object, **kw: object) -> str:
+        reads.append(self)
+        return real(self, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", spy)
     try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
+        text = real(Path("/proc/cpuinfo"))
     except OSError:
-        pytest.skip("no /proc/cpuinfo")
+        assert amx.host_has_amx() is False  # unreadable: no AMX claimed
+        return
     assert amx.host_has_amx() is amx.host_has_amx(text)
+    assert reads == [Path("/proc/cpuinfo")]  # the default read it, once; given text, nothing
+
+
+def test_host_has_amx_is_false_where_cpuinfo_cannot_be_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(amx, "CPUINFO", tmp_path / "missing")
+    assert amx.host_has_amx() is False
 
 
 @pytest.mark.parametrize(

@@ -288,6 +288,7 @@ def corruption_campaign(kind: str, tmp_path: Path, mutations: int, seed: int) ->
             r += 1
             continue
         hit, miss = set(got["hit"]), set(got["miss"])
+        figures["wrong"] += len(got["wrong"])
         assert got["wrong"] == [], f"round {r} ({done}): wrong bytes served for {got['wrong']}"
         assert got["serving"], f"round {r} ({done}): the cache stopped serving"
         if kind == "nvme":
@@ -325,14 +326,16 @@ def corruption_campaign(kind: str, tmp_path: Path, mutations: int, seed: int) ->
 @pytest.mark.parametrize("kind", ["nvme", "lmdb"])
 def test_corruption_campaign(kind: str, tmp_path) -> None:
     figures = corruption_campaign(kind, tmp_path, scale("corruption_mutations", 120), seed=7)
-    assert figures["blocks_lost"] == 0 and figures["mutated_blocks"] > 0
+    assert figures["blocks_lost"] == 0 and figures["wrong"] == 0
+    assert figures["mutated_blocks"] > 0
 
 
 @pytest.mark.stress
 @pytest.mark.parametrize("kind", ["nvme", "lmdb"])
 def test_corruption_campaign_long(kind: str, tmp_path) -> None:
     figures = corruption_campaign(kind, tmp_path, scale("corruption_mutations", 1200), seed=2026)
-    assert figures["blocks_lost"] == 0 and figures["mutations"] >= 1000
+    assert figures["blocks_lost"] == 0 and figures["wrong"] == 0
+    assert figures["mutations"] >= 1000
 
 
 # -- regressions found by this campaign ---------------------------------------------------------

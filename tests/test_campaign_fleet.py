@@ -272,6 +272,10 @@ def fleet_corruption_campaign(tmp_path: Path, rounds: int, seed: int) -> dict:
         (ctl / "store").touch()
         got = [k.result(120) for k in kids]
         for w, g in enumerate(got):
+            # The figures first, from what each process read: wrong bytes, and untouched
+            # blocks it did not serve (lost); the asserts below then hold them at 0.
+            figures["wrong"] += len(g["wrong"])
+            figures["blocks_lost"] += len((set(every) - damaged) - set(g["hit"]))
             assert g["wrong"] == [] and g["serving"], (r, w, hits, g)
             assert set(g["miss"]) == damaged, (r, w, hits, g)  # every damaged block a miss
             assert set(g["hit"]) == set(every) - damaged, (r, w, hits, g)
@@ -297,10 +301,10 @@ def fleet_corruption_campaign(tmp_path: Path, rounds: int, seed: int) -> dict:
 
 def test_fleet_corruption_campaign(tmp_path: Path) -> None:
     f = fleet_corruption_campaign(tmp_path, scale("fleet_rounds", 3), seed=11)
-    assert f["damaged_blocks"] > 0 and f["wrong"] == 0, f
+    assert f["damaged_blocks"] > 0 and f["wrong"] == 0 and f["blocks_lost"] == 0, f
 
 
 @pytest.mark.stress
 def test_fleet_corruption_campaign_long(tmp_path: Path) -> None:
     f = fleet_corruption_campaign(tmp_path, scale("fleet_rounds", 40), seed=2026)
-    assert f["damaged_blocks"] > 0 and f["wrong"] == 0, f
+    assert f["damaged_blocks"] > 0 and f["wrong"] == 0 and f["blocks_lost"] == 0, f

@@ -8,9 +8,11 @@ import json
 import logging
 import os
 import re
+from pathlib import Path
 
 import pytest
 
+from tests.unprivileged import as_unprivileged
 from tiercache.errors import ConfigError
 from tiercache.tiers import store_dir
 from tiercache.tiers.store_dir import (
@@ -70,15 +72,17 @@ def test_group_writable_is_refused(tmp_path) -> None:
         prepare_dir(d, LMDB_LIKE)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes any directory")
-def test_unreadable_is_refused(tmp_path) -> None:
-    d = tmp_path / "s"
-    d.mkdir(mode=0o300)
-    try:
-        with pytest.raises(ConfigError, match="not readable and writable"):
-            prepare_dir(d, LMDB_LIKE)
-    finally:
-        d.chmod(0o700)
+def test_unreadable_is_refused() -> None:
+    def check(base: Path) -> None:  # as a user whose permission bits apply (not root)
+        d = base / "s"
+        d.mkdir(mode=0o300)
+        try:
+            with pytest.raises(ConfigError, match="not readable and writable"):
+                prepare_dir(d, LMDB_LIKE)
+        finally:
+            d.chmod(0o700)
+
+    as_unprivileged(check)
 
 
 def test_other_owner_is_refused(tmp_path, monkeypatch) -> None:

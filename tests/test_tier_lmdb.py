@@ -23,6 +23,7 @@ import torch
 
 from tests.persistent_conformance import PersistentTierConformance
 from tests.tier_conformance import keys_for, rand_blocks, tier_state_machine
+from tests.unprivileged import as_unprivileged
 from tiercache import TierCache
 from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError
@@ -612,15 +613,18 @@ def test_bad_paths(tmp_path) -> None:
         LMDBTier(path="", block_bytes=64, capacity_blocks=4)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
-def test_unwritable_directory(tmp_path) -> None:
-    d = tmp_path / "ro"
-    d.mkdir(mode=0o500)
-    try:
-        with pytest.raises(ConfigError, match="not readable and writable"):
-            open_tier(d)
-    finally:
-        d.chmod(0o700)
+def test_unwritable_directory() -> None:
+    def check(base: Path) -> None:  # as a user whose permission bits apply (not root)
+        d = base / "ro"
+        d.mkdir(mode=0o500)
+        try:
+            with pytest.raises(ConfigError, match="not readable and writable"):
+                open_tier(d)
+            assert os.listdir(d) == []
+        finally:
+            d.chmod(0o700)
+
+    as_unprivileged(check)
 
 
 def test_foreign_lmdb_environment_is_refused(tmp_path) -> None:

@@ -28,6 +28,7 @@ from hypothesis.stateful import rule
 
 from tests.persistent_conformance import PersistentTierConformance
 from tests.tier_conformance import keys_for, rand_blocks, tier_state_machine
+from tests.unprivileged import as_unprivileged
 from tiercache import TierCache
 from tiercache.errors import ConfigError
 from tiercache.tiers import format as fmt
@@ -934,12 +935,18 @@ def test_bad_paths_are_refused_naming_path(tmp_path) -> None:
     assert sorted(os.listdir(foreign)) == ["data.db"]  # nothing written into foreign dirs
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
-def test_unwritable_dir_is_refused(tmp_path) -> None:
-    ro = tmp_path / "ro"
-    ro.mkdir(mode=0o500)
-    with pytest.raises(ConfigError, match="not readable and writable"):
-        open_tier(ro)
+def test_unwritable_dir_is_refused() -> None:
+    def check(base: Path) -> None:  # as a user whose permission bits apply (not root)
+        ro = base / "ro"
+        ro.mkdir(mode=0o500)
+        try:
+            with pytest.raises(ConfigError, match="not readable and writable"):
+                open_tier(ro)
+            assert os.listdir(ro) == []
+        finally:
+            ro.chmod(0o700)
+
+    as_unprivileged(check)
 
 
 def test_one_tier_per_directory(tmp_path) -> None:

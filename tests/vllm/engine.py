@@ -49,6 +49,8 @@ e.g. hits timed apart from the previous batch's background writes, or a store an
 must find in a shared tier before this one says so with ``"touch"``). A batch may also say
 ``"wait_s": S`` (sleep S seconds before it), ``"wait_serving": true`` (start it once no
 tier of this process's stores is suspended; in-process engines; ``waited_s`` says how long),
+``"wait_writes": true`` (start it once the stores and moves the KV connector's workers
+submitted so far have ended, given-up ones included; in-process engines),
 ``"wait_for": PATH`` (start it only once PATH exists: another engine finished something)
 and ``"touch": PATH`` (create PATH after it): engines started together with
 `start_in_subprocess` then run in a set order, each in its own process. Every batch records
@@ -372,6 +374,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         if batch.get("wait_for"):
             wait_for_file(Path(batch["wait_for"]))
         time.sleep(float(batch.get("wait_s", 0)))
+        if batch.get("wait_writes"):
+            _wait_writes()
         waited_s = _wait_serving() if batch.get("wait_serving") else 0.0
         suspended_s = _suspended()  # what the batch starts with (a test's failure shows it)
         th0 = thread_cpu()  # the settling's background copies count in this batch's threads
@@ -513,6 +517,20 @@ def _settle_through(deadline_s: float = 120) -> None:
             if not queued:
                 break
             time.sleep(0.02)  # the copier takes the next batch
+
+
+def _wait_writes(deadline_s: float = 120) -> None:
+    """Wait until the stores and moves every KV connector worker of this process submitted
+    have ended in its transfer engine, given-up ones included (`KVWorker.wait_writes`);
+    RuntimeError after `deadline_s`."""
+    from tiercache.connectors import common
+    from tiercache.connectors.vllm_kv import _SETTLE
+
+    with common._REGISTRY_LOCK:
+        settles = [s.state.get(_SETTLE) for s in common._REGISTRY.values()]
+    for settle in settles:
+        if settle is not None and not settle.__self__.wait_writes(deadline_s):  # its KVWorker
+            raise RuntimeError(f"the connector's stores still running after {deadline_s} s")
 
 
 def _suspended() -> list[list[float]]:

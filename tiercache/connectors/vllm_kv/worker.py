@@ -280,6 +280,18 @@ class KVWorker(RoleBase):
                 self._worker.wait(writing, MOVE_WAIT_S if moving else SETTLE_WAIT_S)
             return self._drain()
 
+    def wait_writes(self, timeout: float) -> bool:
+        """Wait until every store and move submitted so far, given-up ones included, has
+        ended in the transfer engine; True if all did within `timeout` seconds. Their results
+        are completed by the next drain (a step, or a lookup that settles a key). E.g. after
+        a hung disk came back: until then, a given-up store's keys stay reserved, and stores
+        of the same keys are skipped (`store_skipped_blocks`)."""
+        if self._worker is None or self._shared is None:
+            return True
+        with self._shared.lock:
+            jobs = [j for j, f in self._fl.items() if f.kind != "load"]
+        return not self._worker.wait(jobs, timeout)
+
     def _submit(self, flight: _Flight, spec: Any) -> int:
         assert self._worker is not None and self._shared is not None
         job_id = next(self._job_ids)
