@@ -524,10 +524,10 @@ def _wait_writes(deadline_s: float = 120) -> None:
     have ended in its transfer engine, given-up ones included (`KVWorker.wait_writes`);
     RuntimeError after `deadline_s`."""
     from tiercache.connectors import common
-    from tiercache.connectors.vllm_kv import _SETTLE
+    from tiercache.connectors.vllm_kv import SETTLE_KEY
 
     with common._REGISTRY_LOCK:
-        settles = [s.state.get(_SETTLE) for s in common._REGISTRY.values()]
+        settles = [s.state.get(SETTLE_KEY) for s in common._REGISTRY.values()]
     for settle in settles:
         if settle is not None and not settle.__self__.wait_writes(deadline_s):  # its KVWorker
             raise RuntimeError(f"the connector's stores still running after {deadline_s} s")

@@ -26,7 +26,7 @@ import lmdb
 from tiercache.backoff import Backoff
 from tiercache.errors import ConfigError
 from tiercache.tiers.format import header_check, namespace_id
-from tiercache.tiers.lmdb.env import _parse_meta, borrow, detach, is_open
+from tiercache.tiers.lmdb.env import borrow, detach, is_open, parse_meta
 from tiercache.tiers.lmdb.layout import (
     BLOCKS_DB,
     COUNT_PREFIX,
@@ -38,10 +38,10 @@ from tiercache.tiers.lmdb.layout import (
     MIN_TXN_OPS,
     NS_BYTES,
     ORDER_DB,
-    _leading_heads,
-    _StoreTxn,
-    _u64,
-    _under,
+    StoreTxn,
+    iter_prefix,
+    leading_heads,
+    u64,
 )
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
@@ -70,8 +70,8 @@ class StoreHandle:
         """Namespace id -> the block count the store keeps for it (what its capacity bounds)."""
         out = {}
         with self.env.begin(write=False) as txn:
-            for k, v in _under(txn.cursor(db=self.meta_db), COUNT_PREFIX, values=True):
-                out[int.from_bytes(k[len(COUNT_PREFIX) :], "big")] = _u64(v)
+            for k, v in iter_prefix(txn.cursor(db=self.meta_db), COUNT_PREFIX, values=True):
+                out[int.from_bytes(k[len(COUNT_PREFIX) :], "big")] = u64(v)
         return out
 
 
@@ -92,7 +92,7 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
         try:
             with shared.env.begin(write=False) as txn:
                 meta_db = shared.env.open_db(META_DB, txn=txn, create=False)
-                meta = _parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
+                meta = parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
             yield StoreHandle(
                 real,
                 shared.env,
@@ -130,7 +130,7 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
                         "path", f"{real}: no tiercache metadata in this LMDB environment"
                     )
                 meta_db = env.open_db(META_DB, txn=txn, create=False)
-                meta = _parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
+                meta = parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
             if not {HEADS_DB, BLOCKS_DB, ORDER_DB} <= names:
                 raise ConfigError("path", f"{real}: the heads, blocks or order database is missing")
             # Outside that txn: a handle opened in a read txn dies with it.
@@ -188,7 +188,7 @@ class LMDBProbe:
                 log.debug("LMDB probe of %s: %s", self._path, exc)
                 return 0
             try:
-                return _leading_heads(txn, h.heads, h.order, keys, self._nsb, self._ours)
+                return leading_heads(txn, h.heads, h.order, keys, self._nsb, self._ours)
             finally:
                 txn.abort()
 
@@ -240,7 +240,7 @@ def delete_entries(h: StoreHandle, keys: Iterable[bytes]) -> int:
         for a in range(0, len(todo), MIN_TXN_OPS):
             try:
                 with h.env.begin(write=True) as txn:
-                    store = _StoreTxn(txn, h.meta_db, h.heads, h.blocks, h.order)
+                    store = StoreTxn(txn, h.meta_db, h.heads, h.blocks, h.order)
                     for k in todo[a : a + MIN_TXN_OPS]:
                         had = any(txn.get(k, db=d) is not None for d in (h.heads, h.blocks))
                         store.delete(k, None)

@@ -21,7 +21,7 @@ from tiercache.tiers.store_dir import reserve
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (the common logical block)
 
 
-def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)
@@ -67,7 +67,7 @@ def slot_runs(slots: Sequence[int], max_slots: int) -> list[SlotRun]:
     return runs
 
 
-class _Buffer:
+class AlignedBuffer:
     """A page-aligned buffer (anonymous mmap) with memoryview and numpy views."""
 
     __slots__ = ("arr", "mm", "view")
@@ -81,7 +81,7 @@ class _Buffer:
 def probe_direct(fd: int) -> OSError | None:
     """Some filesystems accept O_DIRECT at open and refuse it per I/O: try one read. The
     refusal (EINVAL), or None when the read works; any other error is raised."""
-    buf = _Buffer(ALIGN)
+    buf = AlignedBuffer(ALIGN)
     try:
         os.preadv(fd, [buf.mm], 0)
     except OSError as exc:
@@ -139,7 +139,7 @@ class SlotPipeline:
         # on this VM a buffer that an O_DIRECT write had read from then took reads at a
         # third of the disk's rate (a load's 2 MiB run reads: 23 ms a request, 8.7 ms into
         # buffers only ever read into; bench_nvme_load's model, raw per-slot reads 13.8 ms).
-        self._spare: dict[bool, list[_Buffer]] = {False: [], True: []}
+        self._spare: dict[bool, list[AlignedBuffer]] = {False: [], True: []}
         self._spare_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             io_threads, thread_name_prefix=name
@@ -155,7 +155,7 @@ class SlotPipeline:
         spare = self._spare[writes]
         with self._spare_lock:
             bufs = [
-                spare.pop() if spare else _Buffer(self.run_slots * self._slot_bytes)
+                spare.pop() if spare else AlignedBuffer(self.run_slots * self._slot_bytes)
                 for _ in range(depth)
             ]
         out: list[Any] = [None] * n

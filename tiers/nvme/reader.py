@@ -8,7 +8,7 @@ import fcntl
 import os
 
 from tiercache.tiers.nvme.journal import replay_journal
-from tiercache.tiers.nvme.layout import _INDEX, _META, _SLAB, read_meta
+from tiercache.tiers.nvme.layout import INDEX, META, SLAB, read_meta
 
 
 class NVMeStoreReader:
@@ -30,7 +30,7 @@ class NVMeStoreReader:
         self._dirfd = os.open(self.path, flags | os.O_DIRECTORY)
         self._fd = -1
         try:
-            self._fd = os.open(os.path.join(self.path, _SLAB), flags)
+            self._fd = os.open(os.path.join(self.path, SLAB), flags)
             self.reload()
         except BaseException:
             self.close()
@@ -39,9 +39,7 @@ class NVMeStoreReader:
     def reload(self) -> None:
         """Read the journal again (its current file: a compaction replaces it)."""
         try:
-            fd = os.open(
-                os.path.join(self.path, _INDEX), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-            )
+            fd = os.open(os.path.join(self.path, INDEX), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             data = b""
         else:
@@ -63,7 +61,7 @@ class NVMeStoreReader:
     def last_modified(self) -> float:
         """Newest mtime of the slab and the journal (headers carry sequence numbers, not
         times)."""
-        names = (_SLAB, _INDEX, _META)
+        names = (SLAB, INDEX, META)
         return max(
             os.stat(os.path.join(self.path, n)).st_mtime
             for n in names

@@ -40,7 +40,7 @@ from tiercache.tiers.format import (
     is_raw_block,
     verify,
 )
-from tiercache.tiers.nvme.io import SlotPipeline, SlotRun, _Buffer, slot_runs
+from tiercache.tiers.nvme.io import AlignedBuffer, SlotPipeline, SlotRun, slot_runs
 
 # sink(positions, rows): rows[j] holds the verified bytes of position positions[j] (indices
 # into the slots read); a view valid only during the call.
@@ -121,19 +121,19 @@ class SlotReads:
             return exc
         return None
 
-    def _alone(self, i: int) -> tuple[_Buffer, int] | BaseException:
+    def _alone(self, i: int) -> tuple[AlignedBuffer, int] | BaseException:
         """Position i's slot read by itself (after its run failed or came back short)."""
-        one = _Buffer(self._sb)
+        one = AlignedBuffer(self._sb)
         try:
             return one, os.preadv(self._fd, [one.mm], self._slots[i] * self._sb)
         except OSError as exc:
             return exc
 
-    def _get(self, r: int, buf: _Buffer) -> int:
+    def _get(self, r: int, buf: AlignedBuffer) -> int:
         run = self._runs[r]
         return os.preadv(self._fd, [buf.view[: run.count * self._sb]], run.first * self._sb)
 
-    def _read(self, check: Callable[[SlotRun, _Buffer, int | BaseException], None]) -> None:
+    def _read(self, check: Callable[[SlotRun, AlignedBuffer, int | BaseException], None]) -> None:
         self._pipeline.run(
             len(self._runs),
             self._get,
@@ -146,7 +146,7 @@ class SlotReads:
         """Decode every good position i into `rows[i]` (uint8 `[n, block_bytes]`)."""
         sb = self._sb
 
-        def check(run: SlotRun, buf: _Buffer, got: int | BaseException) -> None:
+        def check(run: SlotRun, buf: AlignedBuffer, got: int | BaseException) -> None:
             for k, i in run.members:
                 res: BaseException | None
                 if isinstance(got, BaseException):
@@ -198,7 +198,7 @@ class SlotReads:
             sink([i], row.view(1, bb))
             return None
 
-        def check(run: SlotRun, buf: _Buffer, got: int | BaseException) -> None:
+        def check(run: SlotRun, buf: AlignedBuffer, got: int | BaseException) -> None:
             ready: list[tuple[int, int]] = []  # (k, i) verified in place, in slot order
             for k, i in run.members:
                 res: BaseException | None = None
@@ -242,5 +242,5 @@ class SlotReads:
         return self.results
 
 
-def _v(one: tuple[_Buffer, int]) -> tuple[memoryview, int]:
+def _v(one: tuple[AlignedBuffer, int]) -> tuple[memoryview, int]:
     return one[0].view, one[1]

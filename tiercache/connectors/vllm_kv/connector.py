@@ -118,7 +118,7 @@ from tiercache.connectors.vllm_kv.messages import (
     TierCacheConnectorStats,
 )
 from tiercache.connectors.vllm_kv.scheduler import KVScheduler
-from tiercache.connectors.vllm_kv.settings import _SETTLE, KVSettings, log
+from tiercache.connectors.vllm_kv.settings import SETTLE_KEY, KVSettings, log
 from tiercache.connectors.vllm_kv.worker import KVWorker
 from tiercache.tiers.base import StoreProbe
 
@@ -142,7 +142,7 @@ def open_scheduler(settings: KVSettings) -> KVScheduler:
     shared = None
     if settings.tp_size == 1:
         local = find_store(settings.config)
-        if local is not None and _SETTLE in local.state:
+        if local is not None and SETTLE_KEY in local.state:
             shared = acquire_store(settings.config, settings.block_bytes)
     probes: list[list[tuple[str, StoreProbe]]] = []
     if shared is None and settings.loads_on:

@@ -38,7 +38,7 @@ log = logging.getLogger("tiercache.connectors.vllm_kv")
 
 BAD_KEYS_MAX = 1 << 16  # damaged keys the scheduler remembers (see RemoteIndex._probe_ranks)
 PROBE_WAIT_S = 0.02  # how long a lookup waits for the shared tiers' probes (see RemoteIndex)
-_SETTLE = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
+SETTLE_KEY = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
 SETTLE_WAIT_S = 0.5  # how long a local lookup waits for a store of the key it reached
 MOVE_WAIT_S = 0.05  # ... and for a move: while one runs the lookup answers None (asks again)
 VERIFY_WAIT_S = 0.05  # how long a local lookup waits for its verifying read (see LocalLookup)

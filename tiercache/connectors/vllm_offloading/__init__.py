@@ -64,20 +64,8 @@ The package: `specs` (the bottom file: keys, config info, the `LoadStoreSpec`s),
 
 import logging
 
-# Private names of the former module are re-exported too ("as"), for code that reached in.
-from tiercache.connectors.vllm_offloading.bridge import _Bridge as _Bridge
-from tiercache.connectors.vllm_offloading.bridge import _bridge as _bridge
-from tiercache.connectors.vllm_offloading.bridge import _Reports as _Reports
 from tiercache.connectors.vllm_offloading.manager import TierCacheOffloadingManager
-from tiercache.connectors.vllm_offloading.manager import _locked as _locked
 from tiercache.connectors.vllm_offloading.spec import TierCacheOffloadingSpec
-from tiercache.connectors.vllm_offloading.spec import _engine_configs as _engine_configs
-from tiercache.connectors.vllm_offloading.spec import _is_config_of as _is_config_of
-from tiercache.connectors.vllm_offloading.specs import _BRIDGE_KEY as _BRIDGE_KEY
-from tiercache.connectors.vllm_offloading.specs import _F as _F
-from tiercache.connectors.vllm_offloading.specs import _KEY_PREFIX as _KEY_PREFIX
-from tiercache.connectors.vllm_offloading.specs import _MEMORY_KINDS as _MEMORY_KINDS
-from tiercache.connectors.vllm_offloading.specs import _WORKER_KEY as _WORKER_KEY
 from tiercache.connectors.vllm_offloading.specs import (
     CONFIG_INFO_KEYS,
     TierLoadSpec,
@@ -85,12 +73,7 @@ from tiercache.connectors.vllm_offloading.specs import (
     config_info,
     offload_key_to_key,
 )
-from tiercache.connectors.vllm_offloading.worker import _PAST_DEADLINE as _PAST_DEADLINE
 from tiercache.connectors.vllm_offloading.worker import TierCacheOffloadingWorker
-from tiercache.connectors.vllm_offloading.worker import _check_overlay as _check_overlay
-from tiercache.connectors.vllm_offloading.worker import _Part as _Part
-from tiercache.connectors.vllm_offloading.worker import _serialized as _serialized
-from tiercache.connectors.vllm_offloading.worker import _VJob as _VJob
 
 log = logging.getLogger(__name__)  # the logger every submodule logs to (its package's)
 

@@ -27,9 +27,9 @@ from vllm.v1.kv_offload.base import (
 
 from tiercache.cache import TierCache
 from tiercache.connectors.common import SharedStore, release_store
-from tiercache.connectors.vllm_offloading.bridge import _bridge
+from tiercache.connectors.vllm_offloading.bridge import bridge_of
 from tiercache.connectors.vllm_offloading.specs import (
-    _MEMORY_KINDS,
+    MEMORY_KINDS,
     TierLoadSpec,
     TierStoreSpec,
     config_info,
@@ -55,7 +55,7 @@ class TierCacheOffloadingManager(OffloadingManager):
         self._cache = cache
         self._manager = cache.manager
         self._ns = cache.config.namespace
-        self._bridge = _bridge(store)
+        self._bridge = bridge_of(store)
         self._events_on = enable_events
         self._tkey: dict[bytes, bytes] = {}  # OffloadKey -> tiercache key
         self._okey: dict[bytes, OffloadKey] = {}  # tiercache key -> OffloadKey
@@ -258,7 +258,7 @@ class TierCacheOffloadingManager(OffloadingManager):
             out.append(
                 OffloadingEvent(
                     keys=keys,
-                    medium=Medium.CPU if self._kinds[i] in _MEMORY_KINDS else Medium.STORAGE,
+                    medium=Medium.CPU if self._kinds[i] in MEMORY_KINDS else Medium.STORAGE,
                     removed=ev.removed,
                     # The first tier is the primary; lower tiers name themselves.
                     ownership=None if i == 0 else ev.medium,

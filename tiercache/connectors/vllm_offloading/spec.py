@@ -33,7 +33,7 @@ from tiercache.connectors.common import (
 )
 from tiercache.connectors.tp_layout import read_tp_layout
 from tiercache.connectors.vllm_offloading.manager import TierCacheOffloadingManager
-from tiercache.connectors.vllm_offloading.specs import _WORKER_KEY, CONFIG_INFO_KEYS
+from tiercache.connectors.vllm_offloading.specs import CONFIG_INFO_KEYS, WORKER_KEY
 from tiercache.connectors.vllm_offloading.worker import TierCacheOffloadingWorker
 from tiercache.errors import ConfigError
 
@@ -117,7 +117,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             # be opened twice, and a memory tier's write-back would persist bytes this process
             # never received. Refuse instead.
             local = find_store(self.cache_config)
-            if local is None or not local.state.get(_WORKER_KEY):
+            if local is None or not local.state.get(WORKER_KEY):
                 raise ValueError(
                     "TierCacheOffloadingSpec: vLLM runs the worker half in another process "
                     "than the scheduler half; the spec needs both in one process (they share "
@@ -144,7 +144,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 release_store(store)
                 raise
             with store.lock:
-                store.state[_WORKER_KEY] = True
+                store.state[WORKER_KEY] = True
         return self._worker
 
 

@@ -25,7 +25,7 @@ from vllm.v1.kv_offload.base import (
 
 from tiercache.connectors.common import SharedStore, release_store
 from tiercache.connectors.deadlines import Flights
-from tiercache.connectors.vllm_offloading.bridge import _bridge
+from tiercache.connectors.vllm_offloading.bridge import bridge_of
 from tiercache.connectors.vllm_offloading.specs import TierLoadSpec, TierStoreSpec, holding
 from tiercache.transfer import (
     KVLayout,
@@ -103,7 +103,7 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         # docs/vllm-offloading.md. On CUDA loads stay fully asynchronous.
         self._finish_loads_in_step = self._layout.device.type != "cuda"
         self._store = store
-        self._bridge = _bridge(store)
+        self._bridge = bridge_of(store)
         self._next = 0
         self._vjobs: dict[int, _VJob] = {}
         # The parts in flight, due by kind; those past their deadline are marked late (their
