@@ -251,6 +251,20 @@ class KVLayout:
         self._host_rows: list[tuple[Segment, np.ndarray]] | None = None
         self.copy_mode = os.environ.get("TIERCACHE_CUDA_COPY", "auto")
 
+    def chunk_rows(self) -> list[tuple[int, int, int, int]]:
+        """Per chunk, in record order (a `batched.ChunkTable`'s rows): the engine address of
+        block 0's chunk, the bytes between engine blocks, the chunk's bytes, its record offset."""
+        u, rows = self.unit, []
+        for seg in self.segments:
+            r = seg.rows
+            base, bstride = r.data_ptr(), r.stride(0) * u
+            cstride = r.stride(1) * u if seg.chunks > 1 else 0
+            for c in range(seg.chunks):
+                rows.append(
+                    (base + c * cstride, bstride, seg.chunk_bytes, seg.offset + c * seg.chunk_bytes)
+                )
+        return rows
+
     @property
     def copy_mode(self) -> str:
         """How blocks move between the engine and pools or buffers (module docstring)."""
