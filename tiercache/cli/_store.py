@@ -41,6 +41,7 @@ from tiercache.tiers.format import (
     header_problem,
     namespace_id,
 )
+from tiercache.tiers.nvme.journal import newest_copies
 
 PERSISTENT_KINDS = ("nvme", "lmdb")
 _READ_BATCH_BYTES = 64 * 2**20  # rows per tier.read during a repair
@@ -269,7 +270,7 @@ def _nvme_reader(ref: StoreRef) -> Any:
 def _nvme_headers(reader: Any) -> tuple[list[BlockInfo], int]:
     """Good blocks the journal names (headers read, payloads not), and how many entries
     fail their header check."""
-    newest: dict[tuple[int, bytes], BlockInfo] = {}
+    blocks: list[BlockInfo] = []
     bad = 0
     for e in reader.entries:
         try:
@@ -280,10 +281,9 @@ def _nvme_headers(reader: Any) -> tuple[list[BlockInfo], int]:
         if header_problem(h, e.key, None, reader.block_bytes) or h.seq != e.seq:
             bad += 1
             continue
-        b = BlockInfo(h.key, h.seq, h.namespace_id, h.raw_len, h.stored_len, e.slot)
-        old = newest.get((b.namespace, b.key))
-        if old is None or b.seq > old.seq:  # an older copy a lost FREE record left behind
-            newest[(b.namespace, b.key)] = b
+        blocks.append(BlockInfo(h.key, h.seq, h.namespace_id, h.raw_len, h.stored_len, e.slot))
+    # One copy per block: an older one a lost FREE record left behind is not listed.
+    newest, _ = newest_copies(blocks, lambda b: (b.namespace, b.key), lambda b: b.seq)
     return list(newest.values()), bad
 
 

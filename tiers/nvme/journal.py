@@ -8,7 +8,9 @@ Primitives:
 - `tail_records(data)`: THE replay rule, vectorised: the newest well-formed PUT or FREE record
   per slot, damaged count, top seq. The tier's open replays an image's tail with it, and
   `replay_journal` (the full replay, the CLI's reader) is built on it.
-- `newest_per_key(entries)`: per (namespace, key) the entry of highest seq.
+- `newest_per_key(entries)`: per (namespace, key) the entry of highest seq, as arrays.
+- `newest_copies(items, ident, seq)`: THE "newest copy per identity" rule (highest seq, the
+  first of equal seqs): `newest_per_key`, `replay_journal` and the CLI's listing apply it.
 - `replay_journal(data, capacity)`: the live entries of a whole journal, with a report.
 
 `parse_record` is the record format's reference (one record, in Python); the tests hold the
@@ -18,8 +20,9 @@ array checks of `tail_records` equal to it.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import xxhash
@@ -183,18 +186,27 @@ def newest_per_key(e: Entries) -> np.ndarray:
     dup = np.flatnonzero(hs[1:] == hs[:-1])
     if not dup.size:
         return keep
-    best: dict[tuple[int, bytes], int] = {}
-    for i in np.unique(np.concatenate([order[dup], order[dup + 1]])).tolist():
-        ident = (int(e.ns[i]), e.keys[i].tobytes())
-        j = best.get(ident)
-        if j is None:
-            best[ident] = i
-        elif int(e.seqs[i]) > int(e.seqs[j]):
-            keep[j] = False
-            best[ident] = i
-        else:
-            keep[i] = False
+    maybe = np.unique(np.concatenate([order[dup], order[dup + 1]])).tolist()
+    best, _ = newest_copies(maybe, lambda i: (int(e.ns[i]), e.keys[i].tobytes()), e.seqs.item)
+    keep[maybe] = False
+    keep[list(best.values())] = True
     return keep
+
+
+T = TypeVar("T")
+
+
+def newest_copies(
+    items: Sequence[T], ident: Callable[[T], Hashable], seq: Callable[[T], int]
+) -> tuple[dict[Hashable, T], int]:
+    """Per identity the item of highest seq (the first of equal seqs), keyed by identity in
+    the order identities first appear, and how many items were left out (superseded)."""
+    best: dict[Hashable, T] = {}
+    for item in items:
+        k = ident(item)
+        if seq(item) > seq(best.setdefault(k, item)):
+            best[k] = item
+    return best, len(items) - len(best)
 
 
 def compacted(
@@ -257,21 +269,11 @@ def replay_journal(
         body["key"][win].tolist(),
         strict=True,
     )
-    newest: dict[bytes, tuple[int, int]] = {}  # key -> (seq, slot)
-    live: list[JournalEntry] = []
-    out_of_range = superseded = 0
-    for slot, seq, op, key in best:
-        if op != OP_PUT:
-            continue
-        if slot >= capacity:
-            out_of_range += 1
-        elif not per_key:
-            live.append(JournalEntry(slot, key, seq))
-        elif key not in newest or seq > newest[key][0]:
-            superseded += key in newest
-            newest[key] = (seq, slot)
-        else:
-            superseded += 1
-    live += (JournalEntry(s, k, q) for k, (q, s) in newest.items())
+    puts = [JournalEntry(slot, key, seq) for slot, seq, op, key in best if op == OP_PUT]
+    live = [e for e in puts if e.slot < capacity]
+    out_of_range, superseded = len(puts) - len(live), 0
+    if per_key:
+        newest, superseded = newest_copies(live, lambda e: e.key, lambda e: e.seq)
+        live = list(newest.values())
     entries = sorted(live, key=lambda e: e.seq)
     return entries, JournalReport(len(data) // REC_SIZE, damaged, out_of_range, superseded, top)
