@@ -75,7 +75,7 @@ after a commit at most every `sync_interval` seconds (default `SYNC_EVERY_S`, 5;
 not wait for it) and syncs in the foreground at `flush()`/`close()`; "never" syncs only at
 `close()`. A sync writes back every map page written since the last one, so a longer
 interval costs puts less on a large store and lets an OS crash lose more. The map is
-opened with `writemap` (2x faster puts, shared/limits/lmdb_raw.py): with "batch"/"never" an
+opened with `writemap` (puts write the map in place): with "batch"/"never" an
 operating-system crash between syncs may damage the environment. Every block is
 checksummed together with its key, so a damaged block reads as a miss, never as wrong
 bytes; LMDB's own tree pages carry no checksum (damage there shows as LMDB errors).

@@ -100,8 +100,7 @@ def pool_map(fn: Callable[[int], Any], n: int, parallel: bool) -> list[Any]:
     if n < 2 or not parallel:
         return [fn(i) for i in range(n)]
     # One contiguous chunk per thread, the caller's thread taking the first: a future per
-    # block cost more than the copy and checksum of a 64 KiB block (measured 0.25x raw
-    # py-lmdb reads with a future per block, in tiercache/benchharness/baselines.py).
+    # block costs more than the copy and checksum of a 64 KiB block.
     codec = pool()
     parts = min(n, codec._max_workers + 1)
     bounds = [(n * w // parts, n * (w + 1) // parts) for w in range(parts)]

@@ -218,8 +218,7 @@ def scan_fast(txn: lmdb.Transaction, shared: SharedEnv, scope: Scope) -> list[by
 
     def run(db: Any, klen: int, vlen: int) -> bytes | None:
         """The namespace's entries of `db`, each key + value copied out in runs of
-        4096 (holding py-lmdb's buffers instead measured 2.5x slower), joined; None when
-        one has another length."""
+        4096 (not holding py-lmdb's buffers), joined; None when one has another length."""
         cur = txn.cursor(db=db)
         if not cur.set_range(nsb):
             return b""

@@ -64,8 +64,8 @@ log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
 # "batch": the default seconds between background syncs (the `sync_interval` option). Each
 # sync writes back every map page written since the last, and the next put to such a page
 # faults it dirty again: with random keys a longer interval rewrites fewer pages per put,
-# and the pages a put touches grow with the store (issue 35: 1 s filled 1M blocks at
-# 0.69x the rate at 100k, 4 s at 0.92x). What an OS crash can lose is about one interval.
+# and the pages a put touches grow with the store. What an OS crash can lose is about one
+# interval.
 SYNC_EVERY_S = 5.0
 _RETRIES = 8
 MAP_FULL_TRIES = 9  # a write that finds the map full waits 1+2+...+128 ms for readers to end

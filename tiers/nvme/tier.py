@@ -78,15 +78,14 @@ from tiercache.tiers.store_dir import warn_over_capacity
 log = logging.getLogger(__package__)  # "tiercache.tiers.nvme", as before the split
 
 # fsync="batch": sync after this many bytes of slots written since the last one (bytes, not
-# blocks: head shards (issue 32) make blocks S/n times smaller, and counting them synced S/n
-# times as often per token: bench_tp_layout, 2 MiB blocks as 8 shards, stores 2.3x slower)
+# blocks: head shards (issue 32) make blocks S/n times smaller, and counting them would sync
+# S/n times as often per token)
 BATCH_SYNC_BYTES = 256 << 20
 BATCH_SYNC_SECONDS = 1.0  # ... and at most this long after the first unsynced write
 COMPACT_SLACK = 1024  # journal records allowed beyond 2 * capacity before a rewrite
 # Adjacent slots of one read or write go to the disk as one syscall of up to this many bytes
 # (at least one slot): head shards (issue 32) store a block as S/n small blocks, usually in
-# adjacent slots; one syscall per slot made 16 KiB shards load 2.0x slower than whole blocks
-# (1.4x with runs: bench_tp_layout, see io.SlotPipeline).
+# adjacent slots, which then cost one syscall per run, not per slot (see io.SlotPipeline).
 RUN_BYTES = 2 << 20
 
 

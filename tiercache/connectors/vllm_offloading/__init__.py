@@ -5,10 +5,12 @@ Loaded by vLLM with ``kv_connector="OffloadingConnector"`` and ``kv_connector_ex
 "config": <mapping or TOML path>}``. Primitives:
 
 - `TierCacheOffloadingSpec(config)`: an `OffloadingSpec`; `get_manager()` and `get_worker()`.
-- `TierCacheOffloadingManager`: vLLM's `OffloadingManager` (per `OffloadKey`) over tiercache's
+- `TierCacheSchedulerSide` (scheduler process; `TierCacheOffloadingManager` before issue 50):
+  vLLM's `OffloadingManager` (per `OffloadKey`) over tiercache's
   `OffloadingManager` (per 16-byte key): lookup, prepare/complete load and store, events; on
   0.33 also `lock` (the shared store's reentrant lock), `config_info`, `on_reset_flushed`.
-- `TierCacheOffloadingWorker`: vLLM's `OffloadingWorker` over tiercache's transfer engine; one
+- `TierCacheWorkerSide` (worker process; `TierCacheOffloadingWorker` before issue 50):
+  vLLM's `OffloadingWorker` over tiercache's transfer engine; one
   vLLM job becomes one tiercache job per tier (loads, then the promotion of lower-tier hits
   into the first tier) or the plan's moves plus the store. 0.33's expedited (synchronous)
   loads run on the transfer engine's expedited lanes.
@@ -55,8 +57,8 @@ makes exact (`_check_overlay`). `keys_to_store` keeps the order of the `prepare_
 the order of the engine blocks vLLM lists for them.
 
 The package: `specs` (the bottom file: keys, config info, the `LoadStoreSpec`s), `bridge`
-(worker half -> manager half), `manager` (`TierCacheOffloadingManager`), `worker`
-(`TierCacheOffloadingWorker`; deadlines via `tiercache.connectors.deadlines`) and `spec`
+(worker half -> manager half), `manager` (`TierCacheSchedulerSide`), `worker`
+(`TierCacheWorkerSide`; deadlines via `tiercache.connectors.deadlines`) and `spec`
 (`TierCacheOffloadingSpec`, engine discovery). Every name importable from the former module
 `tiercache.connectors.vllm_offloading` is re-exported here; its submodules log as
 ``tiercache.connectors.vllm_offloading``.
@@ -64,7 +66,10 @@ The package: `specs` (the bottom file: keys, config info, the `LoadStoreSpec`s),
 
 import logging
 
-from tiercache.connectors.vllm_offloading.manager import TierCacheOffloadingManager
+from tiercache.connectors.vllm_offloading.manager import (
+    TierCacheOffloadingManager,
+    TierCacheSchedulerSide,
+)
 from tiercache.connectors.vllm_offloading.spec import TierCacheOffloadingSpec
 from tiercache.connectors.vllm_offloading.specs import (
     CONFIG_INFO_KEYS,
@@ -73,7 +78,10 @@ from tiercache.connectors.vllm_offloading.specs import (
     config_info,
     offload_key_to_key,
 )
-from tiercache.connectors.vllm_offloading.worker import TierCacheOffloadingWorker
+from tiercache.connectors.vllm_offloading.worker import (
+    TierCacheOffloadingWorker,
+    TierCacheWorkerSide,
+)
 
 log = logging.getLogger(__name__)  # the logger every submodule logs to (its package's)
 
@@ -82,6 +90,8 @@ __all__ = [
     "TierCacheOffloadingManager",
     "TierCacheOffloadingSpec",
     "TierCacheOffloadingWorker",
+    "TierCacheSchedulerSide",
+    "TierCacheWorkerSide",
     "TierLoadSpec",
     "TierStoreSpec",
     "config_info",

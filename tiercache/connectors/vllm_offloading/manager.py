@@ -1,4 +1,4 @@
-"""The scheduler half of a `TierCacheOffloadingSpec`: `TierCacheOffloadingManager`, vLLM's
+"""The scheduler half of a `TierCacheOffloadingSpec`: `TierCacheSchedulerSide`, vLLM's
 `OffloadingManager` (per `OffloadKey`) over tiercache's `OffloadingManager` (per 16-byte key).
 It translates keys, specs and events, tracks the store plans riding in vLLM's jobs until vLLM
 completes them, applies what the worker half reported through the bridge, and verifies a
@@ -46,7 +46,7 @@ log = logging.getLogger(__package__)  # the former module's logger name
 _locked = holding(lambda self: self._store.lock)
 
 
-class TierCacheOffloadingManager(OffloadingManager):
+class TierCacheSchedulerSide(OffloadingManager):
     """vLLM's `OffloadingManager` over tiercache's manager; translates keys, specs and events."""
 
     def __init__(self, store: SharedStore, *, enable_events: bool = False) -> None:
@@ -379,3 +379,6 @@ class TierCacheOffloadingManager(OffloadingManager):
                 okey = self._okey.pop(k, None)
                 if okey is not None:
                     self._tkey.pop(okey, None)
+
+
+TierCacheOffloadingManager = TierCacheSchedulerSide  # its name before issue 50

@@ -32,9 +32,9 @@ from tiercache.connectors.common import (
     resolve_config,
 )
 from tiercache.connectors.tp_layout import read_tp_layout
-from tiercache.connectors.vllm_offloading.manager import TierCacheOffloadingManager
+from tiercache.connectors.vllm_offloading.manager import TierCacheSchedulerSide
 from tiercache.connectors.vllm_offloading.specs import CONFIG_INFO_KEYS, WORKER_KEY
-from tiercache.connectors.vllm_offloading.worker import TierCacheOffloadingWorker
+from tiercache.connectors.vllm_offloading.worker import TierCacheWorkerSide
 from tiercache.errors import ConfigError
 
 log = logging.getLogger(__package__)  # the former module's logger name
@@ -100,8 +100,8 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             ),
         )
         self.namespace = self.cache_config.namespace
-        self._manager: TierCacheOffloadingManager | None = None
-        self._worker: TierCacheOffloadingWorker | None = None
+        self._manager: TierCacheSchedulerSide | None = None
+        self._worker: TierCacheWorkerSide | None = None
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
@@ -126,7 +126,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                     "TierCacheConnector, which works across processes"
                 )
             store = acquire_store(self.cache_config, self.block_bytes)
-            self._manager = TierCacheOffloadingManager(
+            self._manager = TierCacheSchedulerSide(
                 store, enable_events=self.kv_events_config.enable_kv_cache_events
             )
         return self._manager
@@ -137,7 +137,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             prime_amx_tiles(kv_caches.tensors[0].tensor.device, self.config.model.dtype)
             store = acquire_store(self.cache_config, self.block_bytes)
             try:
-                self._worker = TierCacheOffloadingWorker(
+                self._worker = TierCacheWorkerSide(
                     store, kv_caches, blocks_per_chunk=self.blocks_per_chunk
                 )
             except BaseException:
