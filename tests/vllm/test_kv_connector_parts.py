@@ -21,8 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tiercache.config import CacheConfig
-from tiercache.connectors.common import acquire_store, release_store, resolve_config
 from tiercache.connectors.deadlines import Flights
+from tiercache.connectors.namespace import resolve_config
+from tiercache.connectors.stores import acquire_store, release_store
 from tiercache.connectors.vllm import (
     TierCacheConnector,
     TierCacheConnectorMetadata,
@@ -197,7 +198,7 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
     """Issue 15, item 2: in multiprocess mode the scheduler's index knows only its own
     workers' keys. Where it ends, the scheduler probes the shared tiers (read-only) for
     blocks other engines stored, per rank, as the worker's discovery will adopt them."""
-    from tiercache.connectors.common import open_probes
+    from tiercache.connectors.probes import open_probes
 
     chain = [bytes([i]) * 16 for i in range(1, 7)]
     stores, probes = [], []

@@ -112,7 +112,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tiercache.connectors.common import acquire_store, find_store, open_probes, prepare_rank_dirs
+from tiercache.connectors.probes import open_probes
+from tiercache.connectors.ranks import prepare_rank_dirs
+from tiercache.connectors.stores import acquire_store, find_store
 from tiercache.connectors.vllm_kv.messages import (
     TierCacheConnectorMetadata,
     TierCacheConnectorStats,

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from tiercache.connectors.common import SharedStore
+from tiercache.connectors.stores import SharedStore
 from tiercache.connectors.vllm_kv.settings import SETTLE_KEY, VERIFY_WAIT_S, log
 
 

@@ -16,16 +16,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tiercache.config import CacheConfig
-from tiercache.connectors.common import (
-    KVGroup,
-    RankConfig,
-    SharedStore,
-    groups_tag,
-    kv_groups,
-    namespace_from_vllm,
-    read_user_config,
-    resolve_rank_config,
-)
+from tiercache.connectors.kv_groups import KVGroup, groups_tag, kv_groups
+from tiercache.connectors.namespace import namespace_from_vllm, read_user_config
+from tiercache.connectors.ranks import RankConfig, resolve_rank_config
+from tiercache.connectors.stores import SharedStore
 from tiercache.connectors.tp_layout import blocks_as_shards, check_no_rank_dirs, choose_shards
 from tiercache.transfer.head_shards import HeadShards
 

@@ -34,8 +34,9 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from tiercache.connectors.amx import prime_amx_tiles
-from tiercache.connectors.common import KVGroup, SharedStore, release_store
 from tiercache.connectors.deadlines import Flights
+from tiercache.connectors.kv_groups import KVGroup
+from tiercache.connectors.stores import SharedStore, release_store
 from tiercache.connectors.vllm_kv.messages import (
     Event,
     StoreJob,

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tiercache.connectors.common import SharedStore
+from tiercache.connectors.stores import SharedStore
 from tiercache.connectors.vllm_offloading.specs import BRIDGE_KEY
 
 

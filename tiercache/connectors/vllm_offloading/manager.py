@@ -26,7 +26,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tiercache.cache import TierCache
-from tiercache.connectors.common import SharedStore, release_store
+from tiercache.connectors.stores import SharedStore, release_store
 from tiercache.connectors.vllm_offloading.bridge import bridge_of
 from tiercache.connectors.vllm_offloading.specs import (
     MEMORY_KINDS,

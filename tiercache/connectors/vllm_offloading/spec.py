@@ -20,17 +20,14 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiercache.connectors.amx import prime_amx_tiles
-from tiercache.connectors.common import (
-    acquire_store,
+from tiercache.connectors.kv_groups import groups_tag, kv_groups
+from tiercache.connectors.namespace import (
     derive_namespace,
-    find_store,
-    groups_tag,
-    kv_groups,
     kv_settings_digest,
     read_user_config,
-    release_store,
     resolve_config,
 )
+from tiercache.connectors.stores import acquire_store, find_store, release_store
 from tiercache.connectors.tp_layout import read_tp_layout
 from tiercache.connectors.vllm_offloading.manager import TierCacheSchedulerSide
 from tiercache.connectors.vllm_offloading.specs import CONFIG_INFO_KEYS, WORKER_KEY

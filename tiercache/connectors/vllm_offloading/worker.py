@@ -23,8 +23,8 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from tiercache.connectors.common import SharedStore, release_store
 from tiercache.connectors.deadlines import Flights
+from tiercache.connectors.stores import SharedStore, release_store
 from tiercache.connectors.vllm_offloading.bridge import bridge_of
 from tiercache.connectors.vllm_offloading.specs import TierLoadSpec, TierStoreSpec, holding
 from tiercache.transfer import (
