@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from tiercache import TierCache
-from tiercache.connectors.common import with_nvme_siblings
+from tiercache.connectors.ranks import with_nvme_siblings
 from tiercache.tiers.nvme.siblings import SiblingsProbe
 from tiercache.transfer.head_shards import HeadShards
 

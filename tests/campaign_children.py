@@ -216,7 +216,7 @@ def lmdb_cache_writer(
     served with wrong bytes, "C n" for a namespace count over `cap` (one os.write per line:
     a SIGKILL never loses a line already written)."""
     from tiercache import TierCache
-    from tiercache.tiers.lmdb import COUNT_PREFIX, _u64
+    from tiercache.tiers.lmdb import COUNT_PREFIX, u64
 
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if log_path else -1
 
@@ -250,7 +250,7 @@ def lmdb_cache_writer(
                 else:
                     other_hits += 1
             with tier._shared.env.begin() as txn:
-                count = _u64(txn.get(COUNT_PREFIX + tier._nsb, db=tier._shared.meta))
+                count = u64(txn.get(COUNT_PREFIX + tier._nsb, db=tier._shared.meta))
             if count > cap:
                 log(f"C {count}")
             peak = max(peak, count)
@@ -278,15 +278,15 @@ def lmdb_snapshot_check(path: str, bb: int, cap: int) -> dict:
     block count the store keeps, the entries it really holds and how many there are over the
     capacity; then every block a tier recovers is read, verified: exact, a plain miss (another
     process evicted it meanwhile), a counted failure or wrong bytes."""
-    from tiercache.tiers.lmdb import COUNT_PREFIX, _u64, _under
+    from tiercache.tiers.lmdb import COUNT_PREFIX, iter_prefix, u64
 
     t = open_tier("lmdb", path, bb, cap, namespace="fleet")
     try:
         sh = t._shared
         with sh.env.begin() as txn:
-            count = _u64(txn.get(COUNT_PREFIX + t._nsb, db=sh.meta))
-            heads = sum(1 for _ in _under(txn.cursor(db=sh.heads), t._nsb, values=False))
-            order = sum(1 for _ in _under(txn.cursor(db=sh.order), t._nsb, values=False))
+            count = u64(txn.get(COUNT_PREFIX + t._nsb, db=sh.meta))
+            heads = sum(1 for _ in iter_prefix(txn.cursor(db=sh.heads), t._nsb, values=False))
+            order = sum(1 for _ in iter_prefix(txn.cursor(db=sh.order), t._nsb, values=False))
         rec = t.recover()
         out = torch.empty((1, bb), dtype=torch.uint8)
         exact = gone = failed = wrong = 0

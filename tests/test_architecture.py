@@ -2,10 +2,12 @@
 
 - No production file under tiercache/, tiers/ or policies/ is over 1,000 lines, and no class
   over 700, except `OffloadingManager` (the manager's brain, kept whole: at most 1,000).
-- The CLI imports no private (underscore) name from tiers/ or connectors/.
-- No import circle between tiercache's modules, counting the imports a module runs when it
-  is imported (module level, `TYPE_CHECKING` blocks left out; imports inside functions run
-  later and break no circle).
+- No private (underscore, not dunder) name crosses a module boundary: none is imported from
+  another module, read as an imported module's attribute, or listed in `__all__`; a private
+  module (`cli/_store.py`) is imported only by its own package.
+- No import circle between tiercache's modules, counting the imports at module level,
+  `TYPE_CHECKING` blocks included (a type-only circle is a design circle too; imports inside
+  functions run later and break no circle).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def test_file_and_class_sizes(name: str) -> None:
 
 
 def imported(module: str, tree: ast.Module) -> list[tuple[str, list[str]]]:
-    """(module, names) of every import `tree` runs when imported (relative ones resolved)."""
+    """(module, names) of every module-level import of `tree`, `TYPE_CHECKING` blocks
+    included (relative ones resolved)."""
     out: list[tuple[str, list[str]]] = []
     package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
 
@@ -75,10 +78,7 @@ def imported(module: str, tree: ast.Module) -> list[tuple[str, list[str]]]:
                     base = f"{parent}.{base}" if base else parent
                 out.append((base, [a.name for a in node.names]))
             elif isinstance(node, ast.If):
-                test = node.test
-                name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", "")
-                if name != "TYPE_CHECKING":
-                    visit(node.body)
+                visit(node.body)
                 visit(node.orelse)
             elif isinstance(node, ast.Try):
                 visit(node.body)
@@ -139,34 +139,64 @@ def test_the_checks_can_fail() -> None:
     """A circle and a private import written as source are found."""
     assert find_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert find_circles({"a": {"b"}, "b": set()}) == []
-    tree = ast.parse("from tiercache.tiers.redis import _mask\nimport tiercache.cache\n")
-    found = imported("tiercache.cli.inspect", tree)
-    assert ("tiercache.tiers.redis", ["_mask"]) in found
-    assert private_names(found) == ["tiercache.tiers.redis._mask"]
+    source = (
+        "from tiercache.tiers.redis import _mask, __version__\nimport tiercache.cache\n"
+        "from tiercache.tiers.nvme import tier as t\nt._KNOB = 1\ntiercache.cache._x()\n"
+        "from ..connectors._x import y\n__all__ = ['_z', '__all__']\n"
+    )
+    found = private_uses("tiercache.cli.inspect", ast.parse(source))
+    assert found == [
+        "tiercache.tiers.redis._mask",
+        "tiercache.connectors._x",
+        "tiercache.cli.inspect.__all__: _z",
+        "t._KNOB",
+        "tiercache.cache._x",
+    ]
+    assert private_uses("tiercache.cli.inspect", ast.parse("from ._store import f")) == []
 
 
-def private_names(found: list[tuple[str, list[str]]]) -> list[str]:
-    bad = []
-    for base, names in found:
-        if base.startswith(("tiercache.tiers", "tiercache.connectors")):
-            bad += [f"{base}.{n}" for n in names if n.startswith("_")]
-            bad += [base] if any(p.startswith("_") for p in base.split(".")) else []
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_uses(module: str, tree: ast.Module) -> list[str]:
+    """Where `tree` reaches a private (underscore, not dunder) name of another tiercache
+    module: `from m import _x`, `m._x` on an imported module, a private module of another
+    package, or a private name in `__all__`."""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    bad: list[str] = []
+    mods: set[str] = set()  # local names bound to tiercache modules
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            if not base.startswith("tiercache"):
+                continue
+            parts = base.split(".")
+            if any(is_private(p) for p in parts) and parts[:-1] != package.split("."):
+                bad.append(base)
+            bad += [f"{base}.{a.name}" for a in node.names if is_private(a.name)]
+            mods.update(a.asname or a.name for a in node.names if f"{base}.{a.name}" in MODULES)
+        elif isinstance(node, ast.Import):
+            mods.update(a.asname or a.name for a in node.names if a.name.startswith("tiercache"))
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            names = [
+                e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)
+            ]
+            bad += [f"{module}.__all__: {n}" for n in names if is_private(n)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr):
+            dotted = ast.unparse(node.value)
+            if dotted in mods or dotted.startswith("tiercache."):
+                bad.append(f"{dotted}.{node.attr}")
     return bad
 
 
-def all_imports(name: str) -> list[tuple[str, list[str]]]:
-    """Every import in the module, at any depth (functions included)."""
-    out = []
-    for node in ast.walk(parse(MODULES[name])):
-        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            out.append((node.module, [a.name for a in node.names]))
-        elif isinstance(node, ast.Import):
-            out.extend((a.name, []) for a in node.names)
-    return out
-
-
-def test_the_cli_imports_no_private_name_from_tiers_or_connectors() -> None:
-    cli = [m for m in MODULES if m.startswith("tiercache.cli")]
-    assert cli
-    bad = {m: private_names(all_imports(m)) for m in cli}
-    assert not {m: b for m, b in bad.items() if b}
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_private_name_crosses_a_module_boundary(name: str) -> None:
+    bad = private_uses(name, parse(MODULES[name]))
+    assert not bad, f"{name} reaches private names of other modules: {bad}"

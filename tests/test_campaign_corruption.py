@@ -88,10 +88,10 @@ def nvme_layout(store: Path) -> tuple[int, dict[int, int], dict[int, int]]:
     data = (store / "index").read_bytes()
     slot_of, record_of = {}, {}
     for r in range(len(data) // nvme.REC_SIZE):
-        rec = nvme._parse_record(data, r * nvme.REC_SIZE)
+        rec = nvme.parse_record(data, r * nvme.REC_SIZE)
         assert rec is not None
         op, slot, _seq, k = rec
-        if op == nvme._OP_PUT:
+        if op == nvme.OP_PUT:
             i = int.from_bytes(k, "big")
             slot_of[i], record_of[i] = slot, r
     assert len(slot_of) == N_BLOCKS
@@ -453,7 +453,7 @@ def test_forged_shuffled_block_of_odd_length_is_corrupt() -> None:
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from([nvme._OP_PUT, nvme._OP_FREE, nvme._OP_BASE, 0, 9]),
+            st.sampled_from([nvme.OP_PUT, nvme.OP_FREE, nvme.OP_BASE, 0, 9]),
             st.integers(0, 40),  # slots, some beyond the capacity of 8
             st.integers(0, 2**64 - 1) | st.integers(0, 20),
             st.integers(0, 11),  # key ids: 0..5 were stored, the rest never
@@ -473,7 +473,7 @@ def test_fuzz_nvme_index_journal(tmp_path_factory, records, tail) -> None:
     t.close()
     journal = bytearray((store / "index").read_bytes())
     for op, slot, seq, kid, bad in records:
-        rec = bytearray(nvme._record(op, slot, seq, key(kid)))
+        rec = bytearray(nvme.pack_record(op, slot, seq, key(kid)))
         if bad:
             rec[-1] ^= 0xFF
         journal += rec
@@ -508,7 +508,7 @@ def test_fuzz_lmdb_metadata_parser(raw) -> None:
     """Arbitrary metadata bytes: a ConfigError naming the store, or a dict with a valid
     block size. JSON only: nothing is unpickled or evaluated."""
     try:
-        meta = lmdb_tier._parse_meta("/store", raw)
+        meta = lmdb_tier.parse_meta("/store", raw)
     except ConfigError as exc:
         assert exc.field == "path" and "/store" in exc.problem
         return

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from tiercache import CacheConfig, ConfigError, TierCache
 from tiercache.cli import main
-from tiercache.connectors.common import resolve_rank_config
+from tiercache.connectors.ranks import resolve_rank_config
 from tiercache.telemetry import EVENTS_FILE, read_events, read_stats
 
 BB = 4096

@@ -15,27 +15,24 @@ from click.testing import CliRunner
 
 from tests.ports import free_port
 from tiercache.cli import main
-from tiercache.connectors import common
-from tiercache.connectors.common import (
-    acquire_store,
+from tiercache.connectors import stores
+from tiercache.connectors.kv_groups import hit_end, kv_groups, window_positions
+from tiercache.connectors.namespace import (
     derive_namespace,
     extra_keys_for,
-    find_store,
-    hit_end,
-    kv_groups,
     kv_settings,
     kv_settings_digest,
     namespace_from_vllm,
+    read_user_config,
+    resolve_config,
+)
+from tiercache.connectors.ranks import (
     per_rank_config,
     per_rank_telemetry,
     prepare_rank_dirs,
-    read_user_config,
-    release_store,
-    resolve_config,
     resolve_rank_config,
-    store_snapshots,
-    window_positions,
 )
+from tiercache.connectors.stores import acquire_store, find_store, release_store, store_snapshots
 from tiercache.errors import ConfigError
 from tiercache.hashing import prefix_hashes
 from tiercache.telemetry import read_stats
@@ -441,7 +438,7 @@ def test_exit_backstop_closes_open_stores_and_runs_hooks(tmp_path: Path) -> None
     ran = threading.Event()
     s.before_close.append(ran.set)
     s.before_close.append(lambda: 1 / 0)  # a failing hook does not keep the cache open
-    common._close_all()
+    stores._close_all()
     assert ran.is_set() and find_store(cfg) is None
     with pytest.raises(RuntimeError, match="closed"):
         s.cache.lookup([b"\0" * 16])

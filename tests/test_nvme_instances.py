@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from tests.campaign_support import repo_env
 from tiercache import CacheConfig, TierCache
 from tiercache.cli import main
-from tiercache.connectors.common import per_dp_rank_config, resolve_rank_config
+from tiercache.connectors.ranks import per_dp_rank_config, resolve_rank_config
 from tiercache.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

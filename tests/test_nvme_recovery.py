@@ -12,16 +12,16 @@ from tiercache.tiers.format import encode_block
 from tiercache.tiers.nvme import recovery
 from tiercache.tiers.nvme.image import decode_image, encode_image
 from tiercache.tiers.nvme.journal import (
-    _NO_KEY,
-    _OP_BASE,
-    _OP_FREE,
-    _OP_PUT,
+    NO_KEY,
+    OP_BASE,
+    OP_FREE,
+    OP_PUT,
     REC_SIZE,
+    Entries,
     JournalEntry,
     JournalReport,
-    _Entries,
-    _parse_record,
-    _record,
+    pack_record,
+    parse_record,
     replay_journal,
 )
 
@@ -32,9 +32,9 @@ def key(i: int) -> bytes:
     return bytes([i]) * 16
 
 
-def entries(*rows: tuple[int, int, int, int]) -> _Entries:
+def entries(*rows: tuple[int, int, int, int]) -> Entries:
     """From (slot, key number, seq, namespace) rows."""
-    return _Entries.of([(s, key(k), q, n) for s, k, q, n in rows])
+    return Entries.of([(s, key(k), q, n) for s, k, q, n in rows])
 
 
 def test_place_hands_out_the_lowest_slots_no_block_holds() -> None:
@@ -78,19 +78,19 @@ def test_settle_for_every_namespace_maps_slots_to_namespaces() -> None:
     assert r.live == 2 and r.kept == {} and r.ns_of == {0: A, 1: B}
 
 
-def image_of(e: _Entries, journal: bytes, writer: int | None) -> bytes:
+def image_of(e: Entries, journal: bytes, writer: int | None) -> bytes:
     return encode_image(journal, 10, writer, 8, e)
 
 
 def test_from_image_replays_the_tail_over_the_image() -> None:
-    base = _record(_OP_BASE, 0, 10, _NO_KEY)
+    base = pack_record(OP_BASE, 0, 10, NO_KEY)
     img = decode_image(image_of(entries((0, 1, 3, A), (1, 2, 4, A)), base, A))
     assert img is not None
     tail = (
-        _record(_OP_FREE, 0, 11, _NO_KEY)  # slot 0 freed
-        + _record(_OP_PUT, 1, 12, key(7))  # slot 1 rewritten
-        + _record(_OP_PUT, 5, 13, key(8))  # a new slot
-        + _record(_OP_PUT, 9, 14, key(9))  # past the slab's end: dropped
+        pack_record(OP_FREE, 0, 11, NO_KEY)  # slot 0 freed
+        + pack_record(OP_PUT, 1, 12, key(7))  # slot 1 rewritten
+        + pack_record(OP_PUT, 5, 13, key(8))  # a new slot
+        + pack_record(OP_PUT, 9, 14, key(9))  # past the slab's end: dropped
         + b"torn"
     )
     journal = base + tail
@@ -112,15 +112,15 @@ def test_from_image_replays_the_tail_over_the_image() -> None:
 
 
 def test_an_image_without_writer_cannot_take_tail_puts() -> None:
-    base = _record(_OP_BASE, 0, 1, _NO_KEY)
+    base = pack_record(OP_BASE, 0, 1, NO_KEY)
     img = decode_image(image_of(entries(), base, None))
     assert img is not None
-    assert recovery.from_image(img, base + _record(_OP_PUT, 0, 2, key(1)), cap=4) is None
-    assert recovery.from_image(img, base + _record(_OP_FREE, 0, 2, _NO_KEY), cap=4) is not None
+    assert recovery.from_image(img, base + pack_record(OP_PUT, 0, 2, key(1)), cap=4) is None
+    assert recovery.from_image(img, base + pack_record(OP_FREE, 0, 2, NO_KEY), cap=4) is not None
 
 
 def test_an_image_does_not_match_a_changed_journal() -> None:
-    journal = _record(_OP_BASE, 0, 1, _NO_KEY) + _record(_OP_PUT, 0, 2, key(1))
+    journal = pack_record(OP_BASE, 0, 1, NO_KEY) + pack_record(OP_PUT, 0, 2, key(1))
     img = decode_image(image_of(entries((0, 1, 2, A)), journal, A))
     assert img is not None and recovery.image_matches(img, journal)
     assert not recovery.image_matches(img, journal[:REC_SIZE])  # shorter than it covers
@@ -150,19 +150,19 @@ def replay_by_record(
     best: dict[int, tuple[int, int, bytes]] = {}
     damaged, top = int(len(data) % REC_SIZE != 0), 0
     for off in range(0, len(data) - REC_SIZE + 1, REC_SIZE):
-        rec = _parse_record(data, off)
+        rec = parse_record(data, off)
         if rec is None:
             damaged += 1
             continue
         op, slot, seq, k = rec
         top = max(top, seq)
-        if op != _OP_BASE and (slot not in best or seq > best[slot][0]):
+        if op != OP_BASE and (slot not in best or seq > best[slot][0]):
             best[slot] = (seq, op, k)
     newest: dict[bytes, tuple[int, int]] = {}
     live: list[JournalEntry] = []
     out_of_range = superseded = 0
     for slot, (seq, op, k) in best.items():
-        if op != _OP_PUT:
+        if op != OP_PUT:
             continue
         if slot >= capacity:
             out_of_range += 1
@@ -182,7 +182,7 @@ def replay_by_record(
 @given(
     records=st.lists(
         st.tuples(
-            st.sampled_from([_OP_PUT, _OP_FREE, _OP_BASE, 0]),
+            st.sampled_from([OP_PUT, OP_FREE, OP_BASE, 0]),
             st.integers(0, 9),
             st.integers(0, 6),  # few seqs: many ties
             st.integers(0, 3),
@@ -200,7 +200,7 @@ def test_replay_journal_is_the_record_by_record_rule(
     # Same entries in the same order (ties included) and the same report.
     journal = bytearray()
     for op, slot, seq, kid, bad in records:
-        rec = bytearray(_record(op, slot, seq, key(kid)))
+        rec = bytearray(pack_record(op, slot, seq, key(kid)))
         if bad:
             rec[3] ^= 0x10
         journal += rec

@@ -13,7 +13,8 @@ import torch
 
 from tests.campaign_support import blocks, key, load_on_this_thread
 from tiercache import TierCache
-from tiercache.connectors.common import open_probes, resolve_rank_config, with_nvme_siblings
+from tiercache.connectors.probes import open_probes
+from tiercache.connectors.ranks import resolve_rank_config, with_nvme_siblings
 from tiercache.tiers.nvme import NVMeTier
 from tiercache.tiers.nvme.siblings import NVMeSiblingsTier, SiblingsProbe
 

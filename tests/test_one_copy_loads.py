@@ -17,7 +17,7 @@ from tests.test_transfer_common import K, drain
 from tiercache.tiers.format import HEADER_SIZE, encode_block
 from tiercache.tiers.lmdb import LMDBTier
 from tiercache.tiers.nvme import NVMeTier
-from tiercache.tiers.nvme.layout import _SLAB
+from tiercache.tiers.nvme.layout import SLAB
 from tiercache.transfer import GPULoadStoreSpec, KVLayout, TierLoadStoreSpec, build_worker
 
 NB = 48  # engine blocks
@@ -107,7 +107,7 @@ def test_a_corrupt_slot_fails_exactly_its_block_and_leaves_the_engine_block(
         store(worker, caches, range(8), slots, keys, 1)
         tier.flush()
         # Flip one payload byte of slot 5 on disk (the middle of the second run).
-        fd = os.open(os.path.join(tier.path, _SLAB), os.O_RDWR)
+        fd = os.open(os.path.join(tier.path, SLAB), os.O_RDWR)
         try:
             at = 5 * tier.slot_bytes + HEADER_SIZE + 100
             b = os.pread(fd, 1, at)
@@ -190,7 +190,7 @@ def test_a_compressed_block_in_a_slot_is_decoded_and_handed_over(tmp_path, monke
         seq = int(tier._seqs[1])
         header, stored = encode_block(keys[1], raw, namespace=tier._ns, seq=seq, compression="zstd")
         assert header[6] != 0 and len(stored) < bb  # a compressed record
-        fd = os.open(os.path.join(tier.path, _SLAB), os.O_RDWR)
+        fd = os.open(os.path.join(tier.path, SLAB), os.O_RDWR)
         try:
             os.pwrite(fd, header + stored, 1 * tier.slot_bytes)
         finally:

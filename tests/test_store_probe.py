@@ -15,7 +15,7 @@ from tests.campaign_children import churn
 from tests.campaign_support import blocks, key, start_child
 from tiercache import TierCache
 from tiercache.config import CacheConfig
-from tiercache.connectors.common import open_probes, probe_chain
+from tiercache.connectors.probes import open_probes, probe_chain
 from tiercache.tiers import tier_class
 
 BB = 4096

@@ -457,10 +457,10 @@ def test_forged_record_with_valid_checksum_is_caught_by_the_header(tmp_path) -> 
     keys, slots, _ = _three_blocks(store)
     bogus = keys_for(1, 500)[0]
     with open(store / "index", "ab") as f:  # newest record for slot 1 names another key
-        f.write(nvme._record(nvme._OP_PUT, slots[1], 10**6, bogus))
-        f.write(nvme._record(nvme._OP_PUT, 10**6, 10**6 + 1, bogus))  # no such slot
+        f.write(nvme.pack_record(nvme.OP_PUT, slots[1], 10**6, bogus))
+        f.write(nvme.pack_record(nvme.OP_PUT, 10**6, 10**6 + 1, bogus))  # no such slot
         # Last in the file but older than slot 0's record: the highest seq wins, not the order.
-        f.write(nvme._record(nvme._OP_FREE, slots[0], 0, bytes(16)))
+        f.write(nvme.pack_record(nvme.OP_FREE, slots[0], 0, bytes(16)))
     t = open_tier(store)
     try:
         # Slot 1 is dropped at open or fails its read (the image is loaded without reading
@@ -1060,7 +1060,7 @@ def test_corrupt_block_on_disk_is_a_miss_through_the_cache(tmp_path) -> None:
 @given(
     records=st.lists(
         st.tuples(
-            st.sampled_from([nvme._OP_PUT, nvme._OP_FREE, nvme._OP_BASE]),
+            st.sampled_from([nvme.OP_PUT, nvme.OP_FREE, nvme.OP_BASE]),
             st.integers(0, 9),
             st.integers(1, 12),
             st.integers(0, 3),
@@ -1075,14 +1075,14 @@ def test_tail_arrays_replay_as_the_journal_replay(records, torn) -> None:
     # replay picks (damaged records skipped, equal seqs: the first), with the same counts.
     journal = bytearray()
     for op, slot, seq, kid, bad in records:
-        rec = bytearray(nvme._record(op, slot, seq, bytes([kid]) * 16))
+        rec = bytearray(nvme.pack_record(op, slot, seq, bytes([kid]) * 16))
         if bad:
             rec[3] ^= 0x10
         journal += rec
     data = bytes(journal) + torn
     entries, report = nvme.replay_journal(data, 10, per_key=False)
-    t, damaged, top = nvme._tail_records(data)
-    puts = t.ns == nvme._OP_PUT
+    t, damaged, top = nvme.tail_records(data)
+    puts = t.ns == nvme.OP_PUT
     got = set(
         zip(t.slots[puts].tolist(), t.keys[puts].tolist(), t.seqs[puts].tolist(), strict=True)
     )

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_transfer_common import LAYOUTS, make_kv
-from tiercache.transfer import kv_layout
-from tiercache.transfer.kv_layout import KVLayout, copy_rows, paired_runs
+from tiercache.transfer import rows as row_copies
+from tiercache.transfer.kv_layout import KVLayout
+from tiercache.transfer.rows import copy_rows, paired_runs
 
 NB = 16
 
@@ -120,9 +121,9 @@ def test_host_scatter_writes_what_the_general_path_writes(
     layout.scatter(ids, src)
     fast = {k: t.clone() for k, t in caches.items()}
     assert taken == [
-        len(paired_runs(ids, range(n))) <= kv_layout.FEW_RUNS
+        len(paired_runs(ids, range(n))) <= row_copies.FEW_RUNS
         or n * min(s.nbytes for s in layout.segments)
-        >= kv_layout.LOOP_MIN_BYTES * len(paired_runs(ids, range(n)))
+        >= row_copies.LOOP_MIN_BYTES * len(paired_runs(ids, range(n)))
     ]
     monkeypatch.setattr(KVLayout, "_scatter_on_host", lambda self, block_ids, rows: False)
     for t in caches.values():
@@ -159,9 +160,9 @@ def test_a_jobs_block_ids_are_indexed_once_for_every_segment(monkeypatch) -> Non
     ids, slots = [9, 3, 14, 5, 0, 7], [5, 1, 3, 0, 4, 2]  # no runs: the index path
     pool = torch.randint(0, 255, (6, layout.block_bytes), dtype=torch.uint8)
     made: list[int] = []
-    real = kv_layout._index
+    real = row_copies._index
     monkeypatch.setattr(
-        kv_layout, "_index", lambda idx, dev: made.append(len(idx)) or real(idx, dev)
+        row_copies, "_index", lambda idx, dev: made.append(len(idx)) or real(idx, dev)
     )
     layout.copy_from_pool(pool, slots, ids)
     assert len(made) == 2  # destination ids and source slots, once each
@@ -215,12 +216,12 @@ def test_copy_rows_matches_model(n: int, row: int, data, loop_min: int) -> None:
     want = dst.clone()
     for d, s in zip(dst_idx, src_idx, strict=True):
         want[d] = src[s]
-    old = kv_layout.LOOP_MIN_BYTES
-    kv_layout.LOOP_MIN_BYTES = loop_min
+    old = row_copies.LOOP_MIN_BYTES
+    row_copies.LOOP_MIN_BYTES = loop_min
     try:
         copy_rows(dst, dst_idx, src, src_idx)
     finally:
-        kv_layout.LOOP_MIN_BYTES = old
+        row_copies.LOOP_MIN_BYTES = old
     assert torch.equal(dst, want)
 
 
@@ -231,7 +232,7 @@ def test_copy_rows_matches_model(n: int, row: int, data, loop_min: int) -> None:
 def test_a_split_copy_writes_the_same_rows_as_one_thread(dst_idx: list[int]) -> None:
     """Large loads are halved between the caller and a helper thread (`split=True`); every
     row lands where the unsplit copy puts it, the cut falling inside a run or between runs."""
-    from tiercache.transfer.kv_layout import SPLIT_MIN_BYTES, _halves
+    from tiercache.transfer.rows import SPLIT_MIN_BYTES, _halves
 
     row = SPLIT_MIN_BYTES // 32  # 64 rows of these: well past the split threshold
     src = torch.randint(0, 255, (80, 2, row // 2), dtype=torch.uint8)

@@ -209,9 +209,8 @@ def shard_keys(keys: Sequence[bytes], shards: Sequence[int] | range) -> list[byt
 
 
 def _chain(buf: memoryview, step: int, parent: bytes, out: list[bytes]) -> bytes:
-    # struct.iter_unpack slices the blocks in C: measured ~1.5x faster than a
-    # range()/slice loop and ~1.8x faster than streaming xxh3_128() objects at
-    # block_size 16-32, equal at 256 (bench/bench_hashing.py --variants).
+    # struct.iter_unpack slices the blocks in C, no Python slice per block (figures:
+    # bench/bench_hashing.py --variants, docs/bench.md).
     digest = xxh3_128_digest
     append = out.append
     for (block,) in struct.iter_unpack(f"{step}s", buf):

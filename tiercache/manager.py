@@ -324,7 +324,7 @@ class OffloadingManager:
             tail.append(k)
         if not tail:
             return 0
-        if len(self._sleepers) == 1:  # one persistent tier: 20 % faster first lookups
+        if len(self._sleepers) == 1:  # one persistent tier: the same run, no per-tier lists
             lv = self._sleepers[0]
             slots = lv.tier.find_dormant(tail)
             run = 0

@@ -34,11 +34,12 @@ import numpy as np
 import torch
 
 from tiercache.errors import ConfigError, check_count
+from tiercache.hashing import KEY_SIZE
 
 if TYPE_CHECKING:
     from tiercache.tiers.dormant import DormantIndex
 
-KEY_BYTES = 16
+KEY_BYTES = KEY_SIZE  # a block key: one chained prefix hash
 
 
 def host_memory_bytes() -> int | None:

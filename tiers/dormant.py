@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tiercache.tiers.base import KEY_BYTES
+from tiercache.hashing import KEY_SIZE
 
 _SCALAR_MAX = 6  # batches up to this many keys are searched key by key (no numpy calls)
 
@@ -61,7 +61,7 @@ class DormantIndex:
 
     def find(self, keys: Sequence[bytes]) -> list[int]:
         """Per key, the slot holding it dormant, or -1. Changes nothing."""
-        if not self.n or not keys or any(len(k) != KEY_BYTES for k in keys):
+        if not self.n or not keys or any(len(k) != KEY_SIZE for k in keys):
             return [-1] * len(keys)  # a key of another width is never one of a tier's
         if len(keys) <= _SCALAR_MAX:
             return [self._find_one(k) for k in keys]
@@ -87,7 +87,7 @@ class DormantIndex:
         p = bisect_left(hi, q)
         while p < len(hi) and hi[p] == q:
             s = by[p]
-            if flags[s] and kb[s * KEY_BYTES : (s + 1) * KEY_BYTES] == key:
+            if flags[s] and kb[s * KEY_SIZE : (s + 1) * KEY_SIZE] == key:
                 return s
             p += 1
         return -1

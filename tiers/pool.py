@@ -2,7 +2,7 @@
 
 Shared by the pinned-CPU tier and the GPU tier: same code, a different device. Copies are
 batched: a contiguous run of slots is one slice copy; otherwise one `index_copy_` /
-`index_select` over an int64 view (on uint8, index_copy_ runs ~9x slower, see shared/limits).
+`index_select` over an int64 view (index ops on uint8 elements are much slower).
 
 Stream order: on a CUDA pool, `read`/`write` (the facade's copies, demotions) are queued on the
 device's current stream and return before they finish. Each records an event, `fence`, after

@@ -427,7 +427,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     time.sleep(float(spec.get("settle_s", 0)))  # e.g. background copies before a SIGKILL
     stores: dict[str, Any] = {}
     if spec.get("kv_transfer_config") is not None and not spec.get("multiprocessing"):
-        from tiercache.connectors.common import store_snapshots
+        from tiercache.connectors.stores import store_snapshots
 
         stores = store_snapshots()
     elif remote and tp == 1:
@@ -500,11 +500,11 @@ def _settle_through(deadline_s: float = 120) -> None:
     The copier plans and runs each batch of copies while holding its cache's `_through.io`
     lock (`WriteThroughCopier.run`), so with that lock held and nothing queued, no copy is in
     flight. RuntimeError after `deadline_s`."""
-    from tiercache.connectors import common
+    from tiercache.connectors import stores
 
     end = time.monotonic() + deadline_s
-    with common._REGISTRY_LOCK:
-        caches = [s.cache for s in common._REGISTRY.values()]
+    with stores._REGISTRY_LOCK:
+        caches = [s.cache for s in stores._REGISTRY.values()]
     for cache in caches:
         while True:
             left = end - time.monotonic()
@@ -523,11 +523,11 @@ def _wait_writes(deadline_s: float = 120) -> None:
     """Wait until the stores and moves every KV connector worker of this process submitted
     have ended in its transfer engine, given-up ones included (`KVWorker.wait_writes`);
     RuntimeError after `deadline_s`."""
-    from tiercache.connectors import common
-    from tiercache.connectors.vllm_kv import _SETTLE
+    from tiercache.connectors import stores
+    from tiercache.connectors.vllm_kv import SETTLE_KEY
 
-    with common._REGISTRY_LOCK:
-        settles = [s.state.get(_SETTLE) for s in common._REGISTRY.values()]
+    with stores._REGISTRY_LOCK:
+        settles = [s.state.get(SETTLE_KEY) for s in stores._REGISTRY.values()]
     for settle in settles:
         if settle is not None and not settle.__self__.wait_writes(deadline_s):  # its KVWorker
             raise RuntimeError(f"the connector's stores still running after {deadline_s} s")
@@ -535,10 +535,10 @@ def _wait_writes(deadline_s: float = 120) -> None:
 
 def _suspended() -> list[list[float]]:
     """Per store of this process (in-process engines), seconds each tier stays suspended."""
-    from tiercache.connectors import common
+    from tiercache.connectors import stores
 
-    with common._REGISTRY_LOCK:
-        caches = [s.cache for s in common._REGISTRY.values()]
+    with stores._REGISTRY_LOCK:
+        caches = [s.cache for s in stores._REGISTRY.values()]
     out = []
     for cache in caches:
         with cache.lock:
@@ -572,7 +572,7 @@ def _kv_groups(worker: Any) -> list[list[Any]]:
 
 def _worker_snapshots(worker: Any) -> dict[str, Any]:
     """`store_snapshots()` of the process that runs vLLM's worker (sent by value)."""
-    from tiercache.connectors.common import store_snapshots
+    from tiercache.connectors.stores import store_snapshots
 
     return store_snapshots()
 

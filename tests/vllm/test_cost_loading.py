@@ -16,7 +16,8 @@ import torch
 pytest.importorskip("vllm")
 
 from tiercache.config import CacheConfig
-from tiercache.connectors.common import SharedStore, acquire_store, release_store, resolve_config
+from tiercache.connectors.namespace import resolve_config
+from tiercache.connectors.stores import SharedStore, acquire_store, release_store
 from tiercache.connectors.vllm_kv import (
     KVScheduler,
     KVSettings,

@@ -22,7 +22,8 @@ from vllm import SamplingParams
 from vllm.v1.request import Request
 
 from tests.test_tier_nvme import flip, slot_of
-from tiercache.connectors.common import acquire_store, release_store, resolve_config
+from tiercache.connectors.namespace import resolve_config
+from tiercache.connectors.stores import acquire_store, release_store
 from tiercache.connectors.vllm import TierCacheConnectorMetadata
 from tiercache.connectors.vllm_kv import IDLE_WAIT_S, KVScheduler, KVSettings, KVWorker
 from tiercache.tiers import format as fmt

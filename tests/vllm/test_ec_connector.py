@@ -36,7 +36,7 @@ from vllm.v1.worker.ec_connector_model_runner_mixin import (
     ECConnectorModelRunnerMixin,
 )
 
-from tiercache.connectors.common import store_snapshots
+from tiercache.connectors.stores import store_snapshots
 from tiercache.connectors.vllm_ec import (
     HEADER_BYTES,
     TierCacheECConnector,

@@ -39,7 +39,8 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from tiercache import TierCache
-from tiercache.connectors.common import acquire_store, resolve_config, store_snapshots
+from tiercache.connectors.namespace import resolve_config
+from tiercache.connectors.stores import acquire_store, store_snapshots
 from tiercache.connectors.vllm import TierCacheConnectorMetadata
 from tiercache.connectors.vllm_kv import KVSettings, KVWorker, LoadJob
 from tiercache.connectors.vllm_offloading import TierCacheOffloadingSpec, offload_key_to_key

@@ -14,13 +14,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tiercache.connectors.common import (
-    SharedStore,
-    acquire_store,
-    release_store,
-    resolve_config,
-    with_nvme_siblings,
-)
+from tiercache.connectors.namespace import resolve_config
+from tiercache.connectors.ranks import with_nvme_siblings
+from tiercache.connectors.stores import SharedStore, acquire_store, release_store
 from tiercache.connectors.vllm import TierCacheConnectorMetadata
 from tiercache.connectors.vllm_kv import KVSettings, KVWorker, LoadJob, StoreJob
 from tiercache.hashing import prefix_hashes

@@ -21,15 +21,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tiercache.config import CacheConfig
-from tiercache.connectors.common import acquire_store, release_store, resolve_config
 from tiercache.connectors.deadlines import Flights
+from tiercache.connectors.namespace import resolve_config
+from tiercache.connectors.stores import acquire_store, release_store
 from tiercache.connectors.vllm import (
     TierCacheConnector,
     TierCacheConnectorMetadata,
     TierCacheConnectorStats,
 )
 from tiercache.connectors.vllm_kv import (
-    _SETTLE,
+    SETTLE_KEY,
     KVScheduler,
     KVSettings,
     KVWorker,
@@ -182,7 +183,7 @@ def test_a_lookup_that_waits_for_a_store_counts_each_block_once() -> None:
             manager.complete_store(keys[2:])
             return True
 
-        shared.state[_SETTLE] = settle
+        shared.state[SETTLE_KEY] = settle
         c = _local(config, shared)
         before = cache.stats()["cpu"]
         assert c._lookup_local(keys) == 4
@@ -197,7 +198,7 @@ def test_remote_lookup_probes_shared_tiers_where_the_index_ends(tmp_path) -> Non
     """Issue 15, item 2: in multiprocess mode the scheduler's index knows only its own
     workers' keys. Where it ends, the scheduler probes the shared tiers (read-only) for
     blocks other engines stored, per rank, as the worker's discovery will adopt them."""
-    from tiercache.connectors.common import open_probes
+    from tiercache.connectors.probes import open_probes
 
     chain = [bytes([i]) * 16 for i in range(1, 7)]
     stores, probes = [], []
@@ -436,7 +437,7 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
     reaching one of its blocks answers None (vLLM asks again); once the worker gives it up
     at `store_timeout`, those blocks read as misses: after the tier's back-off, the chain
     hits up to them instead of asking again for ever."""
-    from tiercache.connectors.vllm_kv import MOVE_WAIT_S, _Flight
+    from tiercache.connectors.vllm_kv import MOVE_WAIT_S, KVFlight
 
     deadlines = {"store_timeout": 0.2, "backoff": 0.2, "backoff_max": 0.2}
     shared, c, (a, b, new, _) = _cpu_then_nvme(tmp_path, "hung-move", deadlines=deadlines)
@@ -447,14 +448,14 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
         wait=lambda jobs, timeout=None: waits.append(timeout) or list(jobs), get_finished=list
     )
     w._flights = Flights(w._worker, shared.cache.config.deadlines)
-    shared.state[_SETTLE] = w._settle
+    shared.state[SETTLE_KEY] = w._settle
     try:
         m = shared.cache.manager
         with shared.lock:
             plan = m.prepare_store(new)  # b moves into NVMe ...
         assert plan is not None
         (move,) = plan.moves
-        w._flights.add(0, _Flight("move", move.keys, 1, plan=0))  # due in store_timeout
+        w._flights.add(0, KVFlight("move", move.keys, 1, plan=0))  # due in store_timeout
         assert c._lookup_local(a + b, "r") is None  # ... and is in flight: ask again
         assert waits == [MOVE_WAIT_S]  # the scheduler waited for it only briefly
         time.sleep(0.25)
@@ -470,7 +471,7 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
     finally:
         for p in c.local_lookup._verify_pools.values():
             p.shutdown(wait=True)
-        shared.state.pop(_SETTLE, None)
+        shared.state.pop(SETTLE_KEY, None)
         w._worker = None
         release_store(shared)
 

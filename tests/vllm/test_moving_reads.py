@@ -30,7 +30,8 @@ from tests.test_deadlines import HangWrites
 from tests.test_moving_reads import hung_lmdb_config
 from tests.vllm.test_evicted_elsewhere import _offloading_config
 from tiercache import TierCache
-from tiercache.connectors.common import acquire_store, resolve_config
+from tiercache.connectors.namespace import resolve_config
+from tiercache.connectors.stores import acquire_store
 from tiercache.connectors.vllm import TierCacheConnectorMetadata
 from tiercache.connectors.vllm_kv import KVScheduler, KVSettings, KVWorker, LoadJob
 from tiercache.connectors.vllm_offloading import offload_key_to_key

@@ -45,7 +45,7 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from tiercache.connectors.common import store_snapshots
+from tiercache.connectors.stores import store_snapshots
 from tiercache.connectors.vllm_offloading import (
     TierCacheOffloadingSpec,
     TierLoadSpec,

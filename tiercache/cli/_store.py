@@ -16,10 +16,8 @@ an LMDB store may stay open elsewhere (its owner then reads dropped blocks as mi
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import os
 import re
-import struct
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -30,15 +28,10 @@ from typing import Any
 import torch
 
 from tiercache.config import CacheConfig
-from tiercache.errors import BlockCorruptError, ConfigError, TierCacheError
+from tiercache.errors import ConfigError, TierCacheError
 from tiercache.telemetry import EVENTS_FILE, STATS_FILE
 from tiercache.tiers.format import (
-    CODEC_RAW,
     FORMAT_VERSION,
-    HEADER_SIZE,
-    decode_header,
-    decode_payload,
-    header_problem,
     namespace_id,
 )
 
@@ -269,74 +262,19 @@ def _nvme_reader(ref: StoreRef) -> Any:
 def _nvme_headers(reader: Any) -> tuple[list[BlockInfo], int]:
     """Good blocks the journal names (headers read, payloads not), and how many entries
     fail their header check."""
-    newest: dict[tuple[int, bytes], BlockInfo] = {}
-    bad = 0
-    for e in reader.entries:
-        try:
-            h = decode_header(reader.read_slot(e.slot, HEADER_SIZE))
-        except BlockCorruptError:
-            bad += 1
-            continue
-        if header_problem(h, e.key, None, reader.block_bytes) or h.seq != e.seq:
-            bad += 1
-            continue
-        b = BlockInfo(h.key, h.seq, h.namespace_id, h.raw_len, h.stored_len, e.slot)
-        old = newest.get((b.namespace, b.key))
-        if old is None or b.seq > old.seq:  # an older copy a lost FREE record left behind
-            newest[(b.namespace, b.key)] = b
-    return list(newest.values()), bad
+    good, bad = reader.headers()
+    return [
+        BlockInfo(h.key, h.seq, h.namespace_id, h.raw_len, h.stored_len, e.slot) for e, h in good
+    ], bad
 
 
 def _lmdb_blocks(h: Any) -> tuple[list[BlockInfo], int]:
     """Good blocks of an open LMDB store (headers and payload lengths), and the number of
     malformed or orphaned entries."""
-    from tiercache.tiers.lmdb import iter_entries, split_store_key
+    from tiercache.tiers.lmdb.offline import block_headers
 
-    bb = h.meta["block_bytes"]
-    good, bad = [], 0
-    for skey, head, payload in iter_entries(h):
-        split = split_store_key(skey)
-        if head is None or payload is None or split is None:
-            bad += 1
-            continue
-        ns, key = split
-        try:
-            hd = decode_header(head)
-        except BlockCorruptError:
-            bad += 1
-            continue
-        if header_problem(hd, key, ns, bb) or hd.stored_len != len(payload):
-            bad += 1
-            continue
-        good.append(BlockInfo(key, hd.seq, hd.namespace_id, hd.raw_len, hd.stored_len))
-    return good, bad
-
-
-_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
-
-
-def lmdb_holder(path: str) -> int | None:
-    """The pid of another process holding the LMDB environment open, else None.
-
-    LMDB keeps a shared fcntl lock on byte 0 of lock.mdb while an environment is open; this
-    asks (F_GETLK) who would block an exclusive one. Skipped (None) when this process has the
-    environment open: closing our probe descriptor would drop this process's own locks."""
-    from tiercache.tiers.lmdb import open_here
-
-    if open_here(path):
-        return os.getpid()
-    try:
-        fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        res = fcntl.fcntl(fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
-        ltype, _, _, _, pid = _FLOCK.unpack(res)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return None if ltype == fcntl.F_UNLCK else pid
+    good, bad = block_headers(h)
+    return [BlockInfo(key, h.seq, h.namespace_id, h.raw_len, h.stored_len) for key, h in good], bad
 
 
 def _summary(blocks: list[BlockInfo], names: dict[int, str]) -> dict[str, Any]:
@@ -401,9 +339,9 @@ def inspect_store(
                 holder_pid=pid if pid and pid > 0 else None,
             )
     else:
-        from tiercache.tiers.lmdb import open_store
+        from tiercache.tiers.lmdb.offline import holder_pid, open_store
 
-        holder = lmdb_holder(ref.path)
+        holder = holder_pid(ref.path)
         with open_store(ref.path) as h:
             blocks, bad = _lmdb_blocks(h)
             sharing = _lmdb_sharing(h, blocks, names, own=holder == os.getpid())
@@ -495,23 +433,6 @@ def count_blocks(ref: StoreRef) -> int:
         return int(txn.stat(h.heads)["entries"])
 
 
-def _check_nvme_entry(r: Any, e: Any, scratch: Any) -> str | None:
-    data = r.read_slot(e.slot)
-    try:
-        h = decode_header(data[:HEADER_SIZE])
-        problem = header_problem(h, e.key, None, r.block_bytes)
-        if problem:
-            return problem
-        if h.seq != e.seq:
-            return f"header seq {h.seq}, the index says {e.seq} (an unfinished rewrite)"
-        if h.codec != CODEC_RAW:
-            return f"codec {h.codec} in an NVMe slot (NVMe stores raw blocks)"
-        decode_payload(h, data[HEADER_SIZE : HEADER_SIZE + h.stored_len], scratch)
-    except BlockCorruptError as exc:
-        return str(exc)
-    return None
-
-
 def verify_store(ref: StoreRef, advance: Callable[[int], None] = lambda n: None) -> VerifyReport:
     """Read every block of `ref` and check it (header, key, length, checksum, decompression)
     and the index (damaged records, entries without data); read-only."""
@@ -545,7 +466,7 @@ def _verify_nvme(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None
             )
         bad = []
         for e in r.entries:
-            what = _check_nvme_entry(r, e, scratch)
+            what = r.entry_problem(e, scratch)
             if what:
                 bad.append((e, what))
             rep.checked += 1
@@ -555,7 +476,7 @@ def _verify_nvme(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None
             # only entries that are still live and still fail.
             r.reload()
             live = set(r.entries)
-            still = [(e, _check_nvme_entry(r, e, scratch)) for e, _ in bad if e in live]
+            still = [(e, r.entry_problem(e, scratch)) for e, _ in bad if e in live]
             bad = [(e, w) for e, w in still if w]
             if bad:
                 rep.notes.append("the store is open in another process; rechecked once")
@@ -567,31 +488,14 @@ def _verify_lmdb(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None
     import numpy as np
     import zstandard
 
-    from tiercache.tiers.lmdb import iter_entries, open_store, split_store_key
+    from tiercache.tiers.lmdb.offline import entry_problem, iter_entries, open_store
 
     dz = zstandard.ZstdDecompressor()
     with open_store(ref.path or "") as h:
         bb = h.meta["block_bytes"]
         scratch = np.empty(bb, dtype=np.uint8)
         for skey, head, payload in iter_entries(h):
-            what = None
-            split = split_store_key(skey)
-            ns, key = split if split is not None else (None, skey)
-            if split is None:
-                what = f"a store key of {len(skey)} bytes"
-            elif head is None:
-                what = "payload without a header (orphan)"
-            elif payload is None:
-                what = "header without a payload"
-            else:
-                try:
-                    hd = decode_header(head)
-                    what = header_problem(hd, key, None, bb)
-                    if what is None:
-                        decode_payload(hd, payload, scratch, decompressor=dz)
-                        what = header_problem(hd, key, ns, None)  # after the checksum
-                except BlockCorruptError as exc:
-                    what = str(exc)
+            key, what = entry_problem(skey, head, payload, bb, scratch, dz)
             if head is not None:
                 rep.checked += 1
                 advance(1)
@@ -723,7 +627,6 @@ __all__ = [
     "inspect_store",
     "known_names",
     "list_blocks",
-    "lmdb_holder",
     "namespace_label",
     "parse_namespace",
     "repair_store",

@@ -14,7 +14,7 @@ What happens to a late transfer is each adapter's policy, passed in as a callbac
 connector abandons a late load (vLLM recomputes its blocks); vLLM's OffloadingConnector
 cannot take a failed load, so the OffloadingSpec suspends the tier and still waits for it.
 The clock is injectable (tests use a fake one); the transfer engine is anything with
-`wait`/`cancel`/`close` like `tiercache.transfer.TransferWorker`.
+`wait`/`cancel`/`close` like `tiercache.transfer.OffloadingWorker`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ CLOSE_WAIT_S = 1.0
 
 
 class Transfers(Protocol):
-    """What `Flights` needs of the transfer engine (`tiercache.transfer.TransferWorker`)."""
+    """What `Flights` needs of the transfer engine (`tiercache.transfer.OffloadingWorker`)."""
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> set[int]:
         """Block until the jobs ended or `timeout` passed; the ids still running."""

@@ -52,14 +52,13 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from xxhash import xxh3_128_digest
 
 from tiercache.cache import TierCache
-from tiercache.connectors.common import (
-    acquire_store,
+from tiercache.connectors.namespace import (
     derive_namespace,
     kv_settings_digest,
     read_user_config,
-    release_store,
     resolve_config,
 )
+from tiercache.connectors.stores import acquire_store, release_store
 from tiercache.errors import ConfigError
 
 if TYPE_CHECKING:

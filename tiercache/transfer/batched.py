@@ -6,8 +6,9 @@ path (`copy_rows`) issues a gather or scatter per segment, each with its own ind
 GPU that is 32 launches and 32 index uploads for a 32-layer store, and its host time grows with
 the layer count. Here the whole job is one kernel launch over a table:
 
-- `ChunkTable(layout)`: per chunk `m`, four int64s: the engine address of block 0's chunk, the
-  bytes between engine blocks, the chunk's bytes, its offset inside an engine-block record.
+- `ChunkTable(layout)`: per chunk `m`, the four int64s of `layout.chunk_rows()`: the engine
+  address of block 0's chunk, the bytes between engine blocks, the chunk's bytes, its offset
+  inside an engine-block record.
   Built once per layout (the engine buffer never moves); on CUDA it lives on the device.
 - `entries(table, block_ids, rows, ...)`: the job's `(engine address, record address, bytes)`
   triples, what the kernel computes in its programs: record `rows[i // factor]` of a buffer
@@ -27,13 +28,10 @@ import ctypes
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from tiercache.transfer.kv_layout import KVLayout
 
 BLOCK = 1024  # words per program (a chunk of more has several programs)
 INLINE_IDS = 4  # jobs of at most this many engine blocks pass their ids as kernel arguments
@@ -50,21 +48,22 @@ def triton_available() -> bool:
     return triton is not None
 
 
+class Chunks(Protocol):
+    """What a `ChunkTable` is built from (`KVLayout` is one)."""
+
+    engine_block_bytes: int
+    factor: int
+    device: torch.device
+
+    def chunk_rows(self) -> list[tuple[int, int, int, int]]: ...
+
+
 class ChunkTable:
     """The layout's chunks as an `[M, 4]` int64 table (engine base, block stride, bytes,
     record offset), on the host and, for a CUDA layout, on its device."""
 
-    def __init__(self, layout: KVLayout) -> None:
-        u = layout.unit
-        rows: list[tuple[int, int, int, int]] = []
-        for seg in layout.segments:
-            r = seg.rows
-            base, bstride = r.data_ptr(), r.stride(0) * u
-            cstride = r.stride(1) * u if seg.chunks > 1 else 0
-            for c in range(seg.chunks):
-                rows.append(
-                    (base + c * cstride, bstride, seg.chunk_bytes, seg.offset + c * seg.chunk_bytes)
-                )
+    def __init__(self, layout: Chunks) -> None:
+        rows = layout.chunk_rows()
         self.host = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
         self.chunks = len(rows)
         self.max_bytes = int(self.host[:, 2].max())

@@ -18,40 +18,10 @@ from typing import Any
 import torch
 
 from tiercache.tiers import Tier
-from tiercache.transfer.handler import LaneHandler
+from tiercache.transfer.handler import LaneHandler, check_ranges, tier_of
 from tiercache.transfer.job import Job
 from tiercache.transfer.kv_layout import KVLayout, per_pool
 from tiercache.transfer.specs import GPULoadStoreSpec, TierLoadStoreSpec
-
-
-def tier_of(tiers: Sequence[Tier], spec: TierLoadStoreSpec) -> Tier:
-    """The tier a spec names, checked against its medium."""
-    if not 0 <= spec.tier < len(tiers):
-        raise ValueError(
-            f"tier {spec.tier} ({spec.medium!r}) is not one of this handler's {len(tiers)} tiers"
-        )
-    tier = tiers[spec.tier]
-    if tier.medium != spec.medium:
-        raise ValueError(f"tier {spec.tier} is {tier.medium!r}, but the spec names {spec.medium!r}")
-    return tier
-
-
-def _inside(ids: tuple[int, ...], n: int) -> bool:
-    """Every id in 0..n-1 (none: True). One id, a decode-time job's, without min and max."""
-    if len(ids) == 1:
-        return 0 <= ids[0] < n
-    return not ids or (min(ids) >= 0 and max(ids) < n)
-
-
-def check_ranges(job: Job, tier: Tier, side: TierLoadStoreSpec, num_blocks: int) -> None:
-    """Slots inside the tier, engine block ids inside the engine buffer."""
-    if not _inside(side.slots, tier.slot_count):
-        raise ValueError(
-            f"job {job.job_id}: slots outside tier {tier.medium!r} (slots 0..{tier.slot_count - 1})"
-        )
-    for spec in (job.src, job.dst):
-        if isinstance(spec, GPULoadStoreSpec) and not _inside(spec.block_ids, num_blocks):
-            raise ValueError(f"job {job.job_id}: engine block ids outside 0..{num_blocks - 1}")
 
 
 def engine_sides(job: Job) -> tuple[GPULoadStoreSpec, TierLoadStoreSpec, bool]:

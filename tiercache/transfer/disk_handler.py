@@ -41,8 +41,7 @@ import torch
 
 from tiercache.errors import IO_ERRORS
 from tiercache.tiers import Tier
-from tiercache.transfer.cpu_handler import check_ranges, tier_of
-from tiercache.transfer.handler import EXPEDITED, LaneHandler
+from tiercache.transfer.handler import EXPEDITED, LaneHandler, check_ranges, tier_of
 from tiercache.transfer.job import Job
 from tiercache.transfer.kv_layout import KVLayout
 from tiercache.transfer.specs import GPULoadStoreSpec, TierLoadStoreSpec

@@ -18,6 +18,8 @@ Primitives:
   copies on a stream) runs a job on the caller's thread when its lane is idle and every job
   it follows is issued, saving two thread hand-offs (tens of microseconds of a one-block
   decode-time store); the lane's order is kept, as nothing of that lane is queued or running.
+- `tier_of(tiers, spec)` and `check_ranges(job, tier, side, num_blocks)`: the checks every
+  tier-side handler makes of a job's tier spec.
 - Cancellation (`cancellable`): a handler that honours `Job.cancel` between chunks, so that an
   engine that gave up on a load can recompute its blocks safely.
 """
@@ -30,14 +32,46 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from tiercache.priority import lower_this_thread
+from tiercache.tiers import Tier
 from tiercache.transfer.job import Job, set_flags
+from tiercache.transfer.specs import GPULoadStoreSpec, TierLoadStoreSpec
 
 log = logging.getLogger(__name__)
 
 EXPEDITED = "expedited"  # the lane of expedited jobs (see the module docstring)
+
+
+def tier_of(tiers: Sequence[Tier], spec: TierLoadStoreSpec) -> Tier:
+    """The tier a spec names, checked against its medium."""
+    if not 0 <= spec.tier < len(tiers):
+        raise ValueError(
+            f"tier {spec.tier} ({spec.medium!r}) is not one of this handler's {len(tiers)} tiers"
+        )
+    tier = tiers[spec.tier]
+    if tier.medium != spec.medium:
+        raise ValueError(f"tier {spec.tier} is {tier.medium!r}, but the spec names {spec.medium!r}")
+    return tier
+
+
+def _inside(ids: tuple[int, ...], n: int) -> bool:
+    """Every id in 0..n-1 (none: True). One id, a decode-time job's, without min and max."""
+    if len(ids) == 1:
+        return 0 <= ids[0] < n
+    return not ids or (min(ids) >= 0 and max(ids) < n)
+
+
+def check_ranges(job: Job, tier: Tier, side: TierLoadStoreSpec, num_blocks: int) -> None:
+    """Slots inside the tier, engine block ids inside the engine buffer."""
+    if not _inside(side.slots, tier.slot_count):
+        raise ValueError(
+            f"job {job.job_id}: slots outside tier {tier.medium!r} (slots 0..{tier.slot_count - 1})"
+        )
+    for spec in (job.src, job.dst):
+        if isinstance(spec, GPULoadStoreSpec) and not _inside(spec.block_ids, num_blocks):
+            raise ValueError(f"job {job.job_id}: engine block ids outside 0..{num_blocks - 1}")
 
 
 class TransferHandler(ABC):

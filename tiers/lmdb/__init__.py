@@ -34,7 +34,7 @@ only so that `free` knows which key to delete. A read goes by key.
 Version 3 adds the "order" database (namespace prefix + order seq -> block key) and the
 8-byte order seq after each header in "heads"; "meta" keeps each namespace's block count and
 the environment's next seq. All change in the write transactions that change the blocks
-(`_StoreTxn`), so capacity and eviction belong to the store: every transaction that stores
+(`StoreTxn`), so capacity and eviction belong to the store: every transaction that stores
 evicts its namespace's oldest blocks beyond the capacity, whichever process runs it.
 
 Each tier also records its namespace's capacity and name and an attach entry (pid, host,
@@ -75,13 +75,13 @@ after a commit at most every `sync_interval` seconds (default `SYNC_EVERY_S`, 5;
 not wait for it) and syncs in the foreground at `flush()`/`close()`; "never" syncs only at
 `close()`. A sync writes back every map page written since the last one, so a longer
 interval costs puts less on a large store and lets an OS crash lose more. The map is
-opened with `writemap` (2x faster puts, shared/limits/lmdb_raw.py): with "batch"/"never" an
+opened with `writemap` (puts write the map in place): with "batch"/"never" an
 operating-system crash between syncs may damage the environment. Every block is
 checksummed together with its key, so a damaged block reads as a miss, never as wrong
 bytes; LMDB's own tree pages carry no checksum (damage there shows as LMDB errors).
 
 Modules, bottom up (each imports only those above it):
-- `layout`: constants, the key layout, the store-level write transaction (`_StoreTxn`).
+- `layout`: constants, the key layout, the store-level write transaction (`StoreTxn`).
 - `warm`: the index warm pass and `will_need` (no package imports).
 - `attach`: the capacity, name and attach records in "meta" (no package imports).
 - `env`: map size, thread pools, the directory, the shared environment (attach/detach),
@@ -99,9 +99,9 @@ package.
 from tiercache.tiers.keyed import COMPRESSIONS, ZSTD_MIN_LEVEL
 from tiercache.tiers.lmdb.env import (
     ENTRY_BYTES,
-    _parse_meta,
     damaged,
     map_size_for,
+    parse_meta,
     prepare_dir,
 )
 from tiercache.tiers.lmdb.layout import (
@@ -121,13 +121,13 @@ from tiercache.tiers.lmdb.layout import (
     STORE_FORMAT,
     STORE_VERSION,
     SYNC_MODES,
-    _u64,
-    _under,
     head_seq,
+    iter_prefix,
     seq_bytes,
     split_store_key,
     store_key,
     txn_ops_for,
+    u64,
 )
 from tiercache.tiers.lmdb.offline import (
     LMDBProbe,
@@ -169,20 +169,20 @@ __all__ = [
     "LMDBProbe",
     "LMDBTier",
     "StoreHandle",
-    "_parse_meta",
-    "_u64",
-    "_under",
     "check_settings",
     "damaged",
     "delete_entries",
     "head_seq",
     "iter_entries",
+    "iter_prefix",
     "map_size_for",
     "open_here",
     "open_store",
+    "parse_meta",
     "prepare_dir",
     "seq_bytes",
     "split_store_key",
     "store_key",
     "txn_ops_for",
+    "u64",
 ]

@@ -3,10 +3,10 @@
 - `map_size_for`: the map size (reserved on disk at open) for a capacity and block size.
 - `pool`/`pool_map`: the codec and sync thread pools, and `fn` over a range split on them.
 - `prepare_dir`: the environment directory (`store_dir.prepare_dir`, LMDB's two files).
-- `_SharedEnv`: one open environment per real path per process (LMDB refuses a second open
+- `SharedEnv`: one open environment per real path per process (LMDB refuses a second open
   of an environment in one process), reference counted by `attach`/`detach`, borrowed by
   offline tools (`borrow`), asked after by `is_open` (the CLI's lock-holder check).
-- `_open_env`/`_init_store`/`_parse_meta`: open, reserve, create or check the metadata.
+- `_open_env`/`_init_store`/`parse_meta`: open, reserve, create or check the metadata.
 
 See the package docstring for sharing, durability and readahead."""
 
@@ -100,8 +100,7 @@ def pool_map(fn: Callable[[int], Any], n: int, parallel: bool) -> list[Any]:
     if n < 2 or not parallel:
         return [fn(i) for i in range(n)]
     # One contiguous chunk per thread, the caller's thread taking the first: a future per
-    # block cost more than the copy and checksum of a 64 KiB block (measured 0.25x raw
-    # py-lmdb reads with a future per block, in tiercache/benchharness/baselines.py).
+    # block costs more than the copy and checksum of a 64 KiB block.
     codec = pool()
     parts = min(n, codec._max_workers + 1)
     bounds = [(n * w // parts, n * (w + 1) // parts) for w in range(parts)]
@@ -128,7 +127,7 @@ def prepare_dir(path: object) -> str:
     return store_dir.prepare_dir(path, DIR_RULES)
 
 
-class _SharedEnv:
+class SharedEnv:
     """One open environment per real path in this process, shared by the tiers over it."""
 
     def __init__(
@@ -192,11 +191,11 @@ class _SharedEnv:
             fut.result()
 
 
-_ENVS: dict[str, _SharedEnv] = {}
+_ENVS: dict[str, SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def attach(path: str, block_bytes: int, map_size: int, sync: str) -> _SharedEnv:
+def attach(path: str, block_bytes: int, map_size: int, sync: str) -> SharedEnv:
     """The environment at real path `path`, opened (or, when a tier of this process has it
     open, shared) for a tier; `detach` when done. ConfigError when it cannot be."""
     with _ENVS_LOCK:
@@ -217,7 +216,7 @@ def attach(path: str, block_bytes: int, map_size: int, sync: str) -> _SharedEnv:
         return shared
 
 
-def detach(shared: _SharedEnv) -> None:
+def detach(shared: SharedEnv) -> None:
     """Drop one use of `shared`; the last one syncs and closes the environment."""
     with _ENVS_LOCK:
         shared.refs -= 1
@@ -233,7 +232,7 @@ def detach(shared: _SharedEnv) -> None:
         shared.env.close()
 
 
-def borrow(path: str) -> _SharedEnv | None:
+def borrow(path: str) -> SharedEnv | None:
     """The environment at real path `path` when a tier of this process has it open, with
     one more use (`detach` it when done); None otherwise."""
     with _ENVS_LOCK:
@@ -248,7 +247,7 @@ def is_open(path: str) -> bool:
     return os.path.realpath(path) in _ENVS
 
 
-def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> _SharedEnv:
+def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> SharedEnv:
     durable = sync == "always"
     try:
         env = lmdb.open(
@@ -277,7 +276,7 @@ def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> _SharedE
     except BaseException:
         env.close()
         raise
-    return _SharedEnv(path, env, dbs, block_bytes, map_size, durable)
+    return SharedEnv(path, env, dbs, block_bytes, map_size, durable)
 
 
 def damaged(path: str, exc: lmdb.Error) -> str:
@@ -322,11 +321,11 @@ def _init_store(env: lmdb.Environment, path: str, block_bytes: int) -> tuple[Any
             meta = {"format": STORE_FORMAT, "version": STORE_VERSION, "block_bytes": block_bytes}
             txn.put(META_KEY, json.dumps(meta, sort_keys=True).encode(), db=meta_db)
         else:
-            meta = _parse_meta(path, raw)
+            meta = parse_meta(path, raw)
             _META_FORMAT.check_block_bytes(meta["block_bytes"], block_bytes, path)
         return (meta_db, *(env.open_db(n, txn=txn) for n in (HEADS_DB, BLOCKS_DB, ORDER_DB)))
 
 
-def _parse_meta(path: str, raw: bytes) -> dict[str, Any]:
+def parse_meta(path: str, raw: bytes) -> dict[str, Any]:
     """The store's metadata (`store_dir.MetaFormat.parse`), or ConfigError naming `path`."""
     return _META_FORMAT.parse(raw, path)

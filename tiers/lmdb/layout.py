@@ -4,11 +4,11 @@ write transaction every process runs alike.
 - Constants: store format and version, database names, "meta" record keys, the limits of a
   write transaction (`txn_ops_for`), the option values the tier accepts.
 - Key layout: `store_key`/`split_store_key` (8-byte namespace prefix + 16-byte block key),
-  the 8-byte order seq after each header (`seq_bytes`, `head_seq`), `_under` (the entries
+  the 8-byte order seq after each header (`seq_bytes`, `head_seq`), `iter_prefix` (the entries
   under a key prefix).
-- `_StoreTxn`: the bookkeeping of one write transaction (puts, deletes, order entries, each
+- `StoreTxn`: the bookkeeping of one write transaction (puts, deletes, order entries, each
   namespace's count, eviction beyond a capacity), shared by the tier and offline deletes.
-- `_leading_heads`: how many leading keys have a well-formed header (a lookup's probe), for
+- `leading_heads`: how many leading keys have a well-formed header (a lookup's probe), for
   the tier and `LMDBProbe` alike; `heads_prober`, the same bound to one store and namespace.
 
 Imports nothing of the package: every other module of it builds on this one."""
@@ -36,7 +36,7 @@ SEQ_KEY = b"seq"  # meta: the next order sequence number of the environment
 COUNT_PREFIX = b"count:"  # meta: + namespace prefix -> that namespace's block count
 _OUR_FILES = frozenset({"data.mdb", "lock.mdb"})
 DIR_RULES = DirRules("LMDB", _OUR_FILES)
-# what becomes of a namespace's blocks beyond a tier's capacity at open (see _StoreTxn.evict)
+# what becomes of a namespace's blocks beyond a tier's capacity at open (see StoreTxn.evict)
 EVICTS_LATER = "the store evicts the %d oldest at its next write of this namespace"
 
 SYNC_MODES = ("never", "batch", "always")
@@ -73,11 +73,11 @@ def head_seq(head: bytes | memoryview | None) -> int | None:
     return int.from_bytes(head[HEADER_SIZE:], "big")
 
 
-def _u64(raw: bytes | memoryview | None) -> int:
+def u64(raw: bytes | memoryview | None) -> int:
     return 0 if raw is None or len(raw) != 8 else int.from_bytes(raw, "big")
 
 
-def _under(cursor: Any, prefix: bytes, values: bool) -> Iterator[Any]:
+def iter_prefix(cursor: Any, prefix: bytes, values: bool) -> Iterator[Any]:
     """(key, value) - or, without `values`, the key - of every entry of `cursor`'s database
     whose key starts with `prefix`, in key order (keys as bytes)."""
     if not cursor.set_range(prefix):
@@ -89,14 +89,14 @@ def _under(cursor: Any, prefix: bytes, values: bool) -> Iterator[Any]:
         yield (k, item[1]) if values else k
 
 
-class _StoreTxn:
+class StoreTxn:
     """The bookkeeping of one write transaction, shared by every process: blocks put and
     deleted with their "order" entries (namespace prefix + order seq -> block key, oldest
     first), each namespace's block count and the environment's next order seq in "meta"."""
 
     def __init__(self, txn: lmdb.Transaction, meta: Any, heads: Any, blocks: Any, order: Any):
         self.txn, self.meta, self.heads, self.blocks, self.order = txn, meta, heads, blocks, order
-        self.seq = self.seq0 = _u64(txn.get(SEQ_KEY, db=meta))
+        self.seq = self.seq0 = u64(txn.get(SEQ_KEY, db=meta))
         self.counts: dict[bytes, int] = {}  # namespace prefix -> its count (read when used)
         self.dirty: set[bytes] = set()
         self.evicted = 0
@@ -104,7 +104,7 @@ class _StoreTxn:
     def count(self, nsb: bytes) -> int:
         c = self.counts.get(nsb)
         if c is None:
-            c = self.counts[nsb] = _u64(self.txn.get(COUNT_PREFIX + nsb, db=self.meta))
+            c = self.counts[nsb] = u64(self.txn.get(COUNT_PREFIX + nsb, db=self.meta))
         return c
 
     def _add(self, nsb: bytes, d: int) -> None:
@@ -169,7 +169,7 @@ class _StoreTxn:
             self.txn.put(COUNT_PREFIX + nsb, self.counts[nsb].to_bytes(8, "big"), db=self.meta)
 
 
-def _leading_heads(
+def leading_heads(
     txn: lmdb.Transaction,
     heads: Any,
     order: Any,
@@ -193,7 +193,7 @@ def heads_prober(
     ours: Callable[[object, bytes], bool],
     bad: Callable[[bytes, bytes], None] | None = None,
 ) -> Callable[[lmdb.Transaction, Sequence[bytes]], int]:
-    """`_leading_heads` over these databases, namespace prefix and checks, as a function of
+    """`leading_heads` over these databases, namespace prefix and checks, as a function of
     (txn, keys): the tier builds it at its open, and a single-key lookup's probe, which runs
     it once per key, passes two arguments, not seven."""
 

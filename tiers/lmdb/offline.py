@@ -6,16 +6,20 @@ that do not hold the store as a tier (vLLM's scheduler).
   second open of one environment per process).
 - `LMDBProbe`: a read-only `StoreProbe` (`LMDBTier.open_probe`): headers only.
 - `iter_entries`, `delete_entries`: walk or delete entries in short transactions.
-- `open_here(path)`: whether this process holds the environment open as a tier (the CLI's
-  lock-holder check asks it before looking at lock.mdb)."""
+- `open_here(path)`: whether this process holds the environment open as a tier;
+  `holder_pid(path)`: which process holds it open (asks `open_here` before lock.mdb).
+- `block_headers(h)`: the good blocks' headers; `entry_problem(...)`: what is wrong with one
+  entry (the CLI's inspect and verify)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import math
 import os
+import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,9 +28,16 @@ from typing import Any
 import lmdb
 
 from tiercache.backoff import Backoff
-from tiercache.errors import ConfigError
-from tiercache.tiers.format import header_check, namespace_id
-from tiercache.tiers.lmdb.env import _parse_meta, borrow, detach, is_open
+from tiercache.errors import BlockCorruptError, ConfigError
+from tiercache.tiers.format import (
+    BlockHeader,
+    decode_header,
+    decode_payload,
+    header_check,
+    header_problem,
+    namespace_id,
+)
+from tiercache.tiers.lmdb.env import borrow, detach, is_open, parse_meta
 from tiercache.tiers.lmdb.layout import (
     BLOCKS_DB,
     COUNT_PREFIX,
@@ -38,10 +49,11 @@ from tiercache.tiers.lmdb.layout import (
     MIN_TXN_OPS,
     NS_BYTES,
     ORDER_DB,
-    _leading_heads,
-    _StoreTxn,
-    _u64,
-    _under,
+    StoreTxn,
+    iter_prefix,
+    leading_heads,
+    split_store_key,
+    u64,
 )
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
@@ -70,8 +82,8 @@ class StoreHandle:
         """Namespace id -> the block count the store keeps for it (what its capacity bounds)."""
         out = {}
         with self.env.begin(write=False) as txn:
-            for k, v in _under(txn.cursor(db=self.meta_db), COUNT_PREFIX, values=True):
-                out[int.from_bytes(k[len(COUNT_PREFIX) :], "big")] = _u64(v)
+            for k, v in iter_prefix(txn.cursor(db=self.meta_db), COUNT_PREFIX, values=True):
+                out[int.from_bytes(k[len(COUNT_PREFIX) :], "big")] = u64(v)
         return out
 
 
@@ -92,7 +104,7 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
         try:
             with shared.env.begin(write=False) as txn:
                 meta_db = shared.env.open_db(META_DB, txn=txn, create=False)
-                meta = _parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
+                meta = parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
             yield StoreHandle(
                 real,
                 shared.env,
@@ -130,7 +142,7 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
                         "path", f"{real}: no tiercache metadata in this LMDB environment"
                     )
                 meta_db = env.open_db(META_DB, txn=txn, create=False)
-                meta = _parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
+                meta = parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
             if not {HEADS_DB, BLOCKS_DB, ORDER_DB} <= names:
                 raise ConfigError("path", f"{real}: the heads, blocks or order database is missing")
             # Outside that txn: a handle opened in a read txn dies with it.
@@ -188,7 +200,7 @@ class LMDBProbe:
                 log.debug("LMDB probe of %s: %s", self._path, exc)
                 return 0
             try:
-                return _leading_heads(txn, h.heads, h.order, keys, self._nsb, self._ours)
+                return leading_heads(txn, h.heads, h.order, keys, self._nsb, self._ours)
             finally:
                 txn.abort()
 
@@ -240,7 +252,7 @@ def delete_entries(h: StoreHandle, keys: Iterable[bytes]) -> int:
         for a in range(0, len(todo), MIN_TXN_OPS):
             try:
                 with h.env.begin(write=True) as txn:
-                    store = _StoreTxn(txn, h.meta_db, h.heads, h.blocks, h.order)
+                    store = StoreTxn(txn, h.meta_db, h.heads, h.blocks, h.order)
                     for k in todo[a : a + MIN_TXN_OPS]:
                         had = any(txn.get(k, db=d) is not None for d in (h.heads, h.blocks))
                         store.delete(k, None)
@@ -249,3 +261,82 @@ def delete_entries(h: StoreHandle, keys: Iterable[bytes]) -> int:
             except lmdb.Error as exc:
                 raise OSError(errno.EIO, f"{h.path}: LMDB delete failed: {exc}") from None
     return gone
+
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
+
+
+def holder_pid(path: str) -> int | None:
+    """The pid of another process holding the LMDB environment open, else None.
+
+    LMDB keeps a shared fcntl lock on byte 0 of lock.mdb while an environment is open; this
+    asks (F_GETLK) who would block an exclusive one. Skipped (None) when this process has the
+    environment open: closing our probe descriptor would drop this process's own locks."""
+    if open_here(path):
+        return os.getpid()
+    try:
+        fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        res = fcntl.fcntl(fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+        ltype, _, _, _, pid = _FLOCK.unpack(res)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None if ltype == fcntl.F_UNLCK else pid
+
+
+def block_headers(h: StoreHandle) -> tuple[list[tuple[bytes, BlockHeader]], int]:
+    """Each good block of an open store, (key, header): the header belongs to its key,
+    namespace and length and the payload has its stored length; and how many entries are
+    malformed or orphaned."""
+    bb = h.meta["block_bytes"]
+    good, bad = [], 0
+    for skey, head, payload in iter_entries(h):
+        split = split_store_key(skey)
+        if head is None or payload is None or split is None:
+            bad += 1
+            continue
+        ns, key = split
+        try:
+            hd = decode_header(head)
+        except BlockCorruptError:
+            bad += 1
+            continue
+        if header_problem(hd, key, ns, bb) or hd.stored_len != len(payload):
+            bad += 1
+            continue
+        good.append((key, hd))
+    return good, bad
+
+
+def entry_problem(
+    skey: bytes,
+    head: bytes | None,
+    payload: memoryview | None,
+    block_bytes: int,
+    scratch: Any,
+    dz: Any,
+) -> tuple[bytes, str | None]:
+    """The block key of an `iter_entries` item and what is wrong with it (store key, orphan
+    header or payload, header, checksum, decompression), its payload decoded into `scratch`
+    with the zstd decompressor `dz`; None when it is good."""
+    split = split_store_key(skey)
+    ns, key = split if split is not None else (None, skey)
+    if split is None:
+        return key, f"a store key of {len(skey)} bytes"
+    if head is None:
+        return key, "payload without a header (orphan)"
+    if payload is None:
+        return key, "header without a payload"
+    try:
+        hd = decode_header(head)
+        what = header_problem(hd, key, None, block_bytes)
+        if what is None:
+            decode_payload(hd, payload, scratch, decompressor=dz)
+            what = header_problem(hd, key, ns, None)  # after the checksum
+    except BlockCorruptError as exc:
+        what = str(exc)
+    return key, what

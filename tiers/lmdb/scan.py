@@ -30,17 +30,17 @@ from tiercache.tiers.format import (
     HEADER_SIZE,
     MAGIC,
 )
-from tiercache.tiers.lmdb.env import _SharedEnv, damaged
+from tiercache.tiers.lmdb.env import SharedEnv, damaged
 from tiercache.tiers.lmdb.layout import (
     COUNT_PREFIX,
     EVICTS_LATER,
     NS_BYTES,
     SEQ_BYTES,
     SEQ_KEY,
-    _u64,
-    _under,
     head_seq,
+    iter_prefix,
     seq_bytes,
+    u64,
 )
 from tiercache.tiers.store_dir import over_capacity, warn_over_capacity
 
@@ -95,7 +95,7 @@ class Scanned:
 
 
 def scan(
-    shared: _SharedEnv,
+    shared: SharedEnv,
     scope: Scope,
     *,
     lazy: bool,
@@ -123,8 +123,8 @@ def scan(
     try:
         sizes = [txn.stat(db)["entries"] for db in (shared.heads, shared.blocks)]
         sizes.append(txn.stat(shared.order)["entries"])
-        count = _u64(txn.get(COUNT_PREFIX + nsb, db=shared.meta))
-        next_seq = _u64(txn.get(SEQ_KEY, db=shared.meta))
+        count = u64(txn.get(COUNT_PREFIX + nsb, db=shared.meta))
+        next_seq = u64(txn.get(SEQ_KEY, db=shared.meta))
         if len(set(sizes)) > 1:
             bad.update(malformed(txn, shared, scope, check))
         elif lazy:  # well formed: nothing to index (see LMDBTier.__init__)
@@ -186,7 +186,7 @@ def scan(
     return Scanned(kept, report)
 
 
-def open_lazily(shared: _SharedEnv, scope: Scope, count: int, next_seq: int) -> Scanned:
+def open_lazily(shared: SharedEnv, scope: Scope, count: int, next_seq: int) -> Scanned:
     """`scan` of a well-formed store by a lazy tier: index nothing (lookups find
     blocks by `probe`; the store's capacity evicts its oldest beyond `capacity` at its
     next write of this namespace, as it does whoever writes)."""
@@ -207,7 +207,7 @@ def open_lazily(shared: _SharedEnv, scope: Scope, count: int, next_seq: int) -> 
     return Scanned([], report)
 
 
-def scan_fast(txn: lmdb.Transaction, shared: _SharedEnv, scope: Scope) -> list[bytes] | None:
+def scan_fast(txn: lmdb.Transaction, shared: SharedEnv, scope: Scope) -> list[bytes] | None:
     """`scan`'s walk for a well-formed namespace, in bulk: its "order" and "heads"
     entries are read by two cursor runs into fixed-width arrays and checked as arrays
     (every header's fields, and each header's order seq naming an order entry of its
@@ -218,8 +218,7 @@ def scan_fast(txn: lmdb.Transaction, shared: _SharedEnv, scope: Scope) -> list[b
 
     def run(db: Any, klen: int, vlen: int) -> bytes | None:
         """The namespace's entries of `db`, each key + value copied out in runs of
-        4096 (holding py-lmdb's buffers instead measured 2.5x slower), joined; None when
-        one has another length."""
+        4096 (not holding py-lmdb's buffers), joined; None when one has another length."""
         cur = txn.cursor(db=db)
         if not cur.set_range(nsb):
             return b""
@@ -276,7 +275,7 @@ def scan_fast(txn: lmdb.Transaction, shared: _SharedEnv, scope: Scope) -> list[b
 
 def malformed(
     txn: lmdb.Transaction,
-    shared: _SharedEnv,
+    shared: SharedEnv,
     scope: Scope,
     check: Callable[[bytes, Any, int], Any],
 ) -> dict[bytes, int | None]:
@@ -284,7 +283,7 @@ def malformed(
     without payload or order entry, a payload without header), with their order seq."""
     nsb = scope.nsb
     bad: dict[bytes, int | None] = {}
-    for sk, head in _under(txn.cursor(db=shared.heads), nsb, values=True):
+    for sk, head in iter_prefix(txn.cursor(db=shared.heads), nsb, values=True):
         key, seq = sk[NS_BYTES:], head_seq(head)
         v = txn.get(sk)
         try:
@@ -295,7 +294,7 @@ def malformed(
             check(key, head, len(v))
         except BlockCorruptError:
             bad[sk] = seq
-    for sk in _under(txn.cursor(), nsb, values=False):
+    for sk in iter_prefix(txn.cursor(), nsb, values=False):
         if txn.get(sk, db=shared.heads) is None:
             bad[sk] = None
     return bad

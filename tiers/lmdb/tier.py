@@ -2,7 +2,7 @@
 package docstring for the primitives, the layout, sharing and durability).
 
 The tier holds this process's view: its slot -> key map, its counters, and the write path
-(`_commit`: pending deletes and puts in `_StoreTxn` transactions, map-full retries, the
+(`_commit`: pending deletes and puts in `StoreTxn` transactions, map-full retries, the
 batch background sync); the store's rules live beside it (`layout`: keys and the store
 transaction; `env`: the shared environment; `scan`: what an open indexes; `attach`: who has
 the store open; `offline`: `LMDBProbe` and the CLI's access).
@@ -52,7 +52,7 @@ from tiercache.tiers.lmdb.env import (
 from tiercache.tiers.lmdb.layout import (
     NS_BYTES,
     SYNC_MODES,
-    _StoreTxn,
+    StoreTxn,
     head_seq,
     heads_prober,
     txn_ops_for,
@@ -64,8 +64,8 @@ log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
 # "batch": the default seconds between background syncs (the `sync_interval` option). Each
 # sync writes back every map page written since the last, and the next put to such a page
 # faults it dirty again: with random keys a longer interval rewrites fewer pages per put,
-# and the pages a put touches grow with the store (issue 35: 1 s filled 1M blocks at
-# 0.69x the rate at 100k, 4 s at 0.92x). What an OS crash can lose is about one interval.
+# and the pages a put touches grow with the store. What an OS crash can lose is about one
+# interval.
 SYNC_EVERY_S = 5.0
 _RETRIES = 8
 MAP_FULL_TRIES = 9  # a write that finds the map full waits 1+2+...+128 ms for readers to end
@@ -96,7 +96,7 @@ class LMDBTier(KeyedTier):
     store_label: ClassVar[str] = "LMDB"
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
-    store_capacity: ClassVar[bool] = True  # the store evicts by it (`_StoreTxn`)
+    store_capacity: ClassVar[bool] = True  # the store evicts by it (`StoreTxn`)
     OPTIONS: ClassVar = {
         "path": str,
         "compression": str,
@@ -401,7 +401,7 @@ class LMDBTier(KeyedTier):
         stored = 0
         txn = self._begin(write=True)
         try:
-            store = _StoreTxn(txn, sh.meta, sh.heads, sh.blocks, sh.order)
+            store = StoreTxn(txn, sh.meta, sh.heads, sh.blocks, sh.order)
             with sh.state_lock:
                 pending = dict(sh.pending.entries)
             for k, i in chunk:

@@ -29,7 +29,7 @@ Layout under `path` (a private directory, 0700; every file 0600):
 
 In memory the index is two columns per slot (`_seqs`, uint64, 0 for a slot holding none of
 this tier's blocks, and `_keys`, 16 bytes), no Python object per block; opens, replays and
-compactions work on them as arrays (`_Entries`).
+compactions work on them as arrays (`Entries`).
 
 Crash ordering: a store writes the data of all its slots, then (fsync="always") fdatasyncs the
 slab, and only then appends its PUT records (and fdatasyncs the journal). A crash before the
@@ -66,11 +66,11 @@ decision (`tiercache evict/clear --namespace`). The slab shrinks only by slots t
 nothing.
 
 The package, one concern per module (each imports only modules listed before it):
-- `journal`: the record format, `_Entries`, the replay rule (`_tail_records`, `replay_journal`).
+- `journal`: the record format, `Entries`, the replay rule (`tail_records`, `replay_journal`).
 - `image`: the index image, `encode_image` / `decode_image`.
 - `options`: option and argument checks (fsync, io_threads, instances, keys).
 - `layout`: file names, instance directories and their lock, private directories, `meta.json`.
-- `io`: `_write_all`, aligned buffers, the O_DIRECT probe, the slab's size, `slot_runs`,
+- `io`: `write_all`, aligned buffers, the O_DIRECT probe, the slab's size, `slot_runs`,
   `SlotPipeline`.
 - `recovery`: the open's recovery as pure functions returning a `Recovered` record.
 - `reader`: `NVMeStoreReader`, offline access for the CLI.
@@ -78,22 +78,22 @@ The package, one concern per module (each imports only modules listed before it)
   COMPACT_SLACK: patch them on `tiercache.tiers.nvme.tier`).
 """
 
-from tiercache.tiers.nvme.image import _Image, decode_image, encode_image
+from tiercache.tiers.nvme.image import IndexImage, decode_image, encode_image
 from tiercache.tiers.nvme.io import ALIGN, SlotPipeline
 from tiercache.tiers.nvme.journal import (
-    _OP_BASE,
-    _OP_FREE,
-    _OP_PUT,
+    OP_BASE,
+    OP_FREE,
+    OP_PUT,
     REC_SIZE,
+    Entries,
     JournalEntry,
     JournalReport,
-    _Entries,
-    _newest,
-    _parse_record,
-    _put_records,
-    _record,
-    _tail_records,
+    newest_per_key,
+    pack_record,
+    parse_record,
+    put_records,
     replay_journal,
+    tail_records,
 )
 from tiercache.tiers.nvme.layout import instance_dirs, instance_path, read_meta
 from tiercache.tiers.nvme.options import (
@@ -110,29 +110,29 @@ __all__ = [
     "ALIGN",
     "FSYNC_MODES",
     "MAX_INSTANCES",
+    "OP_BASE",
+    "OP_FREE",
+    "OP_PUT",
     "REC_SIZE",
-    "_OP_BASE",
-    "_OP_FREE",
-    "_OP_PUT",
+    "Entries",
+    "IndexImage",
     "JournalEntry",
     "JournalReport",
     "NVMeStoreReader",
     "NVMeTier",
     "Recovered",
     "SlotPipeline",
-    "_Entries",
-    "_Image",
-    "_newest",
-    "_parse_record",
-    "_put_records",
-    "_record",
-    "_tail_records",
     "check_instances",
     "decode_image",
     "encode_image",
     "instance_dirs",
     "instance_from_env",
     "instance_path",
+    "newest_per_key",
+    "pack_record",
+    "parse_record",
+    "put_records",
     "read_meta",
     "replay_journal",
+    "tail_records",
 ]

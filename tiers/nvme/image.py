@@ -10,7 +10,7 @@ import numpy as np
 import xxhash
 
 from tiercache.tiers.base import KEY_BYTES
-from tiercache.tiers.nvme.journal import _KEY, _REC_SUM, REC_SIZE, _Entries
+from tiercache.tiers.nvme.journal import KEY_DTYPE, REC_SIZE, REC_SUM, Entries
 
 # The index image: what an open would learn from the journal and every slot header, as
 # fixed-width arrays. Header: magic, version, flags (bit 0: the writer's namespace is set;
@@ -24,7 +24,7 @@ _IMG_WRITER, _IMG_DISTINCT = 1, 2
 
 
 @dataclass(frozen=True, slots=True)
-class _Image:
+class IndexImage:
     covered: int  # journal bytes it covers (a record boundary)
     journal_hash: int  # xxh3_64 of those bytes
     top_seq: int
@@ -41,7 +41,7 @@ def encode_image(
     top_seq: int,
     writer: int | None,
     nslots: int,
-    entries: _Entries,
+    entries: Entries,
     *,
     distinct: bool = False,
 ) -> bytes:
@@ -71,15 +71,15 @@ def encode_image(
             entries.keys.tobytes(),
         ]
     )
-    return body + _REC_SUM.pack(xxhash.xxh3_64_intdigest(body))
+    return body + REC_SUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def decode_image(data: bytes) -> _Image | None:
+def decode_image(data: bytes) -> IndexImage | None:
     """The image in `data`, or None when it is damaged, foreign or of another version."""
-    if len(data) < _IMG_HEAD.size + _REC_SUM.size:
+    if len(data) < _IMG_HEAD.size + REC_SUM.size:
         return None
-    body = memoryview(data)[: -_REC_SUM.size]
-    (digest,) = _REC_SUM.unpack_from(data, len(body))
+    body = memoryview(data)[: -REC_SUM.size]
+    (digest,) = REC_SUM.unpack_from(data, len(body))
     if xxhash.xxh3_64_intdigest(body) != digest:
         return None
     magic, version, flags, covered, jhash, top, writer, _nslots, n, nt = _IMG_HEAD.unpack_from(data)
@@ -95,8 +95,8 @@ def decode_image(data: bytes) -> _Image | None:
     number = np.frombuffer(data, dtype="<u4", count=n, offset=off + 12 * n)
     if n and int(number.max()) >= nt:
         return None
-    keys = np.frombuffer(data, dtype=_KEY, count=n, offset=off + 16 * n)
-    return _Image(
+    keys = np.frombuffer(data, dtype=KEY_DTYPE, count=n, offset=off + 16 * n)
+    return IndexImage(
         covered,
         jhash,
         top,

@@ -21,7 +21,7 @@ from tiercache.tiers.store_dir import reserve
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (the common logical block)
 
 
-def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)
@@ -67,7 +67,7 @@ def slot_runs(slots: Sequence[int], max_slots: int) -> list[SlotRun]:
     return runs
 
 
-class _Buffer:
+class AlignedBuffer:
     """A page-aligned buffer (anonymous mmap) with memoryview and numpy views."""
 
     __slots__ = ("arr", "mm", "view")
@@ -81,7 +81,7 @@ class _Buffer:
 def probe_direct(fd: int) -> OSError | None:
     """Some filesystems accept O_DIRECT at open and refuse it per I/O: try one read. The
     refusal (EINVAL), or None when the read works; any other error is raised."""
-    buf = _Buffer(ALIGN)
+    buf = AlignedBuffer(ALIGN)
     try:
         os.preadv(fd, [buf.mm], 0)
     except OSError as exc:
@@ -110,21 +110,11 @@ def resize_slab(
 # The pool threads only run pread/pwrite syscalls (they release the GIL); the caller's
 # thread, which would otherwise sit waiting, fills and checks the aligned buffers, keeping
 # up to 2 * io_threads blocks in flight so the device queue stays full while it copies and
-# hashes. Measured with bench/bench_nvme.py on the 2-vCPU dev VM (2 MiB blocks, 256 MiB,
-# cold O_DIRECT, 4 threads, medians, ratio to raw pread/pwrite in the same run): this split
-# reads at 0.95-0.98x and writes at 1.0-1.04x raw; copy + checksum on the pool threads
-# (the first version) gave reads 0.73-1.13x, writes 0.88-0.98x in an A/B on a loaded VM.
-# A plain pool, not aiofiles: aiofiles runs the same blocking calls on an executor behind an
-# event loop our synchronous callers do not have; `bench_nvme.py --aiofiles` measured bare
-# aiofiles O_DIRECT reads (no checksum, no copy) at 0.59-0.80x raw here, and shared/limits
-# measured it at 3.7 vs 15.1 GB/s for a pool of os.pread (2 MiB, 4 in flight, page cache;
-# 1.6 vs 1.85 GB/s cold).
+# hashes. A plain pool, not aiofiles: aiofiles runs the same blocking calls on an executor
+# behind an event loop our synchronous callers do not have.
 # One item is a run of adjacent slots (`slot_runs`, at most the tier's RUN_BYTES): one syscall
-# into or out of one buffer, each slot in it filled or checked alone. Head shards (issue 32)
-# turned one 2 MiB block into 8 slots of 260 KiB, usually adjacent; bench_tp_layout
-# (`--models large,ttft,tiny --tiers nvme`, 5 A/B pairs) measured runs against one syscall per
-# slot: tiny (16 KiB shards) store/load 1.74/2.04x -> 1.23/1.38x of whole blocks, ttft (96 KiB)
-# 1.10/1.12x -> 1.05/1.04x; 2 MiB blocks are one slot per run and unchanged (bench_nvme).
+# into or out of one buffer, each slot in it filled or checked alone (head shards, issue 32,
+# store a block as several small slots, usually adjacent). Figures: docs/bench.md.
 class SlotPipeline:
     """A pool of `io_threads` threads for slot syscalls, with aligned buffers of `run_slots`
     slots each kept between calls (one item of `run` is one slot or one run of slots)."""
@@ -139,7 +129,7 @@ class SlotPipeline:
         # on this VM a buffer that an O_DIRECT write had read from then took reads at a
         # third of the disk's rate (a load's 2 MiB run reads: 23 ms a request, 8.7 ms into
         # buffers only ever read into; bench_nvme_load's model, raw per-slot reads 13.8 ms).
-        self._spare: dict[bool, list[_Buffer]] = {False: [], True: []}
+        self._spare: dict[bool, list[AlignedBuffer]] = {False: [], True: []}
         self._spare_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             io_threads, thread_name_prefix=name
@@ -155,7 +145,7 @@ class SlotPipeline:
         spare = self._spare[writes]
         with self._spare_lock:
             bufs = [
-                spare.pop() if spare else _Buffer(self.run_slots * self._slot_bytes)
+                spare.pop() if spare else AlignedBuffer(self.run_slots * self._slot_bytes)
                 for _ in range(depth)
             ]
         out: list[Any] = [None] * n

@@ -16,15 +16,15 @@ from tiercache.errors import ConfigError
 from tiercache.tiers.format import HEADER_SIZE
 from tiercache.tiers.store_dir import DirRules, MetaFormat, prepare_dir
 
-_META, _SLAB, _INDEX, _IMAGE = "meta.json", "slab", "index", "index.img"
-_OURS = {_META, _META + ".tmp", _SLAB, _INDEX, _INDEX + ".tmp", _IMAGE, _IMAGE + ".tmp"}
+META, SLAB, INDEX, IMAGE = "meta.json", "slab", "index", "index.img"
+_OURS = {META, META + ".tmp", SLAB, INDEX, INDEX + ".tmp", IMAGE, IMAGE + ".tmp"}
 _STORE_FORMAT, _STORE_VERSION = "tiercache-nvme", 1
 _META_FORMAT = MetaFormat("NVMe", _STORE_FORMAT, _STORE_VERSION, positive=())
 # what the offline reader needs of a store's meta.json besides its format
 _SHAPE_FORMAT = replace(_META_FORMAT, positive=("block_bytes", "capacity_blocks", "slot_bytes"))
 _INSTANCE_DIR = re.compile(r"instance[1-9][0-9]*")
 # a store directory holds our files and instance directories, or anything beside a meta.json
-_DIR_RULES = DirRules("NVMe", frozenset(_OURS), marker=_META, skip=_INSTANCE_DIR)
+_DIR_RULES = DirRules("NVMe", frozenset(_OURS), marker=META, skip=_INSTANCE_DIR)
 
 
 def instance_path(path: str, k: int) -> str:
@@ -74,7 +74,7 @@ def instance_dirs(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
     return sorted(f for f in found if os.path.isdir(f[1]))
 
 
-def _nofollow(path: str, flags: int) -> int:
+def open_nofollow(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
@@ -85,10 +85,10 @@ def _prepare_dir(path: str) -> None:
     prepare_dir(path, _DIR_RULES)
 
 
-def _read_meta_file(path: str) -> dict[str, Any] | None:
+def read_meta_file(path: str) -> dict[str, Any] | None:
     """The store's `meta.json` (None if absent), checked for format and version; ConfigError
     naming the problem otherwise. Shared by the tier's open and the offline reader."""
-    p = os.path.join(path, _META)
+    p = os.path.join(path, META)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -107,10 +107,10 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The `meta.json` of an existing NVMe store, read without writing anything; ConfigError
     naming the problem when `path` is not one this build reads."""
     root = os.path.abspath(os.fspath(path))
-    meta = _read_meta_file(root)
+    meta = read_meta_file(root)
     if meta is None:
-        raise ConfigError("path", f"{root} is not an NVMe store (no {_META})")
-    p = os.path.join(root, _META)
+        raise ConfigError("path", f"{root} is not an NVMe store (no {META})")
+    p = os.path.join(root, META)
     _SHAPE_FORMAT.check(meta, repr(p))
     if (
         meta.get("header_bytes") != HEADER_SIZE
@@ -163,7 +163,7 @@ def check_meta(meta: dict[str, Any], path: str, block_bytes: int, slot_bytes: in
     if meta.get("slot_bytes") != slot_bytes or meta.get("header_bytes") != HEADER_SIZE:
         raise ConfigError(
             "path",
-            f"{os.path.join(path, _META)!r}: slot layout "
+            f"{os.path.join(path, META)!r}: slot layout "
             f"{meta.get('slot_bytes')!r} bytes "
             f"differs from this build's {slot_bytes}",
         )

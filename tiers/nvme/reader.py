@@ -1,5 +1,6 @@
 """`NVMeStoreReader`: offline, read-only access to an NVMe store for the CLI (inspect,
-verify, evict): it takes no lock and writes nothing."""
+verify, evict): it takes no lock and writes nothing. `headers()`: the good blocks' headers,
+one copy per block; `entry_problem(entry, scratch)`: what is wrong with an entry's block."""
 
 from __future__ import annotations
 
@@ -7,8 +8,19 @@ import contextlib
 import fcntl
 import os
 
-from tiercache.tiers.nvme.journal import replay_journal
-from tiercache.tiers.nvme.layout import _INDEX, _META, _SLAB, read_meta
+import numpy as np
+
+from tiercache.errors import BlockCorruptError
+from tiercache.tiers.format import (
+    CODEC_RAW,
+    HEADER_SIZE,
+    BlockHeader,
+    decode_header,
+    decode_payload,
+    header_problem,
+)
+from tiercache.tiers.nvme.journal import JournalEntry, newest_copies, replay_journal
+from tiercache.tiers.nvme.layout import INDEX, META, SLAB, read_meta
 
 
 class NVMeStoreReader:
@@ -30,7 +42,7 @@ class NVMeStoreReader:
         self._dirfd = os.open(self.path, flags | os.O_DIRECTORY)
         self._fd = -1
         try:
-            self._fd = os.open(os.path.join(self.path, _SLAB), flags)
+            self._fd = os.open(os.path.join(self.path, SLAB), flags)
             self.reload()
         except BaseException:
             self.close()
@@ -39,9 +51,7 @@ class NVMeStoreReader:
     def reload(self) -> None:
         """Read the journal again (its current file: a compaction replaces it)."""
         try:
-            fd = os.open(
-                os.path.join(self.path, _INDEX), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-            )
+            fd = os.open(os.path.join(self.path, INDEX), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             data = b""
         else:
@@ -63,7 +73,7 @@ class NVMeStoreReader:
     def last_modified(self) -> float:
         """Newest mtime of the slab and the journal (headers carry sequence numbers, not
         times)."""
-        names = (_SLAB, _INDEX, _META)
+        names = (SLAB, INDEX, META)
         return max(
             os.stat(os.path.join(self.path, n)).st_mtime
             for n in names
@@ -101,6 +111,43 @@ class NVMeStoreReader:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot: {slot} is not a slot of this store (0..{self.slots - 1})")
         return os.pread(self._fd, nbytes or self.slot_bytes, slot * self.slot_bytes)
+
+    def headers(self) -> tuple[list[tuple[JournalEntry, BlockHeader]], int]:
+        """Each good block the journal names with its header (payloads not read), one copy
+        per (namespace, key): an older one a lost FREE record left behind is not listed;
+        and how many entries fail their header check."""
+        good: list[tuple[JournalEntry, BlockHeader]] = []
+        bad = 0
+        for e in self.entries:
+            try:
+                h = decode_header(self.read_slot(e.slot, HEADER_SIZE))
+            except BlockCorruptError:
+                bad += 1
+                continue
+            if header_problem(h, e.key, None, self.block_bytes) or h.seq != e.seq:
+                bad += 1
+                continue
+            good.append((e, h))
+        newest, _ = newest_copies(good, lambda g: (g[1].namespace_id, g[1].key), lambda g: g[1].seq)
+        return list(newest.values()), bad
+
+    def entry_problem(self, e: JournalEntry, scratch: np.ndarray) -> str | None:
+        """What is wrong with the block of entry `e` (header, seq, codec, checksum), read
+        whole and decoded into `scratch`; None when it is good."""
+        data = self.read_slot(e.slot)
+        try:
+            h = decode_header(data[:HEADER_SIZE])
+            problem = header_problem(h, e.key, None, self.block_bytes)
+            if problem:
+                return problem
+            if h.seq != e.seq:
+                return f"header seq {h.seq}, the index says {e.seq} (an unfinished rewrite)"
+            if h.codec != CODEC_RAW:
+                return f"codec {h.codec} in an NVMe slot (NVMe stores raw blocks)"
+            decode_payload(h, data[HEADER_SIZE : HEADER_SIZE + h.stored_len], scratch)
+        except BlockCorruptError as exc:
+            return str(exc)
+        return None
 
     def close(self) -> None:
         for fd in (self._fd, self._dirfd):

@@ -4,7 +4,7 @@ reads the files, calls these, adopts the `Recovered` record and logs what it rep
 
 - `image_matches(img, journal)`: the image covers this journal's first bytes unchanged.
 - `from_image(img, journal, slab_slots)`: the image's entries with the journal tail after it
-  replayed over them (the one replay rule, `journal._tail_records`), or None.
+  replayed over them (the one replay rule, `journal.tail_records`), or None.
 - `header_ns(header, got, key, seq, block_bytes)`: a slot header's namespace if it agrees
   with its journal entry (the full replay's check).
 - `settle(entries, ...)`: which entries are the tier's (up to its capacity) and which are
@@ -21,8 +21,8 @@ import xxhash
 
 from tiercache.errors import BlockCorruptError
 from tiercache.tiers.format import CODEC_RAW, HEADER_SIZE, decode_header, header_problem
-from tiercache.tiers.nvme.image import _Image
-from tiercache.tiers.nvme.journal import _KEY, _OP_PUT, _Entries, _newest, _tail_records
+from tiercache.tiers.nvme.image import IndexImage
+from tiercache.tiers.nvme.journal import KEY_DTYPE, OP_PUT, Entries, newest_per_key, tail_records
 from tiercache.tiers.store_dir import over_capacity
 
 
@@ -30,7 +30,7 @@ from tiercache.tiers.store_dir import over_capacity
 class Replayed:
     """Index entries an open learned, before they are settled, and what it skipped."""
 
-    entries: _Entries
+    entries: Entries
     damaged: int  # journal records that failed their checks (a torn end counts one)
     dropped: int  # entries already dropped (past the slab's end, bad headers)
     top_seq: int
@@ -54,7 +54,7 @@ class Recovered:
     ours: int  # blocks of this namespace found, over the capacity or not
 
 
-def image_matches(img: _Image, journal: bytes) -> bool:
+def image_matches(img: IndexImage, journal: bytes) -> bool:
     """Whether the image covers the first bytes of `journal` as they are (else it is stale,
     or the journal was damaged)."""
     return img.covered <= len(journal) and (
@@ -62,7 +62,7 @@ def image_matches(img: _Image, journal: bytes) -> bool:
     )
 
 
-def from_image(img: _Image, journal: bytes, cap: int) -> Replayed | None:
+def from_image(img: IndexImage, journal: bytes, cap: int) -> Replayed | None:
     """The entries of `img` with the journal records after it replayed over them, in a slab
     of `cap` slots; None when the tail puts blocks and the image names no writer (then the
     caller reads every header). `img` must match `journal` (`image_matches`).
@@ -71,9 +71,9 @@ def from_image(img: _Image, journal: bytes, cap: int) -> Replayed | None:
     and every compaction writes a fresh image), and a read verifies key, namespace and
     checksum, so an entry whose data never landed is a miss there, never bytes."""
     tail = memoryview(journal)[img.covered :]
-    t, damaged, tail_top = _tail_records(tail)
+    t, damaged, tail_top = tail_records(tail)
     top = max(img.top_seq, tail_top)
-    puts = t.ns == _OP_PUT  # `ns` holds each record's op here
+    puts = t.ns == OP_PUT  # `ns` holds each record's op here
     if img.writer is None and bool(puts.any()):
         return None  # the tail's PUTs have no known namespace
     writer = np.uint64(img.writer or 0)
@@ -102,7 +102,7 @@ def from_image(img: _Image, journal: bytes, cap: int) -> Replayed | None:
     ns[at[put_over]] = writer
     alive[at[np.flatnonzero(over & ~puts)]] = False
     add = t.take(np.flatnonzero(near & ~has & puts))
-    add = _Entries(add.slots, add.keys, add.seqs, np.full(len(add), writer, dtype=np.uint64))
+    add = Entries(add.slots, add.keys, add.seqs, np.full(len(add), writer, dtype=np.uint64))
     for j in np.flatnonzero(~near).tolist():  # slots past the slab's end (normally none)
         slot, seq = int(t.slots[j]), int(t.seqs[j])
         cur = extra.get(slot)
@@ -112,9 +112,9 @@ def from_image(img: _Image, journal: bytes, cap: int) -> Replayed | None:
             extra[slot] = (t.keys[j].tobytes(), seq, int(writer))
         else:
             extra.pop(slot, None)
-    entries = _Entries(slots, keys, seqs, ns).take(np.flatnonzero(alive))
+    entries = Entries(slots, keys, seqs, ns).take(np.flatnonzero(alive))
     if len(add):
-        entries = _Entries(
+        entries = Entries(
             *(
                 np.concatenate([getattr(entries, f), getattr(add, f)])
                 for f in ("slots", "keys", "seqs", "ns")
@@ -145,7 +145,7 @@ def header_ns(
 
 
 def settle(
-    e: _Entries,
+    e: Entries,
     *,
     ns: int | None,
     capacity: int,
@@ -163,7 +163,7 @@ def settle(
     # copy behind. Equal keys of two namespaces are two blocks.
     given = len(e)
     if not distinct:
-        e = e.take(np.flatnonzero(_newest(e)))
+        e = e.take(np.flatnonzero(newest_per_key(e)))
     mine = np.ones(len(e), dtype=bool) if ns is None else e.ns == np.uint64(ns)
     ours = np.flatnonzero(mine)
     if not bool(np.all(e.seqs[ours][1:] > e.seqs[ours][:-1])):  # an image is in order
@@ -184,7 +184,7 @@ def settle(
     ns_of = dict(zip(e.slots.tolist(), e.ns.tolist(), strict=True)) if ns is None else None
     free, nslots = place(used.slots, kept.slots, capacity)
     seqs = np.zeros(nslots, dtype=np.uint64)
-    keys = np.zeros(nslots, dtype=_KEY)
+    keys = np.zeros(nslots, dtype=KEY_DTYPE)
     seqs[used.slots] = used.seqs
     keys[used.slots] = used.keys
     report = {

@@ -40,7 +40,7 @@ from tiercache.tiers.format import (
     is_raw_block,
     verify,
 )
-from tiercache.tiers.nvme.io import SlotPipeline, SlotRun, _Buffer, slot_runs
+from tiercache.tiers.nvme.io import AlignedBuffer, SlotPipeline, SlotRun, slot_runs
 
 # sink(positions, rows): rows[j] holds the verified bytes of position positions[j] (indices
 # into the slots read); a view valid only during the call.
@@ -121,19 +121,19 @@ class SlotReads:
             return exc
         return None
 
-    def _alone(self, i: int) -> tuple[_Buffer, int] | BaseException:
+    def _alone(self, i: int) -> tuple[AlignedBuffer, int] | BaseException:
         """Position i's slot read by itself (after its run failed or came back short)."""
-        one = _Buffer(self._sb)
+        one = AlignedBuffer(self._sb)
         try:
             return one, os.preadv(self._fd, [one.mm], self._slots[i] * self._sb)
         except OSError as exc:
             return exc
 
-    def _get(self, r: int, buf: _Buffer) -> int:
+    def _get(self, r: int, buf: AlignedBuffer) -> int:
         run = self._runs[r]
         return os.preadv(self._fd, [buf.view[: run.count * self._sb]], run.first * self._sb)
 
-    def _read(self, check: Callable[[SlotRun, _Buffer, int | BaseException], None]) -> None:
+    def _read(self, check: Callable[[SlotRun, AlignedBuffer, int | BaseException], None]) -> None:
         self._pipeline.run(
             len(self._runs),
             self._get,
@@ -141,33 +141,42 @@ class SlotReads:
             lambda r, buf, got: check(self._runs[r], buf, got),
         )
 
+    def _each(
+        self,
+        run: SlotRun,
+        buf: AlignedBuffer,
+        got: int | BaseException,
+        first: Callable[[int, int, memoryview, int], BaseException | None],
+        again: Callable[[int, memoryview, int], BaseException | None],
+    ) -> None:
+        """The one slot loop of a run: `first(k, i, view, got)` takes position i from the run
+        buffer (its k-th slot); a position that failed with an I/O error in a run of several
+        is read again alone and taken by `again(i, view, got)`. Records every result."""
+        sb = self._sb
+        for k, i in run.members:
+            if isinstance(got, BaseException):
+                res: BaseException | None = got
+            else:
+                res = first(k, i, buf.view[k * sb : (k + 1) * sb], min(got - k * sb, sb))
+            if isinstance(res, OSError) and run.count > 1:
+                one = self._alone(i)
+                res = one if isinstance(one, BaseException) else again(i, one[0].view, one[1])
+            self.results[i] = res
+
     # -- the two destinations --------------------------------------------------------------
     def into(self, rows: np.ndarray) -> list[BaseException | None]:
         """Decode every good position i into `rows[i]` (uint8 `[n, block_bytes]`)."""
-        sb = self._sb
 
-        def check(run: SlotRun, buf: _Buffer, got: int | BaseException) -> None:
-            for k, i in run.members:
-                res: BaseException | None
-                if isinstance(got, BaseException):
-                    res = got
-                else:
-                    view = buf.view[k * sb : (k + 1) * sb]
-                    n = min(got - k * sb, sb)
-                    if self._plain(i, view, n):
-                        rows[i] = view[HEADER_SIZE : HEADER_SIZE + self._bb]
-                        self.results[i] = None
-                        continue
-                    res = self._decode(i, view, n, rows[i])
-                if isinstance(res, OSError) and run.count > 1:
-                    one = self._alone(i)
-                    if isinstance(one, BaseException):
-                        res = one
-                    else:
-                        res = self._decode(i, *_v(one), rows[i])
-                self.results[i] = res
+        def first(k: int, i: int, view: memoryview, n: int) -> BaseException | None:
+            if self._plain(i, view, n):
+                rows[i] = view[HEADER_SIZE : HEADER_SIZE + self._bb]
+                return None
+            return self._decode(i, view, n, rows[i])
 
-        self._read(check)
+        def again(i: int, view: memoryview, n: int) -> BaseException | None:
+            return self._decode(i, view, n, rows[i])
+
+        self._read(lambda run, buf, got: self._each(run, buf, got, first, again))
         return self.results
 
     def to_sink(self, sink: Sink) -> list[BaseException | None]:
@@ -198,34 +207,26 @@ class SlotReads:
             sink([i], row.view(1, bb))
             return None
 
-        def check(run: SlotRun, buf: _Buffer, got: int | BaseException) -> None:
+        def check(run: SlotRun, buf: AlignedBuffer, got: int | BaseException) -> None:
             ready: list[tuple[int, int]] = []  # (k, i) verified in place, in slot order
-            for k, i in run.members:
-                res: BaseException | None = None
-                if isinstance(got, BaseException):
-                    res = got
-                else:
-                    view = buf.view[k * sb : (k + 1) * sb]
-                    n = min(got - k * sb, sb)
-                    if self._plain(i, view, n):
-                        ready.append((k, i))
-                        self.results[i] = None
-                        continue
-                    h = self._header(i, view, n)
-                    if isinstance(h, BaseException):
-                        res = h
-                    elif h.codec != CODEC_RAW:
-                        res = alone(i, view, n)
-                    else:
-                        try:
-                            verify(h, view[HEADER_SIZE : HEADER_SIZE + bb])
-                            ready.append((k, i))
-                        except BlockCorruptError as exc:
-                            res = exc
-                if isinstance(res, OSError) and run.count > 1:
-                    one = self._alone(i)
-                    res = one if isinstance(one, BaseException) else alone(i, *_v(one))
-                self.results[i] = res
+
+            def first(k: int, i: int, view: memoryview, n: int) -> BaseException | None:
+                if self._plain(i, view, n):
+                    ready.append((k, i))
+                    return None
+                h = self._header(i, view, n)
+                if isinstance(h, BaseException):
+                    return h
+                if h.codec != CODEC_RAW:
+                    return alone(i, view, n)
+                try:
+                    verify(h, view[HEADER_SIZE : HEADER_SIZE + bb])
+                except BlockCorruptError as exc:
+                    return exc
+                ready.append((k, i))
+                return None
+
+            self._each(run, buf, got, first, alone)
             if not ready:
                 return
             # The run buffer as [slots, slot_bytes]; payloads are columns 64..64+bb.
@@ -240,7 +241,3 @@ class SlotReads:
 
         self._read(check)
         return self.results
-
-
-def _v(one: tuple[_Buffer, int]) -> tuple[memoryview, int]:
-    return one[0].view, one[1]

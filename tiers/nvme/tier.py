@@ -33,34 +33,34 @@ from tiercache.tiers.nvme import recovery
 from tiercache.tiers.nvme.image import decode_image, encode_image
 from tiercache.tiers.nvme.io import (
     ALIGN,
+    AlignedBuffer,
     SlotPipeline,
-    _Buffer,
-    _write_all,
     probe_direct,
     resize_slab,
     slot_runs,
+    write_all,
 )
 from tiercache.tiers.nvme.journal import (
-    _KEY,
-    _NO_KEY,
-    _OP_FREE,
-    _OP_PUT,
+    KEY_DTYPE,
+    NO_KEY,
+    OP_FREE,
+    OP_PUT,
     REC_SIZE,
-    _Entries,
-    _newest,
-    _record,
+    Entries,
     compacted,
+    newest_per_key,
+    pack_record,
     replay_journal,
 )
 from tiercache.tiers.nvme.layout import (
-    _IMAGE,
-    _INDEX,
-    _META,
-    _SLAB,
-    _nofollow,
-    _read_meta_file,
+    IMAGE,
+    INDEX,
+    META,
+    SLAB,
     check_meta,
     open_file,
+    open_nofollow,
+    read_meta_file,
     store_meta,
     take_instance,
 )
@@ -78,15 +78,14 @@ from tiercache.tiers.store_dir import warn_over_capacity
 log = logging.getLogger(__package__)  # "tiercache.tiers.nvme", as before the split
 
 # fsync="batch": sync after this many bytes of slots written since the last one (bytes, not
-# blocks: head shards (issue 32) make blocks S/n times smaller, and counting them synced S/n
-# times as often per token: bench_tp_layout, 2 MiB blocks as 8 shards, stores 2.3x slower)
+# blocks: head shards (issue 32) make blocks S/n times smaller, and counting them would sync
+# S/n times as often per token)
 BATCH_SYNC_BYTES = 256 << 20
 BATCH_SYNC_SECONDS = 1.0  # ... and at most this long after the first unsynced write
 COMPACT_SLACK = 1024  # journal records allowed beyond 2 * capacity before a rewrite
 # Adjacent slots of one read or write go to the disk as one syscall of up to this many bytes
 # (at least one slot): head shards (issue 32) store a block as S/n small blocks, usually in
-# adjacent slots; one syscall per slot made 16 KiB shards load 2.0x slower than whole blocks
-# (1.4x with runs: bench_tp_layout, see io.SlotPipeline).
+# adjacent slots, which then cost one syscall per run, not per slot (see io.SlotPipeline).
 RUN_BYTES = 2 << 20
 
 
@@ -143,7 +142,7 @@ class NVMeTier(Tier):
         # The index of this tier's live blocks, per slot (fixed width, no object per block):
         # the write seq (0: the slot holds none of ours) and the key.
         self._seqs = np.zeros(0, dtype=np.uint64)
-        self._keys = np.zeros(0, dtype=_KEY)
+        self._keys = np.zeros(0, dtype=KEY_DTYPE)
         self._live = 0  # slots with a nonzero seq
         # Released slots (a demotion carries their block away: `release`) -> the seq of the
         # block they still hold, indexed and journaled until `settle` or a rewrite.
@@ -225,8 +224,8 @@ class NVMeTier(Tier):
             run_slots=max(1, RUN_BYTES // self._slot_bytes),
         )
         # An existing store without its journal has lost every index entry: say so.
-        index_missing = meta is not None and not os.path.exists(os.path.join(self._path, _INDEX))
-        self._jfd = self._open_file(_INDEX, os.O_RDWR)
+        index_missing = meta is not None and not os.path.exists(os.path.join(self._path, INDEX))
+        self._jfd = self._open_file(INDEX, os.O_RDWR)
         with self._lock:
             size = os.fstat(self._jfd).st_size
             journal = os.pread(self._jfd, size, 0) if size else b""
@@ -257,31 +256,31 @@ class NVMeTier(Tier):
         return open_file(self._path, name, flags)
 
     def _load_meta(self) -> dict[str, Any] | None:
-        meta = _read_meta_file(self._path)
+        meta = read_meta_file(self._path)
         if meta is not None:
             check_meta(meta, self._path, self.block_bytes, self._slot_bytes)
         return meta
 
     def _write_meta(self) -> None:
         meta = store_meta(self.block_bytes, self.capacity_blocks, self._slot_bytes)
-        fd = self._open_file(_META + ".tmp", os.O_WRONLY | os.O_TRUNC)
+        fd = self._open_file(META + ".tmp", os.O_WRONLY | os.O_TRUNC)
         try:
-            _write_all(fd, json.dumps(meta, indent=1).encode() + b"\n", 0)
+            write_all(fd, json.dumps(meta, indent=1).encode() + b"\n", 0)
             self._sync(fd)  # the new content is durable before the rename publishes it
         finally:
             os.close(fd)
-        os.replace(os.path.join(self._path, _META + ".tmp"), os.path.join(self._path, _META))
+        os.replace(os.path.join(self._path, META + ".tmp"), os.path.join(self._path, META))
         self._sync(self._dirfd)
 
     def _open_slab(self, direct: bool) -> tuple[int, bool]:
         if direct and hasattr(os, "O_DIRECT"):
             try:
-                return self._open_file(_SLAB, os.O_RDWR | os.O_DIRECT), True
+                return self._open_file(SLAB, os.O_RDWR | os.O_DIRECT), True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._warn_buffered(exc)
-        return self._open_file(_SLAB, os.O_RDWR), False
+        return self._open_file(SLAB, os.O_RDWR), False
 
     def _probe_direct(self) -> bool:
         """Some filesystems accept O_DIRECT at open and refuse it per I/O: try one read."""
@@ -316,7 +315,7 @@ class NVMeTier(Tier):
         covers all of it and this tier wrote it (the journal is kept as is), False when a
         compaction should follow."""
         try:
-            with open(os.path.join(self._path, _IMAGE), "rb", opener=_nofollow) as f:
+            with open(os.path.join(self._path, IMAGE), "rb", opener=open_nofollow) as f:
                 img = decode_image(f.read())
         except FileNotFoundError:
             if journal:
@@ -363,7 +362,7 @@ class NVMeTier(Tier):
         checked = [(*it, ns) for it, ns in zip(items, ns_of, strict=True) if ns is not None]
         self._settle(
             recovery.Replayed(
-                _Entries.of(checked),
+                Entries.of(checked),
                 report.damaged,
                 report.out_of_range + len(items) - len(checked),
                 report.top_seq,
@@ -444,7 +443,7 @@ class NVMeTier(Tier):
         assert self._io is not None
         runs = slot_runs(slots, self._io.run_slots)
 
-        def fill(r: int, buf: _Buffer) -> None:
+        def fill(r: int, buf: AlignedBuffer) -> None:
             for k, i in runs[r].members:
                 at = k * sb
                 payload = buf.arr[at + HEADER_SIZE : at + HEADER_SIZE + bb]
@@ -452,11 +451,11 @@ class NVMeTier(Tier):
                 header, _ = encode_block(keys[i], payload, namespace=self._ns, seq=first + i)
                 buf.view[at : at + HEADER_SIZE] = header
 
-        def put(r: int, buf: _Buffer) -> int:
+        def put(r: int, buf: AlignedBuffer) -> int:
             run = runs[r]
             return os.pwrite(fd, buf.view[: run.count * sb], run.first * sb)
 
-        def check(r: int, buf: _Buffer, res: int | BaseException) -> BaseException | None:
+        def check(r: int, buf: AlignedBuffer, res: int | BaseException) -> BaseException | None:
             if isinstance(res, BaseException):
                 return res
             run = runs[r]
@@ -481,7 +480,7 @@ class NVMeTier(Tier):
         if self._fsync == "always":
             os.fdatasync(fd)  # the data is durable before any record names it
         # 2. Index: one append of n PUT records, after the data (crash ordering).
-        recs = b"".join(_record(_OP_PUT, slots[i], first + i, keys[i]) for i in range(n))
+        recs = b"".join(pack_record(OP_PUT, slots[i], first + i, keys[i]) for i in range(n))
         with self._lock:
             self._check_open()
             self._append(recs)
@@ -490,7 +489,7 @@ class NVMeTier(Tier):
             at = np.fromiter(slots, dtype=np.int64, count=n)
             self._live += n - int(np.count_nonzero(self._seqs[at]))
             self._seqs[at] = np.arange(first, first + n, dtype=np.uint64)
-            self._keys[at] = np.frombuffer(b"".join(keys), dtype=_KEY)
+            self._keys[at] = np.frombuffer(b"".join(keys), dtype=KEY_DTYPE)
             if self._fsync == "always":
                 os.fdatasync(self._jfd)
             self._after_append(n)
@@ -609,7 +608,7 @@ class NVMeTier(Tier):
                 seqs[s] = 0
                 self._live -= 1
                 self._seq += 1
-                recs.append(_record(_OP_FREE, s, self._seq, _NO_KEY))
+                recs.append(pack_record(OP_FREE, s, self._seq, NO_KEY))
         if not recs or self._closed:
             return
         try:  # no sync: a lost FREE record only lets a valid block come back
@@ -636,7 +635,7 @@ class NVMeTier(Tier):
         """Append records at the tracked end (lock held). A partial append is cut off again so
         the next one starts on a record boundary."""
         try:
-            _write_all(self._jfd, data, self._jlen)
+            write_all(self._jfd, data, self._jlen)
         except OSError:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._jfd, self._jlen)
@@ -691,22 +690,23 @@ class NVMeTier(Tier):
             ns = np.fromiter((self._ns_of.get(s, 0) for s in live.tolist()), np.uint64, len(live))
         kept = [(s, k, q, n) for s, (k, q, n) in self._kept.items()]
         entries, data = compacted(
-            _Entries(live, self._keys[live], self._seqs[live], ns), kept, self._seq
+            Entries(live, self._keys[live], self._seqs[live], ns), kept, self._seq
         )
-        distinct = bool(_newest(entries).all())  # checked here, so that opens need not
+        distinct = bool(newest_per_key(entries).all())  # checked here, so that opens need not
         image = encode_image(data, self._seq, self._ns, self._nslots, entries, distinct=distinct)
-        fd = self._open_file(_INDEX + ".tmp", os.O_RDWR | os.O_TRUNC)
+        fd = self._open_file(INDEX + ".tmp", os.O_RDWR | os.O_TRUNC)
         try:
-            _write_all(fd, data, 0)
+            write_all(fd, data, 0)
             self._sync(fd)  # complete and durable before the rename replaces the old journal
             # The image of the new journal, durable before either rename. A crash between
             # the two renames leaves an image that matches no journal: the next open reads
             # every header (slow, never wrong).
             fresh = self._write_image(image)
-            os.replace(os.path.join(self._path, _INDEX + ".tmp"), os.path.join(self._path, _INDEX))
+            os.replace(os.path.join(self._path, INDEX + ".tmp"), os.path.join(self._path, INDEX))
             if fresh:
                 os.replace(
-                    os.path.join(self._path, _IMAGE + ".tmp"), os.path.join(self._path, _IMAGE)
+                    os.path.join(self._path, IMAGE + ".tmp"),
+                    os.path.join(self._path, IMAGE),
                 )
         except BaseException:
             os.close(fd)
@@ -721,9 +721,9 @@ class NVMeTier(Tier):
         image (it could name this tier as the writer of a journal it no longer covers) and
         return False (lock held)."""
         try:
-            fd = self._open_file(_IMAGE + ".tmp", os.O_WRONLY | os.O_TRUNC)
+            fd = self._open_file(IMAGE + ".tmp", os.O_WRONLY | os.O_TRUNC)
             try:
-                _write_all(fd, image, 0)
+                write_all(fd, image, 0)
                 self._sync(fd)
             finally:
                 os.close(fd)
@@ -731,7 +731,7 @@ class NVMeTier(Tier):
         except OSError as exc:
             log.warning("%s: writing the index image failed: %s", self.medium, exc)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self._path, _IMAGE))
+                os.unlink(os.path.join(self._path, IMAGE))
             return False
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -43,14 +43,13 @@ URL is shown without its password, error messages carry no secret.
 Files: `client.py` (public: URLs, credentials, the client, the packed pipeline; the CLI's
 `inspect` uses it too), `tier.py` (`RedisTier`). Every name importable from
 `tiercache.tiers.redis` before the split still is (re-exported here); tunables are patched
-where they live (`tier.BACKOFF_START_S`, `tier.PIPELINE_BYTES`, `client._SEND_INLINE_MAX`).
+where they live (`tier.BACKOFF_START_S`, `tier.PIPELINE_BYTES`, `client.SEND_INLINE_MAX`).
 """
 
 from __future__ import annotations
 
 from tiercache.tiers.keyed import COMPRESSIONS, ZSTD_MIN_LEVEL
 from tiercache.tiers.redis.client import (
-    _SEND_INLINE_MAX,
     CLIENT_NAME,
     DEFAULT_URL,
     META_SUFFIX,
@@ -70,20 +69,12 @@ from tiercache.tiers.redis.client import (
     shown,
 )
 from tiercache.tiers.redis.tier import (
-    _COUNTERS,
     BACKOFF_START_S,
     PIPELINE_BYTES,
     SCAN_BATCH,
     RedisTier,
     check_settings,
 )
-
-# The private names of the module before the split.
-_NET_ERRORS = NET_ERRORS
-_host_port = host_port
-_mask = mask
-_glob_escape = glob_escape
-_secret = secret
 
 __all__ = [
     "BACKOFF_START_S",
@@ -97,14 +88,7 @@ __all__ = [
     "STORE_FORMAT",
     "STORE_VERSION",
     "ZSTD_MIN_LEVEL",
-    "_COUNTERS",
-    "_NET_ERRORS",
-    "_SEND_INLINE_MAX",
     "RedisTier",
-    "_glob_escape",
-    "_host_port",
-    "_mask",
-    "_secret",
     "auth_error",
     "check_settings",
     "close_client",

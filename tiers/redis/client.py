@@ -40,7 +40,7 @@ STORE_VERSION = 1
 META_SUFFIX = b"#meta"  # never 16 bytes long, so it can never collide with a block key
 CLIENT_NAME = "tiercache"  # every tier's connections carry it (`inspect` counts them)
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
-_SEND_INLINE_MAX = 16 * 1024  # arguments this big are sent as their own buffer, not copied
+SEND_INLINE_MAX = 16 * 1024  # arguments this big are sent as their own buffer, not copied
 NET_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
@@ -238,7 +238,7 @@ def send_packed(client: redis.Redis, cmds: list[list[Any]]) -> list[Any]:
             parts = arg if isinstance(arg, tuple) else (arg,)
             small += b"$%d\r\n" % sum(len(p) for p in parts)
             for p in parts:
-                if len(p) >= _SEND_INLINE_MAX:
+                if len(p) >= SEND_INLINE_MAX:
                     buffers.append(bytes(small))
                     small.clear()
                     buffers.append(p)

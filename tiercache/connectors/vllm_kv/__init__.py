@@ -22,25 +22,26 @@ from tiercache.connectors.vllm_kv.messages import (
 )
 from tiercache.connectors.vllm_kv.scheduler import KVScheduler
 from tiercache.connectors.vllm_kv.settings import (
-    _SETTLE,
     BAD_KEYS_MAX,
     IDLE_WAIT_S,
     MOVE_WAIT_S,
     PROBE_WAIT_S,
+    SETTLE_KEY,
     SETTLE_WAIT_S,
     VERIFY_WAIT_S,
     KVSettings,
 )
-from tiercache.connectors.vllm_kv.worker import KVWorker, _Flight
+from tiercache.connectors.vllm_kv.worker import KVFlight, KVWorker
 
 __all__ = [
     "BAD_KEYS_MAX",
     "IDLE_WAIT_S",
     "MOVE_WAIT_S",
     "PROBE_WAIT_S",
+    "SETTLE_KEY",
     "SETTLE_WAIT_S",
     "VERIFY_WAIT_S",
-    "_SETTLE",
+    "KVFlight",
     "KVScheduler",
     "KVSettings",
     "KVWorker",
@@ -51,7 +52,6 @@ __all__ = [
     "TierCacheConnectorStats",
     "TierCacheHandshake",
     "TierCacheWorkerMetadata",
-    "_Flight",
     "open_scheduler",
     "open_worker",
 ]

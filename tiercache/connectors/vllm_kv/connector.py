@@ -112,13 +112,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tiercache.connectors.common import acquire_store, find_store, open_probes, prepare_rank_dirs
+from tiercache.connectors.probes import open_probes
+from tiercache.connectors.ranks import prepare_rank_dirs
+from tiercache.connectors.stores import acquire_store, find_store
 from tiercache.connectors.vllm_kv.messages import (
     TierCacheConnectorMetadata,
     TierCacheConnectorStats,
 )
 from tiercache.connectors.vllm_kv.scheduler import KVScheduler
-from tiercache.connectors.vllm_kv.settings import _SETTLE, KVSettings, log
+from tiercache.connectors.vllm_kv.settings import SETTLE_KEY, KVSettings, log
 from tiercache.connectors.vllm_kv.worker import KVWorker
 from tiercache.tiers.base import StoreProbe
 
@@ -142,7 +144,7 @@ def open_scheduler(settings: KVSettings) -> KVScheduler:
     shared = None
     if settings.tp_size == 1:
         local = find_store(settings.config)
-        if local is not None and _SETTLE in local.state:
+        if local is not None and SETTLE_KEY in local.state:
             shared = acquire_store(settings.config, settings.block_bytes)
     probes: list[list[tuple[str, StoreProbe]]] = []
     if shared is None and settings.loads_on:

@@ -24,8 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from tiercache.connectors.common import SharedStore
-from tiercache.connectors.vllm_kv.settings import _SETTLE, VERIFY_WAIT_S, log
+from tiercache.connectors.stores import SharedStore
+from tiercache.connectors.vllm_kv.settings import SETTLE_KEY, VERIFY_WAIT_S, log
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class LocalLookup:
             # A block the cache's write-through thread is moving down is served from its
             # source slot (`leaving`: the copy into that slot waits for the load's pin).
             n, moving = manager.lookup_ready(keys, leaving=True)
-            settle = self._shared.state.get(_SETTLE)
+            settle = self._shared.state.get(SETTLE_KEY)
             if n < len(keys) and settle is not None and settle(keys[n]):
                 # The chain continued with a block the worker was still storing or
                 # demoting; it has now finished: look again. Not counted: the first look

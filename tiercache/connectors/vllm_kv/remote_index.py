@@ -22,7 +22,7 @@ from typing import Any
 
 from tiercache.backoff import Backoff
 from tiercache.config import DeadlineConfig
-from tiercache.connectors.common import probe_chain
+from tiercache.connectors.probes import probe_chain
 from tiercache.connectors.vllm_kv.settings import BAD_KEYS_MAX, PROBE_WAIT_S
 from tiercache.tiers.base import StoreProbe
 from tiercache.transfer.head_shards import HeadShards

@@ -28,15 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
-from tiercache.connectors.common import (
-    KVGroup,
-    SharedStore,
-    extra_keys_for,
-    hit_end,
-    release_store,
-    window_positions,
-)
+from tiercache.connectors.kv_groups import KVGroup, hit_end, window_positions
+from tiercache.connectors.namespace import extra_keys_for
 from tiercache.connectors.shard_events import ShardEvents
+from tiercache.connectors.stores import SharedStore, release_store
 from tiercache.connectors.vllm_kv.local_lookup import LocalLookup
 from tiercache.connectors.vllm_kv.messages import (
     Event,

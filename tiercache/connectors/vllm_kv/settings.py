@@ -16,16 +16,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tiercache.config import CacheConfig
-from tiercache.connectors.common import (
-    KVGroup,
-    RankConfig,
-    SharedStore,
-    groups_tag,
-    kv_groups,
-    namespace_from_vllm,
-    read_user_config,
-    resolve_rank_config,
-)
+from tiercache.connectors.kv_groups import KVGroup, groups_tag, kv_groups
+from tiercache.connectors.namespace import namespace_from_vllm, read_user_config
+from tiercache.connectors.ranks import RankConfig, resolve_rank_config
+from tiercache.connectors.stores import SharedStore
 from tiercache.connectors.tp_layout import blocks_as_shards, check_no_rank_dirs, choose_shards
 from tiercache.transfer.head_shards import HeadShards
 
@@ -38,7 +32,7 @@ log = logging.getLogger("tiercache.connectors.vllm_kv")
 
 BAD_KEYS_MAX = 1 << 16  # damaged keys the scheduler remembers (see RemoteIndex._probe_ranks)
 PROBE_WAIT_S = 0.02  # how long a lookup waits for the shared tiers' probes (see RemoteIndex)
-_SETTLE = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
+SETTLE_KEY = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
 SETTLE_WAIT_S = 0.5  # how long a local lookup waits for a store of the key it reached
 MOVE_WAIT_S = 0.05  # ... and for a move: while one runs the lookup answers None (asks again)
 VERIFY_WAIT_S = 0.05  # how long a local lookup waits for its verifying read (see LocalLookup)

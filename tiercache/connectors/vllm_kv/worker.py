@@ -15,7 +15,7 @@
   and `get_finished` reports requests whose blocks vLLM kept for them.
 - `build_connector_worker_meta`: the cache's events, finished store plans, suspended tiers,
   cost samples and damaged keys, back to the scheduler each step.
-- Deadlines: every submitted job is a `_Flight` with a due time by kind (`load_timeout`,
+- Deadlines: every submitted job is a `KVFlight` with a due time by kind (`load_timeout`,
   `store_timeout`). A late load is abandoned (its blocks become load errors); a late store is
   stopped reading engine blocks and its request released; a late move only suspends its
   destination. Shutdown waits at most `store_timeout`, then leaves hung transfers behind.
@@ -34,8 +34,9 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from tiercache.connectors.amx import prime_amx_tiles
-from tiercache.connectors.common import KVGroup, SharedStore, release_store
 from tiercache.connectors.deadlines import Flights
+from tiercache.connectors.kv_groups import KVGroup
+from tiercache.connectors.stores import SharedStore, release_store
 from tiercache.connectors.vllm_kv.messages import (
     Event,
     StoreJob,
@@ -44,9 +45,9 @@ from tiercache.connectors.vllm_kv.messages import (
     TierCacheWorkerMetadata,
 )
 from tiercache.connectors.vllm_kv.settings import (
-    _SETTLE,
     IDLE_WAIT_S,
     MOVE_WAIT_S,
+    SETTLE_KEY,
     SETTLE_WAIT_S,
     KVSettings,
     RoleBase,
@@ -64,7 +65,7 @@ from tiercache.transfer import (
 
 
 @dataclass
-class _Flight:
+class KVFlight:
     """Worker-side: one submitted transfer job."""
 
     kind: str  # "load" | "store" | "move"
@@ -95,7 +96,7 @@ class KVWorker(RoleBase):
         self._worker: OffloadingWorker | None = None
         # Jobs in flight with their deadlines (`connectors.deadlines`), once the engine buffer
         # is registered (`register_kv_caches`); none before.
-        self._flights: Flights[_Flight] | None = None
+        self._flights: Flights[KVFlight] | None = None
         self._plans: dict[int, tuple[str, int]] = {}  # plan id -> (req id, jobs in flight)
         self._plans_done: dict[str, int] = {}
         self._job_ids = itertools.count()
@@ -153,7 +154,7 @@ class KVWorker(RoleBase):
         self._timer = ForwardTimer(cuda=any(t.is_cuda for t in kv_caches.values()))
         # At exit (or the last release) finish in-flight stores before the cache closes.
         self._shared.before_close.append(self._finish_transfers)
-        self._shared.state[_SETTLE] = self._settle
+        self._shared.state[SETTLE_KEY] = self._settle
         self._shared.cache.add_snapshot_section("kv_groups", self._group_report)
         self._collect_events()  # what persistent tiers recovered: the handshake's keys
 
@@ -292,7 +293,7 @@ class KVWorker(RoleBase):
             jobs = [j for j, f in self._fl.items() if f.kind != "load"]
         return not self._worker.wait(jobs, timeout)
 
-    def _submit(self, flight: _Flight, spec: Any) -> int:
+    def _submit(self, flight: KVFlight, spec: Any) -> int:
         assert self._worker is not None and self._shared is not None
         job_id = next(self._job_ids)
         with self._shared.lock:
@@ -350,7 +351,7 @@ class KVWorker(RoleBase):
             if spec is not None:
                 for src, dst in load_transfers(spec, ids[:n]):
                     assert isinstance(src, TierLoadStoreSpec)
-                    flight = _Flight("load", src.keys, src.tier, block_ids=dst.block_ids)
+                    flight = KVFlight("load", src.keys, src.tier, block_ids=dst.block_ids)
                     if asynchronous:
                         flight.req_id = job.req_id
                         self._recving[job.req_id] += 1
@@ -371,7 +372,7 @@ class KVWorker(RoleBase):
         self._drain()
 
     @property
-    def _fl(self) -> Flights[_Flight]:
+    def _fl(self) -> Flights[KVFlight]:
         """The jobs in flight (only once `register_kv_caches` built the transfer engine)."""
         assert self._flights is not None
         return self._flights
@@ -559,7 +560,7 @@ class KVWorker(RoleBase):
         for (src, dst), store in zip(specs, reads_engine, strict=True):
             assert isinstance(dst, TierLoadStoreSpec)
             kind = "store" if store else "move"
-            job_id = self._submit(_Flight(kind, dst.keys, dst.tier, plan=plan_id), (src, dst))
+            job_id = self._submit(KVFlight(kind, dst.keys, dst.tier, plan=plan_id), (src, dst))
             if volatile and store:
                 self._volatile.append(job_id)
 

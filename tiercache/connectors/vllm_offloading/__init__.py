@@ -5,10 +5,12 @@ Loaded by vLLM with ``kv_connector="OffloadingConnector"`` and ``kv_connector_ex
 "config": <mapping or TOML path>}``. Primitives:
 
 - `TierCacheOffloadingSpec(config)`: an `OffloadingSpec`; `get_manager()` and `get_worker()`.
-- `TierCacheOffloadingManager`: vLLM's `OffloadingManager` (per `OffloadKey`) over tiercache's
+- `TierCacheSchedulerSide` (scheduler process; `TierCacheOffloadingManager` before issue 50):
+  vLLM's `OffloadingManager` (per `OffloadKey`) over tiercache's
   `OffloadingManager` (per 16-byte key): lookup, prepare/complete load and store, events; on
   0.33 also `lock` (the shared store's reentrant lock), `config_info`, `on_reset_flushed`.
-- `TierCacheOffloadingWorker`: vLLM's `OffloadingWorker` over tiercache's transfer engine; one
+- `TierCacheWorkerSide` (worker process; `TierCacheOffloadingWorker` before issue 50):
+  vLLM's `OffloadingWorker` over tiercache's transfer engine; one
   vLLM job becomes one tiercache job per tier (loads, then the promotion of lower-tier hits
   into the first tier) or the plan's moves plus the store. 0.33's expedited (synchronous)
   loads run on the transfer engine's expedited lanes.
@@ -55,8 +57,8 @@ makes exact (`_check_overlay`). `keys_to_store` keeps the order of the `prepare_
 the order of the engine blocks vLLM lists for them.
 
 The package: `specs` (the bottom file: keys, config info, the `LoadStoreSpec`s), `bridge`
-(worker half -> manager half), `manager` (`TierCacheOffloadingManager`), `worker`
-(`TierCacheOffloadingWorker`; deadlines via `tiercache.connectors.deadlines`) and `spec`
+(worker half -> manager half), `manager` (`TierCacheSchedulerSide`), `worker`
+(`TierCacheWorkerSide`; deadlines via `tiercache.connectors.deadlines`) and `spec`
 (`TierCacheOffloadingSpec`, engine discovery). Every name importable from the former module
 `tiercache.connectors.vllm_offloading` is re-exported here; its submodules log as
 ``tiercache.connectors.vllm_offloading``.
@@ -64,20 +66,11 @@ The package: `specs` (the bottom file: keys, config info, the `LoadStoreSpec`s),
 
 import logging
 
-# Private names of the former module are re-exported too ("as"), for code that reached in.
-from tiercache.connectors.vllm_offloading.bridge import _Bridge as _Bridge
-from tiercache.connectors.vllm_offloading.bridge import _bridge as _bridge
-from tiercache.connectors.vllm_offloading.bridge import _Reports as _Reports
-from tiercache.connectors.vllm_offloading.manager import TierCacheOffloadingManager
-from tiercache.connectors.vllm_offloading.manager import _locked as _locked
+from tiercache.connectors.vllm_offloading.manager import (
+    TierCacheOffloadingManager,
+    TierCacheSchedulerSide,
+)
 from tiercache.connectors.vllm_offloading.spec import TierCacheOffloadingSpec
-from tiercache.connectors.vllm_offloading.spec import _engine_configs as _engine_configs
-from tiercache.connectors.vllm_offloading.spec import _is_config_of as _is_config_of
-from tiercache.connectors.vllm_offloading.specs import _BRIDGE_KEY as _BRIDGE_KEY
-from tiercache.connectors.vllm_offloading.specs import _F as _F
-from tiercache.connectors.vllm_offloading.specs import _KEY_PREFIX as _KEY_PREFIX
-from tiercache.connectors.vllm_offloading.specs import _MEMORY_KINDS as _MEMORY_KINDS
-from tiercache.connectors.vllm_offloading.specs import _WORKER_KEY as _WORKER_KEY
 from tiercache.connectors.vllm_offloading.specs import (
     CONFIG_INFO_KEYS,
     TierLoadSpec,
@@ -85,12 +78,10 @@ from tiercache.connectors.vllm_offloading.specs import (
     config_info,
     offload_key_to_key,
 )
-from tiercache.connectors.vllm_offloading.worker import _PAST_DEADLINE as _PAST_DEADLINE
-from tiercache.connectors.vllm_offloading.worker import TierCacheOffloadingWorker
-from tiercache.connectors.vllm_offloading.worker import _check_overlay as _check_overlay
-from tiercache.connectors.vllm_offloading.worker import _Part as _Part
-from tiercache.connectors.vllm_offloading.worker import _serialized as _serialized
-from tiercache.connectors.vllm_offloading.worker import _VJob as _VJob
+from tiercache.connectors.vllm_offloading.worker import (
+    TierCacheOffloadingWorker,
+    TierCacheWorkerSide,
+)
 
 log = logging.getLogger(__name__)  # the logger every submodule logs to (its package's)
 
@@ -99,6 +90,8 @@ __all__ = [
     "TierCacheOffloadingManager",
     "TierCacheOffloadingSpec",
     "TierCacheOffloadingWorker",
+    "TierCacheSchedulerSide",
+    "TierCacheWorkerSide",
     "TierLoadSpec",
     "TierStoreSpec",
     "config_info",

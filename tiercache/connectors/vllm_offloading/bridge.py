@@ -10,8 +10,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tiercache.connectors.common import SharedStore
-from tiercache.connectors.vllm_offloading.specs import _BRIDGE_KEY
+from tiercache.connectors.stores import SharedStore
+from tiercache.connectors.vllm_offloading.specs import BRIDGE_KEY
 
 
 @dataclass
@@ -82,9 +82,9 @@ class _Bridge:
         return r
 
 
-def _bridge(store: SharedStore) -> _Bridge:
+def bridge_of(store: SharedStore) -> _Bridge:
     with store.lock:
-        b = store.state.get(_BRIDGE_KEY)
+        b = store.state.get(BRIDGE_KEY)
         if b is None:
-            b = store.state[_BRIDGE_KEY] = _Bridge()
+            b = store.state[BRIDGE_KEY] = _Bridge()
         return b

@@ -1,4 +1,4 @@
-"""The scheduler half of a `TierCacheOffloadingSpec`: `TierCacheOffloadingManager`, vLLM's
+"""The scheduler half of a `TierCacheOffloadingSpec`: `TierCacheSchedulerSide`, vLLM's
 `OffloadingManager` (per `OffloadKey`) over tiercache's `OffloadingManager` (per 16-byte key).
 It translates keys, specs and events, tracks the store plans riding in vLLM's jobs until vLLM
 completes them, applies what the worker half reported through the bridge, and verifies a
@@ -26,10 +26,10 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tiercache.cache import TierCache
-from tiercache.connectors.common import SharedStore, release_store
-from tiercache.connectors.vllm_offloading.bridge import _bridge
+from tiercache.connectors.stores import SharedStore, release_store
+from tiercache.connectors.vllm_offloading.bridge import bridge_of
 from tiercache.connectors.vllm_offloading.specs import (
-    _MEMORY_KINDS,
+    MEMORY_KINDS,
     TierLoadSpec,
     TierStoreSpec,
     config_info,
@@ -46,7 +46,7 @@ log = logging.getLogger(__package__)  # the former module's logger name
 _locked = holding(lambda self: self._store.lock)
 
 
-class TierCacheOffloadingManager(OffloadingManager):
+class TierCacheSchedulerSide(OffloadingManager):
     """vLLM's `OffloadingManager` over tiercache's manager; translates keys, specs and events."""
 
     def __init__(self, store: SharedStore, *, enable_events: bool = False) -> None:
@@ -55,7 +55,7 @@ class TierCacheOffloadingManager(OffloadingManager):
         self._cache = cache
         self._manager = cache.manager
         self._ns = cache.config.namespace
-        self._bridge = _bridge(store)
+        self._bridge = bridge_of(store)
         self._events_on = enable_events
         self._tkey: dict[bytes, bytes] = {}  # OffloadKey -> tiercache key
         self._okey: dict[bytes, OffloadKey] = {}  # tiercache key -> OffloadKey
@@ -258,7 +258,7 @@ class TierCacheOffloadingManager(OffloadingManager):
             out.append(
                 OffloadingEvent(
                     keys=keys,
-                    medium=Medium.CPU if self._kinds[i] in _MEMORY_KINDS else Medium.STORAGE,
+                    medium=Medium.CPU if self._kinds[i] in MEMORY_KINDS else Medium.STORAGE,
                     removed=ev.removed,
                     # The first tier is the primary; lower tiers name themselves.
                     ownership=None if i == 0 else ev.medium,
@@ -379,3 +379,6 @@ class TierCacheOffloadingManager(OffloadingManager):
                 okey = self._okey.pop(k, None)
                 if okey is not None:
                     self._tkey.pop(okey, None)
+
+
+TierCacheOffloadingManager = TierCacheSchedulerSide  # its name before issue 50

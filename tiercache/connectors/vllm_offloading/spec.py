@@ -20,21 +20,18 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiercache.connectors.amx import prime_amx_tiles
-from tiercache.connectors.common import (
-    acquire_store,
+from tiercache.connectors.kv_groups import groups_tag, kv_groups
+from tiercache.connectors.namespace import (
     derive_namespace,
-    find_store,
-    groups_tag,
-    kv_groups,
     kv_settings_digest,
     read_user_config,
-    release_store,
     resolve_config,
 )
+from tiercache.connectors.stores import acquire_store, find_store, release_store
 from tiercache.connectors.tp_layout import read_tp_layout
-from tiercache.connectors.vllm_offloading.manager import TierCacheOffloadingManager
-from tiercache.connectors.vllm_offloading.specs import _WORKER_KEY, CONFIG_INFO_KEYS
-from tiercache.connectors.vllm_offloading.worker import TierCacheOffloadingWorker
+from tiercache.connectors.vllm_offloading.manager import TierCacheSchedulerSide
+from tiercache.connectors.vllm_offloading.specs import CONFIG_INFO_KEYS, WORKER_KEY
+from tiercache.connectors.vllm_offloading.worker import TierCacheWorkerSide
 from tiercache.errors import ConfigError
 
 log = logging.getLogger(__package__)  # the former module's logger name
@@ -100,8 +97,8 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             ),
         )
         self.namespace = self.cache_config.namespace
-        self._manager: TierCacheOffloadingManager | None = None
-        self._worker: TierCacheOffloadingWorker | None = None
+        self._manager: TierCacheSchedulerSide | None = None
+        self._worker: TierCacheWorkerSide | None = None
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
@@ -117,7 +114,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             # be opened twice, and a memory tier's write-back would persist bytes this process
             # never received. Refuse instead.
             local = find_store(self.cache_config)
-            if local is None or not local.state.get(_WORKER_KEY):
+            if local is None or not local.state.get(WORKER_KEY):
                 raise ValueError(
                     "TierCacheOffloadingSpec: vLLM runs the worker half in another process "
                     "than the scheduler half; the spec needs both in one process (they share "
@@ -126,7 +123,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                     "TierCacheConnector, which works across processes"
                 )
             store = acquire_store(self.cache_config, self.block_bytes)
-            self._manager = TierCacheOffloadingManager(
+            self._manager = TierCacheSchedulerSide(
                 store, enable_events=self.kv_events_config.enable_kv_cache_events
             )
         return self._manager
@@ -137,14 +134,14 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             prime_amx_tiles(kv_caches.tensors[0].tensor.device, self.config.model.dtype)
             store = acquire_store(self.cache_config, self.block_bytes)
             try:
-                self._worker = TierCacheOffloadingWorker(
+                self._worker = TierCacheWorkerSide(
                     store, kv_caches, blocks_per_chunk=self.blocks_per_chunk
                 )
             except BaseException:
                 release_store(store)
                 raise
             with store.lock:
-                store.state[_WORKER_KEY] = True
+                store.state[WORKER_KEY] = True
         return self._worker
 
 

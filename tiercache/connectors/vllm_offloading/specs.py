@@ -22,10 +22,10 @@ from tiercache.records import LoadSpec
 from tiercache.records import PrepareStoreOutput as TierPlan
 
 _KEY_PREFIX = b"tiercache/vllm-offload-key/v1\x00"
-_BRIDGE_KEY = "vllm_offloading.bridge"
-_WORKER_KEY = "vllm_offloading.worker"  # SharedStore.state: the worker half runs here
+BRIDGE_KEY = "vllm_offloading.bridge"
+WORKER_KEY = "vllm_offloading.worker"  # SharedStore.state: the worker half runs here
 # Tier kinds whose blocks live in memory; vLLM's events know only CPU and STORAGE mediums.
-_MEMORY_KINDS = frozenset({"cpu", "gpu"})
+MEMORY_KINDS = frozenset({"cpu", "gpu"})
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

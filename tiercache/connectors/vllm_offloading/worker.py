@@ -1,4 +1,4 @@
-"""The worker half of a `TierCacheOffloadingSpec`: `TierCacheOffloadingWorker`, vLLM's
+"""The worker half of a `TierCacheOffloadingSpec`: `TierCacheWorkerSide`, vLLM's
 `OffloadingWorker` over tiercache's transfer engine. One vLLM job becomes one tiercache job
 (a part) per tier, loads first; the parts in flight and their deadlines are a
 `tiercache.connectors.deadlines.Flights` table, and this file holds the spec's policy for a
@@ -23,9 +23,9 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from tiercache.connectors.common import SharedStore, release_store
 from tiercache.connectors.deadlines import Flights
-from tiercache.connectors.vllm_offloading.bridge import _bridge
+from tiercache.connectors.stores import SharedStore, release_store
+from tiercache.connectors.vllm_offloading.bridge import bridge_of
 from tiercache.connectors.vllm_offloading.specs import TierLoadSpec, TierStoreSpec, holding
 from tiercache.transfer import (
     KVLayout,
@@ -38,7 +38,7 @@ from tiercache.transfer import TransferResult as TierResult
 
 log = logging.getLogger(__package__)  # the former module's logger name
 
-# Run a worker method under the worker's mutex (see `TierCacheOffloadingWorker._collect`).
+# Run a worker method under the worker's mutex (see `TierCacheWorkerSide._collect`).
 _serialized = holding(lambda self: self._mutex)
 
 
@@ -77,7 +77,7 @@ class _Part:
         return self.kind == "load"
 
 
-class TierCacheOffloadingWorker(OffloadingWorker):
+class TierCacheWorkerSide(OffloadingWorker):
     """vLLM's `OffloadingWorker` over tiercache's transfer engine (`tiercache.transfer`)."""
 
     def __init__(
@@ -103,7 +103,7 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         # docs/vllm-offloading.md. On CUDA loads stay fully asynchronous.
         self._finish_loads_in_step = self._layout.device.type != "cuda"
         self._store = store
-        self._bridge = _bridge(store)
+        self._bridge = bridge_of(store)
         self._next = 0
         self._vjobs: dict[int, _VJob] = {}
         # The parts in flight, due by kind; those past their deadline are marked late (their
@@ -352,6 +352,9 @@ class TierCacheOffloadingWorker(OffloadingWorker):
         if not vjob.parts:
             del self._vjobs[part.vjob]
             self._done.append(TransferResult(part.vjob, vjob.ok, vjob.size, vjob.time))
+
+
+TierCacheOffloadingWorker = TierCacheWorkerSide  # its name before issue 50
 
 
 def _check_overlay(kv_caches: CanonicalKVCaches) -> None:

@@ -1,0 +1,252 @@
+"""Tensor and data parallelism: each rank's config, paths and telemetry.
+
+Primitives:
+- `per_rank_config(user, *, tp_rank, tp_size) -> dict` / `resolve_rank_config(...)
+  -> RankConfig`: tensor parallelism. Every rank hashes the same block keys (key namespace:
+  TP size, rank 0) but keeps its own shard in its own store (store namespace: its rank;
+  tier paths in a ``tp{rank}of{size}`` subdirectory, Redis prefixes with the same suffix).
+- `per_dp_rank_config(user, *, dp_rank, dp_size) -> dict`: data parallelism (and replicas
+  given a rank). Ranks share the store namespace and the shared tiers (LMDB, Redis), so each
+  finds what the others stored; each NVMe tier opens its own instance of the configured
+  path (`instance = dp_rank`: rank 0 the path itself, rank r ``path/instance{r}``), so a
+  restarted rank finds its blocks again. `resolve_rank_config(..., dp_rank=, dp_size=)`
+  applies it under the TP resolution (NVMe paths ``path/tp{t}of{n}/instance{r}``).
+  `with_nvme_siblings(user)`: head shards, every rank also reads the other NVMe instances.
+- `per_rank_telemetry(user, *, tp_rank, tp_size, dp_rank, dp_size) -> dict`: each rank's
+  own telemetry directory (``dir/tp{t}of{n}``) and Prometheus port (+ its rank index).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiercache.config import CacheConfig, split_addr
+from tiercache.connectors.namespace import resolve_config, user_prefixed
+from tiercache.errors import ConfigError
+
+log = logging.getLogger("tiercache.connectors.common")  # the adapters' helpers' one logger
+
+
+def _check_rank(axis: str, rank: int, size: int) -> None:
+    """ValueError unless `rank` is one of `size` ranks (`axis`: "tp" or "dp", for the
+    message)."""
+    if not (isinstance(size, int) and isinstance(rank, int) and 0 <= rank < size):
+        raise ValueError(
+            f"expected 0 <= {axis}_rank < {axis}_size, got {axis}_rank={rank!r}, "
+            f"{axis}_size={size!r}"
+        )
+
+
+def rank_suffix(tp_rank: int, tp_size: int) -> str:
+    """``tp{rank}of{size}``: the subdirectory / key-prefix suffix of one TP rank's store."""
+    _check_rank("tp", tp_rank, tp_size)
+    return f"tp{tp_rank}of{tp_size}"
+
+
+_REDIS_DEFAULT_PREFIX = "tiercache:"  # tiers.redis's default `prefix`
+
+
+def per_rank_config(user: Mapping[str, Any], *, tp_rank: int, tp_size: int) -> dict[str, Any]:
+    """The user's config mapping for TP rank `tp_rank` of `tp_size`: each tier's `path` gets
+    a ``tp{rank}of{size}`` subdirectory and each Redis tier's `prefix` that suffix, so ranks
+    never share a store file, an LMDB environment or a Redis key space. With `tp_size` 1 the
+    mapping is returned unchanged (TP=1 stores stay where they were)."""
+    suffix = rank_suffix(tp_rank, tp_size)
+    m = dict(user)
+    if tp_size == 1:
+        return m
+    tiers = m.get("tiers")
+    if not isinstance(tiers, list | tuple):
+        return m  # resolve_config reports the problem
+    out = []
+    for t in tiers:
+        if not isinstance(t, Mapping):
+            out.append(t)
+            continue
+        t = dict(t)
+        path = t.get("path")
+        if isinstance(path, str | Path) and str(path):
+            t["path"] = str(Path(path).expanduser() / suffix)
+        if t.get("kind") == "redis":
+            prefix = t.get("prefix", _REDIS_DEFAULT_PREFIX)
+            if isinstance(prefix, str):
+                t["prefix"] = f"{prefix}{suffix}:"
+        out.append(t)
+    m["tiers"] = out
+    return m
+
+
+def per_dp_rank_config(
+    user: Mapping[str, Any],
+    *,
+    dp_rank: int,
+    dp_size: int,
+    setter: str = "the data-parallel rank",
+) -> dict[str, Any]:
+    """The user's config mapping for data-parallel rank `dp_rank` of `dp_size` engines on one
+    host: every NVMe tier gets ``instance = dp_rank`` (see tiers/nvme/layout.py: rank 0 opens the
+    path itself, rank r > 0 ``path/instance{r}``); everything else is unchanged: the ranks
+    share the namespace, the LMDB and Redis stores (and their capacity) and differ only in
+    their private tiers. With `dp_size` 1 the mapping is returned unchanged. ConfigError when
+    the user set an NVMe tier's `instance` or `instance_env` (the rank decides it; `setter`
+    names what sets it in that message)."""
+    _check_rank("dp", dp_rank, dp_size)
+    m = dict(user)
+    tiers = m.get("tiers")
+    if dp_size == 1 or not isinstance(tiers, list | tuple):
+        return m  # (a malformed tiers list: resolve_config reports the problem)
+    out = []
+    for i, t in enumerate(tiers):
+        if isinstance(t, Mapping) and t.get("kind") == "nvme":
+            for opt in ("instance", "instance_env"):
+                if opt in t:
+                    raise ConfigError(
+                        f"tiers[{i}].{opt}",
+                        f"{setter} sets the instance ({dp_size} ranks); leave it out",
+                    )
+            t = {**t, "instance": dp_rank}
+        out.append(t)
+    m["tiers"] = out
+    return m
+
+
+def per_rank_telemetry(
+    user: Mapping[str, Any], *, tp_rank: int, tp_size: int, dp_rank: int = 0, dp_size: int = 1
+) -> dict[str, Any]:
+    """The user's config mapping with the `[telemetry]` of one rank: every rank is a process
+    of its own with a cache of its own, so each writes its own `stats.json` and events, in
+    `dir/tp{t}of{n}` (`dp{r}of{m}`, `tp{t}of{n}-dp{r}of{m}`), and serves Prometheus on the
+    configured port + dp_rank * tp_size + tp_rank (they would otherwise overwrite each
+    other's files, and every rank after the first would fail to open on the taken port). A
+    port of 0 (any free one) stays 0. One rank (TP and DP 1): unchanged."""
+    m = dict(user)
+    tel = m.get("telemetry")
+    if (tp_size == 1 and dp_size == 1) or not isinstance(tel, Mapping):
+        return m  # (a malformed table: resolve_config reports the problem)
+    parts = [rank_suffix(tp_rank, tp_size)] if tp_size > 1 else []
+    if dp_size > 1:
+        parts.append(f"dp{dp_rank}of{dp_size}")
+    tel = dict(tel)
+    d = tel.get("dir")
+    if isinstance(d, str | Path) and str(d):
+        tel["dir"] = str(Path(d).expanduser() / "-".join(parts))
+    prom = tel.get("prometheus")
+    if prom is not None:
+        try:
+            host, port = split_addr(prom, "telemetry.prometheus")
+        except ConfigError:
+            pass  # resolve_config reports it
+        else:
+            if port:
+                tel["prometheus"] = f"{host}:{port + dp_rank * tp_size + tp_rank}"
+    m["telemetry"] = tel
+    return m
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """One TP rank's view: `config` is its own store (namespace with its rank, per-rank
+    paths); `key_namespace` is what block keys are hashed with, the same on every rank and in
+    the scheduler (TP size, not rank), so one key names the same block on every rank."""
+
+    config: CacheConfig
+    key_namespace: str
+    tp_rank: int
+    tp_size: int
+    dp_rank: int = 0
+    dp_size: int = 1
+    shared: bool = False  # head shards: the ranks share the user's paths
+
+
+def resolve_rank_config(
+    user: Mapping[str, Any],
+    *,
+    block_size: int,
+    key_namespace: str,
+    store_namespace: str,
+    tp_rank: int,
+    tp_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    shared: bool = False,
+) -> RankConfig:
+    """`resolve_config` for one TP rank of one data-parallel rank: `store_namespace` (derived
+    with the TP rank) names the rank's store, `key_namespace` (derived with TP rank 0) the
+    keys; a namespace the user gives prefixes both. With `tp_size` 1 both namespaces are
+    equal and the paths unchanged; with `dp_size` > 1 each NVMe tier opens instance `dp_rank`
+    of its (per-TP-rank) path (`per_dp_rank_config`). With several ranks, each has its own
+    telemetry (`per_rank_telemetry`).
+
+    `shared` (head shards, `tiercache.connectors.tp_layout`): every TP rank uses the paths as
+    given, so ranks of every TP size share one store per tier; each (DP, TP) rank opens an
+    NVMe instance of its own (one writer per instance) and reads the others' read-only
+    (`with_nvme_siblings`)."""
+    mapping = dict(user) if shared else per_rank_config(user, tp_rank=tp_rank, tp_size=tp_size)
+    mapping = per_rank_telemetry(
+        mapping, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size
+    )
+    # NVMe instances: one per DP rank, or (shared paths) one per (DP, TP) rank.
+    instance, instances = (
+        (dp_rank * tp_size + tp_rank, dp_size * tp_size) if shared else (dp_rank, dp_size)
+    )
+    setter = "the (data-parallel, tensor-parallel) rank" if shared else "the data-parallel rank"
+    mapping = per_dp_rank_config(mapping, dp_rank=instance, dp_size=instances, setter=setter)
+    if shared:
+        mapping = with_nvme_siblings(mapping)
+    config = resolve_config(mapping, block_size=block_size, namespace=store_namespace)
+    keys = user_prefixed(user, key_namespace)
+    return RankConfig(config, keys, tp_rank, tp_size, dp_rank, dp_size, shared)
+
+
+def with_nvme_siblings(user: Mapping[str, Any]) -> dict[str, Any]:
+    """The user's config mapping with, right below each NVMe tier, an ``nvme-siblings``
+    tier of the same path (named ``{name}-siblings``): the other instances there, read-only
+    (tiers/nvme/siblings.py). Under head shards a rank's shards may sit in another rank's
+    instance (written at another TP size): this is how the rank finds them. Nothing is
+    written into a sibling; a block loaded from one is promoted into the rank's own tiers.
+    The siblings tier skips the NVMe tier's `instance` (0 without one; with `instances` or
+    `instance_env`, whichever this process holds)."""
+    m = dict(user)
+    tiers = m.get("tiers")
+    if not isinstance(tiers, list | tuple):
+        return m  # (a malformed tiers list: resolve_config reports the problem)
+    out: list[Any] = []
+    for t in tiers:
+        out.append(t)
+        path = t.get("path") if isinstance(t, Mapping) and t.get("kind") == "nvme" else None
+        if isinstance(path, str | Path) and str(path):
+            sib = {"kind": "nvme-siblings", "name": f"{t.get('name', 'nvme')}-siblings"}
+            sib |= {"path": str(path), "blocks": 1}
+            own = t.get("instance", None if {"instances", "instance_env"} & set(t) else 0)
+            out.append(sib if own is None else {**sib, "instance": own})
+    m["tiers"] = out
+    return m
+
+
+def prepare_rank_dirs(rank: RankConfig) -> None:
+    """With several ranks, create (0700) the directory each per-rank path lives in (the
+    path the user gave: tier paths with TP > 1, the telemetry directory with TP or DP > 1),
+    as a tier or the telemetry creates its own path with one rank: only when that
+    directory's parent exists (otherwise the tier or telemetry reports the missing one)."""
+    parents = []
+    if rank.tp_size > 1 and not rank.shared:
+        suffix = rank_suffix(rank.tp_rank, rank.tp_size)
+        for t in rank.config.tiers:
+            path = t.options.get("path")
+            if isinstance(path, str) and Path(path).name == suffix:
+                parents.append(Path(path).parent)
+    tel = rank.config.telemetry
+    if tel is not None and (rank.tp_size > 1 or rank.dp_size > 1):
+        parents.append(Path(tel.dir).parent)
+    for parent in parents:
+        if not parent.exists() and parent.parent.is_dir():
+            try:
+                parent.mkdir(mode=0o700)
+            except FileExistsError:  # another rank made it meanwhile
+                pass
+            except OSError as exc:
+                log.warning("cannot create %s for the per-rank paths: %s", parent, exc)

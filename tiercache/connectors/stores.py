@@ -1,0 +1,151 @@
+"""The process's shared stores: one `TierCache` per configuration.
+
+Primitives:
+- `acquire_store(config, block_bytes) -> SharedStore` / `release_store(store)` / `find_store`:
+  one `TierCache` per
+  process and configuration, shared by reference count. vLLM builds a scheduler-role and a
+  worker-role connector; in one process both must use one cache (one LMDB environment may be
+  opened once per process, and both halves must see one manager). The last release closes
+  the cache (flushing persistent tiers); an atexit hook closes what is left.
+- `store_snapshots() -> dict`: stats and counters of every open shared store (tests, benches).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiercache.cache import TierCache, register_exit_hook
+from tiercache.config import CacheConfig
+
+log = logging.getLogger("tiercache.connectors.common")  # the adapters' helpers' one logger
+
+
+@dataclass(eq=False)
+class SharedStore:
+    """One open `TierCache` shared by the adapters of one process.
+
+    `lock` serialises every use of the cache's manager by the adapters (scheduler and worker
+    halves may run on different threads). `counters` are adapter counters (loads, stores,
+    errors) that tests and benches read with `store_snapshots()`; `state` is free for an
+    adapter's cross-role bookkeeping (e.g. requests still being saved).
+    """
+
+    key: tuple[Any, ...]
+    cache: TierCache
+    lock: threading.RLock = field(init=False)
+    refs: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+    before_close: list[Callable[[], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # The cache's own lock: its write-through thread and the adapters then take turns.
+        self.lock = self.cache.lock
+
+    def close(self) -> None:
+        """Run the `before_close` hooks (e.g. a worker finishing its transfers), then close
+        the cache (write-back to persistent tiers, flush); idempotent."""
+        hooks, self.before_close = self.before_close, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:  # a failing hook must not keep the tiers from closing
+                log.exception("a before-close hook of the shared tiercache store failed")
+        # Not under `lock`: close joins the cache's write-through thread, which takes it.
+        self.cache.close()
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to counter `name` (caller holds `lock` or accepts a racy count)."""
+        self.counters[name] = self.counters.get(name, 0) + n
+
+
+_REGISTRY: dict[tuple[Any, ...], SharedStore] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _store_key(config: CacheConfig) -> tuple[Any, ...]:
+    # Two configs with the same namespace and tiers are one store; the tier options are part
+    # of the key so that a different path never silently shares a cache.
+    tiers = tuple(
+        (
+            t.kind,
+            t.name,
+            t.capacity_bytes,
+            t.capacity_blocks,
+            tuple(sorted(map(repr, t.options.items()))),
+        )
+        for t in config.tiers
+    )
+    return (config.namespace, config.block_size, config.promote, tiers)
+
+
+def acquire_store(config: CacheConfig, block_bytes: int) -> SharedStore:
+    """The process's shared store for `config`, opened on first use; call `release_store`
+    once per acquire. A second acquire with another `block_bytes` is an error."""
+    key = _store_key(config)
+    with _REGISTRY_LOCK:
+        shared = _REGISTRY.get(key)
+        if shared is None:
+            shared = SharedStore(key=key, cache=TierCache.open(config, block_bytes=block_bytes))
+            _REGISTRY[key] = shared
+        elif shared.cache.block_bytes != block_bytes:
+            raise ValueError(
+                f"block_bytes: the store for namespace {config.namespace!r} is open with "
+                f"{shared.cache.block_bytes}-byte blocks, asked for {block_bytes}"
+            )
+        shared.refs += 1
+        return shared
+
+
+def find_store(config: CacheConfig) -> SharedStore | None:
+    """The process's open shared store for `config`, if any (takes no reference)."""
+    with _REGISTRY_LOCK:
+        return _REGISTRY.get(_store_key(config))
+
+
+def release_store(shared: SharedStore) -> None:
+    """Drop one reference; the last one closes the cache (write-back and flush)."""
+    with _REGISTRY_LOCK:
+        if shared.refs <= 0:
+            return
+        shared.refs -= 1
+        if shared.refs:
+            return
+        _REGISTRY.pop(shared.key, None)
+    shared.close()
+
+
+def store_snapshots() -> dict[str, dict[str, Any]]:
+    """Per open shared store (by namespace): the cache's `stats()`, the adapter counters and
+    the adapters' snapshot sections (`TierCache.sections`, e.g. `kv_groups`)."""
+    with _REGISTRY_LOCK:
+        stores = list(_REGISTRY.values())
+    out: dict[str, dict[str, Any]] = {}
+    for s in stores:
+        with s.lock:
+            out[s.cache.config.namespace] = {
+                "stats": s.cache.stats(),
+                "counters": dict(s.counters),
+                "sections": s.cache.sections(),
+                "refs": s.refs,
+            }
+    return out
+
+
+def _close_all() -> None:
+    """Backstop: close stores whose adapters were never shut down (a clean exit)."""
+    with _REGISTRY_LOCK:
+        stores = list(_REGISTRY.values())
+        _REGISTRY.clear()
+    for s in stores:
+        try:
+            s.close()
+        except Exception:  # one failing store must not keep the others from closing
+            log.exception("closing the shared tiercache store %r at exit failed", s.key[0])
+
+
+register_exit_hook(_close_all)  # before concurrent.futures stops taking work
