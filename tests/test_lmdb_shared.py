@@ -20,6 +20,7 @@ from tests.campaign_support import (
     blocks,
     cli_verify,
     key,
+    key_id,
     report,
     scale,
     served,
@@ -130,3 +131,30 @@ def test_a_reader_killed_in_its_transaction_does_not_fill_the_map(tmp_path: Path
         assert served(a, ids[-8:]) == (8, 0, 0)
     finally:
         a.close()
+
+
+def test_blocks_the_store_evicts_in_our_write_are_reported_removed(tmp_path: Path) -> None:
+    """A block the store evicts by its capacity inside this process's write leaves the index
+    and is reported removed, by key (`Tier.take_evicted`), not found gone by a later read."""
+
+    def config(cap: int) -> dict:
+        tier = {"kind": "lmdb", "blocks": cap, "path": str(tmp_path / "s"), "compression": "none"}
+        return {"namespace": "ev", "tiers": [tier]}
+
+    # The larger map first: a second open of the environment in this process may not grow it.
+    with (
+        TierCache.open(config(8), block_bytes=BB) as b,
+        TierCache.open(config(4), block_bytes=BB) as a,
+    ):
+        assert a.put([key(i) for i in range(4)], blocks(range(4), BB)) == 4
+        a.take_events()
+        # Another instance (capacity 8) stores one more: the store holds 5 entries of "ev".
+        assert b.put([key(10)], blocks([10], BB)) == 1
+        # a's policy evicts its chain's tail (3) to store 11; the write deletes 3, puts 11
+        # and evicts the store's oldest beyond a's capacity of 4: block 0.
+        assert a.put([key(11)], blocks([11], BB)) == 1
+        removed = sorted(key_id(k) for e in a.take_events() if e.removed for k in e.keys)
+        assert removed == [0, 3]
+        assert a.tiers[0].stats()["store_evictions"] == 1
+        assert a.lookup([key(0)]) == 0  # not claimed held: the store dropped it
+        assert a.tiers[0].take_evicted() == []  # reported once

@@ -496,7 +496,8 @@ def _two_tier_cache(url: str, prefix: str, **redis_opts) -> TierCache:
 
 
 def _wait_backoff(tier: RedisTier) -> None:
-    time.sleep(tier._backoff.remaining() + 0.01)
+    """Until the tier's retry is due (`retry_at`, the monotonic time its back-off ends)."""
+    time.sleep(max(0.0, tier.retry_at - time.monotonic()) + 0.01)
 
 
 def test_backoff_doubles_from_twice_the_start_at_open_up_to_the_max() -> None:
@@ -582,11 +583,13 @@ def test_hung_server_times_out_and_recovers(tmp_path, monkeypatch) -> None:
         slots = t.allocate(keys)
         data = rand_blocks(2, 4096, 1)
         t.write(slots, data, keys)
+        assert t.retry_at == 0.0  # reachable: nothing to wait for
         srv.pause()  # accepts connections, answers nothing: a "slow" server
         try:
             with pytest.raises(OSError, match="read failed: TimeoutError"):
                 t.read(slots, torch.empty_like(data), keys)
             assert not t.available
+            assert t.retry_at == pytest.approx(time.monotonic() + 2.0, abs=0.5)
             with pytest.raises(OSError, match="unavailable"):  # fails fast in the backoff
                 t.read(slots, torch.empty_like(data), keys)
         finally:
@@ -594,7 +597,7 @@ def test_hung_server_times_out_and_recovers(tmp_path, monkeypatch) -> None:
         _wait_backoff(t)
         out = torch.empty_like(data)
         assert t.read(slots, out, keys) == []
-        assert torch.equal(out, data) and t.available
+        assert torch.equal(out, data) and t.available and t.retry_at == 0.0
         s = t.stats()
         assert (s["disconnects"], s["reconnects"], s["skipped_calls"]) == (1, 1, 1)
         t.close()

@@ -978,9 +978,13 @@ class OffloadingManager:
         return self._breaker.remaining()
 
     def take_events(self) -> list[OffloadingEvent]:
-        """Events since the last call, oldest first."""
+        """Events since the last call, oldest first; blocks a store dropped by its own
+        capacity (`Tier.take_evicted`) leave the index first (a pinned one: its read drops it)."""
         for index in list(self._open_marks):
             self._send_open(self._levels[index])
+        for lv in self._levels:
+            if gone := [k for k in lv.tier.take_evicted() if k not in lv.pins]:
+                self.discard(gone, lv.index)
         events, self._events = self._events, []
         return events
 

@@ -15,7 +15,8 @@ A tier knows bytes, never policies or other tiers. Primitives:
   `wake_oldest`, `open_keys`: see tiers/dormant.py);
 - capability flags: `persistent`, `shared` (between processes), `read_only` (written never);
   shared tiers also `probe`, `adopt`, `take_gone`, and `open_probe` (a read-only
-  `StoreProbe` for another process);
+  `StoreProbe` for another process); `take_evicted`: blocks a store with its own capacity
+  dropped (LMDB);
 - `sort_failed(keys, failed)`: the one rule for a read's failed blocks, used by every path
   that reads a tier (the facade, the transfer engine, the adapters): gone (a plain miss) or
   an error;
@@ -234,6 +235,14 @@ class Tier(ABC):
         process, or another process evicted them). A private tier: none. Callers use
         `sort_failed`, which applies it."""
         return set()
+
+    def take_evicted(self) -> list[bytes]:
+        """Keys of blocks the store itself dropped by its own capacity (`store_capacity`:
+        LMDB evicts a namespace's oldest beyond it in every write), not by this instance's
+        `free`, since the last call, and not stored again since. The manager drops them from
+        its index and reports them removed (`OffloadingManager.take_events`). A tier whose
+        store never evicts on its own: none."""
+        return []
 
     def sort_failed(
         self, keys: Sequence[bytes], failed: Iterable[int]

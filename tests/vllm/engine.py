@@ -48,7 +48,9 @@ queued so far have run (in a multiprocess or TP > 1 engine, those of every worke
 e.g. hits timed apart from the previous batch's background writes, or a store another engine
 must find in a shared tier before this one says so with ``"touch"``). A batch may also say
 ``"wait_s": S`` (sleep S seconds before it), ``"wait_serving": true`` (start it once no
-tier of this process's stores is suspended; in-process engines; ``waited_s`` says how long),
+tier of the engine's stores is suspended, no Redis tier or probe is before its retry and no
+scheduler index holds a medium suspended; in a multiprocess engine, checked in the workers'
+process; ``waited_s`` says how long),
 ``"wait_writes": true`` (start it once the stores and moves the KV connector's workers
 submitted so far have ended, given-up ones included; in-process engines),
 ``"wait_for": PATH`` (start it only once PATH exists: another engine finished something)
@@ -61,8 +63,9 @@ exists (a hung disk; in-process engines only), and ``"num_gpu_blocks_override": 
 vLLM N KV cache blocks (so blocks a connector holds are missed by later requests).
 
 With ``"sigkill": true`` the script writes its result, then kills itself with SIGKILL: no
-shutdown, no close, no exit hook (a crashed or OOM-killed engine). ``"settle_s"`` waits that
-long after the last batch before the counters are read (and the kill).
+shutdown, no close, no exit hook (a crashed or OOM-killed engine). With ``"settle": true``
+the counters are read (and the kill sent) once the write-through copies queued by the last
+batch have run, as ``"settle_through"`` waits before a batch: a condition, not a time.
 
 With ``tensor_parallel_size`` > 1 vLLM runs one worker process per rank (whatever
 "multiprocessing" says; the scheduler stays in this process unless it is true), and each
@@ -85,6 +88,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -376,7 +380,12 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         time.sleep(float(batch.get("wait_s", 0)))
         if batch.get("wait_writes"):
             _wait_writes()
-        waited_s = _wait_serving() if batch.get("wait_serving") else 0.0
+        waited_s = 0.0
+        if batch.get("wait_serving"):
+            if spec.get("multiprocessing") or tp > 1:  # the stores live in the workers' processes
+                waited_s = max(llm.collective_rpc(_wait_serving_worker))
+            else:
+                waited_s = _wait_serving()
         suspended_s = _suspended()  # what the batch starts with (a test's failure shows it)
         th0 = thread_cpu()  # the settling's background copies count in this batch's threads
         if batch.get("settle_through"):
@@ -424,7 +433,11 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         )
         if batch.get("touch"):
             Path(batch["touch"]).touch()
-    time.sleep(float(spec.get("settle_s", 0)))  # e.g. background copies before a SIGKILL
+    if spec.get("settle"):  # the last batch's background copies have run: a condition
+        if spec.get("multiprocessing") or tp > 1:
+            llm.collective_rpc(_settle_worker)
+        else:
+            _settle_through()
     stores: dict[str, Any] = {}
     if spec.get("kv_transfer_config") is not None and not spec.get("multiprocessing"):
         from tiercache.connectors.stores import store_snapshots
@@ -546,17 +559,48 @@ def _suspended() -> list[list[float]]:
     return out
 
 
+def _backing_off() -> Callable[[], list[str]]:
+    """What in this process waits out a back-off, as a function to poll: the stores' circuit
+    breakers (`_suspended`), every Redis tier (a store's or a scheduler's probe) before its
+    retry is due (`RedisTier.retry_at`), and the mediums a KV scheduler's index holds
+    suspended for the workers' breakers. The objects are found once (a scan of the heap)."""
+    import gc
+
+    from tiercache.connectors.vllm_kv.remote_index import RemoteIndex
+    from tiercache.tiers.redis import RedisTier
+
+    found = [o for o in gc.get_objects() if isinstance(o, RedisTier | RemoteIndex)]
+
+    def left() -> list[str]:
+        now = time.monotonic()
+        out = [f"breaker {s}" for s in _suspended() if any(x > 0 for x in s)]
+        for o in found:
+            if isinstance(o, RedisTier) and o.retry_at > now:
+                out.append(f"{o.medium} retry in {o.retry_at - now:.2f} s")
+            elif isinstance(o, RemoteIndex) and o._suspended_mediums():
+                out.append(f"scheduler index: {sorted(o._suspended_mediums())}")
+        return out
+
+    return left
+
+
 def _wait_serving(deadline_s: float = 120) -> float:
-    """Wait until no tier of any store of this process is suspended (a hung tier's back-off
-    ended: it doubles with every trip that follows without a success in between, so its
+    """Wait until nothing in this process waits out a back-off (`_backing_off`: a hung tier's
+    back-off doubles with every trip that follows without a success in between, so its
     length depends on how long the tier hung, not only on `[deadlines] backoff`). Returns
     the seconds waited; RuntimeError after `deadline_s`."""
     t0 = time.monotonic()
-    while any(s > 0 for tiers in _suspended() for s in tiers):
+    left = _backing_off()
+    while waiting := left():
         if time.monotonic() - t0 > deadline_s:
-            raise RuntimeError(f"a tier was still suspended after {deadline_s} s: {_suspended()}")
+            raise RuntimeError(f"still backing off after {deadline_s} s: {waiting}")
         time.sleep(0.05)
     return time.monotonic() - t0
+
+
+def _wait_serving_worker(worker: Any) -> float:
+    """`_wait_serving` in the process that runs vLLM's worker (sent by value)."""
+    return _wait_serving()
 
 
 def _settle_worker(worker: Any) -> None:

@@ -162,7 +162,7 @@ def test_replicas_with_one_config_each_get_an_nvme_instance_and_share_lmdb(
             "multiprocessing": True,
             "kv_transfer_config": _kv(tiers, "kv_both"),
             "batches": batches,
-            "settle_s": 0.5,
+            "settle": True,
         }
 
     # A holds `path` open for its whole run; B starts while it does. A signals B once its

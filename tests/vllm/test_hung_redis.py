@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -98,7 +97,14 @@ def test_a_hung_redis_never_hangs_the_engine(
                     "wait_for": str(stopped),
                     "touch": str(one_done),
                 },
-                {"prompts": second, "max_tokens": 8, "wait_for": str(resumed)},
+                # Once Redis is back and every back-off in B ended (the Redis tier's and
+                # probe's retry, the circuit breaker's, the scheduler's view of it).
+                {
+                    "prompts": second,
+                    "max_tokens": 8,
+                    "wait_for": str(resumed),
+                    "wait_serving": True,
+                },
             ],
         }
     )
@@ -115,7 +121,6 @@ def test_a_hung_redis_never_hangs_the_engine(
         b.wait_for(one_done, 120)
         os.kill(pid, signal.SIGCONT)
         paused = False
-        time.sleep(3.0)  # the Redis tier's and the circuit breaker's back-off end
         resumed.touch()
         result = b.result(300)
     finally:
@@ -123,6 +128,7 @@ def test_a_hung_redis_never_hangs_the_engine(
             os.kill(pid, signal.SIGCONT)
         b.kill()
     _, hung, after = result["batches"]
+    print("waited for the back-offs:", after["waited_s"], "s; started with", after["suspended_s"])
     assert hung["outputs"] == want1  # recomputed, identical
     # Nothing came from the hung Redis: the scheduler's probe (it confirms what the index
     # says a shared tier holds) timed out, or a load missed its deadline; either way vLLM

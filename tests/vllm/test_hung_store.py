@@ -84,7 +84,7 @@ def test_a_hung_store_gives_vllm_its_blocks_back(
         # ... and hits.
         {"prompts": first, "max_tokens": 8, "reset_prefix_cache": True},
     ]
-    common = {"model": str(tiny_llama), "num_gpu_blocks_override": 40, "settle_s": 0.5}
+    common = {"model": str(tiny_llama), "num_gpu_blocks_override": 40, "settle": True}
     kv = engine.tiercache_kv(
         {
             "namespace": "hung-store",
@@ -195,7 +195,7 @@ def test_a_hung_store_gives_vllm_its_blocks_back_through_the_offloading_spec(
         {"prompts": first, "max_tokens": 8, "reset_prefix_cache": True},
         {"prompts": first, "max_tokens": 8, "reset_prefix_cache": True},
     ]
-    common = {"model": str(tiny_llama), "num_gpu_blocks_override": 40, "settle_s": 0.5}
+    common = {"model": str(tiny_llama), "num_gpu_blocks_override": 40, "settle": True}
     nvme = {"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 256}
     if tiers.endswith("write-back"):
         nvme["write_policy"] = "write-back"

@@ -179,5 +179,12 @@ def test_a_restarted_server_hits_what_it_served_before_sigterm(
         srv.sigterm()
 
     print("tokens hit / loadable:", hit)
-    for step, (n, full) in hit.items():
-        assert n >= 0.9 * full, (step, n, full)
+    # A graceful stop closed the cache (its write-through copies ran, then the write-back):
+    # every loadable token hits, exactly.
+    n, full = hit["after SIGTERM, --shutdown-timeout 30"]
+    assert n == full, hit
+    # A force kill races the write-through thread: the blocks it had not copied yet when
+    # the engine died are lost by design (volatile CPU tier), and how many depends on that
+    # race, so no exact figure exists; most of them were copied.
+    n, full = hit["after SIGTERM, default timeout"]
+    assert 0.9 * full <= n <= full, hit

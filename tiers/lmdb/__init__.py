@@ -10,6 +10,8 @@ Primitives (on top of the `Tier` ABC):
   deleted in the next write transaction or at `flush()` (a demotion planned with the
   eviction reads it first); blocks found at open or adopted are only forgotten.
 - `take_gone(keys)`: which failed reads were plain misses (the store evicted the block).
+- `take_evicted()`: the blocks this tier's own write transactions evicted by the store's
+  capacity, by key: the manager drops them from its index and reports them removed.
 - `recover()`: (key, slot) of every stored block, oldest first by the header's write seq.
 - `flush()`, `close()`, `stats()`.
 
@@ -35,7 +37,8 @@ Version 3 adds the "order" database (namespace prefix + order seq -> block key) 
 8-byte order seq after each header in "heads"; "meta" keeps each namespace's block count and
 the environment's next seq. All change in the write transactions that change the blocks
 (`StoreTxn`), so capacity and eviction belong to the store: every transaction that stores
-evicts its namespace's oldest blocks beyond the capacity, whichever process runs it.
+evicts its namespace's oldest blocks beyond the capacity, whichever process runs it. The
+process that runs it reports them (`take_evicted`); every other process finds them gone.
 
 Each tier also records its namespace's capacity and name and an attach entry (pid, host,
 opened at) in "meta" at open, deleting the entry at close (`attach`): what

@@ -99,7 +99,7 @@ class StoreTxn:
         self.seq = self.seq0 = u64(txn.get(SEQ_KEY, db=meta))
         self.counts: dict[bytes, int] = {}  # namespace prefix -> its count (read when used)
         self.dirty: set[bytes] = set()
-        self.evicted = 0
+        self.evicted: list[bytes] = []  # block keys `evict` deleted, oldest first
 
     def count(self, nsb: bytes) -> int:
         c = self.counts.get(nsb)
@@ -145,7 +145,8 @@ class StoreTxn:
         txn.put(nsb + sb, sk[NS_BYTES:], db=self.order)
 
     def evict(self, nsb: bytes, capacity: int) -> None:
-        """Delete the namespace's oldest blocks while it holds more than `capacity`."""
+        """Delete the namespace's oldest blocks while it holds more than `capacity`; their
+        block keys are added to `evicted` (the tier reports them: `LMDBTier.take_evicted`)."""
         if self.count(nsb) <= capacity:
             return
         cur = self.txn.cursor(db=self.order)
@@ -160,7 +161,7 @@ class StoreTxn:
             head = self.txn.get(sk, db=self.heads)
             if head is not None and head_seq(head) == int.from_bytes(ok[NS_BYTES:], "big"):
                 self._drop(sk, head, order_too=False)
-                self.evicted += 1
+                self.evicted.append(sk[NS_BYTES:])
 
     def finish(self) -> None:
         if self.seq != self.seq0:

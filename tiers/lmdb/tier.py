@@ -70,6 +70,7 @@ SYNC_EVERY_S = 5.0
 _RETRIES = 8
 MAP_FULL_TRIES = 9  # a write that finds the map full waits 1+2+...+128 ms for readers to end
 _PARALLEL_MIN_BYTES = 64 * 1024  # blocks at least this big are decoded on the thread pool
+_EVICTED_MAX = 1 << 16  # take_evicted's memory of store evictions nobody took
 
 
 def check_settings(
@@ -159,6 +160,9 @@ class LMDBTier(KeyedTier):
             0,
         )
         self._counts_lock = threading.Lock()
+        # Keys the store evicted by its capacity in this process's writes, not stored again
+        # since: `take_evicted` (under `_counts_lock`; bounded where nobody takes them).
+        self._evicted: set[bytes] = set()
         self._path = prepare_dir(path)
         map_size = map_size_for(capacity_blocks, block_bytes)
         self._shared = attach(self._path, block_bytes, map_size, sync)
@@ -418,10 +422,27 @@ class LMDBTier(KeyedTier):
         except BaseException:
             txn.abort()
             raise
-        if store.evicted:
-            with self._counts_lock:
-                self._counts["store_evictions"] += store.evicted
+        put = [k[NS_BYTES:] for k, i in chunk if i >= 0]
+        with self._counts_lock:
+            self._evicted.difference_update(put)  # stored again: held, not evicted
+            if store.evicted:
+                self._counts["store_evictions"] += len(store.evicted)
+                if len(self._evicted) > _EVICTED_MAX:  # nobody takes them: keep it bounded
+                    self._evicted.clear()
+                self._evicted.update(store.evicted)
         return stored
+
+    def take_evicted(self) -> list[bytes]:
+        """Keys of this namespace the store evicted by its capacity in this tier's write
+        transactions (a namespace holding more than `capacity_blocks` entries: a delete that
+        failed left one, or another process wrote) since the last call, and not stored again
+        since (see `Tier.take_evicted`). Another process's evictions are not seen here: a
+        read finds those blocks gone (`take_gone`)."""
+        with self._counts_lock:
+            if not self._evicted:
+                return []
+            out, self._evicted = list(self._evicted), set()
+        return out
 
     def _txn_clearing(
         self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]

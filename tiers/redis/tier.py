@@ -381,6 +381,14 @@ class RedisTier(KeyedTier):
         return self._up and not self._closed
 
     @property
+    def retry_at(self) -> float:
+        """The `time.monotonic()` time from which calls try Redis again after a failure (its
+        back-off's end; 0.0 while it is reachable): before it they fail fast, and a probe
+        answers 0. Read-only."""
+        with self._lock:
+            return 0.0 if self._up else self._backoff.until
+
+    @property
     def key_prefix(self) -> bytes:
         """prefix + namespace: every block of this store lives under it."""
         return self._kprefix
