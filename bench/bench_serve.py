@@ -513,6 +513,8 @@ def sweep(args: argparse.Namespace, work: Path) -> int:
                 seed = 1000
                 for workload in args.workloads.split(","):
                     for conc, rate in loads:
+                        if workload == "multiturn" and rate != "inf":
+                            continue  # its conversations are closed loops: no rate to set
                         seed += 1
                         before = srv.counters()
                         if workload == "multiturn":
