@@ -37,7 +37,7 @@ failed requests, and the reuse: ``loaded`` (tokens the connector gave the engine
   as reusable although it is not yet finished, so ``reusable`` is an upper bound there and
   ``captured = loaded / reusable`` a lower bound. Per request: these totals / requests.
 
-Writes ``--out``/results.json (every run, with its command) and ``--out``/serve.png
+Writes ``--out``/results.json (every run, with its command), results.md (a table) and serve.png
 (throughput, TTFT p50 and p99 against concurrency, one line per configuration, one column
 per workload). Works on any local model directory (`--model`); without one it writes a
 random Llama of the issue's shape (6 layers, hidden 512, 4 KV heads, fp32;
@@ -541,7 +541,8 @@ def sweep(args: argparse.Namespace, work: Path) -> int:
                         )
     (args.out / "results.json").write_text(json.dumps(_doc(args, runs), indent=1))
     plot(runs, args.out / "serve.png")
-    print(f"wrote {args.out / 'results.json'} and {args.out / 'serve.png'}")
+    (args.out / "results.md").write_text(table(runs))
+    print(f"wrote results.json, results.md and serve.png to {args.out}")
     return 0
 
 
@@ -559,6 +560,27 @@ def _line(r: dict[str, Any]) -> str:
         f"loaded {r['loaded']:.0f} / reusable {r['reusable']:.0f} ({cap}), "
         f"engine hits {r['engine_hits']:.0f}"
     )
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """Every run as a markdown table row."""
+    head = (
+        "| config | workload | conc. | rate | req/s | out tok/s | TTFT p50/p90/p99 ms "
+        "| e2e p50/p90/p99 ms | failed | loaded / reusable tokens (captured) | engine hits |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for r in runs:
+        cap = "-" if r["captured"] is None else f"{r['captured']:.0%}"
+        rows.append(
+            f"| {r['config']} | {r['workload']} | {r['concurrency']} | {r['rate']} "
+            f"| {r['req_s']:.2f} | {r['output_tok_s']:.1f} "
+            f"| {r['ttft_50_ms']:.0f} / {r['ttft_90_ms']:.0f} / {r['ttft_99_ms']:.0f} "
+            f"| {r['e2el_50_ms']:.0f} / {r['e2el_90_ms']:.0f} / {r['e2el_99_ms']:.0f} "
+            f"| {r['failed']} | {r['loaded']:.0f} / {r['reusable']:.0f} ({cap}) "
+            f"| {r['engine_hits']:.0f} |"
+        )
+    return head + "\n".join(rows) + "\n"
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
