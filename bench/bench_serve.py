@@ -548,7 +548,28 @@ def sweep(args: argparse.Namespace, work: Path) -> int:
 
 def _doc(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    return {"argv": sys.argv, "settings": settings, "runs": runs}
+    counters = {
+        c: connector_counters(args.out / f"server-{c}.log")
+        for c in dict.fromkeys(r["config"] for r in runs)
+    }
+    return {"argv": sys.argv, "settings": settings, "runs": runs, "connector": counters}
+
+
+def connector_counters(log: Path) -> dict[str, int]:
+    """The connector's counters over a server's life: the sum of the windows vLLM logs as
+    ``KV Transfer metrics: k=v, ...`` (each line counts since the previous one). Where reuse
+    is lost: ``loading_declined_blocks`` (the cost gate), ``store_skipped_blocks``,
+    ``load_gone_blocks`` (looked up, gone by the load), deadlines, errors."""
+    total: dict[str, int] = {}
+    if not log.exists():
+        return total
+    for line in log.read_text(errors="replace").splitlines():
+        _, sep, rest = line.partition("KV Transfer metrics: ")
+        if not sep:
+            continue
+        for k, v in re.findall(r"(\w+)=(\d+)", rest):
+            total[k] = total.get(k, 0) + int(v)
+    return total
 
 
 def _line(r: dict[str, Any]) -> str:
