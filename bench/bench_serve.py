@@ -539,6 +539,9 @@ def sweep(args: argparse.Namespace, work: Path) -> int:
                         (args.out / "results.json").write_text(
                             json.dumps(_doc(args, runs), indent=1)
                         )
+                # vLLM logs the connector's counters every 10 s, each line since the last:
+                # wait for the line that covers the last run before stopping the server.
+                time.sleep(11)
     (args.out / "results.json").write_text(json.dumps(_doc(args, runs), indent=1))
     plot(runs, args.out / "serve.png")
     (args.out / "results.md").write_text(table(runs))
