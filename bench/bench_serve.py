@@ -45,9 +45,10 @@ tests/vllm/engine.py's `write_tiny_llama`). A model directory without a tokenize
 word-level one (`word_tokenizer`: token i is the word ``t{i}``) so text clients work.
 
 The default run is small: prefix, cpu and nvme, prefix_repetition and multiturn, concurrency
-1, 4, 16, 8 prefixes of 256 tokens + 64-token suffixes, 32 requests (about 8 minutes on a
-loaded 2-core host, most of it server starts and `vllm bench serve`'s own start-up of ~15 s
-per run). ``--configs all`` adds lmdb, redis and lmcache. The issue's sizes:
+1, 4, 16, 8 prefixes of 256 tokens + 64-token suffixes, 32 requests (about 3 minutes per
+configuration on a loaded 2-core host, so about 9 in all, most of it server starts and
+`vllm bench serve`'s own start-up of ~15 s per run). ``--configs all`` adds lmdb, redis and
+lmcache. The issue's sizes:
   --num-prefixes 64 --prefix-len 1024 --suffix-len 64 --num-requests 256 --output-len 8
   --engine-blocks 512 --max-model-len 2048
 
