@@ -1,7 +1,8 @@
 """Leaving blocks: blocks a move is taking out of a tier, still readable from their source slot.
 
-A demotion frees its victim's slot in the same plan that reuses it (the plan's store, or a
-deeper move's copy, writes the next block there). While the move runs, the victim's bytes
+A demotion releases its victim's slot in the same plan that reuses it (the plan's store, or
+a deeper move's copy, writes the next block there; `Tier.release`: the block stays stored
+until `ReleasedSources` has it settled, once the move ends). While the move runs, the victim's bytes
 are still whole in that slot, so a read may be served from it, under three rules:
 - a read pins the source slot (`tiercache.levels.Loads`, `reads`);
 - whoever writes the slot's next block waits until the slot is *busy* no more: neither the
