@@ -40,9 +40,11 @@ FIRST = 12  # the first tier's blocks: full after a few stores
 LOWER = 8192  # the lower tier's: never full here, so nothing is dropped at the bottom
 
 PAIRS: dict[str, list[dict[str, Any]]] = {
+    # Below a volatile tier the default is write-through: write-back makes every CPU
+    # eviction a demotion.
     "cpu-nvme": [
         {"kind": "cpu", "blocks": FIRST},
-        {"kind": "nvme", "blocks": LOWER, "fsync": "always"},
+        {"kind": "nvme", "blocks": LOWER, "fsync": "always", "write_policy": "write-back"},
     ],
     "nvme-lmdb": [
         {"kind": "nvme", "blocks": FIRST, "fsync": "always"},
@@ -52,7 +54,10 @@ PAIRS: dict[str, list[dict[str, Any]]] = {
         {"kind": "nvme", "blocks": FIRST, "fsync": "always"},
         {"kind": "redis", "blocks": LOWER},
     ],
-    "cpu-lmdb": [{"kind": "cpu", "blocks": FIRST}, {"kind": "lmdb", "blocks": LOWER}],
+    "cpu-lmdb": [
+        {"kind": "cpu", "blocks": FIRST},
+        {"kind": "lmdb", "blocks": LOWER, "write_policy": "write-back"},
+    ],
     "cpu-nvme-through": [
         {"kind": "cpu", "blocks": FIRST},
         {"kind": "nvme", "blocks": LOWER, "fsync": "always", "write_policy": "write-through"},
