@@ -232,7 +232,7 @@ def test_copy_rows_matches_model(n: int, row: int, data, loop_min: int) -> None:
 def test_a_split_copy_writes_the_same_rows_as_one_thread(dst_idx: list[int]) -> None:
     """Large loads are halved between the caller and a helper thread (`split=True`); every
     row lands where the unsplit copy puts it, the cut falling inside a run or between runs."""
-    from tiercache.transfer.rows import SPLIT_MIN_BYTES, _halves
+    from tiercache.transfer.rows import SPLIT_MIN_BYTES, halves
 
     row = SPLIT_MIN_BYTES // 32  # 64 rows of these: well past the split threshold
     src = torch.randint(0, 255, (80, 2, row // 2), dtype=torch.uint8)
@@ -243,7 +243,7 @@ def test_a_split_copy_writes_the_same_rows_as_one_thread(dst_idx: list[int]) -> 
     copy_rows(got, dst_idx, src, src_idx, split=True)
     assert torch.equal(got, want)
     runs = [(d, s, 1) for d, s in zip(dst_idx, src_idx, strict=True)]
-    first, second = _halves(runs)
+    first, second = halves(runs)
     assert sorted(first + second) == sorted(runs) and len(first) == len(runs) // 2
-    first, second = _halves([(0, 0, 9), (20, 9, 4)])
+    first, second = halves([(0, 0, 9), (20, 9, 4)])
     assert (first, second) == ([(0, 0, 6)], [(6, 6, 3), (20, 9, 4)])

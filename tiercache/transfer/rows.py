@@ -61,7 +61,7 @@ def paired_runs(dst_idx: Sequence[int], src_idx: Sequence[int]) -> list[tuple[in
     return runs
 
 
-def _halves(
+def halves(
     runs: list[tuple[int, int, int]],
 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """`runs` cut into two lists of (about) equal rows, a run split where the middle falls."""
@@ -204,7 +204,7 @@ def _copy_runs(
         dn, sn = _numpy(dst), _numpy(src)
         if dn is not None and sn is not None:
             helper = _copy_helper() if split else None
-            mine, theirs = _halves(runs) if helper is not None else (runs, [])
+            mine, theirs = halves(runs) if helper is not None else (runs, [])
             done = None
             if helper is not None and theirs:
                 done = helper.submit(_copy_runs, dst, src, theirs, cpu, non_blocking)

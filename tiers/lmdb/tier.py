@@ -253,18 +253,20 @@ class LMDBTier(KeyedTier):
         write txn or flush (not now: a demotion planned with the eviction still reads it);
         one found at open or adopted from another process is only forgotten: the store's
         shared capacity decides when it goes (see the module docstring)."""
-        gone = self._release(slots)
-        if gone:
-            with self._shared.state_lock:
-                self._shared.pending.add(self._nsb + k for k in gone)
-        super().free(slots)
+        self._drop(slots, held=False)
 
     def release(self, slots: Sequence[int]) -> None:
         """`free`, but the deletes of blocks this tier stored wait for `settle`."""
+        self._drop(slots, held=True)
+
+    def _drop(self, slots: Sequence[int], *, held: bool) -> None:
+        """Return slots; the keys of ours they held go to the pending deletes (`held`: to
+        those waiting for `settle`)."""
         gone = self._release(slots)
         if gone:
+            pending = self._shared.pending
             with self._shared.state_lock:
-                self._shared.pending.hold(self._nsb + k for k in gone)
+                (pending.hold if held else pending.add)(self._nsb + k for k in gone)
         super().free(slots)
 
     def settle(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:

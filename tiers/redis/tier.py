@@ -444,23 +444,24 @@ class RedisTier(KeyedTier):
         Redis with the next write or at flush, not now: a demotion planned with the eviction
         reads them. Blocks found at open or adopted are only forgotten: other instances may
         serve them, and the server's maxmemory policy decides when they go."""
+        self._drop(slots, held=False)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """`free`, but the deletes of blocks this instance stored wait for `settle`."""
+        self._drop(slots, held=True)
+
+    def _drop(self, slots: Sequence[int], *, held: bool) -> None:
+        """Return slots; the keys this instance stored there go to the pending deletes
+        (`held`: to those waiting for `settle`)."""
         with self._lock:
             # Only keys we stored (not found, adopted, or a failed write) are to delete.
+            delete = []
             for k in self._release(slots):
                 if k in self._keep:
                     self._keep.discard(k)  # dropped only because Redis was unreachable
                 else:
-                    self._pending.add((k,))
-        super().free(slots)
-
-    def release(self, slots: Sequence[int]) -> None:
-        """`free`, but the deletes of blocks this instance stored wait for `settle`."""
-        with self._lock:
-            for k in self._release(slots):
-                if k in self._keep:
-                    self._keep.discard(k)
-                else:
-                    self._pending.hold((k,))
+                    delete.append(k)
+            (self._pending.hold if held else self._pending.add)(delete)
         super().free(slots)
 
     def settle(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
