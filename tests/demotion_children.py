@@ -33,7 +33,11 @@ def _events(cache: Any) -> list[tuple[str, bool, list[int]]]:
     return [(e.medium, e.removed, [key_id(k) for k in e.keys]) for e in cache.take_events()]
 
 
-def _open(config: dict, bb: int, kill_point: list | None, wrong_order: bool) -> Any:
+def _open(
+    config: dict, bb: int, log: str, kill_point: list | None = None, wrong_order: bool = False
+) -> tuple[Any, LogWriter]:
+    """The cache (armed with the kill point, the old order put back if asked) and its ledger
+    log, with the open event (what the store recovered) logged."""
     from tiercache import TierCache
 
     cache = TierCache.open(config, block_bytes=bb)
@@ -53,7 +57,9 @@ def _open(config: dict, bb: int, kill_point: list | None, wrong_order: bool) -> 
             return real(*args, **kw)
 
         setattr(target, method, hooked)
-    return cache
+    w = LogWriter(log)
+    w.call(events=_events(cache))
+    return cache, w
 
 
 def facade_worker(
@@ -68,9 +74,7 @@ def facade_worker(
 ) -> str:
     """Put chains of 1-4 new blocks; one call in four, get an older block (a promotion into
     the first tier, demoting another). Runs until killed."""
-    cache = _open(config, bb, kill_point, wrong_order)
-    w = LogWriter(log)
-    w.call(events=_events(cache))  # the open event: what the store recovered
+    cache, w = _open(config, bb, log, kill_point, wrong_order)
     rnd = random.Random(seed)
     nxt = first_id
     for _ in range(100_000):
@@ -103,12 +107,10 @@ def connector_worker(
     killed."""
     from tiercache.transfer import KVLayout, TierLoadStoreSpec, build_worker, store_transfers
 
-    cache = _open(config, bb, kill_point, wrong_order)
+    cache, w = _open(config, bb, log, kill_point, wrong_order)
     manager = cache.manager
     engine = torch.zeros((8, bb), dtype=torch.uint8)
     worker = build_worker(KVLayout({"layer.0": engine}, 8), cache.tiers)
-    w = LogWriter(log)
-    w.call(events=_events(cache))
     rnd = random.Random(seed)
     nxt, job = first_id, 0
     for _ in range(100_000):
@@ -147,11 +149,7 @@ def connector_worker(
 def verify(config: dict, bb: int, log: str, ids: list[int]) -> dict[str, list[int]]:
     """Open the store in this fresh process and get each block alone (promotions and their
     demotions logged too): the ids read back exact, and those served with other bytes."""
-    from tiercache import TierCache
-
-    cache = TierCache.open(config, block_bytes=bb)
-    w = LogWriter(log)
-    w.call(events=_events(cache))
+    cache, w = _open(config, bb, log)
     exact: list[int] = []
     wrong: list[int] = []
     try:
