@@ -32,7 +32,16 @@ Sequence numbers: a batch whose number is not the next one opens a gap. With a r
 the router asks for the missing batches; it also asks when it has heard nothing for
 `idle_replay_s`, so a batch lost to ZMQ's slow-joiner window (or a whole quiet stream missed
 by a late subscriber) is fetched without waiting for new traffic. What the publisher's buffer
-no longer holds is counted in `EngineStats.missed`.
+no longer holds is counted in `EngineStats.missed`. A restarted engine numbers from 0 again:
+the router sees it live (a number not above the last one received) or through replay (the
+batch under its last number is not the one it applied, or there is none yet), and starts that
+engine's view afresh (`EngineStats.restarts`). It cannot tell a restart whose first batch it
+sees is numbered exactly one past its last, with no replay to compare.
+
+Scope: `AllBlocksCleared` clears every medium of the engine (vLLM's carries no medium; one
+that carries a ``medium`` clears that one). KV cache groups: a block is held while any group
+holds it (a missing group index is group 0). Hashes with 0.33's lookahead tokens
+(``num_hash_lookahead_tokens``) are not computed by `vllm_block_hashes`.
 """
 
 from __future__ import annotations
@@ -149,6 +158,7 @@ class EngineStats:
     gaps: int  # times a batch arrived whose number was not the next one
     missed: int  # sequence numbers never applied (neither received nor replayed)
     duplicates: int  # batches received again (already applied) and ignored
+    restarts: int  # times the publisher's numbering started over (its engine restarted)
     unknown_events: int  # events of a kind the router does not know, ignored
 
 
@@ -227,8 +237,10 @@ class _View:
     def __init__(self) -> None:
         self.held: dict[str, dict[BlockHashValue, set[int]]] = {}
         self.last_seq: int | None = None
+        self.live_seq: int | None = None  # the last number received on the PUB socket
+        self.last_payload: bytes | None = None  # the last applied batch, as received
         self.batches = self.replayed = self.gaps = self.missed = 0
-        self.duplicates = self.unknown = 0
+        self.duplicates = self.unknown = self.restarts = 0
 
     def apply(self, event: Event) -> None:
         if isinstance(event, Stored):
@@ -265,6 +277,7 @@ class _View:
             self.gaps,
             self.missed,
             self.duplicates,
+            self.restarts,
             self.unknown,
         )
 
@@ -469,7 +482,14 @@ class KVRouter:
         _topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big", signed=True)
         with self._lock:
-            last = self._views[name].last_seq
+            view = self._views[name]
+            # PUB/SUB delivers one publisher's batches once and in order: a number not above
+            # the last one received means a new publisher (a restarted engine) counting from
+            # 0 again. What the old one reported is gone with its process: start afresh.
+            if view.live_seq is not None and seq <= view.live_seq:
+                self._restarted(name)
+            view.live_seq = seq
+            last = view.last_seq
         expected = 0 if last is None else last + 1
         if seq > expected and name in self.replay:
             self._fetch(ctx, dealers, name)  # the missing ones first, in order
@@ -489,18 +509,53 @@ class KVRouter:
             for event in batch.events:
                 view.apply(event)
             view.unknown += batch.unknown
-            view.last_seq = seq
+            view.last_seq, view.last_payload = seq, payload
             view.batches += 1
             view.replayed += replayed
             self._changed.notify_all()
 
     def _fetch(self, ctx: zmq.Context, dealers: dict[str, zmq.Socket], name: str) -> None:
-        """Ask `name`'s replay socket for every batch after the last applied one; apply them
-        in order. A replay that does not end within `replay_timeout_s` is dropped (with its
-        socket, so a late answer cannot be mistaken for the next one's)."""
+        """Ask `name`'s replay socket for the batches from the last applied one on; apply the
+        new ones in order.
+
+        Asking from the last applied batch (not the next) tells a restarted engine from the
+        same one: vLLM's numbering has no epoch, but the same publisher still buffers that
+        batch, byte for byte, while a new one either has not reached its number (nothing
+        comes back) or sent another batch under it. Then the view starts afresh from the new
+        publisher's 0."""
         with self._lock:
-            last = self._views[name].last_seq
-        start = 0 if last is None else last + 1
+            view = self._views[name]
+            last, last_payload = view.last_seq, view.last_payload
+        check = last is not None and last_payload is not None
+        start = 0 if last is None else last if check else last + 1
+        got = self._ask(ctx, dealers, name, start)
+        if got is None:
+            return
+        if check:
+            if got and got[0] == (last, last_payload):
+                got = got[1:]
+            elif not got or got[0][0] == last:
+                self._restarted(name)
+                got = self._ask(ctx, dealers, name, 0)
+                if got is None:
+                    return
+        for seq, payload in got:
+            self._apply(name, seq, payload, replayed=True)
+
+    def _restarted(self, name: str) -> None:
+        with self._changed:
+            view = self._views[name]
+            view.held.clear()
+            view.last_seq = view.last_payload = None
+            view.restarts += 1
+            self._changed.notify_all()
+
+    def _ask(
+        self, ctx: zmq.Context, dealers: dict[str, zmq.Socket], name: str, start: int
+    ) -> list[tuple[int, bytes]] | None:
+        """The replay socket's buffered batches from `start` on, in order; None when the
+        answer does not end within `replay_timeout_s` (the socket is then dropped, so that a
+        late answer cannot be taken for the next one's)."""
         dealer = dealers.get(name)
         if dealer is None:
             dealer = dealers[name] = ctx.socket(zmq.DEALER)
@@ -516,12 +571,11 @@ class KVRouter:
                 continue
             seq = int.from_bytes(frames[2], "big", signed=True)
             if seq == END_SEQ:
-                for s, payload in sorted(got):
-                    self._apply(name, s, payload, replayed=True)
-                return
+                return sorted(got)
             got.append((seq, frames[3]))
         dealer.close(linger=0)
         del dealers[name]
+        return None
 
 
 def vllm_block_hashes(

@@ -195,6 +195,29 @@ def test_router_a_gap_the_replay_buffer_no_longer_holds_is_counted(pubs: Publish
         assert no_replay.held("a") == {"GPU": {100}}
 
 
+def test_router_an_engine_restart_starts_its_view_afresh(pubs: Publishers) -> None:
+    pubs.add("a")
+    with pubs.router() as router:
+        pubs.publish("a", stored([1, 2]))
+        last = pubs.publish("a", stored([3], parent=2))
+        assert router.wait_seq("a", last, WAIT)
+        # The engine restarts: a new publisher on the same sockets numbers from 0 again, and
+        # what the old process held is gone. The router notices it live (a number not above
+        # the last one received) or through replay (seq 1 is not the batch it applied as 1).
+        pubs.pubs["a"].shutdown()
+        pubs.add("a")
+        pubs.publish("a", stored([7]))
+        pubs.publish("a", stored([8], parent=7))
+        pubs.publish("a", removed([7]))
+
+        def fresh() -> bool:
+            return router.stats("a").restarts == 1 and router.held("a") == {"GPU": {8}}
+
+        assert router.wait(fresh, WAIT), (router.stats("a"), router.held("a"))
+        st = router.stats("a")
+        assert (st.last_seq, st.missed) == (2, 0), st
+
+
 def test_router_a_restarted_router_equals_the_live_one(pubs: Publishers) -> None:
     pubs.add("a")
     pubs.add("b")
