@@ -119,8 +119,11 @@ def _load(stem: str) -> ModuleType:
 
 @pytest.fixture(scope="session")
 def engine() -> ModuleType:
-    """The `tests/vllm/engine.py` module."""
-    return _load("engine")
+    """The `tests/vllm/engine.py` module; its engines fork from a zygote that has vLLM
+    imported (`zygote.py`), unless ``TIERCACHE_TEST_ZYGOTE=0``."""
+    module = _load("engine")
+    module.fork_from_zygote(os.environ.get("TIERCACHE_TEST_ZYGOTE", "1") != "0")
+    return module
 
 
 @pytest.fixture(scope="session")
