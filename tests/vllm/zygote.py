@@ -6,7 +6,9 @@ engines. The zygote imports torch and vLLM once; each engine process is forked f
 still a fresh process: its own pid and session, the caller's environment and working directory,
 nothing of tiercache imported and no engine built before it (the zygote only imports), and it
 exits as an interpreter does (non-daemon threads joined, atexit handlers run). What vLLM spawns
-itself (a multiprocess engine's core, TP workers) starts as before.
+itself (a multiprocess engine's core, TP workers) starts as before. Shared with the zygote:
+Python's str-hash seed (set orders); `random` reseeds at fork, and vLLM draws its per-process
+block-hash seed when an engine starts, in the child.
 
 - `Zygote(script, preload)`: runs ``python SCRIPT --zygote``; `start(argv, stdout, stderr)`
   forks ``SCRIPT argv`` and returns a `Forked` (`pid`, `poll()`, `wait(timeout)`, as
