@@ -39,11 +39,14 @@ REDIS_SERVER = shutil.which("redis-server")
 # `config_info`, `on_reset_flushed`, `OffloadingEvent.metadata_only`),
 # `OffloadingWorker.submit_load(expedited)`, the offloading group configs (sliding windows:
 # the OffloadingConnector now stores and loads only the window), KVConnectorBase_V1's optional
-# sleep-mode methods, and `BlockStored.lookahead_token_ids`. The tests below reach those
-# interfaces, or drive vLLM's own classes and scheduler directly; the others test
-# tiercache's behaviour through interfaces 0.32 and 0.33 share (deadlines, fleets, Redis,
-# tensor parallelism, write-around), which 0.32's run covers. Module -> test-name prefixes
-# (None: every test of the module).
+# sleep-mode methods, and `BlockStored.lookahead_token_ids`. Every test that goes through the
+# connector's interface (the KV connector's or the offloading spec's, in an engine or by
+# their halves) runs on 0.33 too: what vLLM calls, in which order and with what, is the
+# installed vLLM's, whatever tiercache behaviour the test is about (issue 47). Left to 0.32:
+# settings refused at start-up, the OpenAI server's tests (the 0.33 overlay lacks its
+# dependencies), the AMX host check, and the tests below that only add a scenario of
+# tiercache's own on the same calls. Module -> test-name prefixes (None: every test of the
+# module).
 EVERY_VLLM: dict[str, tuple[str, ...] | None] = {
     # the connector against vLLM's base class (0.33's sleep-mode methods), worker metadata,
     # TP index and handshakes: no engine, seconds.
@@ -68,18 +71,33 @@ EVERY_VLLM: dict[str, tuple[str, ...] | None] = {
     ),
     # the OffloadingConnector with sliding-window groups (0.33 stores only the window).
     "test_hybrid.py": ("test_offloading_spec_keeps_the_groups",),
-    # smoke: TierCacheConnector end to end in process, cold then served after a prefix-cache
-    # reset, with its KV events (0.33's BlockStored). Not test_b_ (restart on persistent
-    # tiers, in process and multiprocess) nor test_c_ (corrupted store, load errors): on
-    # 0.33 test_tp_layout's engines restart on a persistent store in process (E3) and
-    # multiprocess (E2), and the load-error path (get_block_ids_with_load_errors, the
-    # failure policy) is an interface 0.33 did not change; 0.32 runs both.
-    "test_kv_connector.py": ("test_a_",),
-    # smoke too, and head shards (issue 32): KV stored under one TP size and loaded under
-    # another, in process and multiprocess, TP=1 and TP=2 engines live on one store ("covered
-    # on 0.32 and 0.33"), fresh engines on a persistent store. Not the "rank" and
-    # refused-setting tests: settings, 0.32 covers them.
+    # TierCacheConnector end to end: cold then served after a prefix-cache reset, with its
+    # KV events (0.33's BlockStored); restarts on persistent tiers, in process and
+    # multiprocess (the scheduler's hits from the worker's handshake), and the override
+    # that changes KV. Not test_c_ (corrupted store): the load-error path
+    # (get_block_ids_with_load_errors, the failure policy) is the one test_b_'s multiprocess
+    # engine and test_direct_loads reach.
+    "test_kv_connector.py": ("test_a_", "test_b_"),
+    # head shards (issue 32): KV stored under one TP size and loaded under another, in
+    # process and multiprocess, TP=1 and TP=2 engines live on one store, fresh engines on a
+    # persistent store. Not the "rank" and refused-setting tests: settings, 0.32 covers them.
     "test_tp_layout.py": ("test_tp1_", "test_tp2_"),
+    # fleets: engines sharing one store live (LMDB, Redis with producer/consumer roles;
+    # the scheduler probing the shared tier), replicas of one config, two engines over Redis.
+    "test_fleet_multiprocess.py": None,
+    "test_redis_shared.py": None,
+    # a hung Redis under a multiprocess engine: the scheduler's probe and the worker's
+    # load deadlines, then hits again.
+    "test_hung_redis.py": None,
+    # chains longer than the first tier (write-around), restarts in and across modes, and
+    # write-through surviving a SIGKILL.
+    "test_long_chains.py": None,
+    # a block evicted by another process: the KV connector's and the offloading spec's
+    # worker paths, and two engines on one store.
+    "test_evicted_elsewhere.py": None,
+    # a block moving into a hung tier, served by the KV connector's and the offloading
+    # spec's lookups and loads.
+    "test_moving_reads.py": None,
     # the in-process connector's asynchronous loads straight from a persistent tier under
     # "recompute" (issue 35): the scheduler and worker halves on vLLM's Request, no engine.
     "test_direct_loads.py": None,
@@ -123,8 +141,11 @@ def _load(stem: str) -> ModuleType:
 
 @pytest.fixture(scope="session")
 def engine() -> ModuleType:
-    """The `tests/vllm/engine.py` module."""
-    return _load("engine")
+    """The `tests/vllm/engine.py` module; its engines fork from a zygote that has vLLM
+    imported (`zygote.py`), unless ``TIERCACHE_TEST_ZYGOTE=0``."""
+    module = _load("engine")
+    module.fork_from_zygote(os.environ.get("TIERCACHE_TEST_ZYGOTE", "1") != "0")
+    return module
 
 
 @pytest.fixture(scope="session")

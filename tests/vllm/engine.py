@@ -12,8 +12,10 @@
   events the connector gave vLLM. A batch with
   ``"reset_prefix_cache": true`` resets vLLM's prefix cache after it, once the connector's
   saves of the batch are done (see `_reset_prefix_cache`).
-- `run_in_subprocess(spec, python=sys.executable) -> dict`: the same in a fresh interpreter
-  (what the tests use: every engine starts from a clean process, as a restart would);
+- `run_in_subprocess(spec, python=sys.executable) -> dict`: the same in a fresh process
+  (what the tests use: every engine starts from a clean process, as a restart would; a new
+  interpreter, or after `fork_from_zygote()`, as the tests' conftest sets, a process forked
+  from one that has only imported vLLM: `zygote.py`);
   `start_in_subprocess(spec) -> RunningEngine` starts one without waiting (`.result()`);
   `run_together(specs) -> list[dict]` runs independent engines at once.
 
@@ -704,6 +706,42 @@ def wait_for_file(path: Path, timeout: float = 600) -> None:
         time.sleep(0.05)
 
 
+# What an engine process imports before its spec is read: the zygote imports it once.
+ZYGOTE_PRELOAD = ("torch", "vllm", "vllm.entrypoints.llm", "vllm.inputs", "vllm.config")
+_fork = False
+_zygotes: dict[str, Any] = {}  # python -> its zygote.Zygote
+
+
+def fork_from_zygote(on: bool = True) -> None:
+    """Start engines (`start_in_subprocess` with this interpreter) by forking a zygote that has
+    vLLM imported (`zygote.py`: still a fresh process each, without vLLM's import time), or,
+    off (the default, as benchmarks time start-ups), each in a new interpreter."""
+    global _fork
+    _fork = on
+
+
+def _zygote_module() -> Any:
+    """`zygote.py`, loaded by path (tests/vllm is no package, and this file runs as a script)."""
+    import importlib.util
+
+    name = "tiercache_tests_vllm_zygote"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("zygote.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _zygote(python: str) -> Any:
+    """This session's zygote for `python` (started on first use, again if it died)."""
+    z = _zygotes.get(python)
+    if z is None or z.proc.poll() is not None:
+        z = _zygotes[python] = _zygote_module().Zygote(__file__, python)
+    return z
+
+
 class RunningEngine:
     """An engine process started by `start_in_subprocess`; `result()` waits for its output."""
 
@@ -713,16 +751,19 @@ class RunningEngine:
         spec_path, self._out = Path(self._dir.name, "spec.json"), Path(self._dir.name, "out.json")
         spec_path.write_text(json.dumps(spec))
         # Files, not pipes: a chatty engine never blocks on a full pipe nobody reads yet.
-        logs = [Path(self._dir.name, n).open("w+") for n in ("stdout", "stderr")]  # noqa: SIM115
+        paths = [Path(self._dir.name, n) for n in ("stdout", "stderr")]
+        logs = [p.open("w+") for p in paths]
         self._logs = logs
         # A session of its own: `kill` stops vLLM's engine-core and worker processes too (an
         # orphaned worker spins on its message queue, eating a core, until killed).
-        self.proc = subprocess.Popen(
-            [python, __file__, str(spec_path), str(self._out)],
-            stdout=logs[0],
-            stderr=logs[1],
-            start_new_session=True,
-        )
+        argv = [str(spec_path), str(self._out)]
+        self.proc: Any
+        if _fork and python == sys.executable:
+            self.proc = _zygote(python).start(argv, *paths)
+        else:
+            self.proc = subprocess.Popen(
+                [python, __file__, *argv], stdout=logs[0], stderr=logs[1], start_new_session=True
+            )
 
     def result(self, timeout: float = 300) -> dict[str, Any]:
         """The engine's `run_spec` result; raises with its error lines if it failed."""
@@ -772,21 +813,21 @@ class RunningEngine:
 
 
 def start_in_subprocess(spec: dict[str, Any], python: str = sys.executable) -> RunningEngine:
-    """`run_spec(spec)` in a fresh interpreter, not waited for (engines that run together)."""
+    """`run_spec(spec)` in a fresh process, not waited for (engines that run together)."""
     return RunningEngine(spec, python)
 
 
 def run_in_subprocess(
     spec: dict[str, Any], python: str = sys.executable, timeout: float = 300
 ) -> dict[str, Any]:
-    """`run_spec(spec)` in a fresh interpreter; raises with its stderr tail if it fails."""
+    """`run_spec(spec)` in a fresh process; raises with its stderr tail if it fails."""
     return start_in_subprocess(spec, python).result(timeout)
 
 
 def run_together(
     specs: list[dict[str, Any]], python: str = sys.executable, timeout: float = 600
 ) -> list[dict[str, Any]]:
-    """`run_spec` of every spec at once, each in a fresh interpreter, and their results in
+    """`run_spec` of every spec at once, each in a fresh process, and their results in
     order; the first failure raises, and every engine still running is killed. Only for
     engines whose order does not matter (e.g. a baseline without a connector beside an
     engine with one, or engines on stores of their own): on two cores an engine's start-up
@@ -810,6 +851,9 @@ def _errors_of(log: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv[1:] == ["--zygote"]:  # engines forked from here (`fork_from_zygote`)
+        _zygote_module().serve(lambda args: main([argv[0], *args]), ZYGOTE_PRELOAD)
+        return 0
     if len(argv) != 3:
         print(f"usage: {argv[0]} SPEC.json OUT.json", file=sys.stderr)
         return 2
