@@ -43,10 +43,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 
-from tiercache.admission import Sightings, admit_flags
-from tiercache.breaker import CircuitBreaker
-from tiercache.leaving import LeavingBlocks, ReleasedSources
-from tiercache.levels import Level, Loads, TierCounters, count_lookup, first_tiers, not_ready, unpin
 from tiercache.policies import EvictionPolicy
 from tiercache.records import (
     BlockMove,
@@ -56,8 +52,13 @@ from tiercache.records import (
     StoreSpec,
     TierWrite,
 )
-from tiercache.through_queue import ThroughQueue
 from tiercache.tiers import Tier
+
+from .admission import Sightings, admit_flags
+from .breaker import CircuitBreaker
+from .leaving import LeavingBlocks, ReleasedSources
+from .levels import Level, Loads, TierCounters, count_lookup, first_tiers, not_ready, unpin
+from .through_queue import ThroughQueue
 
 __all__ = ["OffloadingManager", "TierCounters"]  # TierCounters: tiercache.levels, re-exported
 
