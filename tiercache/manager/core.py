@@ -12,37 +12,43 @@ OffloadingManager shape, on 16-byte prefix keys):
   blocks into write-through tiers, queued (bounded, `through_queue`), run off the caller's path;
 - admission on reuse (per tier): a block enters such a tier (demotion, write-around,
   write-through) only once it has been sighted twice (stored or loaded), remembered in a
-  bounded ghost map of keys (`tiercache.admission.Sightings`);
+  bounded ghost map of keys (`admission.Sightings`);
 - `prepare_promote(keys)`: copies of lower-tier hits into the first tier; `discard(keys)`:
   drop blocks found corrupt; `take_events()`; `stats()`; a read-only tier is written never;
-- `suspend(tier)` / `record_ok(tier)`: the circuit breaker (`tiercache.breaker`). A tier that
+- `suspend(tier)` / `record_ok(tier)`: the circuit breaker (`breaker`). A tier that
   missed a load deadline is skipped by lookups (and by loads, where a faster or slower copy
   exists) for a back-off period, then tried again by itself.
-- leaving blocks (`tiercache.leaving`): a block that `plan_write_through` or
+- leaving blocks (`leaving`): a block that `plan_write_through` or
   `prepare_store(leaving=True)` demotes stays readable from its source slot until its move
   completes or is given up: `lookup_ready` and `prepare_load` with `leaving=True` serve it
   from there and pin that slot; the plan's runner writes the slot's next block only once
   `reading(tier, slots)` is False (a slot freed meanwhile goes back to its tier when the last
   read ends). Adapters' plans run on a transfer engine whose store into the slot waits only
   for the move's read: their blocks are not served while they move.
-- dormant blocks: what a persistent tier recovered at open without handing it over
-  (`Tier.open_columns`, tiers/dormant.py). The manager keeps no state for them: a lookup or a
-  store that reaches one wakes it (adopts it, in every tier holding it dormant), and a tier
-  that needs room wakes its oldest ones first as its policy's first victims. `where` (and
-  `first_tiers`, over many keys) wakes the block it is asked about (its caller is about to
-  use it); `holds` and `count_ready` see dormant blocks without waking them.
+- blocks a tier holds unindexed (`adoption`): dormant ones, recovered at open without being
+  handed over, are woken by a lookup or a store that reaches them, and by their tier when it
+  needs room (as its policy's first victims); a lookup miss asks the shared tiers for blocks
+  other processes stored. `where` (and `first_tiers`, over many keys) wakes the block it is
+  asked about (its caller is about to use it); `holds` and `count_ready` see dormant blocks
+  without waking them.
 
 Invariants: a block being stored is invisible to lookup until complete_store(success=True);
 a pinned block is never evicted; a key already held is not stored again; a prepare that
 returns None or raises changes no state (it may wake dormant blocks, which changes no
 answer); a key the manager indexes is dormant in no tier. The per-tier state (`Level`:
-slots, pins, policy, counters) and the outstanding loads (`Loads`) are `tiercache.levels`.
+slots, pins, policy, counters) and the outstanding loads (`Loads`) are `levels`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 
+from tiercache.manager.admission import Sightings, admit_flags
+from tiercache.manager.adoption import Adoption
+from tiercache.manager.breaker import CircuitBreaker
+from tiercache.manager.leaving import LeavingBlocks, ReleasedSources
+from tiercache.manager.levels import Level, Loads, TierCounters, count_lookup, not_ready, unpin
+from tiercache.manager.through_queue import ThroughQueue
 from tiercache.policies import EvictionPolicy
 from tiercache.records import (
     BlockMove,
@@ -54,13 +60,7 @@ from tiercache.records import (
 )
 from tiercache.tiers import Tier
 
-from .admission import Sightings, admit_flags
-from .breaker import CircuitBreaker
-from .leaving import LeavingBlocks, ReleasedSources
-from .levels import Level, Loads, TierCounters, count_lookup, first_tiers, not_ready, unpin
-from .through_queue import ThroughQueue
-
-__all__ = ["OffloadingManager", "TierCounters"]  # TierCounters: tiercache.levels, re-exported
+__all__ = ["OffloadingManager", "TierCounters"]  # TierCounters: levels, re-exported
 
 
 def _seq(keys: Iterable[bytes]) -> Sequence[bytes]:
@@ -106,9 +106,6 @@ class OffloadingManager:
         # Outstanding loads: where each reads, and the slots (leaving blocks' too) they pin.
         self._loads = Loads(self._levels)
         self._events: list[OffloadingEvent] = []
-        # Tiers other processes write into: a lookup miss asks them (see _discover).
-        self._shared = [lv for lv in self._levels if lv.tier.shared]
-        self._lone = self._levels[0] if self._single and self._shared else None
         # Write-through: per tier, keys waiting for their copy (oldest first, bounded), and
         # the source (tier, key) pinned by each copy in flight.
         self._through = ThroughQueue(write_through, len(tiers), write_through_queue)
@@ -120,18 +117,12 @@ class OffloadingManager:
         self._seen = Sightings(
             max((lv.tier.capacity_blocks for lv in self._levels if admit[lv.index]), default=0)
         )
-        for level in self._levels:
-            self._adopt(level, *level.tier.open_columns())
-        # Tiers holding blocks dormant since their open (tiers/dormant.py): no per-key state
-        # here until a lookup or a store reaches a key (`_wake_run`, `_wake_keys`) or the
-        # tier needs room (`_wake_oldest`: dormant blocks are the least recently used). Their
-        # stored event keeps its place in the queue, its keys listed when it is taken or
-        # before a slot of theirs is freed (`_send_open`).
-        self._sleepers = [lv for lv in self._levels if lv.tier.dormant_blocks]
-        self._open_marks: dict[int, int] = {}  # tier -> its open event's place in _events
-        for level in self._sleepers:
-            self._open_marks[level.index] = len(self._events)
-            self._events.append(OffloadingEvent((), level.medium, False))
+        # What the tiers hold unindexed: recovered at open (adopted now, or dormant), or
+        # stored by other processes into shared tiers (see the module doc).
+        index = (self._ready, self._present, self._moving, self._events)
+        self._adoption = Adoption(self._levels, *index)
+        # The only tier, shared: a one-key first lookup takes `Adoption.take_one`.
+        self._lone = self._levels[0] if self._single and self._adoption.shared else None
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -149,16 +140,15 @@ class OffloadingManager:
         mask = self._ready.get(key, 0)
         if not mask and leaving and key in self._leaving:
             return [self._leaving[key][0]]
-        asleep = not mask and self._sleepers and key not in self._present
-        if asleep and key not in self._moving and self._wake_keys((key,)):
-            mask = self._ready.get(key, 0)
+        mask = mask or self._adoption.wake_one(key)
         return [lv.index for lv in self._levels if mask & lv.bit]
 
     def first_tiers(
         self, keys: Sequence[bytes], *, leaving: bool = False, stop: bool = False
     ) -> list[int]:
-        """`where(k, leaving=leaving)[0]` of each of `keys`, in one pass (levels.first_tiers)."""
-        return first_tiers(self._ready, lambda k: self.where(k, leaving=leaving), keys, stop)
+        """`where(k, leaving=leaving)[0]` of each of `keys` (-1: held nowhere), in one pass;
+        `stop`: only up to the first key held nowhere (`Adoption.first_tiers`)."""
+        return self._adoption.first_tiers(keys, self._leaving if leaving else {}, stop)
 
     def is_pending(self, key: bytes) -> bool:
         """Whether `key` is held but not ready anywhere: its store (or a move) is in flight,
@@ -189,25 +179,22 @@ class OffloadingManager:
         move) in flight."""
         if key in self._present or key in self._moving:
             return True
-        return any(lv.tier.find_dormant((key,))[0] >= 0 for lv in self._sleepers)
+        return self._adoption.holds_dormant((key,)) > 0
 
     def count_ready(self, keys: Iterable[bytes]) -> int:
         """How many of `keys` are ready in some tier, dormant blocks included (no stats, no
         ordering, nothing woken)."""
         keys, ready = _seq(keys), self._ready
-        if not self._sleepers:
+        if not self._adoption.sleepers:
             return sum(1 for k in keys if k in ready)
         rest = [k for k in keys if k not in ready]
-        found = [False] * len(rest)
-        for lv in self._sleepers:
-            found = [f or s >= 0 for f, s in zip(found, lv.tier.find_dormant(rest), strict=True)]
-        return len(keys) - len(rest) + sum(found)
+        return len(keys) - len(rest) + self._adoption.holds_dormant(rest)
 
     # -- lookup and load -------------------------------------------------------------------
     def lookup(self, keys: Iterable[bytes], *, count: bool = True) -> int | None:
         """Number of leading keys ready in any tier; None when the chain continues with a block
         that is moving between tiers (it will be ready again shortly). On a miss, shared tiers
-        are asked for blocks another process stored since they opened (see `_discover`).
+        are asked for blocks another process stored since they opened (`Adoption.probe`).
 
         Each key counts as a hit or a miss per tier, unless `count` is False (a caller asking
         again within one request, e.g. the facade's `get` after its `lookup`)."""
@@ -224,19 +211,19 @@ class OffloadingManager:
         (the caller loads with `prepare_load(leaving=True)`)."""
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)  # `_seq`, inline: hot
         off = self._breaker.mask()
-        lone = self._lone
+        lone, adoption = self._lone, self._adoption
         if (
             lone is not None
             and len(keys) == 1
             and keys[0] not in self._ready  # (the loop below asks again: a dict now cached)
             and keys[0] not in lone.slots  # nor held (its store in flight): `present`
-            and not (off or self._sleepers or self._leaving)
+            and not (off or adoption.sleepers or self._leaving)
             and keys[0] not in self._moving
             and lone.tier.free_blocks
         ):
             # A first lookup of one key after a lazy open: what the rest does for it (the
             # loop's `_discover`: probe, then adopt; the counting) without their steps.
-            return lone.take_one(self._ready, keys, self._events, count), False  # not moving
+            return adoption.take_one(lone, keys, count), False  # not moving
         get = self._ready.get
         out = self._leaving if leaving else None
         if off or out:  # suspended tiers serve nothing: a block held only there is a miss
@@ -257,8 +244,8 @@ class OffloadingManager:
         # tier holds unindexed, then dormant again (a chain spread over an NVMe and an
         # LMDB tier after a restart): each step indexes at least one key, so this ends.
         while n < len(keys) and (
-            (self._sleepers and self._wake_run(keys, n))
-            or (self._shared and keys[n] not in self._moving and self._discover(keys, n, off))
+            (adoption.sleepers and adoption.wake_run(keys, n))
+            or (adoption.shared and keys[n] not in self._moving and self._discover(keys, n, off))
         ):
             while n < len(keys) and get(keys[n]):
                 n += 1
@@ -272,120 +259,22 @@ class OffloadingManager:
         return n, bool(missed) and keys[n] in self._moving
 
     def _discover(self, keys: Sequence[bytes], n: int, off: int = 0) -> int:
-        """`lookup` missed at keys[n]: ask the shared tiers, fastest first, for blocks another
-        process stored there after they opened, and adopt the leading run one of them holds.
-        Room comes from free slots; in the last tier also from eviction (its victims just
-        go, as when it stores). Suspended tiers (`off`) are not asked. Returns how many keys
-        became ready."""
-        present = self._present
-        tail = keys[n:] if n else keys
-        for i, k in enumerate(tail):
-            if k in present:  # held here already, its store or move still in flight
-                tail = tail[:i]
-                break
-        for lv in self._shared if tail else ():
-            if off & lv.bit:
-                continue
-            tier = lv.tier
-            found = tier.probe(tail)
-            if not found:
-                continue
-            free = tier.free_blocks
-            if found > free and lv is self._levels[-1]:
-                self._wake_oldest(lv, found - free)
-                victims = lv.policy.evict(found - free, lv.protected(keys))
+        """`lookup` missed at keys[n]: adopt the leading run that a shared tier (fastest
+        first, none in the breaker mask `off`) holds unindexed (`Adoption.probe`, `take`).
+        Room comes from free slots; in the last tier also from eviction (its victims just go,
+        as when it stores). Returns how many keys became ready."""
+        adoption, last = self._adoption, self._levels[-1]
+        for lv, tail, found in adoption.probe(keys, n, off):
+            need = found - lv.tier.free_blocks
+            if need > 0 and lv is last:
+                adoption.wake_oldest(lv, need)
+                victims = lv.policy.evict(need, lv.protected(keys))
                 if victims:
                     self._evict(lv, victims, [])
-                free = tier.free_blocks
-            take = tail if found == len(tail) <= free else tail[: min(found, free)]
-            took = self._adopt_found(lv, take) if take else 0
+            took = adoption.take(lv, tail, found)
             if took:
                 return took
         return 0
-
-    def _adopt_found(self, lv: Level, take: Sequence[bytes]) -> int:
-        """Adopt `take`, leading keys a probe of shared `lv` found (room made): how many."""
-        slots, n = lv.tier.adopt(take), len(take)
-        if not slots:
-            return 0
-        # Tail first into the policy, so the chain's head ends up most recently used.
-        self._adopt(lv, take[::-1], slots[::-1]) if n > 1 else self._adopt(lv, take, slots)
-        lv.counters.discovered += n
-        return n
-
-    def _wake_run(self, keys: Sequence[bytes], n: int) -> int:
-        """`lookup` stopped at keys[n]: take over the leading run of the keys from there that
-        no tier indexes here but some tier holds dormant, in every tier holding each (the
-        chain's head ends up most recently used). Returns the run's length."""
-        present, moving = self._present, self._moving
-        tail: list[bytes] = []
-        for k in keys[n:]:
-            if k in present or k in moving:
-                break
-            tail.append(k)
-        if not tail:
-            return 0
-        if len(self._sleepers) == 1:  # one persistent tier: the same run, no per-tier lists
-            lv = self._sleepers[0]
-            slots = lv.tier.find_dormant(tail)
-            run = 0
-            while run < len(tail) and slots[run] >= 0:
-                run += 1
-            return self._wake(lv, tail[:run], slots[:run])
-        found = [(lv, lv.tier.find_dormant(tail)) for lv in self._sleepers]
-        run = 0
-        while run < len(tail) and any(slots[run] >= 0 for _, slots in found):
-            run += 1
-        self._wake_found(tail[:run], found)
-        return run
-
-    def _wake_keys(self, keys: Sequence[bytes], skip: Level | None = None) -> int:
-        """Take over every one of `keys` (distinct, none indexed here) some tier other than
-        `skip` holds dormant; returns how many copies were woken."""
-        found = [(lv, lv.tier.find_dormant(keys)) for lv in self._sleepers if lv is not skip]
-        return self._wake_found(keys, found)
-
-    def _wake_found(self, keys: Sequence[bytes], found: list[tuple[Level, list[int]]]) -> int:
-        """Wake, in each level, those of `keys` its `find_dormant` answer (slots, -1 for
-        none; it may run past `keys`) gives a slot; returns how many copies were woken."""
-        woken = 0
-        for lv, slots in found:
-            here = [i for i in range(len(keys)) if slots[i] >= 0]
-            woken += self._wake(lv, [keys[i] for i in here], [slots[i] for i in here])
-        return woken
-
-    def _wake(self, level: Level, keys: Sequence[bytes], slots: Sequence[int]) -> int:
-        """Take over dormant blocks `keys` in `slots` of `level`, the first most recently
-        used."""
-        if not keys:
-            return 0
-        level.tier.wake(slots)
-        self._adopt(level, list(keys[::-1]), list(slots[::-1]), event=False)
-        if not level.tier.dormant_blocks:
-            self._sleepers.remove(level)
-        return len(keys)
-
-    def _wake_oldest(self, level: Level, n: int) -> None:
-        """`level` must evict `n` blocks: its oldest dormant ones (least recently used) are
-        taken over first, as its policy's first victims, and their copies dormant in other
-        tiers with them (a key is held dormant nowhere once it is indexed here)."""
-        if n <= 0 or not level.tier.dormant_blocks:
-            return
-        keys, slots = level.tier.wake_oldest(n)
-        if not level.tier.dormant_blocks:
-            self._sleepers.remove(level)
-        self._adopt(level, keys, slots, event=False, cold=True)
-        if self._sleepers:
-            self._wake_keys(keys, skip=level)
-
-    def _send_open(self, level: Level) -> None:
-        """List the keys of `level`'s open event (left dormant at open), in its place in the
-        queue: when events are taken, or before a slot of the level is freed (a write into
-        it would change the key the tier reads there)."""
-        at = self._open_marks.pop(level.index, None)
-        if at is not None:
-            keys = tuple(level.tier.open_keys())
-            self._events[at] = OffloadingEvent(keys, level.medium, False)
 
     def prepare_load(self, keys: Iterable[bytes], *, leaving: bool = False) -> LoadSpec:
         """Pin each key in the fastest tier where it is ready and say where it lives.
@@ -464,7 +353,8 @@ class OffloadingManager:
         if len(distinct) != len(keys):
             raise ValueError("prepare_store: keys contain duplicates")
         new = [k for k in keys if k not in present]
-        if new and self._sleepers and self._wake_keys(new):  # held dormant: not stored again
+        adoption = self._adoption
+        if new and adoption.sleepers and adoption.wake_keys(new):  # held dormant: not stored again
             new = [k for k in keys if k not in present]
         seen_before = self._seen.sight(new) if self._admit_mask and new else None
         # A suspended tier (its circuit breaker open: it hung) takes no store: its blocks would
@@ -533,7 +423,7 @@ class OffloadingManager:
         if need > 0:
             if len(keys) > tier.capacity_blocks:
                 return None
-            self._wake_oldest(level, need)
+            self._adoption.wake_oldest(level, need)
             victims = level.policy.evict(need, level.protected(protect))
             if victims is None:
                 return None
@@ -579,7 +469,7 @@ class OffloadingManager:
             first.policy.on_miss(new)
         victims: list[bytes] = []
         if need > 0:
-            self._wake_oldest(first, need)
+            self._adoption.wake_oldest(first, need)
             got = first.policy.evict(need, first.protected(protect))
             if got is None:  # a policy that refuses what it holds unprotected (see Level.evictable)
                 return None
@@ -607,8 +497,8 @@ class OffloadingManager:
         """Remove `victims` (already taken out of the policy) from `level`, demoting those no
         lower tier holds into the next tier that takes them. Deeper moves are appended before
         this level's move: the slots they free may be the ones this level's move writes into."""
-        if self._open_marks:
-            self._send_open(level)
+        if self._adoption.open_marks:
+            self._adoption.send_open(level)
         slots_of = level.slots
         ready, present = self._ready, self._present
         if self._single:  # each victim is ready here and nowhere else: it just goes
@@ -914,8 +804,8 @@ class OffloadingManager:
                 if k in lv.pins:
                     raise ValueError(f"discard: block {k.hex()} is being loaded from {lv.medium}")
         dropped = 0
-        for lv in levels if self._open_marks else ():
-            self._send_open(lv)
+        for lv in levels if self._adoption.open_marks else ():
+            self._adoption.send_open(lv)
         ready, present = self._ready, self._present
         # With one tier, `present` is the slot map, updated by the del below.
         masks = (ready,) if self._single else (ready, present)
@@ -939,23 +829,6 @@ class OffloadingManager:
                 dropped += len(gone)
                 self._events.append(OffloadingEvent(tuple(gone), lv.medium, True))
         return dropped
-
-    def _adopt(
-        self,
-        level: Level,
-        keys: Sequence[bytes],
-        slots: Sequence[int],
-        *,
-        event: bool = True,
-        cold: bool = False,
-    ) -> None:
-        """Take over blocks a persistent tier recovered on open (or a shared tier's probe
-        found, or a dormant block woken), oldest first (`Level.adopt`; `cold`: as the policy's
-        first victims). `event`: emit their stored event (a woken block's was at open)."""
-        if keys:
-            level.adopt(self._ready, self._present, keys, slots, single=self._single, cold=cold)
-            if event:
-                self._events.append(OffloadingEvent(tuple(keys), level.medium, False))
 
     def record_error(self, tier: int, n: int = 1) -> None:
         """Count failed transfers or verifications against a tier."""
@@ -981,12 +854,13 @@ class OffloadingManager:
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call, oldest first; blocks a store dropped by its own
         capacity (`Tier.take_evicted`) leave the index first (a pinned one: its read drops it)."""
-        for index in list(self._open_marks):
-            self._send_open(self._levels[index])
+        for index in list(self._adoption.open_marks):
+            self._adoption.send_open(self._levels[index])
         for lv in self._levels:
             if gone := [k for k in lv.tier.take_evicted() if k not in lv.pins]:
                 self.discard(gone, lv.index)
-        events, self._events = self._events, []
+        events = self._events[:]  # the list itself is shared with `Adoption`
+        self._events.clear()
         return events
 
     def stats(self) -> dict[str, dict[str, int]]:
