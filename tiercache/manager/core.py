@@ -41,13 +41,15 @@ slots, pins, policy, counters) and the outstanding loads (`Loads`) are `levels`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-from tiercache.manager.admission import Sightings, admit_flags
+from tiercache.manager.admission import Admission
 from tiercache.manager.adoption import Adoption
 from tiercache.manager.breaker import CircuitBreaker
+from tiercache.manager.copies import Copies
 from tiercache.manager.leaving import LeavingBlocks, ReleasedSources
 from tiercache.manager.levels import Level, Loads, TierCounters, count_lookup, not_ready, unpin
+from tiercache.manager.placement import Placement
 from tiercache.manager.through_queue import ThroughQueue
 from tiercache.policies import EvictionPolicy
 from tiercache.records import (
@@ -55,8 +57,6 @@ from tiercache.records import (
     LoadSpec,
     OffloadingEvent,
     PrepareStoreOutput,
-    StoreSpec,
-    TierWrite,
 )
 from tiercache.tiers import Tier
 
@@ -109,20 +109,29 @@ class OffloadingManager:
         # Write-through: per tier, keys waiting for their copy (oldest first, bounded), and
         # the source (tier, key) pinned by each copy in flight.
         self._through = ThroughQueue(write_through, len(tiers), write_through_queue)
-        admit = admit_flags(admit_on_reuse, len(tiers))
-        self._admit_mask = sum(lv.bit for lv in self._levels if admit[lv.index])
-        # Tiers a demotion asks (`_admitted`): admitting on reuse, or read-only.
-        self._gated = self._admit_mask | sum(lv.bit for lv in self._levels if lv.tier.read_only)
-        # The admission ghosts: sightings of as many keys as the largest admitting tier holds.
-        self._seen = Sightings(
-            max((lv.tier.capacity_blocks for lv in self._levels if admit[lv.index]), default=0)
-        )
+        self._admission = Admission(self._levels, admit_on_reuse)
         # What the tiers hold unindexed: recovered at open (adopted now, or dormant), or
         # stored by other processes into shared tiers (see the module doc).
         index = (self._ready, self._present, self._moving, self._events)
         self._adoption = Adoption(self._levels, *index)
         # The only tier, shared: a one-key first lookup takes `Adoption.take_one`.
         self._lone = self._levels[0] if self._single and self._adoption.shared else None
+        # Slot reservation, eviction, demotion; write-through and write-back copies.
+        self._placement = Placement(
+            *(self._levels, *index),
+            leaving=self._leaving,
+            released=self._released,
+            breaker=self._breaker,
+            admission=self._admission,
+            adoption=self._adoption,
+        )
+        self._copies = Copies(
+            *(self._levels, self._ready, self._present),
+            through=self._through,
+            admission=self._admission,
+            breaker=self._breaker,
+            placement=self._placement,
+        )
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -270,7 +279,7 @@ class OffloadingManager:
                 adoption.wake_oldest(lv, need)
                 victims = lv.policy.evict(need, lv.protected(keys))
                 if victims:
-                    self._evict(lv, victims, [])
+                    self._placement.evict(lv, victims, [])
             took = adoption.take(lv, tail, found)
             if took:
                 return took
@@ -286,10 +295,10 @@ class OffloadingManager:
         keys = tuple(keys)
         if self._single:
             return self._prepare_load_single(keys)
-        if self._admit_mask:
-            self._seen.sight(keys)
+        if self._admission.mask:
+            self._admission.seen.sight(keys)
             if self._through.tiers:  # reused now: admitted where it was kept out at its store
-                self._queue_through(0, [k for k in keys if k in self._ready])
+                self._copies.queue(0, [k for k in keys if k in self._ready])
         get = self._ready.get
         off = self._breaker.mask()
         out = self._leaving if leaving else {}
@@ -356,81 +365,18 @@ class OffloadingManager:
         adoption = self._adoption
         if new and adoption.sleepers and adoption.wake_keys(new):  # held dormant: not stored again
             new = [k for k in keys if k not in present]
-        seen_before = self._seen.sight(new) if self._admit_mask and new else None
+        seen = self._admission.seen
+        seen_before = seen.sight(new) if self._admission.mask and new else None
         # A suspended tier (its circuit breaker open: it hung) takes no store: its blocks would
         # hold the engine's until it came back. They go around it, or are not stored.
         off = self._breaker.mask()
         with self._leaving.plan(leaving):
-            plan = None if off & 1 else self._reserve_first_tier(new, distinct)
+            plan = None if off & 1 else self._placement.first_tier(new, distinct)
             if plan is None and new:
-                plan = self._reserve_around(new, distinct, off)
+                plan = self._placement.around(new, distinct, off)
         if plan is None and seen_before is not None:  # a refusal changes nothing
-            self._seen.unsight(seen_before)
+            seen.unsight(seen_before)
         return plan
-
-    def _reserve_around(
-        self, new: list[bytes], protect: Collection[bytes], off: int = 0
-    ) -> PrepareStoreOutput | None:
-        """`new` does not fit the first tier: its head goes there as far as room can be made,
-        the rest into the lower tiers in order, each making room through its policy. Tiers
-        in the breaker mask `off` are skipped."""
-        first = self._levels[0]
-        room = 0 if off & first.bit else self._room(first, protect, len(new))
-        head, rest = new[:room], new[room:]
-        plan = self._reserve_first_tier(head, protect) if head else None
-        moves = list(plan.moves) if plan is not None else []
-        around: list[TierWrite] = []
-        for lv in self._levels[1:]:
-            if not rest:
-                break
-            if off & lv.bit:
-                continue
-            fit = self._admitted(lv, rest)
-            take = fit[: self._room(lv, protect, len(fit))]
-            slots = self._make_room(lv, take, protect, moves) if take else None
-            if slots is None:
-                continue
-            lv.hold(self._present, take, slots)
-            around.append(TierWrite(tuple(take), StoreSpec(lv.index, lv.medium, tuple(slots))))
-            taken = set(take)
-            rest = [k for k in rest if k not in taken]
-        if plan is None and not around:
-            return None
-        if plan is None:
-            plan = PrepareStoreOutput((), StoreSpec(0, first.medium, ()), ())
-        return PrepareStoreOutput(
-            keys_to_store=plan.keys_to_store,
-            store_spec=plan.store_spec,
-            evicted_keys=plan.evicted_keys,
-            moves=tuple(moves),
-            around=tuple(around),
-        )
-
-    def _room(self, level: Level, protect: Collection[bytes], want: int) -> int:
-        """How many of `want` new blocks `level` can take: free slots plus evictable ones."""
-        free = level.tier.free_blocks
-        if want <= free:
-            return want
-        return min(want, free + level.evictable(self._ready, protect, want - free))
-
-    def _make_room(
-        self, level: Level, keys: list[bytes], protect: Collection[bytes], moves: list[BlockMove]
-    ) -> list[int] | None:
-        """Slots for `keys` in `level`, its policy's victims leaving (demoted further down by
-        `moves`); None, changing nothing, if it cannot make the room."""
-        tier = level.tier
-        need = len(keys) - tier.free_blocks
-        if need > 0:
-            if len(keys) > tier.capacity_blocks:
-                return None
-            self._adoption.wake_oldest(level, need)
-            victims = level.policy.evict(need, level.protected(protect))
-            if victims is None:
-                return None
-            self._evict(level, victims, moves)
-        slots = tier.allocate(keys)
-        assert slots is not None, f"{level.medium} ran out of slots after eviction"
-        return slots
 
     def prepare_promote(
         self, keys: Iterable[bytes], *, leaving: bool = False
@@ -451,143 +397,7 @@ class OffloadingManager:
         if not todo:
             return None
         with self._leaving.plan(leaving):
-            return self._reserve_first_tier(todo, keys)
-
-    def _reserve_first_tier(
-        self, new: list[bytes], protect: Collection[bytes]
-    ) -> PrepareStoreOutput | None:
-        first = self._levels[0]
-        tier = first.tier
-        need = len(new) - tier.free_blocks
-        # Refusals first, before the policy hears of the miss: a None changes nothing, ARC's
-        # p and ghost lists included.
-        if need > 0 and (
-            len(new) > tier.capacity_blocks or first.evictable(self._ready, protect, need) < need
-        ):
-            return None
-        if new:  # before evict: ARC adapts p for ghost hits first, as the paper orders it
-            first.policy.on_miss(new)
-        victims: list[bytes] = []
-        if need > 0:
-            self._adoption.wake_oldest(first, need)
-            got = first.policy.evict(need, first.protected(protect))
-            if got is None:  # a policy that refuses what it holds unprotected (see Level.evictable)
-                return None
-            victims = got
-        # From here on nothing fails: every state change below is committed together.
-        moves: list[BlockMove] = []
-        if victims:
-            self._evict(first, victims, moves)
-        slots = tier.allocate(new)
-        assert slots is not None, "first tier ran out of slots after eviction"
-        first.slots.update(zip(new, slots, strict=True))  # with one tier: `present` too
-        if not self._single:
-            present = self._present
-            bit = first.bit
-            for k in new:
-                present[k] = present.get(k, 0) | bit
-        return PrepareStoreOutput(
-            keys_to_store=tuple(new),
-            store_spec=StoreSpec(0, first.medium, tuple(slots)),
-            evicted_keys=tuple(victims),
-            moves=tuple(moves),
-        )
-
-    def _evict(self, level: Level, victims: list[bytes], moves: list[BlockMove]) -> None:
-        """Remove `victims` (already taken out of the policy) from `level`, demoting those no
-        lower tier holds into the next tier that takes them. Deeper moves are appended before
-        this level's move: the slots they free may be the ones this level's move writes into."""
-        if self._adoption.open_marks:
-            self._adoption.send_open(level)
-        slots_of = level.slots
-        ready, present = self._ready, self._present
-        if self._single:  # each victim is ready here and nowhere else: it just goes
-            freed_slots = list(map(slots_of.pop, victims))  # `present` too, with one tier
-            for k in victims:
-                del ready[k]
-            level.counters.evictions += len(victims)
-            level.counters.dropped += len(victims)
-            self._events.append(OffloadingEvent(tuple(victims), level.medium, True))
-            level.tier.free(freed_slots)
-            return
-        bit, lower_mask = level.bit, ~((level.bit << 1) - 1)
-        freed: list[int] = []
-        demote: list[bytes] = []
-        demote_slots: list[int] = []
-        below: list[bytes] = []  # held ready below already (written through): no copy
-        for k in victims:
-            slot = slots_of.pop(k)
-            freed.append(slot)
-            m = ready[k] & ~bit
-            if m:
-                ready[k] = m
-            else:
-                del ready[k]
-            p = present[k] & ~bit
-            if p & lower_mask:
-                present[k] = p
-                if m & lower_mask:
-                    below.append(k)
-                continue
-            if p:
-                present[k] = p
-            else:
-                del present[k]
-            demote.append(k)
-            demote_slots.append(slot)
-        level.counters.evictions += len(victims)
-        self._events.append(OffloadingEvent(tuple(victims), level.medium, True))
-        if level.cold:
-            level.cold.difference_update(victims)
-        # `below` left this level while a lower tier holds a cold write-through copy: there
-        # the copy becomes as recent as a demotion would have made it (now the only copy).
-        for lv in self._levels[level.index + 1 :] if below else ():
-            below = lv.warm(self._ready, below)
-        # The victims go into the first lower tier that admits them and has room, past a
-        # suspended one (it hung: a demotion would wait on it) and a full one (its slots taken
-        # by blocks in flight: under load, the next tier's stores); what none takes goes.
-        off = self._breaker.mask()
-        out, out_slots = demote, demote_slots
-        for lv in self._levels[level.index + 1 :] if demote else ():
-            if lv.bit & off:
-                continue
-            fit = set(self._admitted(lv, demote) if lv.bit & self._gated else demote)
-            keys = [k for k in demote if k in fit]
-            slots = [s for k, s in zip(demote, demote_slots, strict=True) if k in fit]
-            if keys and self._demote_into(lv, level, keys, slots, moves):
-                rest = [(k, s) for k, s in zip(demote, demote_slots, strict=True) if k not in fit]
-                demote, demote_slots = [k for k, _ in rest], [s for _, s in rest]
-            if not demote:
-                break
-        level.counters.dropped += len(demote)
-        # Slots go back only after the move is planned: the move reads them first. A moved
-        # block's slot is released, not freed: its block stays stored (a kill recovers it)
-        # until its move ends and `_complete_multi` settles it (`Tier.release`).
-        if out:
-            moved = self._released.record(level.index, out, out_slots, demote)
-            freed = [s for s in freed if s not in moved]
-            level.tier.release(list(moved))
-        level.tier.free(freed)
-
-    def _demote_into(
-        self,
-        dst: Level,
-        src: Level,
-        keys: list[bytes],
-        src_slots: list[int],
-        moves: list[BlockMove],
-    ) -> bool:
-        """Plan a write-back of `keys` into `dst`; False (nothing planned) if it has no room."""
-        slots = self._make_room(dst, keys, frozenset(), moves)
-        if slots is None:
-            return False
-        dst.hold(self._present, keys, slots)
-        self._moving.update(keys)
-        if self._leaving.planning:  # readable from the source slots until the move completes
-            self._leaving.leave(src.index, keys, src_slots)
-        dst.counters.demoted_in += len(keys)
-        moves.append(src.move_to(dst, keys, src_slots, slots))
-        return True
+            return self._placement.first_tier(todo, keys)
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
         """Finish stores and moves: make the blocks visible, or free their slots on failure.
@@ -644,32 +454,9 @@ class OffloadingManager:
                 lv.counters.stored += len(done)
                 self._events.append(OffloadingEvent(tuple(done), lv.medium, False))
                 if self._through.tiers:
-                    self._queue_through(lv.index, done)
+                    self._copies.queue(lv.index, done)
 
     # -- admission on reuse, write-through -------------------------------------------------
-    def _admitted(self, level: Level, keys: Sequence[bytes]) -> list[bytes]:
-        """The keys `level` takes: all, none (read-only), or with admission on reuse those
-        sighted twice (the rest are counted as not admitted)."""
-        if level.tier.read_only:
-            return []
-        if not level.bit & self._admit_mask:
-            return list(keys)
-        out = self._seen.reused(keys)
-        level.counters.not_admitted += len(keys) - len(out)
-        return out
-
-    def _queue_through(self, stored_in: int, keys: Sequence[bytes]) -> None:
-        """Keys just stored in tier `stored_in` wait for their copy into each write-through
-        tier below it that does not hold them; past the bound they are dropped, counted."""
-        present, through = self._present, self._through
-        for t in through.below(stored_in):
-            lv = self._levels[t]
-            queue, bit = through.queue(t), lv.bit
-            todo = [k for k in keys if not present[k] & bit and k not in queue]
-            if bit & self._admit_mask:
-                todo = self._admitted(lv, todo)
-            lv.counters.through_dropped += through.offer(t, todo)
-
     def through_backlog(self) -> int:
         """Blocks waiting for a write-through copy, over all tiers."""
         return self._through.backlog()
@@ -681,39 +468,7 @@ class OffloadingManager:
         in the list). Run them in order and complete each with `complete_write_through`.
         The blocks those demotions move out are leaving blocks (see the module doc)."""
         with self._leaving.plan(True):
-            return self._plan_write_through(limit)
-
-    def _plan_write_through(self, limit: int) -> list[BlockMove]:
-        moves: list[BlockMove] = []
-        ready, present = self._ready, self._present
-        off, through = self._breaker.mask(), self._through
-        for t in through.tiers:
-            dst = self._levels[t]
-            if off & dst.bit:  # suspended (it hung): its copies wait in the queue
-                continue
-            above = dst.bit - 1
-            by_src: dict[int, list[bytes]] = {}
-            while limit > 0:
-                k = through.pop(t)
-                if k is None:
-                    break
-                m = ready.get(k, 0) & above
-                if not m or present[k] & dst.bit:  # gone, or there already (stored, demoted)
-                    continue
-                by_src.setdefault((m & -m).bit_length() - 1, []).append(k)
-                limit -= 1
-            for src_index, keys in by_src.items():
-                src = self._levels[src_index]
-                slots = self._make_room(dst, keys, frozenset(keys), moves)
-                if slots is None:
-                    dst.counters.through_dropped += len(keys)
-                    continue
-                dst.hold(self._present, keys, slots)
-                for k in keys:  # the source slot stays put until the copy has read it
-                    src.pins[k] = src.pins.get(k, 0) + 1
-                through.pin(keys, src_index, t)
-                moves.append(src.move_to(dst, keys, map(src.slots.__getitem__, keys), slots))
-        return moves
+            return self._copies.plan_through(limit)
 
     def complete_write_through(self, keys: Iterable[bytes], success: bool = True) -> None:
         """Finish moves of `plan_write_through` (its copies and the demotions they caused):
@@ -755,41 +510,12 @@ class OffloadingManager:
 
     def plan_writeback(self) -> list[BlockMove]:
         """Moves that copy blocks held only in volatile tiers into persistent tiers' free slots,
-        most recently stored first, so a graceful restart keeps what fits.
+        most recently stored first, so a graceful restart keeps what fits (`Copies.writeback`).
 
         Nothing is evicted for them, and nothing goes into a suspended tier (it hung).
         Complete each move with `complete_store(move.keys)`.
         """
-        off = self._breaker.mask()
-        ok = [lv for lv in self._levels if not (off & lv.bit or lv.tier.read_only)]
-        persistent = [lv for lv in ok if lv.tier.persistent]
-        if not persistent:
-            return []
-        pmask = sum(lv.bit for lv in persistent)
-        moves: list[BlockMove] = []
-        taken: set[bytes] = set()
-        for src in self._levels:
-            if src.tier.persistent:
-                continue
-            ready, sbit = self._ready, src.bit
-            todo = [
-                k
-                for k in reversed(src.slots)
-                if ready.get(k, 0) & sbit and k not in taken and not self._present[k] & pmask
-            ]
-            for dst in persistent:
-                room = dst.tier.free_blocks
-                if not todo or not room:
-                    continue
-                batch, todo = todo[:room], todo[room:]
-                taken.update(batch)
-                slots = dst.tier.allocate(batch)
-                assert slots is not None
-                for k, s in zip(batch, slots, strict=True):
-                    dst.slots[k] = s
-                    self._present[k] |= dst.bit
-                moves.append(src.move_to(dst, batch, map(src.slots.__getitem__, batch), slots))
-        return moves
+        return self._copies.writeback()
 
     # -- removal, recovery, events, stats --------------------------------------------------
     def discard(self, keys: Iterable[bytes], tier: int | None = None) -> int:
