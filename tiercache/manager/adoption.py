@@ -16,16 +16,15 @@ Two kinds, one way in (`adopt`: slot maps, ready masks, the policy, the stored e
 `holds_dormant` sees dormant blocks without waking them; `first_tiers` (and `wake_one`) wake
 the blocks asked about, whose caller is about to use them.
 
-Inputs, given once at construction: the manager's levels and its index (key -> bitmask of the
-tiers where it is ready, resp. held; the keys moving; the event queue). This class changes the
-index only by adding keys to it; the manager owns every other change.
+Input, given once at construction: the manager's `Index`. This class changes the index only by
+adding keys to it; the manager owns every other change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
-from tiercache.manager.levels import Level
+from tiercache.manager.levels import Index, Level
 from tiercache.records import OffloadingEvent
 
 
@@ -44,19 +43,13 @@ class Adoption:
         "sleepers",
     )
 
-    def __init__(
-        self,
-        levels: Sequence[Level],
-        ready: dict[bytes, int],
-        present: dict[bytes, int],
-        moving: set[bytes],
-        events: list[OffloadingEvent],
-    ) -> None:
+    def __init__(self, index: Index) -> None:
         """Adopt what each tier recovered at open (`Tier.open_columns`); a tier left holding
-        dormant blocks gets its open event's place in `events`."""
-        self.levels = levels
+        dormant blocks gets its open event's place in the event queue."""
+        self.levels = levels = index.levels
         self.single = len(levels) == 1  # then `present` is the only level's slot map
-        self.ready, self.present, self.moving, self.events = ready, present, moving, events
+        self.ready, self.present, self.moving = index.ready, index.present, index.moving
+        self.events = events = index.events
         # Tiers other processes write into: a lookup miss asks them (`probe`).
         self.shared = [lv for lv in levels if lv.tier.shared]
         for level in levels:

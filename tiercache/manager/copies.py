@@ -7,8 +7,8 @@
 - write-back at a graceful close (`writeback`): blocks held only in volatile tiers go into
   persistent tiers' free slots, most recently stored first.
 
-Inputs, given once at construction: the manager's levels, its index (key -> bitmask of the
-tiers where it is ready, resp. held) and its collaborators. The manager completes the copies.
+Inputs, given once at construction: the manager's `Index` and its collaborators. The manager
+completes the copies.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from tiercache.manager.admission import Admission
 from tiercache.manager.breaker import CircuitBreaker
-from tiercache.manager.levels import Level
+from tiercache.manager.levels import Index
 from tiercache.manager.placement import Placement
 from tiercache.manager.through_queue import ThroughQueue
 from tiercache.records import BlockMove
@@ -30,16 +30,14 @@ class Copies:
 
     def __init__(
         self,
-        levels: Sequence[Level],
-        ready: dict[bytes, int],
-        present: dict[bytes, int],
+        index: Index,
         *,
         through: ThroughQueue,
         admission: Admission,
         breaker: CircuitBreaker,
         placement: Placement,
     ) -> None:
-        self.levels, self.ready, self.present = levels, ready, present
+        self.levels, self.ready, self.present = index.levels, index.ready, index.present
         self.through, self.admission = through, admission
         self.breaker, self.placement = breaker, placement
 

@@ -48,7 +48,15 @@ from tiercache.manager.adoption import Adoption
 from tiercache.manager.breaker import CircuitBreaker
 from tiercache.manager.copies import Copies
 from tiercache.manager.leaving import LeavingBlocks, ReleasedSources
-from tiercache.manager.levels import Level, Loads, TierCounters, count_lookup, not_ready, unpin
+from tiercache.manager.levels import (
+    Index,
+    Level,
+    Loads,
+    TierCounters,
+    count_lookup,
+    not_ready,
+    unpin,
+)
 from tiercache.manager.placement import Placement
 from tiercache.manager.through_queue import ThroughQueue
 from tiercache.policies import EvictionPolicy
@@ -112,13 +120,13 @@ class OffloadingManager:
         self._admission = Admission(self._levels, admit_on_reuse)
         # What the tiers hold unindexed: recovered at open (adopted now, or dormant), or
         # stored by other processes into shared tiers (see the module doc).
-        index = (self._ready, self._present, self._moving, self._events)
-        self._adoption = Adoption(self._levels, *index)
+        index = Index(self._levels, self._ready, self._present, self._moving, self._events)
+        self._adoption = Adoption(index)
         # The only tier, shared: a one-key first lookup takes `Adoption.take_one`.
         self._lone = self._levels[0] if self._single and self._adoption.shared else None
         # Slot reservation, eviction, demotion; write-through and write-back copies.
         self._placement = Placement(
-            *(self._levels, *index),
+            index,
             leaving=self._leaving,
             released=self._released,
             breaker=self._breaker,
@@ -126,7 +134,7 @@ class OffloadingManager:
             adoption=self._adoption,
         )
         self._copies = Copies(
-            *(self._levels, self._ready, self._present),
+            index,
             through=self._through,
             admission=self._admission,
             breaker=self._breaker,

@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Container, Iterable, Mapping, 
 from dataclasses import dataclass
 
 from tiercache.policies import EvictionPolicy
-from tiercache.records import BlockMove, StoreSpec
+from tiercache.records import BlockMove, OffloadingEvent, StoreSpec
 from tiercache.tiers import Tier
 
 
@@ -31,6 +31,20 @@ class TierCounters:
     through_dropped: int = 0  # write-through copies given up (queue full, no room, failed)
     not_admitted: int = 0  # blocks kept out: admission on reuse, sighted only once
     suspensions: int = 0  # times the circuit breaker opened this tier (a missed deadline)
+
+
+@dataclass(frozen=True, slots=True)
+class Index:
+    """The manager's index, given to its collaborators (`Adoption`, `Placement`, `Copies`),
+    which change its contents in place: the levels (fastest first), key -> bitmask of the
+    tiers where it is ready, resp. held (with one tier, `present` is that tier's slot map),
+    the keys moving between tiers, and the event queue."""
+
+    levels: list[Level]
+    ready: dict[bytes, int]
+    present: dict[bytes, int]
+    moving: set[bytes]
+    events: list[OffloadingEvent]
 
 
 class Level:

@@ -11,20 +11,19 @@
   (`ReleasedSources`), and readable meanwhile where the plan makes leaving blocks
   (`LeavingBlocks`).
 
-Inputs, given once at construction: the manager's levels, its index (key -> bitmask of the
-tiers where it is ready, resp. held; the keys moving; the event queue) and its collaborators.
+Inputs, given once at construction: the manager's `Index` and its collaborators.
 It changes the index as a plan does; `OffloadingManager` decides when a plan is made.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 
 from tiercache.manager.admission import Admission
 from tiercache.manager.adoption import Adoption
 from tiercache.manager.breaker import CircuitBreaker
 from tiercache.manager.leaving import LeavingBlocks, ReleasedSources
-from tiercache.manager.levels import Level
+from tiercache.manager.levels import Index, Level
 from tiercache.records import BlockMove, OffloadingEvent, PrepareStoreOutput, StoreSpec, TierWrite
 
 
@@ -33,11 +32,7 @@ class Placement:
 
     def __init__(
         self,
-        levels: Sequence[Level],
-        ready: dict[bytes, int],
-        present: dict[bytes, int],
-        moving: set[bytes],
-        events: list[OffloadingEvent],
+        index: Index,
         *,
         leaving: LeavingBlocks,
         released: ReleasedSources,
@@ -45,9 +40,10 @@ class Placement:
         admission: Admission,
         adoption: Adoption,
     ) -> None:
-        self.levels = levels
-        self.single = len(levels) == 1  # then `present` is the only level's slot map
-        self.ready, self.present, self.moving, self.events = ready, present, moving, events
+        self.levels = index.levels
+        self.single = len(self.levels) == 1  # then `present` is the only level's slot map
+        self.ready, self.present = index.ready, index.present
+        self.moving, self.events = index.moving, index.events
         self.leaving, self.released, self.breaker = leaving, released, breaker
         self.admission, self.adoption = admission, adoption
 
