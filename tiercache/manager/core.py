@@ -465,10 +465,6 @@ class OffloadingManager:
                     self._copies.queue(lv.index, done)
 
     # -- admission on reuse, write-through -------------------------------------------------
-    def through_backlog(self) -> int:
-        """Blocks waiting for a write-through copy, over all tiers."""
-        return self._through.backlog()
-
     def plan_write_through(self, limit: int) -> list[BlockMove]:
         """Up to `limit` queued write-through copies, oldest first, as moves from the fastest
         tier holding each block (pinned there until the copy completes) into its
