@@ -216,7 +216,7 @@ def lmdb_cache_writer(
     served with wrong bytes, "C n" for a namespace count over `cap` (one os.write per line:
     a SIGKILL never loses a line already written)."""
     from tiercache import TierCache
-    from tiercache.tiers.lmdb import COUNT_PREFIX, u64
+    from tiercache.tiers.lmdb.layout import COUNT_PREFIX, u64
 
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if log_path else -1
 
@@ -278,7 +278,7 @@ def lmdb_snapshot_check(path: str, bb: int, cap: int) -> dict:
     block count the store keeps, the entries it really holds and how many there are over the
     capacity; then every block a tier recovers is read, verified: exact, a plain miss (another
     process evicted it meanwhile), a counted failure or wrong bytes."""
-    from tiercache.tiers.lmdb import COUNT_PREFIX, iter_prefix, u64
+    from tiercache.tiers.lmdb.layout import COUNT_PREFIX, iter_prefix, u64
 
     t = open_tier("lmdb", path, bb, cap, namespace="fleet")
     try:
@@ -378,8 +378,8 @@ def first_lookups(path: str, bb: int, capacity: int, ops: list, general: bool) -
     import lmdb
 
     from tiercache import TierCache
-    from tiercache.tiers import lmdb as lmdb_tier
     from tiercache.tiers.format import namespace_id
+    from tiercache.tiers.lmdb import layout as lmdb_tier
 
     config = {"namespace": "a", "tiers": [{"kind": "lmdb", "blocks": capacity, "path": path}]}
     cache = TierCache.open(config, block_bytes=bb)

@@ -155,7 +155,7 @@ def lmdb_entries(store: str | Path) -> dict[int, tuple[bytes, bytes]]:
     a lock (the campaigns then locate these bytes in data.mdb)."""
     import lmdb
 
-    from tiercache.tiers import lmdb as lmdb_tier
+    from tiercache.tiers.lmdb import layout as lmdb_tier
 
     env = lmdb.open(str(store), readonly=True, lock=False, max_dbs=4, subdir=True)
     try:

@@ -1,7 +1,7 @@
 """The shape of the house (issue 33), checked on the source so that it stays that way.
 
-- No production file under tiercache/, tiers/ or policies/ is over 1,000 lines, and no class
-  over 700, except `OffloadingManager` (the manager's brain, kept whole: at most 1,000).
+- No production file under tiercache/, tiers/ or policies/ is over 800 lines, and no class
+  over 600, the manager included (limits are guides: a file near one is split by meaning).
 - No private (underscore, not dunder) name crosses a module boundary: none is imported from
   another module, read as an imported module's attribute, or listed in `__all__`; a private
   module (`cli/_store.py`) is imported only by its own package.
@@ -20,9 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # Source folder -> the package name it installs as (pyproject's package-dir).
 TREES = {"tiercache": "tiercache", "tiers": "tiercache.tiers", "policies": "tiercache.policies"}
-FILE_MAX = 1000
-CLASS_MAX = 700
-CLASS_EXCEPTIONS = {"OffloadingManager": 1000}
+FILE_MAX = 800
+CLASS_MAX = 600
 
 
 def modules() -> dict[str, Path]:
@@ -57,8 +56,7 @@ def test_file_and_class_sizes(name: str) -> None:
     for node in ast.walk(parse(path)):
         if isinstance(node, ast.ClassDef):
             size = node.end_lineno - node.lineno + 1
-            limit = CLASS_EXCEPTIONS.get(node.name, CLASS_MAX)
-            assert size <= limit, f"{name}.{node.name}: {size} lines (at most {limit})"
+            assert size <= CLASS_MAX, f"{name}.{node.name}: {size} lines (at most {CLASS_MAX})"
 
 
 def imported(module: str, tree: ast.Module) -> list[tuple[str, list[str]]]:

@@ -44,10 +44,10 @@ from tests.campaign_support import blocks, key, lmdb_entries, open_tier, report,
 from tiercache import TierCache
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers import format as fmt
-from tiercache.tiers import lmdb as lmdb_tier
-from tiercache.tiers import nvme
 from tiercache.tiers.format import namespace_id
+from tiercache.tiers.lmdb import env as lmdb_tier
 from tiercache.tiers.lmdb import layout as lmdb_layout_mod
+from tiercache.tiers.nvme import journal as nvme
 
 N_BLOCKS = 24
 BB = {"nvme": 12 * 1024, "lmdb": 16 * 1024}  # nvme: 16 KiB slots with 4,032 bytes of padding

@@ -290,7 +290,7 @@ class _Plant:
 def test_planted_payloads_never_run(tmp_path) -> None:
     import lmdb
 
-    from tiercache.tiers import lmdb as lmdb_tier
+    from tiercache.tiers.lmdb import layout as lmdb_tier
 
     marker = tmp_path / "PWNED"
     payload = pickle.dumps(_Plant(marker))

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.test_transfer_common import K, make_kv, new_threads
-from tiercache.breaker import CircuitBreaker
 from tiercache.config import CacheConfig, DeadlineConfig
 from tiercache.errors import ConfigError
 from tiercache.manager import OffloadingManager
+from tiercache.manager.breaker import CircuitBreaker
 from tiercache.policies import LRUPolicy
 from tiercache.tiers.cpu import CPUTier
 from tiercache.tiers.lmdb import LMDBTier

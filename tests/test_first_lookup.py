@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from tests.campaign_children import first_lookups
 from tests.campaign_support import blocks, key, payload, run_child
 from tiercache import TierCache
-from tiercache.tiers import lmdb as lmdb_tier
 from tiercache.tiers.format import header_check, namespace_id
+from tiercache.tiers.lmdb import layout as lmdb_tier
 from tiercache.tiers.lmdb.layout import heads_prober
 
 BB = 256

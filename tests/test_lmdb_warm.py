@@ -12,8 +12,9 @@ import lmdb
 import torch
 
 from tests.tier_conformance import keys_for, rand_blocks
-from tiercache.tiers.lmdb import HEADS_DB, ORDER_DB, LMDBTier
+from tiercache.tiers.lmdb import LMDBTier
 from tiercache.tiers.lmdb import warm as lmdb_warm
+from tiercache.tiers.lmdb.layout import HEADS_DB, ORDER_DB
 
 
 def fill(path: str, n: int, block_bytes: int = 4096, **kw: object) -> LMDBTier:

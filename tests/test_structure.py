@@ -12,10 +12,11 @@ CORE = ["cache", "config", "errors", "hashing", "manager", "records", "telemetry
 
 
 def imports_of(module: str) -> set[str]:
-    """Core modules `module` imports anywhere in its source."""
-    tree = ast.parse((ROOT / f"{module}.py").read_text())
+    """Core modules `module` imports anywhere in its source (a package: in any of its files)."""
+    path = ROOT / f"{module}.py"
+    files = [path] if path.exists() else sorted((ROOT / module).glob("*.py"))
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in (n for f in files for n in ast.walk(ast.parse(f.read_text()))):
         names: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]

@@ -28,9 +28,10 @@ from tiercache import TierCache
 from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError
 from tiercache.tiers.format import HEADER_SIZE, namespace_id
-from tiercache.tiers.lmdb import SEQ_BYTES, LMDBTier, store_key
+from tiercache.tiers.lmdb import LMDBTier, store_key
 from tiercache.tiers.lmdb import scan as lmdb_scan
 from tiercache.tiers.lmdb import tier as lmdb_tier_mod
+from tiercache.tiers.lmdb.layout import SEQ_BYTES
 
 REPO = Path(__file__).resolve().parents[1]
 

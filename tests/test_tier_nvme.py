@@ -32,8 +32,9 @@ from tests.unprivileged import as_unprivileged
 from tiercache import TierCache
 from tiercache.errors import ConfigError
 from tiercache.tiers import format as fmt
-from tiercache.tiers import nvme
 from tiercache.tiers.nvme import NVMeTier
+from tiercache.tiers.nvme import image as nvme_image
+from tiercache.tiers.nvme import journal as nvme
 from tiercache.tiers.nvme import tier as nvme_tier
 
 BB = 64
@@ -646,14 +647,14 @@ def test_fuzz_like_images_never_load(tmp_path) -> None:
     store = tmp_path / "nvme"
     _three_blocks(store)
     good = (store / "index.img").read_bytes()
-    assert nvme.decode_image(good) is not None
+    assert nvme_image.decode_image(good) is not None
     rnd = random.Random(5)
     for _ in range(200):
         bad = bytearray(good)
         for _ in range(rnd.randint(1, 3)):
             bad[rnd.randrange(len(bad))] ^= 1 << rnd.randrange(8)
-        assert nvme.decode_image(bytes(bad)) is None
-        assert nvme.decode_image(bytes(bad[: rnd.randrange(len(bad))])) is None
+        assert nvme_image.decode_image(bytes(bad)) is None
+        assert nvme_image.decode_image(bytes(bad[: rnd.randrange(len(bad))])) is None
 
 
 # -- disk full and I/O errors --------------------------------------------------------------

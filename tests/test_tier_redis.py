@@ -30,8 +30,9 @@ from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError
 from tiercache.tiers import tier_class
 from tiercache.tiers.format import HEADER_SIZE
-from tiercache.tiers.redis import RedisTier, parse_nodes
+from tiercache.tiers.redis import RedisTier
 from tiercache.tiers.redis import tier as redis_tier
+from tiercache.tiers.redis.client import parse_nodes
 
 REPO = Path(__file__).resolve().parents[1]
 REDIS_SERVER = shutil.which("redis-server")

@@ -39,12 +39,12 @@ from typing import Any
 
 import torch
 
-from tiercache.breaker import CircuitBreaker
 from tiercache.config import CacheConfig
 from tiercache.costs import LoadCosts
 from tiercache.errors import IO_ERRORS, ConfigError, check_count
 from tiercache.hashing import prefix_hashes
 from tiercache.manager import OffloadingManager
+from tiercache.manager.breaker import CircuitBreaker
 from tiercache.memory import return_freed_heap
 from tiercache.plan_runner import PlanRunner, host_runs
 from tiercache.policies import get_policy_class

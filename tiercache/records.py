@@ -1,6 +1,5 @@
 """Frozen records exchanged between the manager, tiers, facade and connectors.
 
-- `BlockLocation`: where one ready block lives (tier index, medium, slot).
 - `LoadSpec`: the answer of `prepare_load`: one location per key, groupable per tier.
 - `StoreSpec`: tier and slots that `prepare_store` reserved for new blocks.
 - `BlockMove`: a copy between two tiers (a demotion) that must run before the store it precedes.
@@ -14,15 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-
-@dataclass(frozen=True, slots=True)
-class BlockLocation:
-    """One ready block: the tier (index into the manager's tiers, fastest first) and slot."""
-
-    tier: int
-    medium: str
-    slot: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +36,6 @@ class LoadSpec:
     tiers: tuple[int, ...]
     slots: tuple[int, ...]
     mediums: tuple[str, ...]
-
-    @property
-    def locations(self) -> tuple[BlockLocation, ...]:
-        return tuple(
-            BlockLocation(t, self.mediums[t], s)
-            for t, s in zip(self.tiers, self.slots, strict=True)
-        )
 
     def groups(self) -> list[TierSlots]:
         """One `TierSlots` per tier that serves part of the load, fastest tier first."""

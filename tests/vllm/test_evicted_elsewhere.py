@@ -44,7 +44,7 @@ from tiercache.connectors.stores import acquire_store, store_snapshots
 from tiercache.connectors.vllm import TierCacheConnectorMetadata
 from tiercache.connectors.vllm_kv import KVSettings, KVWorker, LoadJob
 from tiercache.connectors.vllm_offloading import TierCacheOffloadingSpec, offload_key_to_key
-from tiercache.tiers import lmdb as lmdb_tier
+from tiercache.tiers.lmdb import layout as lmdb_tier
 
 CAP = 4  # blocks the shared store keeps per namespace
 

@@ -315,7 +315,8 @@ class PhaseA:
 
 def _lmdb_keys(path: Path) -> set[bytes]:
     """The store keys of every block record (header or payload) in the LMDB store."""
-    from tiercache.tiers.lmdb import iter_entries, open_store
+    from tiercache.tiers.lmdb import open_store
+    from tiercache.tiers.lmdb.offline import iter_entries
 
     with open_store(path) as h:
         return {key for key, _, _ in iter_entries(h)}

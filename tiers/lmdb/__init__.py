@@ -95,97 +95,13 @@ Modules, bottom up (each imports only those above it):
 - `tier`: `LMDBTier`, and the tunables of its write path (`SYNC_EVERY_S`, `MAP_FULL_TRIES`:
   patch them on `tiercache.tiers.lmdb.tier`).
 
-This module re-exports the names importable from `tiercache.tiers.lmdb` before it became a
-package.
+This module exports the tier and the offline names tools use (`open_store`, `delete_entries`,
+`store_key`, `map_size_for`); everything else is imported from the module that defines it.
 """
 
-from tiercache.tiers.keyed import COMPRESSIONS, ZSTD_MIN_LEVEL
-from tiercache.tiers.lmdb.env import (
-    ENTRY_BYTES,
-    damaged,
-    map_size_for,
-    parse_meta,
-    prepare_dir,
-)
-from tiercache.tiers.lmdb.layout import (
-    BLOCKS_DB,
-    COUNT_PREFIX,
-    DB_NAMES,
-    HEADS_DB,
-    MAX_READERS,
-    MAX_TXN_OPS,
-    META_DB,
-    META_KEY,
-    MIN_TXN_OPS,
-    NS_BYTES,
-    ORDER_DB,
-    SEQ_BYTES,
-    SEQ_KEY,
-    STORE_FORMAT,
-    STORE_VERSION,
-    SYNC_MODES,
-    head_seq,
-    iter_prefix,
-    seq_bytes,
-    split_store_key,
-    store_key,
-    txn_ops_for,
-    u64,
-)
-from tiercache.tiers.lmdb.offline import (
-    LMDBProbe,
-    StoreHandle,
-    delete_entries,
-    iter_entries,
-    open_here,
-    open_store,
-)
-from tiercache.tiers.lmdb.tier import (
-    MAP_FULL_TRIES,
-    SYNC_EVERY_S,
-    LMDBTier,
-    check_settings,
-)
+from tiercache.tiers.lmdb.env import map_size_for
+from tiercache.tiers.lmdb.layout import store_key
+from tiercache.tiers.lmdb.offline import delete_entries, open_store
+from tiercache.tiers.lmdb.tier import LMDBTier
 
-__all__ = [
-    "BLOCKS_DB",
-    "COMPRESSIONS",
-    "COUNT_PREFIX",
-    "DB_NAMES",
-    "ENTRY_BYTES",
-    "HEADS_DB",
-    "MAP_FULL_TRIES",
-    "MAX_READERS",
-    "MAX_TXN_OPS",
-    "META_DB",
-    "META_KEY",
-    "MIN_TXN_OPS",
-    "NS_BYTES",
-    "ORDER_DB",
-    "SEQ_BYTES",
-    "SEQ_KEY",
-    "STORE_FORMAT",
-    "STORE_VERSION",
-    "SYNC_EVERY_S",
-    "SYNC_MODES",
-    "ZSTD_MIN_LEVEL",
-    "LMDBProbe",
-    "LMDBTier",
-    "StoreHandle",
-    "check_settings",
-    "damaged",
-    "delete_entries",
-    "head_seq",
-    "iter_entries",
-    "iter_prefix",
-    "map_size_for",
-    "open_here",
-    "open_store",
-    "parse_meta",
-    "prepare_dir",
-    "seq_bytes",
-    "split_store_key",
-    "store_key",
-    "txn_ops_for",
-    "u64",
-]
+__all__ = ["LMDBTier", "delete_entries", "map_size_for", "open_store", "store_key"]

@@ -70,69 +70,21 @@ The package, one concern per module (each imports only modules listed before it)
 - `image`: the index image, `encode_image` / `decode_image`.
 - `options`: option and argument checks (fsync, io_threads, instances, keys).
 - `layout`: file names, instance directories and their lock, private directories, `meta.json`.
-- `io`: `write_all`, aligned buffers, the O_DIRECT probe, the slab's size, `slot_runs`,
-  `SlotPipeline`.
-- `recovery`: the open's recovery as pure functions returning a `Recovered` record.
+- `io`: `write_all`, small durable files, aligned buffers, the slab's opening (O_DIRECT and
+  its probe) and size, `slot_runs`, `SlotPipeline`.
+- `recovery`: the open's recovery as pure functions returning a `Recovered` record;
+  `index_open` reads the image or the slot headers for it.
+- `slot_reads`, `slot_writes`: a read and the data half of a write of a list of slots.
 - `reader`: `NVMeStoreReader`, offline access for the CLI.
 - `tier`: `NVMeTier`, and the tunables it reads (BATCH_SYNC_BYTES, BATCH_SYNC_SECONDS,
   COMPACT_SLACK: patch them on `tiercache.tiers.nvme.tier`).
+This module exports the tier and what offline tools use (`NVMeStoreReader`, `read_meta`,
+`instance_dirs`, `ALIGN`); everything else is imported from the module that defines it.
 """
 
-from tiercache.tiers.nvme.image import IndexImage, decode_image, encode_image
-from tiercache.tiers.nvme.io import ALIGN, SlotPipeline
-from tiercache.tiers.nvme.journal import (
-    OP_BASE,
-    OP_FREE,
-    OP_PUT,
-    REC_SIZE,
-    Entries,
-    JournalEntry,
-    JournalReport,
-    newest_per_key,
-    pack_record,
-    parse_record,
-    put_records,
-    replay_journal,
-    tail_records,
-)
-from tiercache.tiers.nvme.layout import instance_dirs, instance_path, read_meta
-from tiercache.tiers.nvme.options import (
-    FSYNC_MODES,
-    MAX_INSTANCES,
-    check_instances,
-    instance_from_env,
-)
+from tiercache.tiers.nvme.io import ALIGN
+from tiercache.tiers.nvme.layout import instance_dirs, read_meta
 from tiercache.tiers.nvme.reader import NVMeStoreReader
-from tiercache.tiers.nvme.recovery import Recovered
 from tiercache.tiers.nvme.tier import NVMeTier
 
-__all__ = [
-    "ALIGN",
-    "FSYNC_MODES",
-    "MAX_INSTANCES",
-    "OP_BASE",
-    "OP_FREE",
-    "OP_PUT",
-    "REC_SIZE",
-    "Entries",
-    "IndexImage",
-    "JournalEntry",
-    "JournalReport",
-    "NVMeStoreReader",
-    "NVMeTier",
-    "Recovered",
-    "SlotPipeline",
-    "check_instances",
-    "decode_image",
-    "encode_image",
-    "instance_dirs",
-    "instance_from_env",
-    "instance_path",
-    "newest_per_key",
-    "pack_record",
-    "parse_record",
-    "put_records",
-    "read_meta",
-    "replay_journal",
-    "tail_records",
-]
+__all__ = ["ALIGN", "NVMeStoreReader", "NVMeTier", "instance_dirs", "read_meta"]

@@ -1,7 +1,8 @@
-"""The NVMe tier's I/O primitives: a complete `pwrite`, page-aligned slot buffers, the
-O_DIRECT probe, the slab's size, `slot_runs` (a call's slots as runs of adjacent slots, one
-syscall each) and `SlotPipeline` (syscalls on a pool, buffers filled and checked on the
-caller's thread)."""
+"""The NVMe tier's I/O primitives: a complete `pwrite`, a small file written durably,
+page-aligned slot buffers, the slab's opening (O_DIRECT where the filesystem takes it, with
+its probe) and size, `slot_runs` (a call's slots as runs of adjacent slots, one syscall
+each) and `SlotPipeline` (syscalls on a pool, buffers filled and checked on the caller's
+thread)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import errno
 import mmap
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from tiercache.tiers.nvme.layout import SLAB, open_file
 from tiercache.tiers.store_dir import reserve
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (the common logical block)
@@ -28,6 +31,18 @@ def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, f"pwrite wrote {n} bytes")
         view, offset = view[n:], offset + n
+
+
+def write_file(path: str, name: str, data: bytes, *, sync: bool) -> None:
+    """Write `data` as the whole store file `name` in directory `path` (`layout.open_file`),
+    synced before it returns where `sync` (then it is durable before a rename publishes it)."""
+    fd = open_file(path, name, os.O_WRONLY | os.O_TRUNC)
+    try:
+        write_all(fd, data, 0)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +91,39 @@ class AlignedBuffer:
         self.mm = mmap.mmap(-1, size)
         self.view = memoryview(self.mm)
         self.arr = np.frombuffer(self.mm, dtype=np.uint8)
+
+
+def open_slab(path: str, direct: bool, medium: str) -> tuple[int, bool]:
+    """The slab file of the store at `path`, opened for O_DIRECT I/O where `direct` and the
+    filesystem takes it at open, else buffered (a RuntimeWarning says so): (fd, direct)."""
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return open_file(path, SLAB, os.O_RDWR | os.O_DIRECT), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            _warn_buffered(path, medium, exc)
+    return open_file(path, SLAB, os.O_RDWR), False
+
+
+def direct_works(fd: int, path: str, medium: str) -> bool:
+    """Whether O_DIRECT I/O works on the slab `fd`: some filesystems accept it at open and
+    refuse it per I/O (`probe_direct`); a refusal is warned about, as in `open_slab`."""
+    refused = probe_direct(fd)
+    if refused is not None:
+        _warn_buffered(path, medium, refused)
+    return refused is None
+
+
+def _warn_buffered(path: str, medium: str, exc: OSError) -> None:
+    # stacklevel: the user's call that opened the tier (through the tier's open)
+    warnings.warn(
+        f"{path}: the filesystem refuses O_DIRECT ({exc.strerror}); the "
+        f"{medium!r} tier uses buffered I/O (reads may come from the page "
+        "cache)",
+        RuntimeWarning,
+        stacklevel=5,
+    )
 
 
 def probe_direct(fd: int) -> OSError | None:

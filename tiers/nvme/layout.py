@@ -167,3 +167,12 @@ def check_meta(meta: dict[str, Any], path: str, block_bytes: int, slot_bytes: in
             f"{meta.get('slot_bytes')!r} bytes "
             f"differs from this build's {slot_bytes}",
         )
+
+
+def load_meta(path: str, block_bytes: int, slot_bytes: int) -> dict[str, Any] | None:
+    """The store's `meta.json` at `path` (None: there is none yet), checked against this shape
+    (`check_meta`)."""
+    meta = read_meta_file(path)
+    if meta is not None:
+        check_meta(meta, path, block_bytes, slot_bytes)
+    return meta

@@ -23,6 +23,7 @@ length) aligned. It would take another on-disk format; this one is kept.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import Callable, Sequence
 
@@ -41,6 +42,8 @@ from tiercache.tiers.format import (
     verify,
 )
 from tiercache.tiers.nvme.io import AlignedBuffer, SlotPipeline, SlotRun, slot_runs
+
+log = logging.getLogger(__package__)  # "tiercache.tiers.nvme", as the tier's
 
 # sink(positions, rows): rows[j] holds the verified bytes of position positions[j] (indices
 # into the slots read); a view valid only during the call.
@@ -241,3 +244,20 @@ class SlotReads:
 
         self._read(check)
         return self.results
+
+    def failed(self, results: list[BaseException | None], medium: str) -> list[int]:
+        """The failed positions of this read's `results` (each logged, `medium` naming the
+        tier); raises a bug's exception, and OSError when no block could be read."""
+        for r in results:
+            if r is not None and not isinstance(r, OSError | BlockCorruptError):
+                raise r  # a bug, not a bad block
+        failed = [i for i, r in enumerate(results) if r is not None]
+        if len(failed) == len(results) and all(isinstance(r, OSError) for r in results):
+            raise OSError(
+                getattr(results[0], "errno", errno.EIO),
+                f"{medium}: no block could be read: {results[0]}",
+            )
+        slots, keys = self._slots, self.keys
+        for i in failed:
+            log.warning("%s: slot %d (key %s): %s", medium, slots[i], keys[i].hex(), results[i])
+        return failed

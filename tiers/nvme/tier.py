@@ -1,6 +1,8 @@
 """`NVMeTier`: the tier itself: options, the instance lock, open and close, write, read and
 free, and the journal's append, sync and compaction. The on-disk format is described in
-`tiercache.tiers.nvme`; recovery at open is `recovery.py`, the journal `journal.py`.
+`tiercache.tiers.nvme`; reading the index at open is `index_open.py` (the rules:
+`recovery.py`), the journal `journal.py`, the slots' bytes `slot_writes.py` and
+`slot_reads.py`, the files `layout.py` and `io.py`.
 
 The tunables the tier reads at run time live here (tests patch them on this module):
 BATCH_SYNC_BYTES, BATCH_SYNC_SECONDS, COMPACT_SLACK, and RUN_BYTES (read at open).
@@ -14,31 +16,30 @@ import json
 import logging
 import os
 import threading
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from tiercache.errors import BlockCorruptError, ConfigError
+from tiercache.errors import ConfigError
 from tiercache.tiers.base import Tier, check_blocks, slot_stack
 from tiercache.tiers.dormant import DormantIndex
 from tiercache.tiers.format import (
     HEADER_SIZE,
-    encode_block,
     namespace_id,
 )
 from tiercache.tiers.nvme import recovery
-from tiercache.tiers.nvme.image import decode_image, encode_image
+from tiercache.tiers.nvme.image import encode_image
+from tiercache.tiers.nvme.index_open import read_headers, read_image
 from tiercache.tiers.nvme.io import (
     ALIGN,
-    AlignedBuffer,
     SlotPipeline,
-    probe_direct,
+    direct_works,
+    open_slab,
     resize_slab,
-    slot_runs,
     write_all,
+    write_file,
 )
 from tiercache.tiers.nvme.journal import (
     KEY_DTYPE,
@@ -50,17 +51,13 @@ from tiercache.tiers.nvme.journal import (
     compacted,
     newest_per_key,
     pack_record,
-    replay_journal,
 )
 from tiercache.tiers.nvme.layout import (
     IMAGE,
     INDEX,
     META,
-    SLAB,
-    check_meta,
+    load_meta,
     open_file,
-    open_nofollow,
-    read_meta_file,
     store_meta,
     take_instance,
 )
@@ -73,6 +70,7 @@ from tiercache.tiers.nvme.options import (
     instance_from_env,
 )
 from tiercache.tiers.nvme.slot_reads import Sink, SlotReads
+from tiercache.tiers.nvme.slot_writes import write_slots
 from tiercache.tiers.store_dir import warn_over_capacity
 
 log = logging.getLogger(__package__)  # "tiercache.tiers.nvme", as before the split
@@ -208,15 +206,15 @@ class NVMeTier(Tier):
 
     def _open(self, direct: bool, io_threads: int) -> None:
         self._take_instance()
-        meta = self._load_meta()
+        meta = load_meta(self._path, self.block_bytes, self._slot_bytes)
         if meta is None:
             # meta.json first: from here on the directory is recognisably ours.
             self._write_meta()
-        self._fd, self.direct = self._open_slab(direct)
+        self._fd, self.direct = open_slab(self._path, direct, self.medium)
         self._resize_slab(grow_only=True)
-        if self.direct and not self._probe_direct():
+        if self.direct and not direct_works(self._fd, self._path, self.medium):
             os.close(self._fd)
-            self._fd, self.direct = self._open_slab(False)
+            self._fd, self.direct = open_slab(self._path, False, self.medium)
         self._io = SlotPipeline(
             io_threads,
             self._slot_bytes,
@@ -255,48 +253,13 @@ class NVMeTier(Tier):
     def _open_file(self, name: str, flags: int) -> int:
         return open_file(self._path, name, flags)
 
-    def _load_meta(self) -> dict[str, Any] | None:
-        meta = read_meta_file(self._path)
-        if meta is not None:
-            check_meta(meta, self._path, self.block_bytes, self._slot_bytes)
-        return meta
-
     def _write_meta(self) -> None:
         meta = store_meta(self.block_bytes, self.capacity_blocks, self._slot_bytes)
-        fd = self._open_file(META + ".tmp", os.O_WRONLY | os.O_TRUNC)
-        try:
-            write_all(fd, json.dumps(meta, indent=1).encode() + b"\n", 0)
-            self._sync(fd)  # the new content is durable before the rename publishes it
-        finally:
-            os.close(fd)
+        data = json.dumps(meta, indent=1).encode() + b"\n"
+        # The new content is durable before the rename publishes it.
+        write_file(self._path, META + ".tmp", data, sync=self._fsync != "never")
         os.replace(os.path.join(self._path, META + ".tmp"), os.path.join(self._path, META))
         self._sync(self._dirfd)
-
-    def _open_slab(self, direct: bool) -> tuple[int, bool]:
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                return self._open_file(SLAB, os.O_RDWR | os.O_DIRECT), True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._warn_buffered(exc)
-        return self._open_file(SLAB, os.O_RDWR), False
-
-    def _probe_direct(self) -> bool:
-        """Some filesystems accept O_DIRECT at open and refuse it per I/O: try one read."""
-        refused = probe_direct(self._fd)
-        if refused is not None:
-            self._warn_buffered(refused)
-        return refused is None
-
-    def _warn_buffered(self, exc: OSError) -> None:
-        warnings.warn(
-            f"{self._path}: the filesystem refuses O_DIRECT ({exc.strerror}); the "
-            f"{self.medium!r} tier uses buffered I/O (reads may come from the page "
-            "cache)",
-            RuntimeWarning,
-            stacklevel=5,
-        )
 
     def _resize_slab(self, *, grow_only: bool) -> None:
         resize_slab(
@@ -310,73 +273,35 @@ class NVMeTier(Tier):
 
     def _load_image(self, journal: bytes) -> bool | None:
         """Load the index from the image plus the journal records appended after it, reading
-        no slot (lock held; `recovery.from_image`). None when the image is missing, damaged,
+        no slot (lock held; `index_open.read_image`). None when the image is missing, damaged,
         or does not cover this journal (then the caller reads every header); True when it
         covers all of it and this tier wrote it (the journal is kept as is), False when a
         compaction should follow."""
-        try:
-            with open(os.path.join(self._path, IMAGE), "rb", opener=open_nofollow) as f:
-                img = decode_image(f.read())
-        except FileNotFoundError:
-            if journal:
-                log.warning("%s: no index image; reading every slot header", self._path)
+        slab_slots = os.fstat(self._fd).st_size // self._slot_bytes
+        found = read_image(self._path, journal, slab_slots)
+        if found is None:
             return None
-        except OSError as exc:
-            log.warning("%s: the index image is unreadable (%s)", self._path, exc)
-            return None
-        if img is None:
-            log.warning("%s: the index image is damaged; reading every slot header", self._path)
-            return None
-        if not recovery.image_matches(img, journal):
-            log.warning(
-                "%s: the index image does not match the journal (stale, or the journal was "
-                "damaged); reading every slot header",
-                self._path,
-            )
-            return None
-        got = recovery.from_image(img, journal, os.fstat(self._fd).st_size // self._slot_bytes)
-        if got is None:
-            log.warning("%s: the index image names no writer; reading every header", self._path)
-            return None
+        img, got = found
         self._settle(got)
         self.open_report["index_image"] = 1
         self.open_report["headers_read"] = 0
         return not got.tail and img.writer == self._ns and self._ns is not None
 
     def _load_index(self, journal: bytes) -> None:
-        """Replay the journal, then keep only entries whose slot header agrees (lock held)."""
-        fd, sb, bb = self._fd, self._slot_bytes, self.block_bytes
-        entries, report = replay_journal(journal, os.fstat(fd).st_size // sb, per_key=False)
-        items = [(e.slot, e.key, e.seq) for e in entries]
-        ns_of = self._pipeline(
-            len(items),
-            lambda i, buf: os.preadv(fd, [buf.view[:ALIGN]], items[i][0] * sb),
-            lambda i, buf: None,
-            lambda i, buf, got: (
-                None
-                if isinstance(got, BaseException)
-                else recovery.header_ns(buf.view, got, items[i][1], items[i][2], bb)
-            ),
-            writes=False,
+        """Replay the journal, then keep only entries whose slot header agrees (lock held;
+        `index_open.read_headers`)."""
+        assert self._io is not None
+        got, headers = read_headers(
+            journal,
+            path=self._path,
+            fd=self._fd,
+            slot_bytes=self._slot_bytes,
+            block_bytes=self.block_bytes,
+            pipeline=self._io,
         )
-        checked = [(*it, ns) for it, ns in zip(items, ns_of, strict=True) if ns is not None]
-        self._settle(
-            recovery.Replayed(
-                Entries.of(checked),
-                report.damaged,
-                report.out_of_range + len(items) - len(checked),
-                report.top_seq,
-                distinct=False,
-            )
-        )
+        self._settle(got)
         self.open_report["index_image"] = 0
-        self.open_report["headers_read"] = len(items)
-        if len(items) != len(checked):
-            log.warning(
-                "%s: %d indexed blocks failed their header check and were dropped",
-                self._path,
-                len(items) - len(checked),
-            )
+        self.open_report["headers_read"] = headers
 
     @property
     def slot_count(self) -> int:
@@ -410,14 +335,7 @@ class NVMeTier(Tier):
 
     # -- bytes -----------------------------------------------------------------------------
     # Syscalls on the pool, buffers filled and checked on the caller's thread: see
-    # io.SlotPipeline for why (and the measurements).
-    def _pipeline(self, n: int, io: Any, before: Any, after: Any, *, writes: bool) -> list[Any]:
-        """For i in 0..n-1: `before(i, buf)` (caller), `io(i, buf)` (pool; `writes`: from
-        `buf`, else into it), `after(i, buf, result_or_exception)` (caller, in order).
-        Returns the values of `after`."""
-        assert self._io is not None
-        return self._io.run(n, io, before, after, writes=writes)
-
+    # io.SlotPipeline for why; the data of a write is slot_writes.py, a read slot_reads.py.
     def write(
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> None:
@@ -439,44 +357,22 @@ class NVMeTier(Tier):
                 self._forget([s for s in slots if self._released.pop(s, None) is not None])
             first = self._seq + 1
             self._seq += n
-        fd, sb, bb = self._fd, self._slot_bytes, self.block_bytes
+        fd = self._fd
         assert self._io is not None
-        runs = slot_runs(slots, self._io.run_slots)
-
-        def fill(r: int, buf: AlignedBuffer) -> None:
-            for k, i in runs[r].members:
-                at = k * sb
-                payload = buf.arr[at + HEADER_SIZE : at + HEADER_SIZE + bb]
-                payload[:] = rows[i]
-                header, _ = encode_block(keys[i], payload, namespace=self._ns, seq=first + i)
-                buf.view[at : at + HEADER_SIZE] = header
-
-        def put(r: int, buf: AlignedBuffer) -> int:
-            run = runs[r]
-            return os.pwrite(fd, buf.view[: run.count * sb], run.first * sb)
-
-        def check(r: int, buf: AlignedBuffer, res: int | BaseException) -> BaseException | None:
-            if isinstance(res, BaseException):
-                return res
-            run = runs[r]
-            if res == run.count * sb:
-                return None
-            where = f"slot {run.first}" + (f"-{run.first + run.count - 1}" if run.count > 1 else "")
-            return OSError(errno.EIO, f"short write to {where}: {res} of {run.count * sb} bytes")
-
         # 1. Data: header + payload into every slot, one pwrite per run of adjacent slots.
         # Nothing names these slots yet.
-        outcome = self._pipeline(len(runs), put, fill, check, writes=True)
-        errors = [e for e in outcome if e]
-        for e in errors:
-            if not isinstance(e, OSError):
-                raise e  # a bug, not an I/O failure
-        if errors:
-            lost = sum(run.count for run, e in zip(runs, outcome, strict=True) if e)
-            raise OSError(
-                getattr(errors[0], "errno", errno.EIO),
-                f"{self.medium}: writing {lost} of {n} blocks failed: {errors[0]}",
-            ) from errors[0]
+        write_slots(
+            fd=fd,
+            pipeline=self._io,
+            slot_bytes=self._slot_bytes,
+            block_bytes=self.block_bytes,
+            ns=self._ns,
+            slots=slots,
+            rows=rows,
+            keys=keys,
+            first_seq=first,
+            medium=self.medium,
+        )
         if self._fsync == "always":
             os.fdatasync(fd)  # the data is durable before any record names it
         # 2. Index: one append of n PUT records, after the data (crash ordering).
@@ -503,7 +399,7 @@ class NVMeTier(Tier):
         if reads is None:
             return []
         host = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
-        failed = self._failed(slots, reads, reads.into(host.numpy()))
+        failed = reads.failed(reads.into(host.numpy()), self.medium)
         if host is not dst:
             dst.copy_(host)
         return failed
@@ -522,7 +418,7 @@ class NVMeTier(Tier):
         reads = self._reads(slots, keys)
         if reads is None:
             return []
-        return self._failed(slots, reads, reads.to_sink(sink))
+        return reads.failed(reads.to_sink(sink), self.medium)
 
     def _reads(self, slots: Sequence[int], keys: Sequence[bytes] | None) -> SlotReads | None:
         """A checked read of `slots` (None when there are none)."""
@@ -542,27 +438,6 @@ class NVMeTier(Tier):
             slots=slots,
             keys=keys,
         )
-
-    def _failed(
-        self, slots: Sequence[int], reads: SlotReads, results: list[BaseException | None]
-    ) -> list[int]:
-        """The failed positions of a read (each logged); raises a bug's exception, and OSError
-        when no block could be read."""
-        for r in results:
-            if r is not None and not isinstance(r, OSError | BlockCorruptError):
-                raise r  # a bug, not a bad block
-        failed = [i for i, r in enumerate(results) if r is not None]
-        if len(failed) == len(results) and all(isinstance(r, OSError) for r in results):
-            raise OSError(
-                getattr(results[0], "errno", errno.EIO),
-                f"{self.medium}: no block could be read: {results[0]}",
-            )
-        keys = reads.keys
-        for i in failed:
-            log.warning(
-                "%s: slot %d (key %s): %s", self.medium, slots[i], keys[i].hex(), results[i]
-            )
-        return failed
 
     # -- slots and index -------------------------------------------------------------------
     def free(self, slots: Sequence[int]) -> None:
@@ -721,12 +596,7 @@ class NVMeTier(Tier):
         image (it could name this tier as the writer of a journal it no longer covers) and
         return False (lock held)."""
         try:
-            fd = self._open_file(IMAGE + ".tmp", os.O_WRONLY | os.O_TRUNC)
-            try:
-                write_all(fd, image, 0)
-                self._sync(fd)
-            finally:
-                os.close(fd)
+            write_file(self._path, IMAGE + ".tmp", image, sync=self._fsync != "never")
             return True
         except OSError as exc:
             log.warning("%s: writing the index image failed: %s", self.medium, exc)

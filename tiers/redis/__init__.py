@@ -41,64 +41,12 @@ the stored block is fine and other instances may use it. Credentials are never l
 URL is shown without its password, error messages carry no secret.
 
 Files: `client.py` (public: URLs, credentials, the client, the packed pipeline; the CLI's
-`inspect` uses it too), `tier.py` (`RedisTier`). Every name importable from
-`tiercache.tiers.redis` before the split still is (re-exported here); tunables are patched
-where they live (`tier.BACKOFF_START_S`, `tier.PIPELINE_BYTES`, `client.SEND_INLINE_MAX`).
+`inspect` uses it too), `tier.py` (`RedisTier`, the one name exported here); tunables are
+patched where they live (`tier.BACKOFF_START_S`, `tier.PIPELINE_BYTES`, `client.SEND_INLINE_MAX`).
 """
 
 from __future__ import annotations
 
-from tiercache.tiers.keyed import COMPRESSIONS, ZSTD_MIN_LEVEL
-from tiercache.tiers.redis.client import (
-    CLIENT_NAME,
-    DEFAULT_URL,
-    META_SUFFIX,
-    NET_ERRORS,
-    STORE_FORMAT,
-    STORE_VERSION,
-    auth_error,
-    close_client,
-    glob_escape,
-    host_port,
-    make_client,
-    mask,
-    parse_nodes,
-    pipeline,
-    secret,
-    send_packed,
-    shown,
-)
-from tiercache.tiers.redis.tier import (
-    BACKOFF_START_S,
-    PIPELINE_BYTES,
-    SCAN_BATCH,
-    RedisTier,
-    check_settings,
-)
+from tiercache.tiers.redis.tier import RedisTier
 
-__all__ = [
-    "BACKOFF_START_S",
-    "CLIENT_NAME",
-    "COMPRESSIONS",
-    "DEFAULT_URL",
-    "META_SUFFIX",
-    "NET_ERRORS",
-    "PIPELINE_BYTES",
-    "SCAN_BATCH",
-    "STORE_FORMAT",
-    "STORE_VERSION",
-    "ZSTD_MIN_LEVEL",
-    "RedisTier",
-    "auth_error",
-    "check_settings",
-    "close_client",
-    "glob_escape",
-    "host_port",
-    "make_client",
-    "mask",
-    "parse_nodes",
-    "pipeline",
-    "secret",
-    "send_packed",
-    "shown",
-]
+__all__ = ["RedisTier"]

@@ -388,11 +388,6 @@ class RedisTier(KeyedTier):
         with self._lock:
             return 0.0 if self._up else self._backoff.until
 
-    @property
-    def key_prefix(self) -> bytes:
-        """prefix + namespace: every block of this store lives under it."""
-        return self._kprefix
-
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key holding block `key`."""
         return self._kprefix + key

@@ -1,8 +1,8 @@
 """`KVWorker`: the connector's worker role (bytes, through tiercache's transfer engine).
 
-- `register_kv_caches`: the engine buffer as a `KVLayout` (hybrid models: one layout shared by
-  the overlaid groups, `_group_layout`; head shards: of shard units, `HeadShards.unit_views`),
-  and an `OffloadingWorker` over the cache's tiers.
+- `register_kv_caches`: the engine buffer as a `KVLayout` (`engine_layout`: hybrid models'
+  overlaid groups share one; head shards: of shard units), and an `OffloadingWorker` over the
+  cache's tiers.
 - Head shards (`settings.shards`): the scheduler speaks of blocks (block keys, engine block
   ids); at this edge (`_edge`) each becomes this rank's shard keys and shard units, which the
   cache and the transfer engine handle like blocks; load errors go back as engine blocks.
@@ -35,8 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from tiercache.connectors.amx import prime_amx_tiles
 from tiercache.connectors.deadlines import Flights
-from tiercache.connectors.kv_groups import KVGroup
 from tiercache.connectors.stores import SharedStore, release_store
+from tiercache.connectors.vllm_kv.engine_layout import engine_layout, kv_report
 from tiercache.connectors.vllm_kv.messages import (
     Event,
     StoreJob,
@@ -55,7 +55,6 @@ from tiercache.connectors.vllm_kv.settings import (
 )
 from tiercache.costs import ForwardTimer
 from tiercache.transfer import (
-    KVLayout,
     OffloadingWorker,
     TierLoadStoreSpec,
     build_worker,
@@ -87,8 +86,7 @@ class KVWorker(RoleBase):
     def __init__(self, settings: KVSettings, shared: SharedStore) -> None:
         super().__init__(settings, shared)
         self._config = settings.config
-        self._block_size, self._block_bytes = settings.block_size, settings.block_bytes
-        self._num_blocks = settings.num_blocks
+        self._block_size = settings.block_size
         self._tp_rank = settings.tp_rank
         self._groups, self._hma = settings.groups, settings.hma
         self._shards = settings.shards
@@ -129,24 +127,7 @@ class KVWorker(RoleBase):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._shared is not None
-        if self._hma:
-            layout = _group_layout(kv_caches, self._groups, self._num_blocks)
-        elif self._shards is not None:
-            try:
-                units = self._shards.unit_views(kv_caches, self._num_blocks, self.settings.kv_heads)
-            except ValueError as exc:
-                raise ValueError(
-                    f"register_kv_caches: {exc}; set kv_connector_extra_config.tp_layout to "
-                    "'rank' for one store per TP rank"
-                ) from None
-            layout = KVLayout(units, self._num_blocks * self._shards.local)
-        else:
-            layout = KVLayout(kv_caches, self._num_blocks)
-        if layout.block_bytes != self._block_bytes:
-            raise ValueError(
-                f"register_kv_caches: the engine's blocks are {layout.block_bytes} bytes, but "
-                f"kv_cache_config says {self._block_bytes}; layout not supported"
-            )
+        layout = engine_layout(kv_caches, self.settings)
         self._worker = build_worker(layout, self._shared.cache.tiers)
         self._flights = Flights(self._worker, self._shared.cache.config.deadlines)
         first = next(iter(kv_caches.values()))
@@ -159,47 +140,9 @@ class KVWorker(RoleBase):
         self._collect_events()  # what persistent tiers recovered: the handshake's keys
 
     def _group_report(self) -> dict[str, Any]:
-        """Per KV cache group, for telemetry (`tiercache stats`/`inspect`): its kind, layers,
-        sliding window in blocks, bytes per block, the blocks it keeps for the tokens this
-        process stored (held already or written), and so its bytes per token. A
-        sliding-window group's stays bounded by its window as prompts grow."""
+        """The KV cache groups and the TP layout, for telemetry (`engine_layout.kv_report`)."""
         assert self._shared is not None
-        counters = dict(self._shared.counters)
-        tokens = counters.get("kept_tokens", 0)
-        groups = []
-        for g in self._groups:
-            kept = counters.get(f"kept_blocks_g{g.index}", 0)
-            groups.append(
-                {
-                    "group": g.index,
-                    "kind": g.kind,
-                    "layers": len(g.layers),
-                    "window_blocks": g.window_blocks,
-                    "block_bytes": g.block_bytes,
-                    "kept_blocks": kept,
-                    "bytes_per_token": round(kept * g.block_bytes / tokens, 1) if tokens else None,
-                }
-            )
-        return {
-            "block_size": self._block_size,
-            "kept_tokens": tokens,
-            "groups": groups,
-            "tp_layout": self._layout_report(),
-        }
-
-    def _layout_report(self) -> dict[str, Any]:
-        """The block layout across TP sizes (`tiercache.connectors.tp_layout`), for inspect."""
-        sh, tp = self._shards, self.settings.tp_size
-        if sh is None:
-            return {"layout": "rank", "tp_size": tp, "tp_rank": self._tp_rank}
-        owned = [sh.owned.start, sh.owned.stop - 1]
-        return {
-            "layout": "heads",
-            "shards": sh.shards,
-            "tp_size": tp,
-            "tp_rank": self._tp_rank,
-            "owned_shards": owned,
-        }
+        return kv_report(self.settings, dict(self._shared.counters))
 
     def get_handshake_metadata(self) -> TierCacheHandshake | None:
         if self._worker is None:
@@ -716,28 +659,3 @@ class KVWorker(RoleBase):
         if self._shards is not None:  # shard units -> engine blocks
             return self._shards.blocks(errors)
         return errors
-
-
-def _group_layout(
-    kv_caches: dict[str, torch.Tensor], groups: tuple[KVGroup, ...], num_blocks: int
-) -> KVLayout:
-    """The block layout of a hybrid model's KV caches: vLLM overlays its groups (layer j of
-    every group is a view of one tensor; a block id is owned by one group at a time), so one
-    group's layout, copied by block id, serves every group. Anything else is refused."""
-    layouts = [KVLayout({n: kv_caches[n] for n in g.layers}, num_blocks) for g in groups]
-
-    def shape(layout: KVLayout) -> tuple[Any, ...]:
-        return tuple(
-            (s.rows.data_ptr(), tuple(s.rows.shape), tuple(s.rows.stride()), s.offset)
-            for s in layout.segments
-        )
-
-    first = shape(layouts[0])
-    for g, layout in zip(groups[1:], layouts[1:], strict=True):
-        if shape(layout) != first:
-            raise ValueError(
-                f"register_kv_caches: KV cache group {g.index} ({g.kind}) does not share the "
-                "block layout of group 0 (vLLM did not overlay the groups' tensors); "
-                "not supported"
-            )
-    return layouts[0]

@@ -3,13 +3,16 @@
 A tier with `admit_on_reuse` takes a block (demotion, write-around, write-through) only once
 it has been sighted twice: stored or loaded. `Sightings` remembers how often each key was
 sighted, for as many keys as the largest admitting tier holds, oldest forgotten first; it
-holds keys only, no tier state. `admit_flags` checks the per-tier flags once.
+holds keys only, no tier state. `admit_flags` checks the per-tier flags once. `Admission`
+answers which keys a tier takes: all, none (a read-only tier), or those sighted twice.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+
+from tiercache.manager.levels import Level
 
 
 def admit_flags(admit_on_reuse: Sequence[bool], tiers: int) -> list[bool]:
@@ -64,3 +67,30 @@ class Sightings:
         """Those of `keys` sighted at least twice, in order."""
         seen = self._seen
         return [k for k in keys if seen.get(k, 0) >= 2]
+
+
+class Admission:
+    """Which blocks each tier takes (see the module doc). `mask`: the tiers admitting on reuse;
+    `gated`: those and the read-only ones (a demotion asks them); `seen`: the sightings, of as
+    many keys as the largest admitting tier holds."""
+
+    __slots__ = ("gated", "mask", "seen")
+
+    def __init__(self, levels: Sequence[Level], admit_on_reuse: Sequence[bool]) -> None:
+        admit = admit_flags(admit_on_reuse, len(levels))
+        self.mask = sum(lv.bit for lv in levels if admit[lv.index])
+        self.gated = self.mask | sum(lv.bit for lv in levels if lv.tier.read_only)
+        self.seen = Sightings(
+            max((lv.tier.capacity_blocks for lv in levels if admit[lv.index]), default=0)
+        )
+
+    def admitted(self, level: Level, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys `level` takes: all, none (read-only), or with admission on reuse those
+        sighted twice (the rest are counted as not admitted)."""
+        if level.tier.read_only:
+            return []
+        if not level.bit & self.mask:
+            return list(keys)
+        out = self.seen.reused(keys)
+        level.counters.not_admitted += len(keys) - len(out)
+        return out

@@ -45,10 +45,6 @@ class ThroughQueue:
         q = self._queues.get(tier)
         return len(q) if q is not None else 0
 
-    def backlog(self) -> int:
-        """Keys waiting for a copy, over all tiers."""
-        return sum(len(q) for q in self._queues.values())
-
     def offer(self, tier: int, keys: Sequence[bytes]) -> int:
         """Queue `keys` (none queued for `tier` yet) as far as the bound allows; returns how
         many did not fit (dropped)."""

@@ -1,8 +1,7 @@
 """The manager's per-tier state: `Level` (a tier with its policy, key index, pins and
-`TierCounters`) and the pin-count helpers its loads use.
+`TierCounters`), the outstanding loads (`Loads`) and the pin-count helpers they use.
 
-Split out of `tiercache.manager` (issue #33) so the manager file holds its decisions only;
-`OffloadingManager` owns the levels and is the only one that changes them.
+`OffloadingManager` owns the levels; it and its `Adoption` are the only ones that change them.
 """
 
 from __future__ import annotations
@@ -32,6 +31,20 @@ class TierCounters:
     through_dropped: int = 0  # write-through copies given up (queue full, no room, failed)
     not_admitted: int = 0  # blocks kept out: admission on reuse, sighted only once
     suspensions: int = 0  # times the circuit breaker opened this tier (a missed deadline)
+
+
+@dataclass(frozen=True, slots=True)
+class Index:
+    """The manager's index, given to its collaborators (`Adoption`, `Placement`, `Copies`),
+    which change its contents in place: the levels (fastest first), key -> bitmask of the
+    tiers where it is ready, resp. held (with one tier, `present` is that tier's slot map),
+    the keys moving between tiers, and the event queue."""
+
+    levels: list[Level]
+    ready: dict[bytes, int]
+    present: dict[bytes, int]
+    moving: set[bytes]
+    events: list[OffloadingEvent]
 
 
 class Level:
@@ -76,71 +89,6 @@ class Level:
         for k, s in zip(keys, slots, strict=True):
             slots_of[k] = s
             present[k] = present.get(k, 0) | bit
-
-    def adopt(
-        self,
-        ready: dict[bytes, int],
-        present: dict[bytes, int],
-        keys: Sequence[bytes],
-        slots: Sequence[int],
-        *,
-        single: bool,
-        cold: bool = False,
-    ) -> None:
-        """Index `keys` (oldest first) as held and ready in `slots` and hand them to the policy
-        (`cold`: as its first victims). `ready`, `present`: the manager's key -> bitmask of
-        tiers where it is ready, resp. held; `single`: this is the only tier (`present` is
-        `slots`). Bulk dict updates: at open this runs once per held block."""
-        bit, slots_of = self.bit, self.slots
-        if single and len(keys) == 1 and keys[0] not in slots_of:
-            # One key new to the only tier (a single-key first lookup): no bulk updates.
-            slots_of[keys[0]] = slots[0]
-            ready[keys[0]] = bit
-            new = True
-        else:
-            held = len(slots_of)
-            slots_of.update(zip(keys, slots, strict=True))  # with one tier, `present` too
-            # Every key new to this tier (and so to its policy) and none given twice: the
-            # policy may skip its residency tests (and, with one tier, no key has a ready bit).
-            new = len(slots_of) - held == len(keys)
-            for masks in (ready,) if single else (ready, present):
-                if not masks or (new and single):
-                    masks.update(dict.fromkeys(keys, bit))
-                    continue
-                for k in keys:
-                    masks[k] = masks.get(k, 0) | bit
-        if cold:
-            self.policy.insert_cold(keys)
-        else:
-            self.policy.insert_many(keys, new=new)
-
-    def take_one(
-        self,
-        ready: dict[bytes, int],
-        keys: Sequence[bytes],
-        events: list[OffloadingEvent],
-        count: bool,
-    ) -> int:
-        """A first lookup of one key (`keys`, of length 1) that no tier indexes, this level's
-        tier the only one, shared, with a free slot: probe the store and, if it holds the key,
-        adopt it (1) or not (0), counted as a hit or a miss unless `count` is False. What the
-        manager's `_discover`, `_adopt_found` and `lookup_ready` do for it (index, policy, the
-        stored event in `events`, `discovered`, hits and misses), in one call: the common first
-        lookup after a lazy open. `ready`: the manager's key -> bitmask of tiers."""
-        tier, c = self.tier, self.counters
-        if not tier.probe(keys) or not (slots := tier.adopt(keys)):
-            if count:
-                c.misses += 1
-            return 0
-        k = keys[0]
-        self.slots[k] = slots[0]  # with one tier, the manager's `present` too
-        ready[k] = self.bit
-        self.policy.insert_many(keys, new=True)
-        events.append(OffloadingEvent((k,), self.medium, False))
-        c.discovered += 1
-        if count:
-            c.hits += 1
-        return 1
 
     def evictable(self, ready: Mapping[bytes, int], protect: Collection[bytes], need: int) -> int:
         """How many of the ready blocks the policy may evict (not pinned, not in `protect`),
@@ -240,30 +188,6 @@ def unpin(pins: dict[bytes, int], key: bytes) -> None:
         pins[key] = n
     else:
         del pins[key]
-
-
-def first_tiers(
-    ready: Mapping[bytes, int],
-    where: Callable[[bytes], list[int]],
-    keys: Sequence[bytes],
-    stop: bool = False,
-) -> list[int]:
-    """The fastest tier of each of `keys` (a level's bit is `1 << index`, fastest first), or
-    -1 where none holds it ready; `where` answers for keys without a ready mask (leaving,
-    dormant: it wakes them, or missing). `stop`: only up to the first key held nowhere (the
-    list is then shorter, and no dormant block past it is woken). One pass over a hit's
-    keys, which head shards make many (`OffloadingManager.where` a key costs a call each)."""
-    out = []
-    for k in keys:
-        mask = ready.get(k, 0)
-        if mask:
-            out.append((mask & -mask).bit_length() - 1)
-            continue
-        tiers = where(k)
-        if not tiers and stop:
-            break
-        out.append(tiers[0] if tiers else -1)
-    return out
 
 
 def count_lookup(
