@@ -27,7 +27,7 @@ request is in hand and reports it with that description:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,18 +65,28 @@ _SHARED_KINDS = frozenset({"lmdb", "redis"})
 class BlockDescriptor:
     """One loadable block in vLLM's terms (see the module doc)."""
 
-    hashes: tuple[Any, ...]  # vLLM's ExternalBlockHash: bytes, or int with int hashes on
-    parent: Any
+    hashes: tuple[bytes, ...]  # vLLM's BlockHash (raw), one per vLLM hash block
+    parent: bytes | None
     token_ids: tuple[int, ...]
     block_size: int  # tokens per vLLM hash
     lora_id: int | None = None
     lora_name: str | None = None
-    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None  # untagged, as events carry
+    # For another engine recomputing the hashes with its own hash function (shared_blocks):
+    # the parent's tiercache key and the tagged extra keys vLLM hashes, per vLLM hash block.
+    parent_key: bytes | None = None
+    tagged: tuple[tuple[Any, ...] | None, ...] | None = None
+
+    def external(self) -> list[Any]:
+        """The hashes as vLLM's events publish them (64-bit ints unless configured not to)."""
+        return [maybe_convert_block_hash(h) for h in self.hashes]
 
     def stored(self, medium: str, locality: str) -> BlockStored:
         return BlockStored(
-            block_hashes=list(self.hashes),
-            parent_block_hash=self.parent,
+            block_hashes=self.external(),
+            parent_block_hash=(
+                maybe_convert_block_hash(self.parent) if self.parent is not None else None
+            ),
             token_ids=list(self.token_ids),
             block_size=self.block_size,
             lora_id=self.lora_id,
@@ -87,9 +97,11 @@ class BlockDescriptor:
         )
 
 
-def describe(request: Request, position: int, tokens_per_block: int) -> BlockDescriptor | None:
-    """The `position`-th tiercache block of `request` (`tokens_per_block` tokens), or None
-    when vLLM has not hashed all of it (or the request has no block hashes)."""
+def describe(
+    request: Request, position: int, tokens_per_block: int, parent_key: bytes | None = None
+) -> BlockDescriptor | None:
+    """The `position`-th tiercache block of `request` (`tokens_per_block` tokens; the block
+    before it keyed `parent_key`), or None when vLLM has not hashed all of it."""
     hashes = getattr(request, "block_hashes", None) or []
     tokens = request.all_token_ids
     full = len(tokens) // tokens_per_block
@@ -101,22 +113,26 @@ def describe(request: Request, position: int, tokens_per_block: int) -> BlockDes
         return None
     hbs = tokens_per_block // per
     lora = getattr(request, "lora_request", None)
-    extra = None
+    extra = tagged = None
     if lora is not None or getattr(request, "mm_features", None) or request.cache_salt:
         keys = [
             generate_block_hash_extra_keys(request, s, s + hbs, 0)[0]
             for s in range(first * hbs, end * hbs, hbs)
         ]
-        ek = to_event_extra_keys(keys)
-        extra = tuple(ek) if ek is not None and any(k is not None for k in ek) else None
+        if any(k is not None for k in keys):
+            tagged = tuple(keys)
+            ek = to_event_extra_keys(keys)
+            extra = tuple(ek) if ek is not None else None
     return BlockDescriptor(
-        hashes=tuple(maybe_convert_block_hash(h) for h in hashes[first:end]),
-        parent=maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None,
+        hashes=tuple(bytes(h) for h in hashes[first:end]),
+        parent=bytes(hashes[first - 1]) if first > 0 else None,
         token_ids=tuple(tokens[position * tokens_per_block : (position + 1) * tokens_per_block]),
         block_size=hbs,
         lora_id=getattr(lora, "adapter_id", None) if lora is not None else None,
         lora_name=getattr(lora, "name", None) if lora is not None else None,
         extra_keys=extra,
+        parent_key=parent_key if position > 0 else None,
+        tagged=tagged,
     )
 
 
@@ -134,13 +150,27 @@ def placement_of(config: CacheConfig) -> dict[str, tuple[str, str]]:
 class EventTranslator:
     """tiercache events -> vLLM's self-describing events (see the module doc)."""
 
-    def __init__(self, placement: Placement, limit: int = 65536) -> None:
+    def __init__(
+        self,
+        placement: Placement,
+        limit: int = 65536,
+        on_shared: Callable[[bytes, str, BlockDescriptor], None] | None = None,
+    ) -> None:
+        """`on_shared(key, tier, desc)`: a described block is held in a SHARED tier (told
+        once per key and tier: `shared_blocks` writes its description beside it)."""
         self._placement = dict(placement)
+        self._on_shared = on_shared
         self._limit = limit
         self._desc: dict[bytes, BlockDescriptor] = {}
         self._held: dict[bytes, set[str]] = {}  # key -> tiers holding it
         self._unheld: OrderedDict[bytes, None] = OrderedDict()  # described, held nowhere
         self._out: list[KVCacheEvent] = []
+
+    def _shared(self, key: bytes, tiers: Iterable[str], desc: BlockDescriptor) -> None:
+        if self._on_shared is not None:
+            for t in tiers:
+                if self._where(t)[1] == SHARED:
+                    self._on_shared(key, t, desc)
 
     def _where(self, tier: str) -> tuple[str, str]:
         return self._placement.get(tier, ("STORAGE", LOCAL))
@@ -160,6 +190,7 @@ class EventTranslator:
         if tiers:
             for medium, locality in sorted(self._classes(tiers)):
                 self._out.append(desc.stored(medium, locality))
+            self._shared(key, tiers, desc)
             return
         self._keep(key)
 
@@ -182,23 +213,36 @@ class EventTranslator:
                     tiers = self._held[k] = set()
                     self._unheld.pop(k, None)
                 new = cls not in self._classes(tiers)
+                fresh = tier not in tiers
                 tiers.add(tier)
                 d = self._desc.get(k)
                 if new and d is not None:
                     self._out.append(d.stored(*cls))
+                if fresh and d is not None:
+                    self._shared(k, (tier,), d)
                 continue
             if tiers is None or tier not in tiers:
                 continue
             tiers.discard(tier)
             d = self._desc.get(k)
             if d is not None and cls not in self._classes(tiers):
-                gone.extend(d.hashes)
+                gone.extend(d.external())
             if not tiers:  # kept a while: a demotion's store into the next tier follows
                 del self._held[k]
                 if d is not None:
                     self._keep(k)
         if gone:
             self._out.append(BlockRemoved(block_hashes=gone, medium=cls[0], locality=cls[1]))
+
+    def holds(self, key: bytes, tier: str) -> bool:
+        return tier in self._held.get(key, ())
+
+    def held_in(self, tier: str) -> list[bytes]:
+        """Keys this translator has as held in `tier`."""
+        return [k for k, tiers in self._held.items() if tier in tiers]
+
+    def describes(self, key: bytes) -> BlockDescriptor | None:
+        return self._desc.get(key)
 
     def take(self) -> list[KVCacheEvent]:
         out, self._out = self._out, []

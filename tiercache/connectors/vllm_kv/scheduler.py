@@ -44,6 +44,7 @@ from tiercache.connectors.vllm_kv.messages import (
 )
 from tiercache.connectors.vllm_kv.remote_index import RemoteIndex
 from tiercache.connectors.vllm_kv.settings import KVSettings, RoleBase, log
+from tiercache.connectors.vllm_kv.shared_blocks import open_shared_blocks
 from tiercache.costs import LoadGate
 from tiercache.hashing import group_keys, prefix_hashes
 from tiercache.tiers.base import StoreProbe
@@ -127,8 +128,19 @@ class KVScheduler(RoleBase):
         self._events: list[Event] = []
         # vLLM's events describe each block in vLLM's terms (kv_events.py); hybrid models'
         # per-group keys are not described, so not reported.
+        # Shared tiers: every engine on the store reports what it can load from it, and
+        # what the store no longer holds (shared_blocks.py).
+        self._shared_blocks = (
+            open_shared_blocks(self._config, settings.block_bytes, settings.hash_algo)
+            if settings.events and not self._hma and self._shards is None
+            else None
+        )
         self._translator = (
-            EventTranslator(placement_of(self._config), limit=max(4096, 2 * settings.num_blocks))
+            EventTranslator(
+                placement_of(self._config),
+                limit=max(4096, 2 * settings.num_blocks),
+                on_shared=self._shared_blocks.on_shared if self._shared_blocks else None,
+            )
             if settings.events and not self._hma
             else None
         )
@@ -142,6 +154,8 @@ class KVScheduler(RoleBase):
         """Stop probes and verifying reads, then drop this role's reference to the store (the
         last one closes it: write-back and flush)."""
         self.remote.shutdown()
+        if self._shared_blocks is not None:
+            self._shared_blocks.close()
         if self.local_lookup is not None:
             self.local_lookup.shutdown()
         shared, self._shared = self._shared, None
@@ -310,7 +324,10 @@ class KVScheduler(RoleBase):
             return
         for p in range(lo, hi):
             key = st.keys[p]
-            if not tr.described(key) and (d := describe(st.request, p, self._block_size)):
+            if tr.described(key):
+                continue
+            d = describe(st.request, p, self._block_size, st.keys[p - 1] if p else None)
+            if d is not None:
                 tr.record(key, d)
 
     def _expect(self, keys: list[bytes], skeys: list[bytes] | None = None) -> None:
@@ -614,4 +631,6 @@ class KVScheduler(RoleBase):
             return []
         for keys, medium, removed in events:
             tr.apply(keys, medium, removed)
+        if self._shared_blocks is not None:
+            self._shared_blocks.poll(tr)
         return tr.take()

@@ -79,6 +79,7 @@ class KVSettings:
     # scheduler turn the cache's events into vLLM's (vLLM drops them otherwise, and with head
     # shards mapping shard events back to blocks costs a lookup's every shard key).
     events: bool = True
+    hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (shared_blocks' hashes)
 
     @property
     def hma(self) -> bool:
@@ -178,6 +179,9 @@ class KVSettings:
             kv_heads=int(getattr(spec, "num_kv_heads", 0) or 0),
             recompute_failures=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute",
             events=bool(getattr(events_config, "enable_kv_cache_events", False)),
+            hash_algo=str(
+                getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None) or "sha256"
+            ),
         )
 
 
