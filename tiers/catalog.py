@@ -159,11 +159,13 @@ class LMDBCatalog(Catalog):
 class RedisCatalog(Catalog):
     """The catalog of one Redis store (see the module doc), on a `redis.Redis` client."""
 
-    def __init__(self, client: Any, prefix: str, capacity: int) -> None:
+    def __init__(self, client: Any, prefix: bytes, capacity: int) -> None:
+        """`prefix`: the store's key prefix (prefix + namespace); one node, not a cluster (the
+        catalog's keys would span hash slots)."""
         self._r = client
-        self._order = f"{prefix}catalog:order"
-        self._seq = f"{prefix}catalog:seq"
-        self._rec = f"{prefix}catalog:rec:"
+        self._order = prefix + b"#catalog:order"
+        self._seq = prefix + b"#catalog:seq"
+        self._rec = prefix + b"#catalog:rec:"
         self.capacity = max(1, capacity)
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
@@ -173,7 +175,7 @@ class RedisCatalog(Catalog):
         pipe = self._r.pipeline(transaction=False)
         for i, (key, record) in enumerate(items):
             pipe.zadd(self._order, {key: top - len(items) + 1 + i})
-            pipe.set(self._rec + key.hex(), record)
+            pipe.set(self._rec + key, record)
         pipe.execute()
         over = int(self._r.zcard(self._order)) - self.capacity
         if over > 0:
@@ -181,7 +183,7 @@ class RedisCatalog(Catalog):
             if old:
                 pipe = self._r.pipeline(transaction=False)
                 pipe.zrem(self._order, *old)
-                pipe.delete(*[self._rec + bytes(k).hex() for k in old])
+                pipe.delete(*[self._rec + bytes(k) for k in old])
                 pipe.execute()
 
     def since(self, cursor: int, limit: int = 4096) -> tuple[list[tuple[bytes, bytes]], int]:
@@ -190,9 +192,9 @@ class RedisCatalog(Catalog):
         )
         if not rows:
             return [], cursor
-        recs = self._r.mget([self._rec + bytes(k).hex() for k, _ in rows])
+        recs = self._r.mget([self._rec + bytes(k) for k, _ in rows])
         out = [(bytes(k), bytes(v)) for (k, _), v in zip(rows, recs, strict=True) if v is not None]
         return out, int(rows[-1][1])
 
     def close(self) -> None:
-        pass
+        self._r.close()

@@ -150,3 +150,47 @@ def test_catalog_is_bounded_and_records_round_trip(tmp_path: Path) -> None:
     finally:
         cat.close()
         other.close()
+
+
+def _redis_engine(url: str, cpu: int = 0, **opts: Any) -> tuple[Any, Any, Any]:
+    tiers = [{"kind": "cpu", "blocks": cpu}] if cpu else []
+    tiers.append({"kind": "redis", "url": url, "blocks": 64, "prefix": "ev:", **opts})
+    shared, s, w = _roles(tiers)
+    s._shared_blocks._interval = 0.0  # test probe: every call polls
+    return shared, s, w
+
+
+def test_redis_evictions_under_maxmemory_are_reported_by_every_engine(tmp_path) -> None:
+    """Redis (allkeys-lru, a small maxmemory) evicts blocks when another client fills it:
+    both engines' views fall to what the server still holds."""
+    from tests.test_tier_redis import RedisServer, require_redis
+
+    require_redis()
+    srv = RedisServer(tmp_path / "redis", "--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    a = b = None
+    try:
+        a = _redis_engine(srv.url)
+        b = _redis_engine(srv.url, cpu=4)
+        tokens = list(range(1, 1 + 6 * BS + 1))
+        view_a = _shared_view(_serve(a[1], a[2], a[0], _request("a1", tokens)), set())
+        assert view_a == set(_ext(_request("x", tokens))[:6])
+        view_b: set[Any] = set()
+        assert _converge(b[1], view_b, view_a)
+        # Another client fills the server well past maxmemory: LRU evicts our blocks.
+        r = srv.client()
+        for i in range(400):
+            r.set(f"junk:{i}", b"x" * 32768)
+        held = {
+            h
+            for k, h in zip(a[1]._reqs["a1"].keys, _ext(_request("x", tokens)), strict=False)
+            if r.exists(a[0].cache.tiers[0].redis_key(k))
+        }
+        assert len(held) < 6  # something was evicted
+        view_a = _shared_view(list(a[1].take_events()), view_a)
+        assert view_a == held  # the engine that stored them reports it too
+        assert _converge(b[1], view_b, held)  # and the one that did not
+    finally:
+        for e in (a, b):
+            if e is not None:
+                _close(*e)
+        srv.kill()

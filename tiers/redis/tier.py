@@ -393,6 +393,11 @@ class RedisTier(KeyedTier):
         """prefix + namespace: every block of this store lives under it."""
         return self._kprefix
 
+    def side_client(self) -> tuple[Any, bool]:
+        """A new client of this tier's server (its timeouts and credentials) for records kept
+        beside the blocks (`tiers.catalog`), and whether the server is a cluster."""
+        return self._make_client(), self._cluster
+
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key holding block `key`."""
         return self._kprefix + key

@@ -35,7 +35,7 @@ from tiercache.config import CacheConfig
 from tiercache.connectors.probes import open_probes
 from tiercache.connectors.vllm_kv.kv_events import BlockDescriptor, EventTranslator
 from tiercache.tiers.base import StoreProbe
-from tiercache.tiers.catalog import CATALOG_ERRORS, Catalog, LMDBCatalog
+from tiercache.tiers.catalog import CATALOG_ERRORS, Catalog, LMDBCatalog, RedisCatalog
 
 __all__ = ["SharedBlocks", "decode", "encode", "hash_identity", "open_shared_blocks"]
 
@@ -252,17 +252,27 @@ class SharedBlocks:
 def open_shared_blocks(
     config: CacheConfig, block_bytes: int, hash_algo: str
 ) -> SharedBlocks | None:
-    """`SharedBlocks` over `config`'s shared tiers (LMDB), or None when it has none."""
-    lmdb_tiers = [t for t in config.tiers if t.kind == "lmdb"]
-    if not lmdb_tiers:
-        return None
+    """`SharedBlocks` over `config`'s shared tiers (LMDB; Redis on one node), or None when
+    it has none."""
     probes = dict(open_probes(config, block_bytes))
     catalogs: list[tuple[str, Catalog]] = []
-    for t in lmdb_tiers:
-        if t.name not in probes:
+    for t in config.tiers:
+        probe = probes.get(t.name)
+        if probe is None:
             continue
         cap = t.capacity_in_blocks(block_bytes)
-        catalogs.append((t.name, LMDBCatalog(t.options["path"], cap, namespace=config.namespace)))
+        if t.kind == "lmdb":
+            catalogs.append(
+                (t.name, LMDBCatalog(t.options["path"], cap, namespace=config.namespace))
+            )
+        elif t.kind == "redis":  # its probe is the tier without an index (RedisTier)
+            client, cluster = probe.side_client()  # type: ignore[attr-defined]
+            if cluster:
+                client.close()
+                log.warning("tiercache: tier %s is a Redis cluster: no shared block events", t.name)
+                continue
+            prefix = probe.key_prefix  # type: ignore[attr-defined]
+            catalogs.append((t.name, RedisCatalog(client, prefix, cap)))
     for name in set(probes) - {t for t, _ in catalogs}:
         probes.pop(name).close()
     return SharedBlocks(catalogs, probes, hash_algo) if catalogs else None
