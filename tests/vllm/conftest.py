@@ -83,6 +83,10 @@ EVERY_VLLM: dict[str, tuple[str, ...] | None] = {
     # the in-process connector's asynchronous loads straight from a persistent tier under
     # "recompute" (issue 35): the scheduler and worker halves on vLLM's Request, no engine.
     "test_direct_loads.py": None,
+    # the test router (tests/kv_router.py, issue 51) decoding the installed vLLM's own
+    # ZmqEventPublisher (0.33's BlockStored adds lookahead_token_ids) and hashing with its
+    # block hasher: no engine, seconds. Not test_vllm_serve_ (the OpenAI server, 0.32).
+    "test_kv_router.py": ("test_router_",),
 }
 
 
