@@ -131,7 +131,13 @@ class KVScheduler(RoleBase):
         # Shared tiers: every engine on the store reports what it can load from it, and
         # what the store no longer holds (shared_blocks.py).
         self._shared_blocks = (
-            open_shared_blocks(self._config, settings.block_bytes, settings.hash_algo)
+            open_shared_blocks(
+                self._config,
+                settings.block_bytes,
+                settings.hash_algo,
+                interval_s=settings.events_poll_s,
+                local=(shared.cache.tiers, shared.lock) if shared is not None else None,
+            )
             if settings.events and not self._hma and self._shards is None
             else None
         )
@@ -629,8 +635,11 @@ class KVScheduler(RoleBase):
         tr = self._translator
         if tr is None:
             return []
+        sb = self._shared_blocks
         for keys, medium, removed in events:
+            if removed and sb is not None and medium in sb.tiers:
+                keys = tuple(sb.gone(keys, medium))  # forgotten, not gone: still loadable
             tr.apply(keys, medium, removed)
-        if self._shared_blocks is not None:
-            self._shared_blocks.poll(tr)
+        if sb is not None:
+            sb.poll(tr)
         return tr.take()

@@ -15,6 +15,9 @@ from it, whoever stored them, and reports them removed once the store no longer 
   recomputes them with its own hash function from the record's tokens, tagged extra keys
   and its own hash of the parent block (recorded by parent key); a block whose parent it
   cannot describe is not reported.
+- Removals the cache reports from a shared tier (`gone`) stand only for blocks the store
+  no longer holds: a block the cache merely forgot (its index is smaller than the store) is
+  found again by its next lookup, so it stays reported.
 - Removals (`poll`): a sweep asks the probe about `sweep_keys` of the keys held in each
   shared tier per poll, round robin, and reports those gone (another process's eviction,
   Redis's maxmemory or expiry) removed. A block gone from the store is reported removed
@@ -37,7 +40,7 @@ from tiercache.connectors.vllm_kv.kv_events import BlockDescriptor, EventTransla
 from tiercache.tiers.base import StoreProbe
 from tiercache.tiers.catalog import CATALOG_ERRORS, Catalog, LMDBCatalog, RedisCatalog
 
-__all__ = ["SharedBlocks", "decode", "encode", "hash_identity", "open_shared_blocks"]
+__all__ = ["SharedBlocks", "TierProbe", "decode", "encode", "hash_identity", "open_shared_blocks"]
 
 log = logging.getLogger("tiercache.connectors.vllm_kv")
 
@@ -141,6 +144,18 @@ class SharedBlocks:
         """`EventTranslator`'s hook: `key` is held in shared `tier`; written at the next poll."""
         if tier in self._cursor and not self._quiet:
             self._publish.setdefault(tier, []).append((key, desc))
+
+    def gone(self, keys: Sequence[bytes], tier: str) -> list[bytes]:
+        """Of `keys` this engine's cache dropped from shared `tier`, those the store no longer
+        holds. The others stay reported: the cache forgot them (its index is smaller than
+        the store, or they were adopted), and its next lookup finds them again."""
+        probe = self._probes.get(tier)
+        if probe is None or tier not in self._cursor:
+            return list(keys)
+        try:
+            return [k for k in keys if not probe.probe([k])]
+        except CATALOG_ERRORS:
+            return list(keys)
 
     def poll(self, tr: EventTranslator, *, force: bool = False) -> None:
         """Publish, discover and sweep, at most every `interval_s` (`force`: now)."""
@@ -249,12 +264,33 @@ class SharedBlocks:
             p.close()
 
 
+class TierProbe:
+    """A `StoreProbe` over a tier of this process's cache, under the cache's lock: what its
+    own lookups would find (a block this process is deleting reads as gone)."""
+
+    def __init__(self, tier: Any, lock: Any) -> None:
+        self._tier, self._lock = tier, lock
+
+    def probe(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            return int(self._tier.probe(keys))
+
+    def close(self) -> None:
+        pass
+
+
 def open_shared_blocks(
-    config: CacheConfig, block_bytes: int, hash_algo: str
+    config: CacheConfig,
+    block_bytes: int,
+    hash_algo: str,
+    *,
+    interval_s: float = 0.5,
+    local: tuple[Sequence[Any], Any] | None = None,
 ) -> SharedBlocks | None:
     """`SharedBlocks` over `config`'s shared tiers (LMDB; Redis on one node), or None when
-    it has none."""
-    probes = dict(open_probes(config, block_bytes))
+    it has none. `local`: (the cache's tiers, its lock) where the cache is this process's
+    (local placement): presence is asked of those tiers; else of read-only probes."""
+    probes: dict[str, Any] = dict(open_probes(config, block_bytes))
     catalogs: list[tuple[str, Catalog]] = []
     for t in config.tiers:
         probe = probes.get(t.name)
@@ -266,13 +302,17 @@ def open_shared_blocks(
                 (t.name, LMDBCatalog(t.options["path"], cap, namespace=config.namespace))
             )
         elif t.kind == "redis":  # its probe is the tier without an index (RedisTier)
-            client, cluster = probe.side_client()  # type: ignore[attr-defined]
+            client, cluster = probe.side_client()
             if cluster:
                 client.close()
                 log.warning("tiercache: tier %s is a Redis cluster: no shared block events", t.name)
                 continue
-            prefix = probe.key_prefix  # type: ignore[attr-defined]
-            catalogs.append((t.name, RedisCatalog(client, prefix, cap)))
+            catalogs.append((t.name, RedisCatalog(client, probe.key_prefix, cap)))
     for name in set(probes) - {t for t, _ in catalogs}:
         probes.pop(name).close()
-    return SharedBlocks(catalogs, probes, hash_algo) if catalogs else None
+    if local is not None:
+        for t, tier in zip(config.tiers, local[0], strict=True):
+            if t.name in probes:
+                probes.pop(t.name).close()
+                probes[t.name] = TierProbe(tier, local[1])
+    return SharedBlocks(catalogs, probes, hash_algo, interval_s=interval_s) if catalogs else None
