@@ -137,8 +137,9 @@ class KVScheduler(RoleBase):
                 settings.hash_algo,
                 interval_s=settings.events_poll_s,
                 local=(shared.cache.tiers, shared.lock) if shared is not None else None,
+                expand=self._shards.all_keys if self._shards is not None else None,
             )
-            if settings.events and not self._hma and self._shards is None
+            if settings.events and not self._hma
             else None
         )
         self._translator = (

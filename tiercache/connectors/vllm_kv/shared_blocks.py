@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -112,7 +112,10 @@ class SharedBlocks:
         sweep_keys: int = 4096,
         read_limit: int = 4096,
         retry_polls: int = 20,
+        expand: Callable[[Sequence[bytes]], list[bytes]] | None = None,
     ) -> None:
+        """`expand`: a block key -> the keys the store holds it under (head shards: every
+        shard's; default: the key itself)."""
         self._catalogs = [(t, c) for t, c in catalogs if t in probes]
         self._probes = probes
         self._algo = hash_algo
@@ -130,6 +133,12 @@ class SharedBlocks:
         self._retry: dict[str, dict[bytes, int]] = {t: {} for t, _ in self._catalogs}
         self._retry_polls = retry_polls
         self._quiet = False  # applying what the catalog told: not written back into it
+        self._expand = expand
+
+    def _has(self, probe: StoreProbe, key: bytes) -> bool:
+        """The store holds block `key` (every key it is stored under)."""
+        keys = self._expand([key]) if self._expand is not None else [key]
+        return probe.probe(keys) == len(keys)
 
     @property
     def tiers(self) -> list[str]:
@@ -153,7 +162,7 @@ class SharedBlocks:
         if probe is None or tier not in self._cursor:
             return list(keys)
         try:
-            return [k for k in keys if not probe.probe([k])]
+            return [k for k in keys if not self._has(probe, k)]
         except CATALOG_ERRORS:
             return list(keys)
 
@@ -182,7 +191,9 @@ class SharedBlocks:
         retry = self._retry[tier]
         if retry:
             back = [
-                k for k in retry if not tr.holds(k, tier) and tr.described(k) and probe.probe([k])
+                k
+                for k in retry
+                if not tr.holds(k, tier) and tr.described(k) and self._has(probe, k)
             ]
             for k in list(retry):
                 retry[k] -= 1
@@ -201,7 +212,7 @@ class SharedBlocks:
                     if d is None:
                         continue
                     tr.record(key, d)
-                if probe.probe([key]):
+                if self._has(probe, key):
                     found.append(key)
                 elif len(retry) < self._read_limit:
                     retry[key] = self._retry_polls
@@ -217,7 +228,7 @@ class SharedBlocks:
         at = self._turn[tier] % len(held)
         part = held[at : at + self._sweep]
         self._turn[tier] = at + len(part)
-        gone = [k for k in part if not probe.probe([k])]
+        gone = [k for k in part if not self._has(probe, k)]
         if gone:
             tr.apply(gone, tier, True)
 
@@ -286,6 +297,7 @@ def open_shared_blocks(
     *,
     interval_s: float = 0.5,
     local: tuple[Sequence[Any], Any] | None = None,
+    expand: Callable[[Sequence[bytes]], list[bytes]] | None = None,
 ) -> SharedBlocks | None:
     """`SharedBlocks` over `config`'s shared tiers (LMDB; Redis on one node), or None when
     it has none. `local`: (the cache's tiers, its lock) where the cache is this process's
@@ -315,4 +327,6 @@ def open_shared_blocks(
             if t.name in probes:
                 probes.pop(t.name).close()
                 probes[t.name] = TierProbe(tier, local[1])
-    return SharedBlocks(catalogs, probes, hash_algo, interval_s=interval_s) if catalogs else None
+    if not catalogs:
+        return None
+    return SharedBlocks(catalogs, probes, hash_algo, interval_s=interval_s, expand=expand)
