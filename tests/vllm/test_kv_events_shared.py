@@ -198,24 +198,26 @@ def test_redis_evictions_under_maxmemory_are_reported_by_every_engine(tmp_path) 
 
 
 def test_a_block_the_cache_forgot_stays_reported_while_the_store_holds_it(tmp_path) -> None:
-    """The cache's index drops a shared block it only adopted (its index is smaller than
-    the store): the engine can still load it (its next lookup finds it again), so no
-    BlockRemoved; a block the store no longer holds is reported removed."""
-    from tiercache.connectors.vllm_kv import TierCacheWorkerMetadata
-
-    a, b = _engine(tmp_path), _engine(tmp_path, cpu=4)
+    """B's cache drops a shared block it only adopted (its index is smaller than the store):
+    B can still load it (its next lookup finds it again), so no BlockRemoved; a block the
+    store no longer holds is reported removed."""
+    a, b = _engine(tmp_path), _engine(tmp_path, cpu=4)  # B reads into its CPU tier
     try:
         tokens = list(range(1, 1 + 2 * BS + 1))
         view = _shared_view(_serve(a[1], a[2], a[0], _request("a1", tokens)), set())
-        assert _converge(b[1], set(), view)
-        keys = a[1]._reqs["a1"].keys[:2]
-        forgot = TierCacheWorkerMetadata(events=[(0, (keys[0],), "lmdb", True)])
-        b[1].update_connector_output(SimpleNamespace(kv_connector_worker_meta=forgot))
-        assert not [e for e in b[1].take_events() if isinstance(e, BlockRemoved)]
-        a[0].cache.manager.discard([keys[1]], 0)  # A deletes it from the store
+        view_b: set[Any] = set()
+        assert _converge(b[1], view_b, view)
+        req = _request("b1", tokens)
+        assert b[1].get_num_new_matched_tokens(req, 0)[0] == 2 * BS  # B adopts both
+        keys = b[1]._reqs["b1"].keys[:2]
+        b[0].cache.manager.discard([keys[0]], 1)  # B's LMDB index forgets one: stored still
+        a[0].cache.manager.discard([keys[1]], 0)  # A deletes the other from the store
         a[0].cache.flush()
+        meta = b[2].build_connector_worker_meta()
+        assert meta is not None and meta.kept == [keys[0]]
+        b[1].update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
         removed = [e for e in b[1].take_events() if isinstance(e, BlockRemoved)]
-        assert [h for e in removed for h in e.block_hashes] == [_ext(_request("x", tokens))[1]]
+        assert [h for e in removed for h in e.block_hashes] == [_ext(req)[1]]
     finally:
         _close(*a)
         _close(*b)

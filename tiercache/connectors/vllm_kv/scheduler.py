@@ -137,6 +137,7 @@ class KVScheduler(RoleBase):
                 settings.hash_algo,
                 interval_s=settings.events_poll_s,
                 local=(shared.cache.tiers, shared.lock) if shared is not None else None,
+                borrowed=probes[0] if probes else None,  # the remote index's (rank 0's)
                 expand=self._shards.all_keys if self._shards is not None else None,
             )
             if settings.events and not self._hma
@@ -584,13 +585,15 @@ class KVScheduler(RoleBase):
                 self._pending[req_id] = left
             else:
                 self._pending.pop(req_id, None)
+        kept = set(meta.kept)  # forgotten from a shared tier, still loadable (kv_events)
         for rank, keys, medium, removed in meta.events:
+            vkeys = tuple(k for k in keys if k not in kept) if removed and kept else keys
             if self._shard_events is not None:
-                blocks = self._shard_events.apply(keys, medium, removed)
+                blocks = self._shard_events.apply(vkeys, medium, removed)
                 if blocks:
                     self._events.append((tuple(blocks), medium, removed))
-            elif self._tp_size == 1 and self._vllm_events:
-                self._events.append((keys, medium, removed))
+            elif self._tp_size == 1 and self._vllm_events and (vkeys or vkeys is keys):
+                self._events.append((vkeys, medium, removed))
             if self._shared is None:
                 self._index_event(rank, keys, medium, removed)
 
@@ -636,11 +639,8 @@ class KVScheduler(RoleBase):
         tr = self._translator
         if tr is None:
             return []
-        sb = self._shared_blocks
         for keys, medium, removed in events:
-            if removed and sb is not None and medium in sb.tiers:
-                keys = tuple(sb.gone(keys, medium))  # forgotten, not gone: still loadable
             tr.apply(keys, medium, removed)
-        if sb is not None:
-            sb.poll(tr)
+        if self._shared_blocks is not None:
+            self._shared_blocks.poll(tr)
         return tr.take()

@@ -15,9 +15,9 @@ from it, whoever stored them, and reports them removed once the store no longer 
   recomputes them with its own hash function from the record's tokens, tagged extra keys
   and its own hash of the parent block (recorded by parent key); a block whose parent it
   cannot describe is not reported.
-- Removals the cache reports from a shared tier (`gone`) stand only for blocks the store
-  no longer holds: a block the cache merely forgot (its index is smaller than the store) is
-  found again by its next lookup, so it stays reported.
+- Removals the cache reports from a shared tier stand only for blocks the store no longer
+  holds (`still_held`, asked by the worker): a block the cache merely forgot (its index is
+  smaller than the store) is found again by its next lookup, so it stays reported.
 - Removals (`poll`): a sweep asks the probe about `sweep_keys` of the keys held in each
   shared tier per poll, round robin, and reports those gone (another process's eviction,
   Redis's maxmemory or expiry) removed. A block gone from the store is reported removed
@@ -40,7 +40,15 @@ from tiercache.connectors.vllm_kv.kv_events import BlockDescriptor, EventTransla
 from tiercache.tiers.base import StoreProbe
 from tiercache.tiers.catalog import CATALOG_ERRORS, Catalog, LMDBCatalog, RedisCatalog
 
-__all__ = ["SharedBlocks", "TierProbe", "decode", "encode", "hash_identity", "open_shared_blocks"]
+__all__ = [
+    "SharedBlocks",
+    "TierProbe",
+    "decode",
+    "encode",
+    "hash_identity",
+    "open_shared_blocks",
+    "still_held",
+]
 
 log = logging.getLogger("tiercache.connectors.vllm_kv")
 
@@ -154,18 +162,6 @@ class SharedBlocks:
         if tier in self._cursor and not self._quiet:
             self._publish.setdefault(tier, []).append((key, desc))
 
-    def gone(self, keys: Sequence[bytes], tier: str) -> list[bytes]:
-        """Of `keys` this engine's cache dropped from shared `tier`, those the store no longer
-        holds. The others stay reported: the cache forgot them (its index is smaller than
-        the store, or they were adopted), and its next lookup finds them again."""
-        probe = self._probes.get(tier)
-        if probe is None or tier not in self._cursor:
-            return list(keys)
-        try:
-            return [k for k in keys if not self._has(probe, k)]
-        except CATALOG_ERRORS:
-            return list(keys)
-
     def poll(self, tr: EventTranslator, *, force: bool = False) -> None:
         """Publish, discover and sweep, at most every `interval_s` (`force`: now)."""
         now = time.monotonic()
@@ -275,6 +271,34 @@ class SharedBlocks:
             p.close()
 
 
+def still_held(cache: Any, events: Sequence[Any]) -> list[bytes]:
+    """Of the keys `events` report removed from a shared LMDB tier of `cache` (the worker's,
+    its lock held), those the store still holds and the cache would find again: it forgot
+    them (adopted, or found at open, and evicted from its smaller index), it did not delete
+    them (a block it is deleting reads as gone). Still loadable: not removed for routers.
+    Redis tiers are not asked (a round trip per key): their removals stand."""
+    lmdb = {t.medium: t for t in cache.tiers if t.shared and t.kind == "lmdb"}
+    out: list[bytes] = []
+    for e in events:
+        t = lmdb.get(e.medium) if e.removed else None
+        if t is not None:
+            out.extend(k for k in e.keys if t.probe([k]))
+    return out
+
+
+class Borrowed:
+    """Another owner's `StoreProbe`, used here and closed by its owner."""
+
+    def __init__(self, probe: StoreProbe) -> None:
+        self.probe_of = probe
+
+    def probe(self, keys: Sequence[bytes]) -> int:
+        return self.probe_of.probe(keys)
+
+    def close(self) -> None:
+        pass
+
+
 class TierProbe:
     """A `StoreProbe` over a tier of this process's cache, under the cache's lock: what its
     own lookups would find (a block this process is deleting reads as gone)."""
@@ -297,12 +321,18 @@ def open_shared_blocks(
     *,
     interval_s: float = 0.5,
     local: tuple[Sequence[Any], Any] | None = None,
+    borrowed: Sequence[tuple[str, StoreProbe]] | None = None,
     expand: Callable[[Sequence[bytes]], list[bytes]] | None = None,
 ) -> SharedBlocks | None:
     """`SharedBlocks` over `config`'s shared tiers (LMDB; Redis on one node), or None when
     it has none. `local`: (the cache's tiers, its lock) where the cache is this process's
-    (local placement): presence is asked of those tiers; else of read-only probes."""
-    probes: dict[str, Any] = dict(open_probes(config, block_bytes))
+    (local placement): presence is asked of those tiers; else of read-only probes, the
+    scheduler's own (`borrowed`, closed by their owner: a process opens an LMDB environment
+    once) or new ones."""
+    if borrowed is not None:
+        probes: dict[str, Any] = {name: Borrowed(p) for name, p in borrowed}
+    else:
+        probes = dict(open_probes(config, block_bytes))
     catalogs: list[tuple[str, Catalog]] = []
     for t in config.tiers:
         probe = probes.get(t.name)
@@ -314,12 +344,13 @@ def open_shared_blocks(
                 (t.name, LMDBCatalog(t.options["path"], cap, namespace=config.namespace))
             )
         elif t.kind == "redis":  # its probe is the tier without an index (RedisTier)
-            client, cluster = probe.side_client()
+            client, cluster = getattr(probe, "probe_of", probe).side_client()
             if cluster:
                 client.close()
                 log.warning("tiercache: tier %s is a Redis cluster: no shared block events", t.name)
                 continue
-            catalogs.append((t.name, RedisCatalog(client, probe.key_prefix, cap)))
+            prefix = getattr(probe, "probe_of", probe).key_prefix
+            catalogs.append((t.name, RedisCatalog(client, prefix, cap)))
     for name in set(probes) - {t for t, _ in catalogs}:
         probes.pop(name).close()
     if local is not None:
