@@ -221,3 +221,44 @@ def test_a_block_the_cache_forgot_stays_reported_while_the_store_holds_it(tmp_pa
     finally:
         _close(*a)
         _close(*b)
+
+
+class _Gone:
+    """A store that holds nothing."""
+
+    def probe(self, keys: Any) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_sweep_reaches_every_block_within_its_bound() -> None:
+    """ceil(held / sweep_keys) polls report every block the store lost, whatever the number
+    held does between polls (the round robin wraps around)."""
+    from tiercache.connectors.vllm_kv.kv_events import EventTranslator
+    from tiercache.connectors.vllm_kv.shared_blocks import SharedBlocks
+    from tiercache.tiers.catalog import Catalog
+
+    class _Empty(Catalog):
+        def put(self, items: Any) -> None:
+            pass
+
+        def since(self, cursor: int, limit: int = 4096) -> tuple[list, int]:
+            return [], cursor
+
+        def close(self) -> None:
+            pass
+
+    d = BlockDescriptor((b"h" * 32,), None, (1, 2, 3, 4), 4)
+    for held, sweep in ((5, 2), (3, 4), (7, 3)):
+        tr = EventTranslator({"lmdb": ("STORAGE", SHARED)})
+        keys = [bytes([i]) * 16 for i in range(held)]
+        for k in keys:
+            tr.record(k, d)
+        tr.apply(keys, "lmdb", False)
+        sb = SharedBlocks([("lmdb", _Empty())], {"lmdb": _Gone()}, sweep_keys=sweep)
+        sb._turn["lmdb"] = 1  # test probe: start mid-way, as after earlier polls
+        for _ in range(-(-held // sweep)):
+            sb.poll(tr, force=True)
+        assert tr.held_in("lmdb") == [], (held, sweep)

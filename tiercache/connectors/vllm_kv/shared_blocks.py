@@ -218,12 +218,19 @@ class SharedBlocks:
                 return
 
     def _sweep_tier(self, tr: EventTranslator, tier: str, probe: StoreProbe) -> None:
+        """Ask the store about `sweep_keys` of the blocks held in `tier` (all of them when
+        they are fewer), round robin, wrapping around; report the missing ones removed."""
         held = tr.held_in(tier)
-        if not held:
+        n = len(held)
+        if n == 0:
             return
-        at = self._turn[tier] % len(held)
-        part = held[at : at + self._sweep]
-        self._turn[tier] = at + len(part)
+        if n <= self._sweep:
+            part = held
+        else:
+            at = self._turn[tier] % n
+            part = held[at : at + self._sweep]
+            part += held[: self._sweep - len(part)]  # wrap around
+            self._turn[tier] = at + self._sweep
         gone = [k for k in part if not self._has(probe, k)]
         if gone:
             tr.apply(gone, tier, True)
