@@ -42,6 +42,7 @@ import torch
 from tiercache.config import CacheConfig
 from tiercache.costs import LoadCosts
 from tiercache.errors import IO_ERRORS, ConfigError, check_count
+from tiercache.event_log import EventLog
 from tiercache.hashing import prefix_hashes
 from tiercache.manager import OffloadingManager
 from tiercache.manager.breaker import CircuitBreaker
@@ -125,6 +126,7 @@ class TierCache:
             get_policy_class(tc.policy)(t.capacity_blocks)
             for tc, t in zip(config.tiers, self._tiers, strict=True)
         ]
+        self._manager_events = EventLog()  # bounded when nobody takes them
         self._manager = OffloadingManager(
             self._tiers,
             policies,
@@ -137,6 +139,7 @@ class TierCache:
                 backoff=config.deadlines.backoff,
                 backoff_max=config.deadlines.backoff_max,
             ),
+            events=self._manager_events,
         )
         self._lock = threading.RLock()
         # Notified when a read of a leaving block (one a put or the write-through batch is
@@ -167,7 +170,7 @@ class TierCache:
         self._asked = threading.local()
         # With [telemetry]: events pass through _tap_events() into this buffer for
         # take_events(), and a copy goes to the telemetry thread.
-        self._events_buf: list[OffloadingEvent] = []
+        self._events_buf = EventLog()  # bounded like the manager's (tiercache.event_log)
         self._telemetry = Telemetry(config.telemetry, self.snapshot) if config.telemetry else None
         self._tap_events()
         if any(t.persistent for t in self._tiers):
@@ -455,8 +458,13 @@ class TierCache:
         """Stored/removed events per tier since the last call."""
         with self._lock:
             self._tap_events()
-            events, self._events_buf = self._events_buf + self._manager.take_events(), []
-            return events
+            return self._events_buf.take() + self._manager.take_events()
+
+    @property
+    def events_dropped(self) -> int:
+        """Events dropped because nobody took them (`tiercache.event_log`): a consumer that
+        sees this grow has missed events and rebuilds its view (`manager.holds`, `where`)."""
+        return self._manager_events.dropped_events + self._events_buf.dropped_events
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per tier (by medium name): capacity_blocks, used_blocks, hits, misses, evictions,
@@ -603,7 +611,8 @@ class TierCache:
         if self._telemetry is not None:
             events = self._manager.take_events()
             if events:
-                self._events_buf.extend(events)
+                for e in events:
+                    self._events_buf.append(e)
                 self._telemetry.record_events(events)
 
     def _storing_plan(self, plan: PrepareStoreOutput) -> frozenset[int]:

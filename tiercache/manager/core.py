@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from tiercache.event_log import EventLog
 from tiercache.manager.admission import Admission
 from tiercache.manager.adoption import Adoption
 from tiercache.manager.breaker import CircuitBreaker
@@ -88,8 +89,10 @@ class OffloadingManager:
         write_through_queue: int = 4096,
         admit_on_reuse: Sequence[bool] = (),
         breaker: CircuitBreaker | None = None,
+        events: EventLog | None = None,
     ) -> None:
         """`breaker`: the tiers' circuit breaker (default: 1 s back-off doubling to 30 s).
+        `events`: the event queue, bounded (default `EventLog()`, see tiercache.event_log).
         `write_through[i]`: every block stored into a faster tier is also copied into tier
         i (tier 0 never; default none); at most `write_through_queue` blocks wait per tier,
         the ones that do not fit are dropped and counted (`through_dropped`).
@@ -113,7 +116,7 @@ class OffloadingManager:
         self._released = ReleasedSources()  # demoted blocks' sources, kept until settled
         # Outstanding loads: where each reads, and the slots (leaving blocks' too) they pin.
         self._loads = Loads(self._levels)
-        self._events: list[OffloadingEvent] = []
+        self._events = events if events is not None else EventLog()
         # Write-through: per tier, keys waiting for their copy (oldest first, bounded), and
         # the source (tier, key) pinned by each copy in flight.
         self._through = ThroughQueue(write_through, len(tiers), write_through_queue)
@@ -589,9 +592,7 @@ class OffloadingManager:
         for lv in self._levels:
             if gone := [k for k in lv.tier.take_evicted() if k not in lv.pins]:
                 self.discard(gone, lv.index)
-        events = self._events[:]  # the list itself is shared with `Adoption`
-        self._events.clear()
-        return events
+        return self._events.take()
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier (by medium): capacity, usage and counters."""

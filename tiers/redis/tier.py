@@ -388,6 +388,16 @@ class RedisTier(KeyedTier):
         with self._lock:
             return 0.0 if self._up else self._backoff.until
 
+    @property
+    def key_prefix(self) -> bytes:
+        """prefix + namespace: every block of this store lives under it."""
+        return self._kprefix
+
+    def side_client(self) -> tuple[Any, bool]:
+        """A new client of this tier's server (its timeouts and credentials) for records kept
+        beside the blocks (`tiers.catalog`), and whether the server is a cluster."""
+        return self._make_client(), self._cluster
+
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key holding block `key`."""
         return self._kprefix + key

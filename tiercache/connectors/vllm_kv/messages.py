@@ -83,6 +83,9 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
     # Keys whose bytes failed verification at a load: a shared store may still hold them
     # (damaged), so the scheduler's probes must not offer them again.
     bad: list[bytes] = field(default_factory=list)
+    # Keys the cache dropped from a shared tier that the store still holds and the cache
+    # finds again (forgotten, not deleted): still loadable, so not removed for routers.
+    kept: list[bytes] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierCacheWorkerMetadata)
@@ -90,6 +93,7 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
         self.load_samples.extend(other.load_samples)
         self.forward_samples.extend(other.forward_samples)
         self.bad.extend(other.bad)
+        self.kept.extend(other.kept)
         for r, n in other.plans_done.items():
             self.plans_done[r] = self.plans_done.get(r, 0) + n
         for m, sec in other.suspended.items():

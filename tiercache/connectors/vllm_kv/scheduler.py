@@ -26,12 +26,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import KVCacheEvent
 
 from tiercache.connectors.kv_groups import KVGroup, hit_end, window_positions
 from tiercache.connectors.namespace import extra_keys_for
 from tiercache.connectors.shard_events import ShardEvents
 from tiercache.connectors.stores import SharedStore, release_store
+from tiercache.connectors.vllm_kv.kv_events import EventTranslator, describe, placement_of
 from tiercache.connectors.vllm_kv.local_lookup import LocalLookup
 from tiercache.connectors.vllm_kv.messages import (
     Event,
@@ -43,6 +44,7 @@ from tiercache.connectors.vllm_kv.messages import (
 )
 from tiercache.connectors.vllm_kv.remote_index import RemoteIndex
 from tiercache.connectors.vllm_kv.settings import KVSettings, RoleBase, log
+from tiercache.connectors.vllm_kv.shared_blocks import open_shared_blocks
 from tiercache.costs import LoadGate
 from tiercache.hashing import group_keys, prefix_hashes
 from tiercache.tiers.base import StoreProbe
@@ -124,6 +126,32 @@ class KVScheduler(RoleBase):
         self._pending: dict[str, int] = {}  # req id -> store plans not reported finished
         self._delayed: list[str] = []  # request_finished returned True; tell the worker
         self._events: list[Event] = []
+        # vLLM's events describe each block in vLLM's terms (kv_events.py); hybrid models'
+        # per-group keys are not described, so not reported.
+        # Shared tiers: every engine on the store reports what it can load from it, and
+        # what the store no longer holds (shared_blocks.py).
+        self._shared_blocks = (
+            open_shared_blocks(
+                self._config,
+                settings.block_bytes,
+                settings.hash_algo,
+                interval_s=settings.events_poll_s,
+                local=(shared.cache.tiers, shared.lock) if shared is not None else None,
+                borrowed=probes[0] if probes else None,  # the remote index's (rank 0's)
+                expand=self._shards.all_keys if self._shards is not None else None,
+            )
+            if settings.events and not self._hma
+            else None
+        )
+        self._translator = (
+            EventTranslator(
+                placement_of(self._config),
+                limit=max(4096, 2 * settings.num_blocks),
+                on_shared=self._shared_blocks.on_shared if self._shared_blocks else None,
+            )
+            if settings.events and not self._hma
+            else None
+        )
         # Cost-aware loading ([loading], `tiercache.costs`): the gate, over the shared cache's
         # estimates (local) or its own, fed by the worker's samples (remote).
         self._gate = LoadGate(
@@ -134,6 +162,8 @@ class KVScheduler(RoleBase):
         """Stop probes and verifying reads, then drop this role's reference to the store (the
         last one closes it: write-back and flush)."""
         self.remote.shutdown()
+        if self._shared_blocks is not None:
+            self._shared_blocks.close()
         if self.local_lookup is not None:
             self.local_lookup.shutdown()
         shared, self._shared = self._shared, None
@@ -219,6 +249,7 @@ class KVScheduler(RoleBase):
         if n == 0:
             return 0, False
         st.hit = (start, n)
+        self._describe(st, start, start + n)
         self._count("lookup_hit_blocks", n)
         # Remote placement loads asynchronously (and so does the local one straight from a
         # persistent tier): vLLM keeps the request waiting, and its blocks out of the prefix
@@ -293,6 +324,19 @@ class KVScheduler(RoleBase):
         st.marks.add(end)
         self._count("lookup_hit_blocks", n)
         return n * bs, True
+
+    def _describe(self, st: _Req, lo: int, hi: int) -> None:
+        """vLLM's events on: describe the request's blocks [lo, hi) for them (kv_events.py)."""
+        tr = self._translator
+        if tr is None:
+            return
+        for p in range(lo, hi):
+            key = st.keys[p]
+            if tr.described(key):
+                continue
+            d = describe(st.request, p, self._block_size, st.keys[p - 1] if p else None)
+            if d is not None:
+                tr.record(key, d)
 
     def _expect(self, keys: list[bytes], skeys: list[bytes] | None = None) -> None:
         """Head shards: the blocks of `keys` (`skeys`: their shard keys) may be announced to
@@ -429,6 +473,7 @@ class KVScheduler(RoleBase):
             ids = st.block_ids[st.stored : done]
             if 0 not in ids:  # the null block stands for a block vLLM does not hold
                 meta.stores.append(StoreJob(req_id, tuple(keys[st.stored : done]), tuple(ids)))
+                self._describe(st, st.stored, done)
                 self._expect(keys[st.stored : done])
                 # Every rank saves its shard and reports the plan once.
                 self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
@@ -540,13 +585,15 @@ class KVScheduler(RoleBase):
                 self._pending[req_id] = left
             else:
                 self._pending.pop(req_id, None)
+        kept = set(meta.kept)  # forgotten from a shared tier, still loadable (kv_events)
         for rank, keys, medium, removed in meta.events:
+            vkeys = tuple(k for k in keys if k not in kept) if removed and kept else keys
             if self._shard_events is not None:
-                blocks = self._shard_events.apply(keys, medium, removed)
+                blocks = self._shard_events.apply(vkeys, medium, removed)
                 if blocks:
                     self._events.append((tuple(blocks), medium, removed))
-            elif self._tp_size == 1 and self._vllm_events:
-                self._events.append((keys, medium, removed))
+            elif self._tp_size == 1 and self._vllm_events and (vkeys or vkeys is keys):
+                self._events.append((vkeys, medium, removed))
             if self._shared is None:
                 self._index_event(rank, keys, medium, removed)
 
@@ -586,18 +633,14 @@ class KVScheduler(RoleBase):
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
+        """The blocks stored and removed since the last call, described for routers
+        (`kv_events.EventTranslator`); blocks with no description are not reported."""
         events, self._events = self._events, []
+        tr = self._translator
+        if tr is None:
+            return []
         for keys, medium, removed in events:
-            hashes: list[bytes | int] = list(keys)
-            if removed:
-                yield BlockRemoved(block_hashes=hashes, medium=medium)
-            else:
-                yield BlockStored(
-                    block_hashes=hashes,
-                    parent_block_hash=None,
-                    token_ids=[],
-                    block_size=self._block_size,
-                    lora_id=None,
-                    medium=medium,
-                    lora_name=None,
-                )
+            tr.apply(keys, medium, removed)
+        if self._shared_blocks is not None:
+            self._shared_blocks.poll(tr)
+        return tr.take()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tiercache.config import CacheConfig
 from tiercache.connectors.kv_groups import KVGroup, groups_tag, kv_groups
@@ -21,6 +21,7 @@ from tiercache.connectors.namespace import namespace_from_vllm, read_user_config
 from tiercache.connectors.ranks import RankConfig, resolve_rank_config
 from tiercache.connectors.stores import SharedStore
 from tiercache.connectors.tp_layout import blocks_as_shards, check_no_rank_dirs, choose_shards
+from tiercache.errors import ConfigError
 from tiercache.transfer.head_shards import HeadShards
 
 if TYPE_CHECKING:
@@ -79,6 +80,10 @@ class KVSettings:
     # scheduler turn the cache's events into vLLM's (vLLM drops them otherwise, and with head
     # shards mapping shard events back to blocks costs a lookup's every shard key).
     events: bool = True
+    hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (shared_blocks' hashes)
+    # Seconds between polls of the shared stores for KV events (kv_connector_extra_config
+    # "events_poll_s"; shared_blocks.py): the convergence bound's step.
+    events_poll_s: float = 0.5
 
     @property
     def hma(self) -> bool:
@@ -178,7 +183,19 @@ class KVSettings:
             kv_heads=int(getattr(spec, "num_kv_heads", 0) or 0),
             recompute_failures=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute",
             events=bool(getattr(events_config, "enable_kv_cache_events", False)),
+            events_poll_s=_poll_s(ktc.kv_connector_extra_config),
+            hash_algo=str(
+                getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None) or "sha256"
+            ),
         )
+
+
+def _poll_s(extra: Any) -> float:
+    """`kv_connector_extra_config["events_poll_s"]`, checked (ConfigError)."""
+    v = (extra or {}).get("events_poll_s", 0.5)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 60:
+        raise ConfigError("kv_connector_extra_config.events_poll_s", f"expected 0-60 s, got {v!r}")
+    return float(v)
 
 
 class RoleBase:

@@ -53,6 +53,7 @@ from tiercache.connectors.vllm_kv.settings import (
     RoleBase,
     log,
 )
+from tiercache.connectors.vllm_kv.shared_blocks import still_held
 from tiercache.costs import ForwardTimer
 from tiercache.transfer import (
     OffloadingWorker,
@@ -108,6 +109,7 @@ class KVWorker(RoleBase):
         self._recv_done: set[str] = set()
         self._bad: dict[bytes, int] = {}  # keys that failed a load -> tier, to discard
         self._journal: list[Event] = []
+        self._kept: list[bytes] = []  # forgotten from shared tiers, still stored (kv_events)
         self._held: dict[bytes, set[str]] = {}  # until the first step: for the handshake
         self._suspensions: dict[str, float] = {}  # medium -> seconds, for the scheduler
         # Cost-aware loading ([loading], `tiercache.costs`): samples for the cache's
@@ -157,6 +159,7 @@ class KVWorker(RoleBase):
         assert self._shared is not None
         with self._shared.lock:
             events = self._shared.cache.take_events()
+            self._kept.extend(still_held(self._shared.cache, events))
         for e in events:
             self._journal.append((e.keys, e.medium, e.removed))
             for k in e.keys:
@@ -181,6 +184,7 @@ class KVWorker(RoleBase):
             and not loads
             and not forwards
             and not self._bad_report
+            and not self._kept
         ):
             return None
         events = [(self._tp_rank, keys, medium, removed) for keys, medium, removed in self._journal]
@@ -189,6 +193,7 @@ class KVWorker(RoleBase):
         )
         meta.load_samples, meta.forward_samples = loads, forwards  # cost samples
         meta.bad, self._bad_report = self._bad_report, []
+        meta.kept, self._kept = self._kept, []
         self._journal, self._plans_done, self._suspensions = [], {}, {}
         self._load_samples, self._forward_samples = [], []
         # The held set is only needed for the handshake; later it would just grow.
