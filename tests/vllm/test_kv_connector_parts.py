@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 import time
@@ -502,3 +503,27 @@ def test_without_vllms_kv_events_the_index_learns_and_no_event_is_built() -> Non
         on._expect([K1])
         on.update_connector_output(_out(*metas))
         assert on._events == [((K1,), "cpu", False)], (tp, sh, on._events)
+
+
+def test_each_admission_is_logged_with_its_engine_and_tiercache_tokens(caplog) -> None:
+    """Issue 48: a serving bench counts reuse per request from one DEBUG line per admission:
+    the prompt's tokens, those vLLM's own cache held (the lookup's num_computed_tokens) and
+    those tiercache gives. Here vLLM's cache holds 1 block of a 5-block prompt, the index
+    holds the next 2: the line says 4 and 8 tokens (block size 4)."""
+    c = _scheduler(1)
+    tokens = list(range(20))
+    request = SimpleNamespace(
+        request_id="r7", num_tokens=20, num_prompt_tokens=20, all_token_ids=tokens,
+        lora_request=None, cache_salt=None, mm_features=None, prompt_embeds=None,
+    )  # fmt: skip
+    assert c.get_num_new_matched_tokens(request, 4) == (0, False)  # the index holds nothing
+    keys = c._reqs["r7"].keys
+    c.update_connector_output(
+        _out(TierCacheWorkerMetadata(events=[(0, tuple(keys[1:3]), "cpu", False)]))
+    )
+    assert c.get_num_new_matched_tokens(request, 4) == (8, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: [[10, 11, 12, 13, 14]])
+    caplog.set_level(logging.DEBUG, logger="tiercache.connectors.vllm_kv.admissions")
+    c.update_state_after_alloc(request, blocks, 8)
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith(".admissions")]
+    assert lines == ["admitted r7: 20 prompt tokens, 4 from the engine's cache, 8 from tiercache"]

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,11 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+# One DEBUG line per admission (request id, prompt tokens, tokens from the engine's own cache,
+# tokens from tiercache): what a serving bench needs to count reuse per request
+# (bench/bench_serve.py enables it); off by default.
+admissions = logging.getLogger("tiercache.connectors.vllm_kv.admissions")
+
 
 @dataclass
 class _Req:
@@ -66,6 +72,7 @@ class _Req:
     stored: int = 0  # leading blocks already handed to the worker for saving
     skip: bool = False  # prompt embeddings: token ids do not identify the KV, never cached
     hit: tuple[int, int] = (0, 0)  # (first block, number of blocks) of the last lookup
+    local: int = 0  # tokens vLLM's own cache held at the last lookup (its num_computed_tokens)
     # The last hit reaches blocks held only in persistent tiers, unread (LocalLookup's
     # `direct`): loaded asynchronously.
     direct: bool = False
@@ -190,7 +197,7 @@ class KVScheduler(RoleBase):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         st = self._state(request)
-        st.hit, st.direct = (0, 0), False
+        st.hit, st.direct, st.local = (0, 0), False, num_computed_tokens
         bs = self._block_size
         # Never the block holding the last token: vLLM must compute at least one token.
         limit = (request.num_tokens - 1) // bs
@@ -351,9 +358,18 @@ class KVScheduler(RoleBase):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is not None and admissions.isEnabledFor(logging.DEBUG):
+            admissions.debug(
+                "admitted %s: %d prompt tokens, %d from the engine's cache, %d from tiercache",
+                request.request_id,
+                request.num_prompt_tokens,
+                st.local,
+                num_external_tokens,
+            )
         if num_external_tokens == 0:
             return
-        st = self._reqs[request.request_id]
+        assert st is not None, request.request_id
         start, n = st.hit
         assert n * self._block_size == num_external_tokens, (st.hit, num_external_tokens)
         if self._hma:
