@@ -27,15 +27,25 @@ seed per run), so no run hits what an earlier one stored:
 Reported per run: TTFT and end-to-end latency p50/p90/p99, req/s, output and total tokens/s,
 failed requests, and the reuse: ``loaded`` (tokens the connector gave the engine:
 ``vllm:external_prefix_cache_hits`` on the server's /metrics, its change over the run),
-``engine_hits`` (``vllm:prefix_cache_hits``: vLLM's own prefix cache) and ``reusable``:
-  reusable = shareable - engine_hits, where ``shareable`` is counted from the prompts sent:
-  for each request, the full blocks of its prompt (never the block of its last prompt token)
-  that an earlier-sent request of the run had in its prompt (prefix_repetition: its prefix's
-  siblings after the first; random: every request after the first; multiturn: the previous
-  turn's prompt and output, which finished before the turn was sent). For the two
-  `vllm bench serve` workloads a sibling sent while the first was still in prefill is counted
-  as reusable although it is not yet finished, so ``reusable`` is an upper bound there and
-  ``captured = loaded / reusable`` a lower bound. Per request: these totals / requests.
+``engine_hits`` (``vllm:prefix_cache_hits``: vLLM's own prefix cache), ``reusable`` and
+``captured`` (of the reusable tokens, those tiercache gave):
+- the two `vllm bench serve` workloads, with a connector: per request, as issue 48 defines it
+  (`reuse_per_request`): the full blocks of its prompt (never the block of its last token)
+  that a request *finished before it was sent* had in its prompt, less the tokens vLLM's own
+  cache held at its admission; captured = the tokens tiercache gave, up to that. From the
+  client's send times and latencies (``--save-detailed``), each prompt's token ids (this
+  file's wrapper of the client writes them and tags each request with an id) and the
+  connector's one DEBUG line per admission (engine-cache and tiercache tokens; the server is
+  started with a logging config that enables it). Tokens tiercache gave beyond that
+  (``loaded_beyond``: blocks a sibling still running had stored already) are not counted
+  as captured.
+- without a connector, and for multiturn: from totals, reusable = shareable - engine_hits,
+  where ``shareable`` counts, per request, the full blocks an earlier-sent request had
+  (prefix_repetition: its prefix's siblings after the first; random: every request after the
+  first; multiturn: the previous turn's prompt and output, which finished before the turn
+  was sent). For the `vllm bench serve` workloads a sibling sent while the first still runs
+  counts, so this ``reusable_bound`` is an upper bound (kept in results.json for every run).
+Per request: these totals / requests.
 
 Writes ``--out``/results.json (every run, with its command), results.md (a table) and serve.png
 (throughput, TTFT p50 and p99 against concurrency, one line per configuration, one column
@@ -582,6 +592,7 @@ def main() -> int:
                     help="of prefix_repetition,random,multiturn")  # fmt: skip
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rates", default="", help="request rates at the largest concurrency")
+    ap.add_argument("--rates-only", action="store_true", help="only the --rates runs")
     ap.add_argument("--num-prefixes", type=int, default=8)
     ap.add_argument("--prefix-len", type=int, default=256)
     ap.add_argument("--suffix-len", type=int, default=64)
@@ -624,7 +635,7 @@ def sweep(args: argparse.Namespace, work: Path) -> int:
     if word_tokenizer(model):
         print(f"wrote a word-level tokenizer into {model}")
     runs: list[dict[str, Any]] = []
-    loads = [(c, "inf") for c in args.concurrency]
+    loads = [] if args.rates_only else [(c, "inf") for c in args.concurrency]
     loads += [(max(args.concurrency), r) for r in args.rates.split(",") if r]
     with redis_server(work) as redis_url:
         for name in args.configs.split(","):
