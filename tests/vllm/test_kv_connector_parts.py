@@ -527,3 +527,65 @@ def test_each_admission_is_logged_with_its_engine_and_tiercache_tokens(caplog) -
     c.update_state_after_alloc(request, blocks, 8)
     lines = [r.getMessage() for r in caplog.records if r.name.endswith(".admissions")]
     assert lines == ["admitted r7: 20 prompt tokens, 4 from the engine's cache, 8 from tiercache"]
+
+
+def _req(req_id: str, tokens: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id, num_tokens=len(tokens), num_prompt_tokens=len(tokens),
+        all_token_ids=tokens, lora_request=None, cache_salt=None, mm_features=None,
+        prompt_embeds=None,
+    )  # fmt: skip
+
+
+def _step(req_id: str, block_ids: list[int], tokens: int) -> SimpleNamespace:
+    """A scheduler output computing `tokens` tokens of new request `req_id`."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=0)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+        preempted_req_ids=set(),
+        total_num_scheduled_tokens=tokens,
+        num_scheduled_tokens={req_id: tokens},
+    )
+
+
+def test_a_remote_lookup_waits_for_blocks_this_engine_is_still_storing() -> None:
+    """Issue 48 (lookups that run before a store completes): in the remote placement the
+    scheduler knows a key only once the worker reports it stored. A request sharing a prefix
+    whose store is planned but not reported used to miss it and recompute it; it now asks
+    again (None) until the plan is reported, then hits the whole prefix."""
+    c = _scheduler(1)
+    prefix = list(range(16))  # 4 blocks of 4
+    a, b = _req("a", [*prefix, 99]), _req("b", [*prefix, 98, 97])
+    assert c.get_num_new_matched_tokens(a, 0) == (0, False)
+    meta = c.build_connector_meta(_step("a", [1, 2, 3, 4, 5], 17))
+    keys = meta.stores[0].keys
+    assert len(keys) == 4  # the plan: a's 4 full blocks
+    assert c.get_num_new_matched_tokens(b, 0) == (None, False)  # still being stored: wait
+    assert c.take_stats()["lookup_store_waits"] == 1
+    # The worker reports the plan done and the keys stored: b hits every prefix block.
+    c.update_connector_output(
+        _out(TierCacheWorkerMetadata(plans_done={"a": 1}, events=[(0, keys, "cpu", False)]))
+    )
+    assert c.get_num_new_matched_tokens(b, 0) == (16, True)
+
+
+def test_a_remote_lookup_stops_waiting_for_a_plan_the_worker_never_reports() -> None:
+    """A plan not reported within the store deadline is not waited for any longer, and a
+    finished request with no plan left is forgotten: a lookup then misses, as before."""
+    c = _scheduler(1)
+    c._store_wait_s = 0.0  # the deadline has passed as soon as the plan is made
+    prefix = list(range(16))
+    a, b = _req("a", [*prefix, 99]), _req("b", [*prefix, 98, 97])
+    c.get_num_new_matched_tokens(a, 0)
+    c.build_connector_meta(_step("a", [1, 2, 3, 4, 5], 17))
+    assert c.get_num_new_matched_tokens(b, 0) == (0, False)
+    c._store_wait_s = 60.0
+    c.get_num_new_matched_tokens(_req("c", [*prefix, 1, 2]), 0)
+    c.build_connector_meta(_step("c", [6, 7, 8, 9, 10], 18))
+    assert c.get_num_new_matched_tokens(b, 0) == (None, False)
+    c.update_connector_output(_out(TierCacheWorkerMetadata(plans_done={"c": 1})))
+    assert c.get_num_new_matched_tokens(b, 0) == (0, False)  # reported, but not held: a miss

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -129,6 +130,12 @@ class KVScheduler(RoleBase):
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._pending: dict[str, int] = {}  # req id -> store plans not reported finished
+        # Remote placement: keys of store plans not reported finished (per request, and when
+        # a lookup stops waiting for them): a lookup that reaches one asks again next step
+        # instead of recomputing what is about to be stored (`_storing_at`).
+        self._storing: dict[bytes, float] = {}
+        self._storing_by_req: dict[str, list[bytes]] = {}
+        self._store_wait_s = settings.config.deadlines.store_timeout
         self._delayed: list[str] = []  # request_finished returned True; tell the worker
         self._events: list[Event] = []
         # Cost-aware loading ([loading], `tiercache.costs`): the gate, over the shared cache's
@@ -219,6 +226,11 @@ class KVScheduler(RoleBase):
         else:
             n = self._lookup_local(look, request.request_id)
         if n is None:  # a block is moving between tiers, or a probe is slow: vLLM asks again
+            return None, False
+        if n < len(look) and self._storing_at(look[n]):
+            # The hit would go on with a block this engine is still storing (an earlier
+            # request's, finished or not): ask again next step rather than recompute it.
+            self._count("lookup_store_waits")
             return None, False
         if self._shared is None:  # cost-aware loading (local placement: in _lookup_local)
             n = self._affordable(look, n)
@@ -446,6 +458,10 @@ class KVScheduler(RoleBase):
             if 0 not in ids:  # the null block stands for a block vLLM does not hold
                 meta.stores.append(StoreJob(req_id, tuple(keys[st.stored : done]), tuple(ids)))
                 self._expect(keys[st.stored : done])
+                if self._shared is None and self._shards is None:
+                    until = time.monotonic() + self._store_wait_s
+                    self._storing.update(dict.fromkeys(keys[st.stored : done], until))
+                    self._storing_by_req.setdefault(req_id, []).extend(keys[st.stored : done])
                 # Every rank saves its shard and reports the plan once.
                 self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
             st.stored = done
@@ -556,6 +572,7 @@ class KVScheduler(RoleBase):
                 self._pending[req_id] = left
             else:
                 self._pending.pop(req_id, None)
+                self._stored(req_id)
         for rank, keys, medium, removed in meta.events:
             if self._shard_events is not None:
                 blocks = self._shard_events.apply(keys, medium, removed)
@@ -599,7 +616,25 @@ class KVScheduler(RoleBase):
         if self._pending.get(request.request_id, 0) > 0:
             self._delayed.append(request.request_id)
             return True, None
+        self._stored(request.request_id)
         return False, None
+
+    def _storing_at(self, key: bytes) -> bool:
+        """Whether `key` belongs to a store plan not reported finished, planned less than the
+        store deadline ago (remote placement; a plan the worker never reports is given up)."""
+        until = self._storing.get(key)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._storing[key]
+        return False
+
+    def _stored(self, req_id: str) -> None:
+        """`req_id`'s store plans are all reported finished (or it had none left): its keys
+        are no longer waited for."""
+        for k in self._storing_by_req.pop(req_id, ()):
+            self._storing.pop(k, None)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self._events = self._events, []
