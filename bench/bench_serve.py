@@ -49,7 +49,8 @@ Per request: these totals / requests.
 
 Writes ``--out``/results.json (every run, with its command), results.md (a table) and serve.png
 (throughput, TTFT p50 and p99 against concurrency, one line per configuration, one column
-per workload). Works on any local model directory (`--model`); without one it writes a
+per workload), and beside them each server's log and each `vllm bench serve` result
+(vb-*.json, per request). Works on any local model directory (`--model`); without one it writes a
 random Llama of the issue's shape (6 layers, hidden 512, 4 KV heads, fp32;
 tests/vllm/engine.py's `write_tiny_llama`). A model directory without a tokenizer gets a
 word-level one (`word_tokenizer`: token i is the word ``t{i}``) so text clients work.
