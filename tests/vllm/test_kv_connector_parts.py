@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 import time
@@ -502,3 +503,89 @@ def test_without_vllms_kv_events_the_index_learns_and_no_event_is_built() -> Non
         on._expect([K1])
         on.update_connector_output(_out(*metas))
         assert on._events == [((K1,), "cpu", False)], (tp, sh, on._events)
+
+
+def test_each_admission_is_logged_with_its_engine_and_tiercache_tokens(caplog) -> None:
+    """Issue 48: a serving bench counts reuse per request from one DEBUG line per admission:
+    the prompt's tokens, those vLLM's own cache held (the lookup's num_computed_tokens) and
+    those tiercache gives. Here vLLM's cache holds 1 block of a 5-block prompt, the index
+    holds the next 2: the line says 4 and 8 tokens (block size 4)."""
+    c = _scheduler(1)
+    tokens = list(range(20))
+    request = SimpleNamespace(
+        request_id="r7", num_tokens=20, num_prompt_tokens=20, all_token_ids=tokens,
+        lora_request=None, cache_salt=None, mm_features=None, prompt_embeds=None,
+    )  # fmt: skip
+    assert c.get_num_new_matched_tokens(request, 4) == (0, False)  # the index holds nothing
+    keys = c._reqs["r7"].keys
+    c.update_connector_output(
+        _out(TierCacheWorkerMetadata(events=[(0, tuple(keys[1:3]), "cpu", False)]))
+    )
+    assert c.get_num_new_matched_tokens(request, 4) == (8, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: [[10, 11, 12, 13, 14]])
+    caplog.set_level(logging.DEBUG, logger="tiercache.connectors.vllm_kv.admissions")
+    c.update_state_after_alloc(request, blocks, 8)
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith(".admissions")]
+    assert lines == ["admitted r7: 20 prompt tokens, 4 from the engine's cache, 8 from tiercache"]
+
+
+def _req(req_id: str, tokens: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id, num_tokens=len(tokens), num_prompt_tokens=len(tokens),
+        all_token_ids=tokens, lora_request=None, cache_salt=None, mm_features=None,
+        prompt_embeds=None,
+    )  # fmt: skip
+
+
+def _step(req_id: str, block_ids: list[int], tokens: int) -> SimpleNamespace:
+    """A scheduler output computing `tokens` tokens of new request `req_id`."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=0)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+        preempted_req_ids=set(),
+        total_num_scheduled_tokens=tokens,
+        num_scheduled_tokens={req_id: tokens},
+    )
+
+
+def test_a_remote_lookup_waits_for_blocks_this_engine_is_still_storing() -> None:
+    """Issue 48 (lookups that run before a store completes): in the remote placement the
+    scheduler knows a key only once the worker reports it stored. A request sharing a prefix
+    whose store is planned but not reported used to miss it and recompute it; it now asks
+    again (None) until the plan is reported, then hits the whole prefix."""
+    c = _scheduler(1)
+    prefix = list(range(16))  # 4 blocks of 4
+    a, b = _req("a", [*prefix, 99]), _req("b", [*prefix, 98, 97])
+    assert c.get_num_new_matched_tokens(a, 0) == (0, False)
+    meta = c.build_connector_meta(_step("a", [1, 2, 3, 4, 5], 17))
+    keys = meta.stores[0].keys
+    assert len(keys) == 4  # the plan: a's 4 full blocks
+    assert c.get_num_new_matched_tokens(b, 0) == (None, False)  # still being stored: wait
+    assert c.take_stats()["lookup_store_waits"] == 1
+    # The worker reports the plan done and the keys stored: b hits every prefix block.
+    c.update_connector_output(
+        _out(TierCacheWorkerMetadata(plans_done={"a": 1}, events=[(0, keys, "cpu", False)]))
+    )
+    assert c.get_num_new_matched_tokens(b, 0) == (16, True)
+
+
+def test_a_remote_lookup_stops_waiting_for_a_plan_the_worker_never_reports() -> None:
+    """A plan not reported within the store deadline is not waited for any longer, and a
+    finished request with no plan left is forgotten: a lookup then misses, as before."""
+    c = _scheduler(1)
+    c._store_wait_s = 0.0  # the deadline has passed as soon as the plan is made
+    prefix = list(range(16))
+    a, b = _req("a", [*prefix, 99]), _req("b", [*prefix, 98, 97])
+    c.get_num_new_matched_tokens(a, 0)
+    c.build_connector_meta(_step("a", [1, 2, 3, 4, 5], 17))
+    assert c.get_num_new_matched_tokens(b, 0) == (0, False)
+    c._store_wait_s = 60.0
+    c.get_num_new_matched_tokens(_req("c", [*prefix, 1, 2]), 0)
+    c.build_connector_meta(_step("c", [6, 7, 8, 9, 10], 18))
+    assert c.get_num_new_matched_tokens(b, 0) == (None, False)
+    c.update_connector_output(_out(TierCacheWorkerMetadata(plans_done={"c": 1})))
+    assert c.get_num_new_matched_tokens(b, 0) == (0, False)  # reported, but not held: a miss

@@ -22,6 +22,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,6 +58,11 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+# One DEBUG line per admission (request id, prompt tokens, tokens from the engine's own cache,
+# tokens from tiercache): what a serving bench needs to count reuse per request
+# (bench/bench_serve.py enables it); off by default.
+admissions = logging.getLogger("tiercache.connectors.vllm_kv.admissions")
+
 
 @dataclass
 class _Req:
@@ -68,6 +75,7 @@ class _Req:
     stored: int = 0  # leading blocks already handed to the worker for saving
     skip: bool = False  # prompt embeddings: token ids do not identify the KV, never cached
     hit: tuple[int, int] = (0, 0)  # (first block, number of blocks) of the last lookup
+    local: int = 0  # tokens vLLM's own cache held at the last lookup (its num_computed_tokens)
     # The last hit reaches blocks held only in persistent tiers, unread (LocalLookup's
     # `direct`): loaded asynchronously.
     direct: bool = False
@@ -124,6 +132,12 @@ class KVScheduler(RoleBase):
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._pending: dict[str, int] = {}  # req id -> store plans not reported finished
+        # Remote placement: keys of store plans not reported finished (per request, and when
+        # a lookup stops waiting for them): a lookup that reaches one asks again next step
+        # instead of recomputing what is about to be stored (`_storing_at`).
+        self._storing: dict[bytes, float] = {}
+        self._storing_by_req: dict[str, list[bytes]] = {}
+        self._store_wait_s = settings.config.deadlines.store_timeout
         self._delayed: list[str] = []  # request_finished returned True; tell the worker
         self._events: list[Event] = []
         # vLLM's events describe each block in vLLM's terms (kv_events.py); hybrid models'
@@ -220,7 +234,7 @@ class KVScheduler(RoleBase):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         st = self._state(request)
-        st.hit, st.direct = (0, 0), False
+        st.hit, st.direct, st.local = (0, 0), False, num_computed_tokens
         bs = self._block_size
         # Never the block holding the last token: vLLM must compute at least one token.
         limit = (request.num_tokens - 1) // bs
@@ -242,6 +256,11 @@ class KVScheduler(RoleBase):
         else:
             n = self._lookup_local(look, request.request_id)
         if n is None:  # a block is moving between tiers, or a probe is slow: vLLM asks again
+            return None, False
+        if n < len(look) and self._storing_at(look[n]):
+            # The hit would go on with a block this engine is still storing (an earlier
+            # request's, finished or not): ask again next step rather than recompute it.
+            self._count("lookup_store_waits")
             return None, False
         if self._shared is None:  # cost-aware loading (local placement: in _lookup_local)
             n = self._affordable(look, n)
@@ -395,9 +414,18 @@ class KVScheduler(RoleBase):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is not None and admissions.isEnabledFor(logging.DEBUG):
+            admissions.debug(
+                "admitted %s: %d prompt tokens, %d from the engine's cache, %d from tiercache",
+                request.request_id,
+                request.num_prompt_tokens,
+                st.local,
+                num_external_tokens,
+            )
         if num_external_tokens == 0:
             return
-        st = self._reqs[request.request_id]
+        assert st is not None, request.request_id
         start, n = st.hit
         assert n * self._block_size == num_external_tokens, (st.hit, num_external_tokens)
         if self._hma:
@@ -475,6 +503,10 @@ class KVScheduler(RoleBase):
                 meta.stores.append(StoreJob(req_id, tuple(keys[st.stored : done]), tuple(ids)))
                 self._describe(st, st.stored, done)
                 self._expect(keys[st.stored : done])
+                if self._shared is None and self._shards is None:
+                    until = time.monotonic() + self._store_wait_s
+                    self._storing.update(dict.fromkeys(keys[st.stored : done], until))
+                    self._storing_by_req.setdefault(req_id, []).extend(keys[st.stored : done])
                 # Every rank saves its shard and reports the plan once.
                 self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
             st.stored = done
@@ -585,6 +617,7 @@ class KVScheduler(RoleBase):
                 self._pending[req_id] = left
             else:
                 self._pending.pop(req_id, None)
+                self._stored(req_id)
         kept = set(meta.kept)  # forgotten from a shared tier, still loadable (kv_events)
         for rank, keys, medium, removed in meta.events:
             vkeys = tuple(k for k in keys if k not in kept) if removed and kept else keys
@@ -630,7 +663,25 @@ class KVScheduler(RoleBase):
         if self._pending.get(request.request_id, 0) > 0:
             self._delayed.append(request.request_id)
             return True, None
+        self._stored(request.request_id)
         return False, None
+
+    def _storing_at(self, key: bytes) -> bool:
+        """Whether `key` belongs to a store plan not reported finished, planned less than the
+        store deadline ago (remote placement; a plan the worker never reports is given up)."""
+        until = self._storing.get(key)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._storing[key]
+        return False
+
+    def _stored(self, req_id: str) -> None:
+        """`req_id`'s store plans are all reported finished (or it had none left): its keys
+        are no longer waited for."""
+        for k in self._storing_by_req.pop(req_id, ()):
+            self._storing.pop(k, None)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The blocks stored and removed since the last call, described for routers
