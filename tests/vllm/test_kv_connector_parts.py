@@ -577,13 +577,13 @@ def test_a_remote_lookup_stops_waiting_for_a_plan_the_worker_never_reports() -> 
     """A plan not reported within the store deadline is not waited for any longer, and a
     finished request with no plan left is forgotten: a lookup then misses, as before."""
     c = _scheduler(1)
-    c._store_wait_s = 0.0  # the deadline has passed as soon as the plan is made
+    c._storing.wait_s = 0.0  # the deadline has passed as soon as the plan is made
     prefix = list(range(16))
     a, b = _req("a", [*prefix, 99]), _req("b", [*prefix, 98, 97])
     c.get_num_new_matched_tokens(a, 0)
     c.build_connector_meta(_step("a", [1, 2, 3, 4, 5], 17))
     assert c.get_num_new_matched_tokens(b, 0) == (0, False)
-    c._store_wait_s = 60.0
+    c._storing.wait_s = 60.0
     c.get_num_new_matched_tokens(_req("c", [*prefix, 1, 2]), 0)
     c.build_connector_meta(_step("c", [6, 7, 8, 9, 10], 18))
     assert c.get_num_new_matched_tokens(b, 0) == (None, False)

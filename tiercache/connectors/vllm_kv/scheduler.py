@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,6 +46,7 @@ from tiercache.connectors.vllm_kv.messages import (
 from tiercache.connectors.vllm_kv.remote_index import RemoteIndex
 from tiercache.connectors.vllm_kv.settings import KVSettings, RoleBase, log
 from tiercache.connectors.vllm_kv.shared_blocks import open_shared_blocks
+from tiercache.connectors.vllm_kv.storing import StoresInFlight
 from tiercache.costs import LoadGate
 from tiercache.hashing import group_keys, prefix_hashes
 from tiercache.tiers.base import StoreProbe
@@ -132,12 +132,8 @@ class KVScheduler(RoleBase):
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._pending: dict[str, int] = {}  # req id -> store plans not reported finished
-        # Remote placement: keys of store plans not reported finished (per request, and when
-        # a lookup stops waiting for them): a lookup that reaches one asks again next step
-        # instead of recomputing what is about to be stored (`_storing_at`).
-        self._storing: dict[bytes, float] = {}
-        self._storing_by_req: dict[str, list[bytes]] = {}
-        self._store_wait_s = settings.config.deadlines.store_timeout
+        # Remote placement: a lookup that reaches a block still being stored asks again.
+        self._storing = StoresInFlight(settings.config.deadlines.store_timeout)
         self._delayed: list[str] = []  # request_finished returned True; tell the worker
         self._events: list[Event] = []
         # vLLM's events describe each block in vLLM's terms (kv_events.py); hybrid models'
@@ -257,7 +253,7 @@ class KVScheduler(RoleBase):
             n = self._lookup_local(look, request.request_id)
         if n is None:  # a block is moving between tiers, or a probe is slow: vLLM asks again
             return None, False
-        if n < len(look) and self._storing_at(look[n]):
+        if n < len(look) and self._storing.storing(look[n]):
             # The hit would go on with a block this engine is still storing (an earlier
             # request's, finished or not): ask again next step rather than recompute it.
             self._count("lookup_store_waits")
@@ -504,9 +500,7 @@ class KVScheduler(RoleBase):
                 self._describe(st, st.stored, done)
                 self._expect(keys[st.stored : done])
                 if self._shared is None and self._shards is None:
-                    until = time.monotonic() + self._store_wait_s
-                    self._storing.update(dict.fromkeys(keys[st.stored : done], until))
-                    self._storing_by_req.setdefault(req_id, []).extend(keys[st.stored : done])
+                    self._storing.planned(req_id, keys[st.stored : done])
                 # Every rank saves its shard and reports the plan once.
                 self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
             st.stored = done
@@ -617,7 +611,7 @@ class KVScheduler(RoleBase):
                 self._pending[req_id] = left
             else:
                 self._pending.pop(req_id, None)
-                self._stored(req_id)
+                self._storing.finished(req_id)
         kept = set(meta.kept)  # forgotten from a shared tier, still loadable (kv_events)
         for rank, keys, medium, removed in meta.events:
             vkeys = tuple(k for k in keys if k not in kept) if removed and kept else keys
@@ -663,25 +657,8 @@ class KVScheduler(RoleBase):
         if self._pending.get(request.request_id, 0) > 0:
             self._delayed.append(request.request_id)
             return True, None
-        self._stored(request.request_id)
+        self._storing.finished(request.request_id)
         return False, None
-
-    def _storing_at(self, key: bytes) -> bool:
-        """Whether `key` belongs to a store plan not reported finished, planned less than the
-        store deadline ago (remote placement; a plan the worker never reports is given up)."""
-        until = self._storing.get(key)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        del self._storing[key]
-        return False
-
-    def _stored(self, req_id: str) -> None:
-        """`req_id`'s store plans are all reported finished (or it had none left): its keys
-        are no longer waited for."""
-        for k in self._storing_by_req.pop(req_id, ()):
-            self._storing.pop(k, None)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The blocks stored and removed since the last call, described for routers
