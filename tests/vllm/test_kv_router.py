@@ -15,9 +15,9 @@ Waits are on conditions (`wait_seq`, `wait`), with generous timeouts only as a b
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -333,15 +333,11 @@ def test_router_block_hashes_follow_the_seed_algorithm_and_salt() -> None:
     assert [int.from_bytes(b, "big") & ((1 << 64) - 1) for b in raw] == h  # type: ignore[arg-type]
 
 
-def _version() -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:2])
-
-
 def test_vllm_serve_events_match_the_routers_hashes(
     server: ModuleType, tiny_llama: Path, tmp_path: Path
 ) -> None:
-    if _version() >= (0, 33):
-        pytest.skip("the vLLM 0.33 CPU overlay lacks the OpenAI server's dependencies (orjson)")
+    if importlib.util.find_spec("orjson") is None:  # vLLM 0.33's OpenAI server imports it
+        pytest.skip("vLLM's OpenAI server needs orjson, not installed")
     pub, rep = server.free_port(), server.free_port()
     events = {"enable_kv_cache_events": True, "publisher": "zmq"}
     events |= {"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{rep}"}
