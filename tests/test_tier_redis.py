@@ -641,7 +641,11 @@ def test_a_stopped_server_suspends_its_tier_in_the_cache(tmp_path) -> None:
             assert time.monotonic() - t0 < 0.1 < first  # no more waits on the server
         finally:
             srv.resume()
-        time.sleep(1.1)
+        # The back-off (1 s) ends: wait for the breaker to say so, not for a fixed time.
+        until = time.monotonic() + 30.0
+        while cache.manager.suspended()[1] > 0:
+            assert time.monotonic() < until, "the Redis tier stayed suspended"
+            time.sleep(0.01)
         got = cache.get(old)
         assert got.shape[0] == 4 and torch.equal(got, data)
         assert cache.stats()["redis"]["suspensions"] >= 1
