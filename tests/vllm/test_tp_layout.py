@@ -704,7 +704,7 @@ def test_rank_layout_tp2_matches_restarts_and_survives_one_corrupted_rank(
     # RB: a fresh process hits both ranks' persistent tiers (announced in the handshakes).
     assert b["batches"][0]["outputs"] == want
     assert b["batches"][0]["num_cached_tokens"] == [full] * N_PROMPTS
-    assert _stored_events(b, "nvme") + _stored_events(b, "lmdb") > 0, b["events"]
+    assert _stored_events(b, "STORAGE") > 0, b["events"]
     # RC: rank 1 cannot load its corrupted shards; vLLM recomputes them: same tokens.
     assert c["batches"][0]["outputs"] == want
     assert sum(c["batches"][0]["num_cached_tokens"]) < full * N_PROMPTS
