@@ -138,13 +138,17 @@ class KVWorker(RoleBase):
         # At exit (or the last release) finish in-flight stores before the cache closes.
         self._shared.before_close.append(self._finish_transfers)
         self._shared.state[SETTLE_KEY] = self._settle
-        self._shared.cache.add_snapshot_section("kv_groups", self._group_report)
+        shared = self._shared
+        shared.cache.add_snapshot_section("kv_groups", lambda: self._group_report(shared))
         self._collect_events()  # what persistent tiers recovered: the handshake's keys
 
-    def _group_report(self) -> dict[str, Any]:
-        """The KV cache groups and the TP layout, for telemetry (`engine_layout.kv_report`)."""
-        assert self._shared is not None
-        return kv_report(self.settings, dict(self._shared.counters))
+    def _group_report(self, shared: SharedStore) -> dict[str, Any]:
+        """The KV cache groups and the TP layout, for telemetry (`engine_layout.kv_report`).
+        `shared` is the store the section was added to, not `self._shared`: `shutdown()` drops
+        that before its release, and the last release is what closes the cache and writes
+        telemetry's final snapshot (an engine shut down before exit, e.g. vLLM's engine core
+        process), which must still carry this section."""
+        return kv_report(self.settings, dict(shared.counters))
 
     def get_handshake_metadata(self) -> TierCacheHandshake | None:
         if self._worker is None:
