@@ -9,7 +9,7 @@
 - `take()`: every queued event, oldest first, and an empty log.
 
 A consumer that finds `dropped_events` grown since it last looked has missed events and
-rebuilds its view from the holder's state (the manager's `held()`), not from the log.
+rebuilds its view from the holder's state (the manager's `holds`, `where`), not from the log.
 """
 
 from __future__ import annotations
