@@ -11,79 +11,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.lora.request import LoRARequest
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import (
-    get_request_block_hasher,
-    init_none_hash,
-    maybe_convert_block_hash,
-)
-from vllm.v1.request import Request
 
-from tiercache.connectors.namespace import resolve_config
-from tiercache.connectors.stores import acquire_store, release_store
-from tiercache.connectors.vllm_kv import KVScheduler, KVSettings, KVWorker
+from tests.vllm.event_roles import BS, close, request, roles, serve, vllm_hashes
 from tiercache.connectors.vllm_kv.kv_events import LOCAL, SHARED
-
-BS, BB = 4, 64
-init_none_hash(sha256)
-HASHER = get_request_block_hasher(BS, sha256)
-
-
-def _ext(req: Request) -> list[Any]:
-    """The request's vLLM block hashes as vLLM's events publish them (ints by default)."""
-    return [maybe_convert_block_hash(h) for h in req.block_hashes]
-
-
-def _request(req_id: str, tokens: list[int], **kw: Any) -> Request:
-    return Request(req_id, tokens, SamplingParams(max_tokens=1), None, block_hasher=HASHER, **kw)
-
-
-def _roles(tiers: list[dict]) -> tuple[Any, KVScheduler, KVWorker]:
-    config = resolve_config({"tiers": tiers}, block_size=BS, namespace="events")
-    shared = acquire_store(config, BB)
-    settings = KVSettings(config, BS, BB, num_blocks=16, events=True)
-    return shared, KVScheduler(settings, acquire_store(config, BB)), KVWorker(settings, shared)
-
-
-def _serve(s: KVScheduler, w: KVWorker, shared: Any, req: Request) -> list[Any]:
-    """One prefill step of `req` as vLLM drives the scheduler role; the worker's save stood in
-    for by a put of the planned keys; then the worker's metadata back to the scheduler and
-    the events vLLM would publish."""
-    n = req.num_tokens
-    tokens, _ = s.get_num_new_matched_tokens(req, 0)
-    assert tokens == 0
-    new = SimpleNamespace(req_id=req.request_id, block_ids=(list(range(1, n // BS + 2)),))
-    new.num_computed_tokens = 0
-    out = SimpleNamespace(
-        scheduled_new_reqs=[new],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
-        ),
-        num_scheduled_tokens={req.request_id: n},
-        total_num_scheduled_tokens=n,
-        preempted_req_ids=set(),
-    )
-    meta = s.build_connector_meta(out)  # type: ignore[arg-type]
-    (job,) = meta.stores
-    rows = torch.stack([torch.full((BB,), i, dtype=torch.uint8) for i in range(len(job.keys))])
-    shared.cache.put(list(job.keys), rows)
-    s.update_connector_output(
-        SimpleNamespace(kv_connector_worker_meta=w.build_connector_worker_meta())
-    )
-    return list(s.take_events())
-
-
-def _close(shared: Any, s: KVScheduler, w: KVWorker) -> None:
-    w.shutdown()
-    s.shutdown()
-    release_store(shared)
 
 
 def _stored(events: list[Any]) -> dict[tuple[str, str], list[BlockStored]]:
@@ -104,13 +39,13 @@ def test_stored_blocks_carry_vllms_hashes_tokens_and_parents(tmp_path: Path) -> 
             "write_policy": "write-back",
         },
     ]
-    shared, s, w = _roles(tiers)
+    shared, s, w = roles(tiers)
     try:
         tokens = list(range(100, 100 + 4 * BS + 1))
-        req = _request("a", tokens)
-        events = _serve(s, w, shared, req)
+        req = request("a", tokens)
+        events = serve(s, w, shared, req)
         # vLLM's own hashes of the same tokens, computed afresh (what a router computes).
-        fresh = _ext(_request("x", tokens))
+        fresh = vllm_hashes(request("x", tokens))
         by = _stored(events)
         got = {e.block_hashes[0]: e for es in by.values() for e in es}
         assert sorted(got) == sorted(fresh[:4])  # every whole block, once
@@ -124,7 +59,7 @@ def test_stored_blocks_carry_vllms_hashes_tokens_and_parents(tmp_path: Path) -> 
         # A second prompt takes the CPU tier: its two blocks are demoted to NVMe, reported
         # removed from CPU and stored in STORAGE, with the same description.
         cpu_hashes = {e.block_hashes[0] for e in by[("CPU", LOCAL)]}
-        events = _serve(s, w, shared, _request("b", list(range(500, 500 + 2 * BS + 1))))
+        events = serve(s, w, shared, request("b", list(range(500, 500 + 2 * BS + 1))))
         removed = [e for e in events if isinstance(e, BlockRemoved)]
         assert {h for e in removed for h in e.block_hashes} == cpu_hashes
         assert all((e.medium, e.locality) == ("CPU", LOCAL) for e in removed)
@@ -134,53 +69,53 @@ def test_stored_blocks_carry_vllms_hashes_tokens_and_parents(tmp_path: Path) -> 
         snap = _stored(s._translator.snapshot())  # type: ignore[union-attr]
         assert {e.block_hashes[0] for e in snap[("STORAGE", LOCAL)]} >= set(fresh[:4])
     finally:
-        _close(shared, s, w)
+        close(shared, s, w)
 
 
 def test_lora_and_cache_salt_are_reported_as_vllm_reports_them(tmp_path: Path) -> None:
-    shared, s, w = _roles([{"kind": "lmdb", "path": str(tmp_path / "db"), "blocks": 16}])
+    shared, s, w = roles([{"kind": "lmdb", "path": str(tmp_path / "db"), "blocks": 16}])
     try:
         tokens = list(range(7, 7 + 2 * BS + 1))
         lora = LoRARequest("adapter", 3, str(tmp_path / "adapter"))
-        req = _request("a", tokens, lora_request=lora, cache_salt="salt")
-        events = _serve(s, w, shared, req)
+        req = request("a", tokens, lora_request=lora, cache_salt="salt")
+        events = serve(s, w, shared, req)
         by = _stored(events)
         assert list(by) == [("STORAGE", SHARED)]  # a store every engine on it reads
         first, second = sorted(
             by[("STORAGE", SHARED)], key=lambda e: e.parent_block_hash is not None
         )
-        assert first.block_hashes == [_ext(req)[0]]
-        assert second.parent_block_hash == _ext(req)[0]
+        assert first.block_hashes == [vllm_hashes(req)[0]]
+        assert second.parent_block_hash == vllm_hashes(req)[0]
         assert (first.lora_id, first.lora_name) == (3, "adapter")
         # vLLM's untagged per-block form: the LoRA name, and the salt on the first block only.
         assert first.extra_keys == [("adapter", "salt")]
         assert second.extra_keys == [("adapter",)]
         # Without the salt the hashes differ: the router cannot confuse the two.
-        assert _request("b", tokens, lora_request=lora).block_hashes[0] != req.block_hashes[0]
+        assert request("b", tokens, lora_request=lora).block_hashes[0] != req.block_hashes[0]
     finally:
-        _close(shared, s, w)
+        close(shared, s, w)
 
 
 def test_blocks_found_in_a_store_are_reported_once_a_lookup_describes_them(tmp_path: Path) -> None:
     """A restarted engine finds its blocks in NVMe with no description: they are reported
     when a lookup hits them (the request in hand describes them), where they are held."""
     tiers = [{"kind": "nvme", "path": str(tmp_path / "nvme"), "blocks": 16}]
-    shared, s, w = _roles(tiers)
+    shared, s, w = roles(tiers)
     tokens = list(range(40, 40 + 3 * BS + 1))
     try:
-        _serve(s, w, shared, _request("a", tokens))
+        serve(s, w, shared, request("a", tokens))
     finally:
-        _close(shared, s, w)
-    shared, s, w = _roles(tiers)
+        close(shared, s, w)
+    shared, s, w = roles(tiers)
     try:
         s.update_connector_output(
             SimpleNamespace(kv_connector_worker_meta=w.build_connector_worker_meta())
         )
         assert list(s.take_events()) == []  # held, but nothing describes them yet
-        req = _request("b", tokens)
+        req = request("b", tokens)
         assert s.get_num_new_matched_tokens(req, 0)[0] == 3 * BS
         events = list(s.take_events())
-        assert sorted(e.block_hashes[0] for e in events) == sorted(_ext(req)[:3])
+        assert sorted(e.block_hashes[0] for e in events) == sorted(vllm_hashes(req)[:3])
         assert {(e.medium, e.locality) for e in events} == {("STORAGE", LOCAL)}
     finally:
-        _close(shared, s, w)
+        close(shared, s, w)

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core import kv_cache_utils
 
-from tests.vllm.test_kv_events import BS, _close, _ext, _request, _roles, _serve
+from tests.vllm.event_roles import BS, close, request, roles, serve, vllm_hashes
 from tiercache.connectors.vllm_kv.kv_events import SHARED, BlockDescriptor
 from tiercache.connectors.vllm_kv.shared_blocks import decode, encode
 from tiercache.tiers.catalog import LMDBCatalog
@@ -34,7 +34,7 @@ def _lmdb(path: Path, cpu: int = 0) -> list[dict]:
 
 def _engine(path: Path, cpu: int = 0) -> tuple[Any, Any, Any]:
     """One engine's roles; polls of the store run at every `take_events` (no interval)."""
-    shared, s, w = _roles(_lmdb(path, cpu))
+    shared, s, w = roles(_lmdb(path, cpu))
     s._shared_blocks._interval = 0.0  # test probe: every call polls
     return shared, s, w
 
@@ -66,16 +66,16 @@ def test_an_engine_reports_blocks_another_stored_before_and_after_it_attached(tm
     b = c = None
     try:
         first = list(range(1, 1 + 3 * BS + 1))
-        events_a = _serve(a[1], a[2], a[0], _request("a1", first))
+        events_a = serve(a[1], a[2], a[0], request("a1", first))
         seen_a = _shared_view(events_a, set())
-        assert seen_a == set(_ext(_request("x", first))[:3])
+        assert seen_a == set(vllm_hashes(request("x", first))[:3])
         # B attaches after A stored: its first events are the store's snapshot.
         b = _engine(tmp_path, cpu=4)
         seen_b = _shared_view(list(b[1].take_events()), set())
         assert seen_b == seen_a
         # A stores more; B reports them at its next step.
         second = list(range(50, 50 + 2 * BS + 1))
-        seen_a = _shared_view(_serve(a[1], a[2], a[0], _request("a2", second)), seen_a)
+        seen_a = _shared_view(serve(a[1], a[2], a[0], request("a2", second)), seen_a)
         assert _converge(b[1], seen_b, seen_a) and len(seen_b) == 5
         # The description B reports is the whole one: tokens and parents too.
         by_hash = {}
@@ -83,27 +83,27 @@ def test_an_engine_reports_blocks_another_stored_before_and_after_it_attached(tm
         for e in c[1].take_events():
             if isinstance(e, BlockStored):
                 by_hash[e.block_hashes[0]] = e
-        ext = _ext(_request("y", first))
+        ext = vllm_hashes(request("y", first))
         assert by_hash[ext[1]].parent_block_hash == ext[0]
         assert by_hash[ext[1]].token_ids == first[BS : 2 * BS]
     finally:
         for e in (a, b, c):
             if e is not None:
-                _close(*e)
+                close(*e)
 
 
 def test_evictions_by_another_engine_are_reported_removed(tmp_path) -> None:
     a, b = _engine(tmp_path), _engine(tmp_path, cpu=4)
     try:
         first = list(range(1, 1 + 4 * BS + 1))
-        view_a = _shared_view(_serve(a[1], a[2], a[0], _request("a1", first)), set())
+        view_a = _shared_view(serve(a[1], a[2], a[0], request("a1", first)), set())
         view_b = _shared_view(list(b[1].take_events()), set())
         assert view_b == view_a and len(view_b) == 4
         # A fills the store: the store evicts the oldest blocks, A's writes did it; B's
         # index never hears of it from the store, its sweep does.
         more = list(range(300, 300 + 6 * BS + 1))
         before = set(view_a)
-        view_a = _shared_view(_serve(a[1], a[2], a[0], _request("a2", more)), view_a)
+        view_a = _shared_view(serve(a[1], a[2], a[0], request("a2", more)), view_a)
         assert len(view_a) == CAP  # A reports the store's own eviction (take_evicted)
         # B converges within a few polls (what A's writes deleted, A deletes in its next
         # write transaction or its background flush: till then B can still load it).
@@ -111,8 +111,8 @@ def test_evictions_by_another_engine_are_reported_removed(tmp_path) -> None:
         gone = before - view_a
         assert len(gone) == 2 and not gone & view_b
     finally:
-        _close(*a)
-        _close(*b)
+        close(*a)
+        close(*b)
 
 
 def test_another_hash_identity_recomputes_the_hashes(tmp_path, monkeypatch) -> None:
@@ -122,16 +122,16 @@ def test_another_hash_identity_recomputes_the_hashes(tmp_path, monkeypatch) -> N
     b = None
     try:
         tokens = list(range(9, 9 + 3 * BS + 1))
-        theirs = _shared_view(_serve(a[1], a[2], a[0], _request("a1", tokens)), set())
+        theirs = _shared_view(serve(a[1], a[2], a[0], request("a1", tokens)), set())
         monkeypatch.setattr(kv_cache_utils, "NONE_HASH", kv_cache_utils.BlockHash(b"\x07" * 32))
-        ours = set(_ext(_request("x", tokens))[:3])  # B's engine hashes with its NONE_HASH
+        ours = set(vllm_hashes(request("x", tokens))[:3])  # B's engine hashes with its NONE_HASH
         assert ours.isdisjoint(theirs)
         b = _engine(tmp_path, cpu=4)
         assert _shared_view(list(b[1].take_events()), set()) == ours
     finally:
         for e in (a, b):
             if e is not None:
-                _close(*e)
+                close(*e)
 
 
 def test_catalog_is_bounded_and_records_round_trip(tmp_path: Path) -> None:
@@ -156,7 +156,7 @@ def test_catalog_is_bounded_and_records_round_trip(tmp_path: Path) -> None:
 def _redis_engine(url: str, cpu: int = 0, **opts: Any) -> tuple[Any, Any, Any]:
     tiers = [{"kind": "cpu", "blocks": cpu}] if cpu else []
     tiers.append({"kind": "redis", "url": url, "blocks": 64, "prefix": "ev:", **opts})
-    shared, s, w = _roles(tiers)
+    shared, s, w = roles(tiers)
     s._shared_blocks._interval = 0.0  # test probe: every call polls
     return shared, s, w
 
@@ -173,8 +173,8 @@ def test_redis_evictions_under_maxmemory_are_reported_by_every_engine(tmp_path) 
         a = _redis_engine(srv.url)
         b = _redis_engine(srv.url, cpu=4)
         tokens = list(range(1, 1 + 6 * BS + 1))
-        view_a = _shared_view(_serve(a[1], a[2], a[0], _request("a1", tokens)), set())
-        assert view_a == set(_ext(_request("x", tokens))[:6])
+        view_a = _shared_view(serve(a[1], a[2], a[0], request("a1", tokens)), set())
+        assert view_a == set(vllm_hashes(request("x", tokens))[:6])
         view_b: set[Any] = set()
         assert _converge(b[1], view_b, view_a)
         # Another client fills the server well past maxmemory: LRU evicts our blocks.
@@ -183,7 +183,7 @@ def test_redis_evictions_under_maxmemory_are_reported_by_every_engine(tmp_path) 
             r.set(f"junk:{i}", b"x" * 32768)
         held = {
             h
-            for k, h in zip(a[1]._reqs["a1"].keys, _ext(_request("x", tokens)), strict=False)
+            for k, h in zip(a[1]._reqs["a1"].keys, vllm_hashes(request("x", tokens)), strict=False)
             if r.exists(a[0].cache.tiers[0].redis_key(k))
         }
         assert len(held) < 6  # something was evicted
@@ -193,7 +193,7 @@ def test_redis_evictions_under_maxmemory_are_reported_by_every_engine(tmp_path) 
     finally:
         for e in (a, b):
             if e is not None:
-                _close(*e)
+                close(*e)
         srv.kill()
 
 
@@ -204,10 +204,10 @@ def test_a_block_the_cache_forgot_stays_reported_while_the_store_holds_it(tmp_pa
     a, b = _engine(tmp_path), _engine(tmp_path, cpu=4)  # B reads into its CPU tier
     try:
         tokens = list(range(1, 1 + 2 * BS + 1))
-        view = _shared_view(_serve(a[1], a[2], a[0], _request("a1", tokens)), set())
+        view = _shared_view(serve(a[1], a[2], a[0], request("a1", tokens)), set())
         view_b: set[Any] = set()
         assert _converge(b[1], view_b, view)
-        req = _request("b1", tokens)
+        req = request("b1", tokens)
         assert b[1].get_num_new_matched_tokens(req, 0)[0] == 2 * BS  # B adopts both
         keys = b[1]._reqs["b1"].keys[:2]
         b[0].cache.manager.discard([keys[0]], 1)  # B's LMDB index forgets one: stored still
@@ -217,10 +217,10 @@ def test_a_block_the_cache_forgot_stays_reported_while_the_store_holds_it(tmp_pa
         assert meta is not None and meta.kept == [keys[0]]
         b[1].update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
         removed = [e for e in b[1].take_events() if isinstance(e, BlockRemoved)]
-        assert [h for e in removed for h in e.block_hashes] == [_ext(req)[1]]
+        assert [h for e in removed for h in e.block_hashes] == [vllm_hashes(req)[1]]
     finally:
-        _close(*a)
-        _close(*b)
+        close(*a)
+        close(*b)
 
 
 class _Gone:
