@@ -45,7 +45,7 @@ from tiercache.connectors.vllm_kv.messages import (
 )
 from tiercache.connectors.vllm_kv.remote_index import RemoteIndex
 from tiercache.connectors.vllm_kv.settings import KVSettings, RoleBase, log
-from tiercache.connectors.vllm_kv.shared_blocks import open_shared_blocks
+from tiercache.connectors.vllm_kv.shared_blocks import SharedBlocks, open_shared_blocks
 from tiercache.connectors.vllm_kv.storing import StoresInFlight
 from tiercache.costs import LoadGate
 from tiercache.hashing import group_keys, prefix_hashes
@@ -140,8 +140,10 @@ class KVScheduler(RoleBase):
         # per-group keys are not described, so not reported.
         # Shared tiers: every engine on the store reports what it can load from it, and
         # what the store no longer holds (shared_blocks.py).
-        self._shared_blocks = (
-            open_shared_blocks(
+        self._shared_blocks: SharedBlocks | None = None
+        self._translator: EventTranslator | None = None
+        if settings.events and not self._hma:
+            self._shared_blocks = open_shared_blocks(
                 self._config,
                 settings.block_bytes,
                 settings.hash_algo,
@@ -150,18 +152,11 @@ class KVScheduler(RoleBase):
                 borrowed=probes[0] if probes else None,  # the remote index's (rank 0's)
                 expand=self._shards.all_keys if self._shards is not None else None,
             )
-            if settings.events and not self._hma
-            else None
-        )
-        self._translator = (
-            EventTranslator(
+            self._translator = EventTranslator(
                 placement_of(self._config),
                 limit=max(4096, 2 * settings.num_blocks),
                 on_shared=self._shared_blocks.on_shared if self._shared_blocks else None,
             )
-            if settings.events and not self._hma
-            else None
-        )
         # Cost-aware loading ([loading], `tiercache.costs`): the gate, over the shared cache's
         # estimates (local) or its own, fed by the worker's samples (remote).
         self._gate = LoadGate(
