@@ -1,10 +1,8 @@
 """One-launch block copies between the engine's paged KV buffer and rows of a record buffer.
 
 A job of `n` engine blocks over a layout of `M` chunks (one chunk: one segment's K or V bytes
-of one engine block; vLLM's 32-layer layout has 64) is `n * M` byte ranges. The per-segment
-path (`copy_rows`) issues a gather or scatter per segment, each with its own index tensor; on a
-GPU that is 32 launches and 32 index uploads for a 32-layer store, and its host time grows with
-the layer count. Here the whole job is one kernel launch over a table:
+of one engine block) is `n * M` byte ranges. The per-segment path (`copy_rows`) issues a copy
+per segment, with its own index tensor; here the whole job is one kernel launch over a table:
 
 - `ChunkTable(layout)`: per chunk `m`, the four int64s of `layout.chunk_rows()`: the engine
   address of block 0's chunk, the bytes between engine blocks, the chunk's bytes, its offset
@@ -25,6 +23,7 @@ The record buffer is a pool tier's tensor (rows = slots), a contiguous staging b
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -132,15 +131,30 @@ def run_cpu(
     row_bytes: int,
     *,
     store: bool,
+    interpret: bool = False,
+    inline: bool = False,
 ) -> None:
     """The CPU twin of the kernel: the same triples, one memmove each (engine and `buf` on
-    the CPU). Stores copy engine -> record, loads record -> engine."""
+    the CPU). Stores copy engine -> record, loads record -> engine.
+
+    `interpret` (`run_interpreted`): the kernel itself instead, under Triton's interpreter
+    (`TRITON_INTERPRET=1` set before this module is imported): the tests' check of the
+    kernel's address arithmetic, with the ids as arguments (`inline`, at most `INLINE_IDS`)
+    or in a list."""
     if table.device.type != "cpu" or buf.device.type != "cpu":
         raise ValueError("run_cpu: the engine buffer and the record buffer must be on the CPU")
+    if interpret:
+        inline = inline and len(block_ids) <= INLINE_IDS
+        idx = None if inline else torch.tensor([*block_ids, *rows], dtype=torch.int64)
+        launch(table, block_ids, rows, buf.data_ptr(), row_bytes, store=store, idx_tensor=idx)
+        return
     eng, rec, size = entries(table, block_ids, rows, buf.data_ptr(), row_bytes)
     src, dst = (eng, rec) if store else (rec, eng)
     for s, d, n in zip(src.tolist(), dst.tolist(), size.tolist(), strict=True):
         ctypes.memmove(d, s, n)
+
+
+run_interpreted = functools.partial(run_cpu, interpret=True)
 
 
 def launch(
@@ -215,18 +229,14 @@ _I32 = 2**31  # Triton passes an int below this as i32, from it as i64: part of 
 class Launchers:
     """Compiled kernels by job kind, launched without Triton's per-call binding.
 
-    `JITFunction.run` binds and specializes all 20 arguments on every call (tens of
-    microseconds of Python per job, a third of a one-block job's host time). The compiled
-    kernel it returns depends only on what Triton specializes: the constexprs, the table (its
-    tensor, block factor, chunk count, engine block bytes: fixed per table), `row_bytes`, and
-    the width Triton gives each unspecialized int (i32 below 2**31, else i64) — the job's
-    `kind`. Later jobs of a kind call that kernel's launcher directly on the stream's handle,
-    as `JITFunction.run` does, minus the binding (and, where the kernel needs no scratch
-    memory, the launcher object's `__call__`, which only allocates it). Used only where the
-    Triton in use is a version with the launcher interface this was written against (3.4 to
-    3.x, checked when the table is built), each compiled kernel has the attributes it uses
-    (checked as `learn` takes it), and no launch hook is set (a profiler's: those go through
-    `run`, which calls them).
+    `JITFunction.run` binds and specializes every argument on every call. The compiled kernel
+    it returns depends only on what Triton specializes: the constexprs, the table (fixed per
+    table), `row_bytes`, and the width Triton gives each unspecialized int (i32 below 2**31,
+    else i64) — the job's `kind`. Later jobs of a kind call that kernel's launcher directly on
+    the stream's handle, as `JITFunction.run` does, minus the binding. Used only where the
+    Triton version has the launcher interface this was written against (3.4 to 3.x), each
+    compiled kernel has the attributes it uses (checked by `learn`), and no launch hook is set
+    (a profiler's: those go through `run`, which calls them).
     """
 
     def __init__(self, device_index: int | None) -> None:
@@ -290,24 +300,6 @@ def _no_launch_hooks() -> bool:
         if h is not None and getattr(h, "calls", True):  # a HookChain with hooks, or a hook
             return False
     return True
-
-
-def run_interpreted(
-    table: ChunkTable,
-    block_ids: Sequence[int],
-    rows: Sequence[int],
-    buf: torch.Tensor,
-    row_bytes: int,
-    *,
-    store: bool,
-    inline: bool = False,
-) -> None:
-    """The kernel itself on CPU tensors, under Triton's interpreter (`TRITON_INTERPRET=1` set
-    before this module is imported): the tests' check of the kernel's address arithmetic,
-    with the ids as arguments (`inline`, at most `INLINE_IDS`) or in a list."""
-    inline = inline and len(block_ids) <= INLINE_IDS
-    idx = None if inline else torch.tensor([*block_ids, *rows], dtype=torch.int64)
-    launch(table, block_ids, rows, buf.data_ptr(), row_bytes, store=store, idx_tensor=idx)
 
 
 _kv_blocks_kernel: Any = None

@@ -1,41 +1,31 @@
 """`DiskHandler`: transfers through a tier's `read`/`write`/`read_to`, in host memory.
 
-For the tiers that have no pool tensor (NVMe, LMDB) and for tier-to-tier copies (the
-manager's demotions and write-backs, which run here as ordinary jobs):
+For the tiers that have no pool tensor (NVMe, LMDB) and for tier-to-tier copies (demotions
+and write-backs, ordinary jobs here):
 - tier -> tier: `src.read` into a staging buffer, `dst.write` of the rows that arrived;
 - engine -> tier: `KVLayout.gather` into the staging buffer, `tier.write`;
-- tier -> engine on a CPU engine: `tier.read_to`, whose sink scatters each stretch of
-  verified rows into the engine's blocks (`KVLayout.scatter` takes the strided rows as they
-  are). NVMe (`Tier.reads_in_place`) hands them over from its aligned read buffer, so a hit
-  is copied once, the next runs read meanwhile; other tiers read into the staging buffer
-  first (LMDB and Redis decompress and copy out of their own stores anyway);
+- tier -> engine on a CPU engine: `tier.read_to`, whose sink scatters each stretch of verified
+  rows into the engine's blocks from where the tier hands them over (NVMe: its aligned read
+  buffer, `Tier.reads_in_place`; other tiers: the staging buffer);
 - tier -> engine on a CUDA engine: `tier.read` into the pinned staging buffer, then
   `KVLayout.scatter` of the rows that arrived (each chunk synchronized before the buffer is
-  reused): the host -> device copy needs a host source anyway, and a pinned one to be fast.
-Not zero copies: a slot's payload follows its 64-byte header, so it is not 4 KiB aligned in
-the file, and O_DIRECT cannot read it into engine memory (see tiers/nvme/slot_reads.py).
-It works on any `Tier`, so it knows nothing about files or LMDB. Threads keep slow devices off
-the engine's thread: `threads` per lane, one lane per tier for engine transfers and one per
-pair of tiers for copies between them, so a tier that hangs stalls only jobs that touch it.
-The worker's dependencies order jobs that touch the same slots. A load into the engine can
-be cancelled (`Job.cancel`, the engine's deadline): each chunk is scattered under the job's
-fence only while it is not cancelled (a `read_to` load: each stretch of rows; the sink stops
-the read once cancelled), so an abandoned load never writes engine blocks later.
-A store from the engine is cancellable the same way: each chunk is gathered under the fence,
-so once a store past its deadline is cancelled, vLLM may reuse its blocks (the chunks
-gathered before still reach the tier: they hold the right bytes for their keys).
+  reused): the host -> device copy wants a pinned host source.
+It works on any `Tier`. `threads` per lane, one lane per tier for engine transfers and one per
+pair of tiers for copies, so a tier that hangs stalls only jobs that touch it; the worker's
+dependencies order jobs that touch the same slots. Cancellation (`Job.cancel`): each chunk is
+gathered or scattered under the job's fence only while the job is not cancelled, so an
+abandoned load never writes engine blocks later, and vLLM may reuse a cancelled store's blocks.
 Staging buffers are per thread, bounded by `chunk_bytes`, pinned with CUDA.
 A failed or corrupt read fails only its blocks: a move still lands the rest, and a block that
-did not arrive is never written anywhere. Of the failed blocks, those a shared store no longer
-held are reported apart (`Job.gone`, sorted by `Tier.sort_failed` on the reading thread):
-plain misses, not errors.
+did not arrive is never written anywhere. Failed blocks a shared store no longer held are
+reported apart (`Job.gone`, sorted by `Tier.sort_failed` on the reading thread): plain misses.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -162,8 +152,7 @@ class DiskHandler(LaneHandler):
         gone: list[int] = []
         if self._cuda and job.compute_event is not None:
             self._stream().wait_event(job.compute_event)
-        # A CUDA engine keeps the staged path: the host -> device DMA is a copy anyway, and
-        # it wants the pinned staging buffer as its source.
+        # A CUDA engine keeps the staged path: its DMA wants the pinned staging buffer.
         load_in_place = (
             isinstance(src, TierLoadStoreSpec)
             and isinstance(dst, GPULoadStoreSpec)
@@ -190,15 +179,13 @@ class DiskHandler(LaneHandler):
                     bad = set(tier.read(src.slots[a:b], buf, src.keys[a:b]))
                 except IO_ERRORS:
                     bad = set(range(b - a))
-                # Sorted here, on the thread that read: blocks a shared store no longer
-                # held are plain misses for whoever completes the job (`Tier.sort_failed`).
                 gone.extend(a + i for i in tier.sort_failed(src.keys[a:b], bad)[0])
             else:
                 with job.fence:  # after Job.cancel, no engine byte is read (vLLM reuses them)
                     if job.cancelled:
                         failed.extend(range(a, n))
                         break
-                    self._gather(src.block_ids[a * f : b * f], buf)
+                    self._engine_copy(self.layout.gather, src.block_ids[a * f : b * f], buf)
                 bad = set()
             if b == n:  # every source byte read: jobs that only overwrite them may start
                 job.read_done.set()
@@ -221,7 +208,7 @@ class DiskHandler(LaneHandler):
                     if job.cancelled:
                         failed.extend(a + i for i in good)
                     else:
-                        self._scatter(ids, rows)
+                        self._engine_copy(self.layout.scatter, ids, rows)
         job.size = (n - len(failed)) * bb
         if failed:
             job.fail(tuple(sorted(failed)))
@@ -257,27 +244,20 @@ class DiskHandler(LaneHandler):
             bad = [i for i in range(b - a) if i not in landed]
         except _Cancelled:
             bad = []
-        # Sorted here, on the thread that read: blocks a shared store no longer held are
-        # plain misses for whoever completes the job (`Tier.sort_failed`).
+        # Sorted on the thread that read (module doc: `Job.gone`).
         gone.extend(a + i for i in tier.sort_failed(keys, bad)[0])
         return [i for i in range(b - a) if i not in landed]
 
-    def _gather(self, block_ids: Sequence[int], buf: torch.Tensor) -> None:
-        assert self.layout is not None
+    def _engine_copy(
+        self, copy: Callable[..., None], block_ids: Sequence[int], buf: torch.Tensor
+    ) -> None:
+        """`copy` (the layout's `gather` or `scatter`) of one chunk; on CUDA on this thread's
+        stream, synchronized: the tier reads the staging buffer next, or the next chunk
+        reuses it."""
         if not self._cuda:
-            self.layout.gather(block_ids, buf)
+            copy(block_ids, buf)
             return
         s = self._stream()
         with torch.cuda.stream(s):
-            self.layout.gather(block_ids, buf, non_blocking=True)
-        s.synchronize()  # the tier reads the staging buffer next
-
-    def _scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
-        assert self.layout is not None
-        if not self._cuda:
-            self.layout.scatter(block_ids, rows)
-            return
-        s = self._stream()
-        with torch.cuda.stream(s):
-            self.layout.scatter(block_ids, rows, non_blocking=True)
-        s.synchronize()  # the staging buffer is reused by the next chunk
+            copy(block_ids, buf, non_blocking=True)
+        s.synchronize()

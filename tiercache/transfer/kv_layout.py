@@ -50,9 +50,7 @@ from tiercache.transfer.rows import (
 
 COPY_MODES = ("auto", "direct", "staged", "layers")
 # "auto" on CUDA: jobs of at least this many bytes go through a device staging buffer and the
-# copy engine (DMA), smaller ones straight into the pool with the kernel (None: never staged):
-# the copy engine moves bulk bytes better than SMs do, and a small job direct needs no
-# allocation and no DMA call (figures: docs/bench.md, "Figures behind the tunables").
+# copy engine (DMA), smaller ones straight into the pool with the kernel (None: never staged).
 AUTO_STAGED_MIN_BYTES: int | None = 128 << 20
 
 
@@ -187,8 +185,7 @@ class KVLayout:
             entry = storages.setdefault(key, (t, []))
             entry[1].extend(_layer_chunks(name, t, num_blocks, kv_first))
         families = [(t, fam) for t, chunks in storages.values() for fam in _merge(chunks)]
-        # int64 elements when every offset and size allows: batched index ops on uint8 run ~9x
-        # slower (shared/limits), and slice copies do not mind.
+        # int64 elements when every offset and size allows: index ops on uint8 are slower.
         record = sum(f[1] * f[3] for _, f in families)
         wide = record % 8 == 0 and all(
             v % 8 == 0
@@ -288,8 +285,7 @@ class KVLayout:
         return rows_of_blocks, reachable
 
     def _pool_kind(self, pool: torch.Tensor) -> tuple[bool, bool]:
-        """`_buffer_kind` of a pool, kept while the pool tensor lives (a few microseconds of a
-        one-block job: the pinned-memory lookup and device comparisons)."""
+        """`_buffer_kind` of a pool, kept while the pool tensor lives."""
         return per_pool(self._pool_kinds, pool, self._buffer_kind)
 
     def _batched(
@@ -329,17 +325,17 @@ class KVLayout:
         store: bool,
         non_blocking: bool,
     ) -> None:
-        """Blocks <-> rows of a host buffer through a contiguous buffer on the device: one
-        kernel launch there, one DMA per run of rows."""
+        """Blocks <-> rows of a buffer on another device through a contiguous buffer on the
+        engine's device (filled or emptied there by `gather`/`scatter`, the kernel where the
+        mode allows), one DMA per run of rows. The copies queue on the current stream."""
         n = len(rows)
         tmp = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=self.device)
-        dense = range(n)
         if store:
-            self._batched(block_ids, dense, tmp, store=True)
-            copy_rows(buf, rows, tmp, dense, non_blocking=non_blocking)
+            self.gather(block_ids, tmp, non_blocking=True)
+            copy_rows(buf, rows, tmp, range(n), non_blocking=non_blocking)
         else:
-            copy_rows(tmp, dense, buf, rows, non_blocking=non_blocking)
-            self._batched(block_ids, dense, tmp, store=False)
+            copy_rows(tmp, range(n), buf, rows, non_blocking=non_blocking)
+            self.scatter(block_ids, tmp, non_blocking=True)
 
     def _one_launch(
         self,
@@ -421,31 +417,9 @@ class KVLayout:
     ) -> None:
         """Store: engine blocks -> pool rows `slots`. `stream`: a CUDA stream to queue the
         copies on instead of the current one."""
-        self._check_ids(block_ids, len(slots))
-        if self._one_launch(
-            block_ids, pool, slots, store=True, non_blocking=non_blocking, stream=stream, pool=True
-        ):
-            return
-        with on_stream(stream):
-            self._to_pool_by_layers(block_ids, pool, slots, non_blocking=non_blocking)
-
-    def _to_pool_by_layers(
-        self,
-        block_ids: Sequence[int],
-        pool: torch.Tensor,
-        slots: Sequence[int],
-        *,
-        non_blocking: bool,
-    ) -> None:
-        recs = self._record_ids(slots)
-        if pool.device == self.device:
-            plan = RowPlan(recs, block_ids)
-            for seg, view in zip(self.segments, self._pool_records(pool), strict=True):
-                copy_rows(view, recs, seg.rows, block_ids, plan=plan)
-            return
-        tmp = torch.empty((len(slots), self.block_bytes), dtype=torch.uint8, device=self.device)
-        self.gather(block_ids, tmp)
-        copy_rows(pool, slots, tmp, range(len(slots)), non_blocking=non_blocking)
+        self._pool_copy(
+            block_ids, pool, slots, store=True, non_blocking=non_blocking, stream=stream
+        )
 
     def copy_from_pool(
         self,
@@ -457,31 +431,51 @@ class KVLayout:
         stream: Any = None,
     ) -> None:
         """Load: pool rows `slots` -> engine blocks. `stream`: as `copy_to_pool`'s."""
+        self._pool_copy(
+            block_ids, pool, slots, store=False, non_blocking=non_blocking, stream=stream
+        )
+
+    def _pool_copy(
+        self,
+        block_ids: Sequence[int],
+        pool: torch.Tensor,
+        slots: Sequence[int],
+        *,
+        store: bool,
+        non_blocking: bool,
+        stream: Any,
+    ) -> None:
+        """Engine blocks -> pool rows `slots` (`store`) or back: by the kernel where the mode
+        says so, else by layers on one device, else `_staged`."""
         self._check_ids(block_ids, len(slots))
         if self._one_launch(
-            block_ids, pool, slots, store=False, non_blocking=non_blocking, stream=stream, pool=True
+            block_ids, pool, slots, store=store, non_blocking=non_blocking, stream=stream, pool=True
         ):
             return
         with on_stream(stream):
-            self._from_pool_by_layers(pool, slots, block_ids, non_blocking=non_blocking)
+            if pool.device == self.device:
+                views = self._pool_records(pool)
+                self._by_layers(block_ids, views, self._record_ids(slots), store=store, split=True)
+                return
+            self._staged(block_ids, pool, slots, store=store, non_blocking=non_blocking)
 
-    def _from_pool_by_layers(
+    def _by_layers(
         self,
-        pool: torch.Tensor,
-        slots: Sequence[int],
         block_ids: Sequence[int],
+        views: Sequence[torch.Tensor],
+        rows: Sequence[int],
         *,
-        non_blocking: bool,
+        store: bool,
+        split: bool = False,
     ) -> None:
-        if pool.device == self.device:
-            recs = self._record_ids(slots)
-            plan = RowPlan(block_ids, recs)
-            for seg, view in zip(self.segments, self._pool_records(pool), strict=True):
-                copy_rows(seg.rows, block_ids, view, recs, split=True, plan=plan)
-            return
-        tmp = torch.empty((len(slots), self.block_bytes), dtype=torch.uint8, device=self.device)
-        copy_rows(tmp, range(len(slots)), pool, slots, non_blocking=non_blocking)
-        self.scatter(block_ids, tmp)
+        """Per segment, engine blocks -> `rows` of its record view (`store`) or back. `split`:
+        a large load is shared with a helper thread (`copy_rows`; loads from a pool)."""
+        plan = RowPlan(rows, block_ids) if store else RowPlan(block_ids, rows)
+        for seg, view in zip(self.segments, views, strict=True):
+            if store:
+                copy_rows(view, rows, seg.rows, block_ids, plan=plan)
+            else:
+                copy_rows(seg.rows, block_ids, view, rows, split=split, plan=plan)
 
     # -- contiguous buffers ----------------------------------------------------------------
     def gather(
@@ -497,10 +491,7 @@ class KVLayout:
             self.gather(block_ids, tmp)
             out.copy_(tmp, non_blocking=non_blocking)
             return
-        dense = range(len(block_ids))
-        plan = RowPlan(dense, block_ids)
-        for seg, view in zip(self.segments, self._records(out), strict=True):
-            copy_rows(view, dense, seg.rows, block_ids, plan=plan)
+        self._by_layers(block_ids, self._records(out), range(len(block_ids)), store=True)
 
     def scatter(
         self, block_ids: Sequence[int], src: torch.Tensor, *, non_blocking: bool = False
@@ -517,28 +508,20 @@ class KVLayout:
             # (its columns are again rows of one engine-block record each).
             eb, f = self.engine_block_bytes, self.factor
             for j in range(f):
-                ids = block_ids[j::f]
-                plan = RowPlan(ids, range(n))
-                recs = self._records(src[:, j * eb : (j + 1) * eb])
-                for seg, view in zip(self.segments, recs, strict=True):
-                    copy_rows(seg.rows, ids, view, range(n), plan=plan)
+                views = self._records(src[:, j * eb : (j + 1) * eb])
+                self._by_layers(block_ids[j::f], views, range(n), store=False)
             return
         if self._one_launch(block_ids, src, range(n), store=False, non_blocking=non_blocking):
             return
         if src.device != self.device:
             src = src.to(self.device, non_blocking=non_blocking)
-        dense = range(len(block_ids))
-        plan = RowPlan(block_ids, dense)
-        for seg, view in zip(self.segments, self._records(src), strict=True):
-            copy_rows(seg.rows, block_ids, view, dense, plan=plan)
+        self._by_layers(block_ids, self._records(src), range(len(block_ids)), store=False)
 
     def _scatter_on_host(self, block_ids: Sequence[int], src: torch.Tensor) -> bool:
         """`scatter` on a CPU engine from host rows of one engine block each (strided rows
-        too), by numpy slice copies straight from `src`: what `copy_rows` would do per
-        segment, without its per-call views and checks (an NVMe load calls this once per
-        run of slots read: ~20% of the load's CPU went there). False where it does not
-        apply (another device or mode, several engine blocks a row, many short runs: there
-        `index_copy_` is faster) and the general path copies."""
+        too), by numpy slice copies straight from `src`: `copy_rows` per segment without its
+        per-call views and checks. False where it does not apply (another device or mode,
+        several engine blocks a row, many short runs) and the general path copies."""
         if (
             self.device.type != "cpu"
             or src.device.type != "cpu"
