@@ -112,34 +112,45 @@ def memcpy_bps(nbytes: int, runs: int = 5) -> float:
     return n / statistics.median(times)
 
 
+def _tier_rates(
+    tier: Any, raw: dict[str, Callable[[torch.Tensor, torch.Tensor], object]], runs: int, what: str
+) -> dict[str, float]:
+    """MB/s of `tier`'s batched write ("tier_w") and read ("tier_r") of random blocks that fill
+    it, and of each `raw(src, dst)` baseline moving the same bytes: medians over `runs`,
+    interleaved. Closes the tier; AssertionError if it read back other bytes."""
+    n = tier.capacity_blocks
+    keys = [i.to_bytes(16, "big") for i in range(n)]
+    slots = tier.allocate(keys)
+    assert slots is not None
+    src = torch.randint(0, 256, (n, tier.block_bytes), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    tier.write(slots, src, keys)
+    fns = {
+        "tier_w": lambda: _timed(lambda: tier.write(slots, src, keys)),
+        "tier_r": lambda: _timed(lambda: tier.read(slots, dst, keys)),
+    }
+    for name, fn in raw.items():
+        fns[name] = lambda fn=fn: _timed(lambda: fn(src, dst))
+    rates = _median_rates(fns, n * tier.block_bytes / MB, runs)
+    tier.read(slots, dst, keys)
+    ok = torch.equal(dst, src)
+    tier.close()
+    if not ok:
+        raise AssertionError(f"{what} tier read back different bytes")
+    return rates
+
+
 def cpu_tier_pair(block_bytes: int = 256 * 1024, n_blocks: int = 256, runs: int = 5) -> list[Pair]:
     """CPUTier batched write and read vs one copy_ of the same bytes."""
     from tiercache.tiers.cpu import CPUTier
 
     tier = CPUTier(block_bytes=block_bytes, capacity_blocks=n_blocks, pin_memory=False)
-    keys = [i.to_bytes(16, "big") for i in range(n_blocks)]
-    slots = tier.allocate(keys)
-    assert slots is not None
-    src = torch.randint(0, 256, (n_blocks, block_bytes), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    flat = torch.empty_like(src)
-    tier.write(slots, src, keys)
-    rates = _median_rates(
-        {
-            "write": lambda: _timed(lambda: tier.write(slots, src, keys)),
-            "read": lambda: _timed(lambda: tier.read(slots, dst, keys)),
-            "copy": lambda: _timed(lambda: flat.copy_(src)),
-        },
-        n_blocks * block_bytes / MB,
-        runs,
-    )
-    tier.close()
-    if not torch.equal(dst, src):
-        raise AssertionError("CPU tier read back different bytes")
+    flat = torch.empty((n_blocks, block_bytes), dtype=torch.uint8)
+    rates = _tier_rates(tier, {"copy": lambda src, _: flat.copy_(src)}, runs, "CPU")
     base = "torch copy_ of the same bytes"
     return [
-        Pair("CPU tier write", rates["write"], rates["copy"], "MB/s", base),
-        Pair("CPU tier read", rates["read"], rates["copy"], "MB/s", base),
+        Pair("CPU tier write", rates["tier_w"], rates["copy"], "MB/s", base),
+        Pair("CPU tier read", rates["tier_r"], rates["copy"], "MB/s", base),
     ]
 
 
@@ -191,27 +202,12 @@ def nvme_pair(
             fsync="never",
             direct=raw.direct,
         )
-        keys = [i.to_bytes(16, "big") for i in range(n_blocks)]
-        slots = tier.allocate(keys)
-        assert slots is not None
-        src = torch.randint(0, 256, (n_blocks, block_bytes), dtype=torch.uint8)
-        dst = torch.empty_like(src)
         order = list(range(n_blocks))
-        rates = _median_rates(
-            {
-                "tier_w": lambda: _timed(lambda: tier.write(slots, src, keys)),
-                "raw_w": lambda: _timed(lambda: raw.write(order)),
-                "tier_r": lambda: _timed(lambda: tier.read(slots, dst, keys)),
-                "raw_r": lambda: _timed(lambda: raw.read(order)),
-            },
-            n_blocks * block_bytes / MB,
-            runs,
-        )
-        ok = torch.equal(dst, src)
-        tier.close()
-        raw.close()
-        if not ok:
-            raise AssertionError("NVMe tier read back different bytes")
+        raws = {"raw_w": lambda *_: raw.write(order), "raw_r": lambda *_: raw.read(order)}
+        try:
+            rates = _tier_rates(tier, raws, runs, "NVMe")
+        finally:
+            raw.close()
         note = "" if raw.direct else "O_DIRECT refused here: both buffered"
         base = "raw O_DIRECT pwrite/pread" if raw.direct else "raw pwrite/pread"
         return [
@@ -263,36 +259,15 @@ def lmdb_pair(
             compression="none",
             sync="never",
         )
-        keys = [i.to_bytes(16, "big") for i in range(n_blocks)]
-        slots = tier.allocate(keys)
-        assert slots is not None
-        src = torch.randint(0, 256, (n_blocks, block_bytes), dtype=torch.uint8)
-        rows = src.numpy()
-        dst = torch.empty_like(src)
-        out = dst.numpy()
-
-        def raw_put() -> None:
-            raw_lmdb_put(env, db, keys, rows)
-
-        def raw_get() -> None:
-            raw_lmdb_get(env, db, keys, out)
-
-        rates = _median_rates(
-            {
-                "tier_w": lambda: _timed(lambda: tier.write(slots, src, keys)),
-                "raw_w": lambda: _timed(raw_put),
-                "tier_r": lambda: _timed(lambda: tier.read(slots, dst, keys)),
-                "raw_r": lambda: _timed(raw_get),
-            },
-            n_blocks * block_bytes / MB,
-            runs,
-        )
-        tier.read(slots, dst, keys)
-        ok = torch.equal(dst, src)
-        tier.close()
-        env.close()
-        if not ok:
-            raise AssertionError("LMDB tier read back different bytes")
+        keys = [i.to_bytes(16, "big") for i in range(n_blocks)]  # the tier's (`_tier_rates`)
+        raws = {
+            "raw_w": lambda src, _: raw_lmdb_put(env, db, keys, src.numpy()),
+            "raw_r": lambda _, dst: raw_lmdb_get(env, db, keys, dst.numpy()),
+        }
+        try:
+            rates = _tier_rates(tier, raws, runs, "LMDB")
+        finally:
+            env.close()
         base = "raw py-lmdb put/get"
         return [
             Pair("LMDB tier write (no compression)", rates["tier_w"], rates["raw_w"], "MB/s", base),

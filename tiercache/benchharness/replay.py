@@ -20,10 +20,9 @@ for a request (2 per key, plus 2 per hit key and 2 per stored key), so ops/s com
 like.
 
 Both timed loops run under `frozen_heap()`: a full collection, then `gc.freeze()` for the
-loop, as vLLM's engine freezes its heap after start-up (`vllm.utils.gc_utils.freeze_gc_heap`).
-The collector stays on, so each manager pays for collecting what it allocates, but no longer for
-walking the ~600k objects torch and vLLM leave on the heap: that walk took about 300 ms here,
-as long as a whole replay, and landed on whichever contender happened to trigger it.
+loop, as vLLM's engine freezes its heap after start-up. The collector stays on, so each manager
+pays for collecting what it allocates, but not for walking the objects torch and vLLM leave on
+the heap, a cost that would land on whichever contender happened to trigger it.
 """
 
 from __future__ import annotations
@@ -252,26 +251,21 @@ class CacheRun:
 
 
 def _count_io(tier: Any, io: TierIO) -> None:
-    """Wrap one tier's read/write (on the instance) to count bytes and time."""
-    read, write, bb = tier.read, tier.write, tier.block_bytes
+    """Wrap one tier's read and write (on the instance) to count their bytes and time."""
+    bb = tier.block_bytes
 
-    def counted_read(slots: Sequence[int], dst: torch.Tensor, keys: Any = None) -> list[int]:
-        t0 = time.perf_counter()
-        try:
-            return read(slots, dst, keys)
-        finally:
-            io.read_s += time.perf_counter() - t0
-            io.read_bytes += len(slots) * bb
+    def counted(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(slots: Sequence[int], buf: torch.Tensor, keys: Any = None) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(slots, buf, keys)
+            finally:
+                setattr(io, f"{op}_s", getattr(io, f"{op}_s") + time.perf_counter() - t0)
+                setattr(io, f"{op}_bytes", getattr(io, f"{op}_bytes") + len(slots) * bb)
 
-    def counted_write(slots: Sequence[int], src: torch.Tensor, keys: Any = None) -> None:
-        t0 = time.perf_counter()
-        try:
-            write(slots, src, keys)
-        finally:
-            io.write_s += time.perf_counter() - t0
-            io.write_bytes += len(slots) * bb
+        return call
 
-    tier.read, tier.write = counted_read, counted_write
+    tier.read, tier.write = counted("read", tier.read), counted("write", tier.write)
 
 
 def stand_in_blocks(keys: Sequence[bytes], block_bytes: int) -> torch.Tensor:

@@ -37,6 +37,9 @@ FULL_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)
 SPEED_FRACTION = 0.2  # capacity (share of the trace's distinct blocks) for the ops/s race
 # The whole-cache replay: CPU, NVMe and LMDB tiers holding these shares of the footprint.
 TIER_FRACTIONS = (0.05, 0.15, 0.3)
+# The baselines' names in the ratio table.
+VLLM_ARC, BELADY = "vLLM ARC, same capacity", "Belady's optimum (ceiling)"
+BELADY_TOTAL, MEMCPY = "Belady's optimum at the total capacity", "memcpy of the same bytes"
 
 
 @dataclass(frozen=True)
@@ -121,58 +124,22 @@ class BenchReport:
             for pol in ("arc", "lru"):
                 ours, theirs = by.get((name, f"tiercache {pol}")), by.get((name, f"vllm {pol}"))
                 if ours and theirs:
-                    rows.append(
-                        Pair(
-                            f"{name}: manager {pol.upper()} block-ops/s",
-                            ours.ops_per_s,
-                            theirs.ops_per_s,
-                            "ops/s",
-                            f"vLLM CPUOffloadingManager {pol!r}",
-                        )
-                    )
+                    what = f"{name}: manager {pol.upper()} block-ops/s"
+                    base = f"vLLM CPUOffloadingManager {pol!r}"
+                    rows.append(Pair(what, ours.ops_per_s, theirs.ops_per_s, "ops/s", base))
             for p in self.curves:
                 if p.trace != name or p.fraction != SPEED_FRACTION:
                     continue
-                h = p.hit_rates
+                h, what = p.hit_rates, f"{name}: ARC hit rate at {p.capacity} blocks"
                 if "vllm arc" in h:
-                    rows.append(
-                        Pair(
-                            f"{name}: ARC hit rate at {p.capacity} blocks",
-                            h["tiercache arc"],
-                            h["vllm arc"],
-                            "hit rate",
-                            "vLLM ARC, same capacity",
-                        )
-                    )
-                rows.append(
-                    Pair(
-                        f"{name}: ARC hit rate at {p.capacity} blocks",
-                        h["tiercache arc"],
-                        h["belady"],
-                        "hit rate",
-                        "Belady's optimum (ceiling)",
-                    )
-                )
+                    rows.append(Pair(what, h["tiercache arc"], h["vllm arc"], "hit rate", VLLM_ARC))
+                rows.append(Pair(what, h["tiercache arc"], h["belady"], "hit rate", BELADY))
         for c in self.cache:
             r = c.run
-            rows.append(
-                Pair(
-                    f"{r.trace}: CPU+NVMe+LMDB hit rate, {c.total_capacity} blocks in all",
-                    r.hit_rate,
-                    c.belady_hit_rate,
-                    "hit rate",
-                    "Belady's optimum at the total capacity",
-                )
-            )
-            rows.append(
-                Pair(
-                    f"{r.trace}: whole-cache replay, bytes moved",
-                    r.bytes_moved / r.seconds / 1e6,
-                    c.memcpy_bps / 1e6,
-                    "MB/s",
-                    "memcpy of the same bytes",
-                )
-            )
+            what = f"{r.trace}: CPU+NVMe+LMDB hit rate, {c.total_capacity} blocks in all"
+            rows.append(Pair(what, r.hit_rate, c.belady_hit_rate, "hit rate", BELADY_TOTAL))
+            what, mbps = f"{r.trace}: whole-cache replay, bytes moved", r.bytes_moved / r.seconds
+            rows.append(Pair(what, mbps / 1e6, c.memcpy_bps / 1e6, "MB/s", MEMCPY))
         return rows + self.pairs
 
     def targets(self) -> list[tuple[str, str, bool]]:
@@ -183,13 +150,8 @@ class BenchReport:
             ours, theirs = by.get((t["name"], "tiercache arc")), by.get((t["name"], "vllm arc"))
             if ours and theirs:
                 ratio = ours.ops_per_s / theirs.ops_per_s
-                out.append(
-                    (
-                        f"{t['name']}: manager >= 2.5x vLLM ARC block-ops/s",
-                        f"{ratio:.2f}x",
-                        ratio >= 2.5,
-                    )
-                )
+                what = f"{t['name']}: manager >= 2.5x vLLM ARC block-ops/s"
+                out.append((what, f"{ratio:.2f}x", ratio >= 2.5))
         pts = [p for p in self.curves if "vllm arc" in p.hit_rates]
         if pts:
             worse = [p for p in pts if p.hit_rates["tiercache arc"] < p.hit_rates["vllm arc"]]
@@ -198,24 +160,14 @@ class BenchReport:
                 + _apart(p.hit_rates["tiercache arc"], p.hit_rates["vllm arc"], "<")
                 for p in worse
             )
-            out.append(
-                (
-                    "ARC hit rate >= vLLM ARC at equal capacity",
-                    f"{len(pts) - len(worse)}/{len(pts)} points"
-                    + (f" (below: {detail})" if worse else ""),
-                    not worse,
-                )
-            )
+            measured = f"{len(pts) - len(worse)}/{len(pts)} points"
+            measured += f" (below: {detail})" if worse else ""
+            out.append(("ARC hit rate >= vLLM ARC at equal capacity", measured, not worse))
         for c in self.cache:
             if c.run.trace == "chat":
                 ratio = c.run.hit_rate / c.belady_hit_rate if c.belady_hit_rate else 0.0
-                out.append(
-                    (
-                        "chat, CPU+NVMe+LMDB: hit rate within 5% of Belady",
-                        f"{ratio:.3f} of Belady",
-                        ratio >= 0.95,
-                    )
-                )
+                what = "chat, CPU+NVMe+LMDB: hit rate within 5% of Belady"
+                out.append((what, f"{ratio:.3f} of Belady", ratio >= 0.95))
         return out
 
 
@@ -277,18 +229,12 @@ def _speed(trace: Trace, opts: BenchOptions, use_vllm: bool) -> list[SpeedRow]:
             r = fn()
             if r is not None:
                 got[k].append(r)
-    return [
-        SpeedRow(
-            trace.name,
-            k,
-            cap,
-            statistics.median(r.ops_per_s for r in rs),
-            rs[0].hit_rate,
-            len(rs),
-        )
-        for k, rs in got.items()
-        if rs
-    ]
+    rows = []
+    for k, rs in got.items():
+        if rs:
+            ops = statistics.median(r.ops_per_s for r in rs)
+            rows.append(SpeedRow(trace.name, k, cap, ops, rs[0].hit_rate, len(rs)))
+    return rows
 
 
 def _curve(trace: Trace, opts: BenchOptions, use_vllm: bool) -> list[CurvePoint]:

@@ -42,6 +42,18 @@ def lmdb_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def store_command(*options: Callable[[Any], Any]) -> Callable[[F], click.Command]:
+    """A store command: CONFIG_OR_PATH, --tier, `options`, --json (in that order in --help),
+    LMDB's errors as store errors."""
+
+    def make(fn: F) -> click.Command:
+        for decorate in reversed((TARGET, TIERS, *options, JSON, lmdb_errors)):
+            fn = decorate(fn)
+        return click.command()(fn)
+
+    return make
+
+
 def console(as_json: bool) -> Console:
     """People's output on stdout; with --json it goes to stderr and stdout holds the JSON."""
     return Console(stderr=as_json, highlight=False, soft_wrap=True)  # lines stay whole

@@ -35,7 +35,6 @@ def _trace_names(value: str) -> tuple[str, ...]:
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
-    default=None,
     help="Write report.md, hitrate.png, report.json here (default for a full run: "
     "./tiercache-bench).",
 )
@@ -49,7 +48,6 @@ def _trace_names(value: str) -> tuple[str, ...]:
 @click.option(
     "--trace-file",
     type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
     help="A JSONL trace: one request per line with 'timestamp' and one of 'hash_ids' "
     "(Mooncake), 'block_hashes' (32 hex digits) or 'token_ids'.",
 )
@@ -73,7 +71,6 @@ def _trace_names(value: str) -> tuple[str, ...]:
     "--dir",
     "directory",
     type=click.Path(file_okay=False, path_type=Path),
-    default=None,
     help="Where the NVMe/LMDB tiers and baselines put their files (default: a temp dir); "
     "point it at the disk you want measured.",
 )

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from tiercache.cli._common import JSON, TARGET, TIERS, confirm, console, echo_json, lmdb_errors
+from tiercache.cli._common import confirm, console, echo_json, store_command
 from tiercache.cli._store import (
     BlockInfo,
     StoreRef,
@@ -82,16 +82,15 @@ def _apply(
             out.print(f"{name}: {n} blocks dropped")
 
 
-@click.command()
-@TARGET
-@TIERS
-@NAMESPACE
-@click.option("--oldest", type=click.IntRange(min=1), default=None, help="Drop the N oldest.")
-@click.option("--keep", type=click.IntRange(min=0), default=None, help="Keep the N newest.")
-@click.option("--key", "keys", multiple=True, metavar="HEX", help="Drop this block (repeatable).")
-@YES
-@JSON
-@lmdb_errors
+@store_command(
+    NAMESPACE,
+    click.option("--oldest", type=click.IntRange(min=1), default=None, help="Drop the N oldest."),
+    click.option("--keep", type=click.IntRange(min=0), default=None, help="Keep the N newest."),
+    click.option(
+        "--key", "keys", multiple=True, metavar="HEX", help="Drop this block (repeatable)."
+    ),
+    YES,
+)
 def evict(
     target: str,
     tiers: tuple[str, ...],
@@ -127,13 +126,7 @@ def evict(
     _apply(_plan(target, tiers, namespace, choose), "evict", yes, as_json)
 
 
-@click.command()
-@TARGET
-@TIERS
-@NAMESPACE
-@YES
-@JSON
-@lmdb_errors
+@store_command(NAMESPACE, YES)
 def clear(
     target: str, tiers: tuple[str, ...], namespace: str | None, yes: bool, as_json: bool
 ) -> None:

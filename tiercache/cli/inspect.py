@@ -13,38 +13,26 @@ from typing import Any
 import click
 from rich.table import Table
 
-from tiercache.cli._common import (
-    JSON,
-    TARGET,
-    TIERS,
-    console,
-    echo_json,
-    human_bytes,
-    kv_groups_table,
-    lmdb_errors,
-)
+from tiercache.cli._common import console, echo_json, human_bytes, kv_groups_table, store_command
 from tiercache.cli._common import when as _when
 from tiercache.cli._store import inspect_store, known_names, resolve
 from tiercache.telemetry import read_stats
 
 
-@click.command()
-@TARGET
-@TIERS
-@click.option(
-    "--namespace",
-    "namespaces",
-    multiple=True,
-    metavar="NAME",
-    help="A namespace to show by name (stores keep only a 64-bit id of it; repeatable).",
+@store_command(
+    click.option(
+        "--namespace",
+        "namespaces",
+        multiple=True,
+        metavar="NAME",
+        help="A namespace to show by name (stores keep only a 64-bit id of it; repeatable).",
+    ),
+    click.option(
+        "--redis-scan",
+        is_flag=True,
+        help="Count keys per namespace on Redis tiers with SCAN (O(keys in the database)).",
+    ),
 )
-@click.option(
-    "--redis-scan",
-    is_flag=True,
-    help="Count keys per namespace on Redis tiers with SCAN (O(keys in the database)).",
-)
-@JSON
-@lmdb_errors
 def inspect(
     target: str,
     tiers: tuple[str, ...],

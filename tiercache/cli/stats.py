@@ -18,18 +18,14 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-import click
 from rich.table import Table
 
 from tiercache.cli._common import (
-    JSON,
-    TARGET,
-    TIERS,
     console,
     echo_json,
     human_bytes,
     kv_groups_table,
-    lmdb_errors,
+    store_command,
     when,
 )
 from tiercache.cli._store import inspect_store, known_names, rank_dirs, resolve
@@ -38,11 +34,7 @@ from tiercache.telemetry import read_stats
 _COUNTERS = ("hits", "misses", "stored", "evictions", "errors")  # all of them: --json
 
 
-@click.command()
-@TARGET
-@TIERS
-@JSON
-@lmdb_errors
+@store_command()
 def stats(target: str, tiers: tuple[str, ...], as_json: bool) -> None:
     """Show the live counters of a running engine (its telemetry stats file or Prometheus
     endpoint) or, for a store on disk, its blocks, bytes and namespaces.

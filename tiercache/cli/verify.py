@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tiercache.cli._common import JSON, TARGET, TIERS, console, echo_json, lmdb_errors
+from tiercache.cli._common import console, echo_json, store_command
 from tiercache.cli._store import (
     VerifyReport,
     count_blocks,
@@ -29,17 +29,14 @@ from tiercache.cli._store import (
 )
 
 
-@click.command()
-@TARGET
-@TIERS
-@click.option(
-    "--repair",
-    is_flag=True,
-    help="Drop the bad entries (needs the NVMe store closed), then verify again.",
+@store_command(
+    click.option(
+        "--repair",
+        is_flag=True,
+        help="Drop the bad entries (needs the NVMe store closed), then verify again.",
+    ),
+    click.option("--no-progress", is_flag=True, help="No progress bar on stderr."),
 )
-@click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
-@JSON
-@lmdb_errors
 def verify(
     target: str, tiers: tuple[str, ...], repair: bool, no_progress: bool, as_json: bool
 ) -> None:
