@@ -11,57 +11,22 @@ Primitives
 - ``make_namespace(*, model, dtype, block_size, layout, tp_size, tp_rank, extra) -> str``
 - ``FORMAT_VERSION``: the version of the byte format below; bump it on any change.
 
-Byte format, version 1 (``H(x)`` is XXH3-128 with seed 0, as the 16-byte
-canonical big-endian digest returned by ``xxhash.xxh3_128_digest``)::
+Byte format, version 1 (the full specification, ``enc`` included: ``docs/hashing.md``),
+``H(x)`` being XXH3-128 with seed 0 as its 16-byte canonical big-endian digest::
 
     key[-1] = H(b"tiercache/prefix/v1\\x00" + N)
     key[i]  = H(key[i-1] + T[i] + X[i])            for each full block i = 0, 1, ...
+    gkey[i] = H(b"tiercache/group/v1\\x00" + u64(len(G)) + G + key[i])     (G non-empty)
+    skey    = H(b"tiercache/shard/v1\\x00" + u16(j) + k)    shard j of the block with key k
 
-- ``N``: the namespace; a ``str`` is encoded as strict UTF-8, ``bytes`` are used
-  as is (so ``"m"`` and ``b"m"`` are the same namespace). It must be non-empty.
-- ``T[i]``: tokens ``i*block_size .. (i+1)*block_size - 1``, each a little-endian
-  uint32 (``4 * block_size`` bytes). A trailing partial block gets no key.
-- ``X[i]``: ``b""`` when block ``i`` has no extra (``None`` and an empty
-  sequence are the same), else ``enc(tuple(values))`` where ``enc`` is::
-
-      None        b"N"
-      bool        b"B" + (b"\\x01" if v else b"\\x00")
-      int         b"I" + u64(L) + v.to_bytes(L, "little", signed=True),
-                  L = abs(v).bit_length() // 8 + 1
-      float       b"F" + struct.pack("<d", v)          (NaN is rejected)
-      str         b"S" + u64(len(u)) + u,  u = v.encode("utf-8")
-      bytes       b"Y" + u64(len(v)) + v              (bytes or bytearray)
-      tuple/list  b"L" + u64(len(v)) + enc(v[0]) + enc(v[1]) + ...
-
-  with ``u64(n) = struct.pack("<Q", n)``. Tuples and lists encode alike.
-
-For a fixed ``block_size`` every message splits uniquely: ``key[i-1]`` is 16 bytes,
-``T[i]`` is ``4 * block_size`` bytes and ``X[i]`` is the rest, whose encoding is
-tagged and length-prefixed. ``block_size`` itself is not hashed, so it must be
-part of the namespace; ``make_namespace`` puts it there.
-
-``extra_keys`` is either a sequence of request-level values (LoRA name, cache salt),
-which is the extra of block 0 and so changes every key, or a mapping
-``{block_index: sequence}`` for per-block inputs such as multimodal hashes.
-Indices at or beyond the number of full blocks are unused.
-
-Group keys (a model whose layers form several KV cache groups, e.g. sliding-window and
-full attention): the same block of tokens is stored once per group, under::
-
-    gkey[i] = H(b"tiercache/group/v1\x00" + u64(len(G)) + G + key[i])
-
-where ``G`` is the group's UTF-8 name (its attention kind, window and layer names, so a
-key says which layers its bytes hold). The empty name is no group: ``gkey = key``, so a
-single-group store keeps the keys it always had. Group keys are not chained among
-themselves: ``gkey[i]`` commits to the whole prefix through ``key[i]``.
-
-Shard keys (one block's KV split by KV-head ranges, so that any tensor-parallel rank reads
-and writes exactly its own heads): shard ``j`` of the block with key ``k`` is::
-
-    skey = H(b"tiercache/shard/v1\x00" + u16(j) + k),   u16(j) = struct.pack("<H", j)
-
-Python's ``hash()`` is never used, so keys are equal across processes, machines
-and ``PYTHONHASHSEED`` values. See ``docs/hashing.md``.
+``N`` is the namespace (``str`` as strict UTF-8, or ``bytes``; non-empty), ``T[i]`` the
+block's tokens as little-endian uint32, ``X[i]`` its extra (``b""`` or a tagged,
+length-prefixed ``enc(tuple(values))``), ``G`` a KV cache group's UTF-8 name. For a fixed
+``block_size`` every message splits uniquely; ``block_size`` itself is not hashed, so it
+must be part of the namespace (``make_namespace`` puts it there). ``extra_keys`` is a
+sequence of request-level values (the extra of block 0) or a mapping ``{block_index:
+sequence}`` for per-block inputs. Python's ``hash()`` is never used, so keys are equal
+across processes, machines and ``PYTHONHASHSEED`` values.
 """
 
 from __future__ import annotations

@@ -1,32 +1,26 @@
-"""Head shards: one block layout for every tensor-parallel size (issue 32, docs/tp-layout.md).
+"""Head shards: one block layout for every tensor-parallel size (docs/tp-layout.md).
 
-Tensor parallelism splits a block's KV by KV heads: rank `r` of `n` holds heads
-``[r*H/n, (r+1)*H/n)``. A store written in one rank's bytes per block serves only that rank of
-that TP size. Instead, a block is stored as `shards` head shards of ``g = H/shards``
-consecutive heads each, every layer, K and V; rank `r` of `n` (``shards % n == 0``) owns
-shards ``[r*shards/n, (r+1)*shards/n)`` and writes and reads exactly those: no byte is stored
-twice, no rank reads another's bytes, and a TP=1 engine reads what a TP=2 engine stored.
+A block is stored as `shards` head shards of ``H/shards`` consecutive KV heads each, every
+layer, K and V; rank `r` of `n` (``shards % n == 0``) owns shards ``[r*shards/n,
+(r+1)*shards/n)`` and writes and reads exactly those: no byte is stored twice, no rank reads
+another's bytes, and a TP=1 engine reads what a TP=2 engine stored.
 
 Primitives:
 - `HeadShards(shards, tp_size, tp_rank)`: which shards a rank owns (`owned`, `local`), and the
   mapping the connector uses at its edge: block keys -> this rank's shard keys (`keys`), or
-  every rank's (`all_keys`: the scheduler's rule "a hit needs every shard"), engine block ids
-  -> shard units (`units`) and back (`blocks`).
-- `HeadShards.unit_views(kv_caches, num_blocks, heads)`: the engine buffer seen as `num_blocks *
-  local` units of one shard each, views of the same memory (no copy), which `KVLayout` then
-  copies like blocks. A unit's bytes (per layer, in address order, its heads' pages) are
-  equal on every TP size: TP=1's shard `j` and TP=2 rank 1's local shard ``j - shards/2``
-  hold the same bytes for the same tokens.
+  every rank's (`all_keys`: "a hit needs every shard"), engine block ids -> shard units
+  (`units`) and back (`blocks`).
+- `HeadShards.unit_views(kv_caches, num_blocks, heads)`: the engine buffer as `num_blocks *
+  local` units of one shard each, views of the same memory, which `KVLayout` copies like
+  blocks. A unit's bytes are equal on every TP size.
 - `default_shards(total_heads)`: the largest power of two dividing the KV-head count, at most
   8: the largest TP size the store serves by default.
 
-The engine's layout must keep a block's heads outermost and contiguous (vLLM's canonical
-``LBHNC``, which the CPU backend uses: per layer ``[num_blocks, heads, tokens, 2*head]``, or
-K/V first ``[2, num_blocks, heads, tokens, head]``); `unit_views` refuses other shapes with
-a ValueError (the connector then names the setting that keeps the per-rank layout). Shapes
-alone cannot tell heads from tokens when a block has as many tokens as the rank has heads:
-the connector uses head shards only where vLLM names the layout ``LBHNC``
-(`tiercache.connectors.tp_layout`), and `unit_views` checks the head count it is given.
+The engine's layout must keep a block's heads outermost and contiguous (vLLM's ``LBHNC``: per
+layer ``[num_blocks, heads, tokens, 2*head]``, or K/V first ``[2, num_blocks, heads, tokens,
+head]``); `unit_views` refuses other shapes with a ValueError and checks the head count it is
+given (shapes alone cannot tell heads from tokens when a block has as many tokens as the rank
+has heads: the connector uses head shards only where vLLM names the layout ``LBHNC``).
 """
 
 from __future__ import annotations

@@ -15,25 +15,13 @@ demotion moves of its plan overwrites their slots only once they have been read.
 `expedited` job (a load the engine waits for within its step) still follows the jobs it
 depends on, but not the handler's queue of regular jobs (`LaneHandler`).
 
-An adapter (e.g. vLLM's connector worker) uses it like this:
-
-    layout = KVLayout(kv_caches, num_blocks, block_size_factor=k)
-    worker = build_worker(layout, cache.manager.tiers)
-    # Stores: planned by the scheduler at step N, submitted at the start of step N+1 so they
-    # do not delay sampling; moves first, as `store_transfers` lists them.
-    plan = manager.prepare_store(keys)
-    for spec in store_transfers(plan, keys, block_ids, k):
-        worker.transfer_async(next_job_id(), spec)   # remember job id -> keys
-    # Loads: one job per tier that serves part of the chain.
-    for spec in load_transfers(manager.prepare_load(keys), block_ids, k):
-        worker.transfer_async(next_job_id(), spec)
-    # Every step: complete what finished. A store or move: complete_store(arrived keys),
-    # complete_store(keys at r.failed, success=False). A load: complete_load(keys) always
-    # (it unpins); it counts only if every job of the request succeeded, otherwise report
-    # its blocks as load errors (vLLM recomputes them) and manager.record_error(tier).
-    for r in worker.get_finished():
-        ...
-    worker.close()                                    # at shutdown: joins every thread
+An adapter (e.g. vLLM's connector worker) builds it once (`build_worker(layout, tiers)`),
+submits a store plan's jobs at the start of the next step, moves first (`store_transfers`),
+and a load's jobs, one per tier that serves part of the chain (`load_transfers`). Every step
+it completes what finished: a store or move with `complete_store(arrived keys)` and
+`complete_store(failed keys, success=False)`; a load with `complete_load(keys)` always (it
+unpins), counted only if every job of the request succeeded (else its blocks are load errors,
+recomputed, and `record_error(tier)`). `close()` at shutdown joins every thread.
 
 `transfer_async` returns False (and changes nothing) when no handler serves the pair of
 mediums; it raises ValueError for a malformed spec or a job id still in flight.
