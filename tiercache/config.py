@@ -85,6 +85,12 @@ def _expect(value: object, kind: type | tuple[type, ...], field_name: str, what:
     return value
 
 
+def _one_of(value: object, choices: tuple[str, ...], field_name: str) -> None:
+    if value not in choices:
+        listed = ", ".join(map(repr, choices))
+        raise ConfigError(field_name, f"expected one of {listed}, got {value!r}")
+
+
 def _table(m: object, name: str, known: set[str]) -> Mapping[str, Any]:
     """`m` as the table `name`, whose settings are all in `known`; ConfigError otherwise."""
     if not isinstance(m, Mapping):
@@ -180,11 +186,7 @@ class LoadingConfig:
     margin: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.mode not in LOADING_MODES:
-            raise ConfigError(
-                "loading.mode",
-                f"expected one of {', '.join(map(repr, LOADING_MODES))}, got {self.mode!r}",
-            )
+        _one_of(self.mode, LOADING_MODES, "loading.mode")
         m = self.margin
         if isinstance(m, bool) or not isinstance(m, int | float) or not 0 < m <= 100:
             raise ConfigError("loading.margin", f"expected a factor in (0, 100], got {m!r}")
@@ -271,21 +273,14 @@ class TierConfig:
             if cap_blocks < 1:
                 raise ConfigError(f"{where}.blocks", f"must be >= 1, got {cap_blocks}")
         write_policy = m.get("write_policy")
-        if write_policy is not None and write_policy not in WRITE_POLICIES:
-            raise ConfigError(
-                f"{where}.write_policy",
-                f"expected one of {', '.join(map(repr, WRITE_POLICIES))}, got {write_policy!r}",
-            )
+        if write_policy is not None:
+            _one_of(write_policy, WRITE_POLICIES, f"{where}.write_policy")
         if write_policy == "write-through" and index == 0:
             raise ConfigError(
                 f"{where}.write_policy", "the first tier is where stores go; it has no tier above"
             )
         admit = m.get("admit", "always")
-        if admit not in ADMISSIONS:
-            raise ConfigError(
-                f"{where}.admit",
-                f"expected one of {', '.join(map(repr, ADMISSIONS))}, got {admit!r}",
-            )
+        _one_of(admit, ADMISSIONS, f"{where}.admit")
         if admit != "always" and index == 0:
             raise ConfigError(f"{where}.admit", "the first tier admits every store")
         options = {k: v for k, v in m.items() if k not in _TIER_COMMON_KEYS}

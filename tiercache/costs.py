@@ -35,10 +35,9 @@ from tiercache.config import LoadingConfig
 # EWMA weight of a new sample: the estimates follow the last ~1/ALPHA jobs or steps.
 ALPHA = 0.1
 # Once a fit has CLAMP_AFTER samples, a new one counts for at most CLAMP times what the fit
-# predicts (plus CLAMP_FLOOR_S): one stalled job (a GC pause, a disk or network hiccup) moves
-# an estimate by a bounded step, instead of making "auto" decline a healthy tier for the next
-# ~1/ALPHA jobs (a declined tier is not measured again until a long hit comes along). A tier
-# that really slowed down is still followed, a factor of up to ~1.3 per job.
+# predicts (plus CLAMP_FLOOR_S): one stalled job moves an estimate by a bounded step instead of
+# making "auto" decline a healthy tier (not measured again while declined); a tier that really
+# slowed down is still followed, by a bounded factor per job.
 CLAMP = 4.0
 CLAMP_AFTER = 4
 CLAMP_FLOOR_S = 0.001
@@ -175,13 +174,11 @@ class LoadCosts:
 
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
         """A load job from `tier` moved `nbytes` in `seconds` (its own duration)."""
-        with self._lock:
-            self._load.setdefault(tier, LinearFit(self._alpha)).add(nbytes, seconds)
+        self.absorb(loads=[(tier, nbytes, seconds)])
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         """The engine computed `tokens` in one forward of `seconds`."""
-        with self._lock:
-            self._forward.add(tokens, seconds)
+        self.absorb(forwards=[(tokens, seconds)])
 
     def absorb(
         self,

@@ -200,30 +200,26 @@ class PlanRunner:
         self.wait_slots(dst, dst_slots)
         src_tier, dst_tier = self._tiers[src], self._tiers[dst]
         errors: dict[int, int] = {}
+
+        def write(slots: Sequence[int], rows: torch.Tensor, ks: Sequence[bytes]) -> bool:
+            try:
+                dst_tier.write(slots, rows, ks)
+            except IO_ERRORS as exc:
+                what = f"copy of {len(ks)} blocks {src_tier.medium} -> {dst_tier.medium}"
+                log.warning("%s failed: %s", what, exc)
+                errors[dst] = errors.get(dst, 0) + 1
+                return False
+            return True
+
         runs = host_runs(src_tier, src_slots)
         if runs is not None:
             # The source rows are host memory already: the destination reads them in place
             # (the callers pin the sources or hold the lock, so nothing rewrites them now).
-            # A staging copy here cost more than the NVMe tier's own per-block work: a fresh
-            # buffer's page faults, and torch's intra-op threads beside the engine's.
             pool = src_tier.pool  # type: ignore[attr-defined]
             done: list[bytes] = []
             for a, b in runs:
-                try:
-                    dst_tier.write(
-                        dst_slots[a:b], pool[src_slots[a] : src_slots[a] + b - a], keys[a:b]
-                    )
-                except IO_ERRORS as exc:
-                    log.warning(
-                        "copy of %d blocks %s -> %s failed: %s",
-                        b - a,
-                        src_tier.medium,
-                        dst_tier.medium,
-                        exc,
-                    )
-                    errors[dst] = errors.get(dst, 0) + 1
-                    continue
-                done += keys[a:b]
+                if write(dst_slots[a:b], pool[src_slots[a] : src_slots[a] + b - a], keys[a:b]):
+                    done += keys[a:b]
             return done, errors
         staging = torch.empty((len(keys), self._block_bytes), dtype=torch.uint8)
         try:
@@ -241,19 +237,8 @@ class PlanRunner:
             return [], errors
         rows = staging if len(good) == len(keys) else staging[good]
         good_keys = [keys[i] for i in good]
-        try:
-            dst_tier.write([dst_slots[i] for i in good], rows, good_keys)
-        except IO_ERRORS as exc:
-            log.warning(
-                "copy of %d blocks %s -> %s failed: %s",
-                len(good),
-                src_tier.medium,
-                dst_tier.medium,
-                exc,
-            )
-            errors[dst] = errors.get(dst, 0) + 1
-            return [], errors
-        return good_keys, errors
+        ok = write([dst_slots[i] for i in good], rows, good_keys)
+        return (good_keys if ok else []), errors
 
     # -- loads -----------------------------------------------------------------------------
     def read_group(
