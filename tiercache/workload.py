@@ -2,13 +2,13 @@
 
 - `synthetic_requests(n, seed=...)`: token-id arrays from a mix of multi-turn chats that share
   system prompts and RAG requests over Zipf-popular documents. Same seed, same stream.
-- `block_bytes_for(key, block_bytes)`: deterministic stand-in KV bytes for a key, so a reader
+- `block_bytes_for(keys, block_bytes)`: deterministic stand-in KV bytes for a key, so a reader
   can check that what comes back is exactly what was stored for that key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +66,7 @@ def synthetic_requests(
             yield Request("rag", np.concatenate([sys_prompt, doc, text(8, 48)]))
 
 
-def block_bytes_for(keys: list[bytes], block_bytes: int) -> torch.Tensor:
+def block_bytes_for(keys: Sequence[bytes], block_bytes: int) -> torch.Tensor:
     """uint8 `[len(keys), block_bytes]`: each row is its 16-byte key repeated (a checkable
     stand-in for real KV)."""
     reps, rest = divmod(block_bytes, len(keys[0]) if keys else 16)

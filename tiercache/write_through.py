@@ -58,9 +58,7 @@ class WriteThroughCopier:
         self._tap_events = tap_events
         self._closed = closed
         self.wake_event = threading.Event()
-        # Held for a whole batch of write-through copies, so `flush` waits for the copier's
-        # batch in flight. Lock order: io before the facade's lock, never the other way round.
-        self.io = threading.Lock()
+        self.io = threading.Lock()  # see the module doc: held for a whole batch
         # (destination tier, monotonic start) of the write-through copy running (check)
         self._busy: tuple[int, float] | None = None
         self.thread: threading.Thread | None = None

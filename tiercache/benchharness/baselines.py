@@ -102,9 +102,10 @@ def hashing_pair(n_tokens: int = 200_000, block_size: int = 16, runs: int = 5) -
     )
 
 
-def memcpy_bps(nbytes: int, runs: int = 5) -> float:
-    """Median bytes/s of one torch `copy_` of `nbytes` (capped at 256 MiB, pages faulted in)."""
-    n = max(4096, min(nbytes, 256 * 2**20))
+def memcpy_bps(nbytes: int, runs: int = 5, *, cap: int = 256 * 2**20) -> float:
+    """Median bytes/s of one torch `copy_` of `nbytes` (at most `cap`, at least 4 KiB; pages
+    faulted in first)."""
+    n = max(4096, min(nbytes, cap))
     src = torch.ones(n, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -41,6 +41,7 @@ from tiercache.cache import TierCache
 from tiercache.manager import OffloadingManager
 from tiercache.policies import get_policy_class
 from tiercache.tiers.cpu import CPUTier
+from tiercache.workload import block_bytes_for
 
 
 @dataclass(frozen=True)
@@ -268,11 +269,7 @@ def _count_io(tier: Any, io: TierIO) -> None:
     tier.read, tier.write = counted("read", tier.read), counted("write", tier.write)
 
 
-def stand_in_blocks(keys: Sequence[bytes], block_bytes: int) -> torch.Tensor:
-    """uint8 `[len(keys), block_bytes]`, each row its key repeated: checkable stand-in KV."""
-    reps = -(-block_bytes // 16)
-    data = b"".join((k * reps)[:block_bytes] for k in keys)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(len(keys), block_bytes)
+stand_in_blocks = block_bytes_for  # checkable stand-in KV: each row its key repeated
 
 
 def replay_cache(

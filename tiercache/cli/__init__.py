@@ -42,7 +42,5 @@ def main() -> None:
     """
 
 
-main.add_command(demo)
-main.add_command(bench)
-for _cmd in (inspect, verify, stats, events, evict, clear):
+for _cmd in (demo, bench, inspect, verify, stats, events, evict, clear):
     main.add_command(_cmd)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from tiercache.benchharness.baselines import memcpy_bps
 from tiercache.cache import TierCache
 from tiercache.workload import block_bytes_for, synthetic_requests
 
@@ -44,15 +44,7 @@ def demo_config(directory: Path) -> dict[str, Any]:
 
 def memcpy_gbps(nbytes: int = 256 * 2**20, runs: int = 5) -> float:
     """Median torch copy bandwidth (GB/s, payload counted once) measured now."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in before timing
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
+    return memcpy_bps(nbytes, runs, cap=nbytes) / 1e9
 
 
 @click.command()
@@ -98,14 +90,8 @@ def demo(
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     config: Any = config_path or demo_config(directory)
     requests = list(synthetic_requests(n_requests, seed=seed))
-    totals = {
-        "blocks": 0,
-        "hit_blocks": 0,
-        "stored_bytes": 0,
-        "loaded_bytes": 0,
-        "verified": 0,
-        "mismatched": 0,
-    }
+    names = ("blocks", "hit_blocks", "stored_bytes", "loaded_bytes", "verified", "mismatched")
+    totals = dict.fromkeys(names, 0)
     t_cache = 0.0
     longest = max(len(r.tokens) for r in requests) // 16 + 1
     buf = torch.empty((longest, block_bytes), dtype=torch.uint8)
@@ -165,18 +151,10 @@ def demo(
         table.add_column(col, justify="left" if col in ("tier", "kind") else "right")
     for medium, s in stats.items():
         asked = s["hits"] + s["misses"]
-        table.add_row(
-            medium,
-            s["kind"],
-            str(s["capacity_blocks"]),
-            str(s["used_blocks"]),
-            str(s["hits"]),
-            str(s["misses"]),
-            f"{s['hits'] / asked:.1%}" if asked else "-",
-            str(s["stored"]),
-            str(s["evictions"]),
-            str(s["errors"]),
-        )
+        head = [str(s[c]) for c in ("capacity_blocks", "used_blocks", "hits", "misses")]
+        tail = [str(s[c]) for c in ("stored", "evictions", "errors")]
+        hit = f"{s['hits'] / asked:.1%}" if asked else "-"
+        table.add_row(medium, s["kind"], *head, hit, *tail)
     console.print(table)
     summary = Table(show_header=False, title="totals")
     summary.add_row(

@@ -136,20 +136,8 @@ class Level:
             "ready_blocks": len(self.policy) + tier.dormant_blocks,
             "dormant_blocks": tier.dormant_blocks,
             "pinned_blocks": len(self.pins),
-            "hits": c.hits,
-            "misses": c.misses,
-            "stored": c.stored,
-            "loaded": c.loaded,
-            "evictions": c.evictions,
-            "demoted_in": c.demoted_in,
-            "dropped": c.dropped,
-            "errors": c.errors,
-            "discovered": c.discovered,
-            "written_through": c.written_through,
-            "through_dropped": c.through_dropped,
+            **vars(c),  # every `TierCounters` field
             "through_queued": through_queued,
-            "not_admitted": c.not_admitted,
-            "suspensions": c.suspensions,
             "suspended_ms": int(suspended_s * 1000),
         }
 

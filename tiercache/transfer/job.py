@@ -40,13 +40,7 @@ class Flag:
         return self._set
 
     def set(self) -> None:
-        with _SETTING:  # against a second setter and a first waiter making the lock
-            if self._set:
-                return
-            self._set = True
-            lock = self._lock
-        if lock is not None:
-            lock.release()
+        set_flags(self)
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once set; False if `timeout` seconds passed first."""
@@ -72,13 +66,13 @@ def set_flags(*flags: Flag) -> None:
     """`flag.set()` for each of `flags` in order, taking the setting lock once: a waiter
     that sees a later flag set sees the earlier ones set too, as with separate calls."""
     locks = []
-    with _SETTING:
+    with _SETTING:  # against a second setter and a first waiter making the lock
         for flag in flags:
             if not flag._set:
                 flag._set = True
                 if flag._lock is not None:
                     locks.append(flag._lock)
-    for lock in locks:
+    for lock in locks:  # outside the setting lock: a waiter then goes on
         lock.release()
 
 

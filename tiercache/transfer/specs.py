@@ -69,6 +69,14 @@ def _engine_ids(block_ids: Sequence[int], positions: Sequence[int], factor: int)
     return [block_ids[p * factor + j] for p in positions for j in range(factor)]
 
 
+def _check_ids(block_ids: Sequence[int], n_keys: int, factor: int) -> None:
+    if len(block_ids) != n_keys * factor:
+        raise ValueError(
+            f"block_ids: expected {n_keys * factor} engine blocks for {n_keys} keys, "
+            f"got {len(block_ids)}"
+        )
+
+
 def load_transfers(
     spec: LoadSpec, block_ids: Sequence[int], block_size_factor: int = 1
 ) -> list[TransferSpec]:
@@ -78,11 +86,7 @@ def load_transfers(
     load is complete when every transfer succeeded; positions in a result's `failed` index
     that transfer's own slots.
     """
-    if len(block_ids) != len(spec.keys) * block_size_factor:
-        raise ValueError(
-            f"block_ids: expected {len(spec.keys) * block_size_factor} engine "
-            f"blocks for {len(spec.keys)} keys, got {len(block_ids)}"
-        )
+    _check_ids(block_ids, len(spec.keys), block_size_factor)
     out: list[TransferSpec] = []
     for g in spec.groups():
         keys = tuple(spec.keys[p] for p in g.positions)
@@ -112,11 +116,7 @@ def store_transfers(
     (`block_size_factor` per key); only the blocks the plan writes are copied. Submit the
     list in order: the worker orders a store after the moves that read the slots it reuses.
     """
-    if len(block_ids) != len(keys) * block_size_factor:
-        raise ValueError(
-            f"block_ids: expected {len(keys) * block_size_factor} engine blocks "
-            f"for {len(keys)} keys, got {len(block_ids)}"
-        )
+    _check_ids(block_ids, len(keys), block_size_factor)
     out = [move_transfer(m) for m in plan.moves]
     pos = {k: i for i, k in enumerate(keys)}
     for w in plan.writes():
