@@ -2,21 +2,15 @@
 
 Four places skip something that keeps failing for a while: the manager's circuit breaker (per
 tier), the Redis tier's availability window, the LMDB probe's reopen retry and the vLLM
-connector's per-medium suspensions. They share this object:
-
-- `fail(now)` starts a wait. The first one after a success (or ever) lasts `start` seconds;
-  each one that follows without a success in between doubles the last, up to `maximum`
-  (`start` itself is not capped: a caller that wants `start <= maximum` checks it).
-- `succeed()` forgets the streak: the next `fail` waits `start` again. It does not end a wait
-  that is running (`until` is kept).
-- `ready(now)`: the wait is over (`now >= until`); `remaining(now)`: seconds left (>= 0).
-- `hold(until)`: wait at least until then, the period untouched (a wait told from outside, or
-  `math.inf`: never again).
+connector's per-medium suspensions. They share this object: `fail` starts a wait of `start`
+seconds after a success, else double the last one, up to `maximum` (`start` itself is not
+capped); `succeed` forgets the streak without ending a wait; `ready`, `remaining`; `hold`
+waits at least until a given time (`math.inf`: never again).
 
 `period` is the length of the last wait (0.0: none since the last success); `until` the clock
 time the current wait ends (0.0 at first: ready). Every method that reads the time takes an
-optional `now`, else asks the injected clock (`time.monotonic` by default), so a caller that
-looks at the time once per decision passes it along. Not thread-safe: callers hold their lock.
+optional `now`, else asks the injected clock (`time.monotonic` by default). Not thread-safe:
+callers hold their lock.
 """
 
 from __future__ import annotations

@@ -11,18 +11,14 @@ Who calls what, in which order (the seams other code relies on):
   twice" and ARC keeps it in its recency list.
 - A `put` (or a `get`'s promotion) whose plan moves blocks down runs it without the lock:
   the blocks it demotes stay readable from their source slots until their moves end
-  (`tiercache.leaving`), so a slow or hung lower tier stalls that call alone.
+  (`tiercache.manager.leaving`), so a slow or hung lower tier stalls that call alone.
 - Every plan the manager hands out (`prepare_store`, `prepare_promote`) is completed here,
-  whatever is raised while it runs (`PlanRunner.run_plan`, tiercache/plan_runner.py): no slot
-  leaks and no key stays "moving".
-  A plan writes its keys into the first tier and, for what that cannot take, straight into
-  lower tiers (write-around).
-- Write-through tiers (`write_policy`) get their copies from a thread of this cache
-  (`tiercache.write_through`), `tiercache-write-through`, off the callers' path: it plans
-  under the lock, copies without it (sources pinned, destinations reserved) and completes
-  under it. `flush` and `close` run what is still queued. `put` wakes it; adapters that
-  complete stores on the manager themselves call `wake_write_through()` (otherwise it finds
-  the work within 0.2 s).
+  whatever is raised while it runs (`PlanRunner.run_plan`): no slot leaks and no key stays
+  "moving".
+- Write-through tiers (`write_policy`) get their copies from a thread of this cache, off the
+  callers' path (`tiercache.write_through`). `put` wakes it; adapters that complete stores on
+  the manager themselves call `wake_write_through()` (otherwise it finds the work within
+  `THROUGH_POLL_S`).
 - Connectors call `manager` directly under their own lock and run their plans through the
   transfer worker; they use this facade for `get`/`put` of whole blocks.
 """
@@ -63,14 +59,11 @@ _OPEN: weakref.WeakSet[TierCache] = weakref.WeakSet()
 
 
 def register_exit_hook(fn: Callable[[], None]) -> None:
-    """Run `fn` at a clean interpreter exit while thread pools still take work.
-
-    Plain atexit hooks run after `concurrent.futures` has stopped accepting work, so a
-    write-back to a disk tier (which does its I/O on a pool) would fail there. Threading's
-    exit hooks run earlier, in reverse order of registration: importing
-    concurrent.futures.thread first registers its hook first, so ours runs before it.
-    atexit stays as the fallback (a second call is harmless: closing twice is a no-op).
-    """
+    """Run `fn` at a clean interpreter exit while thread pools still take work: plain atexit
+    hooks run after `concurrent.futures` stopped accepting work (a write-back to a disk tier
+    would fail there); threading's exit hooks run earlier, in reverse order of registration,
+    so concurrent.futures.thread's is registered first. atexit stays as the fallback (closing
+    twice is a no-op)."""
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
         import concurrent.futures.thread  # noqa: F401 - its hook first, so ours runs first
@@ -291,16 +284,14 @@ class TierCache:
     ) -> torch.Tensor:
         """uint8 `[k, block_bytes]` for the k leading blocks held; counts as a use.
 
-        `out`, if given, is a uint8 `[len(keys), block_bytes]` tensor to read into (saves an
-        allocation per call); the result is then its first k rows. A block that fails
-        verification ends the result there (a miss), is dropped from its
-        tier and counted as an error. So does a block moving between tiers (a connector's
-        asynchronous demotion): the blocks before it are read.
+        `out`, if given, is a uint8 `[len(keys), block_bytes]` tensor to read into; the result
+        is then its first k rows. A block that fails verification ends the result there (a
+        miss), is dropped from its tier and counted as an error. So does a block moving
+        between tiers: the blocks before it are read.
 
         Hits and misses are counted here, unless this thread's previous call was a `lookup`
-        of a chain that starts with `keys`: that lookup and this get are one request, and the
-        lookup counted its blocks already. `count=False` never counts (a caller reading
-        blocks it counted itself, or checking them).
+        of a chain that starts with `keys` (one request, counted by the lookup). `count=False`
+        never counts.
         """
         keys = check_keys(keys)
         with self._lock:
@@ -357,14 +348,11 @@ class TierCache:
     def fetch(self, keys: Sequence[bytes], *, count: bool = True) -> int:
         """Read the leading held blocks of `keys`, verify them and make them ready in the
         first tier (promotion), without returning their bytes: how many leading blocks are
-        good. What `get` does for a caller that loads the blocks from the first tier later
-        (a connector checking a hit before reporting it).
+        good. For a caller that loads the blocks from the first tier later.
 
         Blocks held only in lower tiers are read straight into the first-tier slots reserved
-        for them when those are one run of host memory: no result buffer and one copy fewer
-        than `get`. A block that fails verification ends the hit there, is dropped from its
-        tier and counted as an error, and its reserved slot is freed; so does a block moving
-        between tiers (the blocks before it are fetched). Counting as in `get`.
+        for them when those are one run of host memory. Failures and counting as in `get`
+        (a failed block's reserved slot is freed).
         """
         keys = check_keys(keys)
         with self._lock:

@@ -1,14 +1,13 @@
 """`CircuitBreaker`: which tiers are skipped for a while because they keep failing.
 
 A tier that misses a load deadline (it hangs: a stopped Redis, a disk read that blocks) is
-*opened*: for a back-off period the manager's lookups do not see its blocks, so the engine
-recomputes them instead of waiting again. The period starts at `backoff` seconds and doubles
-with every trip that follows without a success in between, up to `backoff_max`; a load that
-completes in time from the tier resets it. When the period ends the tier is tried again by
-itself (half-open): its next miss opens it for the doubled period.
+*opened*: for a back-off period (`tiercache.backoff.Backoff`, one per tier: from `backoff`,
+doubling up to `backoff_max`, reset by a load in time) the manager's lookups do not see its
+blocks, so the engine recomputes them instead of waiting again. Then the tier is tried again
+by itself (half-open): its next miss opens it for the doubled period.
 
 It knows tier indices and time, nothing of bytes, keys or policies. Not thread-safe: the
-manager's callers hold its lock. The period rule is `tiercache.backoff.Backoff`, one per tier.
+manager's callers hold its lock.
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ class CircuitBreaker:
         if not 0 < backoff <= backoff_max:
             raise ValueError(f"backoff: expected 0 < backoff <= backoff_max, got {backoff}")
         self._clock = clock
-        # One back-off per tier: `until` is the time it closes again, `period` the last period
-        # it was opened for (0.0: healthy).
         self._tiers = [Backoff(backoff, backoff_max, clock=clock) for _ in range(tiers)]
         self.trips = [0] * tiers  # times each tier was opened
         self._mask = 0  # bit i set: tier i is open

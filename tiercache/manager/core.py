@@ -20,17 +20,12 @@ OffloadingManager shape, on 16-byte prefix keys):
   exists) for a back-off period, then tried again by itself.
 - leaving blocks (`leaving`): a block that `plan_write_through` or
   `prepare_store(leaving=True)` demotes stays readable from its source slot until its move
-  completes or is given up: `lookup_ready` and `prepare_load` with `leaving=True` serve it
-  from there and pin that slot; the plan's runner writes the slot's next block only once
-  `reading(tier, slots)` is False (a slot freed meanwhile goes back to its tier when the last
-  read ends). Adapters' plans run on a transfer engine whose store into the slot waits only
-  for the move's read: their blocks are not served while they move.
-- blocks a tier holds unindexed (`adoption`): dormant ones, recovered at open without being
-  handed over, are woken by a lookup or a store that reaches them, and by their tier when it
-  needs room (as its policy's first victims); a lookup miss asks the shared tiers for blocks
-  other processes stored. `where` (and `first_tiers`, over many keys) wakes the block it is
-  asked about (its caller is about to use it); `holds` and `count_ready` see dormant blocks
-  without waking them.
+  ends: `lookup_ready` and `prepare_load` with `leaving=True` serve it from there and pin
+  that slot, which the plan's runner writes only once `reading(tier, slots)` is False.
+  Adapters' plans (a transfer engine) do not serve blocks while they move.
+- blocks a tier holds unindexed (`adoption`: dormant ones, and other processes' in shared
+  tiers): `where` and `first_tiers` wake the blocks asked about; `holds` and `count_ready`
+  see dormant blocks without waking them.
 
 Invariants: a block being stored is invisible to lookup until complete_store(success=True);
 a pinned block is never evicted; a key already held is not stored again; a prepare that

@@ -5,19 +5,15 @@ Primitives:
   (queue without blocking), `get_finished() -> list[Job]` (each finished job once), `close()`
   (finish queued jobs, join every thread).
 - `LaneHandler`: the shared machinery of the copy handlers. Jobs go to a named lane (e.g. one
-  per direction); each lane is a FIFO served by its own thread(s), which wait for a job's
-  dependencies, run it, and mark it issued. Subclasses say which lane a job takes (`lane_of`),
-  check it on the caller's thread (`check`, `prepare`) and do the work (`run`). An expedited
-  job (`Job.expedited`: a load the engine waits for within its step) skips the FIFOs: it runs
-  on an expedited lane (`EXPEDITED`, or one per lane where `expedited_lane_of` says so), whose
-  own thread starts on first use, so it never queues behind regular jobs (only behind the
-  jobs it depends on, which ordering requires). Lanes not declared up front are made on
-  first use with `lane_threads` threads (e.g. one per tier, so a hung tier stalls only its
-  own lane).
+  per direction, or per tier, so a hung tier stalls only its own lane); each lane is a FIFO
+  served by its own thread(s), which wait for a job's dependencies, run it, and mark it
+  issued. Subclasses say which lane a job takes (`lane_of`), check it on the caller's thread
+  (`check`, `prepare`) and do the work (`run`). An expedited job (`Job.expedited`: a load the
+  engine waits for within its step) runs on an expedited lane (`expedited_lane_of`), started
+  on first use, so it never queues behind regular jobs, only behind the jobs it depends on.
 - Inline issue (`issues_inline`): a handler whose `run` only queues asynchronous work (CUDA
   copies on a stream) runs a job on the caller's thread when its lane is idle and every job
-  it follows is issued, saving two thread hand-offs (tens of microseconds of a one-block
-  decode-time store); the lane's order is kept, as nothing of that lane is queued or running.
+  it follows is issued, saving two thread hand-offs; the lane's order is kept.
 - `tier_of(tiers, spec)` and `check_ranges(job, tier, side, num_blocks)`: the checks every
   tier-side handler makes of a job's tier spec.
 - Cancellation (`cancellable`): a handler that honours `Job.cancel` between chunks, so that an

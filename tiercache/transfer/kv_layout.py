@@ -316,27 +316,6 @@ class KVLayout:
         with torch.cuda.device(self.device):
             batched.launch(*args, store=store, stream=stream)
 
-    def _staged(
-        self,
-        block_ids: Sequence[int],
-        buf: torch.Tensor,
-        rows: Sequence[int],
-        *,
-        store: bool,
-        non_blocking: bool,
-    ) -> None:
-        """Blocks <-> rows of a buffer on another device through a contiguous buffer on the
-        engine's device (filled or emptied there by `gather`/`scatter`, the kernel where the
-        mode allows), one DMA per run of rows. The copies queue on the current stream."""
-        n = len(rows)
-        tmp = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=self.device)
-        if store:
-            self.gather(block_ids, tmp, non_blocking=True)
-            copy_rows(buf, rows, tmp, range(n), non_blocking=non_blocking)
-        else:
-            copy_rows(tmp, range(n), buf, rows, non_blocking=non_blocking)
-            self.scatter(block_ids, tmp, non_blocking=True)
-
     def _one_launch(
         self,
         block_ids: Sequence[int],
@@ -347,17 +326,28 @@ class KVLayout:
         non_blocking: bool,
         stream: Any = None,
         pool: bool = False,
+        mode: str | None = None,
     ) -> bool:
-        """A job by the kernel where the mode says so (False: the caller copies by layers).
-        Blocking callers return with the bytes in place, as `copy_` does."""
-        mode = self.copy_mode_for(buf, len(rows), pool=pool)
+        """A job by the kernel where the mode (`copy_mode_for`, or `mode`) says so; "staged":
+        through a contiguous buffer on the engine's device, filled or emptied there by
+        `gather`/`scatter` (the kernel where the mode allows), one DMA per run of rows.
+        False: the caller copies by layers. Blocking callers return with the bytes in place,
+        as `copy_` does."""
+        mode = mode or self.copy_mode_for(buf, len(rows), pool=pool)
         if mode == "layers":
             return False
-        if mode == "staged":
-            with on_stream(stream):
-                self._staged(block_ids, buf, rows, store=store, non_blocking=non_blocking)
-        else:  # one launch: the stream goes to the launcher, no stream switch
+        if mode == "direct":  # one launch: the stream goes to the launcher, no stream switch
             self._batched(block_ids, rows, buf, store=store, stream=stream)
+        else:
+            n = len(rows)
+            with on_stream(stream):
+                tmp = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=self.device)
+                if store:
+                    self.gather(block_ids, tmp, non_blocking=True)
+                    copy_rows(buf, rows, tmp, range(n), non_blocking=non_blocking)
+                else:
+                    copy_rows(tmp, range(n), buf, rows, non_blocking=non_blocking)
+                    self.scatter(block_ids, tmp, non_blocking=True)
         if not non_blocking and self.device.type == "cuda":
             (stream or torch.cuda.current_stream(self.device)).synchronize()
         return True
@@ -446,18 +436,19 @@ class KVLayout:
         stream: Any,
     ) -> None:
         """Engine blocks -> pool rows `slots` (`store`) or back: by the kernel where the mode
-        says so, else by layers on one device, else `_staged`."""
+        says so, else by layers on one device, else staged (`_one_launch`)."""
         self._check_ids(block_ids, len(slots))
-        if self._one_launch(
-            block_ids, pool, slots, store=store, non_blocking=non_blocking, stream=stream, pool=True
-        ):
+        job = (block_ids, pool, slots)
+        if self._one_launch(*job, store=store, non_blocking=non_blocking, stream=stream, pool=True):
+            return
+        if pool.device != self.device:
+            self._one_launch(
+                *job, store=store, non_blocking=non_blocking, stream=stream, mode="staged"
+            )
             return
         with on_stream(stream):
-            if pool.device == self.device:
-                views = self._pool_records(pool)
-                self._by_layers(block_ids, views, self._record_ids(slots), store=store, split=True)
-                return
-            self._staged(block_ids, pool, slots, store=store, non_blocking=non_blocking)
+            views = self._pool_records(pool)
+            self._by_layers(block_ids, views, self._record_ids(slots), store=store, split=True)
 
     def _by_layers(
         self,
