@@ -15,6 +15,7 @@ from typing import Any
 from tiercache.benchharness.baselines import Pair
 from tiercache.benchharness.runner import BenchReport
 
+TIER_COLUMNS = ["tier", "capacity", "hit rate", "MB read", "MB written", "read MB/s", "write MB/s"]
 CURVE_ORDER = ("belady", "tiercache arc", "tiercache lru", "vllm arc", "vllm lru")
 _STYLE = {
     "belady": ("k", "--"),
@@ -128,15 +129,7 @@ def markdown(report: BenchReport) -> str:
             f"{r.blocks_per_s:,.0f} blocks/s; {r.bytes_moved / 1e6:.1f} MB moved.",
             "",
             _table(
-                [
-                    "tier",
-                    "capacity",
-                    "hit rate",
-                    "MB read",
-                    "MB written",
-                    "read MB/s",
-                    "write MB/s",
-                ],
+                TIER_COLUMNS,
                 [
                     [
                         f"{io.medium} ({io.kind})",

@@ -16,11 +16,11 @@ from typing import Any
 import click
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tiercache.benchharness.baselines import memcpy_bps
 from tiercache.cache import TierCache
+from tiercache.cli._common import progress_bar
 from tiercache.workload import block_bytes_for, synthetic_requests
 
 
@@ -96,14 +96,7 @@ def demo(
     longest = max(len(r.tokens) for r in requests) // 16 + 1
     buf = torch.empty((longest, block_bytes), dtype=torch.uint8)
     with TierCache.open(config, block_bytes=block_bytes) as cache:
-        progress = Progress(
-            TextColumn("[bold]demo"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=as_json,
-        )
+        progress = progress_bar("demo", console, transient=as_json)
         with progress:
             task = progress.add_task("requests", total=len(requests))
             for req in requests:

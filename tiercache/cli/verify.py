@@ -16,10 +16,9 @@ from typing import Any
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tiercache.cli._common import console, echo_json, store_command
+from tiercache.cli._common import console, echo_json, progress_bar, store_command
 from tiercache.cli._store import (
     VerifyReport,
     count_blocks,
@@ -79,14 +78,8 @@ def verify(
 def _run(stores: list[Any], *, disable: bool) -> list[VerifyReport]:
     """Verify each store, with one progress bar over all their blocks on stderr."""
     total = sum(count_blocks(s) for s in stores if s.path and os.path.exists(s.path))
-    progress = Progress(
-        TextColumn("[bold]verify {task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-        disable=disable,
+    progress = progress_bar(
+        "verify {task.description}", Console(stderr=True), transient=True, disable=disable
     )
     reports = []
     with progress:
