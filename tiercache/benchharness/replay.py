@@ -15,14 +15,8 @@ Primitives:
   what it returns), check each row is the bytes stored for its key, `put` the rest (touches
   only what was already held, then stores), on real tiers; per-tier hits, bytes, seconds.
 
-A block-op is one key passed to one manager call; both managers are charged the same count
-for a request (2 per key, plus 2 per hit key and 2 per stored key), so ops/s compare like for
-like.
-
-Both timed loops run under `frozen_heap()`: a full collection, then `gc.freeze()` for the
-loop, as vLLM's engine freezes its heap after start-up. The collector stays on, so each manager
-pays for collecting what it allocates, but not for walking the objects torch and vLLM leave on
-the heap, a cost that would land on whichever contender happened to trigger it.
+Both managers are charged the same block-ops per request (`_ops`), and both timed loops run
+under `frozen_heap()`, as vLLM's engine freezes its heap after start-up (docs/bench.md).
 """
 
 from __future__ import annotations
@@ -91,11 +85,7 @@ def replay_manager(trace: Trace, policy: str, capacity: int) -> ManagerRun:
         t0 = time.perf_counter()
         for keys in trace.requests:
             n = lookup(keys) or 0
-            # The request uses what is held: the hit prefix, and any later block of its chain
-            # still held (vLLM's manager counts those as reused too). The policies ignore the
-            # keys they do not hold, so the blocks about to be stored are not touched: a store
-            # is not a use. Touched before the store makes room, as a use precedes its store.
-            touch(keys)
+            touch(keys)  # what is held, before the store makes room (see the module doc)
             if n:
                 head = keys[:n]
                 prep_load(head)
@@ -120,26 +110,11 @@ def vllm_available() -> bool:
 
 
 # What vLLM 0.32's OffloadingConnector scheduler (vllm/distributed/kv_transfer/kv_connector/
-# v1/offloading/scheduler.py) calls on its manager for one request served alone, full
-# attention, one KV cache group, one block per chunk, vLLM's own prefix cache missing:
-#   on_new_request                 when the request arrives (on_new_request)
-#   lookup, key by key             get_num_new_matched_tokens, from the first block, up to
-#                                  and including the first MISS (HIT_PENDING/RETRY defer)
-#   prepare_load(hit prefix)       update_state_after_alloc, if anything hit
-#   complete_load(hit prefix)      update_connector_output, once the load job is done
-#   prepare_store(the rest)        build_connector_meta, for the blocks the step computed
-#                                  (chunk level: the loaded prefix is skipped)
-#   on_request_finished            build_connector_meta of the step after the last token;
-#                                  the manager applies the request's accesses to its policy
-#                                  here (LRU recency; ARC: reuse moves T1 -> T2)
-#   complete_store(stored keys)    update_connector_output of that step: a prompt's store
-#                                  issued in the request's last step completes after it
-#                                  finishes (vLLM passes a set; order is not defined)
-# It never calls `touch` (0.32 applies recency at on_request_finished). A refused
-# prepare_store is asked again in each later step of the request; with nothing completing
-# in between the retry gets the same answer and changes no state, so it is not replayed.
-# Per-step hooks (`on_schedule_end`, `has_pending_work`) and metrics (`get_stats`,
-# `get_load_source`) are no-ops in CPUOffloadingManager and are left out.
+# v1/offloading/scheduler.py) calls on its manager for one request served alone, in this order
+# (docs/bench.md, "Manager throughput"): lookup key by key up to the first miss, prepare_load
+# and complete_load of the hit prefix, prepare_store of the rest, complete_store after the
+# request finished. It never calls `touch`; a refused prepare_store's retry changes no state
+# and is not replayed; per-step hooks and metrics are no-ops in CPUOffloadingManager.
 VLLM_SCHEDULER_CALLS = (
     "on_new_request",
     "lookup",

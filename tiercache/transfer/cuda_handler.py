@@ -44,9 +44,8 @@ class CUDACopyHandler(CPUCopyHandler):
 
     def prepare(self, job: Job) -> None:
         # Copies must see what the model wrote (stores) and land after what it last read
-        # (loads): mark the caller's current stream now; the lane's stream waits for it.
-        # The stream object is looked up by its raw handle (a fraction of a microsecond;
-        # `torch.cuda.current_stream` costs several), and the mark is a recycled event.
+        # (loads): mark the caller's current stream now; the lane's stream waits for it. The
+        # stream is looked up by its raw handle (cheaper than `torch.cuda.current_stream`).
         handle = torch._C._cuda_getCurrentRawStream(self._index)
         caller = self._caller
         if caller is None or caller[0] != handle:
@@ -83,8 +82,7 @@ class CUDACopyHandler(CPUCopyHandler):
 
     def run(self, job: Job, lane: str) -> None:
         stream = self._streams[lane]
-        # The stream goes to the copy itself (a one-launch job passes it to the kernel's
-        # launcher; other modes switch to it): no stream switch on the caller's thread.
+        # The stream goes to the copy itself: no stream switch on the caller's thread.
         try:
             start = self._starts.pop()
         except IndexError:

@@ -5,14 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from tiercache.records import slotted_init
+from tiercache.records import slot_setters
 
 # (source medium, destination medium), e.g. ("GPU", "cpu"); stats key it as "GPU_to_cpu".
 TransferType: TypeAlias = tuple[str, str]
 
 
-@slotted_init  # every job reports one result
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class TransferResult:
     """One finished job.
 
@@ -32,3 +31,42 @@ class TransferResult:
     transfer_type: TransferType
     failed: tuple[int, ...] = ()
     gone: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        job_id: int,
+        success: bool,
+        transfer_size: int,
+        transfer_time: float,
+        transfer_type: TransferType,
+        failed: tuple[int, ...] = (),
+        gone: tuple[int, ...] = (),
+    ) -> None:
+        # `slot_setters`: every job reports one result.
+        _set_job_id(self, job_id)
+        _set_success(self, success)
+        _set_transfer_size(self, transfer_size)
+        _set_transfer_time(self, transfer_time)
+        _set_transfer_type(self, transfer_type)
+        _set_failed(self, failed)
+        _set_gone(self, gone)
+
+
+(
+    _set_job_id,
+    _set_success,
+    _set_transfer_size,
+    _set_transfer_time,
+    _set_transfer_type,
+    _set_failed,
+    _set_gone,
+) = slot_setters(
+    TransferResult,
+    "job_id",
+    "success",
+    "transfer_size",
+    "transfer_time",
+    "transfer_type",
+    "failed",
+    "gone",
+)
