@@ -633,8 +633,6 @@ class TierCache:
                 self._reads_done.notify_all()  # close waits for the plans in flight
 
     def check_through(self, timeout: float) -> int | None:
-        """The write-through copy in progress, if it has run `timeout` seconds or more: its
-        destination tier hung, so it is suspended (the manager plans no copy, store or
-        write-back into it until the back-off ends). Returns that tier's index, else None.
-        Cheap: an engine calls it every step."""
+        """The destination tier of a write-through copy running `timeout` seconds or more,
+        now suspended (`WriteThroughCopier.check`), else None. Cheap: called every step."""
         return self._through.check(timeout)
