@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -37,12 +37,3 @@ class CPUTier(PoolTier):
             pin_memory=pin_memory,
         )
         self.pinned = pin_memory
-
-    @classmethod
-    def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> CPUTier:
-        return cls(
-            name=cfg.name,
-            block_bytes=block_bytes,
-            capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-            pin_memory=cfg.options.get("pin_memory"),
-        )

@@ -158,6 +158,16 @@ class PoolTier(Tier):
         self._async = device.type == "cuda"  # copies queue on a stream and return at once
         self._fence: Any = None
 
+    @classmethod
+    def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> PoolTier:
+        """The pool a validated `TierConfig` describes: its options are the constructor's."""
+        return cls(
+            name=cfg.name,
+            block_bytes=block_bytes,
+            capacity_blocks=cfg.capacity_in_blocks(block_bytes),
+            **cfg.options,
+        )
+
     @property
     def device(self) -> torch.device:
         return self._device

@@ -247,25 +247,35 @@ def is_open(path: str) -> bool:
     return os.path.realpath(path) in _ENVS
 
 
-def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> SharedEnv:
-    durable = sync == "always"
+def open_lmdb(
+    path: str, *, map_size: int = 0, write: bool = True, durable: bool = True, create: bool = False
+) -> lmdb.Environment:
+    """The environment at `path` as every tiercache process opens it (`map_size` 0: the size
+    recorded in it): `writemap` when writing, readahead off (see the package docstring),
+    `durable`: sync and metasync at every commit. ConfigError when it cannot be opened."""
     try:
-        env = lmdb.open(
+        return lmdb.open(
             path,
             map_size=map_size,
             subdir=True,
             max_dbs=len(DB_NAMES),
             mode=0o600,
-            writemap=True,
+            readonly=not write,
+            writemap=write,
             sync=durable,
             metasync=durable,
-            readahead=False,  # see the module docstring ("Readahead")
+            readahead=False,
             lock=True,
             max_readers=MAX_READERS,
-            create=True,
+            create=create,
         )
     except lmdb.Error as exc:
         raise ConfigError("path", f"{path}: cannot open as an LMDB environment: {exc}") from None
+
+
+def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> SharedEnv:
+    durable = sync == "always"
+    env = open_lmdb(path, map_size=map_size, durable=durable, create=True)
     try:
         _reserve(path, map_size)
         env.reader_check()  # slots of processes that died in a read txn (see LMDBTier._txn)

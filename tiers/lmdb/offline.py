@@ -31,19 +31,18 @@ from tiercache.backoff import Backoff
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.format import (
     BlockHeader,
-    decode_header,
     decode_payload,
     header_check,
+    header_of,
     header_problem,
     namespace_id,
 )
-from tiercache.tiers.lmdb.env import borrow, detach, is_open, parse_meta
+from tiercache.tiers.lmdb.env import borrow, detach, is_open, open_lmdb, parse_meta
 from tiercache.tiers.lmdb.layout import (
     BLOCKS_DB,
     COUNT_PREFIX,
     DB_NAMES,
     HEADS_DB,
-    MAX_READERS,
     META_DB,
     META_KEY,
     MIN_TXN_OPS,
@@ -118,21 +117,7 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
         finally:
             detach(shared)
         return
-    try:
-        env = lmdb.open(
-            real,
-            map_size=0,  # the size recorded in the environment
-            subdir=True,
-            max_dbs=len(DB_NAMES),
-            readonly=not write,
-            writemap=write,  # as the tiers open it
-            readahead=False,  # as the tiers open it: a cold probe reads its pages only
-            lock=True,
-            create=False,
-            max_readers=MAX_READERS,
-        )
-    except lmdb.Error as exc:
-        raise ConfigError("path", f"{real}: cannot open as an LMDB environment: {exc}") from None
+    env = open_lmdb(real, write=write)  # as the tiers open it: a cold probe reads its pages only
     try:
         try:
             with env.begin(write=False) as txn:
@@ -301,11 +286,10 @@ def block_headers(h: StoreHandle) -> tuple[list[tuple[bytes, BlockHeader]], int]
             continue
         ns, key = split
         try:
-            hd = decode_header(head)
+            hd = header_of(head, key, ns, bb)
         except BlockCorruptError:
-            bad += 1
-            continue
-        if header_problem(hd, key, ns, bb) or hd.stored_len != len(payload):
+            hd = None
+        if hd is None or hd.stored_len != len(payload):
             bad += 1
             continue
         good.append((key, hd))
@@ -332,11 +316,9 @@ def entry_problem(
     if payload is None:
         return key, "header without a payload"
     try:
-        hd = decode_header(head)
-        what = header_problem(hd, key, None, block_bytes)
-        if what is None:
-            decode_payload(hd, payload, scratch, decompressor=dz)
-            what = header_problem(hd, key, ns, None)  # after the checksum
+        hd = header_of(head, key, None, block_bytes)
+        decode_payload(hd, payload, scratch, decompressor=dz)
+        what = header_problem(hd, key, ns, None)  # after the checksum
     except BlockCorruptError as exc:
         what = str(exc)
     return key, what

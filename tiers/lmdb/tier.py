@@ -23,12 +23,7 @@ import lmdb
 import torch
 
 from tiercache.errors import ConfigError
-from tiercache.tiers.base import check_blocks
-from tiercache.tiers.format import (
-    encode_block,
-    header_check,
-    namespace_id,
-)
+from tiercache.tiers.format import header_check, namespace_id
 from tiercache.tiers.keyed import (
     KeyedTier,
     add_written,
@@ -320,10 +315,8 @@ class LMDBTier(KeyedTier):
     def write(
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> None:
+        keys = self._io_keys(slots, src, keys, "src")
         n = len(slots)
-        check_blocks(src, n, self.block_bytes, "src")
-        keys = self._check_keys(keys, n)
-        self._check_open()
         if n == 0:
             return
         if src.device.type != "cpu":
@@ -339,16 +332,7 @@ class LMDBTier(KeyedTier):
         seq0 = self._shared.next_seq(n)
 
         def encode(i: int) -> tuple[bytes, bytes | memoryview]:
-            return encode_block(
-                keys[i],
-                rows[i],
-                namespace=self._ns,
-                seq=seq0 + i,
-                compression=self._compression,
-                level=self._level,
-                element_size=self._element_size,
-                compressor=self._compressor(),
-            )
+            return self._encode(keys[i], rows[i], seq0 + i, self._compressor())
 
         if self._compression == "zstd":
             # Compress before the write txn: the writer lock is held for puts only.
@@ -518,10 +502,8 @@ class LMDBTier(KeyedTier):
         corrupt block is a failed position. A missing key is a plain miss (the store evicted
         it, see `take_gone`); a bad block is deleted at the next write txn. OSError when no
         read txn can be had."""
+        keys = self._io_keys(slots, dst, keys, "dst")
         n = len(slots)
-        check_blocks(dst, n, self.block_bytes, "dst")
-        keys = self._check_keys(keys, n)
-        self._check_open()
         if n == 0:
             return []
         out = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)

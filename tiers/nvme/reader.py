@@ -11,14 +11,7 @@ import os
 import numpy as np
 
 from tiercache.errors import BlockCorruptError
-from tiercache.tiers.format import (
-    CODEC_RAW,
-    HEADER_SIZE,
-    BlockHeader,
-    decode_header,
-    decode_payload,
-    header_problem,
-)
+from tiercache.tiers.format import CODEC_RAW, HEADER_SIZE, BlockHeader, decode_payload, header_of
 from tiercache.tiers.nvme.journal import JournalEntry, newest_copies, replay_journal
 from tiercache.tiers.nvme.layout import INDEX, META, SLAB, read_meta
 
@@ -120,11 +113,10 @@ class NVMeStoreReader:
         bad = 0
         for e in self.entries:
             try:
-                h = decode_header(self.read_slot(e.slot, HEADER_SIZE))
+                h = header_of(self.read_slot(e.slot, HEADER_SIZE), e.key, None, self.block_bytes)
             except BlockCorruptError:
-                bad += 1
-                continue
-            if header_problem(h, e.key, None, self.block_bytes) or h.seq != e.seq:
+                h = None
+            if h is None or h.seq != e.seq:
                 bad += 1
                 continue
             good.append((e, h))
@@ -136,10 +128,7 @@ class NVMeStoreReader:
         whole and decoded into `scratch`; None when it is good."""
         data = self.read_slot(e.slot)
         try:
-            h = decode_header(data[:HEADER_SIZE])
-            problem = header_problem(h, e.key, None, self.block_bytes)
-            if problem:
-                return problem
+            h = header_of(data[:HEADER_SIZE], e.key, None, self.block_bytes)
             if h.seq != e.seq:
                 return f"header seq {h.seq}, the index says {e.seq} (an unfinished rewrite)"
             if h.codec != CODEC_RAW:

@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 
 from tiercache.errors import BlockCorruptError
-from tiercache.tiers.format import CODEC_RAW, HEADER_SIZE, decode_header, header_problem
+from tiercache.tiers.format import CODEC_RAW, HEADER_SIZE, header_of
 from tiercache.tiers.nvme.image import IndexImage
 from tiercache.tiers.nvme.journal import KEY_DTYPE, OP_PUT, Entries, newest_per_key, tail_records
 from tiercache.tiers.store_dir import over_capacity
@@ -131,17 +131,13 @@ def header_ns(
 ) -> int | None:
     """The namespace id of a slot's header (`got` bytes read) if it agrees with its journal
     entry: key, seq, a raw block of `block_bytes`; else None."""
+    if got < HEADER_SIZE:
+        return None
     try:
-        h = decode_header(header[:HEADER_SIZE]) if got >= HEADER_SIZE else None
+        h = header_of(header[:HEADER_SIZE], key, None, block_bytes)
     except BlockCorruptError:
         return None
-    ok = (
-        h is not None
-        and header_problem(h, key, None, block_bytes) is None
-        and h.seq == seq
-        and h.codec == CODEC_RAW
-    )
-    return h.namespace_id if ok and h is not None else None
+    return h.namespace_id if h.seq == seq and h.codec == CODEC_RAW else None
 
 
 def settle(

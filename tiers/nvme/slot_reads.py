@@ -35,9 +35,8 @@ from tiercache.tiers.format import (
     CODEC_RAW,
     HEADER_SIZE,
     BlockHeader,
-    decode_header,
     decode_payload,
-    header_problem,
+    header_of,
     is_raw_block,
     verify,
 )
@@ -84,12 +83,9 @@ class SlotReads:
         if got < HEADER_SIZE + self._bb:
             return OSError(errno.EIO, f"short read ({max(got, 0)} bytes)")
         try:
-            h = decode_header(view[:HEADER_SIZE])
+            h = header_of(view[:HEADER_SIZE], self.keys[i], self._ns, None)
         except BlockCorruptError as exc:
             return exc
-        problem = header_problem(h, self.keys[i], self._ns, None)
-        if problem is not None:
-            return BlockCorruptError(problem)
         # An indexed slot serves exactly the write its entry names: an entry loaded from
         # the image is not checked against the header at open, and a failed rewrite of the
         # same key can leave another write in the slot. (A slot freed since has no entry;

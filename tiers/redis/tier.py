@@ -25,8 +25,7 @@ from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.base import KEY_BYTES
 from tiercache.tiers.format import (
     HEADER_SIZE,
-    decode_header,
-    header_problem,
+    header_of,
     is_header_of,
     namespace_id,
 )
@@ -299,8 +298,7 @@ class RedisTier(KeyedTier):
     def _conn(self) -> Any:
         """The client, or OSError at once while the tier is in its backoff window."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{self.medium}: the Redis tier is closed")
+            self._check_open()
             if self._up or self._backoff.ready():
                 if self._client is not None:
                     return self._client
@@ -620,13 +618,11 @@ class RedisTier(KeyedTier):
             for rk, head in zip(rkeys, pipe.execute(raise_on_error=False), strict=True):
                 if not isinstance(head, bytes):
                     continue
+                k = rk[len(self._kprefix) :]
                 try:
-                    h = decode_header(head)
+                    found.append((header_of(head, k, self._ns, self.block_bytes).seq, k))
                 except BlockCorruptError:
                     continue  # not ours to delete: a foreign value under a look-alike key
-                k = rk[len(self._kprefix) :]
-                if header_problem(h, k, self._ns, self.block_bytes) is None:
-                    found.append((h.seq, k))
 
         for rk in client.scan_iter(match=pattern, count=SCAN_BATCH):
             rk = bytes(rk)
