@@ -50,6 +50,7 @@ from tiercache.tiers.format import (
 
 COMPRESSIONS = ("none", "zstd")
 ZSTD_MIN_LEVEL = -(1 << 17)  # ZSTD_minCLevel(); python-zstandard does not export it
+CODEC_OPTIONS = {"compression": str, "level": int, "element_size": int}  # `check_codec`'s
 _GONE_MAX = 1 << 16  # take_gone's memory of plain misses nobody asked about
 
 

@@ -25,6 +25,7 @@ import torch
 from tiercache.errors import ConfigError
 from tiercache.tiers.format import header_check, namespace_id
 from tiercache.tiers.keyed import (
+    CODEC_OPTIONS,
     KeyedTier,
     add_written,
     check_codec,
@@ -95,9 +96,7 @@ class LMDBTier(KeyedTier):
     store_capacity: ClassVar[bool] = True  # the store evicts by it (`StoreTxn`)
     OPTIONS: ClassVar = {
         "path": str,
-        "compression": str,
-        "level": int,
-        "element_size": int,
+        **CODEC_OPTIONS,
         "sync": str,
         "sync_interval": (int, float),
     }

@@ -30,6 +30,7 @@ from tiercache.tiers.format import (
     namespace_id,
 )
 from tiercache.tiers.keyed import (
+    CODEC_OPTIONS,
     KeyedTier,
     PendingDeletes,
     add_written,
@@ -120,9 +121,7 @@ class RedisTier(KeyedTier):
         "password_env": str,
         "ttl": (int, float),
         "prefix": str,
-        "compression": str,
-        "level": int,
-        "element_size": int,
+        **CODEC_OPTIONS,
         "timeout": (int, float),
         "backoff_max": (int, float),
     }
