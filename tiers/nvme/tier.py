@@ -1,11 +1,6 @@
 """`NVMeTier`: the tier itself: options, the instance lock, open and close, write, read and
-free, and the journal's append, sync and compaction. The on-disk format is described in
-`tiercache.tiers.nvme`; reading the index at open is `index_open.py` (the rules:
-`recovery.py`), the journal `journal.py`, the slots' bytes `slot_writes.py` and
-`slot_reads.py`, the files `layout.py` and `io.py`.
-
-The tunables the tier reads at run time live here (tests patch them on this module):
-BATCH_SYNC_BYTES, BATCH_SYNC_SECONDS, COMPACT_SLACK, and RUN_BYTES (read at open).
+free, and the journal's append, sync and compaction (the store is described in
+`tiercache.tiers.nvme`). Tests patch the tunables the tier reads at run time on this module.
 """
 
 from __future__ import annotations
