@@ -1,30 +1,22 @@
 """`KeyedTier`: what the tiers whose store is addressed by block key share (LMDB, Redis).
 
 In such a store slots are only handles: a block lives under its key. Shared here:
-- `_slot_key`: slot -> key of the blocks this instance stored or found at open (blocks
-  adopted later from another process are not in it);
-- `_own`: the slots of blocks this instance stored since it opened: the only ones its
-  evictions delete. Blocks found at open or adopted (`adopt`) are only forgotten: other
-  processes may be serving them, and the store's capacity decides when they go;
-- `_note_gone(keys)` / `take_gone(keys)`: reads that found no block at all (another process
-  or the store's own capacity evicted it): plain misses, not errors;
-- `_take_found(keys)` / `recover()`: what the store held at open, as slots 0..n-1;
-- `_check_open()`, `_check_keys(keys, n)`: errors naming the store;
-- `_compressor()`, `_decompressor()`: zstd contexts per thread (they are not thread-safe);
-- `_header(key, head, payload_len)`, `_decode_block(key, head, body, row)`: a stored value
-  checked against its key, this namespace and the block size (`format.header_problem`),
-  then verified and decoded into its row;
-- `_claim(slots, keys)` / `_release(slots)`: slot ownership by key. `_claim` records blocks
-  this instance stores and answers the keys of ours it replaced in those slots (to delete);
-  `_release` forgets slots and answers the keys of ours they held (to delete). Where each
-  tier claims is the one real difference between them: LMDB claims a slot's key before its
-  commit (at allocate and at write, the txn may fail after), Redis after the send succeeds;
-- `PendingDeletes`: keys to delete from the store with the next write or at flush, not at
-  free (a demotion planned with the eviction still reads them); a key stored again leaves
-  it, and a probe stops at a pending key (`leading_clear`);
-- `check_codec(...)`: the compression settings' checks (ConfigError), `COMPRESSIONS`,
-  `ZSTD_MIN_LEVEL`; `add_written(counts, ...)` / `compression_ratio(counts)`: the write
-  counters and the ratio both tiers' stats report.
+- slot ownership by key: `_slot_key` (slot -> key of the blocks this instance stored or found
+  at open) and `_own` (the slots of blocks it stored since it opened: the only ones its
+  evictions delete; blocks found at open or adopted are only forgotten, since other
+  processes may serve them and the store's capacity decides when they go). `_claim` records
+  stored blocks and answers the keys of ours they replaced, `_release` forgets slots and
+  answers the keys of ours they held: both to delete. Where each tier claims is the one real
+  difference between them: LMDB before its commit (the txn may fail after), Redis after the
+  send succeeds;
+- `PendingDeletes`: keys deleted from the store with the next write or at flush, not at free
+  (a demotion planned with the eviction still reads them); a probe stops at a pending key
+  (`leading_clear`);
+- `_note_gone`/`take_gone`: reads that found no block (a plain miss, not an error);
+  `_take_found`/`recover`: what the store held at open, as slots 0..n-1;
+- the checks and codec of one stored value (`_io_keys`, `_encode`, `_header`,
+  `_decode_block`, zstd contexts per thread), the settings checks (`check_codec`,
+  `check_seconds`) and the write counters (`add_written`, `compression_ratio`).
 """
 
 from __future__ import annotations

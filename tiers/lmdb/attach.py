@@ -31,11 +31,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tiercache.tiers.lmdb.layout import NS_BYTES, iter_prefix
+
 CAPACITY_PREFIX = b"capacity:"
 NAME_PREFIX = b"name:"
 ATTACH_PREFIX = b"attach:"
 TOKEN_BYTES = 16
-_NS_BYTES = 8
 _MAX_VALUE = 4096  # an attach entry or a name longer than this is not ours: skipped
 
 
@@ -110,14 +111,7 @@ def pid_alive(pid: int, start: int | None) -> bool:
 
 
 def _under(txn: Any, db: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-    cur = txn.cursor(db=db)
-    if not cur.set_range(prefix):
-        return
-    for k, v in cur.iternext(values=True):
-        k = bytes(k)
-        if not k.startswith(prefix):
-            return
-        yield k, bytes(v)
+    return ((k, bytes(v)) for k, v in iter_prefix(txn.cursor(db=db), prefix, values=True))
 
 
 def _parse_attach(token: bytes, raw: bytes) -> Attachment | None:
@@ -154,10 +148,10 @@ def read_records(txn: Any, meta_db: Any) -> StoreRecords:
     """The capacity, name and attach records of a store, read in `txn` (read-only)."""
     caps, names, attached = {}, {}, []
     for k, v in _under(txn, meta_db, CAPACITY_PREFIX):
-        if len(k) == len(CAPACITY_PREFIX) + _NS_BYTES and len(v) == 8:
+        if len(k) == len(CAPACITY_PREFIX) + NS_BYTES and len(v) == 8:
             caps[int.from_bytes(k[len(CAPACITY_PREFIX) :], "big")] = int.from_bytes(v, "big")
     for k, v in _under(txn, meta_db, NAME_PREFIX):
-        if len(k) == len(NAME_PREFIX) + _NS_BYTES and len(v) <= _MAX_VALUE:
+        if len(k) == len(NAME_PREFIX) + NS_BYTES and len(v) <= _MAX_VALUE:
             try:
                 names[int.from_bytes(k[len(NAME_PREFIX) :], "big")] = v.decode()
             except UnicodeDecodeError:

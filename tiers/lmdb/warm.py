@@ -1,16 +1,13 @@
 """Warm an LMDB store's index pages into the page cache, never its payloads.
 
 After a lazy open (`LMDBTier(lazy=True)`) every first lookup of a key probes the store: its
-"heads" entry and its "order" entry, one or more B-tree pages each. With the page cache
-dropped each of those is a synchronous disk read (about 360 µs per key at 1M blocks of
-4 KiB, issue 35). `warm_index` reads the B-tree pages of the named databases level by level
-(branch pages with `pread`, so their children are known) and asks the kernel for each
-level's pages at once (`POSIX_FADV_WILLNEED`: asynchronous, many reads in flight), so the
-leaves arrive in one pass at the disk's throughput instead of one latency per lookup.
+"heads" entry and its "order" entry, one or more B-tree pages each, and with the page cache
+dropped each is a synchronous disk read. `warm_index` reads the B-tree pages of the named
+databases level by level (branch pages with `pread`, so their children are known) and asks
+the kernel for each level's pages at once (`POSIX_FADV_WILLNEED`: many reads in flight), so
+the leaves arrive in one pass at the disk's throughput instead of one latency per lookup.
 Then, when this process maps the environment, it maps those pages into its own page tables
-(`MADV_POPULATE_READ`, Linux 5.14): a first lookup would otherwise take a minor page fault
-for about every other key at 1M blocks (issue 35: 84-86k against 95-97k first lookups/s of
-CPU, measured with and without).
+(`MADV_POPULATE_READ`, Linux 5.14), sparing a first lookup its minor page faults.
 
 Primitives:
 - `tree_roots(fd, psize, names)`: (name, root page, depth) of each named database, from the
