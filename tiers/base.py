@@ -51,11 +51,6 @@ def host_memory_bytes() -> int | None:
         return None
 
 
-def slot_dtype(capacity_blocks: int) -> type[np.unsignedinteger]:
-    """The free-slot stack's entry type: 32 bits, 64 where a slot needs them."""
-    return np.uint64 if capacity_blocks > 1 << 32 else np.uint32
-
-
 def check_geometry(block_bytes: int, capacity_blocks: int) -> None:
     """Refuse a block size or capacity that is not an int >= 1."""
     check_count("block_bytes", block_bytes)
@@ -115,12 +110,9 @@ class Tier(ABC):
 
     def __init__(self, *, name: str, block_bytes: int, capacity_blocks: int) -> None:
         check_geometry(block_bytes, capacity_blocks)
-        # Refused before allocating: the free-slot stack below takes 4 bytes a slot (8 past
-        # 2**32), built through a transient array as large, and a host that overcommits
-        # memory does not fail so large an allocation: it fills page after page until the
-        # OOM killer ends the process (a GPU host given 10**12 blocks). On a host that does
-        # not overcommit, the allocation's MemoryError would say less.
-        dtype = slot_dtype(capacity_blocks)
+        # Refused before allocating: a host that overcommits memory does not fail so large
+        # an allocation, it fills pages until the OOM killer ends the process.
+        dtype = np.uint64 if capacity_blocks > 1 << 32 else np.uint32  # free-slot entries
         need, have = 2 * capacity_blocks * np.dtype(dtype).itemsize, host_memory_bytes()
         if have is not None and need > have:
             raise MemoryError(
@@ -130,9 +122,8 @@ class Tier(ABC):
         self._name = name
         self._block_bytes = block_bytes
         self._capacity = capacity_blocks
-        # A stack of free slots; popping from the end hands out ascending slots, which keeps
-        # fresh batches contiguous and lets pool tiers copy them as one run. An `array`
-        # (4 bytes a slot), not a list of ints (36): a terabyte tier has millions of them.
+        # A stack of free slots (an `array`, 4 bytes a slot); popping from the end hands out
+        # ascending slots, which keeps fresh batches contiguous (pool tiers copy one run).
         self._free = slot_stack(np.arange(capacity_blocks - 1, -1, -1, dtype=dtype))
         self._closed = False
         # Blocks recovered at open that the manager has not taken over (persistent tiers
@@ -190,31 +181,23 @@ class Tier(ABC):
         self._free.extend(reversed(slots))
 
     def release(self, slots: Sequence[int]) -> None:
-        """Return slots whose blocks a move is carrying into another tier (a demotion): a
+        """Return slots whose blocks a move (a demotion) is carrying into another tier: a
         store may be planned into them at once, but each block stays stored, and is what a
-        restart recovers, until `settle` says its move ended or its slot is written again.
-        So a kill while the move runs never loses the block: the source copy is released
-        only after the destination's is durable. A volatile tier: `free`."""
+        restart recovers, until `settle` or a write of its slot; so the source copy is
+        released only after the destination's is durable. A volatile tier: `free`."""
         self.free(slots)
 
     def settle(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        """The moves of the blocks `release`d from `slots` (holding `keys`, pairwise) ended:
-        their destination copies are durable (or the moves failed and the manager dropped
-        the blocks), so a persistent tier forgets them now. A slot written since holds
-        another block, which stays. A volatile tier: nothing to do."""
+        """The moves of the blocks `release`d from `slots` (holding `keys`, pairwise) ended
+        (durable at the destination, or failed and dropped): a persistent tier forgets them
+        now, except where a slot was written since. A volatile tier: nothing to do."""
         return None
-
-    def _claim(self, slots: Sequence[int]) -> None:
-        """Mark specific slots used (persistent tiers call this for what `recover` returns)."""
-        taken = set(slots)
-        self._free = slot_stack(np.array([s for s in self._free if s not in taken], np.int64))
 
     # -- blocks other processes stored (shared tiers) ------------------------------------------
     def probe(self, keys: Sequence[bytes]) -> int:
-        """How many leading `keys` the store holds although this instance never indexed them:
-        another process sharing it stored them after this one opened. Checks headers, not
-        payloads (a read verifies the block as usual); 0 on any I/O error. The manager asks
-        only about keys it does not hold. A private tier holds only what it was given: 0."""
+        """How many leading `keys` the store holds although this instance never indexed them
+        (another process stored them since this one opened): headers checked, not payloads;
+        0 on any I/O error, and in a private tier."""
         return 0
 
     def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
@@ -230,30 +213,23 @@ class Tier(ABC):
         return None
 
     def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
-        """Of `keys` whose `read` just failed on this thread, those that were plain misses,
-        not errors: a shared store no longer held them (its capacity, agreed by every
-        process, or another process evicted them). A private tier: none. Callers use
-        `sort_failed`, which applies it."""
+        """Of `keys` whose `read` just failed on this thread, those that were plain misses: a
+        shared store no longer held them. A private tier: none. Callers use `sort_failed`."""
         return set()
 
     def take_evicted(self) -> list[bytes]:
-        """Keys of blocks the store itself dropped by its own capacity (`store_capacity`:
-        LMDB evicts a namespace's oldest beyond it in every write), not by this instance's
-        `free`, since the last call, and not stored again since. The manager drops them from
-        its index and reports them removed (`OffloadingManager.take_events`). A tier whose
-        store never evicts on its own: none."""
+        """Keys of blocks the store dropped by its own capacity (`store_capacity`), not by
+        this instance's `free`, since the last call and not stored again since: the manager
+        drops them from its index and reports them removed. Other tiers: none."""
         return []
 
     def sort_failed(
         self, keys: Sequence[bytes], failed: Iterable[int]
     ) -> tuple[list[int], list[int]]:
-        """The rule for the failed positions of a `read` of `keys` (indices into `keys`),
-        as (gone, errors), each ascending. Gone: the store no longer holds the block
-        (another process, or the shared store's capacity, evicted it): a plain miss, which
-        the caller drops from the index and counts as no error, and which is no reason to
-        suspend the tier. Errors: everything else (a checksum or header mismatch, a short
-        or unreadable record): a miss too, counted against the tier. Call it on the thread
-        that read, right after the read (the tier remembers absent keys per thread)."""
+        """The failed positions of a `read` of `keys` as (gone, errors), each ascending.
+        Gone: the store no longer holds the block, a plain miss that counts as no error.
+        Errors: everything else (checksum, header, a short or unreadable record): a miss
+        counted against the tier. Call it on the thread that read, right after the read."""
         failed = sorted(failed)
         if not failed:
             return [], []
@@ -281,11 +257,10 @@ class Tier(ABC):
         """Copy `slots` into `dst` (uint8 `[len(slots), block_bytes]`).
 
         `keys[i]` is the key the caller expects in `slots[i]`; persistent tiers require it and
-        treat a slot holding another key as failed. A slot freed by the manager keeps its
-        bytes until the next write into it: a demotion planned with the eviction reads it
-        first. Returns the positions (indices into `slots`) whose bytes failed verification;
-        their rows of `dst` are garbage and the caller treats them as misses. Raises OSError
-        when nothing could be read.
+        treat a slot holding another key as failed. A freed slot keeps its bytes until the
+        next write into it (a demotion planned with the eviction reads it first). Returns
+        the failed positions (their rows of `dst` are garbage: misses); raises OSError when
+        nothing could be read.
         """
 
     def read_to(
@@ -296,18 +271,15 @@ class Tier(ABC):
         *,
         staging: torch.Tensor | None = None,
     ) -> list[int]:
-        """`read`, handing the blocks that arrived to `sink(positions, rows)` instead of
-        filling a tensor: `rows[j]` (uint8 `[len(positions), block_bytes]`, rows possibly
-        strided, valid only during the call) holds position `positions[j]`'s verified
-        bytes. Each good position is handed over exactly once, possibly in several calls;
-        a failed one never. Returns the failed positions, as `read`; raises OSError when
-        nothing could be read. An exception the sink raises ends the read and propagates
-        (a cancelled load stops reading that way).
+        """`read`, handing the blocks to `sink(positions, rows)` instead: `rows[j]` (uint8,
+        possibly strided, valid only during the call) holds position `positions[j]`'s
+        verified bytes. Each good position is handed over exactly once, a failed one never.
+        Returns the failed positions, as `read`. An exception the sink raises ends the read
+        and propagates (a cancelled load stops reading that way).
 
-        This version reads into `staging` (a uint8 tensor of at least `len(slots)` rows; a
-        new one when None) and hands over its stretches of good rows. A tier that can hand
-        over its own buffers (NVMe: its aligned read buffers) overrides it to save that
-        copy; `reads_in_place` says so.
+        This version reads into `staging` (at least `len(slots)` rows; new when None) and
+        hands over its stretches of good rows; a tier that hands over its own buffers
+        overrides it (`reads_in_place`).
         """
         n = len(slots)
         if staging is None:
@@ -382,20 +354,10 @@ class Tier(ABC):
                     f"{where}.{key}",
                     f"unknown option for a {cls.kind!r} tier (its options: {known})",
                 )
-            if isinstance(value, bool) and bool not in (
-                expected if isinstance(expected, tuple) else (expected,)
-            ):
-                raise ConfigError(
-                    f"{where}.{key}",
-                    f"expected {getattr(expected, '__name__', expected)}, got bool",
-                )
-            if not isinstance(value, expected):
-                raise ConfigError(
-                    f"{where}.{key}",
-                    f"expected "
-                    f"{getattr(expected, '__name__', expected)}, "
-                    f"got {type(value).__name__}",
-                )
+            types = expected if isinstance(expected, tuple) else (expected,)
+            if not isinstance(value, expected) or (isinstance(value, bool) and bool not in types):
+                what = getattr(expected, "__name__", expected)
+                raise ConfigError(f"{where}.{key}", f"expected {what}, got {type(value).__name__}")
 
     @classmethod
     @abstractmethod
