@@ -1,14 +1,7 @@
-"""`LMDBTier`: blocks in an embedded LMDB environment, shareable between processes (see the
-package docstring for the primitives, the layout, sharing and durability).
-
-The tier holds this process's view: its slot -> key map, its counters, and the write path
-(`_commit`: pending deletes and puts in `StoreTxn` transactions, map-full retries, the
-batch background sync); the store's rules live beside it (`layout`: keys and the store
-transaction; `env`: the shared environment; `scan`: what an open indexes; `attach`: who has
-the store open; `offline`: `LMDBProbe` and the CLI's access).
-
-The tunables below stay here, where the write and read paths use them (tests patch them
-on this module)."""
+"""`LMDBTier` (the package docstring describes the store): this process's view of it, its
+slot -> key map and counters, and the write path (`_commit`: pending deletes and puts in
+`StoreTxn` transactions, map-full retries, the background sync). Tests patch the tunables
+below on this module."""
 
 from __future__ import annotations
 
@@ -57,11 +50,8 @@ from tiercache.tiers.lmdb.offline import LMDBProbe
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
 
-# "batch": the default seconds between background syncs (the `sync_interval` option). Each
-# sync writes back every map page written since the last, and the next put to such a page
-# faults it dirty again: with random keys a longer interval rewrites fewer pages per put,
-# and the pages a put touches grow with the store. What an OS crash can lose is about one
-# interval.
+# "batch": the default seconds between background syncs (`sync_interval`): a longer interval
+# rewrites fewer map pages per put, and an OS crash can lose about one interval.
 SYNC_EVERY_S = 5.0
 _RETRIES = 8
 MAP_FULL_TRIES = 9  # a write that finds the map full waits 1+2+...+128 ms for readers to end
@@ -69,21 +59,16 @@ _PARALLEL_MIN_BYTES = 64 * 1024  # blocks at least this big are decoded on the t
 _EVICTED_MAX = 1 << 16  # take_evicted's memory of store evictions nobody took
 
 
-def check_settings(
-    compression: object,
-    level: object,
-    element_size: object,
-    sync: object,
-    where: str = "",
-    sync_interval: object = SYNC_EVERY_S,
-) -> float:
-    """Value checks shared by the constructor and `validate_options` (ConfigError): the
-    codec's (`keyed.check_codec`), then `sync`, then `sync_interval` (returned)."""
-    check_codec(compression, level, element_size, where)
+def check_settings(o: Mapping[str, Any], where: str = "") -> float:
+    """Value checks shared by the constructor and `validate_options` (ConfigError), with the
+    constructor's defaults: the codec's (`keyed.check_codec`), then `sync`, then
+    `sync_interval` (returned)."""
+    check_codec(o.get("compression", "zstd"), o.get("level", 1), o.get("element_size", 2), where)
     p = f"{where}." if where else ""
+    sync = o.get("sync", "batch")
     if sync not in SYNC_MODES:
         raise ConfigError(f"{p}sync", f"expected one of {SYNC_MODES}, got {sync!r}")
-    return check_seconds(sync_interval, f"{p}sync_interval")
+    return check_seconds(o.get("sync_interval", SYNC_EVERY_S), f"{p}sync_interval")
 
 
 class LMDBTier(KeyedTier):
@@ -119,9 +104,8 @@ class LMDBTier(KeyedTier):
         """`lazy`: index nothing at open when the store is well formed (the manager finds
         each block by `probe` on its first lookup, as it finds other processes' blocks), so
         the open costs neither time nor RAM per block; else index the newest `capacity`."""
-        interval = check_settings(
-            compression, level, element_size, sync, sync_interval=sync_interval
-        )
+        codec = {"compression": compression, "level": level, "element_size": element_size}
+        interval = check_settings({**codec, "sync": sync, "sync_interval": sync_interval})
         super().__init__(
             name=name,
             block_bytes=block_bytes,
@@ -179,32 +163,18 @@ class LMDBTier(KeyedTier):
         super().validate_options(options, where)
         if not options.get("path"):
             raise ConfigError(f"{where}.path", "required: the directory of the LMDB store")
-        o = options
-        check_settings(
-            o.get("compression", "zstd"),
-            o.get("level", 1),
-            o.get("element_size", 2),
-            o.get("sync", "batch"),
-            where,
-            o.get("sync_interval", SYNC_EVERY_S),
-        )
+        check_settings(options, where)
 
     @classmethod
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> LMDBTier:
-        o = cfg.options
         try:
             return cls(
                 name=cfg.name,
                 block_bytes=block_bytes,
-                path=o["path"],
                 capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-                compression=o.get("compression", "zstd"),
-                level=o.get("level", 1),
-                element_size=o.get("element_size", 2),
-                sync=o.get("sync", "batch"),
-                sync_interval=o.get("sync_interval", SYNC_EVERY_S),
                 namespace=namespace,
                 lazy=True,
+                **cfg.options,
             )
         except ConfigError as exc:
             if exc.field in ("path", "block_bytes", "capacity"):
@@ -433,11 +403,9 @@ class LMDBTier(KeyedTier):
         self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]
     ) -> int:
         """`_txn`, again while the map is full for a moment. A reader pins the pages freed
-        after its snapshot: a process SIGKILLed inside a read txn leaves its slot in the
-        reader table and pins them for good (every later write of every process failed with
-        a full map; tests/test_campaign_fleet.py found it), so dead readers are cleared; a
-        live reader of another process, descheduled mid-txn while others write, pins them
-        until it ends, so the write waits for it (at most ~255 ms) before it fails."""
+        after its snapshot: a process killed inside a read txn pins them for good (its slot
+        stays in the reader table), so dead readers are cleared; a live reader of another
+        process pins them until it ends, so the write waits for it before it fails."""
         for attempt in range(MAP_FULL_TRIES):
             try:
                 return self._txn(chunk, encoded)
