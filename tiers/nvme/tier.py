@@ -68,18 +68,14 @@ from tiercache.tiers.nvme.slot_reads import Sink, SlotReads
 from tiercache.tiers.nvme.slot_writes import write_slots
 from tiercache.tiers.store_dir import warn_over_capacity
 
-log = logging.getLogger(__package__)  # "tiercache.tiers.nvme", as before the split
+log = logging.getLogger(__package__)  # "tiercache.tiers.nvme"
 
 # fsync="batch": sync after this many bytes of slots written since the last one (bytes, not
-# blocks: head shards (issue 32) make blocks S/n times smaller, and counting them would sync
-# S/n times as often per token)
+# blocks: head shards make blocks smaller, and counting them would sync more often per token)
 BATCH_SYNC_BYTES = 256 << 20
 BATCH_SYNC_SECONDS = 1.0  # ... and at most this long after the first unsynced write
 COMPACT_SLACK = 1024  # journal records allowed beyond 2 * capacity before a rewrite
-# Adjacent slots of one read or write go to the disk as one syscall of up to this many bytes
-# (at least one slot): head shards (issue 32) store a block as S/n small blocks, usually in
-# adjacent slots, which then cost one syscall per run, not per slot (see io.SlotPipeline).
-RUN_BYTES = 2 << 20
+RUN_BYTES = 2 << 20  # most bytes of adjacent slots read or written by one syscall
 
 
 class NVMeTier(Tier):

@@ -1,8 +1,6 @@
-"""`RedisTier`: the tier object over a Redis (or Valkey) server or cluster (the package
-docstring, tiers/redis/__init__.py, describes the store). Here: settings checks, the open
+"""`RedisTier` (the package docstring describes the store): settings checks, the open
 (metadata check, SCAN of what the store holds), availability and its back-off, the slot
-index with its pending deletes (tiers/keyed.py's rules), and the pipelined reads and writes.
-The client itself (URLs, credentials, the packed pipeline) is tiers/redis/client.py.
+index with its pending deletes, and the pipelined reads and writes.
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ from tiercache.tiers.redis.client import (
 )
 from tiercache.tiers.store_dir import MetaFormat, over_capacity
 
-log = logging.getLogger(__package__)  # "tiercache.tiers.redis", as before the split
+log = logging.getLogger(__package__)  # "tiercache.tiers.redis"
 
 PIPELINE_BYTES = 64 << 20  # most value bytes in one pipeline execute (bounds client memory)
 SCAN_BATCH = 1000
@@ -246,14 +244,8 @@ class RedisTier(KeyedTier):
 
     def _open(self) -> None:
         """Connect, check the store's metadata and index what it holds. An unreachable server
-        is not fatal (the tier starts unavailable and retries); bad credentials are."""
-        try:
-            self._connect_at_open()
-        except ConfigError:  # refused: the tier is never built, so nothing else closes it
-            self._shutdown_client()
-            raise
-
-    def _connect_at_open(self) -> None:
+        is not fatal (the tier starts unavailable and retries); bad credentials are (the
+        constructor then closes the client)."""
         try:
             client = self._make_client()
             self._client = client
