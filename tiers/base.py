@@ -28,8 +28,8 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 import numpy as np
 import torch
@@ -297,13 +297,12 @@ class Tier(ABC):
     # -- lifecycle -------------------------------------------------------------------------
     def recover(self) -> list[tuple[bytes, int]]:
         """(key, slot) of every block a persistent tier already holds, oldest first."""
-        return []
+        return list(zip(*self.recover_columns(), strict=True))
 
     def recover_columns(self) -> tuple[list[bytes], list[int]]:
         """`recover()` as two lists, keys and slots (what the manager adopts at open, in
-        bulk); tiers holding millions of blocks override it to build no pair per block."""
-        pairs = self.recover()
-        return [k for k, _ in pairs], [s for _, s in pairs]
+        bulk, with no pair per block): what a persistent tier overrides."""
+        return [], []
 
     def open_columns(self) -> tuple[list[bytes], list[int]]:
         """What the manager adopts at open: everything recovered, or nothing where the
@@ -364,6 +363,21 @@ class Tier(ABC):
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> Tier:
         """Build the tier from a validated `TierConfig`; `namespace` is the cache's (persistent
         tiers stamp it into what they store)."""
+
+    @classmethod
+    def from_options(
+        cls, cfg: Any, block_bytes: int, fields: Container[str] | None, **kwargs: Any
+    ) -> Self:
+        """`cls(name=..., block_bytes=..., capacity_blocks=..., **kwargs)` for a validated
+        `TierConfig`: `from_config`'s common part. A ConfigError naming one of `fields` (None:
+        any field not already under a tier entry) is raised again under the config's entry."""
+        try:
+            capacity = cfg.capacity_in_blocks(block_bytes)
+            return cls(name=cfg.name, block_bytes=block_bytes, capacity_blocks=capacity, **kwargs)
+        except ConfigError as exc:
+            if not exc.field.startswith("tiers[") if fields is None else exc.field in fields:
+                raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
+            raise
 
     def __repr__(self) -> str:
         return (

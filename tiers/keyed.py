@@ -237,11 +237,8 @@ class KeyedTier(Tier):
         # The free stack pops ascending slots: 0..n-1 are its last n entries.
         del self._free[len(self._free) - len(self._recovered) :]
 
-    def recover(self) -> list[tuple[bytes, int]]:
-        """(key, slot) of every block found at open and still held, oldest first."""
-        return list(zip(*self.recover_columns(), strict=True))
-
     def recover_columns(self) -> tuple[list[bytes], list[int]]:
+        """Every block found at open and still held, oldest first."""
         held = list(map(self._slot_key.get, range(len(self._recovered))))
         if held == self._recovered:  # every one still held (C loops: at open, millions)
             return list(self._recovered), list(range(len(held)))

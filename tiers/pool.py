@@ -161,12 +161,7 @@ class PoolTier(Tier):
     @classmethod
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> PoolTier:
         """The pool a validated `TierConfig` describes: its options are the constructor's."""
-        return cls(
-            name=cfg.name,
-            block_bytes=block_bytes,
-            capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-            **cfg.options,
-        )
+        return cls.from_options(cfg, block_bytes, (), **cfg.options)
 
     @property
     def device(self) -> torch.device:

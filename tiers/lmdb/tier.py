@@ -167,19 +167,10 @@ class LMDBTier(KeyedTier):
 
     @classmethod
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> LMDBTier:
-        try:
-            return cls(
-                name=cfg.name,
-                block_bytes=block_bytes,
-                capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-                namespace=namespace,
-                lazy=True,
-                **cfg.options,
-            )
-        except ConfigError as exc:
-            if exc.field in ("path", "block_bytes", "capacity"):
-                raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
-            raise
+        fields = ("path", "block_bytes", "capacity")
+        return cls.from_options(
+            cfg, block_bytes, fields, namespace=namespace, lazy=True, **cfg.options
+        )
 
     # -- introspection ---------------------------------------------------------------------
     @property

@@ -483,9 +483,6 @@ class NVMeTier(Tier):
         except OSError as exc:  # free must not fail (the manager frees while planning)
             log.warning("%s: journaling %d freed slots failed: %s", self.medium, len(recs), exc)
 
-    def recover(self) -> list[tuple[bytes, int]]:
-        return list(zip(*self.recover_columns(), strict=True))
-
     def recover_columns(self) -> tuple[list[bytes], list[int]]:
         # The slots are not free: recovery.place hands out only slots that hold no block.
         with self._lock:

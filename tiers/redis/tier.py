@@ -204,32 +204,15 @@ class RedisTier(KeyedTier):
 
     @classmethod
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> RedisTier:
-        o = dict(cfg.options)
-        try:
-            return cls(
-                name=cfg.name,
-                block_bytes=block_bytes,
-                capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-                namespace=namespace,
-                **o,
-            )
-        except ConfigError as exc:
-            if not exc.field.startswith("tiers["):
-                raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
-            raise
+        return cls.from_options(cfg, block_bytes, None, namespace=namespace, **cfg.options)
 
     @classmethod
     def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> RedisTier:
         """The tier without its index (no SCAN and no metadata write at open): its `probe`
         is one pipelined GETRANGE of the headers, bounded by `timeout`, and answers 0 at once
         during a back-off after a failure. An unreachable server is not an error here."""
-        return cls(
-            name=cfg.name,
-            block_bytes=block_bytes,
-            capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-            namespace=namespace,
-            index_at_open=False,
-            **dict(cfg.options),
+        return cls.from_options(
+            cfg, block_bytes, (), namespace=namespace, index_at_open=False, **cfg.options
         )
 
     # -- connection and availability -------------------------------------------------------
