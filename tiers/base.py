@@ -9,17 +9,14 @@ A tier knows bytes, never policies or other tiers. Primitives:
   `read_to(slots, sink)`: a read that hands the verified blocks to a callback instead,
   straight from the tier's own buffers where it can (`reads_in_place`: NVMe), else through
   a staging tensor;
-- `recover()`: what a persistent tier already holds when it opens (key, slot) pairs;
-  `recover_columns()` the same as two lists; `open_columns()` the part of it the manager
-  adopts at open, the rest left dormant (`dormant_blocks`, `find_dormant`, `wake`,
-  `wake_oldest`, `open_keys`: see tiers/dormant.py);
-- capability flags: `persistent`, `shared` (between processes), `read_only` (written never);
-  shared tiers also `probe`, `adopt`, `take_gone`, and `open_probe` (a read-only
-  `StoreProbe` for another process); `take_evicted`: blocks a store with its own capacity
-  dropped (LMDB);
+- `recover()`/`recover_columns()`: what a persistent tier already holds when it opens;
+  `open_columns()` the part of it the manager adopts at open, the rest left dormant
+  (`find_dormant`, `wake`, `wake_oldest`, `open_keys`: see tiers/dormant.py);
+- capability flags: `persistent`, `shared` (between processes), `read_only`; shared tiers
+  also `probe`, `adopt`, `take_gone`, and `open_probe` (a read-only `StoreProbe` for another
+  process); `take_evicted`: blocks a store with its own capacity dropped (LMDB);
 - `sort_failed(keys, failed)`: the one rule for a read's failed blocks, used by every path
-  that reads a tier (the facade, the transfer engine, the adapters): gone (a plain miss) or
-  an error;
+  that reads a tier: gone (a plain miss) or an error;
 - `flush()` / `close()`.
 """
 
@@ -160,10 +157,8 @@ class Tier(ABC):
 
     # -- slots -----------------------------------------------------------------------------
     def allocate(self, keys: Sequence[bytes]) -> list[int] | None:
-        """Reserve one slot per key, or return None (and reserve nothing) when too few are free.
-
-        Keys are passed so persistent tiers can record which key a slot will hold.
-        """
+        """Reserve one slot per key (persistent tiers record which key a slot will hold), or
+        return None (and reserve nothing) when too few are free."""
         n = len(keys)
         if n > len(self._free):
             return None
@@ -245,10 +240,7 @@ class Tier(ABC):
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> None:
         """Copy `src` (uint8 `[len(slots), block_bytes]`) into `slots`; raise OSError on failure.
-
-        `keys[i]` is the block key stored in `slots[i]`; persistent tiers require it (they
-        write it into the block header), pool tiers ignore it.
-        """
+        `keys[i]` is the block key stored in `slots[i]` (persistent tiers require it)."""
 
     @abstractmethod
     def read(

@@ -10,11 +10,8 @@ from tiercache.tiers.pool import PoolTier
 
 
 class CPUTier(PoolTier):
-    """A contiguous uint8 pool in host memory.
-
-    Pinned (page-locked) when CUDA is available so device<->host copies can be asynchronous;
-    pageable otherwise, or when `pin_memory = false`.
-    """
+    """A contiguous uint8 pool in host memory, pinned when CUDA is available (asynchronous
+    device copies) unless `pin_memory = false`."""
 
     kind: ClassVar[str] = "cpu"
     OPTIONS: ClassVar = {"pin_memory": bool}

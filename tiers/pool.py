@@ -10,11 +10,10 @@ its copy; the CUDA copy handler makes its lane stream wait on the fence of the p
 about to use, so a worker job never reads a slot before the facade's write into it landed.
 On the CPU, copies are done when they return and `fence` stays None.
 
-Start-up: an unpinned CPU pool is faulted in (first-touch faults would otherwise cut the first
-pass over it to a fraction of memcpy speed) on a background thread, with
-`madvise(MADV_POPULATE_WRITE)`, which backs pages without touching their contents, so it is
-safe while blocks are written: opening costs the same for 64 MiB and 64 GiB. Where the kernel
-refuses it (Linux < 5.14) the pool is zeroed in the constructor, as before.
+Start-up: an unpinned CPU pool is faulted in on a background thread (first-touch faults
+would slow the first pass over it), with `madvise(MADV_POPULATE_WRITE)`, which backs pages
+without touching their contents, so it is safe while blocks are written. Where the kernel
+refuses it (Linux < 5.14) the pool is zeroed in the constructor.
 """
 
 from __future__ import annotations

@@ -61,8 +61,7 @@ def map_size_for(capacity_blocks: int, block_bytes: int, page_size: int | None =
     per transaction the file peaks near C + 2K blocks; the map allows C + 3K + 16 blocks (one
     K for a snapshot a concurrent reader pins) + 8 MiB, all reserved on disk at open
     (`_reserve`: with writemap, a write into a hole of a sparse file on a full disk is a
-    SIGBUS, not an error). K is at most `MAX_TXN_OPS`: before version 3 it grew with the
-    capacity (C/8) and the map with it, 1.55x the payload with 64 KiB blocks.
+    SIGBUS, not an error). K is at most `MAX_TXN_OPS`.
     """
     page = page_size or max(4096, os.sysconf("SC_PAGE_SIZE"))
     node = 8 + NS_BYTES + KEY_BYTES + block_bytes  # a leaf node holding the payload inline
@@ -296,10 +295,9 @@ def damaged(path: str, exc: lmdb.Error) -> str:
 
 
 def _reserve(path: str, map_size: int) -> None:
-    """Allocate the data file's disk blocks up to the map size, now. With `writemap` LMDB
-    writes through a shared mapping of a sparse file, and on a full disk the page fault that
-    would allocate a block kills the process with SIGBUS (seen on a 3 MiB tmpfs by
-    tests/test_campaign_diskfull.py). Reserved, a full disk shows here, as a ConfigError."""
+    """Allocate the data file's disk blocks up to the map size, now: with `writemap`, a page
+    fault that would allocate a block on a full disk kills the process with SIGBUS; reserved,
+    a full disk shows here, as a ConfigError."""
     fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         no_room = f"{path} has no room for the LMDB map of this capacity ({map_size} bytes)"

@@ -49,8 +49,8 @@ from tiercache.tiers.lmdb.layout import (
     NS_BYTES,
     ORDER_DB,
     StoreTxn,
+    heads_prober,
     iter_prefix,
-    leading_heads,
     split_store_key,
     u64,
 )
@@ -185,7 +185,7 @@ class LMDBProbe:
                 log.debug("LMDB probe of %s: %s", self._path, exc)
                 return 0
             try:
-                return leading_heads(txn, h.heads, h.order, keys, self._nsb, self._ours)
+                return heads_prober(h.heads, h.order, self._nsb, self._ours)(txn, keys)
             finally:
                 txn.abort()
 

@@ -104,12 +104,9 @@ def scan(
     commit: Callable[[], None],
 ) -> Scanned:
     """Index this namespace's newest `capacity` blocks, walking its "order" entries newest
-    first and checking each header (64 + 8 bytes, in leaf pages) and its payload's length
-    (from the payload's leaf node: py-lmdb's zero-copy get points into the map and
-    touches no payload page). Other namespaces' entries and older blocks of this one are
-    never visited. Only when the databases disagree in size (an entry without its
-    partner: damage, or another program) are this namespace's entries scanned to find
-    and drop the malformed ones. Opening deletes no good block.
+    first and checking each header and its payload's length (py-lmdb's zero-copy get
+    touches no payload page). Only when the databases disagree in size (an entry without
+    its partner) are this namespace's entries scanned to find and drop the malformed ones.
 
     `check(key, head, payload_len)`: the tier's header check (BlockCorruptError when `head`
     is not the header of `key` in this namespace, of this block and payload size);
@@ -213,7 +210,7 @@ def scan_fast(txn: lmdb.Transaction, shared: SharedEnv, scope: Scope) -> list[by
     (every header's fields, and each header's order seq naming an order entry of its
     key); no payload is looked at (a read verifies it). The newest `capacity` block
     keys, newest first; None, and the caller walks entry by entry, when any entry is
-    malformed (then `scan` finds and drops exactly those, as before)."""
+    malformed."""
     nsb = scope.nsb
 
     def run(db: Any, klen: int, vlen: int) -> bytes | None:

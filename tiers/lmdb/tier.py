@@ -204,10 +204,8 @@ class LMDBTier(KeyedTier):
         return slots
 
     def free(self, slots: Sequence[int]) -> None:
-        """Return slots. A block this tier stored since it opened is deleted at the next
-        write txn or flush (not now: a demotion planned with the eviction still reads it);
-        one found at open or adopted from another process is only forgotten: the store's
-        shared capacity decides when it goes (see the module docstring)."""
+        """Return slots; the blocks this tier stored since it opened are deleted at the next
+        write txn or flush (see `KeyedTier`); others are only forgotten."""
         self._drop(slots, held=False)
 
     def release(self, slots: Sequence[int]) -> None:
@@ -380,10 +378,8 @@ class LMDBTier(KeyedTier):
 
     def take_evicted(self) -> list[bytes]:
         """Keys of this namespace the store evicted by its capacity in this tier's write
-        transactions (a namespace holding more than `capacity_blocks` entries: a delete that
-        failed left one, or another process wrote) since the last call, and not stored again
-        since (see `Tier.take_evicted`). Another process's evictions are not seen here: a
-        read finds those blocks gone (`take_gone`)."""
+        transactions since the last call, and not stored again since (`Tier.take_evicted`).
+        Another process's evictions are not seen here: a read finds them gone."""
         with self._counts_lock:
             if not self._evicted:
                 return []
@@ -456,9 +452,8 @@ class LMDBTier(KeyedTier):
     def read(
         self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> list[int]:
-        """Read blocks by key (slots are only handles here); a missing key or a foreign or
-        corrupt block is a failed position. A missing key is a plain miss (the store evicted
-        it, see `take_gone`); a bad block is deleted at the next write txn. OSError when no
+        """Read blocks by key; a missing key (a plain miss: `take_gone`) or a foreign or
+        corrupt block (deleted at the next write txn) is a failed position. OSError when no
         read txn can be had."""
         keys = self._io_keys(slots, dst, keys, "dst")
         n = len(slots)

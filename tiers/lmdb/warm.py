@@ -14,15 +14,13 @@ Primitives:
   newest meta page;
 - `warm_index(path, names)`: the warm pass; a summary dict (pages asked for, pages mapped
   into this process, seconds);
-- `map_base(data_file)`: where this process maps a file from its start (LMDB maps the whole
-  data file once per environment), from /proc/self/maps;
+- `map_base(data_file)`: where this process maps a file from its start, from
+  /proc/self/maps;
 - `will_need(views)`: `MADV_WILLNEED` on the map pages of values that span several pages
-  (the environment is opened with readahead off, so a cold value would otherwise be read
-  one page fault, one page, at a time).
+  (readahead is off: a cold value would otherwise be read one page fault at a time).
 
-Only pages of the databases named are touched: the "blocks" database (payloads, inline or in
-overflow pages) is never read. It is a hint: pages that a writer frees meanwhile are read
-for nothing, and anything that does not parse as expected ends the pass (no error).
+Only pages of the databases named are touched, never "blocks". It is a hint: anything that
+does not parse as expected ends the pass (no error).
 
 LMDB's on-disk layout (lmdb.h / mdb.c, 64-bit, format version 1), as read here:
 - page header (16 bytes): pgno u64, pad u16, flags u16, lower u16, upper u16; the node
@@ -99,11 +97,9 @@ def map_base(data_file: str) -> int | None:
 
 
 def _populate(base: int, psize: int, runs: Sequence[tuple[int, int]]) -> int:
-    """Map pages [start, end) of each run, at `base` in this process, into its page tables
-    (read from disk where the page cache lacks them); how many pages. Stops at the first
-    error (an old kernel, a map that moved): a hint, like the pass. A read fault changes no
-    data: should the environment close or remap meanwhile, the range is unmapped (the call
-    fails) or another mapping's, whose pages are then only read in."""
+    """Map pages [start, end) of each run, at `base` in this process, into its page tables;
+    how many pages. Stops at the first error (an old kernel, a map that moved). A read fault
+    changes no data, so a map closed or moved meanwhile is harmless."""
     madvise, mapped = _libc_madvise(), 0
     for start, end in runs:
         if madvise(base + start * psize, (end - start) * psize, MADV_POPULATE_READ) != 0:

@@ -6,15 +6,11 @@ Primitives:
 - `Entries`: index entries as parallel fixed-width arrays (no Python object per block).
 - `put_records(entries)`: the PUT records of a compaction, as one array.
 - `tail_records(data)`: THE replay rule, vectorised: the newest well-formed PUT or FREE record
-  per slot, damaged count, top seq. The tier's open replays an image's tail with it, and
-  `replay_journal` (the full replay, the CLI's reader) is built on it.
+  per slot, damaged count, top seq (an image's tail; `replay_journal` is built on it).
 - `newest_per_key(entries)`: per (namespace, key) the entry of highest seq, as arrays.
 - `newest_copies(items, ident, seq)`: THE "newest copy per identity" rule (highest seq, the
   first of equal seqs): `newest_per_key`, `replay_journal` and the CLI's listing apply it.
 - `replay_journal(data, capacity)`: the live entries of a whole journal, with a report.
-
-`parse_record` is the record format's reference (one record, in Python); the tests hold the
-array checks of `tail_records` equal to it.
 """
 
 from __future__ import annotations
@@ -157,10 +153,8 @@ def _winners(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def tail_records(tail: bytes | memoryview) -> tuple[Entries, int, int]:
-    """The newest well-formed PUT or FREE record per slot of a journal tail, as arrays
-    (`ns` holds each record's op), how many records were damaged (a torn end counts one)
-    and the highest seq of any well-formed record: `_winners`, the rule `replay_journal`
-    applies too."""
+    """`_winners` of a journal tail as arrays (`ns` holds each record's op), how many
+    records were damaged and the highest seq of any well-formed record."""
     body, _good, win, damaged, top = _winners(tail)
     t = Entries(
         body["slot"][win].astype(np.int64),
@@ -250,10 +244,8 @@ def replay_journal(
     data: bytes, capacity: int, *, per_key: bool = True
 ) -> tuple[list[JournalEntry], JournalReport]:
     """The live entries of a journal image in slots below `capacity` (per slot the highest
-    seq wins; with `per_key`, one slot per key, the newest, since a lost FREE record can
-    leave an older copy behind; the tier dedups per namespace and key instead, once it has
-    read the headers), oldest first, with counts of what was skipped. Pure: reads no slot.
-    The tier's open and the CLI share it."""
+    seq wins; with `per_key`, one slot per key, the newest: a lost FREE record can leave an
+    older copy behind), oldest first, with counts of what was skipped. Reads no slot."""
     body, good, win, damaged, top = _winners(data)
     # The winners in the order their slots first appear in the journal (the order a replay
     # record by record meets them): it decides ties below and in the final sort.

@@ -18,12 +18,9 @@ from tiercache.tiers.nvme.layout import INDEX, META, SLAB, read_meta
 
 class NVMeStoreReader:
     """A read-only view of an NVMe store on disk for offline tools: it takes no lock and
-    writes nothing, so it works on a stopped store and beside the process holding it open.
-
-    That process may move on after `entries` was read (a slot freed and written again): a
-    caller that finds a mismatch on a store `in_use()` calls `reload()` and rechecks the
-    entries that are still there.
-    """
+    writes nothing, so it works beside the process holding it open. That process may move
+    on after `entries` was read: a caller that finds a mismatch on a store `in_use()` calls
+    `reload()` and rechecks the entries that are still there."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.path.abspath(os.fspath(path))

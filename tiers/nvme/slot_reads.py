@@ -4,20 +4,13 @@ Each run of adjacent slots (`io.slot_runs`) is one `preadv` into an aligned run 
 tier's `SlotPipeline` pool; the caller's thread checks every slot of a run (header, the
 indexed write, the checksum over header + payload) while the next runs are read. A checked
 slot then goes one of two ways:
-- `into(rows)`: decoded into the caller's row (`NVMeTier.read`: the bytes are copied once
-  here, and the caller copies them again wherever they go);
+- `into(rows)`: decoded into the caller's rows (`NVMeTier.read`);
 - `to_sink(sink)`: handed over in place (`NVMeTier.read_to`): `sink(positions, rows)` gets
-  the verified payloads of a run as a strided uint8 view `[k, block_bytes]` of the run buffer
-  (row stride `slot_bytes`), so the only copy is the sink's own. A compressed block (never
-  written by this tier, but readable) and a slot read again alone are handed over from a
-  buffer of their own.
+  the verified payloads of a run as a strided view of the run buffer, so the only copy is
+  the sink's own (a compressed block or a slot read again alone: from a buffer of its own).
 A slot that fails its checks is never handed over. A run that fails or comes back short is
-read again slot by slot, so an I/O error fails only the slots it hits.
-
-Why not straight into the destination (O_DIRECT DMA into the engine's blocks): a slot is a
-64-byte header followed by the payload, so the payload does not start on a 4 KiB boundary in
-the file, and torch CPU tensors are only 64-byte aligned; O_DIRECT needs both (and the
-length) aligned. It would take another on-disk format; this one is kept.
+read again slot by slot, so an I/O error fails only the slots it hits. (Not straight into
+the destination with O_DIRECT: a payload starts 64 bytes into its slot, not aligned.)
 """
 
 from __future__ import annotations

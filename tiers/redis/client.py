@@ -222,12 +222,9 @@ def pipeline(client: Any, cmds: list[list[Any]], cluster: bool) -> list[Any]:
 
 
 def send_packed(client: redis.Redis, cmds: list[list[Any]]) -> list[Any]:
-    """A pipeline on one pooled connection, packed here so that a (header, payload)
-    value goes out as two buffers: the payload is sent from the caller's tensor, never
-    joined into a fresh string (redis-py's pipeline would need one `bytes` per value).
-    A connection that fails before any reply was read is retried once on a fresh one
-    (a server restart leaves stale pooled connections); every command here is
-    idempotent."""
+    """A pipeline on one pooled connection, packed here so that a (header, payload) value
+    goes out as two buffers, the payload from the caller's tensor. A connection that fails
+    before any reply was read is retried once on a fresh one (every command is idempotent)."""
     buffers: list[bytes | memoryview] = []
     small = bytearray()
     for cmd in cmds:

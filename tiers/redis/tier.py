@@ -417,10 +417,8 @@ class RedisTier(KeyedTier):
         return n
 
     def free(self, slots: Sequence[int]) -> None:
-        """Return slots; the keys this instance stored there since it opened are deleted from
-        Redis with the next write or at flush, not now: a demotion planned with the eviction
-        reads them. Blocks found at open or adopted are only forgotten: other instances may
-        serve them, and the server's maxmemory policy decides when they go."""
+        """Return slots; the keys this instance stored there since it opened are deleted with
+        the next write or at flush (see `KeyedTier`); others are only forgotten."""
         self._drop(slots, held=False)
 
     def release(self, slots: Sequence[int]) -> None:
