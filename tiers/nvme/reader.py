@@ -13,7 +13,7 @@ import numpy as np
 from tiercache.errors import BlockCorruptError
 from tiercache.tiers.format import CODEC_RAW, HEADER_SIZE, BlockHeader, decode_payload, header_of
 from tiercache.tiers.nvme.journal import JournalEntry, newest_copies, replay_journal
-from tiercache.tiers.nvme.layout import INDEX, META, SLAB, read_meta
+from tiercache.tiers.nvme.layout import INDEX, META, SLAB, open_nofollow, read_meta
 
 
 class NVMeStoreReader:
@@ -41,12 +41,10 @@ class NVMeStoreReader:
     def reload(self) -> None:
         """Read the journal again (its current file: a compaction replaces it)."""
         try:
-            fd = os.open(os.path.join(self.path, INDEX), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with open(os.path.join(self.path, INDEX), "rb", opener=open_nofollow) as f:
+                data = f.read()
         except FileNotFoundError:
             data = b""
-        else:
-            with os.fdopen(fd, "rb") as f:
-                data = f.read()
         # Every slot of the slab (it holds kept blocks past the capacity); every live slot,
         # equal keys of two namespaces included.
         self.entries, self.journal = replay_journal(data, self.slots, per_key=False)

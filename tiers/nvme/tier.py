@@ -116,7 +116,7 @@ class NVMeTier(Tier):
         if not isinstance(path, str | os.PathLike) or not os.fspath(path):
             raise ConfigError("path", f"expected a directory path, got {path!r}")
         self._base = os.path.abspath(os.fspath(path))  # the configured path: instance 0
-        self._path = self._base  # the directory this tier holds, set by _take_instance
+        self._path = self._base  # the directory this tier holds, set at open
         self._instances, self._instance = instances, instance
         self.instance = 0  # which instance this tier opened
         self._fsync = fsync
@@ -188,15 +188,10 @@ class NVMeTier(Tier):
         return self._slot_bytes
 
     # -- open ------------------------------------------------------------------------------
-    def _take_instance(self) -> None:
-        """Lock the store directory (`layout.take_instance`); sets `_path`, `_dirfd` and
-        `instance`."""
-        self._path, self._dirfd, self.instance = take_instance(
+    def _open(self, direct: bool, io_threads: int) -> None:
+        self._path, self._dirfd, self.instance = take_instance(  # the store directory, locked
             self._base, self._instance, self._instances
         )
-
-    def _open(self, direct: bool, io_threads: int) -> None:
-        self._take_instance()
         meta = load_meta(self._path, self.block_bytes, self._slot_bytes)
         if meta is None:
             # meta.json first: from here on the directory is recognisably ours.
@@ -214,7 +209,7 @@ class NVMeTier(Tier):
         )
         # An existing store without its journal has lost every index entry: say so.
         index_missing = meta is not None and not os.path.exists(os.path.join(self._path, INDEX))
-        self._jfd = self._open_file(INDEX, os.O_RDWR)
+        self._jfd = open_file(self._path, INDEX, os.O_RDWR)
         with self._lock:
             size = os.fstat(self._jfd).st_size
             journal = os.pread(self._jfd, size, 0) if size else b""
@@ -234,15 +229,9 @@ class NVMeTier(Tier):
             # or a store reaches its key, or when it needs its slot (tiers/dormant.py).
             with self._lock:
                 self._dormant = DormantIndex(self._keys, self._live_slots())
-        if (
-            meta is not None
-            and meta.get("capacity_blocks") != self.capacity_blocks
-            and self._ns is not None
-        ):
+        resized = meta is not None and meta.get("capacity_blocks") != self.capacity_blocks
+        if resized and self._ns is not None:
             self._write_meta()
-
-    def _open_file(self, name: str, flags: int) -> int:
-        return open_file(self._path, name, flags)
 
     def _write_meta(self) -> None:
         meta = store_meta(self.block_bytes, self.capacity_blocks, self._slot_bytes)
@@ -557,7 +546,7 @@ class NVMeTier(Tier):
         )
         distinct = bool(newest_per_key(entries).all())  # checked here, so that opens need not
         image = encode_image(data, self._seq, self._ns, self._nslots, entries, distinct=distinct)
-        fd = self._open_file(INDEX + ".tmp", os.O_RDWR | os.O_TRUNC)
+        fd = open_file(self._path, INDEX + ".tmp", os.O_RDWR | os.O_TRUNC)
         try:
             write_all(fd, data, 0)
             self._sync(fd)  # complete and durable before the rename replaces the old journal
