@@ -251,15 +251,6 @@ class KeyedTier(Tier):
         if self._closed:
             raise RuntimeError(f"{self.medium}: the {self.store_label} tier is closed")
 
-    def _check_keys(self, keys: Sequence[bytes] | None, n: int) -> Sequence[bytes]:
-        if keys is None:
-            raise ValueError(
-                f"keys: the {self.store_label} tier stores blocks by key; pass one key per slot"
-            )
-        if len(keys) != n:
-            raise ValueError(f"keys: expected {n} keys, got {len(keys)}")
-        return keys
-
     def _io_keys(
         self, slots: Sequence[int], blocks: Any, keys: Sequence[bytes] | None, name: str
     ) -> Sequence[bytes]:
@@ -267,7 +258,12 @@ class KeyedTier(Tier):
         block per slot, one key per slot is given, the tier is open. The keys."""
         n = len(slots)
         check_blocks(blocks, n, self.block_bytes, name)
-        keys = self._check_keys(keys, n)
+        if keys is None:
+            raise ValueError(
+                f"keys: the {self.store_label} tier stores blocks by key; pass one key per slot"
+            )
+        if len(keys) != n:
+            raise ValueError(f"keys: expected {n} keys, got {len(keys)}")
         self._check_open()
         return keys
 

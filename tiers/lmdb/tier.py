@@ -263,11 +263,12 @@ class LMDBTier(KeyedTier):
     def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> LMDBProbe:
         return LMDBProbe(cfg.options["path"], block_bytes, namespace=namespace)
 
-    def _unpend(self, keys: Iterable[bytes]) -> None:
-        """Keys stored again are live: no pending delete may remove them any more."""
-        shared = self._shared
-        with shared.state_lock:
-            shared.pending.unpend(self._nsb + k for k in keys)
+    def _unpend(self, keys: Iterable[bytes], *, prefixed: bool = False) -> None:
+        """Keys stored again (live: no pending delete may remove them any more) or deleted;
+        `prefixed`: store keys, else block keys of this namespace."""
+        skeys = keys if prefixed else (self._nsb + k for k in keys)
+        with self._shared.state_lock:
+            self._shared.pending.unpend(skeys)
 
     # -- write -----------------------------------------------------------------------------
     def write(
@@ -330,14 +331,10 @@ class LMDBTier(KeyedTier):
                     except lmdb.Error as exc2:
                         raise self._os_error("write", exc2) from None
                 if done:
-                    self._settle(done)
+                    self._unpend(done, prefixed=True)  # deleted
                 self._after_commit()
         with self._counts_lock:
             add_written(self._counts, len(skeys), len(skeys) * self.block_bytes, stored)
-
-    def _settle(self, done: Iterable[bytes]) -> None:
-        with self._shared.state_lock:
-            self._shared.pending.unpend(done)  # deleted
 
     def _txn(
         self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]
@@ -422,7 +419,7 @@ class LMDBTier(KeyedTier):
             except lmdb.Error as exc:
                 log.warning("%s: cannot delete damaged entry %s: %s", self._path, k.hex(), exc)
             done.append(k)
-        self._settle(done)
+        self._unpend(done, prefixed=True)
 
     def _after_commit(self) -> None:
         shared = self._shared

@@ -93,6 +93,11 @@ class Entries:
     def take(self, idx: np.ndarray) -> Entries:
         return Entries(self.slots[idx], self.keys[idx], self.seqs[idx], self.ns[idx])
 
+    def join(self, more: Entries) -> Entries:
+        """These entries, then `more`."""
+        cols = ("slots", "keys", "seqs", "ns")
+        return Entries(*(np.concatenate([getattr(self, f), getattr(more, f)]) for f in cols))
+
     def __len__(self) -> int:
         return len(self.slots)
 
@@ -105,17 +110,18 @@ def put_records(e: Entries) -> bytes:
     rows["magic"], rows["version"], rows["op"] = _REC_MAGIC, _REC_VERSION, OP_PUT
     rows["slot"], rows["seq"], rows["key"] = e.slots, e.seqs, e.keys
     body = rows.tobytes()
-    view = memoryview(body)
-    digest = xxhash.xxh3_64_intdigest
-    sums = np.fromiter(
-        (digest(view[i : i + _REC.size]) for i in range(0, len(body), _REC.size)),
-        dtype="<u8",
-        count=n,
-    )
+    sums = _digests(body, _REC.size, n)
     out = np.empty((n, REC_SIZE), dtype=np.uint8)
     out[:, : _REC.size] = rows.view(np.uint8).reshape(n, _REC.size)
     out[:, _REC.size :] = sums.view(np.uint8).reshape(n, REC_SUM.size)
     return out.tobytes()
+
+
+def _digests(data: bytes | memoryview, stride: int, n: int) -> np.ndarray:
+    """The xxh3 of the record body at every `stride` bytes of `data`, `n` of them."""
+    view, digest = memoryview(data), xxhash.xxh3_64_intdigest
+    it = (digest(view[o : o + _REC.size]) for o in range(0, n * stride, stride))
+    return np.fromiter(it, dtype="<u8", count=n)
 
 
 def _winners(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
@@ -127,13 +133,7 @@ def _winners(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray, np.ndarr
     n = len(data) // REC_SIZE
     damaged = int(len(data) % REC_SIZE != 0)
     recs = np.frombuffer(data, dtype=_REC_FULL, count=n)
-    view = memoryview(data)
-    digest = xxhash.xxh3_64_intdigest
-    sums = np.fromiter(
-        (digest(view[o : o + _REC.size]) for o in range(0, n * REC_SIZE, REC_SIZE)),
-        dtype=np.uint64,
-        count=n,
-    )
+    sums = _digests(data, REC_SIZE, n)
     body = recs["body"]
     ok = (
         (sums == recs["sum"])
@@ -211,12 +211,8 @@ def compacted(
     far) + one PUT each."""
     entries = live
     if kept:
-        more = Entries.of(kept)
-        both = [
-            np.concatenate([getattr(live, f), getattr(more, f)])
-            for f in ("slots", "keys", "seqs", "ns")
-        ]
-        entries = Entries(*both).take(np.argsort(both[2], kind="stable"))
+        both = live.join(Entries.of(kept))
+        entries = both.take(np.argsort(both.seqs, kind="stable"))
     return entries, pack_record(OP_BASE, 0, top_seq, NO_KEY) + put_records(entries)
 
 

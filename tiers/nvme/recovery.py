@@ -114,12 +114,7 @@ def from_image(img: IndexImage, journal: bytes, cap: int) -> Replayed | None:
             extra.pop(slot, None)
     entries = Entries(slots, keys, seqs, ns).take(np.flatnonzero(alive))
     if len(add):
-        entries = Entries(
-            *(
-                np.concatenate([getattr(entries, f), getattr(add, f)])
-                for f in ("slots", "keys", "seqs", "ns")
-            )
-        )
+        entries = entries.join(add)
     # Tail PUTs may name a key the image holds in another slot (a lost FREE record);
     # FREE records only remove entries.
     distinct = img.distinct and not len(put_over) and not len(add)
