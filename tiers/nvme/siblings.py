@@ -170,22 +170,13 @@ class Siblings:
             self._index = _Index([], [])
 
 
-class SiblingsProbe:
+class SiblingsProbe(Siblings):
     """`StoreProbe` over every instance of an NVMe path (the scheduler's, read-only)."""
-
-    def __init__(self, path: str, block_bytes: int, namespace: str) -> None:
-        self._siblings = Siblings(path, block_bytes, namespace)
-
-    def probe(self, keys: Sequence[bytes]) -> int:
-        return self._siblings.probe(keys)
 
     def may_hold(self, key: bytes) -> bool:
         """False when no instance's journal names `key` (from memory, no I/O): the
         scheduler's index then answers a miss without waiting for the probe thread."""
-        return self._siblings.where(key) is not None
-
-    def close(self) -> None:
-        self._siblings.close()
+        return self.where(key) is not None
 
 
 class NVMeSiblingsTier(Tier):
