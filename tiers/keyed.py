@@ -90,16 +90,11 @@ def compression_ratio(counts: MutableMapping[str, int] | dict[str, object]) -> f
 
 
 class PendingDeletes:
-    """Keys whose blocks this process stored and no longer holds: deleted from the store with
-    the next write or at flush, not at free (a demotion planned with the eviction still reads
-    the block). Added when a slot of ours is freed, when a slot of ours is written under
-    another key (the old key), or when a block of ours is found damaged. A key stored again
-    leaves the set (`unpend`): nothing may delete it any more. A probe stops at a pending key
-    (`leading_clear`). Each key maps to what its delete needs (LMDB: the seq of a malformed
-    entry; else None).
-
-    Not locked: callers hold the lock that guards it (LMDB: the shared environment's state
-    lock, for every tier of the process on that environment; Redis: the tier's lock)."""
+    """Keys whose blocks this process stored and no longer holds (freed, replaced in their
+    slot, or found damaged): deleted from the store with the next write or at flush. A key
+    stored again leaves the set (`unpend`): nothing may delete it any more. Each key maps to
+    what its delete needs (LMDB: the seq of a malformed entry; else None). Not locked:
+    callers hold the lock that guards it (LMDB: the shared environment's; Redis: the tier's)."""
 
     __slots__ = ("_sending", "entries", "held")
 

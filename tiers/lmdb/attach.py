@@ -1,13 +1,10 @@
 """Who has an LMDB store open, and what each namespace's capacity and name are: records in the
 environment's "meta" database, written by the LMDB tier, read by `tiercache inspect`.
 
-Records (beside store format 3's "store", "seq" and "count:" records; a store written before
-them lacks them, and a missing record reads as unknown, so no format version changes):
+Records (a missing one reads as unknown, so stores written before them need no new format):
 - ``capacity:`` + namespace prefix -> u64 big-endian: the capacity in blocks of the last tier
-  of that namespace that opened the store (every process of a namespace should be configured
-  with the same `blocks`; the store evicts by the capacity of the process that writes).
-- ``name:`` + namespace prefix -> utf-8: the namespace as configured (block keys carry only
-  its 64-bit id).
+  of that namespace that opened the store.
+- ``name:`` + namespace prefix -> utf-8: the namespace as configured.
 - ``attach:`` + 16 random bytes -> JSON {pid, host, namespace_id, opened_at, start,
   capacity_blocks}: one per open tier, put at open and deleted at close, each in a write
   transaction of its own. A killed process leaves its entry: `Attachment.state` tells
@@ -16,8 +13,7 @@ them lacks them, and a missing record reads as unknown, so no format version cha
 
 Primitives: `register(txn, meta_db, ...) -> token`, `unregister(txn, meta_db, token)`,
 `read_records(txn, meta_db) -> StoreRecords`, `readers(env) -> list[Reader]` (LMDB's own
-reader table). Values are parsed as JSON or integers, never unpickled; malformed ones are
-skipped.
+reader table). Values are parsed as JSON or integers, never unpickled; malformed ones skipped.
 """
 
 from __future__ import annotations

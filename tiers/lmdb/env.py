@@ -3,12 +3,9 @@
 - `map_size_for`: the map size (reserved on disk at open) for a capacity and block size.
 - `pool`/`pool_map`: the codec and sync thread pools, and `fn` over a range split on them.
 - `prepare_dir`: the environment directory (`store_dir.prepare_dir`, LMDB's two files).
-- `SharedEnv`: one open environment per real path per process (LMDB refuses a second open
-  of an environment in one process), reference counted by `attach`/`detach`, borrowed by
-  offline tools (`borrow`), asked after by `is_open` (the CLI's lock-holder check).
-- `_open_env`/`_init_store`/`parse_meta`: open, reserve, create or check the metadata.
-
-See the package docstring for sharing, durability and readahead."""
+- `SharedEnv`: one open environment per real path per process, reference counted by
+  `attach`/`detach`, borrowed by offline tools (`borrow`), asked after by `is_open`.
+- `open_lmdb`, `parse_meta`: how every process opens an environment, its metadata."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 that do not hold the store as a tier (vLLM's scheduler).
 
 - `open_store(path, write=False)` -> `StoreHandle`: an existing store's environment, opened
-  read-only unless asked (borrowed when a tier of this process has it open: LMDB forbids a
-  second open of one environment per process).
+  read-only unless asked (borrowed when a tier of this process has it open).
 - `LMDBProbe`: a read-only `StoreProbe` (`LMDBTier.open_probe`): headers only.
 - `iter_entries`, `delete_entries`: walk or delete entries in short transactions.
 - `open_here(path)`: whether this process holds the environment open as a tier;
@@ -88,11 +87,9 @@ class StoreHandle:
 
 @contextlib.contextmanager
 def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator[StoreHandle]:
-    """An existing store for offline tools: opened read-only (nothing in the data file
-    changes; LMDB registers its readers in lock.mdb) unless `write`. Other processes may hold
-    the store open meanwhile (LMDB's reader table and writer mutex keep them consistent).
-    When a tier of this process has it open, its environment is borrowed: LMDB forbids a
-    second open of one environment per process. ConfigError when `path` is not a store."""
+    """An existing store for offline tools, opened read-only unless `write` (other processes
+    may hold it open meanwhile); borrowed when a tier of this process has it open, since LMDB
+    forbids a second open in one process. ConfigError when `path` is not a store."""
     if not isinstance(path, str | os.PathLike) or not os.fspath(path):
         raise ConfigError("path", f"expected a directory path, got {path!r}")
     real = os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
@@ -141,9 +138,8 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
 
 class LMDBProbe:
     """A read-only `StoreProbe` of an LMDB store (`LMDBTier.open_probe`): the environment is
-    opened read-only (`open_store`; borrowed when a tier of this process has it open) when
-    first asked, and again after a failure at most once a second (a `Backoff` that does not
-    grow: `RETRY_S` each time); it never writes."""
+    opened (`open_store`) when first asked, and again after a failure at most every
+    `RETRY_S`; it never writes."""
 
     RETRY_S = 1.0
 

@@ -3,12 +3,10 @@ the "order" entries and checked by header only (no payload is read: a read verif
 
 - `scan`: the open-time scan. A lazy tier over a well-formed store indexes nothing
   (`open_lazily`); else a well-formed namespace is read in bulk (`scan_fast`), and any
-  malformed entry sends the open to the entry-by-entry walk, which finds and drops exactly
-  those (`malformed`, when the databases disagree in size). Opening deletes no good block.
-- `Scope`: what a scan is for (path, namespace, capacity, block size): explicit inputs.
-
-The tier hands in its header check, transaction and commit functions (`check`, `begin`,
-`commit`), so this module never imports the tier."""
+  malformed entry sends the open to the entry-by-entry walk, which drops exactly those
+  (`malformed`). Opening deletes no good block.
+- `Scope`: what a scan is for (path, namespace, capacity, block size). The tier hands in its
+  header check, transaction and commit functions, so this module never imports the tier."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Reading an NVMe store's index at open: its image, else every slot header the journal names.
 
 - `read_image(path, journal, slab_slots)`: the index image, if it is whole and covers this
-  journal, with the journal records after it replayed over it (`recovery.from_image`): no
-  slot is read. None (each reason logged) sends the caller to `read_headers`.
-- `read_headers(journal, fd, ...)`: the journal replayed, and each entry kept only where its
-  slot's header agrees (`recovery.header_ns`), the headers read on the tier's I/O pool.
-
+  journal, with the records after it replayed over it: no slot is read. None (each reason
+  logged) sends the caller to `read_headers`.
+- `read_headers(journal, fd, ...)`: the journal replayed, each entry kept only where its
+  slot's header agrees, the headers read on the tier's I/O pool.
 Both hand back a `recovery.Replayed` for the tier to settle; they change no file.
 """
 

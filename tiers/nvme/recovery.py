@@ -1,6 +1,5 @@
 """Recovery of an NVMe store's index at open, as pure functions over the journal's bytes,
-the decoded image and the slot headers already read: no file, no tier, no log. The tier
-reads the files, calls these, adopts the `Recovered` record and logs what it reports.
+the decoded image and the slot headers already read (no file, no tier, no log):
 
 - `image_matches(img, journal)`: the image covers this journal's first bytes unchanged.
 - `from_image(img, journal, slab_slots)`: the image's entries with the journal tail after it

@@ -6,15 +6,12 @@ both use it, so a URL, a credential or a cluster is understood one way.
 - `mask(url)` / `shown(target)`: URLs for messages, passwords replaced by ***.
 - `secret(value, env, field)`: a credential given directly or through an environment variable.
 - `make_client(target, cluster, ...)`: a redis-py client (single node or Redis Cluster) with
-  bounded socket timeouts, one quick retry of a dropped connection, and a client name;
-  `close_client(client)` when done with it.
+  bounded timeouts; `close_client(client)` when done with it.
 - `auth_error(exc, shown)`: the ConfigError a refused authentication becomes (no secret).
 - `glob_escape(b)`: bytes matched literally in a SCAN pattern.
 - `pipeline(client, cmds, cluster)`: commands sent as one pipelined batch, one reply each;
   on a single node `send_packed` packs it so large payloads go out without a copy.
 - The store's layout on the server (`STORE_FORMAT`, `STORE_VERSION`, `META_SUFFIX`).
-
-This is the bottom file of the package: it imports nothing from the tier.
 """
 
 from __future__ import annotations
