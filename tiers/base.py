@@ -22,6 +22,8 @@ A tier knows bytes, never policies or other tiers. Primitives:
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 from abc import ABC, abstractmethod
 from array import array
@@ -38,6 +40,19 @@ if TYPE_CHECKING:
     from tiercache.tiers.dormant import DormantIndex
 
 KEY_BYTES = KEY_SIZE  # a block key: one chained prefix hash
+
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")  # the host's memory page
+
+
+@functools.cache
+def libc_madvise() -> Any:
+    """libc's madvise(addr, length, advice) -> 0 or -1 (errno kept), through ctypes, which
+    releases the GIL for the call."""
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def host_memory_bytes() -> int | None:

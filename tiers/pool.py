@@ -27,7 +27,14 @@ from typing import Any
 
 import torch
 
-from tiercache.tiers.base import Tier, check_blocks, check_geometry, host_memory_bytes
+from tiercache.tiers.base import (
+    PAGE_BYTES,
+    Tier,
+    check_blocks,
+    check_geometry,
+    host_memory_bytes,
+    libc_madvise,
+)
 
 
 def _run_start(slots: Sequence[int]) -> int | None:
@@ -45,22 +52,13 @@ log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: populate (prefault) page tables writable
 POPULATE_CHUNK = 64 << 20  # bytes per madvise call: a close waits for at most one
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _madvise() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def _page_range(t: torch.Tensor) -> tuple[int, int]:
     """The whole pages inside `t`'s bytes (madvise wants page-aligned addresses)."""
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
-    return -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    return -(-start // PAGE_BYTES) * PAGE_BYTES, end // PAGE_BYTES * PAGE_BYTES
 
 
 class _Prefault:
@@ -69,7 +67,7 @@ class _Prefault:
     def __init__(self, t: torch.Tensor, name: str) -> None:
         self.done = threading.Event()
         self._stop = threading.Event()
-        self._madvise = _madvise()
+        self._madvise = libc_madvise()
         start, end = _page_range(t)
         first = min(start + POPULATE_CHUNK, end)
         if first > start and self._madvise(start, first - start, MADV_POPULATE_WRITE) != 0:

@@ -35,7 +35,6 @@ LMDB's on-disk layout (lmdb.h / mdb.c, 64-bit, format version 1), as read here:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import struct
 import time
@@ -43,6 +42,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from tiercache.tiers.base import PAGE_BYTES, libc_madvise
 
 MAGIC = 0xBEEFC0DE
 P_BRANCH, P_LEAF, P_META = 0x01, 0x02, 0x08
@@ -56,30 +57,17 @@ _TXNID_AT = _DBS_AT + 2 * _DB.size + 8
 NO_PAGE = (1 << 64) - 1  # P_INVALID: an empty database
 MADV_WILLNEED = 3
 MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels answer EINVAL (then nothing is mapped)
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-_madvise: Any = None
-
-
-def _libc_madvise() -> Any:
-    """libc's madvise through ctypes (which releases the GIL for the call)."""
-    global _madvise
-    if _madvise is None:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _madvise = fn
-    return _madvise
 
 
 def will_need(views: Iterable[Any]) -> None:
     """Ask the kernel to read in, asynchronously and in one go per value, the map pages of
     each value (zero-copy views into the map) longer than a page. Errors are ignored."""
     for v in views:
-        if len(v) <= _PAGE:
+        if len(v) <= PAGE_BYTES:
             continue
         addr = np.frombuffer(v, dtype=np.uint8).ctypes.data
-        start = addr - addr % _PAGE
-        _libc_madvise()(start, addr + len(v) - start, MADV_WILLNEED)
+        start = addr - addr % PAGE_BYTES
+        libc_madvise()(start, addr + len(v) - start, MADV_WILLNEED)
 
 
 def map_base(data_file: str) -> int | None:
@@ -100,7 +88,7 @@ def _populate(base: int, psize: int, runs: Sequence[tuple[int, int]]) -> int:
     """Map pages [start, end) of each run, at `base` in this process, into its page tables;
     how many pages. Stops at the first error (an old kernel, a map that moved). A read fault
     changes no data, so a map closed or moved meanwhile is harmless."""
-    madvise, mapped = _libc_madvise(), 0
+    madvise, mapped = libc_madvise(), 0
     for start, end in runs:
         if madvise(base + start * psize, (end - start) * psize, MADV_POPULATE_READ) != 0:
             break
@@ -216,6 +204,6 @@ def warm_index(path: str, names: Sequence[bytes], psize: int | None = None) -> d
     # After the pass, every page asked for: the reads are in flight at once, so mapping
     # them waits for the slowest, not for each in turn.
     base = map_base(data) if runs else None
-    mapped = _populate(base, psize, runs) if base is not None and psize % _PAGE == 0 else 0
+    mapped = _populate(base, psize, runs) if base is not None and psize % PAGE_BYTES == 0 else 0
     pages = sum(end - start for start, end in runs)
     return {"pages": pages, "mapped": mapped, "seconds": time.perf_counter() - t0}
