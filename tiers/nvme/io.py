@@ -1,8 +1,8 @@
 """The NVMe tier's I/O primitives: a complete `pwrite`, a small file written durably,
 page-aligned slot buffers, the slab's opening (O_DIRECT where the filesystem takes it, with
 its probe) and size, `slot_runs` (a call's slots as runs of adjacent slots, one syscall
-each) and `SlotPipeline` (syscalls on a pool, buffers filled and checked on the caller's
-thread)."""
+each), `SlotPipeline` (syscalls on a pool, buffers filled and checked on the caller's
+thread) and `Slab` (what a read or write of slots needs of the open slab)."""
 
 from __future__ import annotations
 
@@ -207,3 +207,14 @@ class SlotPipeline:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+@dataclass(frozen=True, slots=True)
+class Slab:
+    """An open slab as its reads and writes see it: the file `fd`, slots of `slot_bytes`
+    holding blocks of `block_bytes`, and the `pipeline` their syscalls run on."""
+
+    fd: int
+    slot_bytes: int
+    block_bytes: int
+    pipeline: SlotPipeline

@@ -33,7 +33,7 @@ from tiercache.tiers.format import (
     is_raw_block,
     verify,
 )
-from tiercache.tiers.nvme.io import AlignedBuffer, SlotPipeline, SlotRun, slot_runs
+from tiercache.tiers.nvme.io import AlignedBuffer, Slab, SlotRun, slot_runs
 
 log = logging.getLogger(__package__)  # "tiercache.tiers.nvme", as the tier's
 
@@ -44,27 +44,24 @@ Sink = Callable[[list[int], torch.Tensor], None]
 
 class SlotReads:
     """One read of `slots`, whose slot `slots[i]` should hold `keys[i]` (checked by the
-    caller), from the slab `fd`. `seqs` and `index_keys` are the tier's index (per slot: the
+    caller), from `slab`. `seqs` and `index_keys` are the tier's index (per slot: the
     indexed write's seq, 0 for none, and its key); `ns` the namespace id, or None for any."""
 
     def __init__(
         self,
+        slab: Slab,
         *,
-        fd: int,
-        slot_bytes: int,
-        block_bytes: int,
         ns: int | None,
         seqs: np.ndarray,
         index_keys: np.ndarray,
-        pipeline: SlotPipeline,
         slots: Sequence[int],
         keys: Sequence[bytes],
     ) -> None:
-        self._fd, self._sb, self._bb, self._ns = fd, slot_bytes, block_bytes, ns
+        self._fd, self._sb, self._bb, self._ns = slab.fd, slab.slot_bytes, slab.block_bytes, ns
         self._seqs, self._index_keys = seqs, index_keys
-        self._pipeline = pipeline
+        self._pipeline = slab.pipeline
         self._slots, self.keys = slots, keys
-        self._runs = slot_runs(slots, pipeline.run_slots)
+        self._runs = slot_runs(slots, slab.pipeline.run_slots)
         # Per position: None (good), or the error that failed it.
         self.results: list[BaseException | None] = [None] * len(slots)
 

@@ -29,6 +29,7 @@ from tiercache.tiers.nvme.image import encode_image
 from tiercache.tiers.nvme.index_open import read_headers, read_image
 from tiercache.tiers.nvme.io import (
     ALIGN,
+    Slab,
     SlotPipeline,
     direct_works,
     open_slab,
@@ -207,6 +208,7 @@ class NVMeTier(Tier):
             f"tiercache-{self.medium}",
             run_slots=max(1, RUN_BYTES // self._slot_bytes),
         )
+        self._slab = Slab(self._fd, self._slot_bytes, self.block_bytes, self._io)
         # An existing store without its journal has lost every index entry: say so.
         index_missing = meta is not None and not os.path.exists(os.path.join(self._path, INDEX))
         self._jfd = open_file(self._path, INDEX, os.O_RDWR)
@@ -270,15 +272,7 @@ class NVMeTier(Tier):
     def _load_index(self, journal: bytes) -> None:
         """Replay the journal, then keep only entries whose slot header agrees (lock held;
         `index_open.read_headers`)."""
-        assert self._io is not None
-        got, headers = read_headers(
-            journal,
-            path=self._path,
-            fd=self._fd,
-            slot_bytes=self._slot_bytes,
-            block_bytes=self.block_bytes,
-            pipeline=self._io,
-        )
+        got, headers = read_headers(journal, self._path, self._slab)
         self._settle(got)
         self.open_report["index_image"] = 0
         self.open_report["headers_read"] = headers
@@ -338,14 +332,10 @@ class NVMeTier(Tier):
             first = self._seq + 1
             self._seq += n
         fd = self._fd
-        assert self._io is not None
         # 1. Data: header + payload into every slot, one pwrite per run of adjacent slots.
         # Nothing names these slots yet.
         write_slots(
-            fd=fd,
-            pipeline=self._io,
-            slot_bytes=self._slot_bytes,
-            block_bytes=self.block_bytes,
+            self._slab,
             ns=self._ns,
             slots=slots,
             rows=rows,
@@ -406,17 +396,8 @@ class NVMeTier(Tier):
         self._check_slots(slots, unique=False)
         if not slots:
             return None
-        assert self._io is not None
         return SlotReads(
-            fd=self._fd,
-            slot_bytes=self._slot_bytes,
-            block_bytes=self.block_bytes,
-            ns=self._ns,
-            seqs=self._seqs,
-            index_keys=self._keys,
-            pipeline=self._io,
-            slots=slots,
-            keys=keys,
+            self._slab, ns=self._ns, seqs=self._seqs, index_keys=self._keys, slots=slots, keys=keys
         )
 
     # -- slots and index -------------------------------------------------------------------
