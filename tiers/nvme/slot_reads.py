@@ -174,25 +174,28 @@ class SlotReads:
         (a slot named twice starts a new stretch); the others one by one."""
         sb, bb = self._sb, self._bb
 
-        def alone(i: int, view: memoryview, got: int) -> BaseException | None:
-            """Position i from a slot of its own, or a compressed one: verified, decoded if
-            compressed, then handed over."""
+        def alone(
+            i: int, view: memoryview, got: int, to: list[tuple[int, int]] | None = None, k: int = 0
+        ) -> BaseException | None:
+            """Position i checked: a raw block verified, then added to `to` (the k-th slot of
+            a run, handed over in place) or, without one, handed over alone; a compressed one
+            decoded into a buffer of its own and handed over."""
             h = self._header(i, view, got)
             if isinstance(h, BaseException):
                 return h
-            if h.codec == CODEC_RAW:
-                try:
+            try:
+                if h.codec == CODEC_RAW:
                     verify(h, view[HEADER_SIZE : HEADER_SIZE + bb])
-                except BlockCorruptError as exc:
-                    return exc
-                row = torch.frombuffer(view[HEADER_SIZE : HEADER_SIZE + bb], dtype=torch.uint8)
-            else:
-                out = np.empty(bb, dtype=np.uint8)
-                try:
+                    if to is not None:
+                        to.append((k, i))
+                        return None
+                    row = torch.frombuffer(view[HEADER_SIZE : HEADER_SIZE + bb], dtype=torch.uint8)
+                else:
+                    out = np.empty(bb, dtype=np.uint8)
                     decode_payload(h, view[HEADER_SIZE : HEADER_SIZE + h.stored_len], out)
-                except BlockCorruptError as exc:
-                    return exc
-                row = torch.from_numpy(out)
+                    row = torch.from_numpy(out)
+            except BlockCorruptError as exc:
+                return exc
             sink([i], row.view(1, bb))
             return None
 
@@ -203,17 +206,7 @@ class SlotReads:
                 if self._plain(i, view, n):
                     ready.append((k, i))
                     return None
-                h = self._header(i, view, n)
-                if isinstance(h, BaseException):
-                    return h
-                if h.codec != CODEC_RAW:
-                    return alone(i, view, n)
-                try:
-                    verify(h, view[HEADER_SIZE : HEADER_SIZE + bb])
-                except BlockCorruptError as exc:
-                    return exc
-                ready.append((k, i))
-                return None
+                return alone(i, view, n, ready, k)
 
             self._each(run, buf, got, first, alone)
             if not ready:
