@@ -169,6 +169,12 @@ class SharedEnv:
         except OSError as exc:  # a hint only: lookups read what they need anyway
             log.debug("%s: index warm pass stopped: %s", self.path, exc)
 
+    def pend(self, deletes: dict[bytes, int | None]) -> None:
+        """Store keys to delete in the next write txn, each with the order seq its delete
+        wants (None: whatever entry is there)."""
+        with self.state_lock:
+            self.pending.entries.update(deletes)
+
     def next_seq(self, n: int) -> int:
         with self.state_lock:
             first = self.seq

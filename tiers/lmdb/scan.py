@@ -161,9 +161,7 @@ def scan(
         txn.abort()
     if bad:
         log.warning("%s: dropping %d malformed entries found at open", scope.path, len(bad))
-        with shared.state_lock:
-            for sk, seq in bad.items():  # with the seq each delete wants
-                shared.pending.add((sk,), seq)
+        shared.pend(bad)
         commit()
     held = count - len(bad)  # the malformed entries just dropped are not held
     excess = over_capacity(held, scope.capacity)

@@ -254,8 +254,7 @@ class LMDBTier(KeyedTier):
         """A probe found a malformed header (damage): its entries go at the next write
         transaction or flush, counted (`malformed_dropped`), as the eager open drops them."""
         log.warning("%s: dropping a malformed entry found by a lookup", self._path)
-        with self._shared.state_lock:
-            self._shared.pending.add((sk,), head_seq(head))
+        self._shared.pend({sk: head_seq(head)})
         with self._counts_lock:
             self._counts["malformed_dropped"] += 1
 
@@ -501,9 +500,7 @@ class LMDBTier(KeyedTier):
             dst.copy_(out)
         failed.sort()
         if bad:
-            with self._shared.state_lock:
-                for sk, seq in bad.items():  # with the seq each delete wants
-                    self._shared.pending.add((sk,), seq)
+            self._shared.pend(bad)
         with self._counts_lock:
             self._counts["blocks_read"] += n - len(failed)
             self._counts["read_failures"] += len(failed) - len(gone)
@@ -543,14 +540,11 @@ class LMDBTier(KeyedTier):
                 )
                 txn.commit()
             except lmdb.MapFullError:
-                txn.abort()
                 log.warning("%s: map full: this tier is not shown as attached", self._path)
             except lmdb.Error as exc:
-                txn.abort()
                 raise ConfigError("path", damaged(self._path, exc)) from None
-            except BaseException:
-                txn.abort()
-                raise
+            finally:
+                txn.abort()  # nothing after a commit
 
     def _unregister(self) -> None:
         token, self._token = self._token, None
