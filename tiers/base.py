@@ -205,9 +205,8 @@ class Tier(ABC):
 
     # -- blocks other processes stored (shared tiers) ------------------------------------------
     def probe(self, keys: Sequence[bytes]) -> int:
-        """How many leading `keys` the store holds although this instance never indexed them
-        (another process stored them since this one opened): headers checked, not payloads;
-        0 on any I/O error, and in a private tier."""
+        """How many leading `keys` the store holds that another process stored since this one
+        opened (headers checked, not payloads); 0 on any I/O error, and in a private tier."""
         return 0
 
     def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
@@ -218,8 +217,7 @@ class Tier(ABC):
     @classmethod
     def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> StoreProbe | None:
         """A read-only `StoreProbe` of the shared store a validated `TierConfig` names, for a
-        process that does not hold the store as a tier (vLLM's scheduler, whose worker runs
-        in another process); None for a tier no other process writes into."""
+        process that does not hold it as a tier (vLLM's scheduler); None for a private tier."""
         return None
 
     def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:

@@ -206,8 +206,7 @@ def header_check(namespace: int, raw_len: int) -> Callable[[object, bytes], bool
 
 def is_header_of(buf: object, key: bytes, namespace: int, raw_len: int) -> bool:
     """Whether `buf` starts with a well-formed header of block `key` in `namespace` holding
-    `raw_len` bytes (a shared tier's cheap check that another process stored it; the payload
-    is verified when it is read)."""
+    `raw_len` bytes (a probe's check; the payload is verified when it is read)."""
     return header_check(namespace, raw_len)(buf, key)
 
 

@@ -213,8 +213,7 @@ class KeyedTier(Tier):
 
     def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
         """Of `keys` whose read on this thread failed, those that were plain misses: the
-        store no longer held them (another process deleted them, or the store's capacity
-        evicted them)."""
+        store no longer held them."""
         gone = getattr(self._gone, "keys", None)
         if not gone:
             return set()

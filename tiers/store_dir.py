@@ -184,9 +184,8 @@ def over_capacity(held: int, capacity: int) -> int:
 def warn_over_capacity(
     log: logging.Logger, path: str, held: int, capacity: int, excess: int, then: str
 ) -> None:
-    """The one warning of a store over capacity at open, logged on the caller's `log`
-    (nothing when `excess` is 0): `then` says what becomes of the excess, with one `%d`
-    for its count."""
+    """The one warning of a store over capacity at open, on the caller's `log` (none when
+    `excess` is 0): `then` says what becomes of the excess, with one `%d` for its count."""
     if excess:
         log.warning(
             "%s: holds %d blocks of this namespace, capacity is %d: " + then,

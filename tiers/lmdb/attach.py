@@ -162,8 +162,7 @@ def read_records(txn: Any, meta_db: Any) -> StoreRecords:
 
 def register(txn: Any, meta_db: Any, *, nsb: bytes, namespace: str, capacity: int) -> bytes:
     """In write txn `txn`: record the namespace's capacity and name, delete this host's stale
-    attach entries, and add one for this process's tier; the entry's token (for
-    `unregister`)."""
+    attach entries, and add one for this process's tier; its token (for `unregister`)."""
     cap = capacity.to_bytes(8, "big")
     if txn.get(CAPACITY_PREFIX + nsb, db=meta_db) != cap:
         txn.put(CAPACITY_PREFIX + nsb, cap, db=meta_db)

@@ -155,8 +155,7 @@ class SharedEnv:
 
     def start_warm(self) -> None:
         """Warm the "heads" and "order" pages (never payloads) on a daemon thread, once per
-        environment in this process: the first lookup of each key after a lazy open then
-        finds its pages in the page cache instead of reading them one at a time."""
+        environment in this process, for the first lookups after a lazy open."""
         with self.state_lock:
             if self.warm is not None:
                 return
@@ -299,8 +298,7 @@ def damaged(path: str, exc: lmdb.Error) -> str:
 
 def _reserve(path: str, map_size: int) -> None:
     """Allocate the data file's disk blocks up to the map size, now: with `writemap`, a page
-    fault that would allocate a block on a full disk kills the process with SIGBUS; reserved,
-    a full disk shows here, as a ConfigError."""
+    fault on a full disk is a SIGBUS; reserved, a full disk shows here, as a ConfigError."""
     fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         no_room = f"{path} has no room for the LMDB map of this capacity ({map_size} bytes)"

@@ -137,9 +137,8 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
 
 
 class LMDBProbe:
-    """A read-only `StoreProbe` of an LMDB store (`LMDBTier.open_probe`): the environment is
-    opened (`open_store`) when first asked, and again after a failure at most every
-    `RETRY_S`; it never writes."""
+    """A read-only `StoreProbe` of an LMDB store (`LMDBTier.open_probe`), opened when first
+    asked, and again after a failure at most every `RETRY_S`; it never writes."""
 
     RETRY_S = 1.0
 
@@ -270,9 +269,8 @@ def holder_pid(path: str) -> int | None:
 
 
 def block_headers(h: StoreHandle) -> tuple[list[tuple[bytes, BlockHeader]], int]:
-    """Each good block of an open store, (key, header): the header belongs to its key,
-    namespace and length and the payload has its stored length; and how many entries are
-    malformed or orphaned."""
+    """Each good block of an open store as (key, header), header and payload length checked;
+    and how many entries are malformed or orphaned."""
     bb = h.meta["block_bytes"]
     good, bad = [], 0
     for skey, head, payload in iter_entries(h):

@@ -180,9 +180,8 @@ def scan(
 
 
 def open_lazily(shared: SharedEnv, scope: Scope, count: int, next_seq: int) -> Scanned:
-    """`scan` of a well-formed store by a lazy tier: index nothing (lookups find
-    blocks by `probe`; the store's capacity evicts its oldest beyond `capacity` at its
-    next write of this namespace, as it does whoever writes)."""
+    """`scan` of a well-formed store by a lazy tier: index nothing (lookups find blocks by
+    `probe`; the store evicts beyond `capacity` at its next write of this namespace)."""
     excess = over_capacity(count, scope.capacity)
     warn_over_capacity(log, scope.path, count, scope.capacity, excess, EVICTS_LATER)
     report = {

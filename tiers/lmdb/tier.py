@@ -61,8 +61,7 @@ _EVICTED_MAX = 1 << 16  # take_evicted's memory of store evictions nobody took
 
 def check_settings(o: Mapping[str, Any], where: str = "") -> float:
     """Value checks shared by the constructor and `validate_options` (ConfigError), with the
-    constructor's defaults: the codec's (`keyed.check_codec`), then `sync`, then
-    `sync_interval` (returned)."""
+    constructor's defaults: the codec's, then `sync`, then `sync_interval` (returned)."""
     check_codec(o.get("compression", "zstd"), o.get("level", 1), o.get("element_size", 2), where)
     p = f"{where}." if where else ""
     sync = o.get("sync", "batch")
@@ -102,8 +101,7 @@ class LMDBTier(KeyedTier):
         lazy: bool = False,
     ) -> None:
         """`lazy`: index nothing at open when the store is well formed (the manager finds
-        each block by `probe` on its first lookup, as it finds other processes' blocks), so
-        the open costs neither time nor RAM per block; else index the newest `capacity`."""
+        each block by `probe` on its first lookup); else index the newest `capacity`."""
         codec = {"compression": compression, "level": level, "element_size": element_size}
         interval = check_settings({**codec, "sync": sync, "sync_interval": sync_interval})
         super().__init__(
@@ -524,9 +522,8 @@ class LMDBTier(KeyedTier):
         self._take_found(found.keys)
 
     def _register(self, namespace: str) -> None:
-        """Record this namespace's capacity and name and this tier's attach entry (see
-        tiers/lmdb/attach.py): what `tiercache inspect` shows. Its own write txn, after the
-        scan: the records never change a block."""
+        """Record this namespace's capacity and name and this tier's attach entry (`attach`),
+        in a write txn of its own after the scan: the records never change a block."""
         shared = self._shared
         with shared.write_lock:
             txn = self._begin(write=True)
@@ -582,9 +579,8 @@ class LMDBTier(KeyedTier):
 
     # -- helpers ---------------------------------------------------------------------------
     def _begin(self, write: bool, buffers: bool = True) -> lmdb.Transaction:
-        """A transaction (default db: blocks); retries what other processes cause briefly.
-        A read returns memoryviews into the map unless `buffers` is False (bytes: cheaper
-        for a probe's small values)."""
+        """A transaction (default db: blocks); retries what other processes cause briefly. A
+        read returns memoryviews into the map unless `buffers` is False (bytes)."""
         shared = self._shared
         for attempt in range(_RETRIES):
             try:

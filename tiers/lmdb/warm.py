@@ -174,8 +174,7 @@ def _advise(fd: int, psize: int, pages: Iterable[int]) -> list[tuple[int, int]]:
 
 def warm_index(path: str, names: Sequence[bytes], psize: int | None = None) -> dict[str, float]:
     """Bring every B-tree page (branch and leaf) of the databases `names` of the environment
-    in directory `path` into the page cache, and into this process's map of it where it has
-    one; payload overflow pages are not followed."""
+    in `path` into the page cache, and into this process's map of it where it has one."""
     t0 = time.perf_counter()
     psize = psize or max(4096, os.sysconf("SC_PAGE_SIZE"))
     data = os.path.join(path, "data.mdb")

@@ -57,9 +57,8 @@ class SlotRun:
 
 
 def slot_runs(slots: Sequence[int], max_slots: int) -> list[SlotRun]:
-    """`slots` as runs of consecutive slot numbers, at most `max_slots` each, by slot.
-    Slots need not come in order: the blocks of one call may have been given slots in any
-    order, and the run a slot lands in does not change what is read or written there."""
+    """`slots` as runs of consecutive slot numbers, at most `max_slots` each, by slot (in
+    any order: the run a slot lands in does not change what is read or written there)."""
     if max_slots < 1:
         raise ValueError(f"max_slots: expected an int >= 1, got {max_slots!r}")
     order = sorted(range(len(slots)), key=slots.__getitem__)
@@ -135,9 +134,8 @@ def _warn_buffered(path: str, medium: str, exc: OSError) -> None:
 def resize_slab(
     fd: int, target: int, *, grow_only: bool, path: str, slots: int, slot_bytes: int
 ) -> None:
-    """Make the slab `target` bytes: grown with the space reserved now (a full disk shows at
-    open, not halfway through a store; ConfigError naming the capacity), or cut to it unless
-    `grow_only`. `path`, `slots` and `slot_bytes` only word the error."""
+    """Make the slab `target` bytes: grown with the space reserved now (`store_dir.reserve`),
+    or cut to it unless `grow_only`. `path`, `slots` and `slot_bytes` only word the error."""
     size = os.fstat(fd).st_size
     if size < target:
         no_room = f"{path!r} has no room for {slots} slots of {slot_bytes} bytes"

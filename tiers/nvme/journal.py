@@ -206,9 +206,8 @@ def newest_copies(
 def compacted(
     live: Entries, kept: Sequence[tuple[int, bytes, int, int]], top_seq: int
 ) -> tuple[Entries, bytes]:
-    """What a compaction writes: the entries, `live` and `kept` (slot, key, seq, namespace
-    id) merged oldest first, and the journal that holds them: BASE (the sequence counter so
-    far) + one PUT each."""
+    """What a compaction writes: `live` and `kept` (slot, key, seq, namespace id) merged oldest
+    first, and the journal that holds them: BASE (the sequence counter) + one PUT each."""
     entries = live
     if kept:
         both = live.join(Entries.of(kept))

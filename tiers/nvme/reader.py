@@ -101,9 +101,8 @@ class NVMeStoreReader:
         return os.pread(self._fd, nbytes or self.slot_bytes, slot * self.slot_bytes)
 
     def headers(self) -> tuple[list[tuple[JournalEntry, BlockHeader]], int]:
-        """Each good block the journal names with its header (payloads not read), one copy
-        per (namespace, key): an older one a lost FREE record left behind is not listed;
-        and how many entries fail their header check."""
+        """Each good block the journal names with its header (payloads not read), the newest
+        copy per (namespace, key) only; and how many entries fail their header check."""
         good: list[tuple[JournalEntry, BlockHeader]] = []
         bad = 0
         for e in self.entries:

@@ -180,9 +180,8 @@ class SiblingsProbe(Siblings):
 
 
 class NVMeSiblingsTier(Tier):
-    """Blocks other NVMe instances of one path hold, read-only (see the module doc). Its
-    slots are its own numbering: each adopted slot maps to (instance, slot) there. Its
-    capacity is every sibling slot, so it can index all of them at once."""
+    """Blocks other NVMe instances of one path hold, read-only: each adopted slot maps to an
+    (instance, slot) there; its capacity is every sibling slot."""
 
     kind: ClassVar[str] = "nvme-siblings"
     persistent: ClassVar[bool] = True

@@ -68,8 +68,7 @@ class SlotReads:
     # -- checks ----------------------------------------------------------------------------
     def _header(self, i: int, view: memoryview, got: int) -> BlockHeader | BaseException:
         """Position i's header from its slot's bytes (`got` of them arrived), checked against
-        the key, the namespace and the index; the error instead of raising it. The payload
-        is not verified yet."""
+        the key, the namespace and the index (not the payload); the error, not raised."""
         if got < HEADER_SIZE + self._bb:
             return OSError(errno.EIO, f"short read ({max(got, 0)} bytes)")
         try:

@@ -254,11 +254,10 @@ class NVMeTier(Tier):
         )
 
     def _load_image(self, journal: bytes) -> bool | None:
-        """Load the index from the image plus the journal records appended after it, reading
-        no slot (lock held; `index_open.read_image`). None when the image is missing, damaged,
-        or does not cover this journal (then the caller reads every header); True when it
-        covers all of it and this tier wrote it (the journal is kept as is), False when a
-        compaction should follow."""
+        """Load the index from the image plus the journal records after it (lock held;
+        `index_open.read_image`). None when there is no usable image (the caller reads every
+        header); True when it covers all the journal and this tier wrote it (kept as is),
+        False when a compaction should follow."""
         slab_slots = os.fstat(self._fd).st_size // self._slot_bytes
         found = read_image(self._path, journal, slab_slots)
         if found is None:
@@ -383,8 +382,7 @@ class NVMeTier(Tier):
         staging: torch.Tensor | None = None,
     ) -> list[int]:
         """`Tier.read_to` without the staging copy: each run's verified payloads go to `sink`
-        as a strided view of the aligned run buffer, while the next runs are read
-        (slot_reads.py). `staging` is not used."""
+        as a strided view of the run buffer (`SlotReads.to_sink`); `staging` is not used."""
         reads = self._reads(slots, keys)
         if reads is None:
             return []

@@ -209,8 +209,7 @@ class RedisTier(KeyedTier):
     @classmethod
     def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> RedisTier:
         """The tier without its index (no SCAN and no metadata write at open): its `probe`
-        is one pipelined GETRANGE of the headers, bounded by `timeout`, and answers 0 at once
-        during a back-off after a failure. An unreachable server is not an error here."""
+        answers 0 at once during a back-off; an unreachable server is not an error here."""
         return cls.from_options(
             cfg, block_bytes, (), namespace=namespace, index_at_open=False, **cfg.options
         )
@@ -329,9 +328,8 @@ class RedisTier(KeyedTier):
             )
 
     def _run(self, client: Any, cmds: list[list[Any]], what: str) -> list[Any]:
-        """Send `cmds` in one pipelined batch; one reply each, per-command errors returned
-        in the list. An argument may be a (header, payload) pair: one Redis string. OSError
-        (and the tier marked down) on network failure."""
+        """`client.pipeline(client, cmds, cluster)`: one reply per command, errors in the list;
+        OSError (and the tier marked down) on network failure."""
         try:
             out = pipeline(client, cmds, self._cluster)
         except AuthenticationError as exc:
@@ -354,9 +352,8 @@ class RedisTier(KeyedTier):
 
     @property
     def retry_at(self) -> float:
-        """The `time.monotonic()` time from which calls try Redis again after a failure (its
-        back-off's end; 0.0 while it is reachable): before it they fail fast, and a probe
-        answers 0. Read-only."""
+        """The `time.monotonic()` time from which calls try Redis again after a failure (0.0
+        while it is reachable): before it they fail fast, and a probe answers 0."""
         with self._lock:
             return 0.0 if self._up else self._backoff.until
 
