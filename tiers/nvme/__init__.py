@@ -25,9 +25,6 @@ Layout under `path` (a private directory, 0700; every file 0600):
   it, reading no slot (a read verifies key, namespace, seq and checksum); a missing, damaged
   or stale image falls back to the full replay with header checks above.
 
-In memory the index is two columns per slot (`_seqs`, 0 for a slot holding none of this
-tier's blocks, and `_keys`), no Python object per block.
-
 Crash ordering: a store writes the data of all its slots, then (fsync="always") fdatasyncs the
 slab, and only then appends its PUT records (and fdatasyncs the journal). A crash before the
 records land leaves slots the index does not name; a record whose data never landed, or was

@@ -131,14 +131,11 @@ def _warn_buffered(path: str, medium: str, exc: OSError) -> None:
     )
 
 
-def resize_slab(
-    fd: int, target: int, *, grow_only: bool, path: str, slots: int, slot_bytes: int
-) -> None:
-    """Make the slab `target` bytes: grown with the space reserved now (`store_dir.reserve`),
-    or cut to it unless `grow_only`. `path`, `slots` and `slot_bytes` only word the error."""
+def resize_slab(fd: int, target: int, *, grow_only: bool, no_room: str) -> None:
+    """Make the slab `target` bytes: grown with the space reserved now (`store_dir.reserve`:
+    ConfigError(`no_room`) on a full disk), or cut to it unless `grow_only`."""
     size = os.fstat(fd).st_size
     if size < target:
-        no_room = f"{path!r} has no room for {slots} slots of {slot_bytes} bytes"
         if reserve(fd, size, target - size, no_room=no_room) is not None:
             os.ftruncate(fd, target)  # a filesystem that cannot preallocate
     elif size > target and not grow_only:

@@ -244,14 +244,10 @@ class NVMeTier(Tier):
         self._sync(self._dirfd)
 
     def _resize_slab(self, *, grow_only: bool) -> None:
-        resize_slab(
-            self._fd,
-            max(self.capacity_blocks, self._nslots) * self._slot_bytes,
-            grow_only=grow_only,
-            path=self._path,
-            slots=self.capacity_blocks,
-            slot_bytes=self._slot_bytes,
-        )
+        target = max(self.capacity_blocks, self._nslots) * self._slot_bytes
+        cap, sb = self.capacity_blocks, self._slot_bytes
+        no_room = f"{self._path!r} has no room for {cap} slots of {sb} bytes"
+        resize_slab(self._fd, target, grow_only=grow_only, no_room=no_room)
 
     def _load_image(self, journal: bytes) -> bool | None:
         """Load the index from the image plus the journal records after it (lock held;
