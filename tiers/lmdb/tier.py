@@ -404,9 +404,8 @@ class LMDBTier(KeyedTier):
         raise AssertionError("unreachable")
 
     def _delete_each(self, keys: Sequence[bytes]) -> None:
-        """Delete keys one txn each; a key LMDB cannot delete stays (a leak of its pages, its
-        block already a counted miss) and leaves the pending deletes; one that failed for
-        want of map space stays pending (write lock held)."""
+        """Delete keys one txn each (write lock held); a key LMDB cannot delete leaves the
+        pending deletes (its block stays, a counted miss); one that found the map full stays."""
         done = []
         for k in keys:
             try:

@@ -34,9 +34,8 @@ def instance_path(path: str, k: int) -> str:
 
 
 def take_instance(base: str, instance: int | None, instances: int) -> tuple[str, int, int]:
-    """Lock a store directory (one process per store: the index lives in this process's
-    memory): `instance` when given, else the first free of `instances` under `base`.
-    (directory, its fd holding the lock, k); ConfigError when none is free."""
+    """Lock a store directory: `instance` when given, else the first free of `instances`
+    under `base`. (directory, its fd holding the lock, k); ConfigError when none is free."""
     wanted = [instance] if instance is not None else range(instances)
     for k in wanted:
         path = instance_path(base, k)

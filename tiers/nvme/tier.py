@@ -544,9 +544,8 @@ class NVMeTier(Tier):
         self._sync(self._dirfd)  # and the rename itself survives a power loss
 
     def _write_image(self, image: bytes) -> bool:
-        """Write `image` to the image's temporary file, durably; on failure remove the old
-        image (it could name this tier as the writer of a journal it no longer covers) and
-        return False (lock held)."""
+        """Write `image` to the image's temporary file, durably (lock held); on failure remove
+        the old image (it may name a journal it no longer covers) and return False."""
         try:
             write_file(self._path, IMAGE + ".tmp", image, sync=self._fsync != "never")
             return True

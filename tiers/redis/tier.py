@@ -389,9 +389,8 @@ class RedisTier(KeyedTier):
         return slots
 
     def probe(self, keys: Sequence[bytes]) -> int:
-        """Leading `keys` whose value in Redis starts with a good header of this namespace
-        (stored by another instance since open): one pipelined GETRANGE of the 64-byte
-        headers. Stops at a key this instance is deleting; 0 while Redis is unreachable."""
+        """Leading `keys` whose value starts with a good header of this namespace (one pipelined
+        GETRANGE); stops at a key this instance is deleting; 0 while Redis is unreachable."""
         if self._closed or not keys:
             return 0
         with self._lock:
