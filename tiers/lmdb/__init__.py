@@ -52,11 +52,8 @@ environment. Every block is checksummed together with its key, so a damaged bloc
 a miss, never as wrong bytes; LMDB's own tree pages carry no checksum (damage there shows as
 LMDB errors).
 
-Modules, bottom up (each imports only those above it): `layout` (constants, keys,
-`StoreTxn`), `warm`, `attach` (the records `tiercache inspect` shows), `env` (map size,
-thread pools, the shared environment), `scan` (what an open indexes), `offline`
-(`open_store`, `LMDBProbe`, offline iteration and deletes), `tier` (`LMDBTier` and the
-tunables of its write path: patch them on `tiercache.tiers.lmdb.tier`).
+Modules, bottom up (each imports only those above it): `layout`, `warm`, `attach`, `env`,
+`scan`, `offline`, `tier` (`LMDBTier`; patch its tunables on `tiercache.tiers.lmdb.tier`).
 """
 
 from tiercache.tiers.lmdb.env import map_size_for

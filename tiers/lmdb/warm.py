@@ -10,12 +10,9 @@ Then, when this process maps the environment, it maps those pages into its own p
 (`MADV_POPULATE_READ`, Linux 5.14), sparing a first lookup its minor page faults.
 
 Primitives:
-- `tree_roots(fd, psize, names)`: (name, root page, depth) of each named database, from the
-  newest meta page;
-- `warm_index(path, names)`: the warm pass; a summary dict (pages asked for, pages mapped
-  into this process, seconds);
-- `map_base(data_file)`: where this process maps a file from its start, from
-  /proc/self/maps;
+- `tree_roots(fd, psize, names)`: (name, root page, depth) of each named database;
+- `warm_index(path, names)`: the warm pass; a summary (pages asked for, mapped, seconds);
+- `map_base(data_file)`: where this process maps a file from its start (/proc/self/maps);
 - `will_need(views)`: `MADV_WILLNEED` on the map pages of values that span several pages
   (readahead is off: a cold value would otherwise be read one page fault at a time).
 

@@ -55,11 +55,9 @@ of two namespaces live in two slots. Dropping another namespace's blocks is an o
 decision (`tiercache evict/clear --namespace`). The slab shrinks only by slots that hold
 nothing.
 
-Modules, each importing only those before it: `journal` (records, `Entries`, the replay
-rule), `image`, `options`, `layout` (file names, instance directories, `meta.json`), `io`
-(durable files, aligned buffers, the slab, `SlotPipeline`), `recovery` and `index_open` (the
-open), `slot_reads`, `slot_writes`, `reader` (`NVMeStoreReader`, offline access for the CLI),
-`tier` (`NVMeTier` and its tunables: patch them on `tiercache.tiers.nvme.tier`).
+Modules, each importing only those before it: `journal`, `image`, `options`, `layout`, `io`,
+`recovery`, `index_open`, `slot_reads`, `slot_writes`, `reader` (offline access for the CLI),
+`tier` (`NVMeTier`; patch its tunables on `tiercache.tiers.nvme.tier`).
 """
 
 from tiercache.tiers.nvme.io import ALIGN
