@@ -39,11 +39,8 @@ def available_policies() -> list[str]:
 
 
 def register_policy(name: str, cls_or_dotted_path: type[EvictionPolicy] | str) -> None:
-    """Bind `name` to a policy class, or to a dotted path imported when first looked up.
-
-    Names are case-insensitive and may not contain "." or ":" (those mean dotted paths).
-    Re-registering a name to the same target is a no-op; to a different one, a ValueError.
-    """
+    """Bind `name` (case-insensitive, no "." or ":") to a policy class, or to a dotted path
+    imported when first looked up. Re-registering a name to another target: ValueError."""
     if not isinstance(name, str) or not name.strip() or any(ch in name for ch in ".:"):
         raise ValueError(f"policy name must be a non-empty string without '.' or ':', got {name!r}")
     key = name.strip().lower()

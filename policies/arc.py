@@ -34,8 +34,7 @@ Deviations, and why:
   case IV deletes B1's LRU when |L1| = c, else B2's). Here only the 2c directory bound holds,
   and the longer ghost list gives up its LRU entry (B2 on a tie). With prefix chains T1 swings
   by a whole request at a time, and the L1 rule then empties B1 exactly when the next returning
-  chain would hit it; on the bench traces this raised the hit rate at every point where it
-  mattered (and vLLM's ARC, which keeps up to c in each ghost list, has no L1 rule either).
+  chain would hit it (vLLM's ARC, which keeps up to c in each ghost list, has no L1 rule either).
 - A ghost hit counted by on_miss leaves its ghost list at once (the paper moves it to T2 in
   the same step) and waits in `pending` until its store completes. A store that fails or is
   refused never inserts it: the entry is dropped by remove(key) or clear(), and otherwise
@@ -50,7 +49,7 @@ Deviations, and why:
 - Protected keys are skipped, falling back to the other list when the preferred one has no
   unprotected key; skipped keys still count in |T1|.
 - insert() of a ghost key that on_miss did not see (a lower tier, a direct caller) adapts p
-  after the eviction it caused, as before this hook existed. remove() leaves no ghost.
+  after the eviction it caused. remove() leaves no ghost.
 """
 
 from __future__ import annotations
@@ -85,7 +84,6 @@ class ARCPolicy(EvictionPolicy):
     """Balances recency (T1) against frequency (T2), learning the split from ghost hits."""
 
     def __init__(self, capacity: int) -> None:
-        """Create an empty policy for a tier of `capacity` blocks."""
         super().__init__(capacity)
         self._t1: OrderedDict[bytes, None] = OrderedDict()
         self._t2: OrderedDict[bytes, None] = OrderedDict()

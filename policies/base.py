@@ -30,7 +30,6 @@ class EvictionPolicy(ABC):
     """Chooses which resident blocks of one tier to drop when it needs room."""
 
     def __init__(self, capacity: int) -> None:
-        """Validate and keep the tier's capacity in blocks."""
         capacity = operator.index(capacity)
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 block, got {capacity}")
@@ -39,14 +38,10 @@ class EvictionPolicy(ABC):
     def on_miss(self, keys: Sequence[bytes]) -> None:  # noqa: B027 (a no-op hook by design)
         """Learn from a miss before making room for it; the default ignores it.
 
-        The manager calls this in prepare_store (and prepare_promote) with the keys it is about
-        to store into this policy's tier (distinct, none resident, in request order, head
-        first), before it calls evict() for their room and before insert_many() completes the
-        store. The manager calls it only once it knows the room can be made (enough resident
-        keys outside `protected`), so a refused store changes no policy state; the store may
-        still fail, and the keys then never arrive, so an override must not change residency
-        (len, `in`, which keys evict can pick) and must stay correct when no insert follows.
-        ARC adapts its target p here, as the paper does before REPLACE.
+        Called with the keys the manager is about to store into this tier (distinct, none
+        resident, head first), once it knows the room can be made and before evict() and
+        insert_many(). The store may still fail and the keys never arrive, so an override
+        must not change residency (len, `in`, what evict can pick). ARC adapts p here.
         """
 
     @abstractmethod
@@ -54,12 +49,9 @@ class EvictionPolicy(ABC):
         """Add `key` as most recently used; inserting a resident key behaves like touch([key])."""
 
     def insert_many(self, keys: Sequence[bytes], *, new: bool = False) -> None:
-        """`insert(k)` for each key, in order. The manager calls this once per completed store;
-        built-in policies override it with one loop, saving a method call per key.
-
-        `new=True` is the caller's promise that the keys are distinct and none is resident
-        (history such as ARC's ghosts may still hold them): the manager knows that of the
-        blocks it completes, and policies may then skip their per-key residency tests."""
+        """`insert(k)` for each key, in order (once per completed store). `new=True` promises
+        the keys are distinct and none is resident (history such as ARC's ghosts may still
+        hold them): policies may then skip their per-key residency tests."""
         for key in keys:
             self.insert(key)
 
@@ -71,10 +63,8 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def touch(self, keys: Sequence[bytes]) -> None:
-        """Mark `keys` (a prefix chain, head first) as used; unknown keys are ignored.
-
-        Keys are processed tail first so that the head ends up most recently used and a chain is
-        evicted tail first: its head is what later lookups need most.
+        """Mark `keys` (a prefix chain, head first) as used; unknown keys are ignored. Tail
+        first, so that the head ends up most recently used and a chain is evicted tail first.
         """
 
     @abstractmethod
@@ -83,11 +73,8 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def evict(self, n: int, protected: Container[bytes] = frozenset()) -> list[bytes] | None:
-        """Remove and return exactly `n` victims not in `protected`, in eviction order.
-
-        Returns None and changes no state at all when fewer than `n` keys can be evicted, so the
-        caller can try something else; n == 0 returns []; n < 0 raises ValueError.
-        """
+        """Remove and return exactly `n` victims not in `protected`, in eviction order; None,
+        and no state changed, when fewer than `n` can be evicted. n < 0: ValueError."""
 
     @abstractmethod
     def clear(self) -> None:
@@ -102,11 +89,8 @@ class EvictionPolicy(ABC):
         """Whether `key` is resident (history such as ARC's ghost lists does not count)."""
 
     def keys_in_eviction_order(self) -> Iterator[bytes]:
-        """Resident keys in the order evict() would pick them with nothing protected.
-
-        The default evicts everything from a deep copy, which is right for any policy but slow;
-        subclasses override it with a direct walk.
-        """
+        """Resident keys in the order evict() would pick them with nothing protected (the
+        default evicts everything from a deep copy; subclasses walk their lists)."""
         victims = copy.deepcopy(self).evict(len(self))
         assert victims is not None, "evicting every resident key cannot fail"
         return iter(victims)

@@ -2,8 +2,7 @@
 
 Primitives: LRUPolicy(capacity) with insert, touch, remove, evict(n, protected), clear, len, in,
 keys_in_eviction_order. Every operation is O(1) per key except evict, which also walks past
-protected keys at the cold end. The hot paths (touch, insert) avoid per-call allocations because
-the manager is expected to sustain more than a million block operations a second.
+protected keys at the cold end; the hot paths (touch, insert) allocate nothing per call.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ class LRUPolicy(EvictionPolicy):
     """Evicts the least recently inserted or touched key first."""
 
     def __init__(self, capacity: int) -> None:
-        """Create an empty policy for a tier of `capacity` blocks."""
         super().__init__(capacity)
         self._od: OrderedDict[bytes, None] = OrderedDict()
 

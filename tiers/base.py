@@ -9,27 +9,26 @@ A tier knows bytes, never policies or other tiers. Primitives:
   `read_to(slots, sink)`: a read that hands the verified blocks to a callback instead,
   straight from the tier's own buffers where it can (`reads_in_place`: NVMe), else through
   a staging tensor;
-- `recover()`: what a persistent tier already holds when it opens (key, slot) pairs;
-  `recover_columns()` the same as two lists; `open_columns()` the part of it the manager
-  adopts at open, the rest left dormant (`dormant_blocks`, `find_dormant`, `wake`,
-  `wake_oldest`, `open_keys`: see tiers/dormant.py);
-- capability flags: `persistent`, `shared` (between processes), `read_only` (written never);
-  shared tiers also `probe`, `adopt`, `take_gone`, and `open_probe` (a read-only
-  `StoreProbe` for another process); `take_evicted`: blocks a store with its own capacity
-  dropped (LMDB);
+- `recover()`/`recover_columns()`: what a persistent tier already holds when it opens;
+  `open_columns()` the part of it the manager adopts at open, the rest left dormant
+  (`find_dormant`, `wake`, `wake_oldest`, `open_keys`: see tiers/dormant.py);
+- capability flags: `persistent`, `shared` (between processes), `read_only`; shared tiers
+  also `probe`, `adopt`, `take_gone`, and `open_probe` (a read-only `StoreProbe` for another
+  process); `take_evicted`: blocks a store with its own capacity dropped (LMDB);
 - `sort_failed(keys, failed)`: the one rule for a read's failed blocks, used by every path
-  that reads a tier (the facade, the transfer engine, the adapters): gone (a plain miss) or
-  an error;
+  that reads a tier: gone (a plain miss) or an error;
 - `flush()` / `close()`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 import numpy as np
 import torch
@@ -43,17 +42,25 @@ if TYPE_CHECKING:
 KEY_BYTES = KEY_SIZE  # a block key: one chained prefix hash
 
 
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")  # the host's memory page
+
+
+@functools.cache
+def libc_madvise() -> Any:
+    """libc's madvise(addr, length, advice) -> 0 or -1 (errno kept), through ctypes, which
+    releases the GIL for the call."""
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def host_memory_bytes() -> int | None:
     """This host's physical RAM; None where unknown."""
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
-
-
-def slot_dtype(capacity_blocks: int) -> type[np.unsignedinteger]:
-    """The free-slot stack's entry type: 32 bits, 64 where a slot needs them."""
-    return np.uint64 if capacity_blocks > 1 << 32 else np.uint32
 
 
 def check_geometry(block_bytes: int, capacity_blocks: int) -> None:
@@ -115,12 +122,9 @@ class Tier(ABC):
 
     def __init__(self, *, name: str, block_bytes: int, capacity_blocks: int) -> None:
         check_geometry(block_bytes, capacity_blocks)
-        # Refused before allocating: the free-slot stack below takes 4 bytes a slot (8 past
-        # 2**32), built through a transient array as large, and a host that overcommits
-        # memory does not fail so large an allocation: it fills page after page until the
-        # OOM killer ends the process (a GPU host given 10**12 blocks). On a host that does
-        # not overcommit, the allocation's MemoryError would say less.
-        dtype = slot_dtype(capacity_blocks)
+        # Refused before allocating: a host that overcommits memory does not fail so large
+        # an allocation, it fills pages until the OOM killer ends the process.
+        dtype = np.uint64 if capacity_blocks > 1 << 32 else np.uint32  # free-slot entries
         need, have = 2 * capacity_blocks * np.dtype(dtype).itemsize, host_memory_bytes()
         if have is not None and need > have:
             raise MemoryError(
@@ -130,9 +134,8 @@ class Tier(ABC):
         self._name = name
         self._block_bytes = block_bytes
         self._capacity = capacity_blocks
-        # A stack of free slots; popping from the end hands out ascending slots, which keeps
-        # fresh batches contiguous and lets pool tiers copy them as one run. An `array`
-        # (4 bytes a slot), not a list of ints (36): a terabyte tier has millions of them.
+        # A stack of free slots (an `array`, 4 bytes a slot); popping from the end hands out
+        # ascending slots, which keeps fresh batches contiguous (pool tiers copy one run).
         self._free = slot_stack(np.arange(capacity_blocks - 1, -1, -1, dtype=dtype))
         self._closed = False
         # Blocks recovered at open that the manager has not taken over (persistent tiers
@@ -169,10 +172,8 @@ class Tier(ABC):
 
     # -- slots -----------------------------------------------------------------------------
     def allocate(self, keys: Sequence[bytes]) -> list[int] | None:
-        """Reserve one slot per key, or return None (and reserve nothing) when too few are free.
-
-        Keys are passed so persistent tiers can record which key a slot will hold.
-        """
+        """Reserve one slot per key (persistent tiers record which key a slot will hold), or
+        return None (and reserve nothing) when too few are free."""
         n = len(keys)
         if n > len(self._free):
             return None
@@ -190,31 +191,22 @@ class Tier(ABC):
         self._free.extend(reversed(slots))
 
     def release(self, slots: Sequence[int]) -> None:
-        """Return slots whose blocks a move is carrying into another tier (a demotion): a
+        """Return slots whose blocks a move (a demotion) is carrying into another tier: a
         store may be planned into them at once, but each block stays stored, and is what a
-        restart recovers, until `settle` says its move ended or its slot is written again.
-        So a kill while the move runs never loses the block: the source copy is released
-        only after the destination's is durable. A volatile tier: `free`."""
+        restart recovers, until `settle` or a write of its slot; so the source copy is
+        released only after the destination's is durable. A volatile tier: `free`."""
         self.free(slots)
 
     def settle(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        """The moves of the blocks `release`d from `slots` (holding `keys`, pairwise) ended:
-        their destination copies are durable (or the moves failed and the manager dropped
-        the blocks), so a persistent tier forgets them now. A slot written since holds
-        another block, which stays. A volatile tier: nothing to do."""
+        """The moves of the blocks `release`d from `slots` (holding `keys`, pairwise) ended
+        (durable at the destination, or failed and dropped): a persistent tier forgets them
+        now, except where a slot was written since. A volatile tier: nothing to do."""
         return None
-
-    def _claim(self, slots: Sequence[int]) -> None:
-        """Mark specific slots used (persistent tiers call this for what `recover` returns)."""
-        taken = set(slots)
-        self._free = slot_stack(np.array([s for s in self._free if s not in taken], np.int64))
 
     # -- blocks other processes stored (shared tiers) ------------------------------------------
     def probe(self, keys: Sequence[bytes]) -> int:
-        """How many leading `keys` the store holds although this instance never indexed them:
-        another process sharing it stored them after this one opened. Checks headers, not
-        payloads (a read verifies the block as usual); 0 on any I/O error. The manager asks
-        only about keys it does not hold. A private tier holds only what it was given: 0."""
+        """How many leading `keys` the store holds that another process stored since this one
+        opened (headers checked, not payloads); 0 on any I/O error, and in a private tier."""
         return 0
 
     def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
@@ -225,35 +217,27 @@ class Tier(ABC):
     @classmethod
     def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> StoreProbe | None:
         """A read-only `StoreProbe` of the shared store a validated `TierConfig` names, for a
-        process that does not hold the store as a tier (vLLM's scheduler, whose worker runs
-        in another process); None for a tier no other process writes into."""
+        process that does not hold it as a tier (vLLM's scheduler); None for a private tier."""
         return None
 
     def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
-        """Of `keys` whose `read` just failed on this thread, those that were plain misses,
-        not errors: a shared store no longer held them (its capacity, agreed by every
-        process, or another process evicted them). A private tier: none. Callers use
-        `sort_failed`, which applies it."""
+        """Of `keys` whose `read` just failed on this thread, those that were plain misses: a
+        shared store no longer held them. A private tier: none. Callers use `sort_failed`."""
         return set()
 
     def take_evicted(self) -> list[bytes]:
-        """Keys of blocks the store itself dropped by its own capacity (`store_capacity`:
-        LMDB evicts a namespace's oldest beyond it in every write), not by this instance's
-        `free`, since the last call, and not stored again since. The manager drops them from
-        its index and reports them removed (`OffloadingManager.take_events`). A tier whose
-        store never evicts on its own: none."""
+        """Keys of blocks the store dropped by its own capacity (`store_capacity`), not by
+        this instance's `free`, since the last call and not stored again since: the manager
+        drops them from its index and reports them removed. Other tiers: none."""
         return []
 
     def sort_failed(
         self, keys: Sequence[bytes], failed: Iterable[int]
     ) -> tuple[list[int], list[int]]:
-        """The rule for the failed positions of a `read` of `keys` (indices into `keys`),
-        as (gone, errors), each ascending. Gone: the store no longer holds the block
-        (another process, or the shared store's capacity, evicted it): a plain miss, which
-        the caller drops from the index and counts as no error, and which is no reason to
-        suspend the tier. Errors: everything else (a checksum or header mismatch, a short
-        or unreadable record): a miss too, counted against the tier. Call it on the thread
-        that read, right after the read (the tier remembers absent keys per thread)."""
+        """The failed positions of a `read` of `keys` as (gone, errors), each ascending.
+        Gone: the store no longer holds the block, a plain miss that counts as no error.
+        Errors: everything else (checksum, header, a short or unreadable record): a miss
+        counted against the tier. Call it on the thread that read, right after the read."""
         failed = sorted(failed)
         if not failed:
             return [], []
@@ -269,10 +253,7 @@ class Tier(ABC):
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> None:
         """Copy `src` (uint8 `[len(slots), block_bytes]`) into `slots`; raise OSError on failure.
-
-        `keys[i]` is the block key stored in `slots[i]`; persistent tiers require it (they
-        write it into the block header), pool tiers ignore it.
-        """
+        `keys[i]` is the block key stored in `slots[i]` (persistent tiers require it)."""
 
     @abstractmethod
     def read(
@@ -281,11 +262,10 @@ class Tier(ABC):
         """Copy `slots` into `dst` (uint8 `[len(slots), block_bytes]`).
 
         `keys[i]` is the key the caller expects in `slots[i]`; persistent tiers require it and
-        treat a slot holding another key as failed. A slot freed by the manager keeps its
-        bytes until the next write into it: a demotion planned with the eviction reads it
-        first. Returns the positions (indices into `slots`) whose bytes failed verification;
-        their rows of `dst` are garbage and the caller treats them as misses. Raises OSError
-        when nothing could be read.
+        treat a slot holding another key as failed. A freed slot keeps its bytes until the
+        next write into it (a demotion planned with the eviction reads it first). Returns
+        the failed positions (their rows of `dst` are garbage: misses); raises OSError when
+        nothing could be read.
         """
 
     def read_to(
@@ -296,18 +276,15 @@ class Tier(ABC):
         *,
         staging: torch.Tensor | None = None,
     ) -> list[int]:
-        """`read`, handing the blocks that arrived to `sink(positions, rows)` instead of
-        filling a tensor: `rows[j]` (uint8 `[len(positions), block_bytes]`, rows possibly
-        strided, valid only during the call) holds position `positions[j]`'s verified
-        bytes. Each good position is handed over exactly once, possibly in several calls;
-        a failed one never. Returns the failed positions, as `read`; raises OSError when
-        nothing could be read. An exception the sink raises ends the read and propagates
-        (a cancelled load stops reading that way).
+        """`read`, handing the blocks to `sink(positions, rows)` instead: `rows[j]` (uint8,
+        possibly strided, valid only during the call) holds position `positions[j]`'s
+        verified bytes. Each good position is handed over exactly once, a failed one never.
+        Returns the failed positions, as `read`. An exception the sink raises ends the read
+        and propagates (a cancelled load stops reading that way).
 
-        This version reads into `staging` (a uint8 tensor of at least `len(slots)` rows; a
-        new one when None) and hands over its stretches of good rows. A tier that can hand
-        over its own buffers (NVMe: its aligned read buffers) overrides it to save that
-        copy; `reads_in_place` says so.
+        This version reads into `staging` (at least `len(slots)` rows; new when None) and
+        hands over its stretches of good rows; a tier that hands over its own buffers
+        overrides it (`reads_in_place`).
         """
         n = len(slots)
         if staging is None:
@@ -325,13 +302,12 @@ class Tier(ABC):
     # -- lifecycle -------------------------------------------------------------------------
     def recover(self) -> list[tuple[bytes, int]]:
         """(key, slot) of every block a persistent tier already holds, oldest first."""
-        return []
+        return list(zip(*self.recover_columns(), strict=True))
 
     def recover_columns(self) -> tuple[list[bytes], list[int]]:
         """`recover()` as two lists, keys and slots (what the manager adopts at open, in
-        bulk); tiers holding millions of blocks override it to build no pair per block."""
-        pairs = self.recover()
-        return [k for k, _ in pairs], [s for _, s in pairs]
+        bulk, with no pair per block): what a persistent tier overrides."""
+        return [], []
 
     def open_columns(self) -> tuple[list[bytes], list[int]]:
         """What the manager adopts at open: everything recovered, or nothing where the
@@ -382,26 +358,31 @@ class Tier(ABC):
                     f"{where}.{key}",
                     f"unknown option for a {cls.kind!r} tier (its options: {known})",
                 )
-            if isinstance(value, bool) and bool not in (
-                expected if isinstance(expected, tuple) else (expected,)
-            ):
-                raise ConfigError(
-                    f"{where}.{key}",
-                    f"expected {getattr(expected, '__name__', expected)}, got bool",
-                )
-            if not isinstance(value, expected):
-                raise ConfigError(
-                    f"{where}.{key}",
-                    f"expected "
-                    f"{getattr(expected, '__name__', expected)}, "
-                    f"got {type(value).__name__}",
-                )
+            types = expected if isinstance(expected, tuple) else (expected,)
+            if not isinstance(value, expected) or (isinstance(value, bool) and bool not in types):
+                what = getattr(expected, "__name__", expected)
+                raise ConfigError(f"{where}.{key}", f"expected {what}, got {type(value).__name__}")
 
     @classmethod
     @abstractmethod
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> Tier:
         """Build the tier from a validated `TierConfig`; `namespace` is the cache's (persistent
         tiers stamp it into what they store)."""
+
+    @classmethod
+    def from_options(
+        cls, cfg: Any, block_bytes: int, fields: Container[str] | None, **kwargs: Any
+    ) -> Self:
+        """`cls(name=..., block_bytes=..., capacity_blocks=..., **kwargs)` for a validated
+        `TierConfig`: `from_config`'s common part. A ConfigError naming one of `fields` (None:
+        any field not already under a tier entry) is raised again under the config's entry."""
+        try:
+            capacity = cfg.capacity_in_blocks(block_bytes)
+            return cls(name=cfg.name, block_bytes=block_bytes, capacity_blocks=capacity, **kwargs)
+        except ConfigError as exc:
+            if not exc.field.startswith("tiers[") if fields is None else exc.field in fields:
+                raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
+            raise
 
     def __repr__(self) -> str:
         return (

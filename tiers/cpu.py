@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -10,11 +10,8 @@ from tiercache.tiers.pool import PoolTier
 
 
 class CPUTier(PoolTier):
-    """A contiguous uint8 pool in host memory.
-
-    Pinned (page-locked) when CUDA is available so device<->host copies can be asynchronous;
-    pageable otherwise, or when `pin_memory = false`.
-    """
+    """A contiguous uint8 pool in host memory, pinned when CUDA is available (asynchronous
+    device copies) unless `pin_memory = false`."""
 
     kind: ClassVar[str] = "cpu"
     OPTIONS: ClassVar = {"pin_memory": bool}
@@ -37,12 +34,3 @@ class CPUTier(PoolTier):
             pin_memory=pin_memory,
         )
         self.pinned = pin_memory
-
-    @classmethod
-    def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> CPUTier:
-        return cls(
-            name=cfg.name,
-            block_bytes=block_bytes,
-            capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-            pin_memory=cfg.options.get("pin_memory"),
-        )

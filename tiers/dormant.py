@@ -1,13 +1,11 @@
 """`DormantIndex`: the blocks a persistent tier recovered at open that the manager has not
 taken over yet, in fixed-width arrays (17 bytes per block, no Python object per block).
 
-Why: a store of millions of blocks cannot afford the manager's per-key dicts and policy
-entries for every block at open (hundreds of bytes each). A tier recovers its blocks as
-dormant instead; the manager wakes a block (takes it over, as if it had adopted it at open)
-when a lookup or a store reaches its key, and wakes the oldest ones when it needs their
-slots. Until then a dormant block is held, counted as used, and untouched since the open,
-so it is less recently used than anything the manager knows: evicting dormant blocks first,
-oldest first, is what LRU over the recovered order would do.
+A store of millions of blocks cannot afford the manager's per-key entries for every block
+at open. The manager wakes a dormant block (takes it over, as if adopted at open) when a
+lookup or a store reaches its key, and wakes the oldest when it needs their slots. Until
+then a dormant block is held, counted as used, and less recently used than anything the
+manager knows: evicting dormant blocks first, oldest first, is LRU over the recovered order.
 
 Primitives: `find(keys)` (slots of the dormant ones, -1 for the rest; changes nothing),
 `wake(slots)`, `wake_oldest(n)`, `open_keys()` (every key recovered at open, oldest first),

@@ -155,9 +155,8 @@ def header_problem(
     header: BlockHeader, key: bytes, ns: int | None, length: int | None
 ) -> str | None:
     """What makes `header` not the header of block `key` in namespace `ns` holding `length`
-    raw bytes, or None when it is theirs: the one check every reader makes (tiers, recovery,
-    the CLI). `ns` or `length` None: that field is not checked. The stored payload is the
-    caller's: its length and checksum are checked when it is read."""
+    raw bytes, or None: the one check every reader makes (`ns` or `length` None: not
+    checked). The payload's length and checksum are checked when it is read."""
     if header.key != key:
         return f"header holds key {header.key.hex()}"
     if ns is not None and header.namespace_id != ns:
@@ -207,8 +206,7 @@ def header_check(namespace: int, raw_len: int) -> Callable[[object, bytes], bool
 
 def is_header_of(buf: object, key: bytes, namespace: int, raw_len: int) -> bool:
     """Whether `buf` starts with a well-formed header of block `key` in `namespace` holding
-    `raw_len` bytes (a shared tier's cheap check that another process stored it; the payload
-    is verified when it is read)."""
+    `raw_len` bytes (a probe's check; the payload is verified when it is read)."""
     return header_check(namespace, raw_len)(buf, key)
 
 
@@ -230,9 +228,8 @@ def _checksum(prefix: bytes, stored: object) -> int:
 def is_raw_block(buf: memoryview, key: bytes, namespace: int, raw_len: int, seq: int) -> bool:
     """Whether `buf` (a header, then at least `raw_len` payload bytes) holds exactly the raw
     block `key` of `namespace`, `raw_len` bytes, written as `seq`, checksum verified: one
-    compare against the header these fields make, and the checksum (a reader that knows the
-    seq, NVMe from its index, skips decoding the header). False says nothing more: the
-    caller decodes the header to learn what is wrong, or that the block is compressed."""
+    compare and the checksum, for a reader that knows the seq (NVMe). False says nothing
+    more: the caller decodes the header to learn what is wrong."""
     prefix = _HEAD.pack(
         MAGIC, FORMAT_VERSION, CODEC_RAW, 0, key, namespace, raw_len, raw_len, seq, 0
     )

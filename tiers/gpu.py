@@ -6,7 +6,7 @@ builds the same pool on the CPU (the CPU twin used by tests).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -54,13 +54,4 @@ class GPUTier(PoolTier):
             block_bytes=block_bytes,
             capacity_blocks=capacity_blocks,
             device=resolve_device(device),
-        )
-
-    @classmethod
-    def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> GPUTier:
-        return cls(
-            name=cfg.name,
-            block_bytes=block_bytes,
-            capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-            device=cfg.options.get("device", "cuda"),
         )

@@ -1,30 +1,22 @@
 """`KeyedTier`: what the tiers whose store is addressed by block key share (LMDB, Redis).
 
 In such a store slots are only handles: a block lives under its key. Shared here:
-- `_slot_key`: slot -> key of the blocks this instance stored or found at open (blocks
-  adopted later from another process are not in it);
-- `_own`: the slots of blocks this instance stored since it opened: the only ones its
-  evictions delete. Blocks found at open or adopted (`adopt`) are only forgotten: other
-  processes may be serving them, and the store's capacity decides when they go;
-- `_note_gone(keys)` / `take_gone(keys)`: reads that found no block at all (another process
-  or the store's own capacity evicted it): plain misses, not errors;
-- `_take_found(keys)` / `recover()`: what the store held at open, as slots 0..n-1;
-- `_check_open()`, `_check_keys(keys, n)`: errors naming the store;
-- `_compressor()`, `_decompressor()`: zstd contexts per thread (they are not thread-safe);
-- `_header(key, head, payload_len)`, `_decode_block(key, head, body, row)`: a stored value
-  checked against its key, this namespace and the block size (`format.header_problem`),
-  then verified and decoded into its row;
-- `_claim(slots, keys)` / `_release(slots)`: slot ownership by key. `_claim` records blocks
-  this instance stores and answers the keys of ours it replaced in those slots (to delete);
-  `_release` forgets slots and answers the keys of ours they held (to delete). Where each
-  tier claims is the one real difference between them: LMDB claims a slot's key before its
-  commit (at allocate and at write, the txn may fail after), Redis after the send succeeds;
-- `PendingDeletes`: keys to delete from the store with the next write or at flush, not at
-  free (a demotion planned with the eviction still reads them); a key stored again leaves
-  it, and a probe stops at a pending key (`leading_clear`);
-- `check_codec(...)`: the compression settings' checks (ConfigError), `COMPRESSIONS`,
-  `ZSTD_MIN_LEVEL`; `add_written(counts, ...)` / `compression_ratio(counts)`: the write
-  counters and the ratio both tiers' stats report.
+- slot ownership by key: `_slot_key` (slot -> key of the blocks this instance stored or found
+  at open) and `_own` (the slots of blocks it stored since it opened: the only ones its
+  evictions delete; blocks found at open or adopted are only forgotten, since other
+  processes may serve them and the store's capacity decides when they go). `_claim` records
+  stored blocks and answers the keys of ours they replaced, `_release` forgets slots and
+  answers the keys of ours they held: both to delete. Where each tier claims is the one real
+  difference between them: LMDB before its commit (the txn may fail after), Redis after the
+  send succeeds;
+- `PendingDeletes`: keys deleted from the store with the next write or at flush, not at free
+  (a demotion planned with the eviction still reads them); a probe stops at a pending key
+  (`leading_clear`);
+- `_note_gone`/`take_gone`: reads that found no block (a plain miss, not an error);
+  `_take_found`/`recover`: what the store held at open, as slots 0..n-1;
+- the checks and codec of one stored value (`_io_keys`, `_encode`, `_header`,
+  `_decode_block`, zstd contexts per thread), the settings checks (`check_codec`,
+  `check_seconds`) and the write counters (`add_written`, `compression_ratio`).
 """
 
 from __future__ import annotations
@@ -50,6 +42,7 @@ from tiercache.tiers.format import (
 
 COMPRESSIONS = ("none", "zstd")
 ZSTD_MIN_LEVEL = -(1 << 17)  # ZSTD_minCLevel(); python-zstandard does not export it
+CODEC_OPTIONS = {"compression": str, "level": int, "element_size": int}  # `check_codec`'s
 _GONE_MAX = 1 << 16  # take_gone's memory of plain misses nobody asked about
 
 
@@ -97,16 +90,11 @@ def compression_ratio(counts: MutableMapping[str, int] | dict[str, object]) -> f
 
 
 class PendingDeletes:
-    """Keys whose blocks this process stored and no longer holds: deleted from the store with
-    the next write or at flush, not at free (a demotion planned with the eviction still reads
-    the block). Added when a slot of ours is freed, when a slot of ours is written under
-    another key (the old key), or when a block of ours is found damaged. A key stored again
-    leaves the set (`unpend`): nothing may delete it any more. A probe stops at a pending key
-    (`leading_clear`). Each key maps to what its delete needs (LMDB: the seq of a malformed
-    entry; else None).
-
-    Not locked: callers hold the lock that guards it (LMDB: the shared environment's state
-    lock, for every tier of the process on that environment; Redis: the tier's lock)."""
+    """Keys whose blocks this process stored and no longer holds (freed, replaced in their
+    slot, or found damaged): deleted from the store with the next write or at flush. A key
+    stored again leaves the set (`unpend`): nothing may delete it any more. Each key maps to
+    what its delete needs (LMDB: the seq of a malformed entry; else None). Not locked:
+    callers hold the lock that guards it (LMDB: the shared environment's; Redis: the tier's)."""
 
     __slots__ = ("_sending", "entries", "held")
 
@@ -225,8 +213,7 @@ class KeyedTier(Tier):
 
     def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
         """Of `keys` whose read on this thread failed, those that were plain misses: the
-        store no longer held them (another process deleted them, or the store's capacity
-        evicted them)."""
+        store no longer held them."""
         gone = getattr(self._gone, "keys", None)
         if not gone:
             return set()
@@ -244,11 +231,8 @@ class KeyedTier(Tier):
         # The free stack pops ascending slots: 0..n-1 are its last n entries.
         del self._free[len(self._free) - len(self._recovered) :]
 
-    def recover(self) -> list[tuple[bytes, int]]:
-        """(key, slot) of every block found at open and still held, oldest first."""
-        return list(zip(*self.recover_columns(), strict=True))
-
     def recover_columns(self) -> tuple[list[bytes], list[int]]:
+        """Every block found at open and still held, oldest first."""
         held = list(map(self._slot_key.get, range(len(self._recovered))))
         if held == self._recovered:  # every one still held (C loops: at open, millions)
             return list(self._recovered), list(range(len(held)))
@@ -261,15 +245,6 @@ class KeyedTier(Tier):
         if self._closed:
             raise RuntimeError(f"{self.medium}: the {self.store_label} tier is closed")
 
-    def _check_keys(self, keys: Sequence[bytes] | None, n: int) -> Sequence[bytes]:
-        if keys is None:
-            raise ValueError(
-                f"keys: the {self.store_label} tier stores blocks by key; pass one key per slot"
-            )
-        if len(keys) != n:
-            raise ValueError(f"keys: expected {n} keys, got {len(keys)}")
-        return keys
-
     def _io_keys(
         self, slots: Sequence[int], blocks: Any, keys: Sequence[bytes] | None, name: str
     ) -> Sequence[bytes]:
@@ -277,7 +252,12 @@ class KeyedTier(Tier):
         block per slot, one key per slot is given, the tier is open. The keys."""
         n = len(slots)
         check_blocks(blocks, n, self.block_bytes, name)
-        keys = self._check_keys(keys, n)
+        if keys is None:
+            raise ValueError(
+                f"keys: the {self.store_label} tier stores blocks by key; pass one key per slot"
+            )
+        if len(keys) != n:
+            raise ValueError(f"keys: expected {n} keys, got {len(keys)}")
         self._check_open()
         return keys
 

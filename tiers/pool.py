@@ -10,11 +10,10 @@ its copy; the CUDA copy handler makes its lane stream wait on the fence of the p
 about to use, so a worker job never reads a slot before the facade's write into it landed.
 On the CPU, copies are done when they return and `fence` stays None.
 
-Start-up: an unpinned CPU pool is faulted in (first-touch faults would otherwise cut the first
-pass over it to a fraction of memcpy speed) on a background thread, with
-`madvise(MADV_POPULATE_WRITE)`, which backs pages without touching their contents, so it is
-safe while blocks are written: opening costs the same for 64 MiB and 64 GiB. Where the kernel
-refuses it (Linux < 5.14) the pool is zeroed in the constructor, as before.
+Start-up: an unpinned CPU pool is faulted in on a background thread (first-touch faults
+would slow the first pass over it), with `madvise(MADV_POPULATE_WRITE)`, which backs pages
+without touching their contents, so it is safe while blocks are written. Where the kernel
+refuses it (Linux < 5.14) the pool is zeroed in the constructor.
 """
 
 from __future__ import annotations
@@ -28,7 +27,14 @@ from typing import Any
 
 import torch
 
-from tiercache.tiers.base import Tier, check_blocks, check_geometry, host_memory_bytes
+from tiercache.tiers.base import (
+    PAGE_BYTES,
+    Tier,
+    check_blocks,
+    check_geometry,
+    host_memory_bytes,
+    libc_madvise,
+)
 
 
 def _run_start(slots: Sequence[int]) -> int | None:
@@ -46,22 +52,13 @@ log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: populate (prefault) page tables writable
 POPULATE_CHUNK = 64 << 20  # bytes per madvise call: a close waits for at most one
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _madvise() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def _page_range(t: torch.Tensor) -> tuple[int, int]:
     """The whole pages inside `t`'s bytes (madvise wants page-aligned addresses)."""
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
-    return -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    return -(-start // PAGE_BYTES) * PAGE_BYTES, end // PAGE_BYTES * PAGE_BYTES
 
 
 class _Prefault:
@@ -70,7 +67,7 @@ class _Prefault:
     def __init__(self, t: torch.Tensor, name: str) -> None:
         self.done = threading.Event()
         self._stop = threading.Event()
-        self._madvise = _madvise()
+        self._madvise = libc_madvise()
         start, end = _page_range(t)
         first = min(start + POPULATE_CHUNK, end)
         if first > start and self._madvise(start, first - start, MADV_POPULATE_WRITE) != 0:
@@ -157,6 +154,11 @@ class PoolTier(Tier):
         self._pool_wide = _wide(self._pool)
         self._async = device.type == "cuda"  # copies queue on a stream and return at once
         self._fence: Any = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> PoolTier:
+        """The pool a validated `TierConfig` describes: its options are the constructor's."""
+        return cls.from_options(cfg, block_bytes, (), **cfg.options)
 
     @property
     def device(self) -> torch.device:

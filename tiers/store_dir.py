@@ -4,8 +4,7 @@
   directory of this user, not writable by group or others, holding no other program's files
   (`DirRules` names which files are the store's).
 - `reserve`: disk blocks are allocated at open (posix_fallocate), so a full disk shows there,
-  as a ConfigError naming the capacity (ENOSPC), not halfway through a store; a filesystem
-  that cannot preallocate is answered with its refusal, and the caller decides what follows.
+  as a ConfigError naming the capacity, not halfway through a store.
 - `MetaFormat.parse` / `.check`: a store's metadata is JSON naming its format and version
   (and positive sizes); anything else is refused with a message naming the problem.
 - `over_capacity` / `warn_over_capacity`: a store that holds more blocks of a namespace than
@@ -105,10 +104,8 @@ def prepare_dir(path: object, rules: DirRules) -> str:
 
 def reserve(fd: int, offset: int, length: int, *, no_room: str) -> OSError | None:
     """Allocate the disk blocks of `fd` from `offset` for `length` bytes, now: a full disk
-    shows here as ConfigError("capacity", `no_room`) rather than later, mid-write (or, for a
-    shared mapping of a sparse file, as SIGBUS). The filesystem's refusal when it cannot
-    preallocate (the caller falls back: ftruncate, a warning), None when reserved; any other
-    error is raised."""
+    shows here as ConfigError("capacity", `no_room`), not mid-write. The filesystem's refusal
+    when it cannot preallocate (the caller falls back), None when reserved; others raise."""
     try:
         os.posix_fallocate(fd, offset, length)
     except OSError as exc:
@@ -187,9 +184,8 @@ def over_capacity(held: int, capacity: int) -> int:
 def warn_over_capacity(
     log: logging.Logger, path: str, held: int, capacity: int, excess: int, then: str
 ) -> None:
-    """The one warning of a store over capacity at open, logged on the caller's `log`
-    (nothing when `excess` is 0): `then` says what becomes of the excess, with one `%d`
-    for its count."""
+    """The one warning of a store over capacity at open, on the caller's `log` (none when
+    `excess` is 0): `then` says what becomes of the excess, with one `%d` for its count."""
     if excess:
         log.warning(
             "%s: holds %d blocks of this namespace, capacity is %d: " + then,

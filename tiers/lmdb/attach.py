@@ -1,13 +1,10 @@
 """Who has an LMDB store open, and what each namespace's capacity and name are: records in the
 environment's "meta" database, written by the LMDB tier, read by `tiercache inspect`.
 
-Records (beside store format 3's "store", "seq" and "count:" records; a store written before
-them lacks them, and a missing record reads as unknown, so no format version changes):
+Records (a missing one reads as unknown, so stores written before them need no new format):
 - ``capacity:`` + namespace prefix -> u64 big-endian: the capacity in blocks of the last tier
-  of that namespace that opened the store (every process of a namespace should be configured
-  with the same `blocks`; the store evicts by the capacity of the process that writes).
-- ``name:`` + namespace prefix -> utf-8: the namespace as configured (block keys carry only
-  its 64-bit id).
+  of that namespace that opened the store.
+- ``name:`` + namespace prefix -> utf-8: the namespace as configured.
 - ``attach:`` + 16 random bytes -> JSON {pid, host, namespace_id, opened_at, start,
   capacity_blocks}: one per open tier, put at open and deleted at close, each in a write
   transaction of its own. A killed process leaves its entry: `Attachment.state` tells
@@ -16,8 +13,7 @@ them lacks them, and a missing record reads as unknown, so no format version cha
 
 Primitives: `register(txn, meta_db, ...) -> token`, `unregister(txn, meta_db, token)`,
 `read_records(txn, meta_db) -> StoreRecords`, `readers(env) -> list[Reader]` (LMDB's own
-reader table). Values are parsed as JSON or integers, never unpickled; malformed ones are
-skipped.
+reader table). Values are parsed as JSON or integers, never unpickled; malformed ones skipped.
 """
 
 from __future__ import annotations
@@ -31,11 +27,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tiercache.tiers.lmdb.layout import NS_BYTES, iter_prefix
+
 CAPACITY_PREFIX = b"capacity:"
 NAME_PREFIX = b"name:"
 ATTACH_PREFIX = b"attach:"
 TOKEN_BYTES = 16
-_NS_BYTES = 8
 _MAX_VALUE = 4096  # an attach entry or a name longer than this is not ours: skipped
 
 
@@ -110,14 +107,7 @@ def pid_alive(pid: int, start: int | None) -> bool:
 
 
 def _under(txn: Any, db: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-    cur = txn.cursor(db=db)
-    if not cur.set_range(prefix):
-        return
-    for k, v in cur.iternext(values=True):
-        k = bytes(k)
-        if not k.startswith(prefix):
-            return
-        yield k, bytes(v)
+    return ((k, bytes(v)) for k, v in iter_prefix(txn.cursor(db=db), prefix, values=True))
 
 
 def _parse_attach(token: bytes, raw: bytes) -> Attachment | None:
@@ -154,10 +144,10 @@ def read_records(txn: Any, meta_db: Any) -> StoreRecords:
     """The capacity, name and attach records of a store, read in `txn` (read-only)."""
     caps, names, attached = {}, {}, []
     for k, v in _under(txn, meta_db, CAPACITY_PREFIX):
-        if len(k) == len(CAPACITY_PREFIX) + _NS_BYTES and len(v) == 8:
+        if len(k) == len(CAPACITY_PREFIX) + NS_BYTES and len(v) == 8:
             caps[int.from_bytes(k[len(CAPACITY_PREFIX) :], "big")] = int.from_bytes(v, "big")
     for k, v in _under(txn, meta_db, NAME_PREFIX):
-        if len(k) == len(NAME_PREFIX) + _NS_BYTES and len(v) <= _MAX_VALUE:
+        if len(k) == len(NAME_PREFIX) + NS_BYTES and len(v) <= _MAX_VALUE:
             try:
                 names[int.from_bytes(k[len(NAME_PREFIX) :], "big")] = v.decode()
             except UnicodeDecodeError:
@@ -172,8 +162,7 @@ def read_records(txn: Any, meta_db: Any) -> StoreRecords:
 
 def register(txn: Any, meta_db: Any, *, nsb: bytes, namespace: str, capacity: int) -> bytes:
     """In write txn `txn`: record the namespace's capacity and name, delete this host's stale
-    attach entries, and add one for this process's tier; the entry's token (for
-    `unregister`)."""
+    attach entries, and add one for this process's tier; its token (for `unregister`)."""
     cap = capacity.to_bytes(8, "big")
     if txn.get(CAPACITY_PREFIX + nsb, db=meta_db) != cap:
         txn.put(CAPACITY_PREFIX + nsb, cap, db=meta_db)

@@ -3,12 +3,9 @@
 - `map_size_for`: the map size (reserved on disk at open) for a capacity and block size.
 - `pool`/`pool_map`: the codec and sync thread pools, and `fn` over a range split on them.
 - `prepare_dir`: the environment directory (`store_dir.prepare_dir`, LMDB's two files).
-- `SharedEnv`: one open environment per real path per process (LMDB refuses a second open
-  of an environment in one process), reference counted by `attach`/`detach`, borrowed by
-  offline tools (`borrow`), asked after by `is_open` (the CLI's lock-holder check).
-- `_open_env`/`_init_store`/`parse_meta`: open, reserve, create or check the metadata.
-
-See the package docstring for sharing, durability and readahead."""
+- `SharedEnv`: one open environment per real path per process, reference counted by
+  `attach`/`detach`, borrowed by offline tools (`borrow`), asked after by `is_open`.
+- `open_lmdb`, `parse_meta`: how every process opens an environment, its metadata."""
 
 from __future__ import annotations
 
@@ -61,8 +58,7 @@ def map_size_for(capacity_blocks: int, block_bytes: int, page_size: int | None =
     per transaction the file peaks near C + 2K blocks; the map allows C + 3K + 16 blocks (one
     K for a snapshot a concurrent reader pins) + 8 MiB, all reserved on disk at open
     (`_reserve`: with writemap, a write into a hole of a sparse file on a full disk is a
-    SIGBUS, not an error). K is at most `MAX_TXN_OPS`: before version 3 it grew with the
-    capacity (C/8) and the map with it, 1.55x the payload with 64 KiB blocks.
+    SIGBUS, not an error). K is at most `MAX_TXN_OPS`.
     """
     page = page_size or max(4096, os.sysconf("SC_PAGE_SIZE"))
     node = 8 + NS_BYTES + KEY_BYTES + block_bytes  # a leaf node holding the payload inline
@@ -159,8 +155,7 @@ class SharedEnv:
 
     def start_warm(self) -> None:
         """Warm the "heads" and "order" pages (never payloads) on a daemon thread, once per
-        environment in this process: the first lookup of each key after a lazy open then
-        finds its pages in the page cache instead of reading them one at a time."""
+        environment in this process, for the first lookups after a lazy open."""
         with self.state_lock:
             if self.warm is not None:
                 return
@@ -172,6 +167,12 @@ class SharedEnv:
             self.warm_report = lmdb_warm.warm_index(self.path, (HEADS_DB, ORDER_DB))
         except OSError as exc:  # a hint only: lookups read what they need anyway
             log.debug("%s: index warm pass stopped: %s", self.path, exc)
+
+    def pend(self, deletes: dict[bytes, int | None]) -> None:
+        """Store keys to delete in the next write txn, each with the order seq its delete
+        wants (None: whatever entry is there)."""
+        with self.state_lock:
+            self.pending.entries.update(deletes)
 
     def next_seq(self, n: int) -> int:
         with self.state_lock:
@@ -247,25 +248,35 @@ def is_open(path: str) -> bool:
     return os.path.realpath(path) in _ENVS
 
 
-def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> SharedEnv:
-    durable = sync == "always"
+def open_lmdb(
+    path: str, *, map_size: int = 0, write: bool = True, durable: bool = True, create: bool = False
+) -> lmdb.Environment:
+    """The environment at `path` as every tiercache process opens it (`map_size` 0: the size
+    recorded in it): `writemap` when writing, readahead off (see the package docstring),
+    `durable`: sync and metasync at every commit. ConfigError when it cannot be opened."""
     try:
-        env = lmdb.open(
+        return lmdb.open(
             path,
             map_size=map_size,
             subdir=True,
             max_dbs=len(DB_NAMES),
             mode=0o600,
-            writemap=True,
+            readonly=not write,
+            writemap=write,
             sync=durable,
             metasync=durable,
-            readahead=False,  # see the module docstring ("Readahead")
+            readahead=False,
             lock=True,
             max_readers=MAX_READERS,
-            create=True,
+            create=create,
         )
     except lmdb.Error as exc:
         raise ConfigError("path", f"{path}: cannot open as an LMDB environment: {exc}") from None
+
+
+def _open_env(path: str, block_bytes: int, map_size: int, sync: str) -> SharedEnv:
+    durable = sync == "always"
+    env = open_lmdb(path, map_size=map_size, durable=durable, create=True)
     try:
         _reserve(path, map_size)
         env.reader_check()  # slots of processes that died in a read txn (see LMDBTier._txn)
@@ -286,10 +297,8 @@ def damaged(path: str, exc: lmdb.Error) -> str:
 
 
 def _reserve(path: str, map_size: int) -> None:
-    """Allocate the data file's disk blocks up to the map size, now. With `writemap` LMDB
-    writes through a shared mapping of a sparse file, and on a full disk the page fault that
-    would allocate a block kills the process with SIGBUS (seen on a 3 MiB tmpfs by
-    tests/test_campaign_diskfull.py). Reserved, a full disk shows here, as a ConfigError."""
+    """Allocate the data file's disk blocks up to the map size, now: with `writemap`, a page
+    fault on a full disk is a SIGBUS; reserved, a full disk shows here, as a ConfigError."""
     fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         no_room = f"{path} has no room for the LMDB map of this capacity ({map_size} bytes)"

@@ -3,15 +3,14 @@ write transaction every process runs alike.
 
 - Constants: store format and version, database names, "meta" record keys, the limits of a
   write transaction (`txn_ops_for`), the option values the tier accepts.
-- Key layout: `store_key`/`split_store_key` (8-byte namespace prefix + 16-byte block key),
-  the 8-byte order seq after each header (`seq_bytes`, `head_seq`), `iter_prefix` (the entries
-  under a key prefix).
+- Keys: `store_key`/`split_store_key`, the order seq after each header (`seq_bytes`,
+  `head_seq`), `iter_prefix` (the entries under a key prefix).
 - `StoreTxn`: the bookkeeping of one write transaction (puts, deletes, order entries, each
   namespace's count, eviction beyond a capacity), shared by the tier and offline deletes.
-- `leading_heads`: how many leading keys have a well-formed header (a lookup's probe), for
-  the tier and `LMDBProbe` alike; `heads_prober`, the same bound to one store and namespace.
+- `heads_prober`: how many leading keys have a well-formed header (a lookup's probe), for
+  the tier and `LMDBProbe` alike.
 
-Imports nothing of the package: every other module of it builds on this one."""
+Imports nothing of the package."""
 
 from __future__ import annotations
 
@@ -170,23 +169,6 @@ class StoreTxn:
             self.txn.put(COUNT_PREFIX + nsb, self.counts[nsb].to_bytes(8, "big"), db=self.meta)
 
 
-def leading_heads(
-    txn: lmdb.Transaction,
-    heads: Any,
-    order: Any,
-    keys: Sequence[bytes],
-    nsb: bytes,
-    ours: Callable[[object, bytes], bool],
-    bad: Callable[[bytes, bytes], None] | None = None,
-) -> int:
-    """How many leading `keys` have a well-formed header in `heads` under the namespace
-    prefix `nsb` (`ours`: `format.header_check` of that namespace and block size) and an
-    entry in `order` naming the key at the header's seq (the seq is not covered by the
-    checksum). `bad` hears of the entry (store key, head) where the run stops on one that is
-    malformed. A caller probing often holds `heads_prober` from its open instead."""
-    return heads_prober(heads, order, nsb, ours, bad)(txn, keys)
-
-
 def heads_prober(
     heads: Any,
     order: Any,
@@ -194,9 +176,12 @@ def heads_prober(
     ours: Callable[[object, bytes], bool],
     bad: Callable[[bytes, bytes], None] | None = None,
 ) -> Callable[[lmdb.Transaction, Sequence[bytes]], int]:
-    """`leading_heads` over these databases, namespace prefix and checks, as a function of
-    (txn, keys): the tier builds it at its open, and a single-key lookup's probe, which runs
-    it once per key, passes two arguments, not seven."""
+    """A function of (txn, keys): how many leading `keys` have a well-formed header in
+    `heads` under the namespace prefix `nsb` (`ours`: `format.header_check` of that namespace
+    and block size) and an entry in `order` naming the key at the header's seq (the seq is
+    not covered by the checksum). `bad` hears of the entry (store key, head) where the run
+    stops on one that is malformed. Built once per store: a single-key lookup's probe runs
+    it once per key."""
 
     def leading(txn: lmdb.Transaction, keys: Sequence[bytes]) -> int:
         if len(keys) == 1:  # a single-key lookup's probe: the loop below, unrolled

@@ -2,8 +2,7 @@
 that do not hold the store as a tier (vLLM's scheduler).
 
 - `open_store(path, write=False)` -> `StoreHandle`: an existing store's environment, opened
-  read-only unless asked (borrowed when a tier of this process has it open: LMDB forbids a
-  second open of one environment per process).
+  read-only unless asked (borrowed when a tier of this process has it open).
 - `LMDBProbe`: a read-only `StoreProbe` (`LMDBTier.open_probe`): headers only.
 - `iter_entries`, `delete_entries`: walk or delete entries in short transactions.
 - `open_here(path)`: whether this process holds the environment open as a tier;
@@ -31,27 +30,26 @@ from tiercache.backoff import Backoff
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.format import (
     BlockHeader,
-    decode_header,
     decode_payload,
     header_check,
+    header_of,
     header_problem,
     namespace_id,
 )
-from tiercache.tiers.lmdb.env import borrow, detach, is_open, parse_meta
+from tiercache.tiers.lmdb.env import borrow, detach, is_open, open_lmdb, parse_meta
 from tiercache.tiers.lmdb.layout import (
     BLOCKS_DB,
     COUNT_PREFIX,
     DB_NAMES,
     HEADS_DB,
-    MAX_READERS,
     META_DB,
     META_KEY,
     MIN_TXN_OPS,
     NS_BYTES,
     ORDER_DB,
     StoreTxn,
+    heads_prober,
     iter_prefix,
-    leading_heads,
     split_store_key,
     u64,
 )
@@ -89,11 +87,9 @@ class StoreHandle:
 
 @contextlib.contextmanager
 def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator[StoreHandle]:
-    """An existing store for offline tools: opened read-only (nothing in the data file
-    changes; LMDB registers its readers in lock.mdb) unless `write`. Other processes may hold
-    the store open meanwhile (LMDB's reader table and writer mutex keep them consistent).
-    When a tier of this process has it open, its environment is borrowed: LMDB forbids a
-    second open of one environment per process. ConfigError when `path` is not a store."""
+    """An existing store for offline tools, opened read-only unless `write` (other processes
+    may hold it open meanwhile); borrowed when a tier of this process has it open, since LMDB
+    forbids a second open in one process. ConfigError when `path` is not a store."""
     if not isinstance(path, str | os.PathLike) or not os.fspath(path):
         raise ConfigError("path", f"expected a directory path, got {path!r}")
     real = os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
@@ -118,21 +114,7 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
         finally:
             detach(shared)
         return
-    try:
-        env = lmdb.open(
-            real,
-            map_size=0,  # the size recorded in the environment
-            subdir=True,
-            max_dbs=len(DB_NAMES),
-            readonly=not write,
-            writemap=write,  # as the tiers open it
-            readahead=False,  # as the tiers open it: a cold probe reads its pages only
-            lock=True,
-            create=False,
-            max_readers=MAX_READERS,
-        )
-    except lmdb.Error as exc:
-        raise ConfigError("path", f"{real}: cannot open as an LMDB environment: {exc}") from None
+    env = open_lmdb(real, write=write)  # as the tiers open it: a cold probe reads its pages only
     try:
         try:
             with env.begin(write=False) as txn:
@@ -155,10 +137,8 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
 
 
 class LMDBProbe:
-    """A read-only `StoreProbe` of an LMDB store (`LMDBTier.open_probe`): the environment is
-    opened read-only (`open_store`; borrowed when a tier of this process has it open) when
-    first asked, and again after a failure at most once a second (a `Backoff` that does not
-    grow: `RETRY_S` each time); it never writes."""
+    """A read-only `StoreProbe` of an LMDB store (`LMDBTier.open_probe`), opened when first
+    asked, and again after a failure at most every `RETRY_S`; it never writes."""
 
     RETRY_S = 1.0
 
@@ -200,7 +180,7 @@ class LMDBProbe:
                 log.debug("LMDB probe of %s: %s", self._path, exc)
                 return 0
             try:
-                return leading_heads(txn, h.heads, h.order, keys, self._nsb, self._ours)
+                return heads_prober(h.heads, h.order, self._nsb, self._ours)(txn, keys)
             finally:
                 txn.abort()
 
@@ -289,9 +269,8 @@ def holder_pid(path: str) -> int | None:
 
 
 def block_headers(h: StoreHandle) -> tuple[list[tuple[bytes, BlockHeader]], int]:
-    """Each good block of an open store, (key, header): the header belongs to its key,
-    namespace and length and the payload has its stored length; and how many entries are
-    malformed or orphaned."""
+    """Each good block of an open store as (key, header), header and payload length checked;
+    and how many entries are malformed or orphaned."""
     bb = h.meta["block_bytes"]
     good, bad = [], 0
     for skey, head, payload in iter_entries(h):
@@ -301,11 +280,10 @@ def block_headers(h: StoreHandle) -> tuple[list[tuple[bytes, BlockHeader]], int]
             continue
         ns, key = split
         try:
-            hd = decode_header(head)
+            hd = header_of(head, key, ns, bb)
         except BlockCorruptError:
-            bad += 1
-            continue
-        if header_problem(hd, key, ns, bb) or hd.stored_len != len(payload):
+            hd = None
+        if hd is None or hd.stored_len != len(payload):
             bad += 1
             continue
         good.append((key, hd))
@@ -332,11 +310,9 @@ def entry_problem(
     if payload is None:
         return key, "header without a payload"
     try:
-        hd = decode_header(head)
-        what = header_problem(hd, key, None, block_bytes)
-        if what is None:
-            decode_payload(hd, payload, scratch, decompressor=dz)
-            what = header_problem(hd, key, ns, None)  # after the checksum
+        hd = header_of(head, key, None, block_bytes)
+        decode_payload(hd, payload, scratch, decompressor=dz)
+        what = header_problem(hd, key, ns, None)  # after the checksum
     except BlockCorruptError as exc:
         what = str(exc)
     return key, what

@@ -3,12 +3,10 @@ the "order" entries and checked by header only (no payload is read: a read verif
 
 - `scan`: the open-time scan. A lazy tier over a well-formed store indexes nothing
   (`open_lazily`); else a well-formed namespace is read in bulk (`scan_fast`), and any
-  malformed entry sends the open to the entry-by-entry walk, which finds and drops exactly
-  those (`malformed`, when the databases disagree in size). Opening deletes no good block.
-- `Scope`: what a scan is for (path, namespace, capacity, block size): explicit inputs.
-
-The tier hands in its header check, transaction and commit functions (`check`, `begin`,
-`commit`), so this module never imports the tier."""
+  malformed entry sends the open to the entry-by-entry walk, which drops exactly those
+  (`malformed`). Opening deletes no good block.
+- `Scope`: what a scan is for (path, namespace, capacity, block size). The tier hands in its
+  header check, transaction and commit functions, so this module never imports the tier."""
 
 from __future__ import annotations
 
@@ -104,12 +102,9 @@ def scan(
     commit: Callable[[], None],
 ) -> Scanned:
     """Index this namespace's newest `capacity` blocks, walking its "order" entries newest
-    first and checking each header (64 + 8 bytes, in leaf pages) and its payload's length
-    (from the payload's leaf node: py-lmdb's zero-copy get points into the map and
-    touches no payload page). Other namespaces' entries and older blocks of this one are
-    never visited. Only when the databases disagree in size (an entry without its
-    partner: damage, or another program) are this namespace's entries scanned to find
-    and drop the malformed ones. Opening deletes no good block.
+    first and checking each header and its payload's length (py-lmdb's zero-copy get
+    touches no payload page). Only when the databases disagree in size (an entry without
+    its partner) are this namespace's entries scanned to find and drop the malformed ones.
 
     `check(key, head, payload_len)`: the tier's header check (BlockCorruptError when `head`
     is not the header of `key` in this namespace, of this block and payload size);
@@ -166,9 +161,7 @@ def scan(
         txn.abort()
     if bad:
         log.warning("%s: dropping %d malformed entries found at open", scope.path, len(bad))
-        with shared.state_lock:
-            for sk, seq in bad.items():  # with the seq each delete wants
-                shared.pending.add((sk,), seq)
+        shared.pend(bad)
         commit()
     held = count - len(bad)  # the malformed entries just dropped are not held
     excess = over_capacity(held, scope.capacity)
@@ -187,9 +180,8 @@ def scan(
 
 
 def open_lazily(shared: SharedEnv, scope: Scope, count: int, next_seq: int) -> Scanned:
-    """`scan` of a well-formed store by a lazy tier: index nothing (lookups find
-    blocks by `probe`; the store's capacity evicts its oldest beyond `capacity` at its
-    next write of this namespace, as it does whoever writes)."""
+    """`scan` of a well-formed store by a lazy tier: index nothing (lookups find blocks by
+    `probe`; the store evicts beyond `capacity` at its next write of this namespace)."""
     excess = over_capacity(count, scope.capacity)
     warn_over_capacity(log, scope.path, count, scope.capacity, excess, EVICTS_LATER)
     report = {
@@ -213,7 +205,7 @@ def scan_fast(txn: lmdb.Transaction, shared: SharedEnv, scope: Scope) -> list[by
     (every header's fields, and each header's order seq naming an order entry of its
     key); no payload is looked at (a read verifies it). The newest `capacity` block
     keys, newest first; None, and the caller walks entry by entry, when any entry is
-    malformed (then `scan` finds and drops exactly those, as before)."""
+    malformed."""
     nsb = scope.nsb
 
     def run(db: Any, klen: int, vlen: int) -> bytes | None:

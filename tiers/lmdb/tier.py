@@ -1,14 +1,7 @@
-"""`LMDBTier`: blocks in an embedded LMDB environment, shareable between processes (see the
-package docstring for the primitives, the layout, sharing and durability).
-
-The tier holds this process's view: its slot -> key map, its counters, and the write path
-(`_commit`: pending deletes and puts in `StoreTxn` transactions, map-full retries, the
-batch background sync); the store's rules live beside it (`layout`: keys and the store
-transaction; `env`: the shared environment; `scan`: what an open indexes; `attach`: who has
-the store open; `offline`: `LMDBProbe` and the CLI's access).
-
-The tunables below stay here, where the write and read paths use them (tests patch them
-on this module)."""
+"""`LMDBTier` (the package docstring describes the store): this process's view of it, its
+slot -> key map and counters, and the write path (`_commit`: pending deletes and puts in
+`StoreTxn` transactions, map-full retries, the background sync). Tests patch the tunables
+below on this module."""
 
 from __future__ import annotations
 
@@ -23,13 +16,9 @@ import lmdb
 import torch
 
 from tiercache.errors import ConfigError
-from tiercache.tiers.base import check_blocks
-from tiercache.tiers.format import (
-    encode_block,
-    header_check,
-    namespace_id,
-)
+from tiercache.tiers.format import header_check, namespace_id
 from tiercache.tiers.keyed import (
+    CODEC_OPTIONS,
     KeyedTier,
     add_written,
     check_codec,
@@ -61,11 +50,8 @@ from tiercache.tiers.lmdb.offline import LMDBProbe
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
 
-# "batch": the default seconds between background syncs (the `sync_interval` option). Each
-# sync writes back every map page written since the last, and the next put to such a page
-# faults it dirty again: with random keys a longer interval rewrites fewer pages per put,
-# and the pages a put touches grow with the store. What an OS crash can lose is about one
-# interval.
+# "batch": the default seconds between background syncs (`sync_interval`): a longer interval
+# rewrites fewer map pages per put, and an OS crash can lose about one interval.
 SYNC_EVERY_S = 5.0
 _RETRIES = 8
 MAP_FULL_TRIES = 9  # a write that finds the map full waits 1+2+...+128 ms for readers to end
@@ -73,21 +59,15 @@ _PARALLEL_MIN_BYTES = 64 * 1024  # blocks at least this big are decoded on the t
 _EVICTED_MAX = 1 << 16  # take_evicted's memory of store evictions nobody took
 
 
-def check_settings(
-    compression: object,
-    level: object,
-    element_size: object,
-    sync: object,
-    where: str = "",
-    sync_interval: object = SYNC_EVERY_S,
-) -> float:
-    """Value checks shared by the constructor and `validate_options` (ConfigError): the
-    codec's (`keyed.check_codec`), then `sync`, then `sync_interval` (returned)."""
-    check_codec(compression, level, element_size, where)
+def check_settings(o: Mapping[str, Any], where: str = "") -> float:
+    """Value checks shared by the constructor and `validate_options` (ConfigError), with the
+    constructor's defaults: the codec's, then `sync`, then `sync_interval` (returned)."""
+    check_codec(o.get("compression", "zstd"), o.get("level", 1), o.get("element_size", 2), where)
     p = f"{where}." if where else ""
+    sync = o.get("sync", "batch")
     if sync not in SYNC_MODES:
         raise ConfigError(f"{p}sync", f"expected one of {SYNC_MODES}, got {sync!r}")
-    return check_seconds(sync_interval, f"{p}sync_interval")
+    return check_seconds(o.get("sync_interval", SYNC_EVERY_S), f"{p}sync_interval")
 
 
 class LMDBTier(KeyedTier):
@@ -100,9 +80,7 @@ class LMDBTier(KeyedTier):
     store_capacity: ClassVar[bool] = True  # the store evicts by it (`StoreTxn`)
     OPTIONS: ClassVar = {
         "path": str,
-        "compression": str,
-        "level": int,
-        "element_size": int,
+        **CODEC_OPTIONS,
         "sync": str,
         "sync_interval": (int, float),
     }
@@ -123,11 +101,9 @@ class LMDBTier(KeyedTier):
         lazy: bool = False,
     ) -> None:
         """`lazy`: index nothing at open when the store is well formed (the manager finds
-        each block by `probe` on its first lookup, as it finds other processes' blocks), so
-        the open costs neither time nor RAM per block; else index the newest `capacity`."""
-        interval = check_settings(
-            compression, level, element_size, sync, sync_interval=sync_interval
-        )
+        each block by `probe` on its first lookup); else index the newest `capacity`."""
+        codec = {"compression": compression, "level": level, "element_size": element_size}
+        interval = check_settings({**codec, "sync": sync, "sync_interval": sync_interval})
         super().__init__(
             name=name,
             block_bytes=block_bytes,
@@ -185,37 +161,14 @@ class LMDBTier(KeyedTier):
         super().validate_options(options, where)
         if not options.get("path"):
             raise ConfigError(f"{where}.path", "required: the directory of the LMDB store")
-        o = options
-        check_settings(
-            o.get("compression", "zstd"),
-            o.get("level", 1),
-            o.get("element_size", 2),
-            o.get("sync", "batch"),
-            where,
-            o.get("sync_interval", SYNC_EVERY_S),
-        )
+        check_settings(options, where)
 
     @classmethod
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> LMDBTier:
-        o = cfg.options
-        try:
-            return cls(
-                name=cfg.name,
-                block_bytes=block_bytes,
-                path=o["path"],
-                capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-                compression=o.get("compression", "zstd"),
-                level=o.get("level", 1),
-                element_size=o.get("element_size", 2),
-                sync=o.get("sync", "batch"),
-                sync_interval=o.get("sync_interval", SYNC_EVERY_S),
-                namespace=namespace,
-                lazy=True,
-            )
-        except ConfigError as exc:
-            if exc.field in ("path", "block_bytes", "capacity"):
-                raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
-            raise
+        fields = ("path", "block_bytes", "capacity")
+        return cls.from_options(
+            cfg, block_bytes, fields, namespace=namespace, lazy=True, **cfg.options
+        )
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -249,10 +202,8 @@ class LMDBTier(KeyedTier):
         return slots
 
     def free(self, slots: Sequence[int]) -> None:
-        """Return slots. A block this tier stored since it opened is deleted at the next
-        write txn or flush (not now: a demotion planned with the eviction still reads it);
-        one found at open or adopted from another process is only forgotten: the store's
-        shared capacity decides when it goes (see the module docstring)."""
+        """Return slots; the blocks this tier stored since it opened are deleted at the next
+        write txn or flush (see `KeyedTier`); others are only forgotten."""
         self._drop(slots, held=False)
 
     def release(self, slots: Sequence[int]) -> None:
@@ -301,8 +252,7 @@ class LMDBTier(KeyedTier):
         """A probe found a malformed header (damage): its entries go at the next write
         transaction or flush, counted (`malformed_dropped`), as the eager open drops them."""
         log.warning("%s: dropping a malformed entry found by a lookup", self._path)
-        with self._shared.state_lock:
-            self._shared.pending.add((sk,), head_seq(head))
+        self._shared.pend({sk: head_seq(head)})
         with self._counts_lock:
             self._counts["malformed_dropped"] += 1
 
@@ -310,20 +260,19 @@ class LMDBTier(KeyedTier):
     def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> LMDBProbe:
         return LMDBProbe(cfg.options["path"], block_bytes, namespace=namespace)
 
-    def _unpend(self, keys: Iterable[bytes]) -> None:
-        """Keys stored again are live: no pending delete may remove them any more."""
-        shared = self._shared
-        with shared.state_lock:
-            shared.pending.unpend(self._nsb + k for k in keys)
+    def _unpend(self, keys: Iterable[bytes], *, prefixed: bool = False) -> None:
+        """Keys stored again (live: no pending delete may remove them any more) or deleted;
+        `prefixed`: store keys, else block keys of this namespace."""
+        skeys = keys if prefixed else (self._nsb + k for k in keys)
+        with self._shared.state_lock:
+            self._shared.pending.unpend(skeys)
 
     # -- write -----------------------------------------------------------------------------
     def write(
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> None:
+        keys = self._io_keys(slots, src, keys, "src")
         n = len(slots)
-        check_blocks(src, n, self.block_bytes, "src")
-        keys = self._check_keys(keys, n)
-        self._check_open()
         if n == 0:
             return
         if src.device.type != "cpu":
@@ -339,16 +288,7 @@ class LMDBTier(KeyedTier):
         seq0 = self._shared.next_seq(n)
 
         def encode(i: int) -> tuple[bytes, bytes | memoryview]:
-            return encode_block(
-                keys[i],
-                rows[i],
-                namespace=self._ns,
-                seq=seq0 + i,
-                compression=self._compression,
-                level=self._level,
-                element_size=self._element_size,
-                compressor=self._compressor(),
-            )
+            return self._encode(keys[i], rows[i], seq0 + i, self._compressor())
 
         if self._compression == "zstd":
             # Compress before the write txn: the writer lock is held for puts only.
@@ -388,14 +328,10 @@ class LMDBTier(KeyedTier):
                     except lmdb.Error as exc2:
                         raise self._os_error("write", exc2) from None
                 if done:
-                    self._settle(done)
+                    self._unpend(done, prefixed=True)  # deleted
                 self._after_commit()
         with self._counts_lock:
             add_written(self._counts, len(skeys), len(skeys) * self.block_bytes, stored)
-
-    def _settle(self, done: Iterable[bytes]) -> None:
-        with self._shared.state_lock:
-            self._shared.pending.unpend(done)  # deleted
 
     def _txn(
         self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]
@@ -436,10 +372,8 @@ class LMDBTier(KeyedTier):
 
     def take_evicted(self) -> list[bytes]:
         """Keys of this namespace the store evicted by its capacity in this tier's write
-        transactions (a namespace holding more than `capacity_blocks` entries: a delete that
-        failed left one, or another process wrote) since the last call, and not stored again
-        since (see `Tier.take_evicted`). Another process's evictions are not seen here: a
-        read finds those blocks gone (`take_gone`)."""
+        transactions since the last call, and not stored again since (`Tier.take_evicted`).
+        Another process's evictions are not seen here: a read finds them gone."""
         with self._counts_lock:
             if not self._evicted:
                 return []
@@ -450,11 +384,9 @@ class LMDBTier(KeyedTier):
         self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]
     ) -> int:
         """`_txn`, again while the map is full for a moment. A reader pins the pages freed
-        after its snapshot: a process SIGKILLed inside a read txn leaves its slot in the
-        reader table and pins them for good (every later write of every process failed with
-        a full map; tests/test_campaign_fleet.py found it), so dead readers are cleared; a
-        live reader of another process, descheduled mid-txn while others write, pins them
-        until it ends, so the write waits for it (at most ~255 ms) before it fails."""
+        after its snapshot: a process killed inside a read txn pins them for good (its slot
+        stays in the reader table), so dead readers are cleared; a live reader of another
+        process pins them until it ends, so the write waits for it before it fails."""
         for attempt in range(MAP_FULL_TRIES):
             try:
                 return self._txn(chunk, encoded)
@@ -472,9 +404,8 @@ class LMDBTier(KeyedTier):
         raise AssertionError("unreachable")
 
     def _delete_each(self, keys: Sequence[bytes]) -> None:
-        """Delete keys one txn each; a key LMDB cannot delete stays (a leak of its pages, its
-        block already a counted miss) and leaves the pending deletes; one that failed for
-        want of map space stays pending (write lock held)."""
+        """Delete keys one txn each (write lock held); a key LMDB cannot delete leaves the
+        pending deletes (its block stays, a counted miss); one that found the map full stays."""
         done = []
         for k in keys:
             try:
@@ -484,7 +415,7 @@ class LMDBTier(KeyedTier):
             except lmdb.Error as exc:
                 log.warning("%s: cannot delete damaged entry %s: %s", self._path, k.hex(), exc)
             done.append(k)
-        self._settle(done)
+        self._unpend(done, prefixed=True)
 
     def _after_commit(self) -> None:
         shared = self._shared
@@ -514,14 +445,11 @@ class LMDBTier(KeyedTier):
     def read(
         self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> list[int]:
-        """Read blocks by key (slots are only handles here); a missing key or a foreign or
-        corrupt block is a failed position. A missing key is a plain miss (the store evicted
-        it, see `take_gone`); a bad block is deleted at the next write txn. OSError when no
+        """Read blocks by key; a missing key (a plain miss: `take_gone`) or a foreign or
+        corrupt block (deleted at the next write txn) is a failed position. OSError when no
         read txn can be had."""
+        keys = self._io_keys(slots, dst, keys, "dst")
         n = len(slots)
-        check_blocks(dst, n, self.block_bytes, "dst")
-        keys = self._check_keys(keys, n)
-        self._check_open()
         if n == 0:
             return []
         out = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
@@ -569,9 +497,7 @@ class LMDBTier(KeyedTier):
             dst.copy_(out)
         failed.sort()
         if bad:
-            with self._shared.state_lock:
-                for sk, seq in bad.items():  # with the seq each delete wants
-                    self._shared.pending.add((sk,), seq)
+            self._shared.pend(bad)
         with self._counts_lock:
             self._counts["blocks_read"] += n - len(failed)
             self._counts["read_failures"] += len(failed) - len(gone)
@@ -595,9 +521,8 @@ class LMDBTier(KeyedTier):
         self._take_found(found.keys)
 
     def _register(self, namespace: str) -> None:
-        """Record this namespace's capacity and name and this tier's attach entry (see
-        tiers/lmdb/attach.py): what `tiercache inspect` shows. Its own write txn, after the
-        scan: the records never change a block."""
+        """Record this namespace's capacity and name and this tier's attach entry (`attach`),
+        in a write txn of its own after the scan: the records never change a block."""
         shared = self._shared
         with shared.write_lock:
             txn = self._begin(write=True)
@@ -611,14 +536,11 @@ class LMDBTier(KeyedTier):
                 )
                 txn.commit()
             except lmdb.MapFullError:
-                txn.abort()
                 log.warning("%s: map full: this tier is not shown as attached", self._path)
             except lmdb.Error as exc:
-                txn.abort()
                 raise ConfigError("path", damaged(self._path, exc)) from None
-            except BaseException:
-                txn.abort()
-                raise
+            finally:
+                txn.abort()  # nothing after a commit
 
     def _unregister(self) -> None:
         token, self._token = self._token, None
@@ -656,9 +578,8 @@ class LMDBTier(KeyedTier):
 
     # -- helpers ---------------------------------------------------------------------------
     def _begin(self, write: bool, buffers: bool = True) -> lmdb.Transaction:
-        """A transaction (default db: blocks); retries what other processes cause briefly.
-        A read returns memoryviews into the map unless `buffers` is False (bytes: cheaper
-        for a probe's small values)."""
+        """A transaction (default db: blocks); retries what other processes cause briefly. A
+        read returns memoryviews into the map unless `buffers` is False (bytes)."""
         shared = self._shared
         for attempt in range(_RETRIES):
             try:

@@ -1,31 +1,23 @@
 """Warm an LMDB store's index pages into the page cache, never its payloads.
 
 After a lazy open (`LMDBTier(lazy=True)`) every first lookup of a key probes the store: its
-"heads" entry and its "order" entry, one or more B-tree pages each. With the page cache
-dropped each of those is a synchronous disk read (about 360 µs per key at 1M blocks of
-4 KiB, issue 35). `warm_index` reads the B-tree pages of the named databases level by level
-(branch pages with `pread`, so their children are known) and asks the kernel for each
-level's pages at once (`POSIX_FADV_WILLNEED`: asynchronous, many reads in flight), so the
-leaves arrive in one pass at the disk's throughput instead of one latency per lookup.
+"heads" entry and its "order" entry, one or more B-tree pages each, and with the page cache
+dropped each is a synchronous disk read. `warm_index` reads the B-tree pages of the named
+databases level by level (branch pages with `pread`, so their children are known) and asks
+the kernel for each level's pages at once (`POSIX_FADV_WILLNEED`: many reads in flight), so
+the leaves arrive in one pass at the disk's throughput instead of one latency per lookup.
 Then, when this process maps the environment, it maps those pages into its own page tables
-(`MADV_POPULATE_READ`, Linux 5.14): a first lookup would otherwise take a minor page fault
-for about every other key at 1M blocks (issue 35: 84-86k against 95-97k first lookups/s of
-CPU, measured with and without).
+(`MADV_POPULATE_READ`, Linux 5.14), sparing a first lookup its minor page faults.
 
 Primitives:
-- `tree_roots(fd, psize, names)`: (name, root page, depth) of each named database, from the
-  newest meta page;
-- `warm_index(path, names)`: the warm pass; a summary dict (pages asked for, pages mapped
-  into this process, seconds);
-- `map_base(data_file)`: where this process maps a file from its start (LMDB maps the whole
-  data file once per environment), from /proc/self/maps;
+- `tree_roots(fd, psize, names)`: (name, root page, depth) of each named database;
+- `warm_index(path, names)`: the warm pass; a summary (pages asked for, mapped, seconds);
+- `map_base(data_file)`: where this process maps a file from its start (/proc/self/maps);
 - `will_need(views)`: `MADV_WILLNEED` on the map pages of values that span several pages
-  (the environment is opened with readahead off, so a cold value would otherwise be read
-  one page fault, one page, at a time).
+  (readahead is off: a cold value would otherwise be read one page fault at a time).
 
-Only pages of the databases named are touched: the "blocks" database (payloads, inline or in
-overflow pages) is never read. It is a hint: pages that a writer frees meanwhile are read
-for nothing, and anything that does not parse as expected ends the pass (no error).
+Only pages of the databases named are touched, never "blocks". It is a hint: anything that
+does not parse as expected ends the pass (no error).
 
 LMDB's on-disk layout (lmdb.h / mdb.c, 64-bit, format version 1), as read here:
 - page header (16 bytes): pgno u64, pad u16, flags u16, lower u16, upper u16; the node
@@ -40,7 +32,6 @@ LMDB's on-disk layout (lmdb.h / mdb.c, 64-bit, format version 1), as read here:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import struct
 import time
@@ -48,6 +39,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from tiercache.tiers.base import PAGE_BYTES, libc_madvise
 
 MAGIC = 0xBEEFC0DE
 P_BRANCH, P_LEAF, P_META = 0x01, 0x02, 0x08
@@ -61,30 +54,17 @@ _TXNID_AT = _DBS_AT + 2 * _DB.size + 8
 NO_PAGE = (1 << 64) - 1  # P_INVALID: an empty database
 MADV_WILLNEED = 3
 MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels answer EINVAL (then nothing is mapped)
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-_madvise: Any = None
-
-
-def _libc_madvise() -> Any:
-    """libc's madvise through ctypes (which releases the GIL for the call)."""
-    global _madvise
-    if _madvise is None:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _madvise = fn
-    return _madvise
 
 
 def will_need(views: Iterable[Any]) -> None:
     """Ask the kernel to read in, asynchronously and in one go per value, the map pages of
     each value (zero-copy views into the map) longer than a page. Errors are ignored."""
     for v in views:
-        if len(v) <= _PAGE:
+        if len(v) <= PAGE_BYTES:
             continue
         addr = np.frombuffer(v, dtype=np.uint8).ctypes.data
-        start = addr - addr % _PAGE
-        _libc_madvise()(start, addr + len(v) - start, MADV_WILLNEED)
+        start = addr - addr % PAGE_BYTES
+        libc_madvise()(start, addr + len(v) - start, MADV_WILLNEED)
 
 
 def map_base(data_file: str) -> int | None:
@@ -102,12 +82,10 @@ def map_base(data_file: str) -> int | None:
 
 
 def _populate(base: int, psize: int, runs: Sequence[tuple[int, int]]) -> int:
-    """Map pages [start, end) of each run, at `base` in this process, into its page tables
-    (read from disk where the page cache lacks them); how many pages. Stops at the first
-    error (an old kernel, a map that moved): a hint, like the pass. A read fault changes no
-    data: should the environment close or remap meanwhile, the range is unmapped (the call
-    fails) or another mapping's, whose pages are then only read in."""
-    madvise, mapped = _libc_madvise(), 0
+    """Map pages [start, end) of each run, at `base` in this process, into its page tables;
+    how many pages. Stops at the first error (an old kernel, a map that moved). A read fault
+    changes no data, so a map closed or moved meanwhile is harmless."""
+    madvise, mapped = libc_madvise(), 0
     for start, end in runs:
         if madvise(base + start * psize, (end - start) * psize, MADV_POPULATE_READ) != 0:
             break
@@ -193,8 +171,7 @@ def _advise(fd: int, psize: int, pages: Iterable[int]) -> list[tuple[int, int]]:
 
 def warm_index(path: str, names: Sequence[bytes], psize: int | None = None) -> dict[str, float]:
     """Bring every B-tree page (branch and leaf) of the databases `names` of the environment
-    in directory `path` into the page cache, and into this process's map of it where it has
-    one; payload overflow pages are not followed."""
+    in `path` into the page cache, and into this process's map of it where it has one."""
     t0 = time.perf_counter()
     psize = psize or max(4096, os.sysconf("SC_PAGE_SIZE"))
     data = os.path.join(path, "data.mdb")
@@ -223,6 +200,6 @@ def warm_index(path: str, names: Sequence[bytes], psize: int | None = None) -> d
     # After the pass, every page asked for: the reads are in flight at once, so mapping
     # them waits for the slowest, not for each in turn.
     base = map_base(data) if runs else None
-    mapped = _populate(base, psize, runs) if base is not None and psize % _PAGE == 0 else 0
+    mapped = _populate(base, psize, runs) if base is not None and psize % PAGE_BYTES == 0 else 0
     pages = sum(end - start for start, end in runs)
     return {"pages": pages, "mapped": mapped, "seconds": time.perf_counter() - t0}

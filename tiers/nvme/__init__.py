@@ -5,12 +5,12 @@ Layout under `path` (a private directory, 0700; every file 0600):
 - `meta.json`: format tag and version, block_bytes, capacity_blocks, slot_bytes (JSON, never
   pickle; written to `meta.json.tmp`, fsynced, renamed).
 - `slab`: `capacity_blocks * slot_bytes` bytes, preallocated (posix_fallocate), plus the slots
-  of blocks it keeps for other namespaces (see Tenants). Slot i starts
-  at `i * slot_bytes` and holds a `tiers.format` record: the 64-byte header (key, namespace id,
-  length, write sequence, xxh3 checksum over header and payload), the raw payload, zero
-  padding. `slot_bytes` = HEADER_SIZE + block_bytes rounded up to 4096, so every slot offset
-  and length is O_DIRECT aligned. A read or write moves each run of adjacent slots it
-  names with one syscall (up to `RUN_BYTES`), then checks every slot alone.
+  of blocks it keeps for other namespaces (see Tenants). Slot i starts at `i * slot_bytes`
+  and holds a `tiers.format` record: the 64-byte header (key, namespace id, length, write
+  sequence, xxh3 checksum over header and payload), the raw payload, zero padding.
+  `slot_bytes` = HEADER_SIZE + block_bytes rounded up to 4096, so every slot offset and
+  length is O_DIRECT aligned. A read or write moves each run of adjacent slots it names with
+  one syscall (up to `RUN_BYTES`), then checks every slot alone.
 - `index`: the journal. Fixed 40-byte records `(magic, version, op, slot, seq, key, xxh3)` with
   op PUT (key now lives in slot), FREE (slot emptied) or BASE (the sequence counter so far).
   On open every record is checked alone (a flipped byte loses one record, a torn tail loses
@@ -21,15 +21,9 @@ Layout under `path` (a private directory, 0700; every file 0600):
 - `index.img`: the index image, written with every compaction (tmp, fsync, renamed after the
   journal): the live and kept entries as fixed-width arrays (slot, seq, namespace, key), the
   journal bytes it covers with their xxh3, and the namespace of the tier that appends after
-  it; checksummed as a whole. An open loads it and replays only the journal records appended
-  after it (no slot is read: those PUTs are the writer's, and a read verifies key, namespace,
-  seq and checksum). A missing, damaged or stale image, or a journal whose covered bytes
-  changed, falls back to the full replay with header checks above (logged). An open after a
-  clean close by the same namespace rewrites nothing.
-
-In memory the index is two columns per slot (`_seqs`, uint64, 0 for a slot holding none of
-this tier's blocks, and `_keys`, 16 bytes), no Python object per block; opens, replays and
-compactions work on them as arrays (`Entries`).
+  it; checksummed as a whole. An open loads it and replays only the journal records after
+  it, reading no slot (a read verifies key, namespace, seq and checksum); a missing, damaged
+  or stale image falls back to the full replay with header checks above.
 
 Crash ordering: a store writes the data of all its slots, then (fsync="always") fdatasyncs the
 slab, and only then appends its PUT records (and fdatasyncs the journal). A crash before the
@@ -39,20 +33,16 @@ checksum (a failed position on read). No path serves bytes under a key they were
 for.
 
 fsync modes: "always" = durable when `write` returns; "batch" = slab then journal are
-fdatasynced at `flush()`/`close()`, after every BATCH_SYNC_BYTES bytes of slots written, and at most
-BATCH_SYNC_SECONDS after an unsynced write (a timer); "never" = no fsync at all, not even at
-`flush()` (the OS writes back when it likes; a power loss may lose the whole index).
+fdatasynced at `flush()`/`close()`, after every BATCH_SYNC_BYTES bytes of slots written, and
+at most BATCH_SYNC_SECONDS after an unsynced write (a timer); "never" = no fsync at all, not
+even at `flush()` (a power loss may lose the whole index).
 
-Instances. One process per directory (an exclusive flock, taken at open; the index lives in
-that process's memory). Several engines on one host given one config (replicas, vLLM
-data-parallel ranks) each need a directory of their own: with `instances = N` a tier whose
-`path` is held by another live process takes the first free of `path/instance1` ..
-`path/instance{N-1}` (instance 0 is `path` itself, so the default layout is unchanged and
-switching the option on keeps the blocks there); with `instance = k` it opens instance k and
-nothing else (a data-parallel rank; `connectors.common.per_dp_rank_config` sets it), and
-with `instance_env = "VAR"` the instance named by that environment variable (unset: as
-without it). A restarted replica takes a free instance back, with its blocks. Locks die
-with their process, so an instance held by a killed process is free again at once.
+Instances. One process per directory (an exclusive flock, taken at open). With `instances =
+N` a tier whose `path` is held by another live process takes the first free of
+`path/instance1` .. `path/instance{N-1}` (instance 0 is `path` itself); with `instance = k`
+it opens instance k and nothing else (a data-parallel rank), and with `instance_env = "VAR"`
+the instance that environment variable names. Locks die with their process, so a restarted
+replica takes a free instance back, with its blocks.
 
 Tenants. Processes with different namespaces may use one directory one after the other
 (flock: never at once). Opening deletes nothing: blocks stamped with another namespace, and
@@ -65,21 +55,9 @@ of two namespaces live in two slots. Dropping another namespace's blocks is an o
 decision (`tiercache evict/clear --namespace`). The slab shrinks only by slots that hold
 nothing.
 
-The package, one concern per module (each imports only modules listed before it):
-- `journal`: the record format, `Entries`, the replay rule (`tail_records`, `replay_journal`).
-- `image`: the index image, `encode_image` / `decode_image`.
-- `options`: option and argument checks (fsync, io_threads, instances, keys).
-- `layout`: file names, instance directories and their lock, private directories, `meta.json`.
-- `io`: `write_all`, small durable files, aligned buffers, the slab's opening (O_DIRECT and
-  its probe) and size, `slot_runs`, `SlotPipeline`.
-- `recovery`: the open's recovery as pure functions returning a `Recovered` record;
-  `index_open` reads the image or the slot headers for it.
-- `slot_reads`, `slot_writes`: a read and the data half of a write of a list of slots.
-- `reader`: `NVMeStoreReader`, offline access for the CLI.
-- `tier`: `NVMeTier`, and the tunables it reads (BATCH_SYNC_BYTES, BATCH_SYNC_SECONDS,
-  COMPACT_SLACK: patch them on `tiercache.tiers.nvme.tier`).
-This module exports the tier and what offline tools use (`NVMeStoreReader`, `read_meta`,
-`instance_dirs`, `ALIGN`); everything else is imported from the module that defines it.
+Modules, each importing only those before it: `journal`, `image`, `options`, `layout`, `io`,
+`recovery`, `index_open`, `slot_reads`, `slot_writes`, `reader` (offline access for the CLI),
+`tier` (`NVMeTier`; patch its tunables on `tiercache.tiers.nvme.tier`).
 """
 
 from tiercache.tiers.nvme.io import ALIGN

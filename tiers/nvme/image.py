@@ -12,8 +12,7 @@ import xxhash
 from tiercache.tiers.base import KEY_BYTES
 from tiercache.tiers.nvme.journal import KEY_DTYPE, REC_SIZE, REC_SUM, Entries
 
-# The index image: what an open would learn from the journal and every slot header, as
-# fixed-width arrays. Header: magic, version, flags (bit 0: the writer's namespace is set;
+# Header: magic, version, flags (bit 0: the writer's namespace is set;
 # bit 1: one entry per namespace and key, written so by a compaction that checked it),
 # journal bytes covered, xxh3_64 of those bytes, top seq, writer namespace id, slots in the
 # slab, entries, namespaces; then the namespace table (u64 each), then per entry (oldest

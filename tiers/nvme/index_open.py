@@ -1,11 +1,10 @@
 """Reading an NVMe store's index at open: its image, else every slot header the journal names.
 
 - `read_image(path, journal, slab_slots)`: the index image, if it is whole and covers this
-  journal, with the journal records after it replayed over it (`recovery.from_image`): no
-  slot is read. None (each reason logged) sends the caller to `read_headers`.
-- `read_headers(journal, fd, ...)`: the journal replayed, and each entry kept only where its
-  slot's header agrees (`recovery.header_ns`), the headers read on the tier's I/O pool.
-
+  journal, with the records after it replayed over it: no slot is read. None (each reason
+  logged) sends the caller to `read_headers`.
+- `read_headers(journal, fd, ...)`: the journal replayed, each entry kept only where its
+  slot's header agrees, the headers read on the tier's I/O pool.
 Both hand back a `recovery.Replayed` for the tier to settle; they change no file.
 """
 
@@ -16,7 +15,7 @@ import os
 
 from tiercache.tiers.nvme import recovery
 from tiercache.tiers.nvme.image import IndexImage, decode_image
-from tiercache.tiers.nvme.io import ALIGN, AlignedBuffer, SlotPipeline
+from tiercache.tiers.nvme.io import ALIGN, AlignedBuffer, Slab
 from tiercache.tiers.nvme.journal import Entries, replay_journal
 from tiercache.tiers.nvme.layout import IMAGE, open_nofollow
 
@@ -56,18 +55,10 @@ def read_image(
     return img, got
 
 
-def read_headers(
-    journal: bytes,
-    *,
-    path: str,
-    fd: int,
-    slot_bytes: int,
-    block_bytes: int,
-    pipeline: SlotPipeline,
-) -> tuple[recovery.Replayed, int]:
-    """`journal` replayed over the slab `fd` of the store at `path`, each entry kept only where
-    its slot's header agrees; and how many headers were read."""
-    sb = slot_bytes
+def read_headers(journal: bytes, path: str, slab: Slab) -> tuple[recovery.Replayed, int]:
+    """`journal` replayed over `slab` of the store at `path`, each entry kept only where its
+    slot's header agrees; and how many headers were read."""
+    sb, fd, block_bytes, pipeline = slab.slot_bytes, slab.fd, slab.block_bytes, slab.pipeline
     entries, report = replay_journal(journal, os.fstat(fd).st_size // sb, per_key=False)
     items = [(e.slot, e.key, e.seq) for e in entries]
 

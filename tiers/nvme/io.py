@@ -1,8 +1,8 @@
 """The NVMe tier's I/O primitives: a complete `pwrite`, a small file written durably,
 page-aligned slot buffers, the slab's opening (O_DIRECT where the filesystem takes it, with
 its probe) and size, `slot_runs` (a call's slots as runs of adjacent slots, one syscall
-each) and `SlotPipeline` (syscalls on a pool, buffers filled and checked on the caller's
-thread)."""
+each), `SlotPipeline` (syscalls on a pool, buffers filled and checked on the caller's
+thread) and `Slab` (what a read or write of slots needs of the open slab)."""
 
 from __future__ import annotations
 
@@ -57,9 +57,8 @@ class SlotRun:
 
 
 def slot_runs(slots: Sequence[int], max_slots: int) -> list[SlotRun]:
-    """`slots` as runs of consecutive slot numbers, at most `max_slots` each, by slot.
-    Slots need not come in order: the blocks of one call may have been given slots in any
-    order, and the run a slot lands in does not change what is read or written there."""
+    """`slots` as runs of consecutive slot numbers, at most `max_slots` each, by slot (in
+    any order: the run a slot lands in does not change what is read or written there)."""
     if max_slots < 1:
         raise ValueError(f"max_slots: expected an int >= 1, got {max_slots!r}")
     order = sorted(range(len(slots)), key=slots.__getitem__)
@@ -108,11 +107,17 @@ def open_slab(path: str, direct: bool, medium: str) -> tuple[int, bool]:
 
 def direct_works(fd: int, path: str, medium: str) -> bool:
     """Whether O_DIRECT I/O works on the slab `fd`: some filesystems accept it at open and
-    refuse it per I/O (`probe_direct`); a refusal is warned about, as in `open_slab`."""
-    refused = probe_direct(fd)
-    if refused is not None:
-        _warn_buffered(path, medium, refused)
-    return refused is None
+    refuse it per I/O, so one read is tried. A refusal (EINVAL) is warned about, as in
+    `open_slab`; any other error is raised."""
+    buf = AlignedBuffer(ALIGN)
+    try:
+        os.preadv(fd, [buf.mm], 0)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        _warn_buffered(path, medium, exc)
+        return False
+    return True
 
 
 def _warn_buffered(path: str, medium: str, exc: OSError) -> None:
@@ -126,46 +131,24 @@ def _warn_buffered(path: str, medium: str, exc: OSError) -> None:
     )
 
 
-def probe_direct(fd: int) -> OSError | None:
-    """Some filesystems accept O_DIRECT at open and refuse it per I/O: try one read. The
-    refusal (EINVAL), or None when the read works; any other error is raised."""
-    buf = AlignedBuffer(ALIGN)
-    try:
-        os.preadv(fd, [buf.mm], 0)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return exc
-    return None
-
-
-def resize_slab(
-    fd: int, target: int, *, grow_only: bool, path: str, slots: int, slot_bytes: int
-) -> None:
-    """Make the slab `target` bytes: grown with the space reserved now (a full disk shows at
-    open, not halfway through a store; ConfigError naming the capacity), or cut to it unless
-    `grow_only`. `path`, `slots` and `slot_bytes` only word the error."""
+def resize_slab(fd: int, target: int, *, grow_only: bool, no_room: str) -> None:
+    """Make the slab `target` bytes: grown with the space reserved now (`store_dir.reserve`:
+    ConfigError(`no_room`) on a full disk), or cut to it unless `grow_only`."""
     size = os.fstat(fd).st_size
     if size < target:
-        # reserve the space now: a full disk shows at open, not halfway through a store
-        no_room = f"{path!r} has no room for {slots} slots of {slot_bytes} bytes"
         if reserve(fd, size, target - size, no_room=no_room) is not None:
             os.ftruncate(fd, target)  # a filesystem that cannot preallocate
     elif size > target and not grow_only:
         os.ftruncate(fd, target)
 
 
-# The pool threads only run pread/pwrite syscalls (they release the GIL); the caller's
-# thread, which would otherwise sit waiting, fills and checks the aligned buffers, keeping
-# up to 2 * io_threads blocks in flight so the device queue stays full while it copies and
-# hashes. A plain pool, not aiofiles: aiofiles runs the same blocking calls on an executor
-# behind an event loop our synchronous callers do not have.
-# One item is a run of adjacent slots (`slot_runs`, at most the tier's RUN_BYTES): one syscall
-# into or out of one buffer, each slot in it filled or checked alone (head shards, issue 32,
-# store a block as several small slots, usually adjacent). Figures: docs/bench.md.
 class SlotPipeline:
     """A pool of `io_threads` threads for slot syscalls, with aligned buffers of `run_slots`
-    slots each kept between calls (one item of `run` is one slot or one run of slots)."""
+    slots each kept between calls (one item of `run` is one slot or one run of slots).
+
+    The pool threads only run pread/pwrite (they release the GIL); the caller's thread fills
+    and checks the buffers meanwhile, keeping up to 2 * io_threads items in flight so the
+    device queue stays full while it copies and hashes."""
 
     def __init__(self, io_threads: int, slot_bytes: int, name: str, run_slots: int = 1) -> None:
         if run_slots < 1:
@@ -173,10 +156,8 @@ class SlotPipeline:
         self._io_threads = io_threads
         self._slot_bytes = slot_bytes
         self.run_slots = run_slots
-        # Aligned run buffers kept between calls, one stack for reads and one for writes:
-        # on this VM a buffer that an O_DIRECT write had read from then took reads at a
-        # third of the disk's rate (a load's 2 MiB run reads: 23 ms a request, 8.7 ms into
-        # buffers only ever read into; bench_nvme_load's model, raw per-slot reads 13.8 ms).
+        # Aligned run buffers kept between calls, one stack for reads and one for writes: a
+        # buffer an O_DIRECT write had read from was seen to take later reads much slower.
         self._spare: dict[bool, list[AlignedBuffer]] = {False: [], True: []}
         self._spare_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
@@ -221,3 +202,14 @@ class SlotPipeline:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+@dataclass(frozen=True, slots=True)
+class Slab:
+    """An open slab as its reads and writes see it: the file `fd`, slots of `slot_bytes`
+    holding blocks of `block_bytes`, and the `pipeline` their syscalls run on."""
+
+    fd: int
+    slot_bytes: int
+    block_bytes: int
+    pipeline: SlotPipeline

@@ -6,15 +6,11 @@ Primitives:
 - `Entries`: index entries as parallel fixed-width arrays (no Python object per block).
 - `put_records(entries)`: the PUT records of a compaction, as one array.
 - `tail_records(data)`: THE replay rule, vectorised: the newest well-formed PUT or FREE record
-  per slot, damaged count, top seq. The tier's open replays an image's tail with it, and
-  `replay_journal` (the full replay, the CLI's reader) is built on it.
+  per slot, damaged count, top seq (an image's tail; `replay_journal` is built on it).
 - `newest_per_key(entries)`: per (namespace, key) the entry of highest seq, as arrays.
 - `newest_copies(items, ident, seq)`: THE "newest copy per identity" rule (highest seq, the
   first of equal seqs): `newest_per_key`, `replay_journal` and the CLI's listing apply it.
 - `replay_journal(data, capacity)`: the live entries of a whole journal, with a report.
-
-`parse_record` is the record format's reference (one record, in Python); the tests hold the
-array checks of `tail_records` equal to it.
 """
 
 from __future__ import annotations
@@ -97,6 +93,11 @@ class Entries:
     def take(self, idx: np.ndarray) -> Entries:
         return Entries(self.slots[idx], self.keys[idx], self.seqs[idx], self.ns[idx])
 
+    def join(self, more: Entries) -> Entries:
+        """These entries, then `more`."""
+        cols = ("slots", "keys", "seqs", "ns")
+        return Entries(*(np.concatenate([getattr(self, f), getattr(more, f)]) for f in cols))
+
     def __len__(self) -> int:
         return len(self.slots)
 
@@ -109,17 +110,18 @@ def put_records(e: Entries) -> bytes:
     rows["magic"], rows["version"], rows["op"] = _REC_MAGIC, _REC_VERSION, OP_PUT
     rows["slot"], rows["seq"], rows["key"] = e.slots, e.seqs, e.keys
     body = rows.tobytes()
-    view = memoryview(body)
-    digest = xxhash.xxh3_64_intdigest
-    sums = np.fromiter(
-        (digest(view[i : i + _REC.size]) for i in range(0, len(body), _REC.size)),
-        dtype="<u8",
-        count=n,
-    )
+    sums = _digests(body, _REC.size, n)
     out = np.empty((n, REC_SIZE), dtype=np.uint8)
     out[:, : _REC.size] = rows.view(np.uint8).reshape(n, _REC.size)
     out[:, _REC.size :] = sums.view(np.uint8).reshape(n, REC_SUM.size)
     return out.tobytes()
+
+
+def _digests(data: bytes | memoryview, stride: int, n: int) -> np.ndarray:
+    """The xxh3 of the record body at every `stride` bytes of `data`, `n` of them."""
+    view, digest = memoryview(data), xxhash.xxh3_64_intdigest
+    it = (digest(view[o : o + _REC.size]) for o in range(0, n * stride, stride))
+    return np.fromiter(it, dtype="<u8", count=n)
 
 
 def _winners(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
@@ -131,13 +133,7 @@ def _winners(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray, np.ndarr
     n = len(data) // REC_SIZE
     damaged = int(len(data) % REC_SIZE != 0)
     recs = np.frombuffer(data, dtype=_REC_FULL, count=n)
-    view = memoryview(data)
-    digest = xxhash.xxh3_64_intdigest
-    sums = np.fromiter(
-        (digest(view[o : o + _REC.size]) for o in range(0, n * REC_SIZE, REC_SIZE)),
-        dtype=np.uint64,
-        count=n,
-    )
+    sums = _digests(data, REC_SIZE, n)
     body = recs["body"]
     ok = (
         (sums == recs["sum"])
@@ -157,10 +153,8 @@ def _winners(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def tail_records(tail: bytes | memoryview) -> tuple[Entries, int, int]:
-    """The newest well-formed PUT or FREE record per slot of a journal tail, as arrays
-    (`ns` holds each record's op), how many records were damaged (a torn end counts one)
-    and the highest seq of any well-formed record: `_winners`, the rule `replay_journal`
-    applies too."""
+    """`_winners` of a journal tail as arrays (`ns` holds each record's op), how many
+    records were damaged and the highest seq of any well-formed record."""
     body, _good, win, damaged, top = _winners(tail)
     t = Entries(
         body["slot"][win].astype(np.int64),
@@ -212,17 +206,12 @@ def newest_copies(
 def compacted(
     live: Entries, kept: Sequence[tuple[int, bytes, int, int]], top_seq: int
 ) -> tuple[Entries, bytes]:
-    """What a compaction writes: the entries, `live` and `kept` (slot, key, seq, namespace
-    id) merged oldest first, and the journal that holds them: BASE (the sequence counter so
-    far) + one PUT each."""
+    """What a compaction writes: `live` and `kept` (slot, key, seq, namespace id) merged oldest
+    first, and the journal that holds them: BASE (the sequence counter) + one PUT each."""
     entries = live
     if kept:
-        more = Entries.of(kept)
-        both = [
-            np.concatenate([getattr(live, f), getattr(more, f)])
-            for f in ("slots", "keys", "seqs", "ns")
-        ]
-        entries = Entries(*both).take(np.argsort(both[2], kind="stable"))
+        both = live.join(Entries.of(kept))
+        entries = both.take(np.argsort(both.seqs, kind="stable"))
     return entries, pack_record(OP_BASE, 0, top_seq, NO_KEY) + put_records(entries)
 
 
@@ -250,10 +239,8 @@ def replay_journal(
     data: bytes, capacity: int, *, per_key: bool = True
 ) -> tuple[list[JournalEntry], JournalReport]:
     """The live entries of a journal image in slots below `capacity` (per slot the highest
-    seq wins; with `per_key`, one slot per key, the newest, since a lost FREE record can
-    leave an older copy behind; the tier dedups per namespace and key instead, once it has
-    read the headers), oldest first, with counts of what was skipped. Pure: reads no slot.
-    The tier's open and the CLI share it."""
+    seq wins; with `per_key`, one slot per key, the newest: a lost FREE record can leave an
+    older copy behind), oldest first, with counts of what was skipped. Reads no slot."""
     body, good, win, damaged, top = _winners(data)
     # The winners in the order their slots first appear in the journal (the order a replay
     # record by record meets them): it decides ties below and in the final sort.

@@ -34,15 +34,14 @@ def instance_path(path: str, k: int) -> str:
 
 
 def take_instance(base: str, instance: int | None, instances: int) -> tuple[str, int, int]:
-    """Lock a store directory (one process per store: the index lives in this process's
-    memory): `instance` when given, else the first free of `instances` under `base`.
-    (directory, its fd holding the lock, k); ConfigError when none is free."""
+    """Lock a store directory: `instance` when given, else the first free of `instances`
+    under `base`. (directory, its fd holding the lock, k); ConfigError when none is free."""
     wanted = [instance] if instance is not None else range(instances)
     for k in wanted:
         path = instance_path(base, k)
         if k:
-            _prepare_dir(base)  # it holds the instance directories
-        _prepare_dir(path)
+            prepare_dir(base, _DIR_RULES)  # it holds the instance directories
+        prepare_dir(path, _DIR_RULES)  # created 0700, or checked: ours and private
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -76,13 +75,6 @@ def instance_dirs(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
 
 def open_nofollow(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
-
-
-def _prepare_dir(path: str) -> None:
-    """Create `path` (0700) if missing, or check that an existing one is ours and private
-    (`store_dir.prepare_dir`: our files, instance directories, or anything beside a
-    `meta.json`)."""
-    prepare_dir(path, _DIR_RULES)
 
 
 def read_meta_file(path: str) -> dict[str, Any] | None:
@@ -156,23 +148,17 @@ def store_meta(block_bytes: int, capacity_blocks: int, slot_bytes: int) -> dict[
     }
 
 
-def check_meta(meta: dict[str, Any], path: str, block_bytes: int, slot_bytes: int) -> None:
-    """ConfigError unless the store at `path` (its `meta`) holds blocks of `block_bytes` in
-    slots of `slot_bytes` with this build's header."""
+def load_meta(path: str, block_bytes: int, slot_bytes: int) -> dict[str, Any] | None:
+    """The store's `meta.json` at `path` (None: there is none yet); ConfigError unless it
+    holds blocks of `block_bytes` in slots of `slot_bytes` with this build's header."""
+    meta = read_meta_file(path)
+    if meta is None:
+        return None
     _META_FORMAT.check_block_bytes(meta.get("block_bytes"), block_bytes, f"the store at {path!r}")
     if meta.get("slot_bytes") != slot_bytes or meta.get("header_bytes") != HEADER_SIZE:
         raise ConfigError(
             "path",
-            f"{os.path.join(path, META)!r}: slot layout "
-            f"{meta.get('slot_bytes')!r} bytes "
+            f"{os.path.join(path, META)!r}: slot layout {meta.get('slot_bytes')!r} bytes "
             f"differs from this build's {slot_bytes}",
         )
-
-
-def load_meta(path: str, block_bytes: int, slot_bytes: int) -> dict[str, Any] | None:
-    """The store's `meta.json` at `path` (None: there is none yet), checked against this shape
-    (`check_meta`)."""
-    meta = read_meta_file(path)
-    if meta is not None:
-        check_meta(meta, path, block_bytes, slot_bytes)
     return meta

@@ -80,9 +80,8 @@ def check_instances(instances: object, instance: object, where: str = "") -> Non
 
 
 def instance_from_env(name: object, where: str = "") -> int | None:
-    """The instance an `instance_env` option names: the number in environment variable
-    `name` (e.g. "LOCAL_RANK"), or None when `name` is None or the variable is unset;
-    ConfigError naming `instance_env` for a bad name or value."""
+    """The instance number in environment variable `name` (e.g. "LOCAL_RANK"), or None when
+    `name` is None or the variable is unset; ConfigError naming `instance_env` if bad."""
     if name is None:
         return None
     field = f"{where}.instance_env" if where else "instance_env"

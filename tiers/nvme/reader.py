@@ -11,26 +11,16 @@ import os
 import numpy as np
 
 from tiercache.errors import BlockCorruptError
-from tiercache.tiers.format import (
-    CODEC_RAW,
-    HEADER_SIZE,
-    BlockHeader,
-    decode_header,
-    decode_payload,
-    header_problem,
-)
+from tiercache.tiers.format import CODEC_RAW, HEADER_SIZE, BlockHeader, decode_payload, header_of
 from tiercache.tiers.nvme.journal import JournalEntry, newest_copies, replay_journal
-from tiercache.tiers.nvme.layout import INDEX, META, SLAB, read_meta
+from tiercache.tiers.nvme.layout import INDEX, META, SLAB, open_nofollow, read_meta
 
 
 class NVMeStoreReader:
     """A read-only view of an NVMe store on disk for offline tools: it takes no lock and
-    writes nothing, so it works on a stopped store and beside the process holding it open.
-
-    That process may move on after `entries` was read (a slot freed and written again): a
-    caller that finds a mismatch on a store `in_use()` calls `reload()` and rechecks the
-    entries that are still there.
-    """
+    writes nothing, so it works beside the process holding it open. That process may move
+    on after `entries` was read: a caller that finds a mismatch on a store `in_use()` calls
+    `reload()` and rechecks the entries that are still there."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.path.abspath(os.fspath(path))
@@ -51,12 +41,10 @@ class NVMeStoreReader:
     def reload(self) -> None:
         """Read the journal again (its current file: a compaction replaces it)."""
         try:
-            fd = os.open(os.path.join(self.path, INDEX), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with open(os.path.join(self.path, INDEX), "rb", opener=open_nofollow) as f:
+                data = f.read()
         except FileNotFoundError:
             data = b""
-        else:
-            with os.fdopen(fd, "rb") as f:
-                data = f.read()
         # Every slot of the slab (it holds kept blocks past the capacity); every live slot,
         # equal keys of two namespaces included.
         self.entries, self.journal = replay_journal(data, self.slots, per_key=False)
@@ -113,18 +101,16 @@ class NVMeStoreReader:
         return os.pread(self._fd, nbytes or self.slot_bytes, slot * self.slot_bytes)
 
     def headers(self) -> tuple[list[tuple[JournalEntry, BlockHeader]], int]:
-        """Each good block the journal names with its header (payloads not read), one copy
-        per (namespace, key): an older one a lost FREE record left behind is not listed;
-        and how many entries fail their header check."""
+        """Each good block the journal names with its header (payloads not read), the newest
+        copy per (namespace, key) only; and how many entries fail their header check."""
         good: list[tuple[JournalEntry, BlockHeader]] = []
         bad = 0
         for e in self.entries:
             try:
-                h = decode_header(self.read_slot(e.slot, HEADER_SIZE))
+                h = header_of(self.read_slot(e.slot, HEADER_SIZE), e.key, None, self.block_bytes)
             except BlockCorruptError:
-                bad += 1
-                continue
-            if header_problem(h, e.key, None, self.block_bytes) or h.seq != e.seq:
+                h = None
+            if h is None or h.seq != e.seq:
                 bad += 1
                 continue
             good.append((e, h))
@@ -136,10 +122,7 @@ class NVMeStoreReader:
         whole and decoded into `scratch`; None when it is good."""
         data = self.read_slot(e.slot)
         try:
-            h = decode_header(data[:HEADER_SIZE])
-            problem = header_problem(h, e.key, None, self.block_bytes)
-            if problem:
-                return problem
+            h = header_of(data[:HEADER_SIZE], e.key, None, self.block_bytes)
             if h.seq != e.seq:
                 return f"header seq {h.seq}, the index says {e.seq} (an unfinished rewrite)"
             if h.codec != CODEC_RAW:

@@ -1,6 +1,5 @@
 """Recovery of an NVMe store's index at open, as pure functions over the journal's bytes,
-the decoded image and the slot headers already read: no file, no tier, no log. The tier
-reads the files, calls these, adopts the `Recovered` record and logs what it reports.
+the decoded image and the slot headers already read (no file, no tier, no log):
 
 - `image_matches(img, journal)`: the image covers this journal's first bytes unchanged.
 - `from_image(img, journal, slab_slots)`: the image's entries with the journal tail after it
@@ -20,7 +19,7 @@ import numpy as np
 import xxhash
 
 from tiercache.errors import BlockCorruptError
-from tiercache.tiers.format import CODEC_RAW, HEADER_SIZE, decode_header, header_problem
+from tiercache.tiers.format import CODEC_RAW, HEADER_SIZE, header_of
 from tiercache.tiers.nvme.image import IndexImage
 from tiercache.tiers.nvme.journal import KEY_DTYPE, OP_PUT, Entries, newest_per_key, tail_records
 from tiercache.tiers.store_dir import over_capacity
@@ -114,12 +113,7 @@ def from_image(img: IndexImage, journal: bytes, cap: int) -> Replayed | None:
             extra.pop(slot, None)
     entries = Entries(slots, keys, seqs, ns).take(np.flatnonzero(alive))
     if len(add):
-        entries = Entries(
-            *(
-                np.concatenate([getattr(entries, f), getattr(add, f)])
-                for f in ("slots", "keys", "seqs", "ns")
-            )
-        )
+        entries = entries.join(add)
     # Tail PUTs may name a key the image holds in another slot (a lost FREE record);
     # FREE records only remove entries.
     distinct = img.distinct and not len(put_over) and not len(add)
@@ -131,17 +125,13 @@ def header_ns(
 ) -> int | None:
     """The namespace id of a slot's header (`got` bytes read) if it agrees with its journal
     entry: key, seq, a raw block of `block_bytes`; else None."""
+    if got < HEADER_SIZE:
+        return None
     try:
-        h = decode_header(header[:HEADER_SIZE]) if got >= HEADER_SIZE else None
+        h = header_of(header[:HEADER_SIZE], key, None, block_bytes)
     except BlockCorruptError:
         return None
-    ok = (
-        h is not None
-        and header_problem(h, key, None, block_bytes) is None
-        and h.seq == seq
-        and h.codec == CODEC_RAW
-    )
-    return h.namespace_id if ok and h is not None else None
+    return h.namespace_id if h.seq == seq and h.codec == CODEC_RAW else None
 
 
 def settle(

@@ -1,23 +1,17 @@
 """`NVMeSiblingsTier`: read-only access to the other instances of an NVMe store path, for a
-rank whose blocks another rank's instance holds (head shards after a TP change: a TP=1 engine
-restarted as TP=2 finds rank 1's shards in instance 0, which rank 0 owns; see
+rank whose blocks another rank's instance holds (head shards after a TP change; see
 docs/tp-layout.md).
 
 Primitives:
-- `Siblings`: the instances under one path (`path`, `path/instance{k}`) as offline readers
-  (`NVMeStoreReader`: no lock, nothing written), and one index key -> (instance, slot) of
-  what their journals named when last read; `find(key)` checks the slot's header (key,
-  namespace, length), reading the journals again (at most every `RELOAD_S`) when a slot
-  no longer holds what they said.
+- `Siblings`: the instances under one path as offline readers (`NVMeStoreReader`), and one
+  index key -> (instance, slot) of what their journals named when last read; `find(key)`
+  checks the slot's header, reading the journals again (at most every `RELOAD_S`) when a
+  slot no longer holds what they said.
 - `NVMeSiblingsTier`: a shared, read-only tier over the siblings of this process's own
-  instances (those this process holds open are skipped): `probe` finds keys there, `adopt`
-  indexes them under slots of its own (each mapped to an instance and slot), `read`
-  verifies header, key and checksum as every NVMe read does. A slot the owner freed and
-  wrote again since its journal was read is a plain miss (`take_gone`), never an error.
-  It never writes: the manager plans no store, demotion or write-back into a read-only
-  tier, and `write` refuses.
-- `SiblingsProbe`: the scheduler's read-only `StoreProbe` over every instance of the path
-  (each rank reads every instance: its own as its tier, the others as siblings).
+  instances: `probe` finds keys there, `adopt` indexes them under slots of its own, `read`
+  verifies as every NVMe read does. A slot the owner wrote again since its journal was read
+  is a plain miss (`take_gone`), never an error. `write` refuses.
+- `SiblingsProbe`: the scheduler's read-only `StoreProbe` over every instance of the path.
 """
 
 from __future__ import annotations
@@ -176,28 +170,18 @@ class Siblings:
             self._index = _Index([], [])
 
 
-class SiblingsProbe:
+class SiblingsProbe(Siblings):
     """`StoreProbe` over every instance of an NVMe path (the scheduler's, read-only)."""
-
-    def __init__(self, path: str, block_bytes: int, namespace: str) -> None:
-        self._siblings = Siblings(path, block_bytes, namespace)
-
-    def probe(self, keys: Sequence[bytes]) -> int:
-        return self._siblings.probe(keys)
 
     def may_hold(self, key: bytes) -> bool:
         """False when no instance's journal names `key` (from memory, no I/O): the
         scheduler's index then answers a miss without waiting for the probe thread."""
-        return self._siblings.where(key) is not None
-
-    def close(self) -> None:
-        self._siblings.close()
+        return self.where(key) is not None
 
 
 class NVMeSiblingsTier(Tier):
-    """Blocks other NVMe instances of one path hold, read-only (see the module doc). Its
-    slots are its own numbering: each adopted slot maps to (instance, slot) there. Its
-    capacity is every sibling slot, so it can index all of them at once."""
+    """Blocks other NVMe instances of one path hold, read-only: each adopted slot maps to an
+    (instance, slot) there; its capacity is every sibling slot."""
 
     kind: ClassVar[str] = "nvme-siblings"
     persistent: ClassVar[bool] = True

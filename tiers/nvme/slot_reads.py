@@ -4,20 +4,13 @@ Each run of adjacent slots (`io.slot_runs`) is one `preadv` into an aligned run 
 tier's `SlotPipeline` pool; the caller's thread checks every slot of a run (header, the
 indexed write, the checksum over header + payload) while the next runs are read. A checked
 slot then goes one of two ways:
-- `into(rows)`: decoded into the caller's row (`NVMeTier.read`: the bytes are copied once
-  here, and the caller copies them again wherever they go);
+- `into(rows)`: decoded into the caller's rows (`NVMeTier.read`);
 - `to_sink(sink)`: handed over in place (`NVMeTier.read_to`): `sink(positions, rows)` gets
-  the verified payloads of a run as a strided uint8 view `[k, block_bytes]` of the run buffer
-  (row stride `slot_bytes`), so the only copy is the sink's own. A compressed block (never
-  written by this tier, but readable) and a slot read again alone are handed over from a
-  buffer of their own.
+  the verified payloads of a run as a strided view of the run buffer, so the only copy is
+  the sink's own (a compressed block or a slot read again alone: from a buffer of its own).
 A slot that fails its checks is never handed over. A run that fails or comes back short is
-read again slot by slot, so an I/O error fails only the slots it hits.
-
-Why not straight into the destination (O_DIRECT DMA into the engine's blocks): a slot is a
-64-byte header followed by the payload, so the payload does not start on a 4 KiB boundary in
-the file, and torch CPU tensors are only 64-byte aligned; O_DIRECT needs both (and the
-length) aligned. It would take another on-disk format; this one is kept.
+read again slot by slot, so an I/O error fails only the slots it hits. (Not straight into
+the destination with O_DIRECT: a payload starts 64 bytes into its slot, not aligned.)
 """
 
 from __future__ import annotations
@@ -35,13 +28,12 @@ from tiercache.tiers.format import (
     CODEC_RAW,
     HEADER_SIZE,
     BlockHeader,
-    decode_header,
     decode_payload,
-    header_problem,
+    header_of,
     is_raw_block,
     verify,
 )
-from tiercache.tiers.nvme.io import AlignedBuffer, SlotPipeline, SlotRun, slot_runs
+from tiercache.tiers.nvme.io import AlignedBuffer, Slab, SlotRun, slot_runs
 
 log = logging.getLogger(__package__)  # "tiercache.tiers.nvme", as the tier's
 
@@ -52,44 +44,37 @@ Sink = Callable[[list[int], torch.Tensor], None]
 
 class SlotReads:
     """One read of `slots`, whose slot `slots[i]` should hold `keys[i]` (checked by the
-    caller), from the slab `fd`. `seqs` and `index_keys` are the tier's index (per slot: the
+    caller), from `slab`. `seqs` and `index_keys` are the tier's index (per slot: the
     indexed write's seq, 0 for none, and its key); `ns` the namespace id, or None for any."""
 
     def __init__(
         self,
+        slab: Slab,
         *,
-        fd: int,
-        slot_bytes: int,
-        block_bytes: int,
         ns: int | None,
         seqs: np.ndarray,
         index_keys: np.ndarray,
-        pipeline: SlotPipeline,
         slots: Sequence[int],
         keys: Sequence[bytes],
     ) -> None:
-        self._fd, self._sb, self._bb, self._ns = fd, slot_bytes, block_bytes, ns
+        self._fd, self._sb, self._bb, self._ns = slab.fd, slab.slot_bytes, slab.block_bytes, ns
         self._seqs, self._index_keys = seqs, index_keys
-        self._pipeline = pipeline
+        self._pipeline = slab.pipeline
         self._slots, self.keys = slots, keys
-        self._runs = slot_runs(slots, pipeline.run_slots)
+        self._runs = slot_runs(slots, slab.pipeline.run_slots)
         # Per position: None (good), or the error that failed it.
         self.results: list[BaseException | None] = [None] * len(slots)
 
     # -- checks ----------------------------------------------------------------------------
     def _header(self, i: int, view: memoryview, got: int) -> BlockHeader | BaseException:
         """Position i's header from its slot's bytes (`got` of them arrived), checked against
-        the key, the namespace and the index; the error instead of raising it. The payload
-        is not verified yet."""
+        the key, the namespace and the index (not the payload); the error, not raised."""
         if got < HEADER_SIZE + self._bb:
             return OSError(errno.EIO, f"short read ({max(got, 0)} bytes)")
         try:
-            h = decode_header(view[:HEADER_SIZE])
+            h = header_of(view[:HEADER_SIZE], self.keys[i], self._ns, None)
         except BlockCorruptError as exc:
             return exc
-        problem = header_problem(h, self.keys[i], self._ns, None)
-        if problem is not None:
-            return BlockCorruptError(problem)
         # An indexed slot serves exactly the write its entry names: an entry loaded from
         # the image is not checked against the header at open, and a failed rewrite of the
         # same key can leave another write in the slot. (A slot freed since has no entry;
@@ -188,25 +173,28 @@ class SlotReads:
         (a slot named twice starts a new stretch); the others one by one."""
         sb, bb = self._sb, self._bb
 
-        def alone(i: int, view: memoryview, got: int) -> BaseException | None:
-            """Position i from a slot of its own, or a compressed one: verified, decoded if
-            compressed, then handed over."""
+        def alone(
+            i: int, view: memoryview, got: int, to: list[tuple[int, int]] | None = None, k: int = 0
+        ) -> BaseException | None:
+            """Position i checked: a raw block verified, then added to `to` (the k-th slot of
+            a run, handed over in place) or, without one, handed over alone; a compressed one
+            decoded into a buffer of its own and handed over."""
             h = self._header(i, view, got)
             if isinstance(h, BaseException):
                 return h
-            if h.codec == CODEC_RAW:
-                try:
+            try:
+                if h.codec == CODEC_RAW:
                     verify(h, view[HEADER_SIZE : HEADER_SIZE + bb])
-                except BlockCorruptError as exc:
-                    return exc
-                row = torch.frombuffer(view[HEADER_SIZE : HEADER_SIZE + bb], dtype=torch.uint8)
-            else:
-                out = np.empty(bb, dtype=np.uint8)
-                try:
+                    if to is not None:
+                        to.append((k, i))
+                        return None
+                    row = torch.frombuffer(view[HEADER_SIZE : HEADER_SIZE + bb], dtype=torch.uint8)
+                else:
+                    out = np.empty(bb, dtype=np.uint8)
                     decode_payload(h, view[HEADER_SIZE : HEADER_SIZE + h.stored_len], out)
-                except BlockCorruptError as exc:
-                    return exc
-                row = torch.from_numpy(out)
+                    row = torch.from_numpy(out)
+            except BlockCorruptError as exc:
+                return exc
             sink([i], row.view(1, bb))
             return None
 
@@ -217,17 +205,7 @@ class SlotReads:
                 if self._plain(i, view, n):
                     ready.append((k, i))
                     return None
-                h = self._header(i, view, n)
-                if isinstance(h, BaseException):
-                    return h
-                if h.codec != CODEC_RAW:
-                    return alone(i, view, n)
-                try:
-                    verify(h, view[HEADER_SIZE : HEADER_SIZE + bb])
-                except BlockCorruptError as exc:
-                    return exc
-                ready.append((k, i))
-                return None
+                return alone(i, view, n, ready, k)
 
             self._each(run, buf, got, first, alone)
             if not ready:

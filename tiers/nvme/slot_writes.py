@@ -16,15 +16,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from tiercache.tiers.format import HEADER_SIZE, encode_block
-from tiercache.tiers.nvme.io import AlignedBuffer, SlotPipeline, slot_runs
+from tiercache.tiers.nvme.io import AlignedBuffer, Slab, slot_runs
 
 
 def write_slots(
+    slab: Slab,
     *,
-    fd: int,
-    pipeline: SlotPipeline,
-    slot_bytes: int,
-    block_bytes: int,
     ns: int,
     slots: Sequence[int],
     rows: np.ndarray,
@@ -33,9 +30,10 @@ def write_slots(
     medium: str,
 ) -> None:
     """Write `rows[i]` as block `keys[i]` (write seq `first_seq + i`, namespace id `ns`) into
-    slot `slots[i]` of the slab `fd`. Raises OSError naming how many blocks were lost when a
+    slot `slots[i]` of `slab`. Raises OSError naming how many blocks were lost when a
     run fails or comes back short (`medium` names the tier), and a bug's exception as is."""
-    sb, bb, n = slot_bytes, block_bytes, len(slots)
+    sb, bb, n = slab.slot_bytes, slab.block_bytes, len(slots)
+    fd, pipeline = slab.fd, slab.pipeline
     runs = slot_runs(slots, pipeline.run_slots)
 
     def fill(r: int, buf: AlignedBuffer) -> None:

@@ -1,11 +1,6 @@
 """`NVMeTier`: the tier itself: options, the instance lock, open and close, write, read and
-free, and the journal's append, sync and compaction. The on-disk format is described in
-`tiercache.tiers.nvme`; reading the index at open is `index_open.py` (the rules:
-`recovery.py`), the journal `journal.py`, the slots' bytes `slot_writes.py` and
-`slot_reads.py`, the files `layout.py` and `io.py`.
-
-The tunables the tier reads at run time live here (tests patch them on this module):
-BATCH_SYNC_BYTES, BATCH_SYNC_SECONDS, COMPACT_SLACK, and RUN_BYTES (read at open).
+free, and the journal's append, sync and compaction (the store is described in
+`tiercache.tiers.nvme`). Tests patch the tunables the tier reads at run time on this module.
 """
 
 from __future__ import annotations
@@ -34,6 +29,7 @@ from tiercache.tiers.nvme.image import encode_image
 from tiercache.tiers.nvme.index_open import read_headers, read_image
 from tiercache.tiers.nvme.io import (
     ALIGN,
+    Slab,
     SlotPipeline,
     direct_works,
     open_slab,
@@ -73,18 +69,14 @@ from tiercache.tiers.nvme.slot_reads import Sink, SlotReads
 from tiercache.tiers.nvme.slot_writes import write_slots
 from tiercache.tiers.store_dir import warn_over_capacity
 
-log = logging.getLogger(__package__)  # "tiercache.tiers.nvme", as before the split
+log = logging.getLogger(__package__)  # "tiercache.tiers.nvme"
 
 # fsync="batch": sync after this many bytes of slots written since the last one (bytes, not
-# blocks: head shards (issue 32) make blocks S/n times smaller, and counting them would sync
-# S/n times as often per token)
+# blocks: head shards make blocks smaller, and counting them would sync more often per token)
 BATCH_SYNC_BYTES = 256 << 20
 BATCH_SYNC_SECONDS = 1.0  # ... and at most this long after the first unsynced write
 COMPACT_SLACK = 1024  # journal records allowed beyond 2 * capacity before a rewrite
-# Adjacent slots of one read or write go to the disk as one syscall of up to this many bytes
-# (at least one slot): head shards (issue 32) store a block as S/n small blocks, usually in
-# adjacent slots, which then cost one syscall per run, not per slot (see io.SlotPipeline).
-RUN_BYTES = 2 << 20
+RUN_BYTES = 2 << 20  # most bytes of adjacent slots read or written by one syscall
 
 
 class NVMeTier(Tier):
@@ -125,7 +117,7 @@ class NVMeTier(Tier):
         if not isinstance(path, str | os.PathLike) or not os.fspath(path):
             raise ConfigError("path", f"expected a directory path, got {path!r}")
         self._base = os.path.abspath(os.fspath(path))  # the configured path: instance 0
-        self._path = self._base  # the directory this tier holds, set by _take_instance
+        self._path = self._base  # the directory this tier holds, set at open
         self._instances, self._instance = instances, instance
         self.instance = 0  # which instance this tier opened
         self._fsync = fsync
@@ -197,15 +189,10 @@ class NVMeTier(Tier):
         return self._slot_bytes
 
     # -- open ------------------------------------------------------------------------------
-    def _take_instance(self) -> None:
-        """Lock the store directory (`layout.take_instance`); sets `_path`, `_dirfd` and
-        `instance`."""
-        self._path, self._dirfd, self.instance = take_instance(
+    def _open(self, direct: bool, io_threads: int) -> None:
+        self._path, self._dirfd, self.instance = take_instance(  # the store directory, locked
             self._base, self._instance, self._instances
         )
-
-    def _open(self, direct: bool, io_threads: int) -> None:
-        self._take_instance()
         meta = load_meta(self._path, self.block_bytes, self._slot_bytes)
         if meta is None:
             # meta.json first: from here on the directory is recognisably ours.
@@ -221,9 +208,10 @@ class NVMeTier(Tier):
             f"tiercache-{self.medium}",
             run_slots=max(1, RUN_BYTES // self._slot_bytes),
         )
+        self._slab = Slab(self._fd, self._slot_bytes, self.block_bytes, self._io)
         # An existing store without its journal has lost every index entry: say so.
         index_missing = meta is not None and not os.path.exists(os.path.join(self._path, INDEX))
-        self._jfd = self._open_file(INDEX, os.O_RDWR)
+        self._jfd = open_file(self._path, INDEX, os.O_RDWR)
         with self._lock:
             size = os.fstat(self._jfd).st_size
             journal = os.pread(self._jfd, size, 0) if size else b""
@@ -243,15 +231,9 @@ class NVMeTier(Tier):
             # or a store reaches its key, or when it needs its slot (tiers/dormant.py).
             with self._lock:
                 self._dormant = DormantIndex(self._keys, self._live_slots())
-        if (
-            meta is not None
-            and meta.get("capacity_blocks") != self.capacity_blocks
-            and self._ns is not None
-        ):
+        resized = meta is not None and meta.get("capacity_blocks") != self.capacity_blocks
+        if resized and self._ns is not None:
             self._write_meta()
-
-    def _open_file(self, name: str, flags: int) -> int:
-        return open_file(self._path, name, flags)
 
     def _write_meta(self) -> None:
         meta = store_meta(self.block_bytes, self.capacity_blocks, self._slot_bytes)
@@ -262,21 +244,16 @@ class NVMeTier(Tier):
         self._sync(self._dirfd)
 
     def _resize_slab(self, *, grow_only: bool) -> None:
-        resize_slab(
-            self._fd,
-            max(self.capacity_blocks, self._nslots) * self._slot_bytes,
-            grow_only=grow_only,
-            path=self._path,
-            slots=self.capacity_blocks,
-            slot_bytes=self._slot_bytes,
-        )
+        target = max(self.capacity_blocks, self._nslots) * self._slot_bytes
+        cap, sb = self.capacity_blocks, self._slot_bytes
+        no_room = f"{self._path!r} has no room for {cap} slots of {sb} bytes"
+        resize_slab(self._fd, target, grow_only=grow_only, no_room=no_room)
 
     def _load_image(self, journal: bytes) -> bool | None:
-        """Load the index from the image plus the journal records appended after it, reading
-        no slot (lock held; `index_open.read_image`). None when the image is missing, damaged,
-        or does not cover this journal (then the caller reads every header); True when it
-        covers all of it and this tier wrote it (the journal is kept as is), False when a
-        compaction should follow."""
+        """Load the index from the image plus the journal records after it (lock held;
+        `index_open.read_image`). None when there is no usable image (the caller reads every
+        header); True when it covers all the journal and this tier wrote it (kept as is),
+        False when a compaction should follow."""
         slab_slots = os.fstat(self._fd).st_size // self._slot_bytes
         found = read_image(self._path, journal, slab_slots)
         if found is None:
@@ -290,15 +267,7 @@ class NVMeTier(Tier):
     def _load_index(self, journal: bytes) -> None:
         """Replay the journal, then keep only entries whose slot header agrees (lock held;
         `index_open.read_headers`)."""
-        assert self._io is not None
-        got, headers = read_headers(
-            journal,
-            path=self._path,
-            fd=self._fd,
-            slot_bytes=self._slot_bytes,
-            block_bytes=self.block_bytes,
-            pipeline=self._io,
-        )
+        got, headers = read_headers(journal, self._path, self._slab)
         self._settle(got)
         self.open_report["index_image"] = 0
         self.open_report["headers_read"] = headers
@@ -358,14 +327,10 @@ class NVMeTier(Tier):
             first = self._seq + 1
             self._seq += n
         fd = self._fd
-        assert self._io is not None
         # 1. Data: header + payload into every slot, one pwrite per run of adjacent slots.
         # Nothing names these slots yet.
         write_slots(
-            fd=fd,
-            pipeline=self._io,
-            slot_bytes=self._slot_bytes,
-            block_bytes=self.block_bytes,
+            self._slab,
             ns=self._ns,
             slots=slots,
             rows=rows,
@@ -413,8 +378,7 @@ class NVMeTier(Tier):
         staging: torch.Tensor | None = None,
     ) -> list[int]:
         """`Tier.read_to` without the staging copy: each run's verified payloads go to `sink`
-        as a strided view of the aligned run buffer, while the next runs are read
-        (slot_reads.py). `staging` is not used."""
+        as a strided view of the run buffer (`SlotReads.to_sink`); `staging` is not used."""
         reads = self._reads(slots, keys)
         if reads is None:
             return []
@@ -426,17 +390,8 @@ class NVMeTier(Tier):
         self._check_slots(slots, unique=False)
         if not slots:
             return None
-        assert self._io is not None
         return SlotReads(
-            fd=self._fd,
-            slot_bytes=self._slot_bytes,
-            block_bytes=self.block_bytes,
-            ns=self._ns,
-            seqs=self._seqs,
-            index_keys=self._keys,
-            pipeline=self._io,
-            slots=slots,
-            keys=keys,
+            self._slab, ns=self._ns, seqs=self._seqs, index_keys=self._keys, slots=slots, keys=keys
         )
 
     # -- slots and index -------------------------------------------------------------------
@@ -491,9 +446,6 @@ class NVMeTier(Tier):
             self._after_append(0)
         except OSError as exc:  # free must not fail (the manager frees while planning)
             log.warning("%s: journaling %d freed slots failed: %s", self.medium, len(recs), exc)
-
-    def recover(self) -> list[tuple[bytes, int]]:
-        return list(zip(*self.recover_columns(), strict=True))
 
     def recover_columns(self) -> tuple[list[bytes], list[int]]:
         # The slots are not free: recovery.place hands out only slots that hold no block.
@@ -569,7 +521,7 @@ class NVMeTier(Tier):
         )
         distinct = bool(newest_per_key(entries).all())  # checked here, so that opens need not
         image = encode_image(data, self._seq, self._ns, self._nslots, entries, distinct=distinct)
-        fd = self._open_file(INDEX + ".tmp", os.O_RDWR | os.O_TRUNC)
+        fd = open_file(self._path, INDEX + ".tmp", os.O_RDWR | os.O_TRUNC)
         try:
             write_all(fd, data, 0)
             self._sync(fd)  # complete and durable before the rename replaces the old journal
@@ -592,9 +544,8 @@ class NVMeTier(Tier):
         self._sync(self._dirfd)  # and the rename itself survives a power loss
 
     def _write_image(self, image: bytes) -> bool:
-        """Write `image` to the image's temporary file, durably; on failure remove the old
-        image (it could name this tier as the writer of a journal it no longer covers) and
-        return False (lock held)."""
+        """Write `image` to the image's temporary file, durably (lock held); on failure remove
+        the old image (it may name a journal it no longer covers) and return False."""
         try:
             write_file(self._path, IMAGE + ".tmp", image, sync=self._fsync != "never")
             return True

@@ -6,15 +6,12 @@ both use it, so a URL, a credential or a cluster is understood one way.
 - `mask(url)` / `shown(target)`: URLs for messages, passwords replaced by ***.
 - `secret(value, env, field)`: a credential given directly or through an environment variable.
 - `make_client(target, cluster, ...)`: a redis-py client (single node or Redis Cluster) with
-  bounded socket timeouts, one quick retry of a dropped connection, and a client name;
-  `close_client(client)` when done with it.
+  bounded timeouts; `close_client(client)` when done with it.
 - `auth_error(exc, shown)`: the ConfigError a refused authentication becomes (no secret).
 - `glob_escape(b)`: bytes matched literally in a SCAN pattern.
 - `pipeline(client, cmds, cluster)`: commands sent as one pipelined batch, one reply each;
   on a single node `send_packed` packs it so large payloads go out without a copy.
 - The store's layout on the server (`STORE_FORMAT`, `STORE_VERSION`, `META_SUFFIX`).
-
-This is the bottom file of the package: it imports nothing from the tier.
 """
 
 from __future__ import annotations
@@ -222,12 +219,9 @@ def pipeline(client: Any, cmds: list[list[Any]], cluster: bool) -> list[Any]:
 
 
 def send_packed(client: redis.Redis, cmds: list[list[Any]]) -> list[Any]:
-    """A pipeline on one pooled connection, packed here so that a (header, payload)
-    value goes out as two buffers: the payload is sent from the caller's tensor, never
-    joined into a fresh string (redis-py's pipeline would need one `bytes` per value).
-    A connection that fails before any reply was read is retried once on a fresh one
-    (a server restart leaves stale pooled connections); every command here is
-    idempotent."""
+    """A pipeline on one pooled connection, packed here so that a (header, payload) value
+    goes out as two buffers, the payload from the caller's tensor. A connection that fails
+    before any reply was read is retried once on a fresh one (every command is idempotent)."""
     buffers: list[bytes | memoryview] = []
     small = bytearray()
     for cmd in cmds:

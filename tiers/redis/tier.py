@@ -1,8 +1,6 @@
-"""`RedisTier`: the tier object over a Redis (or Valkey) server or cluster (the package
-docstring, tiers/redis/__init__.py, describes the store). Here: settings checks, the open
+"""`RedisTier` (the package docstring describes the store): settings checks, the open
 (metadata check, SCAN of what the store holds), availability and its back-off, the slot
-index with its pending deletes (tiers/keyed.py's rules), and the pipelined reads and writes.
-The client itself (URLs, credentials, the packed pipeline) is tiers/redis/client.py.
+index with its pending deletes, and the pipelined reads and writes.
 """
 
 from __future__ import annotations
@@ -25,12 +23,12 @@ from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.base import KEY_BYTES
 from tiercache.tiers.format import (
     HEADER_SIZE,
-    decode_header,
-    header_problem,
+    header_of,
     is_header_of,
     namespace_id,
 )
 from tiercache.tiers.keyed import (
+    CODEC_OPTIONS,
     KeyedTier,
     PendingDeletes,
     add_written,
@@ -56,7 +54,7 @@ from tiercache.tiers.redis.client import (
 )
 from tiercache.tiers.store_dir import MetaFormat, over_capacity
 
-log = logging.getLogger(__package__)  # "tiercache.tiers.redis", as before the split
+log = logging.getLogger(__package__)  # "tiercache.tiers.redis"
 
 PIPELINE_BYTES = 64 << 20  # most value bytes in one pipeline execute (bounds client memory)
 SCAN_BATCH = 1000
@@ -121,9 +119,7 @@ class RedisTier(KeyedTier):
         "password_env": str,
         "ttl": (int, float),
         "prefix": str,
-        "compression": str,
-        "level": int,
-        "element_size": int,
+        **CODEC_OPTIONS,
         "timeout": (int, float),
         "backoff_max": (int, float),
     }
@@ -208,32 +204,14 @@ class RedisTier(KeyedTier):
 
     @classmethod
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> RedisTier:
-        o = dict(cfg.options)
-        try:
-            return cls(
-                name=cfg.name,
-                block_bytes=block_bytes,
-                capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-                namespace=namespace,
-                **o,
-            )
-        except ConfigError as exc:
-            if not exc.field.startswith("tiers["):
-                raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
-            raise
+        return cls.from_options(cfg, block_bytes, None, namespace=namespace, **cfg.options)
 
     @classmethod
     def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> RedisTier:
         """The tier without its index (no SCAN and no metadata write at open): its `probe`
-        is one pipelined GETRANGE of the headers, bounded by `timeout`, and answers 0 at once
-        during a back-off after a failure. An unreachable server is not an error here."""
-        return cls(
-            name=cfg.name,
-            block_bytes=block_bytes,
-            capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-            namespace=namespace,
-            index_at_open=False,
-            **dict(cfg.options),
+        answers 0 at once during a back-off; an unreachable server is not an error here."""
+        return cls.from_options(
+            cfg, block_bytes, (), namespace=namespace, index_at_open=False, **cfg.options
         )
 
     # -- connection and availability -------------------------------------------------------
@@ -248,14 +226,8 @@ class RedisTier(KeyedTier):
 
     def _open(self) -> None:
         """Connect, check the store's metadata and index what it holds. An unreachable server
-        is not fatal (the tier starts unavailable and retries); bad credentials are."""
-        try:
-            self._connect_at_open()
-        except ConfigError:  # refused: the tier is never built, so nothing else closes it
-            self._shutdown_client()
-            raise
-
-    def _connect_at_open(self) -> None:
+        is not fatal (the tier starts unavailable and retries); bad credentials are (the
+        constructor then closes the client)."""
         try:
             client = self._make_client()
             self._client = client
@@ -299,8 +271,7 @@ class RedisTier(KeyedTier):
     def _conn(self) -> Any:
         """The client, or OSError at once while the tier is in its backoff window."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{self.medium}: the Redis tier is closed")
+            self._check_open()
             if self._up or self._backoff.ready():
                 if self._client is not None:
                     return self._client
@@ -357,9 +328,8 @@ class RedisTier(KeyedTier):
             )
 
     def _run(self, client: Any, cmds: list[list[Any]], what: str) -> list[Any]:
-        """Send `cmds` in one pipelined batch; one reply each, per-command errors returned
-        in the list. An argument may be a (header, payload) pair: one Redis string. OSError
-        (and the tier marked down) on network failure."""
+        """`client.pipeline(client, cmds, cluster)`: one reply per command, errors in the list;
+        OSError (and the tier marked down) on network failure."""
         try:
             out = pipeline(client, cmds, self._cluster)
         except AuthenticationError as exc:
@@ -382,9 +352,8 @@ class RedisTier(KeyedTier):
 
     @property
     def retry_at(self) -> float:
-        """The `time.monotonic()` time from which calls try Redis again after a failure (its
-        back-off's end; 0.0 while it is reachable): before it they fail fast, and a probe
-        answers 0. Read-only."""
+        """The `time.monotonic()` time from which calls try Redis again after a failure (0.0
+        while it is reachable): before it they fail fast, and a probe answers 0."""
         with self._lock:
             return 0.0 if self._up else self._backoff.until
 
@@ -420,9 +389,8 @@ class RedisTier(KeyedTier):
         return slots
 
     def probe(self, keys: Sequence[bytes]) -> int:
-        """Leading `keys` whose value in Redis starts with a good header of this namespace
-        (stored by another instance since open): one pipelined GETRANGE of the 64-byte
-        headers. Stops at a key this instance is deleting; 0 while Redis is unreachable."""
+        """Leading `keys` whose value starts with a good header of this namespace (one pipelined
+        GETRANGE); stops at a key this instance is deleting; 0 while Redis is unreachable."""
         if self._closed or not keys:
             return 0
         with self._lock:
@@ -445,10 +413,8 @@ class RedisTier(KeyedTier):
         return n
 
     def free(self, slots: Sequence[int]) -> None:
-        """Return slots; the keys this instance stored there since it opened are deleted from
-        Redis with the next write or at flush, not now: a demotion planned with the eviction
-        reads them. Blocks found at open or adopted are only forgotten: other instances may
-        serve them, and the server's maxmemory policy decides when they go."""
+        """Return slots; the keys this instance stored there since it opened are deleted with
+        the next write or at flush (see `KeyedTier`); others are only forgotten."""
         self._drop(slots, held=False)
 
     def release(self, slots: Sequence[int]) -> None:
@@ -620,13 +586,11 @@ class RedisTier(KeyedTier):
             for rk, head in zip(rkeys, pipe.execute(raise_on_error=False), strict=True):
                 if not isinstance(head, bytes):
                     continue
+                k = rk[len(self._kprefix) :]
                 try:
-                    h = decode_header(head)
+                    found.append((header_of(head, k, self._ns, self.block_bytes).seq, k))
                 except BlockCorruptError:
                     continue  # not ours to delete: a foreign value under a look-alike key
-                k = rk[len(self._kprefix) :]
-                if header_problem(h, k, self._ns, self.block_bytes) is None:
-                    found.append((h.seq, k))
 
         for rk in client.scan_iter(match=pattern, count=SCAN_BATCH):
             rk = bytes(rk)
