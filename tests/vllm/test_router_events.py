@@ -15,7 +15,6 @@ steps: an idle engine reports at its next step) until both report the marker."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import statistics
@@ -29,8 +28,9 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-if importlib.util.find_spec("orjson") is None:  # vLLM 0.33's OpenAI server imports it
-    pytest.skip("vLLM's OpenAI server needs orjson, not installed", allow_module_level=True)
+from tests.openai_server_deps import skip_if_missing  # noqa: E402
+
+skip_if_missing()  # vLLM 0.33's server needs orjson (tests/openai_server_deps.py)
 
 from tests.kv_router import KVRouter, vllm_block_hashes  # noqa: E402
 

@@ -26,7 +26,6 @@ Two server starts and one in-process engine, of a 2-layer model."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import re
 import signal
@@ -41,8 +40,9 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-if importlib.util.find_spec("orjson") is None:  # vLLM 0.33's OpenAI server imports it
-    pytest.skip("vLLM's OpenAI server needs orjson, not installed", allow_module_level=True)
+from tests.openai_server_deps import skip_if_missing  # noqa: E402
+
+skip_if_missing()  # vLLM 0.33's server needs orjson (tests/openai_server_deps.py)
 
 BLOCK = 32
 PREFIXES = 8

@@ -13,7 +13,6 @@ Three server starts (~15-40 s each), one after the other on the same store."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
@@ -27,9 +26,9 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-# .ci/vllm033-cpu.sh installs orjson into the 0.33 overlay, so the server runs there too.
-if importlib.util.find_spec("orjson") is None:  # vLLM 0.33's OpenAI server imports it
-    pytest.skip("vLLM's OpenAI server needs orjson, not installed", allow_module_level=True)
+from tests.openai_server_deps import skip_if_missing  # noqa: E402
+
+skip_if_missing()  # vLLM 0.33's server needs orjson (tests/openai_server_deps.py)
 
 BLOCK = 32
 
