@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import json
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,17 @@ def user_prefixed(user: Mapping[str, Any], derived: str) -> str:
     if prefix is not None and (not isinstance(prefix, str) or not prefix):
         raise ConfigError("namespace", f"expected a non-empty string, got {prefix!r}")
     return f"{prefix}|{derived}" if prefix else derived
+
+
+def map_tiers(user: Mapping[str, Any], fn: Callable[[int, Any], list[Any]]) -> dict[str, Any]:
+    """A copy of the user's config mapping with each entry of ``tiers`` replaced by
+    ``fn(index, entry)`` (the tiers it stands for); unchanged where ``tiers`` is not a list
+    (`resolve_config` reports that)."""
+    m = dict(user)
+    tiers = m.get("tiers")
+    if isinstance(tiers, list | tuple):
+        m["tiers"] = [new for i, t in enumerate(tiers) for new in fn(i, t)]
+    return m
 
 
 def derive_namespace(

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.config import CacheConfig
+from tiercache.connectors.namespace import map_tiers
 from tiercache.errors import ConfigError
 from tiercache.tiers import available_kinds, tier_class
 from tiercache.transfer.head_shards import HeadShards, default_shards
@@ -117,18 +118,14 @@ def choose_shards(
 def blocks_as_shards(user: Mapping[str, Any], shards: HeadShards) -> dict[str, Any]:
     """The user's config mapping with each tier's ``blocks`` (engine blocks) in shards: this
     rank's (`local`) per block, or every rank's (`shards`) where the capacity is the store's."""
-    m = dict(user)
-    tiers = m.get("tiers")
-    if not isinstance(tiers, list | tuple):
-        return m  # resolve_config reports the problem
-    out = []
-    for t in tiers:
+
+    def in_shards(_: int, t: Any) -> list[Any]:
         n = t.get("blocks") if isinstance(t, Mapping) else None
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
             t = {**t, "blocks": n * (shards.shards if _store_capacity(t) else shards.local)}
-        out.append(t)
-    m["tiers"] = out
-    return m
+        return [t]
+
+    return map_tiers(user, in_shards)
 
 
 def _store_capacity(tier: Mapping[str, Any]) -> bool:
