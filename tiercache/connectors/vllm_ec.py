@@ -3,8 +3,8 @@
 Loaded by vLLM with ``ec_transfer_config={"ec_connector": "TierCacheECConnector",
 "ec_connector_module_path": "tiercache.connectors.vllm", "ec_role": "ec_both",
 "ec_connector_extra_config": {"config": <mapping or TOML path>, "block_bytes": 262144}}``.
-An image (any multimodal item) encoded once, by this instance, by another one sharing a
-persistent tier, or before a restart, is loaded instead of encoded again.
+An item encoded once (by this instance, another one sharing a persistent tier, or before a
+restart) is loaded instead of encoded again.
 
 Primitives:
 - `TierCacheECConnector(vllm_config, role)`: an `ECConnectorBase`. Scheduler side:
@@ -20,16 +20,13 @@ bytes); the payload follows, then zero padding. Nothing is pickled. A header is 
 process wrote into a (possibly shared) store: its size is checked against ``max_item_bytes``
 (extra config, default 1 GiB) and the store's capacity before any key is made, and a header
 that fails a check is a miss, a counted error (``ec_bad_headers``), and is dropped so that the
-item's next save replaces it. Items larger than ``max_item_bytes`` are not saved.
+item's next save replaces it.
 
-Why the scheduler side reads the bytes: once `has_cache_item` answers True, vLLM will not run
-the encoder for that item, and a load that then fails would leave the model without its
-embeddings. So `has_cache_item` reads and verifies every block of the item first (through
-`TierCache.get`, which checks checksums and drops corrupt blocks as counted misses), and the
-verified tensor travels to the worker in the step's metadata. A corrupt or partial item is
-therefore a miss (encoded again), never garbage. Saves copy the encoder output to host memory
-at once (so vLLM may free its encoder cache entry: `request_finished` never delays a free) and
-write it to the tiers on a background thread, off the forward pass.
+Once `has_cache_item` answers True vLLM will not run the encoder for that item, so it reads
+and verifies every block of the item first (`TierCache.get` checks checksums), and the
+verified tensor travels to the worker in the step's metadata: a corrupt or partial item is a
+miss, never garbage. Saves copy the encoder output to host memory at once (`request_finished`
+never delays a free) and write it to the tiers on a background thread.
 """
 
 from __future__ import annotations
@@ -175,30 +172,14 @@ class TierCacheECConnector(ECConnectorBase):
         except ConfigError as exc:  # name the field the user wrote
             where = exc.field.replace("kv_connector_extra_config", "ec_connector_extra_config")
             raise ConfigError(where, exc.problem) from None
-        bb = extra.get("block_bytes", DEFAULT_BLOCK_BYTES)
-        if isinstance(bb, bool) or not isinstance(bb, int) or bb <= HEADER_BYTES:
-            raise ConfigError(
-                "ec_connector_extra_config.block_bytes",
-                f"expected an int > {HEADER_BYTES}, got {bb!r}",
-            )
-        staged = extra.get("max_staged_bytes", DEFAULT_STAGED_BYTES)
-        if isinstance(staged, bool) or not isinstance(staged, int) or staged < 0:
-            raise ConfigError(
-                "ec_connector_extra_config.max_staged_bytes",
-                f"expected an int >= 0, got {staged!r}",
-            )
-        max_item = extra.get("max_item_bytes", DEFAULT_MAX_ITEM_BYTES)
-        if isinstance(max_item, bool) or not isinstance(max_item, int) or max_item < 1:
-            raise ConfigError(
-                "ec_connector_extra_config.max_item_bytes",
-                f"expected an int >= 1, got {max_item!r}",
-            )
+        bb = _extra_int(extra, "block_bytes", DEFAULT_BLOCK_BYTES, HEADER_BYTES + 1)
+        staged = _extra_int(extra, "max_staged_bytes", DEFAULT_STAGED_BYTES, 0)
+        max_item = _extra_int(extra, "max_item_bytes", DEFAULT_MAX_ITEM_BYTES, 1)
         mc = vllm_config.model_config
         if mc is None:
             raise ValueError("vllm_config.model_config: required to name the encoder outputs")
         self.block_bytes = bb
-        # Encoder outputs depend on the model and its dtype; the block size splits items, so it
-        # is part of the key space too. (The config's token block_size is unused here.)
+        # The block size splits items: part of the key space. (The token block_size is unused.)
         config = resolve_config(
             user,
             block_size=user.get("block_size", 16),
@@ -219,12 +200,12 @@ class TierCacheECConnector(ECConnectorBase):
         self._max_item_bytes = max(0, min(max_item, store_bytes))
         self._max_staged = staged
         # Scheduler side: verified items read by has_cache_item, waiting for their request to be
-        # scheduled (mm_hash -> (tensor, step)), and this step's loads.
+        # scheduled (mm_hash -> (tensor, step)), and this step's loads. Worker side: saves run
+        # on one background thread.
         self._staged: OrderedDict[str, tuple[torch.Tensor, int]] = OrderedDict()
         self._staged_bytes = 0
         self._step = 0
         self._loads: dict[str, torch.Tensor] = {}
-        # Worker side: saves run on one background thread.
         self._saves: queue.Queue[tuple[str, torch.Tensor] | None] | None = None
         self._saver: threading.Thread | None = None
         self._closed = False
@@ -410,6 +391,16 @@ class TierCacheECConnector(ECConnectorBase):
                 log.exception("saving an encoder output failed")
             finally:
                 self._saves.task_done()
+
+
+def _extra_int(extra: dict[str, Any], name: str, default: int, low: int) -> int:
+    """``ec_connector_extra_config[name]`` (`default` if absent): an int >= `low`."""
+    v = extra.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ConfigError(
+            f"ec_connector_extra_config.{name}", f"expected an int >= {low}, got {v!r}"
+        )
+    return v
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -2,96 +2,42 @@
 
 Loaded by vLLM with ``kv_connector="TierCacheConnector"``, ``kv_connector_module_path=
 "tiercache.connectors.vllm"``, ``kv_connector_extra_config={"config": <mapping or TOML>}``.
+The facade delegates each vLLM method to its role: `KVScheduler` (keys and block ids, never
+bytes: scheduler.py) or `KVWorker` (bytes, through tiercache's transfer engine: worker.py).
+docs/vllm.md is the user's account of what follows.
 
-Scheduler role (keys and block ids, never bytes):
-- `get_num_new_matched_tokens`: tiercache's own prefix keys over the request's tokens
-  (deterministic across restarts; LoRA, cache salt and multimodal inputs as extra keys), a
-  lookup from the first block vLLM has not computed, whole blocks only and never the block
-  holding the last prompt token.
-- `update_state_after_alloc` / `build_connector_meta`: this step's loads, and the stores of
-  the blocks this step completes. `request_finished` returns True while the request's blocks
-  are still being saved. `take_events`: vLLM `BlockStored`/`BlockRemoved`, tier as medium.
-
-Worker role (bytes, through tiercache's transfer engine, whole blocks):
-- `register_kv_caches`: the engine buffer as a `KVLayout`, and an `OffloadingWorker`.
-- `start_load_kv`: submits this step's loads; a synchronous one (local placement) completes
-  before the forward, an asynchronous one (remote) is reported by `get_finished`. A block
-  that fails is reported by `get_block_ids_with_load_errors` (vLLM recomputes it).
-- `wait_for_save`: after the forward, plans and submits stores; they complete asynchronously.
-  `get_finished` reports requests whose blocks vLLM kept for them; each step's worker
-  metadata carries the cache's events and finished store plans back to the scheduler.
-
-Two placements, chosen when the scheduler role starts:
+Two placements, chosen when the scheduler role starts (`open_scheduler`):
 - local (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the worker is built first, in this process):
-  both roles share one `TierCache` (`common.acquire_store`). Lookups ask the manager and pin
-  the hit. Under vLLM's default ``kv_load_failure_policy="fail"`` they read and verify blocks
-  held only in persistent tiers before reporting them (and promote them), so a corrupt block
-  shortens the hit instead of failing the request; under "recompute" such a hit is loaded
-  asynchronously, straight from the tier into the engine's blocks, and a block that fails is
-  a load error that vLLM recomputes (`local_lookup.py`).
-- remote (vLLM's default multiprocess mode: the worker runs in its own process): the worker
-  owns the cache; the scheduler answers lookups from an index of the keys the worker holds
-  (its recovered keys in the handshake metadata, then its events each step) and, where the
-  index ends, from read-only probes of the shared tiers (LMDB opened read-only, Redis with
-  one pipelined header read bounded by the tier's `timeout`): blocks other engines stored
-  since this one started are hits too, and the worker's lookup adopts them (the manager's
-  discovery) and loads them verified. Loads are asynchronous, so a request's blocks reach
-  vLLM's prefix cache only once loaded, and a block that cannot be loaded is a load error:
-  set ``kv_load_failure_policy="recompute"``.
+  both roles share one `TierCache` (`stores.acquire_store`). Lookups ask the manager and pin
+  the hit; blocks held only in persistent tiers are read and verified first under vLLM's
+  default ``kv_load_failure_policy="fail"``, or loaded asynchronously, straight into the
+  engine, under "recompute" (`local_lookup.py`).
+- remote (vLLM's default multiprocess mode, and always with TP > 1): the worker owns the
+  cache; the scheduler answers from an index of the keys the workers hold (handshake, then
+  events each step) and, where it ends, from read-only probes of the shared tiers
+  (`remote_index.py`). Loads are asynchronous, and a block that cannot be loaded is a load
+  error: set ``kv_load_failure_policy="recompute"``.
 
-Roles (``kv_role``): "kv_both" loads and stores; "kv_producer" only stores (a prefill
-engine), "kv_consumer" only loads (a decode engine reading what producers stored in a shared
-tier).
+``kv_role``: "kv_both" loads and stores, "kv_producer" only stores, "kv_consumer" only loads.
 
-Tensor parallel (TP > 1): every worker process holds one shard of each block (its KV heads)
-and keeps it in its own store: the store namespace carries the worker's rank, tier paths get a
-``tp{rank}of{size}`` subdirectory and Redis prefixes that suffix (`common.resolve_rank_config`).
-Block keys are the same on every rank (hashed with a namespace that has the TP size, not the
-rank), so the scheduler hashes once. The scheduler always uses the remote placement: its index
-records which ranks hold each key (worker events and handshakes carry the rank), and a key is
-a hit only when every rank holds it. A request's store plans count as finished when every rank
-reported them (vLLM sums the workers' metadata with `TierCacheWorkerMetadata.aggregate`), and
-vLLM's `KVOutputAggregator` reports a request finished sending or receiving only when every
-worker did; a block one rank cannot load is that rank's load error, and vLLM recomputes it.
-Pipeline (and context) parallel size must be 1.
+Tensor parallel: each worker keeps its shard of every block in its own store (namespace and
+paths with its rank: `ranks.resolve_rank_config`), or, with head shards, one store every TP
+size shares (`tp_layout.py`). Block keys are the same on every rank, so the scheduler hashes
+once; a key is a hit only when every rank holds it, and a request's store plans are finished
+when every rank reported them (`TierCacheWorkerMetadata.aggregate`). Pipeline (and context)
+parallel size must be 1.
 
-Hybrid models (`SupportsHMA`: vLLM keeps its hybrid KV cache manager on, several KV cache
-groups): each block is stored once per group, under `hashing.group_keys` (one group: the plain
-keys). Full-attention groups store every block; sliding-window groups only the window before
-blocks where a later hit is likely to end (`_window_keep`), and only blocks completed this step
-(vLLM frees blocks leaving the window without asking). A hit is the longest prefix every group
-serves (`_match_groups`). Loads are asynchronous, and a failed one is the request's failed
-receive (vLLM takes no block-level errors with several groups): it is recomputed whole. The
-groups share one block layout (vLLM overlays them); non-attention groups are refused
-(`common.kv_groups`). See docs/vllm.md#hybrid-attention-models.
+Hybrid models (`SupportsHMA`, several KV cache groups): each block is stored once per group
+(`hashing.group_keys`); sliding-window groups store only the window before likely hit ends;
+a hit is the longest prefix every group serves; loads are asynchronous and a failed one fails
+the request's receive (recomputed whole). See docs/vllm.md#hybrid-attention-models.
 
-Deadlines (config ``[deadlines]``): a load into the engine not finished `load_timeout` seconds
-after it was due (a synchronous one: when the forward needs it; an asynchronous one: after
-its submission) is abandoned. The transfer engine stops it writing engine blocks
-(`OffloadingWorker.cancel`), its blocks are reported as load errors (vLLM recomputes them;
-an asynchronous request stops waiting), they are counted (`load_deadline_blocks`), and the
-tier is suspended by the manager's circuit breaker, so the following lookups skip it until
-its back-off ends: the worker's, and in the remote placement the scheduler's (the worker
-metadata carries the suspension; otherwise vLLM would reschedule the request, the index would
-offer the same blocks, and their load would fail at once, in a loop until the tier
-recovers). Copies from the CPU tier (memory) are abandoned only while they have not
-started (they wait behind a job of a hung tier).
-
-A store that holds engine blocks (vLLM keeps a finished request's blocks until its stores
-report done) is given `store_timeout` seconds: one past it is cancelled, so that it reads no
-more engine blocks (what it read already still reaches its tier: the right bytes for its
-keys), the request is reported done (vLLM frees its blocks), the blocks not read are counted
-(`store_deadline_blocks`) and never stored, and the tier is suspended: the manager plans no
-store, demotion or write-through copy into a suspended tier. A move between tiers past the
-deadline suspends its destination the same way. A store waits for an earlier move only until
-that move has read its source (`Job.read_done`), never for a hung write.
-
-Cost-aware loading (config ``[loading]``, `tiercache.costs`): the scheduler loads only the part
-of a hit that is cheaper to load than to recompute (`_affordable`; local placement: before it
-reads persistent blocks). The worker measures each load job and each forward (from
-`bind_connector_metadata`, or the end of synchronous loads, to `wait_for_save`, with the
-step's token count from the metadata; CUDA events on a GPU) into the cache's `load_costs`,
-and sends the samples back in its metadata for a remote scheduler.
+Deadlines (``[deadlines]``): a load not done `load_timeout` seconds after it was due is
+abandoned (its blocks are load errors, vLLM recomputes them); a store holding engine blocks
+past `store_timeout` is stopped reading them and its request released; either suspends its
+tier (the manager's circuit breaker; the worker metadata tells a remote scheduler). Cost-aware
+loading (``[loading]``, `tiercache.costs`): only the part of a hit cheaper to load than to
+recompute is loaded; the worker's load and forward timings feed the estimates.
 """
 
 from __future__ import annotations

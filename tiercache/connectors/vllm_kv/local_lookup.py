@@ -4,16 +4,14 @@ When the worker runs in the scheduler's process both roles share one `TierCache`
 asks the manager, waits briefly for a store of the key it reached (the worker's `_settle`),
 applies the cost gate, and reads the blocks held only in persistent tiers before reporting
 them (checksums verified, promoted), on a thread per tier so a hung disk stalls only its own
-reads: a corrupt block shortens the hit instead of reaching vLLM. A read not done within
+reads: a corrupt block shortens the hit instead of reaching vLLM (which, under
+``kv_load_failure_policy="fail"``, would fail the request). A read not done within
 VERIFY_WAIT_S makes the lookup answer None (vLLM asks again); one past `load_timeout` is given
 up and its tier suspended.
 
-With `kv_load_failure_policy = "recompute"` (`direct`) there is no verifying read: vLLM
-recomputes any block whose load fails, so a hit that reaches a persistent tier is loaded
-asynchronously by the worker, straight from that tier into the engine's blocks and verified
-there (one copy instead of a read into the first tier and a copy out of it; the blocks are not
-promoted, as in the remote placement). With "fail" a corrupt block would fail the request, so
-such hits are read and verified before they are reported.
+Under "recompute" (`direct`) vLLM recomputes any block whose load fails, so such a hit is not
+read here: the worker loads it asynchronously, straight from the tier into the engine's
+blocks, verified there (one copy instead of two; the blocks are not promoted).
 """
 
 from __future__ import annotations
@@ -68,8 +66,7 @@ class LocalLookup:
         self._block_bytes = block_bytes
         self._count = count
         self._affordable = affordable
-        # Verifying reads of persistent tiers, one thread per tier (a hung one stalls only
-        # its own), and per request the read in flight (see `lookup`).
+        # One verifying thread per persistent tier, and per request the read in flight.
         self._verify_pools: dict[int, ThreadPoolExecutor] = {}
         self._verifying: dict[str, _Verifying] = {}
 
@@ -83,13 +80,8 @@ class LocalLookup:
 
     def lookup(self, keys: list[bytes], req_id: str = "") -> LocalHit | None:
         """Leading `keys` the shared cache holds, as far as loading them pays (`_affordable`)
-        and their bytes are good: blocks held only in persistent tiers are read first (see
-        `_verify`), on a thread of the tier's own, unless `direct` (then the hit is `direct`
-        and they are not read). A lookup waits for that read at most
-        VERIFY_WAIT_S, then answers None (vLLM asks again next step, and the read goes on),
-        so a slow or hung disk never stalls scheduling. A read not done `load_timeout`
-        seconds after it started is given up: the hit ends before it, and the tier is
-        suspended (the manager's lookups skip it until its back-off ends)."""
+        and their bytes are good (module doc): None while a verifying read runs (vLLM asks
+        again next step, and the read goes on)."""
         pending = self._verifying.get(req_id)
         if pending is not None and pending.keys == tuple(keys[: len(pending.keys)]):
             return _hit(self._verified(req_id, pending))
@@ -133,12 +125,11 @@ class LocalLookup:
         return _hit(self._verified(req_id, pending))
 
     def _verified(self, req_id: str, pending: _Verifying) -> int | None:
-        """The hit of a lookup whose verifying read is `pending`: its result once done (within
-        VERIFY_WAIT_S), None while it runs, and the part before it once it is late."""
+        """The hit of a lookup whose verifying read is `pending`: its result once done, None
+        while it runs, and the part before it once it is past `load_timeout`."""
         timeout = self._shared.cache.config.deadlines.load_timeout
         try:
-            # Never past the deadline: a late read is given up in this very call, not at the
-            # next step's lookup (up to VERIFY_WAIT_S later).
+            # Never past the deadline: a late read is given up in this very call.
             left = pending.started + timeout - time.monotonic()
             n = pending.future.result(timeout=max(0.0, min(VERIFY_WAIT_S, left)))
         except FutureTimeout:
@@ -163,21 +154,18 @@ class LocalLookup:
             with self._shared.lock:
                 moving = self._shared.cache.manager.is_moving(pending.keys[n])
             if moving:
-                # The read stopped at a block that a move started since the lookup (a
-                # demotion making room for another request's blocks) is still writing: vLLM
-                # asks again, and the next lookup waits for it (`_settle`). Bounded: a move
-                # into a hung tier is given up at `store_timeout` (`manager.unmove`).
+                # The read stopped at a block a move started since the lookup is still
+                # writing: vLLM asks again, and the next lookup waits for it (`_settle`;
+                # bounded: a move into a hung tier is given up at `store_timeout`).
                 self._count("verify_moving")
                 return None
         return n
 
     def _verify(self, keys: list[bytes], first_disk: int, tier: int) -> int:
         """On a verify thread: how many leading `keys` have good bytes. From `first_disk` on
-        (the first held only in a persistent tier: `tier`) they are read, checksums verified,
-        and promoted into the first tier when the config promotes; a block that fails is
-        dropped and counted by the cache, and the hit ends before it. The cache reads without
-        its lock (`TierCache.fetch`: straight into the first tier's slots, no bytes handed
-        back), so the engine's other calls go on meanwhile."""
+        (held only in persistent `tier`) they are read, checksums verified, and promoted when
+        the config promotes (`TierCache.fetch`, without the cache's lock); a block that fails
+        is dropped and counted by the cache, and the hit ends before it."""
         cache = self._shared.cache
         with self._shared.lock:
             errors_before = self._tier_errors()
@@ -186,9 +174,8 @@ class LocalLookup:
         got = cache.fetch(keys[first_disk:], count=False)
         seconds = time.perf_counter() - t0
         with self._shared.lock:
-            # Here, in the local placement, the read is the load (it promotes): its cost. A
-            # read past load_timeout was given up (its tier suspended): a failure for the
-            # circuit breaker, not a cost sample.
+            # Here the read is the load (it promotes): its cost, unless it was past
+            # load_timeout (given up: a failure, not a cost sample).
             medium = cache.tiers[tier].medium
             if seconds <= cache.config.deadlines.load_timeout:
                 cache.load_costs.observe_load(medium, got * self._block_bytes, seconds)

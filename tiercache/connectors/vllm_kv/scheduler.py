@@ -3,20 +3,15 @@
 - Request state (`_Req`): each request's prefix keys (tiercache's own, deterministic across
   restarts; LoRA, cache salt and multimodal inputs as extra keys) and engine block ids.
 - Matching (`get_num_new_matched_tokens`): a lookup from the first block vLLM has not
-  computed, whole blocks only and never the block holding the last prompt token; local
-  placement through `LocalLookup` (verified reads; with the "recompute" load failure policy,
-  asynchronous loads straight from persistent tiers), remote through `RemoteIndex` (the
-  workers' keys and probes of the shared tiers); hybrid models (`_match_groups`): the longest
-  prefix every KV cache group serves. The cost gate (`_affordable`) loads only the part of a
-  hit cheaper to load than to recompute.
+  computed, whole blocks only and never the block holding the last prompt token, through
+  `LocalLookup` (local placement) or `RemoteIndex` (remote); hybrid models: `_match_groups`.
+  The cost gate (`_affordable`) loads only the part of a hit cheaper to load than recompute.
 - Planning (`update_state_after_alloc`, `build_connector_meta`): this step's loads, and the
   stores of the blocks this step completes (sliding windows: `_window_keep`).
 - Events and finished stores (`update_connector_output`, `request_finished`, `take_events`).
-- Head shards (`settings.shards`): keys and block ids stay the blocks' in requests and plans
-  (the worker maps them to its shards); lookups ask for every shard of every block (all
-  ranks', `HeadShards.all_keys`), and a block is a hit only with all of them; the index holds
-  shard keys as one rank would (they are disjoint between ranks); events for vLLM are
-  block events again (`ShardEvents`).
+- Head shards (`settings.shards`): requests and plans keep block keys and ids; lookups ask
+  for every shard of every block (`HeadShards.all_keys`), a hit needing all of them; events
+  for vLLM are block events again (`ShardEvents`).
 """
 
 from __future__ import annotations
@@ -58,9 +53,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-# One DEBUG line per admission (request id, prompt tokens, tokens from the engine's own cache,
-# tokens from tiercache): what a serving bench needs to count reuse per request
-# (bench/bench_serve.py enables it); off by default.
+# One DEBUG line per admission (prompt tokens, from the engine's cache, from tiercache), for
+# serving benches to count reuse per request (bench/bench_serve.py enables it).
 admissions = logging.getLogger("tiercache.connectors.vllm_kv.admissions")
 
 
@@ -76,12 +70,9 @@ class _Req:
     skip: bool = False  # prompt embeddings: token ids do not identify the KV, never cached
     hit: tuple[int, int] = (0, 0)  # (first block, number of blocks) of the last lookup
     local: int = 0  # tokens vLLM's own cache held at the last lookup (its num_computed_tokens)
-    # The last hit reaches blocks held only in persistent tiers, unread (LocalLookup's
-    # `direct`): loaded asynchronously.
-    direct: bool = False
-    # Hybrid models (several KV cache groups): keys and engine block ids per group, what
-    # the last hit loads as (group, block position, key), and block positions where a hit
-    # is likely to end later (see `_window_keep`).
+    direct: bool = False  # the last hit is `LocalHit.direct`: loaded asynchronously
+    # Hybrid models: keys and engine block ids per group, what the last hit loads as (group,
+    # block position, key), and positions where a hit is likely to end (`_window_keep`).
     gkeys: dict[int, list[bytes]] = field(default_factory=dict)
     gblock_ids: list[list[int]] = field(default_factory=list)
     hit_plan: tuple[tuple[int, int, bytes], ...] = ()
@@ -136,10 +127,8 @@ class KVScheduler(RoleBase):
         self._storing = StoresInFlight(settings.config.deadlines.store_timeout)
         self._delayed: list[str] = []  # request_finished returned True; tell the worker
         self._events: list[Event] = []
-        # vLLM's events describe each block in vLLM's terms (kv_events.py); hybrid models'
-        # per-group keys are not described, so not reported.
-        # Shared tiers: every engine on the store reports what it can load from it, and
-        # what the store no longer holds (shared_blocks.py).
+        # vLLM's events (kv_events.py; not for hybrid models' per-group keys), and what every
+        # engine on a shared store can load from it (shared_blocks.py).
         self._shared_blocks: SharedBlocks | None = None
         self._translator: EventTranslator | None = None
         if settings.events and not self._hma:
@@ -157,8 +146,7 @@ class KVScheduler(RoleBase):
                 limit=max(4096, 2 * settings.num_blocks),
                 on_shared=self._shared_blocks.on_shared if self._shared_blocks else None,
             )
-        # Cost-aware loading ([loading], `tiercache.costs`): the gate, over the shared cache's
-        # estimates (local) or its own, fed by the worker's samples (remote).
+        # Cost-aware loading: over the shared cache's estimates (local) or the workers' samples.
         self._gate = LoadGate(
             self._config.loading, shared.cache.load_costs if shared is not None else None
         )
@@ -177,9 +165,7 @@ class KVScheduler(RoleBase):
 
     def _lookup_local(self, keys: list[bytes], req_id: str = "") -> int | None:
         """The local placement's hit (LocalLookup), in blocks; None: vLLM asks again. The
-        request's state records whether the hit is `direct`: it reaches blocks held only in
-        persistent tiers, unread, which the worker loads asynchronously (the "recompute"
-        policy: see LocalLookup)."""
+        request's state records whether it is `direct` (loaded asynchronously)."""
         assert self.local_lookup is not None
         hit = self.local_lookup.lookup(keys, req_id)
         if hit is None:
@@ -261,10 +247,8 @@ class KVScheduler(RoleBase):
         st.hit = (start, n)
         self._describe(st, start, start + n)
         self._count("lookup_hit_blocks", n)
-        # Remote placement loads asynchronously (and so does the local one straight from a
-        # persistent tier): vLLM keeps the request waiting, and its blocks out of the prefix
-        # cache, until the worker reports the load, so a block that fails is recomputed by
-        # this request alone, never read by another one in the meantime.
+        # Asynchronous loads (remote, direct) keep the request's blocks out of vLLM's prefix
+        # cache until loaded: a block that fails is recomputed by this request alone.
         return n * bs, self._shared is None or st.direct
 
     def _gkeys(self, st: _Req, group: KVGroup, n_blocks: int) -> list[bytes]:
@@ -276,11 +260,9 @@ class KVScheduler(RoleBase):
         return have[:n_blocks]
 
     def _has_fn(self) -> Any:
-        """Hybrid lookups: a quick "is this key worth asking for" predicate (local: the
-        manager's lookup of the key alone, which wakes a block dormant since the open and
-        finds one a shared tier holds unindexed, e.g. any block of a store opened lazily;
-        remote: the index, or any key not known damaged when shared tiers can be probed).
-        The real lookup then confirms (`_match_groups`)."""
+        """Hybrid lookups: a quick "is this key worth asking for" (local: the manager's lookup
+        of the key alone, which also wakes dormant blocks and finds unindexed shared ones;
+        remote: `RemoteIndex.has_fn`). The real lookup then confirms (`_match_groups`)."""
         if self._shared is not None:
             manager = self._shared.cache.manager
             return lambda k: manager.lookup_ready((k,), count=False, leaving=True)[0] > 0
@@ -288,12 +270,9 @@ class KVScheduler(RoleBase):
 
     def _match_groups(self, st: _Req, start: int, limit: int) -> tuple[int | None, bool]:
         """`get_num_new_matched_tokens` for several KV cache groups: the longest hit from
-        block `start` every group can serve (full-attention groups: every block; sliding
-        windows: the blocks of the window before the hit's end), confirmed by the usual
-        lookup (local: pinned-free lookup, settle, cost gate, verified persistent reads;
-        remote: index and probes) over exactly the keys it loads. Loads are asynchronous, so
-        a failed one is reported for the request (vLLM cannot take block-level load errors
-        with several groups) and recomputed whole."""
+        block `start` every group can serve (`kv_groups.hit_end`), confirmed by the usual
+        lookup over exactly the keys it loads. Loads are asynchronous; a failed one fails the
+        request's receive (recomputed whole)."""
         bs = self._block_size
         gk = {g.index: self._gkeys(st, g, limit) for g in self._groups}
         full = [g for g in self._groups if not g.window_blocks]
@@ -359,10 +338,9 @@ class KVScheduler(RoleBase):
 
     def _affordable(self, keys: list[bytes], n: int) -> int:
         """Cost-aware loading: how many of the `n` leading hit `keys` to load (the rest is
-        recomputed), by the tier each block would load from: the first tier holding it (with
-        TP, the slowest rank's; head shards: the slowest shard's, and whole blocks only); a
-        block the index does not place (found by a probe of a shared tier) counts as the last
-        tier's."""
+        recomputed), by the tier each block would load from: the first holding it (the
+        slowest rank's or shard's; whole blocks only); a block found by a probe counts as the
+        last tier's."""
         per = self._per
         if self._shards is not None:
             n = self._shards.whole(n, per)
@@ -511,10 +489,9 @@ class KVScheduler(RoleBase):
         scheduled: int,
         planned: set[bytes],
     ) -> None:
-        """`build_connector_meta` for several KV cache groups: the blocks this step completes,
-        every one for full-attention groups, for sliding windows those `_window_keep` keeps.
-        Only blocks completed by this step are stored: vLLM frees a sliding window's blocks
-        once they leave the window, without telling the connector."""
+        """`build_connector_meta` for several KV cache groups: the blocks this step completes
+        (only those: vLLM frees a sliding window's blocks without telling the connector),
+        every one for full-attention groups, for sliding windows those `_window_keep` keeps."""
         bs = self._block_size
         req_id = st.request.request_id
         if replace or not st.gblock_ids:
@@ -621,9 +598,8 @@ class KVScheduler(RoleBase):
 
     def _index_event(self, rank: int, keys: tuple[bytes, ...], medium: str, removed: bool) -> None:
         """Remote placement: `rank` now holds (or no longer holds) `keys` in `medium`; with
-        TP > 1, vLLM hears of the keys every rank now holds there, or no longer all do (head
-        shards: the keys are shards, each counted where its owner holds it (`RemoteIndex`);
-        vLLM hears of whole blocks through `ShardEvents`)."""
+        TP > 1 (not head shards: `ShardEvents`), vLLM hears of the keys every rank now holds
+        there, or no longer all do."""
         if self._shards is not None:
             self.remote.apply(rank, keys, medium, removed)
             return

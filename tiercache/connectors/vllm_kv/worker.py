@@ -1,24 +1,20 @@
 """`KVWorker`: the connector's worker role (bytes, through tiercache's transfer engine).
 
-- `register_kv_caches`: the engine buffer as a `KVLayout` (`engine_layout`: hybrid models'
-  overlaid groups share one; head shards: of shard units), and an `OffloadingWorker` over the
-  cache's tiers.
-- Head shards (`settings.shards`): the scheduler speaks of blocks (block keys, engine block
-  ids); at this edge (`_edge`) each becomes this rank's shard keys and shard units, which the
-  cache and the transfer engine handle like blocks; load errors go back as engine blocks.
+- `register_kv_caches`: the engine buffer as a `KVLayout` (`engine_layout`), and an
+  `OffloadingWorker` over the cache's tiers.
+- Head shards: the scheduler speaks of blocks; at this edge (`_edge`) each becomes this rank's
+  shard keys and shard units; load errors go back as engine blocks.
 - `start_load_kv`: submits the step's loads; a synchronous one (local placement) completes
-  before the forward, an asynchronous one (remote, hybrid, and local loads straight from a
-  persistent tier under the "recompute" policy) is reported by `get_finished`, which in a
-  step without a forward waits briefly for the oldest (`_wait_idle`). A block that fails is
-  reported by `get_block_ids_with_load_errors` (vLLM recomputes it).
-- `wait_for_save`: after the forward, plans and submits stores; they complete asynchronously,
-  and `get_finished` reports requests whose blocks vLLM kept for them.
-- `build_connector_worker_meta`: the cache's events, finished store plans, suspended tiers,
-  cost samples and damaged keys, back to the scheduler each step.
-- Deadlines: every submitted job is a `KVFlight` with a due time by kind (`load_timeout`,
-  `store_timeout`). A late load is abandoned (its blocks become load errors); a late store is
-  stopped reading engine blocks and its request released; a late move only suspends its
-  destination. Shutdown waits at most `store_timeout`, then leaves hung transfers behind.
+  before the forward, an asynchronous one is reported by `get_finished` (which, in a step
+  without a forward, waits briefly for the oldest: `_wait_idle`). Failed blocks are reported
+  by `get_block_ids_with_load_errors` (vLLM recomputes them).
+- `wait_for_save`: after the forward, plans and submits stores; `get_finished` reports the
+  requests whose blocks vLLM kept for them.
+- `build_connector_worker_meta`: events, finished store plans, suspended tiers, cost samples
+  and damaged keys, back to the scheduler each step.
+- Deadlines: every job is a `KVFlight` in a `Flights` table. A late load is abandoned; a late
+  store is stopped reading engine blocks and its request released; a late move only
+  suspends its destination. Shutdown waits at most `store_timeout`.
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from tiercache.connectors.amx import prime_amx_tiles
-from tiercache.connectors.deadlines import Flights
+from tiercache.connectors.deadlines import Flights, warn_late
 from tiercache.connectors.stores import SharedStore, release_store
 from tiercache.connectors.vllm_kv.engine_layout import engine_layout, kv_report
 from tiercache.connectors.vllm_kv.messages import (
@@ -74,9 +70,8 @@ class KVFlight:
     plan: int = -1  # store plan id (stores and moves)
     block_ids: tuple[int, ...] = ()  # engine blocks (loads)
     req_id: str = ""  # the request of an asynchronous load
-    # Past its deadline and given up: a load's blocks were reported as errors; a store no
-    # longer holds its request (its plan counted it done). (A move given up is only marked
-    # late in `Flights`: it goes on.)
+    # Given up at its deadline: a load's blocks were reported as errors; a store no longer
+    # holds its request. (A late move is only marked late in `Flights`: it goes on.)
     abandoned: bool = False
 
 
@@ -93,8 +88,7 @@ class KVWorker(RoleBase):
         self._shards = settings.shards
         self._units: dict[str, int] = {}  # head shards counted towards blocks (_count_keys)
         self._worker: OffloadingWorker | None = None
-        # Jobs in flight with their deadlines (`connectors.deadlines`), once the engine buffer
-        # is registered (`register_kv_caches`); none before.
+        # Jobs in flight with their deadlines, once `register_kv_caches` built the engine.
         self._flights: Flights[KVFlight] | None = None
         self._plans: dict[int, tuple[str, int]] = {}  # plan id -> (req id, jobs in flight)
         self._plans_done: dict[str, int] = {}
@@ -112,8 +106,7 @@ class KVWorker(RoleBase):
         self._kept: list[bytes] = []  # forgotten from shared tiers, still stored (kv_events)
         self._held: dict[bytes, set[str]] = {}  # until the first step: for the handshake
         self._suspensions: dict[str, float] = {}  # medium -> seconds, for the scheduler
-        # Cost-aware loading ([loading], `tiercache.costs`): samples for the cache's
-        # estimates and the scheduler.
+        # Cost samples ([loading], `tiercache.costs`) for the cache's estimates and the scheduler.
         self._load_samples: list[tuple[str, int, float]] = []
         self._bad_report: list[bytes] = []  # keys that failed verification, for the scheduler
         self._forward_samples: list[tuple[int, float]] = []
@@ -144,10 +137,8 @@ class KVWorker(RoleBase):
 
     def _group_report(self, shared: SharedStore) -> dict[str, Any]:
         """The KV cache groups and the TP layout, for telemetry (`engine_layout.kv_report`).
-        `shared` is the store the section was added to, not `self._shared`: `shutdown()` drops
-        that before its release, and the last release is what closes the cache and writes
-        telemetry's final snapshot (an engine shut down before exit, e.g. vLLM's engine core
-        process), which must still carry this section."""
+        `shared`, not `self._shared`: `shutdown()` drops that before the release that closes
+        the cache and writes telemetry's final snapshot, which must still carry this section."""
         return kv_report(self.settings, dict(shared.counters))
 
     def get_handshake_metadata(self) -> TierCacheHandshake | None:
@@ -205,9 +196,8 @@ class KVWorker(RoleBase):
         return meta
 
     def _finish_transfers(self) -> None:
-        """At shutdown: wait for the transfers in flight, at most `store_timeout` seconds.
-        Those still running then are in a hung tier: it is suspended (the cache's close
-        writes nothing back into it) and they are left behind, so the engine can exit."""
+        """At shutdown: wait for the transfers in flight at most `store_timeout` seconds, then
+        leave those of hung tiers behind, their tiers suspended (`Flights.shutdown`)."""
         if self._worker is None or self._shared is None:
             return
         timeout = self._shared.cache.config.deadlines.store_timeout
@@ -235,10 +225,9 @@ class KVWorker(RoleBase):
 
     def wait_writes(self, timeout: float) -> bool:
         """Wait until every store and move submitted so far, given-up ones included, has
-        ended in the transfer engine; True if all did within `timeout` seconds. Their results
-        are completed by the next drain (a step, or a lookup that settles a key). E.g. after
-        a hung disk came back: until then, a given-up store's keys stay reserved, and stores
-        of the same keys are skipped (`store_skipped_blocks`)."""
+        ended in the transfer engine; True if all did within `timeout` seconds (the next
+        drain completes them). E.g. after a hung disk came back: until then a given-up store's
+        keys stay reserved."""
         if self._worker is None or self._shared is None:
             return True
         with self._shared.lock:
@@ -268,9 +257,8 @@ class KVWorker(RoleBase):
     def _edge(
         self, keys: Iterable[bytes], block_ids: Iterable[int]
     ) -> tuple[list[bytes], list[int]]:
-        """The scheduler's block keys and engine block ids as the cache's keys and the
-        transfer engine's blocks: unchanged, or (head shards) this rank's shard keys and
-        shard units, block-major."""
+        """Block keys and engine block ids as the cache's keys and the transfer engine's
+        blocks: unchanged, or (head shards) this rank's shard keys and units, block-major."""
         if self._shards is None:
             return list(keys), list(block_ids)
         return self._shards.keys(list(keys)), self._shards.units(block_ids)
@@ -313,9 +301,8 @@ class KVWorker(RoleBase):
             if asynchronous and not self._recving[job.req_id]:
                 del self._recving[job.req_id]
                 self._recv_done.add(job.req_id)
-        # A synchronous load is read by this step's forward, so it completes first, or is
-        # abandoned at its deadline (its blocks recomputed). Whole blocks carry every layer,
-        # so wait_for_layer_load has nothing left to wait for.
+        # This step's forward reads a synchronous load: it completes first, or is abandoned at
+        # its deadline (its blocks recomputed).
         if sync_jobs:
             timeout = self._shared.cache.config.deadlines.load_timeout
             # Not abandoned: copies from memory, which end soon: waited for.
@@ -330,8 +317,7 @@ class KVWorker(RoleBase):
         return self._flights
 
     def _not_abandoned(self, job_id: int) -> bool:
-        """A late job that was not abandoned (a copy from memory that started): still
-        waited for, it ends soon."""
+        """A late job that was not abandoned (a started copy from memory): it ends soon."""
         return not self._fl[job_id].abandoned
 
     def _abandon(self, job_ids: Iterable[int]) -> None:
@@ -347,20 +333,13 @@ class KVWorker(RoleBase):
             self._load_failed(f.req_id, f.block_ids)
             self._count_keys("load_deadline_blocks", len(f.keys))
             seconds = self._suspend(f.tier)
-            log.warning(
-                "tiercache: a load of %d blocks from tier %d missed its deadline; vLLM "
-                "recomputes them, and the tier is skipped for %.1f s",
-                len(f.keys),
-                f.tier,
-                seconds,
-            )
+            warn_late(log, "load", len(f.keys), f.tier, "vLLM recomputes them", seconds)
             if f.req_id:
                 self._received(f.req_id)
 
     def _load_failed(self, req_id: str, block_ids: Iterable[int]) -> None:
-        """Blocks that could not be loaded: never saved this step; vLLM recomputes them (with
-        several KV cache groups vLLM takes no block-level errors: the whole request is
-        reported as a failed receive, and recomputed)."""
+        """Blocks that could not be loaded: never saved this step; vLLM recomputes them (hybrid
+        models: the whole request, as a failed receive)."""
         self._load_errors.update(block_ids)
         if self._hma and req_id:
             self._failed_recv.add(req_id)
@@ -375,8 +354,7 @@ class KVWorker(RoleBase):
             self._note_suspended(tier, cache.manager.suspended()[tier])
 
     def _suspend(self, tier: int) -> float:
-        """Worker side: suspend `tier` (it missed a deadline) and tell the scheduler with the
-        next metadata; the seconds it stays suspended."""
+        """Suspend `tier` (it missed a deadline), for the scheduler too; the seconds it is."""
         assert self._shared is not None
         with self._shared.lock:
             seconds = self._shared.cache.manager.suspend(tier)
@@ -400,10 +378,9 @@ class KVWorker(RoleBase):
             self._plan_done(req_id)
 
     def _give_up_stores(self, job_ids: Iterable[int]) -> None:
-        """Stores and moves past their deadline (a hung tier): suspend their tier; a store
-        from the engine that can be stopped from reading engine blocks is, and no longer holds
-        its request's blocks (see the module doc). Moves read no engine block (their request
-        does not wait for them): they only suspend their destination."""
+        """Stores and moves past their deadline (a hung tier): suspend their tier; a store that
+        can be stopped reading engine blocks is, and releases its request. Moves read no
+        engine block: they only suspend their destination."""
         assert self._worker is not None
         for j in job_ids:
             f = self._fl.get(j)
@@ -421,15 +398,8 @@ class KVWorker(RoleBase):
                 with self._shared.lock:  # lookups reaching its keys no longer wait for it
                     self._shared.cache.manager.unmove(f.keys)
             seconds = self._suspend(f.tier)
-            log.warning(
-                "tiercache: a %s of %d blocks into tier %d missed its deadline; %s, and the "
-                "tier is skipped for %.1f s",
-                f.kind,
-                len(f.keys),
-                f.tier,
-                "vLLM gets its blocks back" if f.abandoned else "it goes on",
-                seconds,
-            )
+            outcome = "vLLM gets its blocks back" if f.abandoned else "it goes on"
+            warn_late(log, f.kind, len(f.keys), f.tier, outcome, seconds)
 
     def _received(self, req_id: str) -> None:
         """One load job of an asynchronous request ended (or was abandoned)."""
@@ -439,14 +409,12 @@ class KVWorker(RoleBase):
             self._recv_done.add(req_id)
 
     def handle_preemptions(self, meta: object) -> None:
-        # A preempted request's blocks are freed and may be overwritten by this step's
-        # forward: stores still reading engine blocks must finish first.
+        # A preempted request's blocks may be overwritten by this step's forward: stores still
+        # reading them finish first (late ones, of a hung tier, are stopped reading).
         if getattr(meta, "preempted", False) and self._worker is not None:
             assert self._shared is not None
             stores = [j for j, f in self._fl.items() if f.kind == "store" and not f.abandoned]
             timeout = self._shared.cache.config.deadlines.store_timeout
-            # Late: a hung tier: stop them reading the blocks vLLM now reuses. Not abandoned:
-            # copies from memory, which end soon: waited for.
             self._fl.wait_or_give_up(stores, timeout, self._give_up_stores, self._not_abandoned)
             self._drain()
 
@@ -479,9 +447,8 @@ class KVWorker(RoleBase):
                 absent = sum(1 for k in keys if not manager.holds(k))
                 plan = manager.prepare_store(keys)
         stored = len(plan.stored_keys) if plan is not None else 0
-        # Blocks the store keeps per group for the tokens the job covers (held already or
-        # written now): the bytes per token of each group (`_group_report`).
-        # (Not a job cut short by a failed load: what it covers is recomputed and stored again.)
+        # Blocks kept per group for the tokens the job covers: bytes per token (`_group_report`).
+        # Not for a job cut short by a failed load: it is recomputed and stored again.
         if bad is None:
             self._count("kept_tokens", job.tokens or len(job.keys) * self._block_size)
             for g, n in Counter(job.groups or (0,) * len(job.keys)).items():
@@ -526,16 +493,15 @@ class KVWorker(RoleBase):
     def bind(self) -> None:
         """vLLM bound the step's metadata (right before the forward)."""
         if self._volatile and self._worker is not None:
-            # Hybrid models: the last step's stores of sliding-window blocks (see `_save`).
-            # As at a preemption: a store past its deadline (a hung tier) is stopped reading.
+            # Hybrid models: the last step's stores of sliding-window blocks (see `_save`), as
+            # at a preemption.
             volatile, self._volatile = self._volatile, []
             volatile = [j for j in volatile if j in self._fl]
             assert self._shared is not None
             timeout = self._shared.cache.config.deadlines.store_timeout
             self._fl.wait_or_give_up(volatile, timeout, self._give_up_stores, self._not_abandoned)
             self._drain()
-        # vLLM binds right before the forward (and starts asynchronous loads after it, then
-        # calls wait_for_save): the forward's timing starts here (cost samples).
+        # vLLM binds right before the forward: its timing starts here (cost samples).
         self._timer.start()
 
     def _forward_samples_done(self) -> None:
@@ -637,11 +603,9 @@ class KVWorker(RoleBase):
         return (done or None), (recved or None)
 
     def _wait_idle(self) -> None:
-        """A step without a forward while requests wait for their loads: vLLM's loop would go
-        round again at once, step after empty step, and in one process that loop holds the
-        GIL the load's threads need (an in-process engine loaded 25 MB from NVMe at 19 MB/s).
-        Wait for the oldest asynchronous load instead, at most IDLE_WAIT_S (new requests and
-        aborts wait no longer than that) and never past its deadline."""
+        """A step without a forward while requests wait for their loads: vLLM's loop would spin
+        on empty steps, holding the GIL the load's threads need (in one process). Wait for the
+        oldest asynchronous load instead, at most IDLE_WAIT_S and never past its deadline."""
         oldest = next(
             (j for j, f in self._fl.items() if f.kind == "load" and f.req_id and not f.abandoned),
             None,

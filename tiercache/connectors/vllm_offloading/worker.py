@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from tiercache.connectors.deadlines import Flights
+from tiercache.connectors.deadlines import Flights, warn_late
 from tiercache.connectors.stores import SharedStore, release_store
 from tiercache.connectors.vllm_offloading.bridge import bridge_of
 from tiercache.connectors.vllm_offloading.specs import TierLoadSpec, TierStoreSpec, holding
@@ -220,16 +220,7 @@ class TierCacheWorkerSide(OffloadingWorker):
                 if part.kind == "move":
                     manager.unmove(part.keys)
                 seconds = manager.suspend(part.tier)
-            log.warning(
-                "tiercache: a %s of %d blocks %s tier %d missed its deadline; %s, and the "
-                "tier is skipped for %.1f s",
-                part.kind,
-                len(part.keys),
-                "from" if part.is_load else "into",
-                part.tier,
-                consequence,
-                seconds,
-            )
+            warn_late(log, part.kind, len(part.keys), part.tier, consequence, seconds)
 
     def _detach(self, part_id: int, part: _Part) -> None:
         """vLLM's job stops waiting for a store (cancelled: it reads no engine block any more)
