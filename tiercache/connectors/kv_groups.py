@@ -1,11 +1,9 @@
-"""vLLM's KV cache groups as tiercache serves them.
+"""vLLM's KV cache groups (hybrid KV cache manager) as tiercache serves them.
 
-Primitives:
-- `kv_groups(kv_cache_config) -> tuple[KVGroup, ...]`: vLLM's KV cache groups (hybrid KV
-  cache manager) as tiercache serves them: a name for the group keys, the layers, the blocks
-  a hit's end needs (sliding window), bytes per block; non-attention groups are refused.
-  `window_positions(group, start, end)`: which blocks of a group a hit loads;
-  `hit_end(groups, start, full_end, has)`: the longest hit every group can serve.
+Primitives: `kv_groups(kv_cache_config) -> tuple[KVGroup, ...]` (non-attention groups are
+refused), `groups_tag(groups)` (the layout's name for them), `window_positions(group, start,
+end)` (which blocks of a group a hit loads) and `hit_end(groups, start, full_end, has)` (the
+longest hit every group can serve).
 """
 
 from __future__ import annotations
@@ -36,12 +34,11 @@ class KVGroup:
 
 
 def kv_groups(kv_cache_config: Any, who: str = "TierCacheConnector") -> tuple[KVGroup, ...]:
-    """vLLM's `KVCacheConfig.kv_cache_groups` as `KVGroup`s (read by attribute).
-
-    Raises ValueError naming the group and its spec for what tiercache cannot serve right:
-    non-attention state (Mamba, linear attention: one state per request, not per block of
-    tokens), chunked local attention and other attention kinds, and groups whose block sizes
-    or bytes per block differ (the store has one block size). `who` names the adapter."""
+    """vLLM's `KVCacheConfig.kv_cache_groups` as `KVGroup`s (read by attribute). ValueError
+    naming the group and its spec for what tiercache cannot serve right: non-attention state
+    (Mamba, linear attention: one state per request, not per block of tokens), other
+    attention kinds, and groups whose block sizes or bytes per block differ. `who` names the
+    adapter."""
     groups = list(kv_cache_config.kv_cache_groups)
     if not groups:
         raise ValueError("kv_cache_config: no KV cache groups")

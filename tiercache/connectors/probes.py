@@ -1,9 +1,6 @@
-"""Read-only probes of a config's shared tiers.
-
-Primitives:
-- `open_probes(config, block_bytes) -> list[StoreProbe]` / `probe_chain(probes, keys)`:
-  read-only probes of a config's shared tiers (LMDB, Redis), for a scheduler whose worker
-  (and so whose cache) runs in another process.
+"""Read-only probes of a config's shared tiers (LMDB, Redis), for a scheduler whose worker
+(and so whose cache) runs in another process: `open_probes(config, block_bytes)` and
+`probe_chain(probes, keys)`.
 """
 
 from __future__ import annotations

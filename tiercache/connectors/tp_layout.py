@@ -1,30 +1,20 @@
 """Which block layout a vLLM engine's store uses across tensor-parallel sizes (issue 32).
 
 `choose_shards(extra, ...)` reads ``kv_connector_extra_config``'s ``tp_layout`` and ``max_tp``:
+``"auto"`` (default): head shards (`tiercache.transfer.head_shards`) wherever the engine allows
+them, so that engines of any TP size share one store, else the per-rank layout (a log line
+says why); ``"heads"``: head shards, or a `ConfigError` naming what prevents them; ``"rank"``:
+the per-rank layout (each rank its own store, `tp{r}of{n}` paths). ``max_tp`` is the number of
+head shards per block (default `default_shards` of the model's KV heads); one the model or the
+TP size cannot use is refused in every mode.
 
-- ``"auto"`` (default): head shards (`tiercache.transfer.head_shards`) wherever the engine
-  allows them, so that engines of any TP size share one store; otherwise the per-rank layout
-  (each rank its own store, `tp{r}of{n}` paths), with a log line saying why.
-- ``"heads"``: head shards, or a `ConfigError` naming what prevents them.
-- ``"rank"``: the per-rank layout (stores written before head shards existed).
+Head shards need one KV cache group, KV heads split by TP (not MLA, not replicated), unpadded
+pages, and vLLM's ``LBHNC`` block layout (the CPU backend's).
 
-``max_tp`` is the number of head shards per block: the largest TP size the store serves
-(default `default_shards` of the model's KV-head count). A ``max_tp`` the user gave that the
-model or the TP size cannot use is refused in every mode.
-
-Head shards need: one KV cache group (a hybrid model's groups keep the per-rank layout),
-attention with KV heads split by TP (not MLA, not heads replicated because TP exceeds them),
-unpadded pages, and vLLM's ``LBHNC`` block layout (the CPU backend's; GPU backends that keep
-tokens outside heads do not qualify).
-
-`blocks_as_shards(user, shards)`: a tier's ``blocks`` keeps counting this engine's blocks:
-with head shards a tier's blocks are shards, `HeadShards.local` per engine block; a tier
-whose capacity bounds the whole store (`Tier.store_capacity`: LMDB, shared by every rank and
-TP size) holds every rank's shards, `HeadShards.shards` per block, so that ``blocks`` engine
-blocks fit whatever the TP size of the engines writing to it.
-
-`check_no_rank_dirs(config)`: a head-shard store refuses a tier path that holds per-rank
-stores (`tp{r}of{n}` subdirectories) with a message saying both ways out.
+`blocks_as_shards(user, shards)`: a tier's ``blocks`` keeps counting engine blocks: a tier
+holds `HeadShards.local` shards per block, or `HeadShards.shards` where its capacity bounds
+the whole store (`Tier.store_capacity`: LMDB, shared by every rank and TP size).
+`check_no_rank_dirs(config)`: a head-shard store refuses a tier path holding per-rank stores.
 """
 
 from __future__ import annotations

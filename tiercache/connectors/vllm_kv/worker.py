@@ -59,6 +59,13 @@ from tiercache.transfer import (
     store_transfers,
 )
 
+# What becomes of a transfer past its deadline, by kind (`KVWorker._give_up`).
+_LATE_OUTCOME = {
+    "load": "vLLM recomputes them",
+    "store": "vLLM gets its blocks back",
+    "move": "it goes on",
+}
+
 
 @dataclass
 class KVFlight:
@@ -200,9 +207,8 @@ class KVWorker(RoleBase):
         leave those of hung tiers behind, their tiers suspended (`Flights.shutdown`)."""
         if self._worker is None or self._shared is None:
             return
-        timeout = self._shared.cache.config.deadlines.store_timeout
         flights = self._fl
-        late = flights.shutdown(lambda _, f: self._suspend(f.tier), log, timeout=timeout)
+        late = flights.shutdown(lambda _, f: self._suspend(f.tier), log)
         self._drain()
         flights.close_transfers(late)
         self._worker = None
@@ -304,9 +310,8 @@ class KVWorker(RoleBase):
         # This step's forward reads a synchronous load: it completes first, or is abandoned at
         # its deadline (its blocks recomputed).
         if sync_jobs:
-            timeout = self._shared.cache.config.deadlines.load_timeout
-            # Not abandoned: copies from memory, which end soon: waited for.
-            self._fl.wait_or_give_up(sync_jobs, timeout, self._abandon, self._not_abandoned)
+            timeout = self._fl.timeout("load")
+            self._fl.wait_or_give_up(sync_jobs, timeout, self._give_up, self._not_abandoned)
             self._timer.start()  # the forward follows these loads (cost samples)
         self._drain()
 
@@ -320,21 +325,33 @@ class KVWorker(RoleBase):
         """A late job that was not abandoned (a started copy from memory): it ends soon."""
         return not self._fl[job_id].abandoned
 
-    def _abandon(self, job_ids: Iterable[int]) -> None:
-        """Loads past their deadline: stop them writing engine blocks, report their blocks as
-        load errors (vLLM recomputes them), suspend their tiers (see the module doc)."""
-        assert self._worker is not None
+    def _give_up(self, job_ids: Iterable[int]) -> None:
+        """Jobs past their deadline (a hung tier), each once: their tier is suspended. A load
+        or a store that can be stopped touching engine blocks is, and abandoned: a load's
+        blocks become load errors (vLLM recomputes them), a store releases its request. A move
+        reads no engine block: it goes on, and lookups reaching its keys no longer wait."""
+        assert self._worker is not None and self._shared is not None
         for j in job_ids:
             f = self._fl.get(j)
-            if f is None or f.kind != "load" or f.abandoned or not self._worker.cancel(j):
+            if f is None or f.abandoned:
                 continue
-            f.abandoned = True
+            if f.kind != "move":
+                if not self._worker.cancel(j):
+                    continue  # a copy from memory that started: it ends soon
+                f.abandoned = True
             self._fl.mark_late(j)
-            self._load_failed(f.req_id, f.block_ids)
-            self._count_keys("load_deadline_blocks", len(f.keys))
+            if f.kind == "load":
+                self._load_failed(f.req_id, f.block_ids)
+                self._count_keys("load_deadline_blocks", len(f.keys))
+            elif f.kind == "store":
+                self._count_keys("store_deadline_blocks", len(f.keys))
+                self._plan_job_done(f.plan)
+            else:
+                with self._shared.lock:
+                    self._shared.cache.manager.unmove(f.keys)
             seconds = self._suspend(f.tier)
-            warn_late(log, "load", len(f.keys), f.tier, "vLLM recomputes them", seconds)
-            if f.req_id:
+            warn_late(log, f.kind, len(f.keys), f.tier, _LATE_OUTCOME[f.kind], seconds)
+            if f.kind == "load" and f.req_id:
                 self._received(f.req_id)
 
     def _load_failed(self, req_id: str, block_ids: Iterable[int]) -> None:
@@ -377,30 +394,6 @@ class KVWorker(RoleBase):
             del self._plans[plan]
             self._plan_done(req_id)
 
-    def _give_up_stores(self, job_ids: Iterable[int]) -> None:
-        """Stores and moves past their deadline (a hung tier): suspend their tier; a store that
-        can be stopped reading engine blocks is, and releases its request. Moves read no
-        engine block: they only suspend their destination."""
-        assert self._worker is not None
-        for j in job_ids:
-            f = self._fl.get(j)
-            if f is None or f.abandoned:
-                continue
-            if f.kind == "store":
-                if not self._worker.cancel(j):
-                    continue  # a copy from memory that started: it ends soon
-                f.abandoned = True
-                self._fl.mark_late(j)
-                self._count_keys("store_deadline_blocks", len(f.keys))
-                self._plan_job_done(f.plan)
-            else:
-                self._fl.mark_late(j)  # suspend once per move
-                with self._shared.lock:  # lookups reaching its keys no longer wait for it
-                    self._shared.cache.manager.unmove(f.keys)
-            seconds = self._suspend(f.tier)
-            outcome = "vLLM gets its blocks back" if f.abandoned else "it goes on"
-            warn_late(log, f.kind, len(f.keys), f.tier, outcome, seconds)
-
     def _received(self, req_id: str) -> None:
         """One load job of an asynchronous request ended (or was abandoned)."""
         self._recving[req_id] -= 1
@@ -412,10 +405,9 @@ class KVWorker(RoleBase):
         # A preempted request's blocks may be overwritten by this step's forward: stores still
         # reading them finish first (late ones, of a hung tier, are stopped reading).
         if getattr(meta, "preempted", False) and self._worker is not None:
-            assert self._shared is not None
             stores = [j for j, f in self._fl.items() if f.kind == "store" and not f.abandoned]
-            timeout = self._shared.cache.config.deadlines.store_timeout
-            self._fl.wait_or_give_up(stores, timeout, self._give_up_stores, self._not_abandoned)
+            timeout = self._fl.timeout("store")
+            self._fl.wait_or_give_up(stores, timeout, self._give_up, self._not_abandoned)
             self._drain()
 
     def wait_for_save(self, meta: TierCacheConnectorMetadata) -> None:
@@ -497,9 +489,8 @@ class KVWorker(RoleBase):
             # at a preemption.
             volatile, self._volatile = self._volatile, []
             volatile = [j for j in volatile if j in self._fl]
-            assert self._shared is not None
-            timeout = self._shared.cache.config.deadlines.store_timeout
-            self._fl.wait_or_give_up(volatile, timeout, self._give_up_stores, self._not_abandoned)
+            timeout = self._fl.timeout("store")
+            self._fl.wait_or_give_up(volatile, timeout, self._give_up, self._not_abandoned)
             self._drain()
         # vLLM binds right before the forward: its timing starts here (cost samples).
         self._timer.start()
@@ -584,15 +575,12 @@ class KVWorker(RoleBase):
             if self._idle and self._recving:
                 self._wait_idle()
             self._drain()
-            # The late scan (each job once): asynchronous loads are abandoned; stores and
-            # moves given up (`_give_up_stores`).
+            # The late scan (each job once): asynchronous loads, then stores and moves.
             now = time.monotonic()
             late = self._fl.late(now, lambda f: f.kind == "load" and bool(f.req_id))
+            late += self._fl.late(now, lambda f: f.kind != "load")
             if late:
-                self._abandon(late)
-            late = self._fl.late(now, lambda f: f.kind != "load")
-            if late:
-                self._give_up_stores(late)
+                self._give_up(late)
             self._check_through()
         recved, self._recv_done = self._recv_done, set()
         if not self._watch:
