@@ -22,9 +22,7 @@ from typing import Generic, Protocol, TypeVar
 
 from tiercache.config import DeadlineConfig
 
-# At shutdown, after some transfers were left behind: how long closing the transfer engine
-# waits for its threads (those stuck in a hung tier are daemons, left behind too).
-CLOSE_WAIT_S = 1.0
+CLOSE_WAIT_S = 1.0  # how long closing the engine waits for threads after some were left behind
 
 
 class Transfers(Protocol):
@@ -167,10 +165,8 @@ class Flights(Generic[R]):
         still_wait: Callable[[int], bool] | None = None,
     ) -> set[int]:
         """The bounded wait: wait at most `timeout` seconds for `job_ids`; those still
-        running then go to `give_up` (the adapter's policy for a late transfer), after which
-        the ones `still_wait` keeps (all, if None: e.g. loads vLLM cannot take failed, or
-        copies from memory that cannot be stopped and end soon) are waited for without
-        bound. Returns the ids that were still running at the timeout."""
+        running then go to `give_up` (the adapter's policy), after which the ones `still_wait`
+        keeps (all, if None) are waited for without bound. Returns the late ids."""
         late = self.transfers.wait(job_ids, timeout)
         if late:
             give_up(late)
@@ -187,10 +183,9 @@ class Flights(Generic[R]):
     ) -> set[int]:
         """The bounded shutdown: wait for every job in flight at most `timeout` seconds
         (`store_timeout` if None). Those still running then are in a hung tier: each is
-        cancelled (it reads no engine block any more) and given to `left_behind` (which
-        suspends its tier, so the cache's close writes nothing back into it), and one warning
-        on `log` names how many `noun` were left behind. Returns their ids; closing the
-        transfer engine (`close_transfers`) is the caller's next step, in its own order."""
+        cancelled and given to `left_behind` (which suspends its tier, so the cache's close
+        writes nothing back into it), with one warning naming how many `noun` were left
+        behind. Returns their ids; `close_transfers` is the caller's next step."""
         wait_s = self.deadlines.store_timeout if timeout is None else timeout
         late = self.transfers.wait(list(self._records), wait_s)
         for j in late:
@@ -207,5 +202,5 @@ class Flights(Generic[R]):
 
     def close_transfers(self, left: Collection[int]) -> None:
         """Close the transfer engine after `shutdown`: waiting for its threads without bound
-        if nothing was `left` behind, else at most `CLOSE_WAIT_S`."""
+        if nothing was `left` behind, else at most `CLOSE_WAIT_S` (stuck ones are daemons)."""
         self.transfers.close(timeout=CLOSE_WAIT_S if left else None)

@@ -82,11 +82,9 @@ if TYPE_CHECKING:
 
 
 def open_scheduler(settings: KVSettings) -> KVScheduler:
-    """The scheduler role for `settings`. It shares the store when the worker already runs in
-    this process (local; never with TP > 1: the workers are processes of their own); otherwise
-    it keeps an index of the workers' keys, and (when it loads) probes each rank's shared
-    tiers: the index knows only what this engine's workers hold; on an index miss the probes
-    find blocks other engines stored in a shared store since (see `RemoteIndex.lookup`)."""
+    """The scheduler role for `settings`: sharing the store when the worker already runs in
+    this process (local; never with TP > 1), else with an index of the workers' keys and
+    (when it loads) probes of each rank's shared tiers (remote)."""
     shared = None
     if settings.tp_size == 1:
         local = find_store(settings.config)
@@ -106,9 +104,8 @@ def open_worker(settings: KVSettings) -> KVWorker:
 
 
 class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
-    """A `KVConnectorBase_V1` over a tiercache `TierCache` (see the module docstring): one
-    delegation per vLLM method, to `scheduler` (a `KVScheduler`, scheduler role) or `worker`
-    (a `KVWorker`, worker role); the other is None."""
+    """A `KVConnectorBase_V1` over a tiercache `TierCache`: one delegation per vLLM method, to
+    `scheduler` (scheduler role) or `worker` (worker role); the other is None."""
 
     def __init__(
         self,
@@ -166,18 +163,14 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """vLLM >= 0.33 asks before enabling sleep mode; the answer is no, so vLLM refuses
-        ``enable_sleep_mode=True`` with this connector at start-up ("does not support sleep
-        mode") instead of running with a stale view of the KV cache. The worker role holds
-        views of the engine's KV tensors (`KVLayout`) and copies through them on the
-        transfer engine's own threads and streams; sleep mode unmaps that memory and maps
-        it again at wake-up. Following it (`unregister_kv_caches` / `restore_kv_caches`)
-        would need testing on CUDA, the only platform with sleep mode."""
+        """vLLM >= 0.33 asks before enabling sleep mode: no, so vLLM refuses
+        ``enable_sleep_mode=True`` at start-up. The worker holds views of the engine's KV
+        tensors, which sleep mode unmaps and maps again at wake-up; following it would need
+        testing on CUDA, the only platform with sleep mode."""
         return False
 
     def shutdown(self) -> None:
-        """Finish in-flight transfers (worker) or stop probes and verifying reads
-        (scheduler), then drop this role's reference to the store."""
+        """Shut the role down (it drops its reference to the store)."""
         if self.worker is not None:
             self.worker.shutdown()
         if self.scheduler is not None:
