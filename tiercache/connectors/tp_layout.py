@@ -4,17 +4,15 @@
 ``"auto"`` (default): head shards (`tiercache.transfer.head_shards`) wherever the engine allows
 them, so that engines of any TP size share one store, else the per-rank layout (a log line
 says why); ``"heads"``: head shards, or a `ConfigError` naming what prevents them; ``"rank"``:
-the per-rank layout (each rank its own store, `tp{r}of{n}` paths). ``max_tp`` is the number of
-head shards per block (default `default_shards` of the model's KV heads); one the model or the
-TP size cannot use is refused in every mode.
+one store per rank (`tp{r}of{n}` paths). ``max_tp`` is the number of head shards per block
+(default `default_shards` of the model's KV heads; one the model or the TP size cannot use is
+refused in every mode). Head shards need one KV cache group, KV heads split by TP (not MLA,
+not replicated), unpadded pages and vLLM's ``LBHNC`` layout.
 
-Head shards need one KV cache group, KV heads split by TP (not MLA, not replicated), unpadded
-pages, and vLLM's ``LBHNC`` block layout (the CPU backend's).
-
-`blocks_as_shards(user, shards)`: a tier's ``blocks`` keeps counting engine blocks: a tier
-holds `HeadShards.local` shards per block, or `HeadShards.shards` where its capacity bounds
-the whole store (`Tier.store_capacity`: LMDB, shared by every rank and TP size).
-`check_no_rank_dirs(config)`: a head-shard store refuses a tier path holding per-rank stores.
+`blocks_as_shards(user, shards)`: a tier's ``blocks`` keeps counting engine blocks (in shards:
+`HeadShards.local` per block, or `HeadShards.shards` where the capacity bounds the whole
+store: `Tier.store_capacity`). `check_no_rank_dirs(config)`: a head-shard store refuses a tier
+path holding per-rank stores.
 """
 
 from __future__ import annotations

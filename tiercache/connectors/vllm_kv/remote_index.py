@@ -68,11 +68,6 @@ class RemoteIndex:
         # keys a worker found damaged (bounded, oldest first out)
         self._bad_keys: dict[bytes, None] = {}
 
-    @property
-    def probing(self) -> bool:
-        """Shared tiers can be probed where the index ends."""
-        return self._probe_pool is not None
-
     def has_fn(self) -> Callable[[bytes], bool]:
         """Hybrid lookups: "is this key worth asking for" (the index, or any key not known
         damaged when shared tiers can be probed)."""

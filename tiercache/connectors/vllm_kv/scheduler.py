@@ -93,7 +93,7 @@ class KVScheduler(RoleBase):
     ) -> None:
         super().__init__(settings, shared)
         self._config = settings.config
-        self._block_size, self._block_bytes = settings.block_size, settings.block_bytes
+        self._block_size = settings.block_size
         self._tp_size = settings.tp_size
         self._shards = settings.shards
         self._per = self._shards.shards if self._shards is not None else 1  # keys per block

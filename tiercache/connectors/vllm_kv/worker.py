@@ -23,7 +23,7 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -88,7 +88,6 @@ class KVWorker(RoleBase):
 
     def __init__(self, settings: KVSettings, shared: SharedStore) -> None:
         super().__init__(settings, shared)
-        self._config = settings.config
         self._block_size = settings.block_size
         self._tp_rank = settings.tp_rank
         self._groups, self._hma = settings.groups, settings.hma
@@ -178,26 +177,19 @@ class KVWorker(RoleBase):
             return None
         self._collect_events()
         self._forward_samples_done()
-        loads, forwards = self._load_samples, self._forward_samples
-        if (
-            not self._journal
-            and not self._plans_done
-            and not self._suspensions
-            and not loads
-            and not forwards
-            and not self._bad_report
-            and not self._kept
-        ):
-            return None
-        events = [(self._tp_rank, keys, medium, removed) for keys, medium, removed in self._journal]
         meta = TierCacheWorkerMetadata(
-            events=events, plans_done=self._plans_done, suspended=self._suspensions
+            [(self._tp_rank, *event) for event in self._journal],
+            self._plans_done,
+            self._suspensions,
+            self._load_samples,
+            self._forward_samples,
+            self._bad_report,
+            self._kept,
         )
-        meta.load_samples, meta.forward_samples = loads, forwards  # cost samples
-        meta.bad, self._bad_report = self._bad_report, []
-        meta.kept, self._kept = self._kept, []
+        if not any(getattr(meta, f.name) for f in fields(TierCacheWorkerMetadata)):
+            return None
         self._journal, self._plans_done, self._suspensions = [], {}, {}
-        self._load_samples, self._forward_samples = [], []
+        self._load_samples, self._forward_samples, self._bad_report, self._kept = [], [], [], []
         # The held set is only needed for the handshake; later it would just grow.
         self._held = {}
         return meta
