@@ -3,8 +3,6 @@
 Loaded by vLLM with ``ec_transfer_config={"ec_connector": "TierCacheECConnector",
 "ec_connector_module_path": "tiercache.connectors.vllm", "ec_role": "ec_both",
 "ec_connector_extra_config": {"config": <mapping or TOML path>, "block_bytes": 262144}}``.
-An item encoded once (by this instance, another one sharing a persistent tier, or before a
-restart) is loaded instead of encoded again.
 
 Primitives:
 - `TierCacheECConnector(vllm_config, role)`: an `ECConnectorBase`. Scheduler side:
@@ -12,21 +10,17 @@ Primitives:
   `build_connector_meta`, `request_finished`. Worker side: `start_load_caches`, `save_caches`,
   `get_finished`, `shutdown`.
 - `item_keys(namespace, mm_hash, n)`, `encode_item(tensor, block_bytes)`,
-  `decode_item(blocks)`: how an item is laid out in tiercache blocks.
+  `decode_item(blocks)`: an item is fixed-size blocks under keys ``xxh3_128(prefix,
+  namespace, mm_hash, i)``; block 0 starts with a 64-byte header (magic, version, dtype name,
+  shape, payload bytes), then the payload and zero padding. Nothing is pickled.
 
-Layout: an item is one or more fixed-size blocks under keys ``xxh3_128(prefix, namespace,
-mm_hash, i)``. Block 0 starts with a 64-byte header (magic, version, dtype name, shape, payload
-bytes); the payload follows, then zero padding. Nothing is pickled. A header is only what some
-process wrote into a (possibly shared) store: its size is checked against ``max_item_bytes``
-(extra config, default 1 GiB) and the store's capacity before any key is made, and a header
-that fails a check is a miss, a counted error (``ec_bad_headers``), and is dropped so that the
-item's next save replaces it.
-
-Once `has_cache_item` answers True vLLM will not run the encoder for that item, so it reads
-and verifies every block of the item first (`TierCache.get` checks checksums), and the
-verified tensor travels to the worker in the step's metadata: a corrupt or partial item is a
-miss, never garbage. Saves copy the encoder output to host memory at once (`request_finished`
-never delays a free) and write it to the tiers on a background thread.
+A header is only what some process wrote into a (possibly shared) store: its size is checked
+against ``max_item_bytes`` and the store's capacity before any key is made, and a header that
+fails a check is a counted miss (``ec_bad_headers``), dropped so the next save replaces it.
+Once `has_cache_item` answers True vLLM will not run the encoder, so it reads and verifies the
+whole item first and the tensor travels to the worker in the step's metadata: a corrupt item
+is a miss, never garbage. Saves copy the output to host memory at once and write it to the
+tiers on a background thread.
 """
 
 from __future__ import annotations

@@ -4,40 +4,25 @@ Loaded by vLLM with ``kv_connector="TierCacheConnector"``, ``kv_connector_module
 "tiercache.connectors.vllm"``, ``kv_connector_extra_config={"config": <mapping or TOML>}``.
 The facade delegates each vLLM method to its role: `KVScheduler` (keys and block ids, never
 bytes: scheduler.py) or `KVWorker` (bytes, through tiercache's transfer engine: worker.py).
-docs/vllm.md is the user's account of what follows.
+docs/vllm.md is the user's account.
 
 Two placements, chosen when the scheduler role starts (`open_scheduler`):
 - local (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the worker is built first, in this process):
-  both roles share one `TierCache` (`stores.acquire_store`). Lookups ask the manager and pin
-  the hit; blocks held only in persistent tiers are read and verified first under vLLM's
-  default ``kv_load_failure_policy="fail"``, or loaded asynchronously, straight into the
-  engine, under "recompute" (`local_lookup.py`).
+  both roles share one `TierCache`; lookups ask the manager and pin the hit, verifying blocks
+  held only in persistent tiers first (`local_lookup.py`).
 - remote (vLLM's default multiprocess mode, and always with TP > 1): the worker owns the
-  cache; the scheduler answers from an index of the keys the workers hold (handshake, then
-  events each step) and, where it ends, from read-only probes of the shared tiers
-  (`remote_index.py`). Loads are asynchronous, and a block that cannot be loaded is a load
-  error: set ``kv_load_failure_policy="recompute"``.
+  cache; the scheduler answers from an index of the workers' keys and probes of the shared
+  tiers (`remote_index.py`). Loads are asynchronous, and a block that cannot be loaded is a
+  load error: set ``kv_load_failure_policy="recompute"``.
 
 ``kv_role``: "kv_both" loads and stores, "kv_producer" only stores, "kv_consumer" only loads.
-
-Tensor parallel: each worker keeps its shard of every block in its own store (namespace and
-paths with its rank: `ranks.resolve_rank_config`), or, with head shards, one store every TP
-size shares (`tp_layout.py`). Block keys are the same on every rank, so the scheduler hashes
-once; a key is a hit only when every rank holds it, and a request's store plans are finished
-when every rank reported them (`TierCacheWorkerMetadata.aggregate`). Pipeline (and context)
-parallel size must be 1.
-
-Hybrid models (`SupportsHMA`, several KV cache groups): each block is stored once per group
-(`hashing.group_keys`); sliding-window groups store only the window before likely hit ends;
-a hit is the longest prefix every group serves; loads are asynchronous and a failed one fails
-the request's receive (recomputed whole). See docs/vllm.md#hybrid-attention-models.
-
-Deadlines (``[deadlines]``): a load not done `load_timeout` seconds after it was due is
-abandoned (its blocks are load errors, vLLM recomputes them); a store holding engine blocks
-past `store_timeout` is stopped reading them and its request released; either suspends its
-tier (the manager's circuit breaker; the worker metadata tells a remote scheduler). Cost-aware
-loading (``[loading]``, `tiercache.costs`): only the part of a hit cheaper to load than to
-recompute is loaded; the worker's load and forward timings feed the estimates.
+Tensor parallel: block keys are the same on every rank (the scheduler hashes once); a key is a
+hit only when every rank holds it, and a store plan is finished when every rank reported it
+(`TierCacheWorkerMetadata.aggregate`). Pipeline (and context) parallel size must be 1. Hybrid
+models (`SupportsHMA`): one key per block and KV cache group (`hashing.group_keys`), a hit is
+the longest prefix every group serves, and a failed load fails the request's receive.
+Deadlines (``[deadlines]``) and cost-aware loading (``[loading]``): see worker.py and
+scheduler.py.
 """
 
 from __future__ import annotations
