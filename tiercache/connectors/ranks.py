@@ -156,15 +156,11 @@ def resolve_rank_config(
     dp_size: int = 1,
     shared: bool = False,
 ) -> RankConfig:
-    """`resolve_config` for one TP rank of one data-parallel rank: `store_namespace` (derived
-    with the TP rank) names the rank's store, `key_namespace` (derived with TP rank 0) the
-    keys; a namespace the user gives prefixes both. The mapping goes through
-    `per_rank_config`, `per_rank_telemetry` and `per_dp_rank_config`.
-
-    `shared` (head shards, `tiercache.connectors.tp_layout`): every TP rank uses the paths as
-    given, so ranks of every TP size share one store per tier; each (DP, TP) rank opens an
-    NVMe instance of its own (one writer per instance) and reads the others' read-only
-    (`with_nvme_siblings`)."""
+    """`resolve_config` for one TP rank of one data-parallel rank: `store_namespace` names the
+    rank's store, `key_namespace` the keys (a namespace the user gives prefixes both). The
+    mapping goes through `per_rank_config`, `per_rank_telemetry` and `per_dp_rank_config`;
+    with `shared` (head shards) every TP rank uses the paths as given, and each (DP, TP) rank
+    opens an NVMe instance of its own and reads the others' (`with_nvme_siblings`)."""
     mapping = dict(user) if shared else per_rank_config(user, tp_rank=tp_rank, tp_size=tp_size)
     mapping = per_rank_telemetry(
         mapping, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size

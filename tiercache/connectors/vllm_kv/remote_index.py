@@ -106,12 +106,9 @@ class RemoteIndex:
 
     def lookup(self, keys: list[bytes], req_id: str = "") -> int | None:
         """Leading `keys` every rank holds: in the index, or else in a shared tier as the
-        probes find them (`probe_chain`, once per rank). None while the probes run longer
-        than PROBE_WAIT_S (vLLM asks again next step; the probe goes on meanwhile).
-
-        With probes the index is trusted only for private tiers: another engine's stores may
-        have evicted a block from a shared tier since, so the probes confirm it (a block gone
-        is a plain miss, never a load error)."""
+        probes find them (`probe_chain`, once per rank); None while the probes run longer
+        than PROBE_WAIT_S (vLLM asks again). With probes the index is trusted only for
+        private tiers: another engine may have evicted a block from a shared tier since."""
         suspended = self._suspended_mediums()
         off = suspended | self._shared_mediums  # the index is not enough for these
         if self._shards is not None:  # `keys` are every rank's shards, block-major

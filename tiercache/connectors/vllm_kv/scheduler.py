@@ -65,25 +65,22 @@ class _Req:
     request: Request
     extra: dict[int, tuple[Any, ...]] | None
     keys: list[bytes] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # engine block ids, per group
     stored: int = 0  # leading blocks already handed to the worker for saving
     skip: bool = False  # prompt embeddings: token ids do not identify the KV, never cached
     hit: tuple[int, int] = (0, 0)  # (first block, number of blocks) of the last lookup
     local: int = 0  # tokens vLLM's own cache held at the last lookup (its num_computed_tokens)
     direct: bool = False  # the last hit is `LocalHit.direct`: loaded asynchronously
-    # Hybrid models: keys and engine block ids per group, what the last hit loads as (group,
-    # block position, key), and positions where a hit is likely to end (`_window_keep`).
+    # Hybrid models: keys per group, what the last hit loads as (group, block position, key),
+    # and positions where a hit is likely to end (`_window_keep`).
     gkeys: dict[int, list[bytes]] = field(default_factory=dict)
-    gblock_ids: list[list[int]] = field(default_factory=list)
     hit_plan: tuple[tuple[int, int, bytes], ...] = ()
     marks: set[int] = field(default_factory=set)
 
 
 class KVScheduler(RoleBase):
-    """The scheduler role over `settings`. With `shared` (local placement: the worker runs in
-    this process and shares its store) lookups ask the shared cache; without it (remote
-    placement) they ask the index of the workers' keys and `probes` (per rank, the read-only
-    probes of its shared tiers). `shutdown` releases `shared` and closes the probes."""
+    """The scheduler role over `settings`: lookups ask the `shared` cache (local placement) or,
+    without it, the index of the workers' keys and `probes` (per rank, of its shared tiers)."""
 
     def __init__(
         self,
@@ -450,24 +447,25 @@ class KVScheduler(RoleBase):
             st = self._reqs.get(req_id)
             if st is None or st.skip:  # never asked about (prefix caching off), or embeddings
                 continue
-            if self._hma:
-                scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-                self._plan_groups(meta, st, new_groups, replace, computed, scheduled, planned)
-                continue
-            new_ids = new_groups[0] if new_groups else None
-            if replace:
-                st.block_ids = list(new_ids or [])
-            elif new_ids:
-                st.block_ids.extend(new_ids)
+            if replace or not st.block_ids:
+                groups = max(1, len(self._groups))
+                st.block_ids = [list(ids) for ids in (new_groups or [[] for _ in range(groups)])]
+            elif new_groups:
+                for have, add in zip(st.block_ids, new_groups, strict=True):
+                    have.extend(add)
             # num_computed_tokens can go backwards (a recomputed load error, a preemption):
             # blocks from there on are saved again once recomputed.
             st.stored = min(st.stored, computed // bs)
             done = (computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // bs
-            done = min(done, len(st.block_ids), st.request.num_tokens // bs)
+            done = min(done, *(len(ids) for ids in st.block_ids), st.request.num_tokens // bs)
             if done <= st.stored:
                 continue
+            if self._hma:
+                self._plan_groups(meta, st, done, planned)
+                st.stored = done
+                continue
             keys = self._keys(st, done)
-            ids = st.block_ids[st.stored : done]
+            ids = st.block_ids[0][st.stored : done]
             if 0 not in ids:  # the null block stands for a block vLLM does not hold
                 meta.stores.append(StoreJob(req_id, tuple(keys[st.stored : done]), tuple(ids)))
                 self._describe(st, st.stored, done)
@@ -480,30 +478,13 @@ class KVScheduler(RoleBase):
         return meta
 
     def _plan_groups(
-        self,
-        meta: TierCacheConnectorMetadata,
-        st: _Req,
-        new_groups: tuple[list[int], ...] | None,
-        replace: bool,
-        computed: int,
-        scheduled: int,
-        planned: set[bytes],
+        self, meta: TierCacheConnectorMetadata, st: _Req, done: int, planned: set[bytes]
     ) -> None:
-        """`build_connector_meta` for several KV cache groups: the blocks this step completes
-        (only those: vLLM frees a sliding window's blocks without telling the connector),
-        every one for full-attention groups, for sliding windows those `_window_keep` keeps."""
+        """`build_connector_meta` for several KV cache groups: the blocks completed from
+        `st.stored` to `done` (only those: vLLM frees a sliding window's blocks without telling
+        the connector), all for full attention, for sliding windows those `_window_keep` keeps."""
         bs = self._block_size
         req_id = st.request.request_id
-        if replace or not st.gblock_ids:
-            st.gblock_ids = [list(ids) for ids in (new_groups or [[] for _ in self._groups])]
-        elif new_groups:
-            for have, add in zip(st.gblock_ids, new_groups, strict=True):
-                have.extend(add)
-        st.stored = min(st.stored, computed // bs)
-        done = (computed + scheduled) // bs
-        done = min(done, *(len(ids) for ids in st.gblock_ids), st.request.num_tokens // bs)
-        if done <= st.stored:
-            return
         keep = self._window_keep(st, st.stored, done, planned)
         keys: list[bytes] = []
         ids: list[int] = []
@@ -511,7 +492,7 @@ class KVScheduler(RoleBase):
         for g in self._groups:
             gk = self._gkeys(st, g, done)
             for p in range(st.stored, done):
-                b = st.gblock_ids[g.index][p]
+                b = st.block_ids[g.index][p]
                 if b == 0 or (g.window_blocks and p not in keep[g.index]):
                     continue  # null block (vLLM does not hold it), or outside every window
                 keys.append(gk[p])
@@ -523,20 +504,14 @@ class KVScheduler(RoleBase):
             tokens = (done - st.stored) * bs
             meta.stores.append(StoreJob(req_id, tuple(keys), tuple(ids), tuple(groups), tokens))
             self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
-        st.stored = done
 
     def _window_keep(self, st: _Req, lo: int, hi: int, planned: set[bytes]) -> dict[int, set[int]]:
-        """Per sliding-window group, the block positions in [lo, hi) to store: those inside
-        the window before a block where a later hit is likely to end, so that stored bytes
-        stay bounded by the window instead of growing with the prompt:
-
-        - the end of the prompt's hit (the block before the one holding its last token: the
-          same prompt again),
-        - where this request's lookup found the stored prefix ending (`_Req.marks`),
-        - where this request leaves what the store holds or another request of this step
-          stores (a shared prefix ends there: the next request sharing it hits there).
-
-        A hit ending elsewhere is served by the nearest such block before it."""
+        """Per sliding-window group, the block positions in [lo, hi) to store: the window before
+        each block where a later hit is likely to end (so stored bytes stay bounded by the
+        window): the end of the prompt's hit, where this request's lookup found the stored
+        prefix ending (`_Req.marks`), and where this request leaves what the store holds or
+        another request of this step stores (a shared prefix ends there). A hit ending
+        elsewhere is served by the nearest such block before it."""
         bs = self._block_size
         n_keys = len(st.request.all_token_ids) // bs
         marks = set(st.marks)

@@ -38,13 +38,11 @@ IDLE_WAIT_S = 0.005  # a step without a forward: how long the worker waits for a
 
 @dataclass(frozen=True)
 class KVSettings:
-    """What a role needs to know, fixed for its life.
-
-    `config` is this rank's store (head shards: the store every rank and TP size shares);
-    `key_namespace` hashes block keys, the same on every rank (None: `config.namespace`).
-    `rank_configs` are every rank's configs (the scheduler's probes of their shared tiers).
-    `shards` (None: the per-rank layout) maps the engine's blocks to head shards: the store's
-    blocks are then shards, and `block_bytes` a shard's bytes."""
+    """What a role needs to know, fixed for its life. `config` is this rank's store;
+    `key_namespace` hashes block keys, the same on every rank (None: `config.namespace`);
+    `rank_configs` are every rank's configs (the scheduler probes their shared tiers);
+    `shards` (None: the per-rank layout) maps engine blocks to head shards, whose bytes
+    `block_bytes` then counts."""
 
     config: CacheConfig
     block_size: int  # tokens per block
