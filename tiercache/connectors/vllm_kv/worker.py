@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import Counter
@@ -553,11 +554,9 @@ class KVWorker(RoleBase):
                 self._count("bytes", r.transfer_size)
             for k, tier in list(self._bad.items()):
                 # Out of the index once no other load still pins it (that load fails too).
-                try:
+                with contextlib.suppress(ValueError):
                     manager.discard([k], tier)
-                except ValueError:
-                    continue
-                del self._bad[k]
+                    del self._bad[k]
         if stored:  # copy them down now, not at the write-through thread's next poll
             self._shared.cache.wake_write_through()
         return bool(results)

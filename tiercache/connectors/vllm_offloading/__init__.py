@@ -22,8 +22,6 @@ transfer: a persistent block is verified before it is a hit, a failed store is r
 and a late load is still waited for (its tier suspended). See docs/vllm-offloading.md.
 """
 
-import logging
-
 from tiercache.connectors.vllm_offloading.manager import (
     TierCacheOffloadingManager,
     TierCacheSchedulerSide,
@@ -40,8 +38,6 @@ from tiercache.connectors.vllm_offloading.worker import (
     TierCacheOffloadingWorker,
     TierCacheWorkerSide,
 )
-
-log = logging.getLogger(__name__)  # the logger every submodule logs to
 
 __all__ = [
     "CONFIG_INFO_KEYS",

@@ -6,6 +6,7 @@ persistent tier before calling it a hit. See the package doc.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -279,10 +280,8 @@ class TierCacheSchedulerSide(OffloadingManager):
         left, self._reset_left = self._reset_left, set()
         for k in left:
             if self._manager.where(k):
-                try:
+                with contextlib.suppress(ValueError):  # loaded again after the reset: kept
                     self._manager.discard((k,))
-                except ValueError:  # loaded again by a request after the reset: keep it
-                    continue
 
     def shutdown(self) -> None:
         if self._closed:
