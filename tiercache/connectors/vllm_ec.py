@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import struct
 import threading
@@ -82,10 +83,7 @@ _DTYPES = {
 }
 DEFAULT_BLOCK_BYTES = 256 * 1024
 DEFAULT_STAGED_BYTES = 256 * 2**20
-# The largest item saved or read (payload bytes). A size read from a store is checked against
-# it (and against what the store can hold) before any key is made: a checksum-valid header in
-# a shared store is still only what some process wrote.
-DEFAULT_MAX_ITEM_BYTES = 2**30
+DEFAULT_MAX_ITEM_BYTES = 2**30  # the largest item saved or read (payload bytes; module doc)
 
 
 def item_keys(namespace: str, mm_hash: str, n: int) -> list[bytes]:
@@ -129,10 +127,7 @@ def _read_header(block0: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], in
     shape = tuple(dims[:ndim])
     if dtype is None:
         raise ValueError(f"encoder item: unknown dtype {name!r}")
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel * dtype.itemsize != nbytes:
+    if math.prod(shape) * dtype.itemsize != nbytes:
         raise ValueError(f"encoder item: shape {shape} does not match {nbytes} payload bytes")
     return dtype, shape, nbytes
 

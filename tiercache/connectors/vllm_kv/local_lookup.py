@@ -3,15 +3,11 @@
 When the worker runs in the scheduler's process both roles share one `TierCache`. A lookup
 asks the manager, waits briefly for a store of the key it reached (the worker's `_settle`),
 applies the cost gate, and reads the blocks held only in persistent tiers before reporting
-them (checksums verified, promoted), on a thread per tier so a hung disk stalls only its own
-reads: a corrupt block shortens the hit instead of reaching vLLM (which, under
-``kv_load_failure_policy="fail"``, would fail the request). A read not done within
-VERIFY_WAIT_S makes the lookup answer None (vLLM asks again); one past `load_timeout` is given
-up and its tier suspended.
-
-Under "recompute" (`direct`) vLLM recomputes any block whose load fails, so such a hit is not
-read here: the worker loads it asynchronously, straight from the tier into the engine's
-blocks, verified there (one copy instead of two; the blocks are not promoted).
+them (verified, promoted) on a thread per tier: a corrupt block shortens the hit instead of
+failing the request (``kv_load_failure_policy="fail"``). A read not done within VERIFY_WAIT_S
+makes the lookup answer None (vLLM asks again); one past `load_timeout` is given up and its
+tier suspended. Under "recompute" (`direct`) such a hit is not read here: the worker loads it
+asynchronously, straight into the engine's blocks, verified there (not promoted).
 """
 
 from __future__ import annotations
@@ -87,8 +83,8 @@ class LocalLookup:
             return _hit(self._verified(req_id, pending))
         manager = self._shared.cache.manager
         with self._shared.lock:
-            # A block the cache's write-through thread is moving down is served from its
-            # source slot (`leaving`: the copy into that slot waits for the load's pin).
+            # `leaving`: a block being written through is served from its source slot (a copy
+            # into that slot waits for the load's pin).
             n, moving = manager.lookup_ready(keys, leaving=True)
             settle = self._shared.state.get(SETTLE_KEY)
             if n < len(keys) and settle is not None and settle(keys[n]):

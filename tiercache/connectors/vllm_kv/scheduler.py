@@ -575,11 +575,8 @@ class KVScheduler(RoleBase):
         """Remote placement: `rank` now holds (or no longer holds) `keys` in `medium`; with
         TP > 1 (not head shards: `ShardEvents`), vLLM hears of the keys every rank now holds
         there, or no longer all do."""
-        if self._shards is not None:
-            self.remote.apply(rank, keys, medium, removed)
-            return
         changed = self.remote.apply(rank, keys, medium, removed)
-        if self._tp_size > 1 and changed and self._vllm_events:
+        if self._tp_size > 1 and changed and self._vllm_events and self._shards is None:
             self._events.append((changed, medium, removed))
 
     def set_xfer_handshake_metadata(

@@ -117,16 +117,15 @@ class KVSettings:
             layout += f"/heads:{shards.shards}"
             user = blocks_as_shards(user, shards)
 
+        def namespace(r: int) -> str:
+            return namespace_from_vllm(vllm_config, layout=layout, tp_rank=r, per_rank=per_rank)
+
         def rank_config(r: int) -> RankConfig:
             return resolve_rank_config(
                 user,
                 block_size=block_size,
-                key_namespace=namespace_from_vllm(
-                    vllm_config, layout=layout, tp_rank=0, per_rank=per_rank
-                ),
-                store_namespace=namespace_from_vllm(
-                    vllm_config, layout=layout, tp_rank=r, per_rank=per_rank
-                ),
+                key_namespace=namespace(0),
+                store_namespace=namespace(r),
                 tp_rank=r,
                 tp_size=tp_size,
                 shared=not per_rank,

@@ -1,9 +1,8 @@
 """`KVWorker`: the connector's worker role (bytes, through tiercache's transfer engine).
 
 - `register_kv_caches`: the engine buffer as a `KVLayout` (`engine_layout`), and an
-  `OffloadingWorker` over the cache's tiers.
-- Head shards: the scheduler speaks of blocks; at this edge (`_edge`) each becomes this rank's
-  shard keys and shard units; load errors go back as engine blocks.
+  `OffloadingWorker` over the cache's tiers. Head shards: at this edge (`_edge`) the
+  scheduler's blocks become this rank's shard keys and units; load errors go back as blocks.
 - `start_load_kv`: submits the step's loads; a synchronous one (local placement) completes
   before the forward, an asynchronous one is reported by `get_finished` (which, in a step
   without a forward, waits briefly for the oldest: `_wait_idle`). Failed blocks are reported
@@ -12,9 +11,9 @@
   requests whose blocks vLLM kept for them.
 - `build_connector_worker_meta`: events, finished store plans, suspended tiers, cost samples
   and damaged keys, back to the scheduler each step.
-- Deadlines: every job is a `KVFlight` in a `Flights` table. A late load is abandoned; a late
-  store is stopped reading engine blocks and its request released; a late move only
-  suspends its destination. Shutdown waits at most `store_timeout`.
+- Deadlines (`Flights` of `KVFlight`s, `_give_up`): a late load is abandoned; a late store is
+  stopped reading engine blocks and its request released; a late move only suspends its
+  destination. Shutdown waits at most `store_timeout`.
 """
 
 from __future__ import annotations

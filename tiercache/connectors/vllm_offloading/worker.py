@@ -330,10 +330,9 @@ TierCacheOffloadingWorker = TierCacheWorkerSide  # its name before issue 50
 
 
 def _check_overlay(kv_caches: CanonicalKVCaches) -> None:
-    """Every KV cache group must reference every tensor, page for page: vLLM's hybrid layout
-    overlays its groups (layer j of each group is one view; a block id belongs to one group
-    at a time), so copying a block id across all tensors copies that group's block. Groups
-    with tensors of their own are refused (this worker copies one block layout)."""
+    """Every KV cache group must reference every tensor, page for page (vLLM's overlay of the
+    groups, see `engine_layout.group_layout`): copying a block id across all tensors then
+    copies that group's block. Groups with tensors of their own are refused."""
     refs = kv_caches.group_data_refs
     if not refs:
         raise ValueError("kv_caches: no KV cache groups")
