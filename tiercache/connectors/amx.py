@@ -55,9 +55,8 @@ def needs_tile_config(
 def prime_amx_tiles(
     device: torch.device | str, kv_dtype: torch.dtype | str, cpuinfo: str | None = None
 ) -> bool:
-    """Run one small bf16 matmul on this thread (and so on its OpenMP team) where
-    `needs_tile_config` says so (see the module's docstring); True if it ran. Call it on the
-    thread that runs the forward, whose team runs vLLM's attention."""
+    """Run one small bf16 matmul on this thread (and so on its OpenMP team, which runs vLLM's
+    attention) where `needs_tile_config` says so (module doc); True if it ran."""
     if not needs_tile_config(device, kv_dtype, cpuinfo):
         return False
     _matmul()

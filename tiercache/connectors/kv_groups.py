@@ -18,12 +18,10 @@ _WINDOW_SPECS = frozenset({"SlidingWindowSpec"})
 
 @dataclass(frozen=True, slots=True)
 class KVGroup:
-    """One KV cache group as tiercache serves it.
-
-    `name` goes into the group keys (`tiercache.hashing.group_keys`; "" for a model with one
-    group, whose keys stay the plain prefix keys). `window_blocks` is 0 for full attention;
-    for a sliding window, how many blocks before a hit's end its layers read (what vLLM's
-    sliding-window manager keeps, at least ``ceil(window / block_size)``)."""
+    """One KV cache group as tiercache serves it. `name` goes into the group keys
+    (`tiercache.hashing.group_keys`; "" for one group: the plain prefix keys). `window_blocks`
+    is 0 for full attention; for a sliding window, how many blocks before a hit's end its
+    layers read (what vLLM's sliding-window manager keeps)."""
 
     index: int
     name: str
@@ -83,8 +81,7 @@ def kv_groups(kv_cache_config: Any, who: str = "TierCacheConnector") -> tuple[KV
 
 def groups_tag(groups: Sequence[KVGroup]) -> str:
     """The part of a store's layout naming a hybrid model's groups (kind and layer count of
-    each), so that its blocks, one group's layers each, are never read as one group's blocks
-    of the same model (the hybrid manager off); empty for one group."""
+    each), so that its blocks are never read as the same model's without groups; "" for one."""
     if len(groups) < 2:
         return ""
     return "/groups:" + "+".join(f"{g.kind}:{len(g.layers)}" for g in groups)

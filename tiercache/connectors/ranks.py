@@ -131,9 +131,8 @@ def per_rank_telemetry(
 
 @dataclass(frozen=True)
 class RankConfig:
-    """One TP rank's view: `config` is its own store (namespace with its rank, per-rank
-    paths); `key_namespace` is what block keys are hashed with, the same on every rank and in
-    the scheduler (TP size, not rank), so one key names the same block on every rank."""
+    """One TP rank's view: `config` is its own store; `key_namespace` is what block keys are
+    hashed with, the same on every rank and in the scheduler (TP size, not rank)."""
 
     config: CacheConfig
     key_namespace: str
@@ -199,8 +198,7 @@ def with_nvme_siblings(user: Mapping[str, Any]) -> dict[str, Any]:
 
 def prepare_rank_dirs(rank: RankConfig) -> None:
     """With several ranks, create (0700) the directory the per-rank paths live in (the path
-    the user gave), as a tier or the telemetry creates its own path with one rank: only when
-    that directory's parent exists (otherwise the tier or telemetry reports the missing one)."""
+    the user gave), as a tier does its own with one rank: only where its parent exists."""
     parents = []
     if rank.tp_size > 1 and not rank.shared:
         suffix = rank_suffix(rank.tp_rank, rank.tp_size)

@@ -36,9 +36,8 @@ class ShardEvents:
     def expect(
         self, block_keys: Sequence[bytes], shard_keys: Sequence[bytes] | None = None
     ) -> dict[str, list[bytes]]:
-        """Map the shard keys of `block_keys` (`shard_keys`: `HeadShards.all_keys` of them,
-        if computed already) back to their blocks; the blocks this makes whole, per medium,
-        from shard events that came before (to announce as stored)."""
+        """Map the shard keys of `block_keys` (`shard_keys`: their `HeadShards.all_keys`, if
+        computed) back to them; the blocks this makes whole per medium (to announce stored)."""
         s = self._shards.shards
         blocks, new = self._blocks, []
         out: dict[str, list[bytes]] = {}

@@ -62,9 +62,8 @@ def choose_shards(
     tp_size: int,
     tp_rank: int,
 ) -> HeadShards | None:
-    """The head shards of this rank (None: the per-rank layout); see the module docstring.
-    `spec` is vLLM's KV cache spec of group 0 (read by attribute), `groups` the number of KV
-    cache groups, `total_kv_heads` the model's KV heads over all ranks."""
+    """The head shards of this rank (None: the per-rank layout). `spec` is vLLM's KV cache
+    spec of group 0, `groups` the number of groups, `total_kv_heads` over all ranks."""
     mode, max_tp = read_tp_layout(extra)
     if mode == "rank":
         return None

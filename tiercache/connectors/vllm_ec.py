@@ -319,9 +319,8 @@ class TierCacheECConnector(ECConnectorBase):
             return None
 
     def _reject(self, mm_hash: str, key0: bytes, why: Exception) -> None:
-        """Block 0 of `mm_hash` passed its checksum but is not a valid item header: a miss,
-        an error counted in the tier holding it, and the block is dropped, so that the item's
-        next save writes a good one (a save keeps the blocks it finds held)."""
+        """Block 0 of `mm_hash` passed its checksum but is no valid item header: a miss, an
+        error of the tier holding it, and the block dropped so that the next save replaces it."""
         log.warning("encoder item %s: %s; encoding it again", mm_hash, why)
         manager = self._cache.manager
         with self._store.lock:

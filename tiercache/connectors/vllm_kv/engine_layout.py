@@ -69,9 +69,8 @@ def group_layout(
 
 
 def kv_report(settings: KVSettings, counters: Mapping[str, int]) -> dict[str, Any]:
-    """Per KV cache group: its kind, layers, sliding window in blocks, bytes per block, the
-    blocks it keeps for the tokens this process stored (from the store's `counters`), and so
-    its bytes per token; and the TP layout (`layout_report`)."""
+    """Per KV cache group: kind, layers, window, bytes per block, the blocks it keeps for the
+    tokens this process stored (`counters`) and so its bytes per token; and the TP layout."""
     tokens = counters.get("kept_tokens", 0)
     groups = []
     for g in settings.groups:

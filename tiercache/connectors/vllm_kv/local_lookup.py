@@ -43,10 +43,8 @@ class LocalHit:
 
 
 class LocalLookup:
-    """Verified lookups of `shared` for the scheduler (local placement). `count` adds to the
-    scheduler's counters; `affordable(keys, n)` is its cost gate (how many of the `n` leading
-    hit keys to load); `direct`: persistent hits are loaded by the worker, not read here (see
-    the module doc)."""
+    """Verified lookups of `shared` for the scheduler (local placement). `count` adds to its
+    counters, `affordable(keys, n)` is its cost gate; `direct`: see the module doc."""
 
     def __init__(
         self,

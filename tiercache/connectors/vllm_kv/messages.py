@@ -97,9 +97,8 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class TierCacheHandshake(KVConnectorHandshakeMetadata):
-    """Worker -> scheduler at start-up: the keys the worker's cache holds per medium
-    (recovered from persistent tiers), so a restarted engine hits from its first step; one
-    per TP rank."""
+    """Worker -> scheduler at start-up, one per TP rank: the keys the worker's cache holds per
+    medium (recovered from persistent tiers), so a restarted engine hits from its first step."""
 
     held: dict[str, tuple[bytes, ...]] = field(default_factory=dict)  # medium -> keys
     rank: int = 0

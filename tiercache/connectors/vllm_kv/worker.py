@@ -222,10 +222,8 @@ class KVWorker(RoleBase):
             return self._drain()
 
     def wait_writes(self, timeout: float) -> bool:
-        """Wait until every store and move submitted so far, given-up ones included, has
-        ended in the transfer engine; True if all did within `timeout` seconds (the next
-        drain completes them). E.g. after a hung disk came back: until then a given-up store's
-        keys stay reserved."""
+        """Wait until every store and move submitted so far, given-up ones included, has ended
+        in the transfer engine (e.g. after a hung disk came back); True if all did in time."""
         if self._worker is None or self._shared is None:
             return True
         with self._shared.lock:

@@ -229,8 +229,8 @@ class TierCacheSchedulerSide(OffloadingManager):
         return RequestOffloadingContext()  # chunk level: blocks already offloaded are skipped
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        """Nothing is held per request: loads unpin in `complete_load`, and stores and their
-        moves complete in `complete_store` (which may still arrive after this call)."""
+        """Nothing is held per request: loads unpin in `complete_load`, stores complete in
+        `complete_store` (which may still arrive after this call)."""
 
     @_locked
     def take_events(self) -> Iterable[OffloadingEvent]:

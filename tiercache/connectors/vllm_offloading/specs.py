@@ -75,10 +75,9 @@ class TierLoadSpec(LoadStoreSpec):
 
 @dataclass(frozen=True)
 class TierStoreSpec(LoadStoreSpec):
-    """A store plan: run `plan.moves` (demotions), then write `plan.stored_keys` (the first
-    tier's, then what went around it into lower tiers). `keys`: the same keys in the order of
-    the `prepare_store` call, which is the order of the engine blocks vLLM hands the worker
-    (it walks its groups and chunks the way it listed the keys)."""
+    """A store plan: run `plan.moves` (demotions), then write `plan.stored_keys`. `keys`: the
+    same keys in the order of the `prepare_store` call, which is the order of the engine
+    blocks vLLM hands the worker."""
 
     plan: TierPlan
     keys: tuple[bytes, ...]
