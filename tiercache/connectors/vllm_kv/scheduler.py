@@ -98,10 +98,7 @@ class KVScheduler(RoleBase):
         self._shard_events = (
             ShardEvents(self._shards) if self._shards is not None and settings.events else None
         )
-        self._engine_block_bytes = settings.engine_block_bytes or settings.block_bytes
         self._groups, self._hma = settings.groups, settings.hma
-        self._key_namespace = settings.keys_namespace
-        self._loads_on, self._stores_on = settings.loads_on, settings.stores_on
         self.local = shared is not None
         self.remote = RemoteIndex(
             settings.tp_size, self._count, probes, settings.config.deadlines, self._shards
@@ -199,7 +196,7 @@ class KVScheduler(RoleBase):
             st.keys = prefix_hashes(
                 list(tokens[: full * self._block_size]),
                 self._block_size,
-                namespace=self._key_namespace,
+                namespace=self.settings.keys_namespace,
                 extra_keys=st.extra,
             )
         return st.keys[:n_blocks]
@@ -216,7 +213,7 @@ class KVScheduler(RoleBase):
         if (
             limit <= start
             or st.skip
-            or not self._loads_on
+            or not self.settings.loads_on
             or getattr(request, "skip_reading_prefix_cache", False)
         ):
             return 0, False
@@ -358,9 +355,8 @@ class KVScheduler(RoleBase):
                 fastest = [min(order.get(m, last) for m in ms) for ms in ranks.values() if ms]
                 at.append(max(fastest, default=last))
         tiers = [names[max(at[i : i + per])] for i in range(0, n, per)]
-        d = self._gate.decide(
-            tiers, block_bytes=self._engine_block_bytes, block_tokens=self._block_size
-        )
+        block_bytes = self.settings.engine_block_bytes or self.settings.block_bytes
+        d = self._gate.decide(tiers, block_bytes=block_bytes, block_tokens=self._block_size)
         if d.load:
             self._count("loading_blocks", d.load)
         if d.declined:
@@ -415,12 +411,9 @@ class KVScheduler(RoleBase):
                 m = len(manager.first_tiers(look, leaving=True, stop=True))
                 m = self._shards.whole(m) if self._shards is not None else m
                 spec = manager.prepare_load(look[:m], leaving=True) if m else None
-        remote = self._shared is None
-        self._loads.append(
-            LoadJob(
-                request.request_id, keys, targets, spec, remote, asynchronous=self._hma or st.direct
-            )
-        )
+        asynchronous = self._hma or st.direct
+        job = LoadJob(request.request_id, keys, targets, spec, self._shared is None, asynchronous)
+        self._loads.append(job)
         st.hit, st.direct = (0, 0), False
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheConnectorMetadata:
@@ -440,7 +433,7 @@ class KVScheduler(RoleBase):
             resumed = req_id in cached.resumed_req_ids
             ids = tuple(new) if new else None
             steps.append((req_id, ids, resumed, cached.num_computed_tokens[i]))
-        if not self._stores_on:  # kv_consumer: loads only
+        if not self.settings.stores_on:  # kv_consumer: loads only
             steps = []
         planned: set[bytes] = set()  # hybrid: full-attention keys stored by this step
         for req_id, new_groups, replace, computed in steps:

@@ -88,7 +88,6 @@ class KVWorker(RoleBase):
 
     def __init__(self, settings: KVSettings, shared: SharedStore) -> None:
         super().__init__(settings, shared)
-        self._block_size = settings.block_size
         self._tp_rank = settings.tp_rank
         self._groups, self._hma = settings.groups, settings.hma
         self._shards = settings.shards
@@ -282,21 +281,20 @@ class KVWorker(RoleBase):
                 # (evicted here or by another process sharing a tier: misses, no tier's error)
                 self._load_failed(job.req_id, ids[n:])
                 self._count_keys("load_gone_blocks", len(keys) - n)
+            transfers = load_transfers(spec, ids[:n]) if spec is not None else []
+            req_id = job.req_id if asynchronous else ""
             if asynchronous:
-                self._recving[job.req_id] = 0
-            if spec is not None:
-                for src, dst in load_transfers(spec, ids[:n]):
-                    assert isinstance(src, TierLoadStoreSpec)
-                    flight = KVFlight("load", src.keys, src.tier, block_ids=dst.block_ids)
-                    if asynchronous:
-                        flight.req_id = job.req_id
-                        self._recving[job.req_id] += 1
-                    job_id = self._submit(flight, (src, dst))
-                    if not asynchronous:
-                        sync_jobs.append(job_id)
-            if asynchronous and not self._recving[job.req_id]:
-                del self._recving[job.req_id]
-                self._recv_done.add(job.req_id)
+                self._recving[req_id] = len(transfers)
+            for src, dst in transfers:
+                assert isinstance(src, TierLoadStoreSpec)
+                flight = KVFlight("load", src.keys, src.tier, block_ids=dst.block_ids)
+                flight.req_id = req_id
+                job_id = self._submit(flight, (src, dst))
+                if not asynchronous:
+                    sync_jobs.append(job_id)
+            if asynchronous and not transfers:
+                del self._recving[req_id]
+                self._recv_done.add(req_id)
         # This step's forward reads a synchronous load: it completes first, or is abandoned at
         # its deadline (its blocks recomputed).
         if sync_jobs:
@@ -432,7 +430,7 @@ class KVWorker(RoleBase):
         # Blocks kept per group for the tokens the job covers: bytes per token (`_group_report`).
         # Not for a job cut short by a failed load: it is recomputed and stored again.
         if bad is None:
-            self._count("kept_tokens", job.tokens or len(job.keys) * self._block_size)
+            self._count("kept_tokens", job.tokens or len(job.keys) * self.settings.block_size)
             for g, n in Counter(job.groups or (0,) * len(job.keys)).items():
                 self._count(f"kept_blocks_g{g}", n)
         if stored and job.groups:  # hybrid models: blocks stored per KV cache group
