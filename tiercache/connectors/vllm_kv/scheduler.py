@@ -27,7 +27,7 @@ from vllm.distributed.kv_events import KVCacheEvent
 from tiercache.connectors.kv_groups import KVGroup, hit_end, window_positions
 from tiercache.connectors.namespace import extra_keys_for
 from tiercache.connectors.shard_events import ShardEvents
-from tiercache.connectors.stores import SharedStore, release_store
+from tiercache.connectors.stores import SharedStore
 from tiercache.connectors.vllm_kv.kv_events import EventTranslator, describe, placement_of
 from tiercache.connectors.vllm_kv.local_lookup import LocalLookup
 from tiercache.connectors.vllm_kv.messages import (
@@ -146,16 +146,13 @@ class KVScheduler(RoleBase):
         )
 
     def shutdown(self) -> None:
-        """Stop probes and verifying reads, then drop this role's reference to the store (the
-        last one closes it: write-back and flush)."""
+        """Stop probes and verifying reads, then `release` the store."""
         self.remote.shutdown()
         if self._shared_blocks is not None:
             self._shared_blocks.close()
         if self.local_lookup is not None:
             self.local_lookup.shutdown()
-        shared, self._shared = self._shared, None
-        if shared is not None:
-            release_store(shared)
+        self.release()
 
     def _lookup_local(self, keys: list[bytes], req_id: str = "") -> int | None:
         """The local placement's hit (LocalLookup), in blocks; None: vLLM asks again. The

@@ -15,7 +15,7 @@ from tiercache.config import CacheConfig
 from tiercache.connectors.kv_groups import KVGroup, groups_tag, kv_groups
 from tiercache.connectors.namespace import namespace_from_vllm, read_user_config
 from tiercache.connectors.ranks import RankConfig, resolve_rank_config
-from tiercache.connectors.stores import SharedStore
+from tiercache.connectors.stores import SharedStore, release_store
 from tiercache.connectors.tp_layout import blocks_as_shards, check_no_rank_dirs, choose_shards
 from tiercache.errors import ConfigError
 from tiercache.transfer.head_shards import HeadShards
@@ -177,8 +177,8 @@ def _poll_s(extra: Any) -> float:
 
 
 class RoleBase:
-    """Counters of one role: reported to vLLM (`take_stats`) and added to the shared store's
-    counters (telemetry) while the role holds the store."""
+    """What both roles share: the store they hold (`release`), and their counters, reported to
+    vLLM (`take_stats`) and added to the store's counters (telemetry) while they hold it."""
 
     def __init__(self, settings: KVSettings, shared: SharedStore | None) -> None:
         self.settings = settings
@@ -194,6 +194,12 @@ class RoleBase:
         """The counters since the last call (empty: nothing counted)."""
         stats, self._stats = self._stats, {}
         return stats
+
+    def release(self) -> None:
+        """Drop this role's reference to the store (the last one closes it: write-back, flush)."""
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            release_store(shared)
 
 
 def _total_kv_heads(vllm_config: VllmConfig) -> int | None:

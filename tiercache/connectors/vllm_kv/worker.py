@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from tiercache.connectors.amx import prime_amx_tiles
 from tiercache.connectors.deadlines import Flights, warn_late
-from tiercache.connectors.stores import SharedStore, release_store
+from tiercache.connectors.stores import SharedStore
 from tiercache.connectors.vllm_kv.engine_layout import engine_layout, kv_report
 from tiercache.connectors.vllm_kv.messages import (
     Event,
@@ -118,12 +118,9 @@ class KVWorker(RoleBase):
         self._timer = ForwardTimer()  # CUDA events once register_kv_caches sees a GPU
 
     def shutdown(self) -> None:
-        """Finish in-flight transfers, then drop this role's reference to the store (the last
-        one closes it: write-back and flush)."""
+        """Finish in-flight transfers, then `release` the store."""
         self._finish_transfers()
-        shared, self._shared = self._shared, None
-        if shared is not None:
-            release_store(shared)
+        self.release()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._shared is not None
