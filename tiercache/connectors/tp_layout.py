@@ -9,10 +9,8 @@ one store per rank (`tp{r}of{n}` paths). ``max_tp`` is the number of head shards
 refused in every mode). Head shards need one KV cache group, KV heads split by TP (not MLA,
 not replicated), unpadded pages and vLLM's ``LBHNC`` layout.
 
-`blocks_as_shards(user, shards)`: a tier's ``blocks`` keeps counting engine blocks (in shards:
-`HeadShards.local` per block, or `HeadShards.shards` where the capacity bounds the whole
-store: `Tier.store_capacity`). `check_no_rank_dirs(config)`: a head-shard store refuses a tier
-path holding per-rank stores.
+Also `blocks_as_shards` (a tier's ``blocks`` in shards) and `check_no_rank_dirs` (a head-shard
+store refuses a path holding per-rank stores).
 """
 
 from __future__ import annotations

@@ -500,9 +500,7 @@ class KVWorker(RoleBase):
             results = self._worker.get_finished()
             for r in results:
                 f, _ = self._fl.pop(r.job_id)
-                failed = set(r.failed) if not r.success else set()
-                if not r.success and not failed:
-                    failed = set(range(len(f.keys)))
+                failed = (set(r.failed) or set(range(len(f.keys)))) if not r.success else set()
                 bad = [f.keys[i] for i in sorted(failed)]
                 # Of those, the blocks a shared store no longer held (another process or its
                 # capacity evicted them; `Tier.sort_failed`): plain misses, no error.

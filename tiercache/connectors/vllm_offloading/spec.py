@@ -63,8 +63,6 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 f"offloads one vLLM block per tiercache block, got {self.blocks_per_chunk}"
             )
         if read_tp_layout(config.extra_config)[0] == "heads":
-            # Its blocks are vLLM's OffloadKeys, booked by one manager beside the scheduler;
-            # the spec needs the workers in that process, which vLLM allows only at TP 1.
             raise ConfigError(
                 "kv_connector_extra_config.tp_layout",
                 "'heads' (one store for every TP size) is not supported by "
