@@ -295,8 +295,7 @@ class TierCacheECConnector(ECConnectorBase):
         try:
             _, _, nbytes = _read_header(head[0])
             if nbytes > self._max_item_bytes:
-                # Checked before any key is made: a forged size must not make the scheduler
-                # build (and look up) ~10^15 keys.
+                # Before any key is made: a forged size must not make ~10^15 keys.
                 raise ValueError(
                     f"header claims {nbytes} payload bytes, more than max_item_bytes or the "
                     f"store allows ({self._max_item_bytes})"

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from tiercache.connectors.deadlines import warn_late
 from tiercache.connectors.stores import SharedStore
 from tiercache.connectors.vllm_kv.settings import SETTLE_KEY, VERIFY_WAIT_S, log
 
@@ -131,17 +132,11 @@ class LocalLookup:
                 self._count("verify_waits")
                 return None
             del self._verifying[req_id]
+            late = len(pending.keys) - pending.first_disk
             with self._shared.lock:
                 seconds = self._shared.cache.manager.suspend(pending.tier)
-                self._count("verify_deadline_blocks", len(pending.keys) - pending.first_disk)
-            log.warning(
-                "tiercache: reading %d blocks from tier %d took longer than %.1f s; vLLM "
-                "recomputes them, and the tier is skipped for %.1f s",
-                len(pending.keys) - pending.first_disk,
-                pending.tier,
-                timeout,
-                seconds,
-            )
+                self._count("verify_deadline_blocks", late)
+            warn_late(log, "load", late, pending.tier, "vLLM recomputes them", seconds)
             return pending.first_disk
         del self._verifying[req_id]
         if n < len(pending.keys):
