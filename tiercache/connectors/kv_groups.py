@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# vLLM KV cache spec classes served as attention: full attention (and MLA, a subclass), and
+# sliding windows. Names, not classes: this module imports no vLLM.
 _FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
 _WINDOW_SPECS = frozenset({"SlidingWindowSpec"})
 

@@ -262,7 +262,3 @@ def extra_keys_for(
         for b in range(offset // block_size, (offset + length - 1) // block_size + 1):
             out.setdefault(b, []).append(("mm", ident, offset))
     return {b: tuple(v) for b, v in out.items()} or None
-
-
-# vLLM KV cache spec classes served as attention: full attention (and MLA, a subclass), and
-# sliding windows. Names, not classes: this module imports no vLLM.
