@@ -5,10 +5,8 @@ Loaded by vLLM with ``ec_transfer_config={"ec_connector": "TierCacheECConnector"
 "ec_connector_extra_config": {"config": <mapping or TOML path>, "block_bytes": 262144}}``.
 
 Primitives:
-- `TierCacheECConnector(vllm_config, role)`: an `ECConnectorBase`. Scheduler side:
-  `has_cache_item` (0.32) / `has_caches` (older vLLM), `update_state_after_alloc`,
-  `build_connector_meta`, `request_finished`. Worker side: `start_load_caches`, `save_caches`,
-  `get_finished`, `shutdown`.
+- `TierCacheECConnector(vllm_config, role)`: an `ECConnectorBase` (its scheduler side answers
+  `has_cache_item` on 0.32, `has_caches` on older vLLM).
 - `item_keys(namespace, mm_hash, n)`, `encode_item(tensor, block_bytes)`,
   `decode_item(blocks)`: an item is fixed-size blocks under keys ``xxh3_128(prefix,
   namespace, mm_hash, i)``; block 0 starts with a 64-byte header (magic, version, dtype name,
@@ -284,7 +282,6 @@ class TierCacheECConnector(ECConnectorBase):
             self._saver.join()
         release_store(self._store)
 
-    # -- internals -------------------------------------------------------------------------
     def _read(self, mm_hash: str) -> torch.Tensor | None:
         """The stored item, verified; None if missing, partial or corrupt (a miss)."""
         # One request: block 0 counts once (hit or miss), the rest once each after it.

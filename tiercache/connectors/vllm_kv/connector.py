@@ -100,8 +100,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         worker = role == KVConnectorRole.WORKER
-        settings = KVSettings.from_vllm(vllm_config, kv_cache_config, worker=worker)
-        self.settings = settings
+        self.settings = settings = KVSettings.from_vllm(vllm_config, kv_cache_config, worker=worker)
         self.scheduler: KVScheduler | None = None if worker else open_scheduler(settings)
         self.worker: KVWorker | None = open_worker(settings) if worker else None
         self.local = worker or (self.scheduler is not None and self.scheduler.local)

@@ -99,11 +99,10 @@ def layout_report(settings: KVSettings) -> dict[str, Any]:
     sh, tp, rank = settings.shards, settings.tp_size, settings.tp_rank
     if sh is None:
         return {"layout": "rank", "tp_size": tp, "tp_rank": rank}
-    owned = [sh.owned.start, sh.owned.stop - 1]
     return {
         "layout": "heads",
         "shards": sh.shards,
         "tp_size": tp,
         "tp_rank": rank,
-        "owned_shards": owned,
+        "owned_shards": [sh.owned.start, sh.owned.stop - 1],
     }

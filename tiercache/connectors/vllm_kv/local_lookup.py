@@ -95,14 +95,11 @@ class LocalLookup:
                 return None
             n = self._affordable(keys, n)
             persistent = [t.persistent for t in self._shared.cache.tiers]
-            first_disk = next(
-                (
-                    i
-                    for i, k in enumerate(keys[:n])
-                    if persistent[manager.where(k, leaving=True)[0]]
-                ),
-                n,
-            )
+            first_disk = n  # the first hit key held only in persistent tiers
+            for i, k in enumerate(keys[:n]):
+                if persistent[manager.where(k, leaving=True)[0]]:
+                    first_disk = i
+                    break
             if first_disk == n:
                 return LocalHit(n)
             if self._direct:

@@ -169,14 +169,13 @@ class KVScheduler(RoleBase):
     def _state(self, request: Request) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None:
-            lora = getattr(request, "lora_request", None)
             mm = [
                 (str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
                 for f in (getattr(request, "mm_features", None) or [])
             ]
             extra = extra_keys_for(
                 block_size=self._block_size,
-                lora_name=getattr(lora, "lora_name", None) if lora else None,
+                lora_name=getattr(getattr(request, "lora_request", None), "lora_name", None),
                 cache_salt=getattr(request, "cache_salt", None),
                 mm_items=mm,
             )

@@ -34,7 +34,6 @@ from tiercache.connectors.deadlines import Flights, warn_late
 from tiercache.connectors.stores import SharedStore
 from tiercache.connectors.vllm_kv.engine_layout import engine_layout, kv_report
 from tiercache.connectors.vllm_kv.messages import (
-    Event,
     StoreJob,
     TierCacheConnectorMetadata,
     TierCacheHandshake,
@@ -96,7 +95,6 @@ class KVWorker(RoleBase):
         # Jobs in flight with their deadlines, once `register_kv_caches` built the engine.
         self._flights: Flights[KVFlight] | None = None
         self._plans: dict[int, tuple[str, int]] = {}  # plan id -> (req id, jobs in flight)
-        self._plans_done: dict[str, int] = {}
         self._job_ids = itertools.count()
         self._plan_ids = itertools.count()
         self._load_errors: set[int] = set()
@@ -107,14 +105,10 @@ class KVWorker(RoleBase):
         self._idle = False  # the bound step has no forward (wait_for_save)
         self._recv_done: set[str] = set()
         self._bad: dict[bytes, int] = {}  # keys that failed a load -> tier, to discard
-        self._journal: list[Event] = []
-        self._kept: list[bytes] = []  # forgotten from shared tiers, still stored (kv_events)
         self._held: dict[bytes, set[str]] = {}  # until the first step: for the handshake
-        self._suspensions: dict[str, float] = {}  # medium -> seconds, for the scheduler
-        # Cost samples ([loading], `tiercache.costs`) for the cache's estimates and the scheduler.
-        self._load_samples: list[tuple[str, int, float]] = []
-        self._bad_report: list[bytes] = []  # keys that failed verification, for the scheduler
-        self._forward_samples: list[tuple[int, float]] = []
+        # What the next worker metadata carries: the cache's events, finished store plans,
+        # suspended tiers, cost samples, keys that failed verification, keys kept (kv_events).
+        self._report = TierCacheWorkerMetadata()
         self._timer = ForwardTimer()  # CUDA events once register_kv_caches sees a GPU
 
     def shutdown(self) -> None:
@@ -156,9 +150,9 @@ class KVWorker(RoleBase):
         assert self._shared is not None
         with self._shared.lock:
             events = self._shared.cache.take_events()
-            self._kept.extend(still_held(self._shared.cache, events))
+            self._report.kept.extend(still_held(self._shared.cache, events))
         for e in events:
-            self._journal.append((e.keys, e.medium, e.removed))
+            self._report.events.append((self._tp_rank, e.keys, e.medium, e.removed))
             for k in e.keys:
                 where = self._held.setdefault(k, set())
                 if e.removed:
@@ -173,19 +167,10 @@ class KVWorker(RoleBase):
             return None
         self._collect_events()
         self._forward_samples_done()
-        meta = TierCacheWorkerMetadata(
-            [(self._tp_rank, *event) for event in self._journal],
-            self._plans_done,
-            self._suspensions,
-            self._load_samples,
-            self._forward_samples,
-            self._bad_report,
-            self._kept,
-        )
-        if not any(getattr(meta, f.name) for f in fields(TierCacheWorkerMetadata)):
+        meta = self._report
+        if not any(getattr(meta, f.name) for f in fields(meta)):
             return None
-        self._journal, self._plans_done, self._suspensions = [], {}, {}
-        self._load_samples, self._forward_samples, self._bad_report, self._kept = [], [], [], []
+        self._report = TierCacheWorkerMetadata()
         # The held set is only needed for the handshake; later it would just grow.
         self._held = {}
         return meta
@@ -367,7 +352,7 @@ class KVWorker(RoleBase):
         """Record for the scheduler (worker metadata) that `tier` is suspended `seconds`."""
         assert self._shared is not None
         medium = self._shared.cache.tiers[tier].medium
-        self._suspensions[medium] = max(seconds, self._suspensions.get(medium, 0.0))
+        self._report.suspended[medium] = max(seconds, self._report.suspended.get(medium, 0.0))
 
     def _plan_job_done(self, plan: int) -> None:
         """One job of a store plan ended (or was given up): the plan's request is done with
@@ -460,6 +445,11 @@ class KVWorker(RoleBase):
             if volatile and store:
                 self._volatile.append(job_id)
 
+    @property
+    def _load_samples(self) -> list[tuple[str, int, float]]:
+        """The load cost samples the next worker metadata carries."""
+        return self._report.load_samples
+
     def _load_sample(self, tier: int, nbytes: int, seconds: float) -> None:
         """A load job finished whole: its cost, for the cache's estimates and the scheduler."""
         assert self._shared is not None
@@ -485,10 +475,10 @@ class KVWorker(RoleBase):
         assert self._shared is not None
         for tokens, seconds in self._timer.take():
             self._shared.cache.load_costs.observe_forward(tokens, seconds)
-            self._forward_samples.append((tokens, seconds))
+            self._report.forward_samples.append((tokens, seconds))
 
     def _plan_done(self, req_id: str) -> None:
-        self._plans_done[req_id] = self._plans_done.get(req_id, 0) + 1
+        self._report.plans_done[req_id] = self._report.plans_done.get(req_id, 0) + 1
 
     def _drain(self) -> bool:
         """Complete the jobs that finished: unpin loads, commit stores, count errors. True if
@@ -517,7 +507,7 @@ class KVWorker(RoleBase):
                         self._load_failed(f.req_id, [f.block_ids[i] for i in sorted(failed)])
                     if errors:
                         manager.record_error(f.tier, len(errors))
-                        self._bad_report.extend(errors)
+                        self._report.bad.extend(errors)
                         self._count_keys("load_error_blocks", len(errors))
                     else:  # in time, and every failure a plain miss: the tier is healthy
                         manager.record_ok(f.tier)

@@ -62,7 +62,6 @@ class TierCacheSchedulerSide(OffloadingManager):
         self._plans: dict[bytes, list[tuple[bytes, ...]]] = {}
         self._pending: set[bytes] = set()  # keys of stores and moves not completed yet
         self._detached: set[bytes] = set()  # stores and moves past their deadline, running
-        self._kinds = [t.kind for t in cache.tiers]
         self._persistent = [t.persistent for t in cache.tiers]
         self._checked: set[tuple[bytes, int]] = set()  # (key, tier) verified since stored
         self._scratch = torch.empty((1, cache.block_bytes), dtype=torch.uint8)
@@ -248,7 +247,7 @@ class TierCacheSchedulerSide(OffloadingManager):
             out.append(
                 OffloadingEvent(
                     keys=keys,
-                    medium=Medium.CPU if self._kinds[i] in MEMORY_KINDS else Medium.STORAGE,
+                    medium=Medium.CPU if tiers[i].kind in MEMORY_KINDS else Medium.STORAGE,
                     removed=ev.removed,
                     # The first tier is the primary; lower tiers name themselves.
                     ownership=None if i == 0 else ev.medium,
@@ -291,7 +290,6 @@ class TierCacheSchedulerSide(OffloadingManager):
             self._apply_worker_reports()
         release_store(self._store)
 
-    # -- internals -------------------------------------------------------------------------
     def _track_plan(self, plan: TierPlan, anchor: bytes) -> None:
         """Remember a store or promotion plan until vLLM completes the job it rides in (named
         by `anchor`: the first stored key, or the first loaded key for a promotion)."""

@@ -66,9 +66,7 @@ class _Part:
     tier: int  # the tier side of the copy (source of a load, destination of a store/move)
     kind: str  # "load" (tier -> engine), "store" (engine -> tier) or "move" (tier -> tier)
     # vLLM's job waits for it, until its deadline for a store (then stopped reading engine
-    # blocks) or a move (reads none). The manager completes a move's keys, and those of a
-    # store given up, when the worker reports their end (the bridge); the rest of a store's
-    # when vLLM completes the job.
+    # blocks) or a move (reads none): then the bridge reports its end (`_Bridge`).
     gates: bool = True
 
     @property
@@ -124,7 +122,6 @@ class TierCacheWorkerSide(OffloadingWorker):
             raise TypeError(f"dst_spec: expected TierStoreSpec, got {type(dst_spec).__name__}")
         plan = dst_spec.plan
         block_ids = [int(b) for b in src_spec.block_ids]
-        # vLLM's block ids follow the keys of its prepare_store call (`TierStoreSpec.keys`).
         specs = store_transfers(plan, dst_spec.keys, block_ids, self._k)
         return self._submit(job_id, specs, 0)
 
@@ -247,7 +244,6 @@ class TierCacheWorkerSide(OffloadingWorker):
         self._finish_ended()
         release_store(self._store)
 
-    # -- internals -------------------------------------------------------------------------
     def _left_behind(self, part_id: int, part: _Part) -> None:
         """A part still running at shutdown (cancelled): its tier is suspended."""
         with self._store.lock:
