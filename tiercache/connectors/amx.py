@@ -57,12 +57,8 @@ def prime_amx_tiles(
     attention) where `needs_tile_config` says so (module doc); True if it ran."""
     if not needs_tile_config(device, kv_dtype, cpuinfo):
         return False
-    _matmul()
-    return True
-
-
-def _matmul() -> None:
     # bf16 whatever the KV's 16-bit type: oneDNN takes its AMX path for a bf16 matmul of this
     # size, and the tile configuration it loads is what the attention kernel reuses.
     a = torch.ones(128, 128, dtype=torch.bfloat16)
     torch.matmul(a, a)
+    return True

@@ -1,9 +1,9 @@
 """Tensor and data parallelism: each rank's config, paths and telemetry.
 
 Primitives (each maps the user's config mapping; `resolve_rank_config` applies them):
-- `per_rank_config`: TP ranks. Every rank hashes the same block keys (key namespace: TP
-  size, rank 0) but keeps its shard in its own store (tier paths in a ``tp{rank}of{size}``
-  subdirectory, Redis prefixes with that suffix).
+- `per_rank_config`: TP ranks hash the same block keys (key namespace: TP size, rank 0) but
+  keep their shards in stores of their own (tier paths in a ``tp{rank}of{size}`` subdirectory,
+  Redis prefixes with that suffix).
 - `per_dp_rank_config`: DP ranks (and replicas given a rank) share the shared tiers (LMDB,
   Redis); each NVMe tier opens instance `dp_rank` of its path, so a restarted rank finds its
   blocks again. `with_nvme_siblings`: head shards, every rank also reads the other instances.

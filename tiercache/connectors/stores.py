@@ -1,11 +1,10 @@
 """The process's shared stores: one `TierCache` per configuration.
 
-Primitives:
 - `acquire_store(config, block_bytes) -> SharedStore` / `release_store(store)` / `find_store`:
-  one `TierCache` per process and configuration, shared by reference count. vLLM builds a
-  scheduler-role and a worker-role connector; in one process both must use one cache (an LMDB
-  environment may be opened once per process, and both halves must see one manager). The
-  last release closes the cache (flushing persistent tiers); an atexit hook closes the rest.
+  one `TierCache` per process and configuration, shared by reference count: a process's
+  scheduler-role and worker-role adapters must use one cache (one manager; an LMDB
+  environment may be opened once per process). The last release closes the cache (flushing
+  persistent tiers); an atexit hook closes the rest.
 - `store_snapshots() -> dict`: stats and counters of every open shared store (tests, benches).
 """
 

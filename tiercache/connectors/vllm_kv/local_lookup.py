@@ -79,7 +79,7 @@ class LocalLookup:
         again next step, and the read goes on)."""
         pending = self._verifying.get(req_id)
         if pending is not None and pending.keys == tuple(keys[: len(pending.keys)]):
-            return _hit(self._verified(req_id, pending))
+            return self._verified(req_id, pending)
         manager = self._shared.cache.manager
         with self._shared.lock:
             # `leaving`: a block being written through is served from its source slot (a copy
@@ -114,9 +114,9 @@ class LocalLookup:
         pending = self._verifying[req_id] = _Verifying(
             tuple(keys[:n]), first_disk, tier, time.monotonic(), fut
         )
-        return _hit(self._verified(req_id, pending))
+        return self._verified(req_id, pending)
 
-    def _verified(self, req_id: str, pending: _Verifying) -> int | None:
+    def _verified(self, req_id: str, pending: _Verifying) -> LocalHit | None:
         """The hit of a lookup whose verifying read is `pending`: its result once done, None
         while it runs, and the part before it once it is past `load_timeout`."""
         timeout = self._shared.cache.config.deadlines.load_timeout
@@ -134,7 +134,7 @@ class LocalLookup:
                 seconds = self._shared.cache.manager.suspend(pending.tier)
                 self._count("verify_deadline_blocks", late)
             warn_late(log, "load", late, pending.tier, "vLLM recomputes them", seconds)
-            return pending.first_disk
+            return LocalHit(pending.first_disk)
         del self._verifying[req_id]
         if n < len(pending.keys):
             with self._shared.lock:
@@ -145,7 +145,7 @@ class LocalLookup:
                 # bounded: a move into a hung tier is given up at `store_timeout`).
                 self._count("verify_moving")
                 return None
-        return n
+        return LocalHit(n)
 
     def _verify(self, keys: list[bytes], first_disk: int, tier: int) -> int:
         """On a verify thread: how many leading `keys` have good bytes. From `first_disk` on
@@ -173,7 +173,3 @@ class LocalLookup:
 
     def _tier_errors(self) -> int:
         return sum(int(s.get("errors", 0)) for s in self._shared.cache.manager.stats().values())
-
-
-def _hit(blocks: int | None) -> LocalHit | None:
-    return None if blocks is None else LocalHit(blocks)

@@ -2,10 +2,9 @@
 
 `RemoteIndex`: the keys each rank's worker holds per medium (from the handshake, then the
 worker metadata's events), and, where the index ends, read-only probes of each rank's shared
-tiers on a thread of their own, so a slow store never stalls a step. It also keeps the mediums
-the workers' circuit breakers suspended (no hits until the suspension ends) and the keys a
-worker found damaged (never offered again). With head shards a shard key counts where the
-rank that owns it holds it.
+tiers on a thread of their own (a slow store never stalls a step); the mediums the workers'
+circuit breakers suspended, and the keys a worker found damaged (never offered again). With
+head shards a shard key counts where the rank that owns it holds it.
 """
 
 from __future__ import annotations
@@ -45,9 +44,7 @@ class RemoteIndex:
         self._shards = shards
         self._deadlines = deadlines or DeadlineConfig()
         self._count = count  # the scheduler's counters
-        self._probes: list[list[tuple[str, StoreProbe]]] = list(probes or [])
-        if not any(self._probes):
-            self._probes = []
+        self._probes = list(probes) if probes and any(probes) else []
         self._probe_pool = (
             ThreadPoolExecutor(1, thread_name_prefix="tiercache-probe") if self._probes else None
         )

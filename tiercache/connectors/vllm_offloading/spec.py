@@ -94,8 +94,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
-        """vLLM >= 0.33: the label names of ``vllm:kv_offload_config_info`` that the manager's
-        `config_info` fills."""
+        """vLLM >= 0.33: the labels of ``vllm:kv_offload_config_info`` (`config_info`)."""
         return CONFIG_INFO_KEYS
 
     def get_manager(self) -> OffloadingManager:
