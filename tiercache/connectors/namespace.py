@@ -105,9 +105,8 @@ def derive_namespace(
     tp_rank: int = 0,
     settings: str = "",
 ) -> str:
-    """The namespace of KV blocks that are byte-compatible (see `make_namespace`);
-    `settings` is `kv_settings_digest` of the engine's configuration; `tp_size` None: blocks
-    whose bytes do not depend on TP (head shards: the layout names them)."""
+    """`make_namespace` of byte-compatible KV blocks; `settings`: `kv_settings_digest` of the
+    engine's config; `tp_size` None: bytes that do not depend on TP (head shards)."""
     return make_namespace(
         model=model,
         dtype=kv_dtype,

