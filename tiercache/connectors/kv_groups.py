@@ -1,11 +1,9 @@
-"""vLLM's KV cache groups as tiercache serves them.
+"""vLLM's KV cache groups (hybrid KV cache manager) as tiercache serves them.
 
-Primitives:
-- `kv_groups(kv_cache_config) -> tuple[KVGroup, ...]`: vLLM's KV cache groups (hybrid KV
-  cache manager) as tiercache serves them: a name for the group keys, the layers, the blocks
-  a hit's end needs (sliding window), bytes per block; non-attention groups are refused.
-  `window_positions(group, start, end)`: which blocks of a group a hit loads;
-  `hit_end(groups, start, full_end, has)`: the longest hit every group can serve.
+Primitives: `kv_groups(kv_cache_config) -> tuple[KVGroup, ...]` (non-attention groups are
+refused), `groups_tag(groups)` (the layout's name for them), `window_positions(group, start,
+end)` (which blocks of a group a hit loads) and `hit_end(groups, start, full_end, has)` (the
+longest hit every group can serve).
 """
 
 from __future__ import annotations
@@ -14,18 +12,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# vLLM KV cache spec classes served as attention: full attention (and MLA, a subclass), and
+# sliding windows. Names, not classes: this module imports no vLLM.
 _FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
 _WINDOW_SPECS = frozenset({"SlidingWindowSpec"})
 
 
 @dataclass(frozen=True, slots=True)
 class KVGroup:
-    """One KV cache group as tiercache serves it.
-
-    `name` goes into the group keys (`tiercache.hashing.group_keys`; "" for a model with one
-    group, whose keys stay the plain prefix keys). `window_blocks` is 0 for full attention;
-    for a sliding window, how many blocks before a hit's end its layers read (what vLLM's
-    sliding-window manager keeps, at least ``ceil(window / block_size)``)."""
+    """One KV cache group as tiercache serves it. `name` goes into the group keys
+    (`tiercache.hashing.group_keys`; "" for one group: the plain prefix keys). `window_blocks`
+    is 0 for full attention; for a sliding window, how many blocks before a hit's end its
+    layers read (what vLLM's sliding-window manager keeps)."""
 
     index: int
     name: str
@@ -36,12 +34,11 @@ class KVGroup:
 
 
 def kv_groups(kv_cache_config: Any, who: str = "TierCacheConnector") -> tuple[KVGroup, ...]:
-    """vLLM's `KVCacheConfig.kv_cache_groups` as `KVGroup`s (read by attribute).
-
-    Raises ValueError naming the group and its spec for what tiercache cannot serve right:
-    non-attention state (Mamba, linear attention: one state per request, not per block of
-    tokens), chunked local attention and other attention kinds, and groups whose block sizes
-    or bytes per block differ (the store has one block size). `who` names the adapter."""
+    """vLLM's `KVCacheConfig.kv_cache_groups` as `KVGroup`s (read by attribute). ValueError
+    naming the group and its spec for what tiercache cannot serve right: non-attention state
+    (Mamba, linear attention: one state per request, not per block of tokens), other
+    attention kinds, and groups whose block sizes or bytes per block differ. `who` names the
+    adapter."""
     groups = list(kv_cache_config.kv_cache_groups)
     if not groups:
         raise ValueError("kv_cache_config: no KV cache groups")
@@ -86,8 +83,7 @@ def kv_groups(kv_cache_config: Any, who: str = "TierCacheConnector") -> tuple[KV
 
 def groups_tag(groups: Sequence[KVGroup]) -> str:
     """The part of a store's layout naming a hybrid model's groups (kind and layer count of
-    each), so that its blocks, one group's layers each, are never read as one group's blocks
-    of the same model (the hybrid manager off); empty for one group."""
+    each), so that its blocks are never read as the same model's without groups; "" for one."""
     if len(groups) < 2:
         return ""
     return "/groups:" + "+".join(f"{g.kind}:{len(g.layers)}" for g in groups)

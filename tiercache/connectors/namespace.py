@@ -2,13 +2,14 @@
 
 Primitives:
 - `read_user_config(extra_config) -> dict`: the ``config`` entry of vLLM's
-  ``kv_connector_extra_config``, a mapping or a path to a TOML file, as a plain dict.
+  ``kv_connector_extra_config``, a mapping or a path to a TOML file, as a plain dict;
+  `map_tiers(user, fn)`: the mapping with each of its tiers rewritten.
 - `resolve_config(user, *, block_size, namespace) -> CacheConfig`: the user's config with vLLM's
   block size and the derived namespace filled in (a namespace the user gives is kept as a
   prefix; a block size that disagrees with vLLM's is an error).
 - `derive_namespace(...)` / `namespace_from_vllm(vllm_config, *, layout, tp_rank)`: what makes
   KV bytes incompatible (model, KV dtype, block size, layout, TP size and rank, and a digest
-  of every other KV-affecting setting: `kv_settings(vllm_config)`, see docs/vllm.md).
+  of every other KV-affecting setting: `kv_settings(vllm_config)`).
 - `extra_keys_for(...)`: the per-block extra keys of a request (LoRA name, cache salt,
   multimodal inputs) in the form `tiercache.hashing.prefix_hashes` takes.
 """
@@ -19,7 +20,7 @@ import dataclasses
 import enum
 import json
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,17 @@ def user_prefixed(user: Mapping[str, Any], derived: str) -> str:
     return f"{prefix}|{derived}" if prefix else derived
 
 
+def map_tiers(user: Mapping[str, Any], fn: Callable[[int, Any], list[Any]]) -> dict[str, Any]:
+    """A copy of the user's config mapping with each entry of ``tiers`` replaced by
+    ``fn(index, entry)`` (the tiers it stands for); unchanged where ``tiers`` is not a list
+    (`resolve_config` reports that)."""
+    m = dict(user)
+    tiers = m.get("tiers")
+    if isinstance(tiers, list | tuple):
+        m["tiers"] = [new for i, t in enumerate(tiers) for new in fn(i, t)]
+    return m
+
+
 def derive_namespace(
     *,
     model: str,
@@ -93,9 +105,8 @@ def derive_namespace(
     tp_rank: int = 0,
     settings: str = "",
 ) -> str:
-    """The namespace of KV blocks that are byte-compatible (see `make_namespace`);
-    `settings` is `kv_settings_digest` of the engine's configuration; `tp_size` None: blocks
-    whose bytes do not depend on TP (head shards: the layout names them)."""
+    """`make_namespace` of byte-compatible KV blocks; `settings`: `kv_settings_digest` of the
+    engine's config; `tp_size` None: bytes that do not depend on TP (head shards)."""
     return make_namespace(
         model=model,
         dtype=kv_dtype,
@@ -181,17 +192,9 @@ _KV_FIELDS: dict[str, tuple[str, ...]] = {
 
 def kv_settings(vllm_config: Any) -> dict[str, Any]:
     """Every setting of a vLLM `VllmConfig` that changes the KV bytes a prompt produces,
-    besides the model name, KV dtype, block size, layout and TP (in the namespace itself):
-
-    - the model's effective Hugging Face config (`model_config.hf_config`, after
-      `hf_overrides`): rope parameters and scaling, sliding windows, head counts and sizes,
-      layer types, norms, quantization_config, ... (only the names above are left out);
-    - the fields in `_KV_FIELDS` (compute dtype, revisions, separate weights, online
-      quantization, implementation, KV cache dtype and fp8 scales, attention backend, the
-      multimodal encoder's settings); a field this vLLM version lacks reads as None.
-
-    docs/vllm.md lists them for users.
-    """
+    besides what the namespace names itself: the model's effective Hugging Face config
+    (`model_config.hf_config`, after `hf_overrides`; but `_HF_COSMETIC`), and the fields in
+    `_KV_FIELDS` (one this vLLM version lacks reads as None). docs/vllm.md lists them."""
     mc = vllm_config.model_config
     out: dict[str, Any] = {"hf_config": _plain(getattr(mc, "hf_config", None))}
     for section, names in _KV_FIELDS.items():
@@ -209,21 +212,12 @@ def kv_settings_digest(vllm_config: Any) -> str:
     return xxh3_128_hexdigest(body.encode())[:16]
 
 
-def _dtype_name(dtype: object) -> str:
-    s = str(dtype)
-    return s.removeprefix("torch.")
-
-
 def namespace_from_vllm(
     vllm_config: Any, *, layout: str, tp_rank: int = 0, per_rank: bool = True
 ) -> str:
-    """`derive_namespace` from a vLLM `VllmConfig` (read by attribute; no vLLM import).
-    `per_rank` False: a namespace that names no TP size or rank (head shards).
-
-    The model is its name or path plus revision; the KV dtype is the cache dtype, or the
-    model dtype when the cache dtype is ``"auto"``; every other KV-affecting setting enters
-    through `kv_settings_digest`.
-    """
+    """`derive_namespace` from a vLLM `VllmConfig` (read by attribute; no vLLM import): the
+    model's name or path plus revision, the cache dtype (the model's for ``"auto"``) and
+    `kv_settings_digest`. `per_rank` False: no TP size or rank (head shards)."""
     model_cfg = vllm_config.model_config
     cache_cfg = vllm_config.cache_config
     model = str(model_cfg.model)
@@ -232,7 +226,7 @@ def namespace_from_vllm(
         model = f"{model}@{revision}"
     kv_dtype = str(getattr(cache_cfg, "cache_dtype", "auto") or "auto")
     if kv_dtype == "auto":
-        kv_dtype = _dtype_name(model_cfg.dtype)
+        kv_dtype = str(model_cfg.dtype).removeprefix("torch.")
     return derive_namespace(
         model=model,
         kv_dtype=kv_dtype,
@@ -267,7 +261,3 @@ def extra_keys_for(
         for b in range(offset // block_size, (offset + length - 1) // block_size + 1):
             out.setdefault(b, []).append(("mm", ident, offset))
     return {b: tuple(v) for b, v in out.items()} or None
-
-
-# vLLM KV cache spec classes served as attention: full attention (and MLA, a subclass), and
-# sliding windows. Names, not classes: this module imports no vLLM.

@@ -1,9 +1,6 @@
-"""Read-only probes of a config's shared tiers.
-
-Primitives:
-- `open_probes(config, block_bytes) -> list[StoreProbe]` / `probe_chain(probes, keys)`:
-  read-only probes of a config's shared tiers (LMDB, Redis), for a scheduler whose worker
-  (and so whose cache) runs in another process.
+"""Read-only probes of a config's shared tiers (LMDB, Redis), for a scheduler whose worker
+(and so whose cache) runs in another process: `open_probes(config, block_bytes)` and
+`probe_chain(probes, keys)`.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ log = logging.getLogger("tiercache.connectors.common")  # the adapters' helpers'
 
 def open_probes(config: CacheConfig, block_bytes: int) -> list[tuple[str, StoreProbe]]:
     """Read-only probes of `config`'s shared tiers, fastest first (`Tier.open_probe`), with
-    each tier's medium. A tier whose probe cannot be made is left out with a warning:
-    probing only finds more hits."""
+    each tier's medium; a tier whose probe cannot be made is left out with a warning."""
     probes: list[tuple[str, StoreProbe]] = []
     for t in config.tiers:
         try:
@@ -40,9 +36,8 @@ def probe_chain(
     keys: Sequence[bytes],
     off: Collection[str] = (),
 ) -> int:
-    """How many leading `keys` the first probe that holds any of them holds: as the manager's
-    discovery adopts them (one shared tier's leading run per lookup miss). Mediums in `off`
-    (suspended) are not asked."""
+    """How many leading `keys` the first probe that holds any of them holds, as the manager's
+    discovery adopts them; mediums in `off` (suspended) are not asked."""
     for medium, p in probes:
         if medium in off:
             continue

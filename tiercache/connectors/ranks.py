@@ -1,19 +1,13 @@
 """Tensor and data parallelism: each rank's config, paths and telemetry.
 
-Primitives:
-- `per_rank_config(user, *, tp_rank, tp_size) -> dict` / `resolve_rank_config(...)
-  -> RankConfig`: tensor parallelism. Every rank hashes the same block keys (key namespace:
-  TP size, rank 0) but keeps its own shard in its own store (store namespace: its rank;
-  tier paths in a ``tp{rank}of{size}`` subdirectory, Redis prefixes with the same suffix).
-- `per_dp_rank_config(user, *, dp_rank, dp_size) -> dict`: data parallelism (and replicas
-  given a rank). Ranks share the store namespace and the shared tiers (LMDB, Redis), so each
-  finds what the others stored; each NVMe tier opens its own instance of the configured
-  path (`instance = dp_rank`: rank 0 the path itself, rank r ``path/instance{r}``), so a
-  restarted rank finds its blocks again. `resolve_rank_config(..., dp_rank=, dp_size=)`
-  applies it under the TP resolution (NVMe paths ``path/tp{t}of{n}/instance{r}``).
-  `with_nvme_siblings(user)`: head shards, every rank also reads the other NVMe instances.
-- `per_rank_telemetry(user, *, tp_rank, tp_size, dp_rank, dp_size) -> dict`: each rank's
-  own telemetry directory (``dir/tp{t}of{n}``) and Prometheus port (+ its rank index).
+Primitives (each maps the user's config mapping; `resolve_rank_config` applies them):
+- `per_rank_config`: TP ranks hash the same block keys (key namespace: TP size, rank 0) but
+  keep their shards in stores of their own (tier paths in a ``tp{rank}of{size}`` subdirectory,
+  Redis prefixes with that suffix).
+- `per_dp_rank_config`: DP ranks (and replicas given a rank) share the shared tiers (LMDB,
+  Redis); each NVMe tier opens instance `dp_rank` of its path, so a restarted rank finds its
+  blocks again. `with_nvme_siblings`: head shards, every rank also reads the other instances.
+- `per_rank_telemetry`: each rank's own telemetry directory and Prometheus port.
 """
 
 from __future__ import annotations
@@ -25,15 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.config import CacheConfig, split_addr
-from tiercache.connectors.namespace import resolve_config, user_prefixed
+from tiercache.connectors.namespace import map_tiers, resolve_config, user_prefixed
 from tiercache.errors import ConfigError
 
 log = logging.getLogger("tiercache.connectors.common")  # the adapters' helpers' one logger
 
 
 def _check_rank(axis: str, rank: int, size: int) -> None:
-    """ValueError unless `rank` is one of `size` ranks (`axis`: "tp" or "dp", for the
-    message)."""
+    """ValueError unless `rank` is one of `size` ranks (`axis`: "tp" or "dp")."""
     if not (isinstance(size, int) and isinstance(rank, int) and 0 <= rank < size):
         raise ValueError(
             f"expected 0 <= {axis}_rank < {axis}_size, got {axis}_rank={rank!r}, "
@@ -53,20 +46,15 @@ _REDIS_DEFAULT_PREFIX = "tiercache:"  # tiers.redis's default `prefix`
 def per_rank_config(user: Mapping[str, Any], *, tp_rank: int, tp_size: int) -> dict[str, Any]:
     """The user's config mapping for TP rank `tp_rank` of `tp_size`: each tier's `path` gets
     a ``tp{rank}of{size}`` subdirectory and each Redis tier's `prefix` that suffix, so ranks
-    never share a store file, an LMDB environment or a Redis key space. With `tp_size` 1 the
-    mapping is returned unchanged (TP=1 stores stay where they were)."""
+    never share a store file, an LMDB environment or a Redis key space. Unchanged with
+    `tp_size` 1 (TP=1 stores stay where they were)."""
     suffix = rank_suffix(tp_rank, tp_size)
-    m = dict(user)
     if tp_size == 1:
-        return m
-    tiers = m.get("tiers")
-    if not isinstance(tiers, list | tuple):
-        return m  # resolve_config reports the problem
-    out = []
-    for t in tiers:
+        return dict(user)
+
+    def rank_tier(_: int, t: Any) -> list[Any]:
         if not isinstance(t, Mapping):
-            out.append(t)
-            continue
+            return [t]
         t = dict(t)
         path = t.get("path")
         if isinstance(path, str | Path) and str(path):
@@ -75,9 +63,9 @@ def per_rank_config(user: Mapping[str, Any], *, tp_rank: int, tp_size: int) -> d
             prefix = t.get("prefix", _REDIS_DEFAULT_PREFIX)
             if isinstance(prefix, str):
                 t["prefix"] = f"{prefix}{suffix}:"
-        out.append(t)
-    m["tiers"] = out
-    return m
+        return [t]
+
+    return map_tiers(user, rank_tier)
 
 
 def per_dp_rank_config(
@@ -88,41 +76,35 @@ def per_dp_rank_config(
     setter: str = "the data-parallel rank",
 ) -> dict[str, Any]:
     """The user's config mapping for data-parallel rank `dp_rank` of `dp_size` engines on one
-    host: every NVMe tier gets ``instance = dp_rank`` (see tiers/nvme/layout.py: rank 0 opens the
-    path itself, rank r > 0 ``path/instance{r}``); everything else is unchanged: the ranks
-    share the namespace, the LMDB and Redis stores (and their capacity) and differ only in
-    their private tiers. With `dp_size` 1 the mapping is returned unchanged. ConfigError when
-    the user set an NVMe tier's `instance` or `instance_env` (the rank decides it; `setter`
-    names what sets it in that message)."""
+    host: every NVMe tier gets ``instance = dp_rank`` (tiers/nvme/layout.py: rank 0 opens the
+    path itself, rank r > 0 ``path/instance{r}``); the ranks share everything else. Unchanged
+    with `dp_size` 1. ConfigError when the user set an NVMe tier's `instance` or
+    `instance_env` (the rank decides it; `setter` names what sets it in that message)."""
     _check_rank("dp", dp_rank, dp_size)
-    m = dict(user)
-    tiers = m.get("tiers")
-    if dp_size == 1 or not isinstance(tiers, list | tuple):
-        return m  # (a malformed tiers list: resolve_config reports the problem)
-    out = []
-    for i, t in enumerate(tiers):
-        if isinstance(t, Mapping) and t.get("kind") == "nvme":
-            for opt in ("instance", "instance_env"):
-                if opt in t:
-                    raise ConfigError(
-                        f"tiers[{i}].{opt}",
-                        f"{setter} sets the instance ({dp_size} ranks); leave it out",
-                    )
-            t = {**t, "instance": dp_rank}
-        out.append(t)
-    m["tiers"] = out
-    return m
+    if dp_size == 1:
+        return dict(user)
+
+    def dp_tier(i: int, t: Any) -> list[Any]:
+        if not isinstance(t, Mapping) or t.get("kind") != "nvme":
+            return [t]
+        for opt in ("instance", "instance_env"):
+            if opt in t:
+                raise ConfigError(
+                    f"tiers[{i}].{opt}",
+                    f"{setter} sets the instance ({dp_size} ranks); leave it out",
+                )
+        return [{**t, "instance": dp_rank}]
+
+    return map_tiers(user, dp_tier)
 
 
 def per_rank_telemetry(
     user: Mapping[str, Any], *, tp_rank: int, tp_size: int, dp_rank: int = 0, dp_size: int = 1
 ) -> dict[str, Any]:
-    """The user's config mapping with the `[telemetry]` of one rank: every rank is a process
-    of its own with a cache of its own, so each writes its own `stats.json` and events, in
-    `dir/tp{t}of{n}` (`dp{r}of{m}`, `tp{t}of{n}-dp{r}of{m}`), and serves Prometheus on the
-    configured port + dp_rank * tp_size + tp_rank (they would otherwise overwrite each
-    other's files, and every rank after the first would fail to open on the taken port). A
-    port of 0 (any free one) stays 0. One rank (TP and DP 1): unchanged."""
+    """The user's config mapping with the `[telemetry]` of one rank (a process with a cache
+    of its own): its files in `dir/tp{t}of{n}` (`dp{r}of{m}`, `tp{t}of{n}-dp{r}of{m}`), and
+    Prometheus on the configured port + dp_rank * tp_size + tp_rank (a port of 0 stays 0), so
+    ranks neither overwrite each other's files nor take one port. One rank: unchanged."""
     m = dict(user)
     tel = m.get("telemetry")
     if (tp_size == 1 and dp_size == 1) or not isinstance(tel, Mapping):
@@ -149,9 +131,8 @@ def per_rank_telemetry(
 
 @dataclass(frozen=True)
 class RankConfig:
-    """One TP rank's view: `config` is its own store (namespace with its rank, per-rank
-    paths); `key_namespace` is what block keys are hashed with, the same on every rank and in
-    the scheduler (TP size, not rank), so one key names the same block on every rank."""
+    """One TP rank's view: `config` is its own store; `key_namespace` is what block keys are
+    hashed with, the same on every rank and in the scheduler (TP size, not rank)."""
 
     config: CacheConfig
     key_namespace: str
@@ -174,17 +155,11 @@ def resolve_rank_config(
     dp_size: int = 1,
     shared: bool = False,
 ) -> RankConfig:
-    """`resolve_config` for one TP rank of one data-parallel rank: `store_namespace` (derived
-    with the TP rank) names the rank's store, `key_namespace` (derived with TP rank 0) the
-    keys; a namespace the user gives prefixes both. With `tp_size` 1 both namespaces are
-    equal and the paths unchanged; with `dp_size` > 1 each NVMe tier opens instance `dp_rank`
-    of its (per-TP-rank) path (`per_dp_rank_config`). With several ranks, each has its own
-    telemetry (`per_rank_telemetry`).
-
-    `shared` (head shards, `tiercache.connectors.tp_layout`): every TP rank uses the paths as
-    given, so ranks of every TP size share one store per tier; each (DP, TP) rank opens an
-    NVMe instance of its own (one writer per instance) and reads the others' read-only
-    (`with_nvme_siblings`)."""
+    """`resolve_config` for one TP rank of one data-parallel rank: `store_namespace` names the
+    rank's store, `key_namespace` the keys (a namespace the user gives prefixes both). The
+    mapping goes through `per_rank_config`, `per_rank_telemetry` and `per_dp_rank_config`;
+    with `shared` (head shards) every TP rank uses the paths as given, and each (DP, TP) rank
+    opens an NVMe instance of its own and reads the others' (`with_nvme_siblings`)."""
     mapping = dict(user) if shared else per_rank_config(user, tp_rank=tp_rank, tp_size=tp_size)
     mapping = per_rank_telemetry(
         mapping, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size
@@ -205,33 +180,25 @@ def resolve_rank_config(
 def with_nvme_siblings(user: Mapping[str, Any]) -> dict[str, Any]:
     """The user's config mapping with, right below each NVMe tier, an ``nvme-siblings``
     tier of the same path (named ``{name}-siblings``): the other instances there, read-only
-    (tiers/nvme/siblings.py). Under head shards a rank's shards may sit in another rank's
-    instance (written at another TP size): this is how the rank finds them. Nothing is
-    written into a sibling; a block loaded from one is promoted into the rank's own tiers.
-    The siblings tier skips the NVMe tier's `instance` (0 without one; with `instances` or
+    (tiers/nvme/siblings.py), where a rank finds shards written at another TP size. The
+    siblings tier skips the NVMe tier's `instance` (0 without one; with `instances` or
     `instance_env`, whichever this process holds)."""
-    m = dict(user)
-    tiers = m.get("tiers")
-    if not isinstance(tiers, list | tuple):
-        return m  # (a malformed tiers list: resolve_config reports the problem)
-    out: list[Any] = []
-    for t in tiers:
-        out.append(t)
+
+    def and_siblings(_: int, t: Any) -> list[Any]:
         path = t.get("path") if isinstance(t, Mapping) and t.get("kind") == "nvme" else None
-        if isinstance(path, str | Path) and str(path):
-            sib = {"kind": "nvme-siblings", "name": f"{t.get('name', 'nvme')}-siblings"}
-            sib |= {"path": str(path), "blocks": 1}
-            own = t.get("instance", None if {"instances", "instance_env"} & set(t) else 0)
-            out.append(sib if own is None else {**sib, "instance": own})
-    m["tiers"] = out
-    return m
+        if not isinstance(path, str | Path) or not str(path):
+            return [t]
+        sib = {"kind": "nvme-siblings", "name": f"{t.get('name', 'nvme')}-siblings"}
+        sib |= {"path": str(path), "blocks": 1}
+        own = t.get("instance", None if {"instances", "instance_env"} & set(t) else 0)
+        return [t, sib if own is None else {**sib, "instance": own}]
+
+    return map_tiers(user, and_siblings)
 
 
 def prepare_rank_dirs(rank: RankConfig) -> None:
-    """With several ranks, create (0700) the directory each per-rank path lives in (the
-    path the user gave: tier paths with TP > 1, the telemetry directory with TP or DP > 1),
-    as a tier or the telemetry creates its own path with one rank: only when that
-    directory's parent exists (otherwise the tier or telemetry reports the missing one)."""
+    """With several ranks, create (0700) the directory the per-rank paths live in (the path
+    the user gave), as a tier does its own with one rank: only where its parent exists."""
     parents = []
     if rank.tp_size > 1 and not rank.shared:
         suffix = rank_suffix(rank.tp_rank, rank.tp_size)

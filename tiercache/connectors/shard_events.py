@@ -1,16 +1,12 @@
-"""Block-level KV events from head shards' events (head shards: `tiercache.transfer.head_shards`).
+"""Block-level KV events from head shards' events (`tiercache.transfer.head_shards`).
 
-With head shards the cache's events name shard keys, which mean nothing to a KV-aware
-router. `ShardEvents` turns them back into events of the scheduler's block keys: a block is
-stored in a medium once every one of its shards is (from any rank), and removed from it once
-one of them leaves. A shard key maps back to its block only once the scheduler computed the
-block's keys (`expect`: a lookup or a store of a request's blocks); events of shards not
-mapped yet (e.g. what persistent tiers recovered at start-up) are kept and replayed then.
-Both maps are bounded, oldest first out. Past the bound a block is forgotten whole (every
-shard key of it, and where it is held); one announced whole in a medium is then announced
-removed from it (`take_forgotten`), since its later removal could no longer be seen: a
-router then misses a hit it could have had, rather than sending a request where the block
-has gone.
+With head shards the cache's events name shard keys, which mean nothing to a KV-aware router.
+`ShardEvents` turns them back into events of block keys: a block is stored in a medium once
+all its shards are (from any rank), and removed once one leaves. A shard maps back to its block
+only once the scheduler computed the block's keys (`expect`); events of shards not mapped yet
+(e.g. recovered at start-up) are kept and replayed then. Both maps are bounded, oldest first
+out; a block forgotten while whole in a medium is announced removed (`take_forgotten`): a
+router then misses a hit rather than routing where the block has gone.
 """
 
 from __future__ import annotations
@@ -40,9 +36,8 @@ class ShardEvents:
     def expect(
         self, block_keys: Sequence[bytes], shard_keys: Sequence[bytes] | None = None
     ) -> dict[str, list[bytes]]:
-        """Map the shard keys of `block_keys` (`shard_keys`: `HeadShards.all_keys` of them,
-        if computed already) back to their blocks; the blocks this makes whole, per medium,
-        from shard events that came before (to announce as stored)."""
+        """Map the shard keys of `block_keys` (`shard_keys`: their `HeadShards.all_keys`, if
+        computed) back to them; the blocks this makes whole per medium (to announce stored)."""
         s = self._shards.shards
         blocks, new = self._blocks, []
         out: dict[str, list[bytes]] = {}

@@ -1,12 +1,10 @@
 """The process's shared stores: one `TierCache` per configuration.
 
-Primitives:
 - `acquire_store(config, block_bytes) -> SharedStore` / `release_store(store)` / `find_store`:
-  one `TierCache` per
-  process and configuration, shared by reference count. vLLM builds a scheduler-role and a
-  worker-role connector; in one process both must use one cache (one LMDB environment may be
-  opened once per process, and both halves must see one manager). The last release closes
-  the cache (flushing persistent tiers); an atexit hook closes what is left.
+  one `TierCache` per process and configuration, shared by reference count: a process's
+  scheduler-role and worker-role adapters must use one cache (one manager; an LMDB
+  environment may be opened once per process). The last release closes the cache (flushing
+  persistent tiers); an atexit hook closes the rest.
 - `store_snapshots() -> dict`: stats and counters of every open shared store (tests, benches).
 """
 
@@ -26,13 +24,10 @@ log = logging.getLogger("tiercache.connectors.common")  # the adapters' helpers'
 
 @dataclass(eq=False)
 class SharedStore:
-    """One open `TierCache` shared by the adapters of one process.
-
-    `lock` serialises every use of the cache's manager by the adapters (scheduler and worker
-    halves may run on different threads). `counters` are adapter counters (loads, stores,
-    errors) that tests and benches read with `store_snapshots()`; `state` is free for an
-    adapter's cross-role bookkeeping (e.g. requests still being saved).
-    """
+    """One open `TierCache` shared by the adapters of one process. `lock` (the cache's own)
+    serialises every use of the cache by the adapters and the cache's write-through thread;
+    `counters` are adapter counters (`store_snapshots`); `state` holds an adapter's
+    cross-role bookkeeping."""
 
     key: tuple[Any, ...]
     cache: TierCache
@@ -43,7 +38,6 @@ class SharedStore:
     before_close: list[Callable[[], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        # The cache's own lock: its write-through thread and the adapters then take turns.
         self.lock = self.cache.lock
 
     def close(self) -> None:

@@ -1,30 +1,16 @@
 """Which block layout a vLLM engine's store uses across tensor-parallel sizes (issue 32).
 
 `choose_shards(extra, ...)` reads ``kv_connector_extra_config``'s ``tp_layout`` and ``max_tp``:
+``"auto"`` (default): head shards (`tiercache.transfer.head_shards`) wherever the engine allows
+them, so that engines of any TP size share one store, else the per-rank layout (a log line
+says why); ``"heads"``: head shards, or a `ConfigError` naming what prevents them; ``"rank"``:
+one store per rank (`tp{r}of{n}` paths). ``max_tp`` is the number of head shards per block
+(default `default_shards` of the model's KV heads; one the model or the TP size cannot use is
+refused in every mode). Head shards need one KV cache group, KV heads split by TP (not MLA,
+not replicated), unpadded pages and vLLM's ``LBHNC`` layout.
 
-- ``"auto"`` (default): head shards (`tiercache.transfer.head_shards`) wherever the engine
-  allows them, so that engines of any TP size share one store; otherwise the per-rank layout
-  (each rank its own store, `tp{r}of{n}` paths), with a log line saying why.
-- ``"heads"``: head shards, or a `ConfigError` naming what prevents them.
-- ``"rank"``: the per-rank layout (stores written before head shards existed).
-
-``max_tp`` is the number of head shards per block: the largest TP size the store serves
-(default `default_shards` of the model's KV-head count). A ``max_tp`` the user gave that the
-model or the TP size cannot use is refused in every mode.
-
-Head shards need: one KV cache group (a hybrid model's groups keep the per-rank layout),
-attention with KV heads split by TP (not MLA, not heads replicated because TP exceeds them),
-unpadded pages, and vLLM's ``LBHNC`` block layout (the CPU backend's; GPU backends that keep
-tokens outside heads do not qualify).
-
-`blocks_as_shards(user, shards)`: a tier's ``blocks`` keeps counting this engine's blocks:
-with head shards a tier's blocks are shards, `HeadShards.local` per engine block; a tier
-whose capacity bounds the whole store (`Tier.store_capacity`: LMDB, shared by every rank and
-TP size) holds every rank's shards, `HeadShards.shards` per block, so that ``blocks`` engine
-blocks fit whatever the TP size of the engines writing to it.
-
-`check_no_rank_dirs(config)`: a head-shard store refuses a tier path that holds per-rank
-stores (`tp{r}of{n}` subdirectories) with a message saying both ways out.
+Also `blocks_as_shards` (a tier's ``blocks`` in shards) and `check_no_rank_dirs` (a head-shard
+store refuses a path holding per-rank stores).
 """
 
 from __future__ import annotations
@@ -36,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.config import CacheConfig
+from tiercache.connectors.namespace import map_tiers
 from tiercache.errors import ConfigError
 from tiercache.tiers import available_kinds, tier_class
 from tiercache.transfer.head_shards import HeadShards, default_shards
@@ -73,9 +60,8 @@ def choose_shards(
     tp_size: int,
     tp_rank: int,
 ) -> HeadShards | None:
-    """The head shards of this rank (None: the per-rank layout); see the module docstring.
-    `spec` is vLLM's KV cache spec of group 0 (read by attribute), `groups` the number of KV
-    cache groups, `total_kv_heads` the model's KV heads over all ranks."""
+    """The head shards of this rank (None: the per-rank layout). `spec` is vLLM's KV cache
+    spec of group 0, `groups` the number of groups, `total_kv_heads` over all ranks."""
     mode, max_tp = read_tp_layout(extra)
     if mode == "rank":
         return None
@@ -117,18 +103,14 @@ def choose_shards(
 def blocks_as_shards(user: Mapping[str, Any], shards: HeadShards) -> dict[str, Any]:
     """The user's config mapping with each tier's ``blocks`` (engine blocks) in shards: this
     rank's (`local`) per block, or every rank's (`shards`) where the capacity is the store's."""
-    m = dict(user)
-    tiers = m.get("tiers")
-    if not isinstance(tiers, list | tuple):
-        return m  # resolve_config reports the problem
-    out = []
-    for t in tiers:
+
+    def in_shards(_: int, t: Any) -> list[Any]:
         n = t.get("blocks") if isinstance(t, Mapping) else None
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
             t = {**t, "blocks": n * (shards.shards if _store_capacity(t) else shards.local)}
-        out.append(t)
-    m["tiers"] = out
-    return m
+        return [t]
+
+    return map_tiers(user, in_shards)
 
 
 def _store_capacity(tier: Mapping[str, Any]) -> bool:

@@ -1,11 +1,7 @@
-"""The module vLLM loads: ``kv_connector_module_path="tiercache.connectors.vllm"``.
-
-- `TierCacheConnector`: a `KVConnectorBase_V1` (``kv_connector="TierCacheConnector"``).
-- `TierCacheOffloadingSpec`: an `OffloadingSpec` for vLLM's own ``OffloadingConnector``
-  (``spec_module_path="tiercache.connectors.vllm"``).
-- `TierCacheECConnector`: an encoder-cache connector (`ECConnectorBase`).
-
-Importing this module imports vLLM; tiercache itself never does. See docs/vllm.md.
+"""The module vLLM loads (``kv_connector_module_path="tiercache.connectors.vllm"``): the KV
+connector `TierCacheConnector`, the `TierCacheOffloadingSpec` for vLLM's own
+``OffloadingConnector`` (``spec_module_path``) and the encoder-cache `TierCacheECConnector`.
+Importing it imports vLLM; tiercache itself never does. See docs/vllm.md.
 """
 
 from __future__ import annotations

@@ -3,39 +3,29 @@
 Loaded by vLLM with ``ec_transfer_config={"ec_connector": "TierCacheECConnector",
 "ec_connector_module_path": "tiercache.connectors.vllm", "ec_role": "ec_both",
 "ec_connector_extra_config": {"config": <mapping or TOML path>, "block_bytes": 262144}}``.
-An image (any multimodal item) encoded once, by this instance, by another one sharing a
-persistent tier, or before a restart, is loaded instead of encoded again.
 
 Primitives:
-- `TierCacheECConnector(vllm_config, role)`: an `ECConnectorBase`. Scheduler side:
-  `has_cache_item` (0.32) / `has_caches` (older vLLM), `update_state_after_alloc`,
-  `build_connector_meta`, `request_finished`. Worker side: `start_load_caches`, `save_caches`,
-  `get_finished`, `shutdown`.
+- `TierCacheECConnector(vllm_config, role)`: an `ECConnectorBase` (its scheduler side answers
+  `has_cache_item` on 0.32, `has_caches` on older vLLM).
 - `item_keys(namespace, mm_hash, n)`, `encode_item(tensor, block_bytes)`,
-  `decode_item(blocks)`: how an item is laid out in tiercache blocks.
+  `decode_item(blocks)`: an item is fixed-size blocks under keys ``xxh3_128(prefix,
+  namespace, mm_hash, i)``; block 0 starts with a 64-byte header (magic, version, dtype name,
+  shape, payload bytes), then the payload and zero padding. Nothing is pickled.
 
-Layout: an item is one or more fixed-size blocks under keys ``xxh3_128(prefix, namespace,
-mm_hash, i)``. Block 0 starts with a 64-byte header (magic, version, dtype name, shape, payload
-bytes); the payload follows, then zero padding. Nothing is pickled. A header is only what some
-process wrote into a (possibly shared) store: its size is checked against ``max_item_bytes``
-(extra config, default 1 GiB) and the store's capacity before any key is made, and a header
-that fails a check is a miss, a counted error (``ec_bad_headers``), and is dropped so that the
-item's next save replaces it. Items larger than ``max_item_bytes`` are not saved.
-
-Why the scheduler side reads the bytes: once `has_cache_item` answers True, vLLM will not run
-the encoder for that item, and a load that then fails would leave the model without its
-embeddings. So `has_cache_item` reads and verifies every block of the item first (through
-`TierCache.get`, which checks checksums and drops corrupt blocks as counted misses), and the
-verified tensor travels to the worker in the step's metadata. A corrupt or partial item is
-therefore a miss (encoded again), never garbage. Saves copy the encoder output to host memory
-at once (so vLLM may free its encoder cache entry: `request_finished` never delays a free) and
-write it to the tiers on a background thread, off the forward pass.
+A header is only what some process wrote into a (possibly shared) store: its size is checked
+against ``max_item_bytes`` and the store's capacity before any key is made, and a header that
+fails a check is a counted miss (``ec_bad_headers``), dropped so the next save replaces it.
+Once `has_cache_item` answers True vLLM will not run the encoder, so it reads and verifies the
+whole item first and the tensor travels to the worker in the step's metadata: a corrupt item
+is a miss, never garbage. Saves copy the output to host memory at once and write it to the
+tiers on a background thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import struct
 import threading
@@ -91,10 +81,7 @@ _DTYPES = {
 }
 DEFAULT_BLOCK_BYTES = 256 * 1024
 DEFAULT_STAGED_BYTES = 256 * 2**20
-# The largest item saved or read (payload bytes). A size read from a store is checked against
-# it (and against what the store can hold) before any key is made: a checksum-valid header in
-# a shared store is still only what some process wrote.
-DEFAULT_MAX_ITEM_BYTES = 2**30
+DEFAULT_MAX_ITEM_BYTES = 2**30  # the largest item saved or read (payload bytes; module doc)
 
 
 def item_keys(namespace: str, mm_hash: str, n: int) -> list[bytes]:
@@ -138,10 +125,7 @@ def _read_header(block0: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], in
     shape = tuple(dims[:ndim])
     if dtype is None:
         raise ValueError(f"encoder item: unknown dtype {name!r}")
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel * dtype.itemsize != nbytes:
+    if math.prod(shape) * dtype.itemsize != nbytes:
         raise ValueError(f"encoder item: shape {shape} does not match {nbytes} payload bytes")
     return dtype, shape, nbytes
 
@@ -175,30 +159,14 @@ class TierCacheECConnector(ECConnectorBase):
         except ConfigError as exc:  # name the field the user wrote
             where = exc.field.replace("kv_connector_extra_config", "ec_connector_extra_config")
             raise ConfigError(where, exc.problem) from None
-        bb = extra.get("block_bytes", DEFAULT_BLOCK_BYTES)
-        if isinstance(bb, bool) or not isinstance(bb, int) or bb <= HEADER_BYTES:
-            raise ConfigError(
-                "ec_connector_extra_config.block_bytes",
-                f"expected an int > {HEADER_BYTES}, got {bb!r}",
-            )
-        staged = extra.get("max_staged_bytes", DEFAULT_STAGED_BYTES)
-        if isinstance(staged, bool) or not isinstance(staged, int) or staged < 0:
-            raise ConfigError(
-                "ec_connector_extra_config.max_staged_bytes",
-                f"expected an int >= 0, got {staged!r}",
-            )
-        max_item = extra.get("max_item_bytes", DEFAULT_MAX_ITEM_BYTES)
-        if isinstance(max_item, bool) or not isinstance(max_item, int) or max_item < 1:
-            raise ConfigError(
-                "ec_connector_extra_config.max_item_bytes",
-                f"expected an int >= 1, got {max_item!r}",
-            )
+        bb = _extra_int(extra, "block_bytes", DEFAULT_BLOCK_BYTES, HEADER_BYTES + 1)
+        staged = _extra_int(extra, "max_staged_bytes", DEFAULT_STAGED_BYTES, 0)
+        max_item = _extra_int(extra, "max_item_bytes", DEFAULT_MAX_ITEM_BYTES, 1)
         mc = vllm_config.model_config
         if mc is None:
             raise ValueError("vllm_config.model_config: required to name the encoder outputs")
         self.block_bytes = bb
-        # Encoder outputs depend on the model and its dtype; the block size splits items, so it
-        # is part of the key space too. (The config's token block_size is unused here.)
+        # The block size splits items: part of the key space. (The token block_size is unused.)
         config = resolve_config(
             user,
             block_size=user.get("block_size", 16),
@@ -219,12 +187,12 @@ class TierCacheECConnector(ECConnectorBase):
         self._max_item_bytes = max(0, min(max_item, store_bytes))
         self._max_staged = staged
         # Scheduler side: verified items read by has_cache_item, waiting for their request to be
-        # scheduled (mm_hash -> (tensor, step)), and this step's loads.
+        # scheduled (mm_hash -> (tensor, step)), and this step's loads. Worker side: saves run
+        # on one background thread.
         self._staged: OrderedDict[str, tuple[torch.Tensor, int]] = OrderedDict()
         self._staged_bytes = 0
         self._step = 0
         self._loads: dict[str, torch.Tensor] = {}
-        # Worker side: saves run on one background thread.
         self._saves: queue.Queue[tuple[str, torch.Tensor] | None] | None = None
         self._saver: threading.Thread | None = None
         self._closed = False
@@ -314,7 +282,6 @@ class TierCacheECConnector(ECConnectorBase):
             self._saver.join()
         release_store(self._store)
 
-    # -- internals -------------------------------------------------------------------------
     def _read(self, mm_hash: str) -> torch.Tensor | None:
         """The stored item, verified; None if missing, partial or corrupt (a miss)."""
         # One request: block 0 counts once (hit or miss), the rest once each after it.
@@ -325,8 +292,7 @@ class TierCacheECConnector(ECConnectorBase):
         try:
             _, _, nbytes = _read_header(head[0])
             if nbytes > self._max_item_bytes:
-                # Checked before any key is made: a forged size must not make the scheduler
-                # build (and look up) ~10^15 keys.
+                # Before any key is made: a forged size must not make ~10^15 keys.
                 raise ValueError(
                     f"header claims {nbytes} payload bytes, more than max_item_bytes or the "
                     f"store allows ({self._max_item_bytes})"
@@ -349,9 +315,8 @@ class TierCacheECConnector(ECConnectorBase):
             return None
 
     def _reject(self, mm_hash: str, key0: bytes, why: Exception) -> None:
-        """Block 0 of `mm_hash` passed its checksum but is not a valid item header: a miss,
-        an error counted in the tier holding it, and the block is dropped, so that the item's
-        next save writes a good one (a save keeps the blocks it finds held)."""
+        """Block 0 of `mm_hash` passed its checksum but is no valid item header: a miss, an
+        error of the tier holding it, and the block dropped so that the next save replaces it."""
         log.warning("encoder item %s: %s; encoding it again", mm_hash, why)
         manager = self._cache.manager
         with self._store.lock:
@@ -410,6 +375,16 @@ class TierCacheECConnector(ECConnectorBase):
                 log.exception("saving an encoder output failed")
             finally:
                 self._saves.task_done()
+
+
+def _extra_int(extra: dict[str, Any], name: str, default: int, low: int) -> int:
+    """``ec_connector_extra_config[name]`` (`default` if absent): an int >= `low`."""
+    v = extra.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ConfigError(
+            f"ec_connector_extra_config.{name}", f"expected an int >= {low}, got {v!r}"
+        )
+    return v
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -1,14 +1,8 @@
-"""`TierCacheConnector`, tiercache's vLLM `KVConnectorBase_V1`, split by role.
-
-- `connector.py`: `TierCacheConnector`, the facade vLLM loads (one delegation per method).
-- `settings.py`: `KVSettings` (parsed once from vLLM's config) and the tunables.
-- `messages.py`: what crosses from the scheduler process to the worker process and back.
-- `scheduler.py`: `KVScheduler` (request state, matching, store planning, events), with
-  `local_lookup.py` (verified lookups on a shared store) and `remote_index.py` (the index of
-  the workers' keys, and probes of the shared tiers).
-- `worker.py`: `KVWorker` (engine buffer, loads, stores, deadlines, shutdown).
-
-Every name importable from the single module it replaces is importable from here.
+"""`TierCacheConnector`, tiercache's vLLM `KVConnectorBase_V1`, split by role: `connector.py`
+(the facade vLLM loads), `settings.py` (`KVSettings` and the tunables), `messages.py` (what
+crosses between the roles), `scheduler.py` (`KVScheduler`, with `local_lookup.py` and
+`remote_index.py`) and `worker.py` (`KVWorker`). Every name importable from the single module
+it replaces is importable from here.
 """
 
 from tiercache.connectors.vllm_kv.connector import TierCacheConnector, open_scheduler, open_worker

@@ -2,96 +2,27 @@
 
 Loaded by vLLM with ``kv_connector="TierCacheConnector"``, ``kv_connector_module_path=
 "tiercache.connectors.vllm"``, ``kv_connector_extra_config={"config": <mapping or TOML>}``.
+The facade delegates each vLLM method to its role: `KVScheduler` (keys and block ids, never
+bytes: scheduler.py) or `KVWorker` (bytes, through tiercache's transfer engine: worker.py).
+docs/vllm.md is the user's account.
 
-Scheduler role (keys and block ids, never bytes):
-- `get_num_new_matched_tokens`: tiercache's own prefix keys over the request's tokens
-  (deterministic across restarts; LoRA, cache salt and multimodal inputs as extra keys), a
-  lookup from the first block vLLM has not computed, whole blocks only and never the block
-  holding the last prompt token.
-- `update_state_after_alloc` / `build_connector_meta`: this step's loads, and the stores of
-  the blocks this step completes. `request_finished` returns True while the request's blocks
-  are still being saved. `take_events`: vLLM `BlockStored`/`BlockRemoved`, tier as medium.
-
-Worker role (bytes, through tiercache's transfer engine, whole blocks):
-- `register_kv_caches`: the engine buffer as a `KVLayout`, and an `OffloadingWorker`.
-- `start_load_kv`: submits this step's loads; a synchronous one (local placement) completes
-  before the forward, an asynchronous one (remote) is reported by `get_finished`. A block
-  that fails is reported by `get_block_ids_with_load_errors` (vLLM recomputes it).
-- `wait_for_save`: after the forward, plans and submits stores; they complete asynchronously.
-  `get_finished` reports requests whose blocks vLLM kept for them; each step's worker
-  metadata carries the cache's events and finished store plans back to the scheduler.
-
-Two placements, chosen when the scheduler role starts:
+Two placements, chosen when the scheduler role starts (`open_scheduler`):
 - local (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the worker is built first, in this process):
-  both roles share one `TierCache` (`common.acquire_store`). Lookups ask the manager and pin
-  the hit. Under vLLM's default ``kv_load_failure_policy="fail"`` they read and verify blocks
-  held only in persistent tiers before reporting them (and promote them), so a corrupt block
-  shortens the hit instead of failing the request; under "recompute" such a hit is loaded
-  asynchronously, straight from the tier into the engine's blocks, and a block that fails is
-  a load error that vLLM recomputes (`local_lookup.py`).
-- remote (vLLM's default multiprocess mode: the worker runs in its own process): the worker
-  owns the cache; the scheduler answers lookups from an index of the keys the worker holds
-  (its recovered keys in the handshake metadata, then its events each step) and, where the
-  index ends, from read-only probes of the shared tiers (LMDB opened read-only, Redis with
-  one pipelined header read bounded by the tier's `timeout`): blocks other engines stored
-  since this one started are hits too, and the worker's lookup adopts them (the manager's
-  discovery) and loads them verified. Loads are asynchronous, so a request's blocks reach
-  vLLM's prefix cache only once loaded, and a block that cannot be loaded is a load error:
-  set ``kv_load_failure_policy="recompute"``.
+  both roles share one `TierCache`; lookups ask the manager and pin the hit, verifying blocks
+  held only in persistent tiers first (`local_lookup.py`).
+- remote (vLLM's default multiprocess mode, and always with TP > 1): the worker owns the
+  cache; the scheduler answers from an index of the workers' keys and probes of the shared
+  tiers (`remote_index.py`). Loads are asynchronous, and a block that cannot be loaded is a
+  load error: set ``kv_load_failure_policy="recompute"``.
 
-Roles (``kv_role``): "kv_both" loads and stores; "kv_producer" only stores (a prefill
-engine), "kv_consumer" only loads (a decode engine reading what producers stored in a shared
-tier).
-
-Tensor parallel (TP > 1): every worker process holds one shard of each block (its KV heads)
-and keeps it in its own store: the store namespace carries the worker's rank, tier paths get a
-``tp{rank}of{size}`` subdirectory and Redis prefixes that suffix (`common.resolve_rank_config`).
-Block keys are the same on every rank (hashed with a namespace that has the TP size, not the
-rank), so the scheduler hashes once. The scheduler always uses the remote placement: its index
-records which ranks hold each key (worker events and handshakes carry the rank), and a key is
-a hit only when every rank holds it. A request's store plans count as finished when every rank
-reported them (vLLM sums the workers' metadata with `TierCacheWorkerMetadata.aggregate`), and
-vLLM's `KVOutputAggregator` reports a request finished sending or receiving only when every
-worker did; a block one rank cannot load is that rank's load error, and vLLM recomputes it.
-Pipeline (and context) parallel size must be 1.
-
-Hybrid models (`SupportsHMA`: vLLM keeps its hybrid KV cache manager on, several KV cache
-groups): each block is stored once per group, under `hashing.group_keys` (one group: the plain
-keys). Full-attention groups store every block; sliding-window groups only the window before
-blocks where a later hit is likely to end (`_window_keep`), and only blocks completed this step
-(vLLM frees blocks leaving the window without asking). A hit is the longest prefix every group
-serves (`_match_groups`). Loads are asynchronous, and a failed one is the request's failed
-receive (vLLM takes no block-level errors with several groups): it is recomputed whole. The
-groups share one block layout (vLLM overlays them); non-attention groups are refused
-(`common.kv_groups`). See docs/vllm.md#hybrid-attention-models.
-
-Deadlines (config ``[deadlines]``): a load into the engine not finished `load_timeout` seconds
-after it was due (a synchronous one: when the forward needs it; an asynchronous one: after
-its submission) is abandoned. The transfer engine stops it writing engine blocks
-(`OffloadingWorker.cancel`), its blocks are reported as load errors (vLLM recomputes them;
-an asynchronous request stops waiting), they are counted (`load_deadline_blocks`), and the
-tier is suspended by the manager's circuit breaker, so the following lookups skip it until
-its back-off ends: the worker's, and in the remote placement the scheduler's (the worker
-metadata carries the suspension; otherwise vLLM would reschedule the request, the index would
-offer the same blocks, and their load would fail at once, in a loop until the tier
-recovers). Copies from the CPU tier (memory) are abandoned only while they have not
-started (they wait behind a job of a hung tier).
-
-A store that holds engine blocks (vLLM keeps a finished request's blocks until its stores
-report done) is given `store_timeout` seconds: one past it is cancelled, so that it reads no
-more engine blocks (what it read already still reaches its tier: the right bytes for its
-keys), the request is reported done (vLLM frees its blocks), the blocks not read are counted
-(`store_deadline_blocks`) and never stored, and the tier is suspended: the manager plans no
-store, demotion or write-through copy into a suspended tier. A move between tiers past the
-deadline suspends its destination the same way. A store waits for an earlier move only until
-that move has read its source (`Job.read_done`), never for a hung write.
-
-Cost-aware loading (config ``[loading]``, `tiercache.costs`): the scheduler loads only the part
-of a hit that is cheaper to load than to recompute (`_affordable`; local placement: before it
-reads persistent blocks). The worker measures each load job and each forward (from
-`bind_connector_metadata`, or the end of synchronous loads, to `wait_for_save`, with the
-step's token count from the metadata; CUDA events on a GPU) into the cache's `load_costs`,
-and sends the samples back in its metadata for a remote scheduler.
+``kv_role``: "kv_both" loads and stores, "kv_producer" only stores, "kv_consumer" only loads.
+Tensor parallel: block keys are the same on every rank (the scheduler hashes once); a key is a
+hit only when every rank holds it, and a store plan is finished when every rank reported it
+(`TierCacheWorkerMetadata.aggregate`). Pipeline (and context) parallel size must be 1. Hybrid
+models (`SupportsHMA`): one key per block and KV cache group (`hashing.group_keys`), a hit is
+the longest prefix every group serves, and a failed load fails the request's receive.
+Deadlines (``[deadlines]``) and cost-aware loading (``[loading]``): see worker.py and
+scheduler.py.
 """
 
 from __future__ import annotations
@@ -136,11 +67,9 @@ if TYPE_CHECKING:
 
 
 def open_scheduler(settings: KVSettings) -> KVScheduler:
-    """The scheduler role for `settings`. It shares the store when the worker already runs in
-    this process (local; never with TP > 1: the workers are processes of their own); otherwise
-    it keeps an index of the workers' keys, and (when it loads) probes each rank's shared
-    tiers: the index knows only what this engine's workers hold; on an index miss the probes
-    find blocks other engines stored in a shared store since (see `RemoteIndex.lookup`)."""
+    """The scheduler role for `settings`: sharing the store when the worker already runs in
+    this process (local; never with TP > 1), else with an index of the workers' keys and
+    (when it loads) probes of each rank's shared tiers (remote)."""
     shared = None
     if settings.tp_size == 1:
         local = find_store(settings.config)
@@ -160,9 +89,8 @@ def open_worker(settings: KVSettings) -> KVWorker:
 
 
 class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
-    """A `KVConnectorBase_V1` over a tiercache `TierCache` (see the module docstring): one
-    delegation per vLLM method, to `scheduler` (a `KVScheduler`, scheduler role) or `worker`
-    (a `KVWorker`, worker role); the other is None."""
+    """A `KVConnectorBase_V1` over a tiercache `TierCache`: one delegation per vLLM method, to
+    `scheduler` (scheduler role) or `worker` (worker role); the other is None."""
 
     def __init__(
         self,
@@ -172,8 +100,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         worker = role == KVConnectorRole.WORKER
-        settings = KVSettings.from_vllm(vllm_config, kv_cache_config, worker=worker)
-        self.settings = settings
+        self.settings = settings = KVSettings.from_vllm(vllm_config, kv_cache_config, worker=worker)
         self.scheduler: KVScheduler | None = None if worker else open_scheduler(settings)
         self.worker: KVWorker | None = open_worker(settings) if worker else None
         self.local = worker or (self.scheduler is not None and self.scheduler.local)
@@ -220,18 +147,14 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """vLLM >= 0.33 asks before enabling sleep mode; the answer is no, so vLLM refuses
-        ``enable_sleep_mode=True`` with this connector at start-up ("does not support sleep
-        mode") instead of running with a stale view of the KV cache. The worker role holds
-        views of the engine's KV tensors (`KVLayout`) and copies through them on the
-        transfer engine's own threads and streams; sleep mode unmaps that memory and maps
-        it again at wake-up. Following it (`unregister_kv_caches` / `restore_kv_caches`)
-        would need testing on CUDA, the only platform with sleep mode."""
+        """vLLM >= 0.33 asks before enabling sleep mode: no, so vLLM refuses
+        ``enable_sleep_mode=True`` at start-up. The worker holds views of the engine's KV
+        tensors, which sleep mode unmaps and maps again at wake-up; following it would need
+        testing on CUDA, the only platform with sleep mode."""
         return False
 
     def shutdown(self) -> None:
-        """Finish in-flight transfers (worker) or stop probes and verifying reads
-        (scheduler), then drop this role's reference to the store."""
+        """Shut the role down (it drops its reference to the store)."""
         if self.worker is not None:
             self.worker.shutdown()
         if self.scheduler is not None:

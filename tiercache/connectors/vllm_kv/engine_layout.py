@@ -1,9 +1,7 @@
 """The engine's KV buffer as the worker role sees it, and its report for telemetry.
 
-- `engine_layout(kv_caches, settings)`: the buffer as one `KVLayout`: a plain model's, a hybrid
-  model's (its overlaid groups share one layout, `group_layout`), or, with head shards, one of
-  shard units (`HeadShards.unit_views`); a block size that disagrees with vLLM's
-  kv_cache_config is refused.
+- `engine_layout(kv_caches, settings)`: the buffer as one `KVLayout` (a plain model's, a
+  hybrid model's overlaid groups' (`group_layout`), or one of head-shard units).
 - `kv_report(settings, counters)`: per KV cache group and for the TP layout, what
   `tiercache stats`/`inspect` show.
 """
@@ -49,8 +47,8 @@ def group_layout(
     kv_caches: dict[str, torch.Tensor], groups: tuple[KVGroup, ...], num_blocks: int
 ) -> KVLayout:
     """The block layout of a hybrid model's KV caches: vLLM overlays its groups (layer j of
-    every group is a view of one tensor; a block id is owned by one group at a time), so one
-    group's layout, copied by block id, serves every group. Anything else is refused."""
+    every group views one tensor; a block id belongs to one group at a time), so one group's
+    layout serves every group. Anything else is refused."""
     layouts = [KVLayout({n: kv_caches[n] for n in g.layers}, num_blocks) for g in groups]
 
     def shape(layout: KVLayout) -> tuple[Any, ...]:
@@ -71,10 +69,8 @@ def group_layout(
 
 
 def kv_report(settings: KVSettings, counters: Mapping[str, int]) -> dict[str, Any]:
-    """Per KV cache group: its kind, layers, sliding window in blocks, bytes per block, the
-    blocks it keeps for the tokens this process stored (held already or written, from the
-    store's `counters`), and so its bytes per token (a sliding-window group's stays bounded
-    by its window as prompts grow); and the TP layout (`layout_report`)."""
+    """Per KV cache group: kind, layers, window, bytes per block, the blocks it keeps for the
+    tokens this process stored (`counters`) and so its bytes per token; and the TP layout."""
     tokens = counters.get("kept_tokens", 0)
     groups = []
     for g in settings.groups:
@@ -103,11 +99,10 @@ def layout_report(settings: KVSettings) -> dict[str, Any]:
     sh, tp, rank = settings.shards, settings.tp_size, settings.tp_rank
     if sh is None:
         return {"layout": "rank", "tp_size": tp, "tp_rank": rank}
-    owned = [sh.owned.start, sh.owned.stop - 1]
     return {
         "layout": "heads",
         "shards": sh.shards,
         "tp_size": tp,
         "tp_rank": rank,
-        "owned_shards": owned,
+        "owned_shards": [sh.owned.start, sh.owned.stop - 1],
     }

@@ -3,17 +3,11 @@
 When the worker runs in the scheduler's process both roles share one `TierCache`. A lookup
 asks the manager, waits briefly for a store of the key it reached (the worker's `_settle`),
 applies the cost gate, and reads the blocks held only in persistent tiers before reporting
-them (checksums verified, promoted), on a thread per tier so a hung disk stalls only its own
-reads: a corrupt block shortens the hit instead of reaching vLLM. A read not done within
-VERIFY_WAIT_S makes the lookup answer None (vLLM asks again); one past `load_timeout` is given
-up and its tier suspended.
-
-With `kv_load_failure_policy = "recompute"` (`direct`) there is no verifying read: vLLM
-recomputes any block whose load fails, so a hit that reaches a persistent tier is loaded
-asynchronously by the worker, straight from that tier into the engine's blocks and verified
-there (one copy instead of a read into the first tier and a copy out of it; the blocks are not
-promoted, as in the remote placement). With "fail" a corrupt block would fail the request, so
-such hits are read and verified before they are reported.
+them (verified, promoted) on a thread per tier: a corrupt block shortens the hit instead of
+failing the request (``kv_load_failure_policy="fail"``). A read not done within VERIFY_WAIT_S
+makes the lookup answer None (vLLM asks again); one past `load_timeout` is given up and its
+tier suspended. Under "recompute" (`direct`) such a hit is not read here: the worker loads it
+asynchronously, straight into the engine's blocks, verified there (not promoted).
 """
 
 from __future__ import annotations
@@ -24,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from tiercache.connectors.deadlines import warn_late
 from tiercache.connectors.stores import SharedStore
 from tiercache.connectors.vllm_kv.settings import SETTLE_KEY, VERIFY_WAIT_S, log
 
@@ -49,10 +44,8 @@ class LocalHit:
 
 
 class LocalLookup:
-    """Verified lookups of `shared` for the scheduler (local placement). `count` adds to the
-    scheduler's counters; `affordable(keys, n)` is its cost gate (how many of the `n` leading
-    hit keys to load); `direct`: persistent hits are loaded by the worker, not read here (see
-    the module doc)."""
+    """Verified lookups of `shared` for the scheduler (local placement). `count` adds to its
+    counters, `affordable(keys, n)` is its cost gate; `direct`: see the module doc."""
 
     def __init__(
         self,
@@ -68,8 +61,7 @@ class LocalLookup:
         self._block_bytes = block_bytes
         self._count = count
         self._affordable = affordable
-        # Verifying reads of persistent tiers, one thread per tier (a hung one stalls only
-        # its own), and per request the read in flight (see `lookup`).
+        # One verifying thread per persistent tier, and per request the read in flight.
         self._verify_pools: dict[int, ThreadPoolExecutor] = {}
         self._verifying: dict[str, _Verifying] = {}
 
@@ -83,20 +75,15 @@ class LocalLookup:
 
     def lookup(self, keys: list[bytes], req_id: str = "") -> LocalHit | None:
         """Leading `keys` the shared cache holds, as far as loading them pays (`_affordable`)
-        and their bytes are good: blocks held only in persistent tiers are read first (see
-        `_verify`), on a thread of the tier's own, unless `direct` (then the hit is `direct`
-        and they are not read). A lookup waits for that read at most
-        VERIFY_WAIT_S, then answers None (vLLM asks again next step, and the read goes on),
-        so a slow or hung disk never stalls scheduling. A read not done `load_timeout`
-        seconds after it started is given up: the hit ends before it, and the tier is
-        suspended (the manager's lookups skip it until its back-off ends)."""
+        and their bytes are good (module doc): None while a verifying read runs (vLLM asks
+        again next step, and the read goes on)."""
         pending = self._verifying.get(req_id)
         if pending is not None and pending.keys == tuple(keys[: len(pending.keys)]):
-            return _hit(self._verified(req_id, pending))
+            return self._verified(req_id, pending)
         manager = self._shared.cache.manager
         with self._shared.lock:
-            # A block the cache's write-through thread is moving down is served from its
-            # source slot (`leaving`: the copy into that slot waits for the load's pin).
+            # `leaving`: a block being written through is served from its source slot (a copy
+            # into that slot waits for the load's pin).
             n, moving = manager.lookup_ready(keys, leaving=True)
             settle = self._shared.state.get(SETTLE_KEY)
             if n < len(keys) and settle is not None and settle(keys[n]):
@@ -108,14 +95,11 @@ class LocalLookup:
                 return None
             n = self._affordable(keys, n)
             persistent = [t.persistent for t in self._shared.cache.tiers]
-            first_disk = next(
-                (
-                    i
-                    for i, k in enumerate(keys[:n])
-                    if persistent[manager.where(k, leaving=True)[0]]
-                ),
-                n,
-            )
+            first_disk = n  # the first hit key held only in persistent tiers
+            for i, k in enumerate(keys[:n]):
+                if persistent[manager.where(k, leaving=True)[0]]:
+                    first_disk = i
+                    break
             if first_disk == n:
                 return LocalHit(n)
             if self._direct:
@@ -130,15 +114,14 @@ class LocalLookup:
         pending = self._verifying[req_id] = _Verifying(
             tuple(keys[:n]), first_disk, tier, time.monotonic(), fut
         )
-        return _hit(self._verified(req_id, pending))
+        return self._verified(req_id, pending)
 
-    def _verified(self, req_id: str, pending: _Verifying) -> int | None:
-        """The hit of a lookup whose verifying read is `pending`: its result once done (within
-        VERIFY_WAIT_S), None while it runs, and the part before it once it is late."""
+    def _verified(self, req_id: str, pending: _Verifying) -> LocalHit | None:
+        """The hit of a lookup whose verifying read is `pending`: its result once done, None
+        while it runs, and the part before it once it is past `load_timeout`."""
         timeout = self._shared.cache.config.deadlines.load_timeout
         try:
-            # Never past the deadline: a late read is given up in this very call, not at the
-            # next step's lookup (up to VERIFY_WAIT_S later).
+            # Never past the deadline: a late read is given up in this very call.
             left = pending.started + timeout - time.monotonic()
             n = pending.future.result(timeout=max(0.0, min(VERIFY_WAIT_S, left)))
         except FutureTimeout:
@@ -146,38 +129,29 @@ class LocalLookup:
                 self._count("verify_waits")
                 return None
             del self._verifying[req_id]
+            late = len(pending.keys) - pending.first_disk
             with self._shared.lock:
                 seconds = self._shared.cache.manager.suspend(pending.tier)
-                self._count("verify_deadline_blocks", len(pending.keys) - pending.first_disk)
-            log.warning(
-                "tiercache: reading %d blocks from tier %d took longer than %.1f s; vLLM "
-                "recomputes them, and the tier is skipped for %.1f s",
-                len(pending.keys) - pending.first_disk,
-                pending.tier,
-                timeout,
-                seconds,
-            )
-            return pending.first_disk
+                self._count("verify_deadline_blocks", late)
+            warn_late(log, "load", late, pending.tier, "vLLM recomputes them", seconds)
+            return LocalHit(pending.first_disk)
         del self._verifying[req_id]
         if n < len(pending.keys):
             with self._shared.lock:
                 moving = self._shared.cache.manager.is_moving(pending.keys[n])
             if moving:
-                # The read stopped at a block that a move started since the lookup (a
-                # demotion making room for another request's blocks) is still writing: vLLM
-                # asks again, and the next lookup waits for it (`_settle`). Bounded: a move
-                # into a hung tier is given up at `store_timeout` (`manager.unmove`).
+                # The read stopped at a block a move started since the lookup is still
+                # writing: vLLM asks again, and the next lookup waits for it (`_settle`;
+                # bounded: a move into a hung tier is given up at `store_timeout`).
                 self._count("verify_moving")
                 return None
-        return n
+        return LocalHit(n)
 
     def _verify(self, keys: list[bytes], first_disk: int, tier: int) -> int:
         """On a verify thread: how many leading `keys` have good bytes. From `first_disk` on
-        (the first held only in a persistent tier: `tier`) they are read, checksums verified,
-        and promoted into the first tier when the config promotes; a block that fails is
-        dropped and counted by the cache, and the hit ends before it. The cache reads without
-        its lock (`TierCache.fetch`: straight into the first tier's slots, no bytes handed
-        back), so the engine's other calls go on meanwhile."""
+        (held only in persistent `tier`) they are read, checksums verified, and promoted when
+        the config promotes (`TierCache.fetch`, without the cache's lock); a block that fails
+        is dropped and counted by the cache, and the hit ends before it."""
         cache = self._shared.cache
         with self._shared.lock:
             errors_before = self._tier_errors()
@@ -186,9 +160,8 @@ class LocalLookup:
         got = cache.fetch(keys[first_disk:], count=False)
         seconds = time.perf_counter() - t0
         with self._shared.lock:
-            # Here, in the local placement, the read is the load (it promotes): its cost. A
-            # read past load_timeout was given up (its tier suspended): a failure for the
-            # circuit breaker, not a cost sample.
+            # Here the read is the load (it promotes): its cost, unless it was past
+            # load_timeout (given up: a failure, not a cost sample).
             medium = cache.tiers[tier].medium
             if seconds <= cache.config.deadlines.load_timeout:
                 cache.load_costs.observe_load(medium, got * self._block_bytes, seconds)
@@ -200,7 +173,3 @@ class LocalLookup:
 
     def _tier_errors(self) -> int:
         return sum(int(s.get("errors", 0)) for s in self._shared.cache.manager.stats().values())
-
-
-def _hit(blocks: int | None) -> LocalHit | None:
-    return None if blocks is None else LocalHit(blocks)

@@ -1,7 +1,5 @@
-"""The records that cross between the connector's two roles (as vLLM's `offloading/common.py`).
-
-In vLLM's multiprocess mode the scheduler role and the worker role run in different processes;
-vLLM pickles these between them, so each is a plain dataclass of bytes, ints and strings:
+"""The records that cross between the connector's two roles (as vLLM's `offloading/common.py`),
+pickled by vLLM between processes, so each is a plain dataclass of bytes, ints and strings:
 
 - `LoadJob`, `StoreJob` in `TierCacheConnectorMetadata`: scheduler -> worker, each step.
 - `TierCacheWorkerMetadata`: worker -> scheduler, each step (events, finished store plans,
@@ -67,21 +65,17 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one step: the cache's events (rank, keys, medium, removed) and
-    the number of store plans finished per request, and the tiers (by medium) the worker's
-    circuit breaker suspended, with for how many seconds. `aggregate` combines the workers'
-    (TP ranks'): events of every rank, plan counts summed (the scheduler expects one report
-    per plan and rank), the longest suspension per medium."""
+    """Worker -> scheduler, one step (module doc). `aggregate` combines the TP ranks': events
+    of every rank, plan counts summed (the scheduler expects one report per plan and rank),
+    the longest suspension per medium."""
 
     events: list[RankEvent] = field(default_factory=list)
     plans_done: dict[str, int] = field(default_factory=dict)
     suspended: dict[str, float] = field(default_factory=dict)
-    # Cost samples (`tiercache.costs`): (tier, bytes, seconds) per load job, (tokens,
-    # seconds) per forward.
+    # Cost samples: (tier, bytes, seconds) per load job, (tokens, seconds) per forward.
     load_samples: list[tuple[str, int, float]] = field(default_factory=list)
     forward_samples: list[tuple[int, float]] = field(default_factory=list)
-    # Keys whose bytes failed verification at a load: a shared store may still hold them
-    # (damaged), so the scheduler's probes must not offer them again.
+    # Keys whose bytes failed verification at a load: never offered again by the probes.
     bad: list[bytes] = field(default_factory=list)
     # Keys the cache dropped from a shared tier that the store still holds and the cache
     # finds again (forgotten, not deleted): still loadable, so not removed for routers.
@@ -103,9 +97,8 @@ class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class TierCacheHandshake(KVConnectorHandshakeMetadata):
-    """Worker -> scheduler at start-up: the keys the worker's cache holds per medium
-    (recovered from persistent tiers), so a restarted engine hits from its first step; one
-    per TP rank."""
+    """Worker -> scheduler at start-up, one per TP rank: the keys the worker's cache holds per
+    medium (recovered from persistent tiers), so a restarted engine hits from its first step."""
 
     held: dict[str, tuple[bytes, ...]] = field(default_factory=dict)  # medium -> keys
     rank: int = 0

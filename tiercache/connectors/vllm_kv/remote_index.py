@@ -1,13 +1,10 @@
 """The scheduler's view of the workers' keys in the remote placement, and its probes.
 
-In vLLM's multiprocess mode (and always with TP > 1) the worker owns the cache; the
-scheduler answers lookups from `RemoteIndex`: an index of the keys each rank's worker holds
-per medium (from the handshake, then the worker metadata's events), and, where the index
-ends, read-only probes of each rank's shared tiers (LMDB opened read-only, Redis with one
-pipelined header read), run on a thread of their own so a slow store never stalls a step.
-It also keeps the mediums the workers' circuit breakers suspended (their blocks are no hits
-until the suspension ends) and the keys a worker found damaged (never offered again).
-With head shards, a shard key counts where the rank that owns the shard holds it.
+`RemoteIndex`: the keys each rank's worker holds per medium (from the handshake, then the
+worker metadata's events), and, where the index ends, read-only probes of each rank's shared
+tiers on a thread of their own (a slow store never stalls a step); the mediums the workers'
+circuit breakers suspended, and the keys a worker found damaged (never offered again). With
+head shards a shard key counts where the rank that owns it holds it.
 """
 
 from __future__ import annotations
@@ -41,19 +38,13 @@ class RemoteIndex:
         shards: HeadShards | None = None,
     ) -> None:
         self._tp_size = tp_size
-        # Head shards: keys are shards, each loaded by the rank that owns it (`HeadShards`,
-        # of this TP size): a shard counts where its owner holds it. Another rank's private
-        # tier may hold it too (a store written at another TP size, recovered at start-up),
-        # but only that rank can read it: offered, it would be a load that fails, on every
-        # lookup, until it ages out.
+        # Head shards: a shard counts only where its owner (the rank that loads it) holds it:
+        # another rank's private tier may hold it too (written at another TP size), but
+        # offered from there it would be a load that fails on every lookup.
         self._shards = shards
         self._deadlines = deadlines or DeadlineConfig()
         self._count = count  # the scheduler's counters
-        self._probes: list[list[tuple[str, StoreProbe]]] = list(probes or [])
-        if not any(self._probes):
-            self._probes = []
-        # Probes run on a thread of their own: a lookup waits for them at most PROBE_WAIT_S,
-        # then tells vLLM to ask again (None), so a slow or hung store never stalls a step.
+        self._probes = list(probes) if probes and any(probes) else []
         self._probe_pool = (
             ThreadPoolExecutor(1, thread_name_prefix="tiercache-probe") if self._probes else None
         )
@@ -69,16 +60,10 @@ class RemoteIndex:
         self._probing: dict[str, tuple[tuple[Any, ...], Future[list[int]]]] = {}
         # key -> rank -> mediums holding it
         self._index: dict[bytes, dict[int, set[str]]] = {}
-        # medium -> its suspension by a worker's circuit breaker. The breaker owns the
-        # back-off (doubling, reset); here a `Backoff` only holds the time it ends (`hold`).
+        # medium -> its suspension by a worker's circuit breaker (a `Backoff` holding its end)
         self._off: dict[str, Backoff] = {}
         # keys a worker found damaged (bounded, oldest first out)
         self._bad_keys: dict[bytes, None] = {}
-
-    @property
-    def probing(self) -> bool:
-        """Shared tiers can be probed where the index ends."""
-        return self._probe_pool is not None
 
     def has_fn(self) -> Callable[[bytes], bool]:
         """Hybrid lookups: "is this key worth asking for" (the index, or any key not known
@@ -117,15 +102,10 @@ class RemoteIndex:
                 del self._bad_keys[next(iter(self._bad_keys))]
 
     def lookup(self, keys: list[bytes], req_id: str = "") -> int | None:
-        """Leading `keys` every rank holds: in the index of its worker's keys, or else in a
-        shared tier, as the probes find them where the index ends (as the worker's lookup
-        then adopts them: `probe_chain`, once per rank). None while the probes run longer
-        than PROBE_WAIT_S (vLLM asks again next step; the probe goes on meanwhile).
-
-        With probes, the index is trusted only for private tiers: what a worker holds in a
-        shared tier, another engine's stores may have evicted since (the store's capacity
-        is shared), so the probes confirm it; a block gone is a plain miss, never a load
-        error (which `kv_load_failure_policy = "fail"` would turn into a failed request)."""
+        """Leading `keys` every rank holds: in the index, or else in a shared tier as the
+        probes find them (`probe_chain`, once per rank); None while the probes run longer
+        than PROBE_WAIT_S (vLLM asks again). With probes the index is trusted only for
+        private tiers: another engine may have evicted a block from a shared tier since."""
         suspended = self._suspended_mediums()
         off = suspended | self._shared_mediums  # the index is not enough for these
         if self._shards is not None:  # `keys` are every rank's shards, block-major
@@ -137,8 +117,8 @@ class RemoteIndex:
             return n
         if self._may_hold is not None and not any(f(keys[n]) for f in self._may_hold):
             return n  # no probe can find the first key missing: no thread to wait for
-        # Per rank, which keys from n on the index vouches for (a private tier holds them):
-        # taken here, so the probe thread never reads the index while this thread changes it.
+        # Per rank, which keys from n on a private tier holds, taken here: the probe thread
+        # never reads the index while this thread changes it.
         if self._shards is not None:  # the ranks share their shared tiers: one set of probes
             private = [tuple(self._owners_hold(keys[n:], n, off))]
         else:
@@ -170,8 +150,7 @@ class RemoteIndex:
         off: frozenset[str],
     ) -> list[int]:
         """On the probe thread: per rank, where its run of keys from `n` ends, walking keys a
-        private tier holds (`private`, from the index) and runs its shared tiers hold (one
-        tier's run after another, as the worker's lookups adopt them)."""
+        private tier holds (`private`) and runs its shared tiers hold."""
         bad = self._bad_keys
         ends = []
         for probes, mine in zip(self._probes, private, strict=True):
@@ -190,7 +169,7 @@ class RemoteIndex:
 
     def _suspended_mediums(self) -> frozenset[str]:
         """Mediums the workers' circuit breakers suspended, for now: their blocks are no hits
-        (a load from them would fail again at once, and vLLM would ask again: a loop)."""
+        (a load from them would fail again at once)."""
         if not self._off:
             return frozenset()
         now = time.monotonic()
@@ -198,9 +177,8 @@ class RemoteIndex:
         return frozenset(self._off)
 
     def _owners_hold(self, keys: list[bytes], start: int, off: frozenset[str]) -> Iterator[bool]:
-        """Head shards: for each of `keys` (shard keys of whole blocks, block-major, the
-        first at position `start`), whether the rank owning that shard holds it in a tier
-        not in `off`."""
+        """Head shards: for each of `keys` (block-major, the first at position `start`),
+        whether the rank owning that shard holds it in a tier not in `off`."""
         owner = self._shards.owner  # type: ignore[union-attr]
         for i, k in enumerate(keys, start):
             yield self._rank_holds(k, owner(i), off)
@@ -221,9 +199,7 @@ class RemoteIndex:
         self, rank: int, keys: tuple[bytes, ...], medium: str, removed: bool
     ) -> tuple[bytes, ...]:
         """`rank` now holds (or no longer holds) `keys` in `medium`. Returns the keys every
-        rank now holds there, or no longer all do: with TP > 1 vLLM is told a block is stored
-        in a medium once every rank holds it there, and removed once one rank no longer does
-        (with TP 1 the scheduler passes the events to vLLM as they are)."""
+        rank now holds there, or no longer all do (what vLLM hears of with TP > 1)."""
         full = self._tp_size
         changed: list[bytes] = []
         for k in keys:
@@ -247,6 +223,6 @@ class RemoteIndex:
         """Stop probing and close the probes (a probe in flight ends within its timeout)."""
         probes, self._probes = self._probes, []
         if self._probe_pool is not None:
-            self._probe_pool.shutdown(wait=True)  # a probe in flight ends within its timeout
+            self._probe_pool.shutdown(wait=True)
         for _, p in (p for rank in probes for p in rank):
             p.close()

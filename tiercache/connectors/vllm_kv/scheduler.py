@@ -3,20 +3,15 @@
 - Request state (`_Req`): each request's prefix keys (tiercache's own, deterministic across
   restarts; LoRA, cache salt and multimodal inputs as extra keys) and engine block ids.
 - Matching (`get_num_new_matched_tokens`): a lookup from the first block vLLM has not
-  computed, whole blocks only and never the block holding the last prompt token; local
-  placement through `LocalLookup` (verified reads; with the "recompute" load failure policy,
-  asynchronous loads straight from persistent tiers), remote through `RemoteIndex` (the
-  workers' keys and probes of the shared tiers); hybrid models (`_match_groups`): the longest
-  prefix every KV cache group serves. The cost gate (`_affordable`) loads only the part of a
-  hit cheaper to load than to recompute.
+  computed, whole blocks only and never the block holding the last prompt token, through
+  `LocalLookup` (local placement) or `RemoteIndex` (remote); hybrid models: `_match_groups`.
+  The cost gate (`_affordable`) loads only the part of a hit cheaper to load than recompute.
 - Planning (`update_state_after_alloc`, `build_connector_meta`): this step's loads, and the
   stores of the blocks this step completes (sliding windows: `_window_keep`).
 - Events and finished stores (`update_connector_output`, `request_finished`, `take_events`).
-- Head shards (`settings.shards`): keys and block ids stay the blocks' in requests and plans
-  (the worker maps them to its shards); lookups ask for every shard of every block (all
-  ranks', `HeadShards.all_keys`), and a block is a hit only with all of them; the index holds
-  shard keys as one rank would (they are disjoint between ranks); events for vLLM are
-  block events again (`ShardEvents`).
+- Head shards (`settings.shards`): requests and plans keep block keys and ids; lookups ask
+  for every shard of every block (`HeadShards.all_keys`), a hit needing all of them; events
+  for vLLM are block events again (`ShardEvents`).
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ from vllm.distributed.kv_events import KVCacheEvent
 from tiercache.connectors.kv_groups import KVGroup, hit_end, window_positions
 from tiercache.connectors.namespace import extra_keys_for
 from tiercache.connectors.shard_events import ShardEvents
-from tiercache.connectors.stores import SharedStore, release_store
+from tiercache.connectors.stores import SharedStore
 from tiercache.connectors.vllm_kv.kv_events import EventTranslator, describe, placement_of
 from tiercache.connectors.vllm_kv.local_lookup import LocalLookup
 from tiercache.connectors.vllm_kv.messages import (
@@ -58,9 +53,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-# One DEBUG line per admission (request id, prompt tokens, tokens from the engine's own cache,
-# tokens from tiercache): what a serving bench needs to count reuse per request
-# (bench/bench_serve.py enables it); off by default.
+# One DEBUG line per admission (prompt tokens, from the engine's cache, from tiercache), for
+# serving benches to count reuse per request (bench/bench_serve.py enables it).
 admissions = logging.getLogger("tiercache.connectors.vllm_kv.admissions")
 
 
@@ -71,28 +65,22 @@ class _Req:
     request: Request
     extra: dict[int, tuple[Any, ...]] | None
     keys: list[bytes] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # engine block ids, per group
     stored: int = 0  # leading blocks already handed to the worker for saving
     skip: bool = False  # prompt embeddings: token ids do not identify the KV, never cached
     hit: tuple[int, int] = (0, 0)  # (first block, number of blocks) of the last lookup
     local: int = 0  # tokens vLLM's own cache held at the last lookup (its num_computed_tokens)
-    # The last hit reaches blocks held only in persistent tiers, unread (LocalLookup's
-    # `direct`): loaded asynchronously.
-    direct: bool = False
-    # Hybrid models (several KV cache groups): keys and engine block ids per group, what
-    # the last hit loads as (group, block position, key), and block positions where a hit
-    # is likely to end later (see `_window_keep`).
+    direct: bool = False  # the last hit is `LocalHit.direct`: loaded asynchronously
+    # Hybrid models: keys per group, what the last hit loads as (group, block position, key),
+    # and positions where a hit is likely to end (`_window_keep`).
     gkeys: dict[int, list[bytes]] = field(default_factory=dict)
-    gblock_ids: list[list[int]] = field(default_factory=list)
     hit_plan: tuple[tuple[int, int, bytes], ...] = ()
     marks: set[int] = field(default_factory=set)
 
 
 class KVScheduler(RoleBase):
-    """The scheduler role over `settings`. With `shared` (local placement: the worker runs in
-    this process and shares its store) lookups ask the shared cache; without it (remote
-    placement) they ask the index of the workers' keys and `probes` (per rank, the read-only
-    probes of its shared tiers). `shutdown` releases `shared` and closes the probes."""
+    """The scheduler role over `settings`: lookups ask the `shared` cache (local placement) or,
+    without it, the index of the workers' keys and `probes` (per rank, of its shared tiers)."""
 
     def __init__(
         self,
@@ -102,7 +90,7 @@ class KVScheduler(RoleBase):
     ) -> None:
         super().__init__(settings, shared)
         self._config = settings.config
-        self._block_size, self._block_bytes = settings.block_size, settings.block_bytes
+        self._block_size = settings.block_size
         self._tp_size = settings.tp_size
         self._shards = settings.shards
         self._per = self._shards.shards if self._shards is not None else 1  # keys per block
@@ -110,10 +98,7 @@ class KVScheduler(RoleBase):
         self._shard_events = (
             ShardEvents(self._shards) if self._shards is not None and settings.events else None
         )
-        self._engine_block_bytes = settings.engine_block_bytes or settings.block_bytes
         self._groups, self._hma = settings.groups, settings.hma
-        self._key_namespace = settings.keys_namespace
-        self._loads_on, self._stores_on = settings.loads_on, settings.stores_on
         self.local = shared is not None
         self.remote = RemoteIndex(
             settings.tp_size, self._count, probes, settings.config.deadlines, self._shards
@@ -136,10 +121,8 @@ class KVScheduler(RoleBase):
         self._storing = StoresInFlight(settings.config.deadlines.store_timeout)
         self._delayed: list[str] = []  # request_finished returned True; tell the worker
         self._events: list[Event] = []
-        # vLLM's events describe each block in vLLM's terms (kv_events.py); hybrid models'
-        # per-group keys are not described, so not reported.
-        # Shared tiers: every engine on the store reports what it can load from it, and
-        # what the store no longer holds (shared_blocks.py).
+        # vLLM's events (kv_events.py; not for hybrid models' per-group keys), and what every
+        # engine on a shared store can load from it (shared_blocks.py).
         self._shared_blocks: SharedBlocks | None = None
         self._translator: EventTranslator | None = None
         if settings.events and not self._hma:
@@ -157,29 +140,23 @@ class KVScheduler(RoleBase):
                 limit=max(4096, 2 * settings.num_blocks),
                 on_shared=self._shared_blocks.on_shared if self._shared_blocks else None,
             )
-        # Cost-aware loading ([loading], `tiercache.costs`): the gate, over the shared cache's
-        # estimates (local) or its own, fed by the worker's samples (remote).
+        # Cost-aware loading: over the shared cache's estimates (local) or the workers' samples.
         self._gate = LoadGate(
             self._config.loading, shared.cache.load_costs if shared is not None else None
         )
 
     def shutdown(self) -> None:
-        """Stop probes and verifying reads, then drop this role's reference to the store (the
-        last one closes it: write-back and flush)."""
+        """Stop probes and verifying reads, then `release` the store."""
         self.remote.shutdown()
         if self._shared_blocks is not None:
             self._shared_blocks.close()
         if self.local_lookup is not None:
             self.local_lookup.shutdown()
-        shared, self._shared = self._shared, None
-        if shared is not None:
-            release_store(shared)
+        self.release()
 
     def _lookup_local(self, keys: list[bytes], req_id: str = "") -> int | None:
         """The local placement's hit (LocalLookup), in blocks; None: vLLM asks again. The
-        request's state records whether the hit is `direct`: it reaches blocks held only in
-        persistent tiers, unread, which the worker loads asynchronously (the "recompute"
-        policy: see LocalLookup)."""
+        request's state records whether it is `direct` (loaded asynchronously)."""
         assert self.local_lookup is not None
         hit = self.local_lookup.lookup(keys, req_id)
         if hit is None:
@@ -192,14 +169,13 @@ class KVScheduler(RoleBase):
     def _state(self, request: Request) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None:
-            lora = getattr(request, "lora_request", None)
             mm = [
                 (str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
                 for f in (getattr(request, "mm_features", None) or [])
             ]
             extra = extra_keys_for(
                 block_size=self._block_size,
-                lora_name=getattr(lora, "lora_name", None) if lora else None,
+                lora_name=getattr(getattr(request, "lora_request", None), "lora_name", None),
                 cache_salt=getattr(request, "cache_salt", None),
                 mm_items=mm,
             )
@@ -216,7 +192,7 @@ class KVScheduler(RoleBase):
             st.keys = prefix_hashes(
                 list(tokens[: full * self._block_size]),
                 self._block_size,
-                namespace=self._key_namespace,
+                namespace=self.settings.keys_namespace,
                 extra_keys=st.extra,
             )
         return st.keys[:n_blocks]
@@ -233,7 +209,7 @@ class KVScheduler(RoleBase):
         if (
             limit <= start
             or st.skip
-            or not self._loads_on
+            or not self.settings.loads_on
             or getattr(request, "skip_reading_prefix_cache", False)
         ):
             return 0, False
@@ -261,10 +237,8 @@ class KVScheduler(RoleBase):
         st.hit = (start, n)
         self._describe(st, start, start + n)
         self._count("lookup_hit_blocks", n)
-        # Remote placement loads asynchronously (and so does the local one straight from a
-        # persistent tier): vLLM keeps the request waiting, and its blocks out of the prefix
-        # cache, until the worker reports the load, so a block that fails is recomputed by
-        # this request alone, never read by another one in the meantime.
+        # Asynchronous loads (remote, direct) keep the request's blocks out of vLLM's prefix
+        # cache until loaded: a block that fails is recomputed by this request alone.
         return n * bs, self._shared is None or st.direct
 
     def _gkeys(self, st: _Req, group: KVGroup, n_blocks: int) -> list[bytes]:
@@ -276,11 +250,8 @@ class KVScheduler(RoleBase):
         return have[:n_blocks]
 
     def _has_fn(self) -> Any:
-        """Hybrid lookups: a quick "is this key worth asking for" predicate (local: the
-        manager's lookup of the key alone, which wakes a block dormant since the open and
-        finds one a shared tier holds unindexed, e.g. any block of a store opened lazily;
-        remote: the index, or any key not known damaged when shared tiers can be probed).
-        The real lookup then confirms (`_match_groups`)."""
+        """Hybrid lookups: a quick "is this key worth asking for" (local: the manager's lookup
+        of the key alone, which also wakes dormant blocks; remote: `RemoteIndex.has_fn`)."""
         if self._shared is not None:
             manager = self._shared.cache.manager
             return lambda k: manager.lookup_ready((k,), count=False, leaving=True)[0] > 0
@@ -288,12 +259,9 @@ class KVScheduler(RoleBase):
 
     def _match_groups(self, st: _Req, start: int, limit: int) -> tuple[int | None, bool]:
         """`get_num_new_matched_tokens` for several KV cache groups: the longest hit from
-        block `start` every group can serve (full-attention groups: every block; sliding
-        windows: the blocks of the window before the hit's end), confirmed by the usual
-        lookup (local: pinned-free lookup, settle, cost gate, verified persistent reads;
-        remote: index and probes) over exactly the keys it loads. Loads are asynchronous, so
-        a failed one is reported for the request (vLLM cannot take block-level load errors
-        with several groups) and recomputed whole."""
+        block `start` every group can serve (`kv_groups.hit_end`), confirmed by the usual
+        lookup over exactly the keys it loads. Loads are asynchronous; a failed one fails the
+        request's receive (recomputed whole)."""
         bs = self._block_size
         gk = {g.index: self._gkeys(st, g, limit) for g in self._groups}
         full = [g for g in self._groups if not g.window_blocks]
@@ -359,10 +327,9 @@ class KVScheduler(RoleBase):
 
     def _affordable(self, keys: list[bytes], n: int) -> int:
         """Cost-aware loading: how many of the `n` leading hit `keys` to load (the rest is
-        recomputed), by the tier each block would load from: the first tier holding it (with
-        TP, the slowest rank's; head shards: the slowest shard's, and whole blocks only); a
-        block the index does not place (found by a probe of a shared tier) counts as the last
-        tier's."""
+        recomputed), by the tier each block would load from: the first holding it (the
+        slowest rank's or shard's; whole blocks only); a block found by a probe counts as the
+        last tier's."""
         per = self._per
         if self._shards is not None:
             n = self._shards.whole(n, per)
@@ -383,9 +350,8 @@ class KVScheduler(RoleBase):
                 fastest = [min(order.get(m, last) for m in ms) for ms in ranks.values() if ms]
                 at.append(max(fastest, default=last))
         tiers = [names[max(at[i : i + per])] for i in range(0, n, per)]
-        d = self._gate.decide(
-            tiers, block_bytes=self._engine_block_bytes, block_tokens=self._block_size
-        )
+        block_bytes = self.settings.engine_block_bytes or self.settings.block_bytes
+        d = self._gate.decide(tiers, block_bytes=block_bytes, block_tokens=self._block_size)
         if d.load:
             self._count("loading_blocks", d.load)
         if d.declined:
@@ -440,12 +406,9 @@ class KVScheduler(RoleBase):
                 m = len(manager.first_tiers(look, leaving=True, stop=True))
                 m = self._shards.whole(m) if self._shards is not None else m
                 spec = manager.prepare_load(look[:m], leaving=True) if m else None
-        remote = self._shared is None
-        self._loads.append(
-            LoadJob(
-                request.request_id, keys, targets, spec, remote, asynchronous=self._hma or st.direct
-            )
-        )
+        asynchronous = self._hma or st.direct
+        job = LoadJob(request.request_id, keys, targets, spec, self._shared is None, asynchronous)
+        self._loads.append(job)
         st.hit, st.direct = (0, 0), False
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheConnectorMetadata:
@@ -465,31 +428,32 @@ class KVScheduler(RoleBase):
             resumed = req_id in cached.resumed_req_ids
             ids = tuple(new) if new else None
             steps.append((req_id, ids, resumed, cached.num_computed_tokens[i]))
-        if not self._stores_on:  # kv_consumer: loads only
+        if not self.settings.stores_on:  # kv_consumer: loads only
             steps = []
         planned: set[bytes] = set()  # hybrid: full-attention keys stored by this step
         for req_id, new_groups, replace, computed in steps:
             st = self._reqs.get(req_id)
             if st is None or st.skip:  # never asked about (prefix caching off), or embeddings
                 continue
-            if self._hma:
-                scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-                self._plan_groups(meta, st, new_groups, replace, computed, scheduled, planned)
-                continue
-            new_ids = new_groups[0] if new_groups else None
-            if replace:
-                st.block_ids = list(new_ids or [])
-            elif new_ids:
-                st.block_ids.extend(new_ids)
+            if replace or not st.block_ids:
+                groups = max(1, len(self._groups))
+                st.block_ids = [list(ids) for ids in (new_groups or [[] for _ in range(groups)])]
+            elif new_groups:
+                for have, add in zip(st.block_ids, new_groups, strict=True):
+                    have.extend(add)
             # num_computed_tokens can go backwards (a recomputed load error, a preemption):
             # blocks from there on are saved again once recomputed.
             st.stored = min(st.stored, computed // bs)
             done = (computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // bs
-            done = min(done, len(st.block_ids), st.request.num_tokens // bs)
+            done = min(done, *(len(ids) for ids in st.block_ids), st.request.num_tokens // bs)
             if done <= st.stored:
                 continue
+            if self._hma:
+                self._plan_groups(meta, st, done, planned)
+                st.stored = done
+                continue
             keys = self._keys(st, done)
-            ids = st.block_ids[st.stored : done]
+            ids = st.block_ids[0][st.stored : done]
             if 0 not in ids:  # the null block stands for a block vLLM does not hold
                 meta.stores.append(StoreJob(req_id, tuple(keys[st.stored : done]), tuple(ids)))
                 self._describe(st, st.stored, done)
@@ -502,31 +466,13 @@ class KVScheduler(RoleBase):
         return meta
 
     def _plan_groups(
-        self,
-        meta: TierCacheConnectorMetadata,
-        st: _Req,
-        new_groups: tuple[list[int], ...] | None,
-        replace: bool,
-        computed: int,
-        scheduled: int,
-        planned: set[bytes],
+        self, meta: TierCacheConnectorMetadata, st: _Req, done: int, planned: set[bytes]
     ) -> None:
-        """`build_connector_meta` for several KV cache groups: the blocks this step completes,
-        every one for full-attention groups, for sliding windows those `_window_keep` keeps.
-        Only blocks completed by this step are stored: vLLM frees a sliding window's blocks
-        once they leave the window, without telling the connector."""
+        """`build_connector_meta` for several KV cache groups: the blocks completed from
+        `st.stored` to `done` (only those: vLLM frees a sliding window's blocks without telling
+        the connector), all for full attention, for sliding windows those `_window_keep` keeps."""
         bs = self._block_size
         req_id = st.request.request_id
-        if replace or not st.gblock_ids:
-            st.gblock_ids = [list(ids) for ids in (new_groups or [[] for _ in self._groups])]
-        elif new_groups:
-            for have, add in zip(st.gblock_ids, new_groups, strict=True):
-                have.extend(add)
-        st.stored = min(st.stored, computed // bs)
-        done = (computed + scheduled) // bs
-        done = min(done, *(len(ids) for ids in st.gblock_ids), st.request.num_tokens // bs)
-        if done <= st.stored:
-            return
         keep = self._window_keep(st, st.stored, done, planned)
         keys: list[bytes] = []
         ids: list[int] = []
@@ -534,7 +480,7 @@ class KVScheduler(RoleBase):
         for g in self._groups:
             gk = self._gkeys(st, g, done)
             for p in range(st.stored, done):
-                b = st.gblock_ids[g.index][p]
+                b = st.block_ids[g.index][p]
                 if b == 0 or (g.window_blocks and p not in keep[g.index]):
                     continue  # null block (vLLM does not hold it), or outside every window
                 keys.append(gk[p])
@@ -546,20 +492,14 @@ class KVScheduler(RoleBase):
             tokens = (done - st.stored) * bs
             meta.stores.append(StoreJob(req_id, tuple(keys), tuple(ids), tuple(groups), tokens))
             self._pending[req_id] = self._pending.get(req_id, 0) + self._tp_size
-        st.stored = done
 
     def _window_keep(self, st: _Req, lo: int, hi: int, planned: set[bytes]) -> dict[int, set[int]]:
-        """Per sliding-window group, the block positions in [lo, hi) to store: those inside
-        the window before a block where a later hit is likely to end, so that stored bytes
-        stay bounded by the window instead of growing with the prompt:
-
-        - the end of the prompt's hit (the block before the one holding its last token: the
-          same prompt again),
-        - where this request's lookup found the stored prefix ending (`_Req.marks`),
-        - where this request leaves what the store holds or another request of this step
-          stores (a shared prefix ends there: the next request sharing it hits there).
-
-        A hit ending elsewhere is served by the nearest such block before it."""
+        """Per sliding-window group, the block positions in [lo, hi) to store: the window before
+        each block where a later hit is likely to end (so stored bytes stay bounded by the
+        window): the end of the prompt's hit, where this request's lookup found the stored
+        prefix ending (`_Req.marks`), and where this request leaves what the store holds or
+        another request of this step stores (a shared prefix ends there). A hit ending
+        elsewhere is served by the nearest such block before it."""
         bs = self._block_size
         n_keys = len(st.request.all_token_ids) // bs
         marks = set(st.marks)
@@ -621,14 +561,10 @@ class KVScheduler(RoleBase):
 
     def _index_event(self, rank: int, keys: tuple[bytes, ...], medium: str, removed: bool) -> None:
         """Remote placement: `rank` now holds (or no longer holds) `keys` in `medium`; with
-        TP > 1, vLLM hears of the keys every rank now holds there, or no longer all do (head
-        shards: the keys are shards, each counted where its owner holds it (`RemoteIndex`);
-        vLLM hears of whole blocks through `ShardEvents`)."""
-        if self._shards is not None:
-            self.remote.apply(rank, keys, medium, removed)
-            return
+        TP > 1 (not head shards: `ShardEvents`), vLLM hears of the keys every rank now holds
+        there, or no longer all do."""
         changed = self.remote.apply(rank, keys, medium, removed)
-        if self._tp_size > 1 and changed and self._vllm_events:
+        if self._tp_size > 1 and changed and self._vllm_events and self._shards is None:
             self._events.append((changed, medium, removed))
 
     def set_xfer_handshake_metadata(

@@ -1,12 +1,8 @@
 """The connector's settings, read once from vLLM's configuration, and its tunables.
 
-`KVSettings` is what both roles are built from: this rank's resolved `CacheConfig`, the block
-geometry, tensor-parallel size and rank, the KV cache groups (hybrid models), the kv_role and,
-for the scheduler, every rank's config (its probes of the shared tiers). `KVSettings.from_vllm`
-parses it from the vLLM config and ``kv_connector_extra_config``; tests build it directly.
-
-`RoleBase` is the counting both roles share (vLLM's stats, and the shared store's counters).
-This is the bottom module of the package: it imports nothing from it.
+`KVSettings` is what both roles are built from (`KVSettings.from_vllm`; tests build it
+directly). `RoleBase` is the counting both roles share. This is the bottom module of the
+package: it imports nothing from it.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from tiercache.config import CacheConfig
 from tiercache.connectors.kv_groups import KVGroup, groups_tag, kv_groups
 from tiercache.connectors.namespace import namespace_from_vllm, read_user_config
 from tiercache.connectors.ranks import RankConfig, resolve_rank_config
-from tiercache.connectors.stores import SharedStore
+from tiercache.connectors.stores import SharedStore, release_store
 from tiercache.connectors.tp_layout import blocks_as_shards, check_no_rank_dirs, choose_shards
 from tiercache.errors import ConfigError
 from tiercache.transfer.head_shards import HeadShards
@@ -37,25 +33,16 @@ SETTLE_KEY = "kv.settle"  # SharedStore.state: the local worker role's `_settle`
 SETTLE_WAIT_S = 0.5  # how long a local lookup waits for a store of the key it reached
 MOVE_WAIT_S = 0.05  # ... and for a move: while one runs the lookup answers None (asks again)
 VERIFY_WAIT_S = 0.05  # how long a local lookup waits for its verifying read (see LocalLookup)
-# In a step without a forward (every request waits for its load), how long the worker's
-# `get_finished` waits for the oldest asynchronous load before vLLM's loop goes round again
-# (see KVWorker.get_finished).
-IDLE_WAIT_S = 0.005
+IDLE_WAIT_S = 0.005  # a step without a forward: how long the worker waits for a load (_wait_idle)
 
 
 @dataclass(frozen=True)
 class KVSettings:
-    """What a role needs to know, fixed for its life.
-
-    `config` is this rank's store (per-rank layout: namespace with its rank, per-rank paths;
-    head shards: the store every rank and TP size shares); `key_namespace` hashes block keys,
-    the same on every rank (None: `config.namespace`, as with TP 1). `groups` are vLLM's KV
-    cache groups (empty or one: a plain model). `rank_configs` are every rank's configs
-    (scheduler role: the probes of each rank's shared tiers; one with head shards).
-
-    `shards` (None: the per-rank layout) maps the engine's blocks to head shards
-    (`tiercache.transfer.head_shards`): the store's blocks are then shards, `block_bytes` is a
-    shard's bytes, and `engine_block_bytes` this rank's bytes of an engine block."""
+    """What a role needs to know, fixed for its life. `config` is this rank's store;
+    `key_namespace` hashes block keys, the same on every rank (None: `config.namespace`);
+    `rank_configs` are every rank's configs (the scheduler probes their shared tiers);
+    `shards` (None: the per-rank layout) maps engine blocks to head shards, whose bytes
+    `block_bytes` then counts."""
 
     config: CacheConfig
     block_size: int  # tokens per block
@@ -72,18 +59,12 @@ class KVSettings:
     shards: HeadShards | None = None
     engine_block_bytes: int = 0  # this rank's bytes of an engine block (0: block_bytes)
     kv_heads: int = 0  # this rank's KV heads (head shards: checked against the KV caches)
-    # kv_load_failure_policy "recompute": vLLM recomputes blocks whose load fails, so the
-    # local placement loads blocks held only in persistent tiers straight into the engine
-    # (asynchronously) instead of reading them first to verify them (see LocalLookup).
-    recompute_failures: bool = False
-    # vLLM publishes KV events (kv_events_config.enable_kv_cache_events): only then does the
-    # scheduler turn the cache's events into vLLM's (vLLM drops them otherwise, and with head
-    # shards mapping shard events back to blocks costs a lookup's every shard key).
+    recompute_failures: bool = False  # kv_load_failure_policy "recompute" (LocalLookup.direct)
+    # vLLM publishes KV events (enable_kv_cache_events): only then does the scheduler build
+    # vLLM's events (vLLM drops them otherwise).
     events: bool = True
     hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (shared_blocks' hashes)
-    # Seconds between polls of the shared stores for KV events (kv_connector_extra_config
-    # "events_poll_s"; shared_blocks.py): the convergence bound's step.
-    events_poll_s: float = 0.5
+    events_poll_s: float = 0.5  # extra config "events_poll_s": polls of shared stores' events
 
     @property
     def hma(self) -> bool:
@@ -109,8 +90,7 @@ class KVSettings:
                 f"TierCacheConnector: parallel world size {world} with tensor parallel size "
                 f"{tp_size} is not supported; pipeline (and context) parallel size must be 1"
             )
-        # One KV cache group, or several (a hybrid model under vLLM's hybrid KV cache
-        # manager): refused with a clear error where tiercache cannot serve them right.
+        # Several groups: a hybrid model (refused where tiercache cannot serve them right).
         groups: tuple[KVGroup, ...] = kv_groups(kv_cache_config)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         block_size = int(spec.block_size)
@@ -137,16 +117,15 @@ class KVSettings:
             layout += f"/heads:{shards.shards}"
             user = blocks_as_shards(user, shards)
 
+        def namespace(r: int) -> str:
+            return namespace_from_vllm(vllm_config, layout=layout, tp_rank=r, per_rank=per_rank)
+
         def rank_config(r: int) -> RankConfig:
             return resolve_rank_config(
                 user,
                 block_size=block_size,
-                key_namespace=namespace_from_vllm(
-                    vllm_config, layout=layout, tp_rank=0, per_rank=per_rank
-                ),
-                store_namespace=namespace_from_vllm(
-                    vllm_config, layout=layout, tp_rank=r, per_rank=per_rank
-                ),
+                key_namespace=namespace(0),
+                store_namespace=namespace(r),
                 tp_rank=r,
                 tp_size=tp_size,
                 shared=not per_rank,
@@ -159,8 +138,7 @@ class KVSettings:
         rank = rank_config(tp_rank)
         if shards is not None:
             check_no_rank_dirs(rank.config)
-        # The scheduler probes every rank's shared tiers (remote placement, `RemoteIndex`);
-        # with head shards the ranks share them.
+        # The scheduler probes every rank's shared tiers (with head shards the ranks share them).
         ranks = range(1, tp_size) if per_rank and not worker else range(0)
         others = tuple(rank_config(r).config for r in ranks)
         engine_bytes = groups[0].block_bytes
@@ -199,8 +177,8 @@ def _poll_s(extra: Any) -> float:
 
 
 class RoleBase:
-    """Counters of one role: reported to vLLM (`take_stats`) and added to the shared store's
-    counters (telemetry) while the role holds the store."""
+    """What both roles share: the store they hold (`release`), and their counters, reported to
+    vLLM (`take_stats`) and added to the store's counters (telemetry) while they hold it."""
 
     def __init__(self, settings: KVSettings, shared: SharedStore | None) -> None:
         self.settings = settings
@@ -216,6 +194,12 @@ class RoleBase:
         """The counters since the last call (empty: nothing counted)."""
         stats, self._stats = self._stats, {}
         return stats
+
+    def release(self) -> None:
+        """Drop this role's reference to the store (the last one closes it: write-back, flush)."""
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            release_store(shared)
 
 
 def _total_kv_heads(vllm_config: VllmConfig) -> int | None:

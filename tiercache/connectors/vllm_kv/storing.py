@@ -1,9 +1,6 @@
 """`StoresInFlight`: the keys of store plans the worker has not reported finished (remote
 placement), so that a lookup reaching one asks again next step instead of recomputing a
-block that is about to be stored.
-
-A plan the worker never reports is given up after the store deadline: a key is waited for
-at most that long after it was planned.
+block about to be stored; a key is waited for at most the store deadline after its plan.
 """
 
 from __future__ import annotations

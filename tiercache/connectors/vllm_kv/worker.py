@@ -1,44 +1,39 @@
 """`KVWorker`: the connector's worker role (bytes, through tiercache's transfer engine).
 
-- `register_kv_caches`: the engine buffer as a `KVLayout` (`engine_layout`: hybrid models'
-  overlaid groups share one; head shards: of shard units), and an `OffloadingWorker` over the
-  cache's tiers.
-- Head shards (`settings.shards`): the scheduler speaks of blocks (block keys, engine block
-  ids); at this edge (`_edge`) each becomes this rank's shard keys and shard units, which the
-  cache and the transfer engine handle like blocks; load errors go back as engine blocks.
+- `register_kv_caches`: the engine buffer as a `KVLayout` (`engine_layout`), and an
+  `OffloadingWorker` over the cache's tiers. Head shards: at this edge (`_edge`) the
+  scheduler's blocks become this rank's shard keys and units; load errors go back as blocks.
 - `start_load_kv`: submits the step's loads; a synchronous one (local placement) completes
-  before the forward, an asynchronous one (remote, hybrid, and local loads straight from a
-  persistent tier under the "recompute" policy) is reported by `get_finished`, which in a
-  step without a forward waits briefly for the oldest (`_wait_idle`). A block that fails is
-  reported by `get_block_ids_with_load_errors` (vLLM recomputes it).
-- `wait_for_save`: after the forward, plans and submits stores; they complete asynchronously,
-  and `get_finished` reports requests whose blocks vLLM kept for them.
-- `build_connector_worker_meta`: the cache's events, finished store plans, suspended tiers,
-  cost samples and damaged keys, back to the scheduler each step.
-- Deadlines: every submitted job is a `KVFlight` with a due time by kind (`load_timeout`,
-  `store_timeout`). A late load is abandoned (its blocks become load errors); a late store is
+  before the forward, an asynchronous one is reported by `get_finished` (which, in a step
+  without a forward, waits briefly for the oldest: `_wait_idle`). Failed blocks are reported
+  by `get_block_ids_with_load_errors` (vLLM recomputes them).
+- `wait_for_save`: after the forward, plans and submits stores; `get_finished` reports the
+  requests whose blocks vLLM kept for them.
+- `build_connector_worker_meta`: events, finished store plans, suspended tiers, cost samples
+  and damaged keys, back to the scheduler each step.
+- Deadlines (`Flights` of `KVFlight`s, `_give_up`): a late load is abandoned; a late store is
   stopped reading engine blocks and its request released; a late move only suspends its
-  destination. Shutdown waits at most `store_timeout`, then leaves hung transfers behind.
+  destination. Shutdown waits at most `store_timeout`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from tiercache.connectors.amx import prime_amx_tiles
-from tiercache.connectors.deadlines import Flights
-from tiercache.connectors.stores import SharedStore, release_store
+from tiercache.connectors.deadlines import Flights, warn_late
+from tiercache.connectors.stores import SharedStore
 from tiercache.connectors.vllm_kv.engine_layout import engine_layout, kv_report
 from tiercache.connectors.vllm_kv.messages import (
-    Event,
     StoreJob,
     TierCacheConnectorMetadata,
     TierCacheHandshake,
@@ -63,6 +58,13 @@ from tiercache.transfer import (
     store_transfers,
 )
 
+# What becomes of a transfer past its deadline, by kind (`KVWorker._give_up`).
+_LATE_OUTCOME = {
+    "load": "vLLM recomputes them",
+    "store": "vLLM gets its blocks back",
+    "move": "it goes on",
+}
+
 
 @dataclass
 class KVFlight:
@@ -74,9 +76,8 @@ class KVFlight:
     plan: int = -1  # store plan id (stores and moves)
     block_ids: tuple[int, ...] = ()  # engine blocks (loads)
     req_id: str = ""  # the request of an asynchronous load
-    # Past its deadline and given up: a load's blocks were reported as errors; a store no
-    # longer holds its request (its plan counted it done). (A move given up is only marked
-    # late in `Flights`: it goes on.)
+    # Given up at its deadline: a load's blocks were reported as errors; a store no longer
+    # holds its request. (A late move is only marked late in `Flights`: it goes on.)
     abandoned: bool = False
 
 
@@ -86,18 +87,14 @@ class KVWorker(RoleBase):
 
     def __init__(self, settings: KVSettings, shared: SharedStore) -> None:
         super().__init__(settings, shared)
-        self._config = settings.config
-        self._block_size = settings.block_size
         self._tp_rank = settings.tp_rank
         self._groups, self._hma = settings.groups, settings.hma
         self._shards = settings.shards
         self._units: dict[str, int] = {}  # head shards counted towards blocks (_count_keys)
         self._worker: OffloadingWorker | None = None
-        # Jobs in flight with their deadlines (`connectors.deadlines`), once the engine buffer
-        # is registered (`register_kv_caches`); none before.
+        # Jobs in flight with their deadlines, once `register_kv_caches` built the engine.
         self._flights: Flights[KVFlight] | None = None
         self._plans: dict[int, tuple[str, int]] = {}  # plan id -> (req id, jobs in flight)
-        self._plans_done: dict[str, int] = {}
         self._job_ids = itertools.count()
         self._plan_ids = itertools.count()
         self._load_errors: set[int] = set()
@@ -108,24 +105,16 @@ class KVWorker(RoleBase):
         self._idle = False  # the bound step has no forward (wait_for_save)
         self._recv_done: set[str] = set()
         self._bad: dict[bytes, int] = {}  # keys that failed a load -> tier, to discard
-        self._journal: list[Event] = []
-        self._kept: list[bytes] = []  # forgotten from shared tiers, still stored (kv_events)
         self._held: dict[bytes, set[str]] = {}  # until the first step: for the handshake
-        self._suspensions: dict[str, float] = {}  # medium -> seconds, for the scheduler
-        # Cost-aware loading ([loading], `tiercache.costs`): samples for the cache's
-        # estimates and the scheduler.
-        self._load_samples: list[tuple[str, int, float]] = []
-        self._bad_report: list[bytes] = []  # keys that failed verification, for the scheduler
-        self._forward_samples: list[tuple[int, float]] = []
+        # What the next worker metadata carries: the cache's events, finished store plans,
+        # suspended tiers, cost samples, keys that failed verification, keys kept (kv_events).
+        self._report = TierCacheWorkerMetadata()
         self._timer = ForwardTimer()  # CUDA events once register_kv_caches sees a GPU
 
     def shutdown(self) -> None:
-        """Finish in-flight transfers, then drop this role's reference to the store (the last
-        one closes it: write-back and flush)."""
+        """Finish in-flight transfers, then `release` the store."""
         self._finish_transfers()
-        shared, self._shared = self._shared, None
-        if shared is not None:
-            release_store(shared)
+        self.release()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._shared is not None
@@ -144,10 +133,8 @@ class KVWorker(RoleBase):
 
     def _group_report(self, shared: SharedStore) -> dict[str, Any]:
         """The KV cache groups and the TP layout, for telemetry (`engine_layout.kv_report`).
-        `shared` is the store the section was added to, not `self._shared`: `shutdown()` drops
-        that before its release, and the last release is what closes the cache and writes
-        telemetry's final snapshot (an engine shut down before exit, e.g. vLLM's engine core
-        process), which must still carry this section."""
+        `shared`, not `self._shared`: `shutdown()` drops that before the release that closes
+        the cache and writes telemetry's final snapshot, which must still carry this section."""
         return kv_report(self.settings, dict(shared.counters))
 
     def get_handshake_metadata(self) -> TierCacheHandshake | None:
@@ -163,9 +150,9 @@ class KVWorker(RoleBase):
         assert self._shared is not None
         with self._shared.lock:
             events = self._shared.cache.take_events()
-            self._kept.extend(still_held(self._shared.cache, events))
+            self._report.kept.extend(still_held(self._shared.cache, events))
         for e in events:
-            self._journal.append((e.keys, e.medium, e.removed))
+            self._report.events.append((self._tp_rank, e.keys, e.medium, e.removed))
             for k in e.keys:
                 where = self._held.setdefault(k, set())
                 if e.removed:
@@ -180,39 +167,21 @@ class KVWorker(RoleBase):
             return None
         self._collect_events()
         self._forward_samples_done()
-        loads, forwards = self._load_samples, self._forward_samples
-        if (
-            not self._journal
-            and not self._plans_done
-            and not self._suspensions
-            and not loads
-            and not forwards
-            and not self._bad_report
-            and not self._kept
-        ):
+        meta = self._report
+        if not any(getattr(meta, f.name) for f in fields(meta)):
             return None
-        events = [(self._tp_rank, keys, medium, removed) for keys, medium, removed in self._journal]
-        meta = TierCacheWorkerMetadata(
-            events=events, plans_done=self._plans_done, suspended=self._suspensions
-        )
-        meta.load_samples, meta.forward_samples = loads, forwards  # cost samples
-        meta.bad, self._bad_report = self._bad_report, []
-        meta.kept, self._kept = self._kept, []
-        self._journal, self._plans_done, self._suspensions = [], {}, {}
-        self._load_samples, self._forward_samples = [], []
+        self._report = TierCacheWorkerMetadata()
         # The held set is only needed for the handshake; later it would just grow.
         self._held = {}
         return meta
 
     def _finish_transfers(self) -> None:
-        """At shutdown: wait for the transfers in flight, at most `store_timeout` seconds.
-        Those still running then are in a hung tier: it is suspended (the cache's close
-        writes nothing back into it) and they are left behind, so the engine can exit."""
+        """At shutdown: wait for the transfers in flight at most `store_timeout` seconds, then
+        leave those of hung tiers behind, their tiers suspended (`Flights.shutdown`)."""
         if self._worker is None or self._shared is None:
             return
-        timeout = self._shared.cache.config.deadlines.store_timeout
         flights = self._fl
-        late = flights.shutdown(lambda _, f: self._suspend(f.tier), log, timeout=timeout)
+        late = flights.shutdown(lambda _, f: self._suspend(f.tier), log)
         self._drain()
         flights.close_transfers(late)
         self._worker = None
@@ -234,11 +203,8 @@ class KVWorker(RoleBase):
             return self._drain()
 
     def wait_writes(self, timeout: float) -> bool:
-        """Wait until every store and move submitted so far, given-up ones included, has
-        ended in the transfer engine; True if all did within `timeout` seconds. Their results
-        are completed by the next drain (a step, or a lookup that settles a key). E.g. after
-        a hung disk came back: until then, a given-up store's keys stay reserved, and stores
-        of the same keys are skipped (`store_skipped_blocks`)."""
+        """Wait until every store and move submitted so far, given-up ones included, has ended
+        in the transfer engine (e.g. after a hung disk came back); True if all did in time."""
         if self._worker is None or self._shared is None:
             return True
         with self._shared.lock:
@@ -268,9 +234,8 @@ class KVWorker(RoleBase):
     def _edge(
         self, keys: Iterable[bytes], block_ids: Iterable[int]
     ) -> tuple[list[bytes], list[int]]:
-        """The scheduler's block keys and engine block ids as the cache's keys and the
-        transfer engine's blocks: unchanged, or (head shards) this rank's shard keys and
-        shard units, block-major."""
+        """Block keys and engine block ids as the cache's keys and the transfer engine's
+        blocks: unchanged, or (head shards) this rank's shard keys and units, block-major."""
         if self._shards is None:
             return list(keys), list(block_ids)
         return self._shards.keys(list(keys)), self._shards.units(block_ids)
@@ -298,28 +263,25 @@ class KVWorker(RoleBase):
                 # (evicted here or by another process sharing a tier: misses, no tier's error)
                 self._load_failed(job.req_id, ids[n:])
                 self._count_keys("load_gone_blocks", len(keys) - n)
+            transfers = load_transfers(spec, ids[:n]) if spec is not None else []
+            req_id = job.req_id if asynchronous else ""
             if asynchronous:
-                self._recving[job.req_id] = 0
-            if spec is not None:
-                for src, dst in load_transfers(spec, ids[:n]):
-                    assert isinstance(src, TierLoadStoreSpec)
-                    flight = KVFlight("load", src.keys, src.tier, block_ids=dst.block_ids)
-                    if asynchronous:
-                        flight.req_id = job.req_id
-                        self._recving[job.req_id] += 1
-                    job_id = self._submit(flight, (src, dst))
-                    if not asynchronous:
-                        sync_jobs.append(job_id)
-            if asynchronous and not self._recving[job.req_id]:
-                del self._recving[job.req_id]
-                self._recv_done.add(job.req_id)
-        # A synchronous load is read by this step's forward, so it completes first, or is
-        # abandoned at its deadline (its blocks recomputed). Whole blocks carry every layer,
-        # so wait_for_layer_load has nothing left to wait for.
+                self._recving[req_id] = len(transfers)
+            for src, dst in transfers:
+                assert isinstance(src, TierLoadStoreSpec)
+                flight = KVFlight("load", src.keys, src.tier, block_ids=dst.block_ids)
+                flight.req_id = req_id
+                job_id = self._submit(flight, (src, dst))
+                if not asynchronous:
+                    sync_jobs.append(job_id)
+            if asynchronous and not transfers:
+                del self._recving[req_id]
+                self._recv_done.add(req_id)
+        # This step's forward reads a synchronous load: it completes first, or is abandoned at
+        # its deadline (its blocks recomputed).
         if sync_jobs:
-            timeout = self._shared.cache.config.deadlines.load_timeout
-            # Not abandoned: copies from memory, which end soon: waited for.
-            self._fl.wait_or_give_up(sync_jobs, timeout, self._abandon, self._not_abandoned)
+            timeout = self._fl.timeout("load")
+            self._fl.wait_or_give_up(sync_jobs, timeout, self._give_up, self._not_abandoned)
             self._timer.start()  # the forward follows these loads (cost samples)
         self._drain()
 
@@ -330,37 +292,41 @@ class KVWorker(RoleBase):
         return self._flights
 
     def _not_abandoned(self, job_id: int) -> bool:
-        """A late job that was not abandoned (a copy from memory that started): still
-        waited for, it ends soon."""
+        """A late job that was not abandoned (a started copy from memory): it ends soon."""
         return not self._fl[job_id].abandoned
 
-    def _abandon(self, job_ids: Iterable[int]) -> None:
-        """Loads past their deadline: stop them writing engine blocks, report their blocks as
-        load errors (vLLM recomputes them), suspend their tiers (see the module doc)."""
-        assert self._worker is not None
+    def _give_up(self, job_ids: Iterable[int]) -> None:
+        """Jobs past their deadline (a hung tier), each once: their tier is suspended. A load
+        or a store that can be stopped touching engine blocks is, and abandoned: a load's
+        blocks become load errors (vLLM recomputes them), a store releases its request. A move
+        reads no engine block: it goes on, and lookups reaching its keys no longer wait."""
+        assert self._worker is not None and self._shared is not None
         for j in job_ids:
             f = self._fl.get(j)
-            if f is None or f.kind != "load" or f.abandoned or not self._worker.cancel(j):
+            if f is None or f.abandoned:
                 continue
-            f.abandoned = True
+            if f.kind != "move":
+                if not self._worker.cancel(j):
+                    continue  # a copy from memory that started: it ends soon
+                f.abandoned = True
             self._fl.mark_late(j)
-            self._load_failed(f.req_id, f.block_ids)
-            self._count_keys("load_deadline_blocks", len(f.keys))
+            if f.kind == "load":
+                self._load_failed(f.req_id, f.block_ids)
+                self._count_keys("load_deadline_blocks", len(f.keys))
+            elif f.kind == "store":
+                self._count_keys("store_deadline_blocks", len(f.keys))
+                self._plan_job_done(f.plan)
+            else:
+                with self._shared.lock:
+                    self._shared.cache.manager.unmove(f.keys)
             seconds = self._suspend(f.tier)
-            log.warning(
-                "tiercache: a load of %d blocks from tier %d missed its deadline; vLLM "
-                "recomputes them, and the tier is skipped for %.1f s",
-                len(f.keys),
-                f.tier,
-                seconds,
-            )
-            if f.req_id:
+            warn_late(log, f.kind, len(f.keys), f.tier, _LATE_OUTCOME[f.kind], seconds)
+            if f.kind == "load" and f.req_id:
                 self._received(f.req_id)
 
     def _load_failed(self, req_id: str, block_ids: Iterable[int]) -> None:
-        """Blocks that could not be loaded: never saved this step; vLLM recomputes them (with
-        several KV cache groups vLLM takes no block-level errors: the whole request is
-        reported as a failed receive, and recomputed)."""
+        """Blocks that could not be loaded: never saved this step; vLLM recomputes them (hybrid
+        models: the whole request, as a failed receive)."""
         self._load_errors.update(block_ids)
         if self._hma and req_id:
             self._failed_recv.add(req_id)
@@ -375,8 +341,7 @@ class KVWorker(RoleBase):
             self._note_suspended(tier, cache.manager.suspended()[tier])
 
     def _suspend(self, tier: int) -> float:
-        """Worker side: suspend `tier` (it missed a deadline) and tell the scheduler with the
-        next metadata; the seconds it stays suspended."""
+        """Suspend `tier` (it missed a deadline), for the scheduler too; the seconds it is."""
         assert self._shared is not None
         with self._shared.lock:
             seconds = self._shared.cache.manager.suspend(tier)
@@ -387,7 +352,7 @@ class KVWorker(RoleBase):
         """Record for the scheduler (worker metadata) that `tier` is suspended `seconds`."""
         assert self._shared is not None
         medium = self._shared.cache.tiers[tier].medium
-        self._suspensions[medium] = max(seconds, self._suspensions.get(medium, 0.0))
+        self._report.suspended[medium] = max(seconds, self._report.suspended.get(medium, 0.0))
 
     def _plan_job_done(self, plan: int) -> None:
         """One job of a store plan ended (or was given up): the plan's request is done with
@@ -399,38 +364,6 @@ class KVWorker(RoleBase):
             del self._plans[plan]
             self._plan_done(req_id)
 
-    def _give_up_stores(self, job_ids: Iterable[int]) -> None:
-        """Stores and moves past their deadline (a hung tier): suspend their tier; a store
-        from the engine that can be stopped from reading engine blocks is, and no longer holds
-        its request's blocks (see the module doc). Moves read no engine block (their request
-        does not wait for them): they only suspend their destination."""
-        assert self._worker is not None
-        for j in job_ids:
-            f = self._fl.get(j)
-            if f is None or f.abandoned:
-                continue
-            if f.kind == "store":
-                if not self._worker.cancel(j):
-                    continue  # a copy from memory that started: it ends soon
-                f.abandoned = True
-                self._fl.mark_late(j)
-                self._count_keys("store_deadline_blocks", len(f.keys))
-                self._plan_job_done(f.plan)
-            else:
-                self._fl.mark_late(j)  # suspend once per move
-                with self._shared.lock:  # lookups reaching its keys no longer wait for it
-                    self._shared.cache.manager.unmove(f.keys)
-            seconds = self._suspend(f.tier)
-            log.warning(
-                "tiercache: a %s of %d blocks into tier %d missed its deadline; %s, and the "
-                "tier is skipped for %.1f s",
-                f.kind,
-                len(f.keys),
-                f.tier,
-                "vLLM gets its blocks back" if f.abandoned else "it goes on",
-                seconds,
-            )
-
     def _received(self, req_id: str) -> None:
         """One load job of an asynchronous request ended (or was abandoned)."""
         self._recving[req_id] -= 1
@@ -439,15 +372,12 @@ class KVWorker(RoleBase):
             self._recv_done.add(req_id)
 
     def handle_preemptions(self, meta: object) -> None:
-        # A preempted request's blocks are freed and may be overwritten by this step's
-        # forward: stores still reading engine blocks must finish first.
+        # A preempted request's blocks may be overwritten by this step's forward: stores still
+        # reading them finish first (late ones, of a hung tier, are stopped reading).
         if getattr(meta, "preempted", False) and self._worker is not None:
-            assert self._shared is not None
             stores = [j for j, f in self._fl.items() if f.kind == "store" and not f.abandoned]
-            timeout = self._shared.cache.config.deadlines.store_timeout
-            # Late: a hung tier: stop them reading the blocks vLLM now reuses. Not abandoned:
-            # copies from memory, which end soon: waited for.
-            self._fl.wait_or_give_up(stores, timeout, self._give_up_stores, self._not_abandoned)
+            timeout = self._fl.timeout("store")
+            self._fl.wait_or_give_up(stores, timeout, self._give_up, self._not_abandoned)
             self._drain()
 
     def wait_for_save(self, meta: TierCacheConnectorMetadata) -> None:
@@ -479,11 +409,10 @@ class KVWorker(RoleBase):
                 absent = sum(1 for k in keys if not manager.holds(k))
                 plan = manager.prepare_store(keys)
         stored = len(plan.stored_keys) if plan is not None else 0
-        # Blocks the store keeps per group for the tokens the job covers (held already or
-        # written now): the bytes per token of each group (`_group_report`).
-        # (Not a job cut short by a failed load: what it covers is recomputed and stored again.)
+        # Blocks kept per group for the tokens the job covers: bytes per token (`_group_report`).
+        # Not for a job cut short by a failed load: it is recomputed and stored again.
         if bad is None:
-            self._count("kept_tokens", job.tokens or len(job.keys) * self._block_size)
+            self._count("kept_tokens", job.tokens or len(job.keys) * self.settings.block_size)
             for g, n in Counter(job.groups or (0,) * len(job.keys)).items():
                 self._count(f"kept_blocks_g{g}", n)
         if stored and job.groups:  # hybrid models: blocks stored per KV cache group
@@ -516,6 +445,11 @@ class KVWorker(RoleBase):
             if volatile and store:
                 self._volatile.append(job_id)
 
+    @property
+    def _load_samples(self) -> list[tuple[str, int, float]]:
+        """The load cost samples the next worker metadata carries."""
+        return self._report.load_samples
+
     def _load_sample(self, tier: int, nbytes: int, seconds: float) -> None:
         """A load job finished whole: its cost, for the cache's estimates and the scheduler."""
         assert self._shared is not None
@@ -526,16 +460,14 @@ class KVWorker(RoleBase):
     def bind(self) -> None:
         """vLLM bound the step's metadata (right before the forward)."""
         if self._volatile and self._worker is not None:
-            # Hybrid models: the last step's stores of sliding-window blocks (see `_save`).
-            # As at a preemption: a store past its deadline (a hung tier) is stopped reading.
+            # Hybrid models: the last step's stores of sliding-window blocks (see `_save`), as
+            # at a preemption.
             volatile, self._volatile = self._volatile, []
             volatile = [j for j in volatile if j in self._fl]
-            assert self._shared is not None
-            timeout = self._shared.cache.config.deadlines.store_timeout
-            self._fl.wait_or_give_up(volatile, timeout, self._give_up_stores, self._not_abandoned)
+            timeout = self._fl.timeout("store")
+            self._fl.wait_or_give_up(volatile, timeout, self._give_up, self._not_abandoned)
             self._drain()
-        # vLLM binds right before the forward (and starts asynchronous loads after it, then
-        # calls wait_for_save): the forward's timing starts here (cost samples).
+        # vLLM binds right before the forward: its timing starts here (cost samples).
         self._timer.start()
 
     def _forward_samples_done(self) -> None:
@@ -543,10 +475,10 @@ class KVWorker(RoleBase):
         assert self._shared is not None
         for tokens, seconds in self._timer.take():
             self._shared.cache.load_costs.observe_forward(tokens, seconds)
-            self._forward_samples.append((tokens, seconds))
+            self._report.forward_samples.append((tokens, seconds))
 
     def _plan_done(self, req_id: str) -> None:
-        self._plans_done[req_id] = self._plans_done.get(req_id, 0) + 1
+        self._report.plans_done[req_id] = self._report.plans_done.get(req_id, 0) + 1
 
     def _drain(self) -> bool:
         """Complete the jobs that finished: unpin loads, commit stores, count errors. True if
@@ -558,9 +490,7 @@ class KVWorker(RoleBase):
             results = self._worker.get_finished()
             for r in results:
                 f, _ = self._fl.pop(r.job_id)
-                failed = set(r.failed) if not r.success else set()
-                if not r.success and not failed:
-                    failed = set(range(len(f.keys)))
+                failed = (set(r.failed) or set(range(len(f.keys)))) if not r.success else set()
                 bad = [f.keys[i] for i in sorted(failed)]
                 # Of those, the blocks a shared store no longer held (another process or its
                 # capacity evicted them; `Tier.sort_failed`): plain misses, no error.
@@ -577,7 +507,7 @@ class KVWorker(RoleBase):
                         self._load_failed(f.req_id, [f.block_ids[i] for i in sorted(failed)])
                     if errors:
                         manager.record_error(f.tier, len(errors))
-                        self._bad_report.extend(errors)
+                        self._report.bad.extend(errors)
                         self._count_keys("load_error_blocks", len(errors))
                     else:  # in time, and every failure a plain miss: the tier is healthy
                         manager.record_ok(f.tier)
@@ -604,11 +534,9 @@ class KVWorker(RoleBase):
                 self._count("bytes", r.transfer_size)
             for k, tier in list(self._bad.items()):
                 # Out of the index once no other load still pins it (that load fails too).
-                try:
+                with contextlib.suppress(ValueError):
                     manager.discard([k], tier)
-                except ValueError:
-                    continue
-                del self._bad[k]
+                    del self._bad[k]
         if stored:  # copy them down now, not at the write-through thread's next poll
             self._shared.cache.wake_write_through()
         return bool(results)
@@ -618,15 +546,12 @@ class KVWorker(RoleBase):
             if self._idle and self._recving:
                 self._wait_idle()
             self._drain()
-            # The late scan (each job once): asynchronous loads are abandoned; stores and
-            # moves given up (`_give_up_stores`).
+            # The late scan (each job once): asynchronous loads, then stores and moves.
             now = time.monotonic()
             late = self._fl.late(now, lambda f: f.kind == "load" and bool(f.req_id))
+            late += self._fl.late(now, lambda f: f.kind != "load")
             if late:
-                self._abandon(late)
-            late = self._fl.late(now, lambda f: f.kind != "load")
-            if late:
-                self._give_up_stores(late)
+                self._give_up(late)
             self._check_through()
         recved, self._recv_done = self._recv_done, set()
         if not self._watch:
@@ -637,11 +562,9 @@ class KVWorker(RoleBase):
         return (done or None), (recved or None)
 
     def _wait_idle(self) -> None:
-        """A step without a forward while requests wait for their loads: vLLM's loop would go
-        round again at once, step after empty step, and in one process that loop holds the
-        GIL the load's threads need (an in-process engine loaded 25 MB from NVMe at 19 MB/s).
-        Wait for the oldest asynchronous load instead, at most IDLE_WAIT_S (new requests and
-        aborts wait no longer than that) and never past its deadline."""
+        """A step without a forward while requests wait for their loads: vLLM's loop would spin
+        on empty steps, holding the GIL the load's threads need (in one process). Wait for the
+        oldest asynchronous load instead, at most IDLE_WAIT_S and never past its deadline."""
         oldest = next(
             (j for j, f in self._fl.items() if f.kind == "load" and f.req_id and not f.abandoned),
             None,

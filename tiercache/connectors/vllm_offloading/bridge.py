@@ -1,7 +1,7 @@
 """The in-process bridge from the worker half of a `TierCacheOffloadingSpec` to its manager
-half (one per `TierCache`, found in the `SharedStore`'s state): stores and moves that failed
-or ended, errors to count per tier, failed loads, and copies vLLM's job stopped waiting for
-(past their deadline). The worker reports; the manager drains.
+half (one per `TierCache`, in the `SharedStore`'s state): stores and moves that failed or
+ended, errors to count per tier, failed loads, and copies vLLM's job stopped waiting for. The
+worker reports; the manager drains.
 """
 
 from __future__ import annotations
@@ -26,25 +26,21 @@ class _Reports:
 
 
 class _Bridge:
-    """What the worker half tells the manager half of one cache: keys whose store or move
-    failed (the manager frees their slots) and errors to count per tier; the keys of copies
-    vLLM's job does not wait for (moves; stores given up at their deadline), which the
-    manager completes when the worker reports their end, not when vLLM completes the job.
-    Thread-safe."""
+    """What the worker half tells the manager half of one cache (module doc); thread-safe. The
+    manager completes the copies vLLM's job does not wait for (moves; stores given up at
+    their deadline) when the worker reports their end, not when vLLM completes the job."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._new = False  # anything to drain (read unlocked: a stale False waits a call)
         self._r = _Reports([], [], 0, [], [])
-        # The worker half's way to report copies that ended since vLLM last polled it (set
-        # by the worker): an idle engine polls nobody, and a copy into a disk that hung may
-        # end while it idles.
+        # Set by the worker half: report copies that ended since vLLM last polled it (an idle
+        # engine polls nobody).
         self.collect: Callable[[], None] = lambda: None
 
     def store_failed(self, keys: Sequence[bytes], tier: int, *, errors: int) -> None:
         """Keys of a store or move that did not arrive; `errors` of them count against the
-        tier (not blocks a store given up never read, nor ones a shared store no longer
-        held)."""
+        tier."""
         with self._lock:
             self._r.failed.append(tuple(keys))
             if errors:
@@ -67,8 +63,7 @@ class _Bridge:
 
     def detach(self, keys: Sequence[bytes]) -> None:
         """A store or move past its deadline: vLLM's job ends without it, and its keys are
-        misses, never "pending", meanwhile (`ended` or `store_failed` follow when the copy
-        really ends)."""
+        misses, never "pending", until `ended` or `store_failed` reports its end."""
         with self._lock:
             self._r.detached.append(tuple(keys))
             self._new = True

