@@ -19,10 +19,11 @@ from it, whoever stored them, and reports them removed once the store no longer 
   holds (`still_held`, asked by the worker): a block the cache merely forgot (its index is
   smaller than the store) is found again by its next lookup, so it stays reported.
 - Removals (`poll`): a sweep asks the probe about `sweep_keys` of the keys held in each
-  shared tier per poll, round robin, and reports those gone (another process's eviction,
-  Redis's maxmemory or expiry) removed. A block gone from the store is reported removed
-  within ceil(held / sweep_keys) polls; polls run at most every `interval_s`, from vLLM's
-  `take_events` (every engine step).
+  shared tier per poll, round robin (`EventTranslator.rotate`: O(sweep_keys) a poll, however
+  many are held), and reports those gone (another process's eviction, Redis's maxmemory or
+  expiry) removed. A block gone from the store is reported removed within
+  ceil(held / sweep_keys) polls, blocks stored or removed meanwhile included; polls run at
+  most every `interval_s`, from vLLM's `take_events` (every engine step).
 """
 
 from __future__ import annotations
@@ -134,7 +135,6 @@ class SharedBlocks:
         self._read_limit = read_limit
         self._next = 0.0
         self._cursor = {t: 0 for t, _ in self._catalogs}
-        self._turn = {t: 0 for t, _ in self._catalogs}  # sweep position, round robin
         self._publish: dict[str, list[tuple[bytes, BlockDescriptor]]] = {}
         # Recorded but not (yet) in the store when first asked (its writer's transaction not
         # visible yet): asked again at the next `retry_polls` polls. key -> polls left.
@@ -219,19 +219,8 @@ class SharedBlocks:
 
     def _sweep_tier(self, tr: EventTranslator, tier: str, probe: StoreProbe) -> None:
         """Ask the store about `sweep_keys` of the blocks held in `tier` (all of them when
-        they are fewer), round robin, wrapping around; report the missing ones removed."""
-        held = tr.held_in(tier)
-        n = len(held)
-        if n == 0:
-            return
-        if n <= self._sweep:
-            part = held
-        else:
-            at = self._turn[tier] % n
-            part = held[at : at + self._sweep]
-            part += held[: self._sweep - len(part)]  # wrap around
-            self._turn[tier] = at + self._sweep
-        gone = [k for k in part if not self._has(probe, k)]
+        they are fewer), round robin; report the missing ones removed."""
+        gone = [k for k in tr.rotate(tier, self._sweep) if not self._has(probe, k)]
         if gone:
             tr.apply(gone, tier, True)
 
