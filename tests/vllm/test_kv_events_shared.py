@@ -291,6 +291,27 @@ def test_the_sweep_reaches_every_block_within_its_bound() -> None:
         assert tr.held_in("lmdb") == [], (held, sweep)
 
 
+def test_descriptions_a_failed_catalog_write_held_back_are_written_at_the_next_poll() -> None:
+    class Flaky(_Empty):  # its first write times out
+        def __init__(self) -> None:
+            self.failed, self.got = False, []
+
+        def put(self, items: Any) -> None:
+            if not self.failed:
+                self.failed = True
+                raise OSError("timeout")
+            self.got += [k for k, _ in items]
+
+    cat = Flaky()
+    sb = SharedBlocks([("lmdb", cat)], {"lmdb": _Store()})
+    tr = EventTranslator({"lmdb": ("STORAGE", SHARED)}, on_shared=sb.on_shared)
+    tr.record(b"k" * 16, BlockDescriptor((b"h" * 32,), None, (1, 2, 3, 4), 4))
+    tr.apply([b"k" * 16], "lmdb", False)
+    sb.poll(tr, force=True)
+    sb.poll(tr, force=True)
+    assert cat.failed and cat.got == [b"k" * 16]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_the_bound_holds_while_blocks_come_and_go(seed: int) -> None:
     """Between polls the engine stores blocks, stores some again, evicts some itself, and

@@ -444,6 +444,19 @@ class RedisTier(KeyedTier):
             n += 1
         return n
 
+    def present(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Whether Redis holds each of `keys` (None while it is unreachable): one pipelined
+        EXISTS each, which, unlike a read, leaves the keys' LRU/LFU standing alone, so a
+        sweep over every block (`shared_blocks`) does not make them all look just used and
+        leave Redis's `maxmemory` policy to evict what was really used last."""
+        if self._closed or not keys:
+            return None if self._closed else []
+        try:
+            out = self._run(self._conn(), [["EXISTS", self._kprefix + k] for k in keys], "sweep")
+        except OSError:
+            return None
+        return [v == 1 for v in out]
+
     def free(self, slots: Sequence[int]) -> None:
         """Return slots; the keys this instance stored there since it opened are deleted from
         Redis with the next write or at flush, not now: a demotion planned with the eviction

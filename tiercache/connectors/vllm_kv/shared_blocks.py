@@ -20,10 +20,11 @@ from it, whoever stored them, and reports them removed once the store no longer 
   smaller than the store) is found again by its next lookup, so it stays reported.
 - Removals (`poll`): a sweep asks the probe about `sweep_keys` of the keys held in each
   shared tier per poll, round robin (`EventTranslator.rotate`: O(sweep_keys) a poll, however
-  many are held), and reports those gone (another process's eviction, Redis's maxmemory or
-  expiry) removed. A block gone from the store is reported removed within
-  ceil(held / sweep_keys) polls, blocks stored or removed meanwhile included; polls run at
-  most every `interval_s`, from vLLM's `take_events` (every engine step).
+  many are held; Redis: one pipelined EXISTS, which leaves the keys' LRU as it was, where a
+  read would make every block look just used), and reports those gone (another process's
+  eviction, Redis's maxmemory or expiry) removed. A block gone from the store is reported
+  removed within ceil(held / sweep_keys) polls, blocks stored or removed meanwhile included;
+  polls run at most every `interval_s`, from vLLM's `take_events` (every engine step).
 """
 
 from __future__ import annotations
@@ -173,8 +174,11 @@ class SharedBlocks:
             probe = self._probes[tier]
             try:
                 mine = self._publish.pop(tier, [])
-                if mine:
+                try:
                     cat.put([(k, encode(d, ident)) for k, d in mine])
+                except CATALOG_ERRORS:  # a timeout: written at the next poll, not lost
+                    self._publish[tier] = mine[-self._read_limit :]
+                    raise
                 self._quiet = True
                 self._discover(tr, tier, cat, probe)
                 self._sweep_tier(tr, tier, probe)
@@ -220,7 +224,16 @@ class SharedBlocks:
     def _sweep_tier(self, tr: EventTranslator, tier: str, probe: StoreProbe) -> None:
         """Ask the store about `sweep_keys` of the blocks held in `tier` (all of them when
         they are fewer), round robin; report the missing ones removed."""
-        gone = [k for k in tr.rotate(tier, self._sweep) if not self._has(probe, k)]
+        part = tr.rotate(tier, self._sweep)
+        flags = None
+        present = getattr(probe, "present", None)  # Redis: EXISTS, which keeps LRU order
+        if present is not None and self._expand is None and part:
+            flags = present(part)
+            if flags is None:  # unreachable: nothing is known gone
+                return
+        if flags is None:
+            flags = [self._has(probe, k) for k in part]
+        gone = [k for k, held in zip(part, flags, strict=True) if not held]
         if gone:
             tr.apply(gone, tier, True)
 
@@ -291,6 +304,10 @@ class Borrowed:
     def probe(self, keys: Sequence[bytes]) -> int:
         return self.probe_of.probe(keys)
 
+    @property
+    def present(self) -> Callable[[Sequence[bytes]], list[bool] | None] | None:
+        return getattr(self.probe_of, "present", None)
+
     def close(self) -> None:
         pass
 
@@ -305,6 +322,10 @@ class TierProbe:
     def probe(self, keys: Sequence[bytes]) -> int:
         with self._lock:
             return int(self._tier.probe(keys))
+
+    @property
+    def present(self) -> Callable[[Sequence[bytes]], list[bool] | None] | None:
+        return getattr(self._tier, "present", None)  # Redis: no lock, a network call
 
     def close(self) -> None:
         pass
