@@ -445,17 +445,14 @@ class RedisTier(KeyedTier):
         return n
 
     def present(self, keys: Sequence[bytes]) -> list[bool] | None:
-        """Whether Redis holds each of `keys` (None while it is unreachable): one pipelined
-        EXISTS each, which, unlike a read, leaves the keys' LRU/LFU standing alone, so a
-        sweep over every block (`shared_blocks`) does not make them all look just used and
-        leave Redis's `maxmemory` policy to evict what was really used last."""
-        if self._closed or not keys:
-            return None if self._closed else []
+        """Whether Redis holds each of `keys` (None while unreachable): pipelined EXISTS, which
+        leaves the keys' LRU/LFU as it was (a sweep that read every block would make them
+        all look just used, and `maxmemory` evict what was really used last)."""
         try:
-            out = self._run(self._conn(), [["EXISTS", self._kprefix + k] for k in keys], "sweep")
-        except OSError:
+            cmds = [["EXISTS", self._kprefix + k] for k in keys]
+            return [v == 1 for v in self._run(self._conn(), cmds, "sweep")] if cmds else []
+        except (OSError, RuntimeError):  # unreachable, or closed
             return None
-        return [v == 1 for v in out]
 
     def free(self, slots: Sequence[int]) -> None:
         """Return slots; the keys this instance stored there since it opened are deleted from
