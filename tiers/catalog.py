@@ -18,7 +18,9 @@ namespace under `<path>.catalog/`: the store's directory holds only LMDB's two f
 opened once per process (reference counted) and shared by every process on the host.
 `RedisCatalog`: a sorted set of keys by write sequence and one string per record, under the
 store's prefix; Redis may evict records under `maxmemory` like blocks (a missing record
-reads as none).
+reads as none), and its counter or sorted set too (allkeys-*): the next sequence is past
+both the counter and the newest record, and a reader whose cursor is past everything the
+catalog holds (it was evicted whole) reads it again from the start.
 """
 
 from __future__ import annotations
@@ -156,6 +158,18 @@ class LMDBCatalog(Catalog):
                 _OPEN[self._path] = (env, refs - 1)
 
 
+# The next write sequence for ARGV[1] records: past the counter (KEYS[1]) and past the
+# newest record (KEYS[2]), whichever Redis kept, so a reader's cursor is never ahead of it.
+_NEXT_SEQ = """
+local top = tonumber(redis.call('GET', KEYS[1]) or '0')
+local last = redis.call('ZREVRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+if last[2] and tonumber(last[2]) > top then top = tonumber(last[2]) end
+top = top + tonumber(ARGV[1])
+redis.call('SET', KEYS[1], top)
+return top
+"""
+
+
 class RedisCatalog(Catalog):
     """The catalog of one Redis store (see the module doc), on a `redis.Redis` client."""
 
@@ -171,7 +185,7 @@ class RedisCatalog(Catalog):
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         if not items:
             return
-        top = int(self._r.incrby(self._seq, len(items)))
+        top = int(self._r.eval(_NEXT_SEQ, 2, self._seq, self._order, len(items)))
         pipe = self._r.pipeline(transaction=False)
         for i, (key, record) in enumerate(items):
             pipe.zadd(self._order, {key: top - len(items) + 1 + i})
@@ -187,10 +201,13 @@ class RedisCatalog(Catalog):
                 pipe.execute()
 
     def since(self, cursor: int, limit: int = 4096) -> tuple[list[tuple[bytes, bytes]], int]:
-        rows = self._r.zrangebyscore(
-            self._order, f"({cursor}", "+inf", start=0, num=limit, withscores=True
-        )
+        pipe = self._r.pipeline(transaction=False)
+        pipe.zrangebyscore(self._order, f"({cursor}", "+inf", start=0, num=limit, withscores=True)
+        pipe.zrevrange(self._order, 0, 0, withscores=True)
+        rows, last = pipe.execute()
         if not rows:
+            if cursor > 0 and (not last or last[0][1] < cursor):  # evicted whole: again
+                return self.since(0, limit)
             return [], cursor
         recs = self._r.mget([self._rec + bytes(k) for k, _ in rows])
         out = [(bytes(k), bytes(v)) for (k, _), v in zip(rows, recs, strict=True) if v is not None]

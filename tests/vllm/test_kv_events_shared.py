@@ -7,7 +7,11 @@ processes: tests/vllm/test_router_events.py."""
 
 from __future__ import annotations
 
+import itertools
+import random
 import time
+from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,9 +24,9 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core import kv_cache_utils
 
 from tests.vllm.event_roles import BS, close, request, roles, serve, vllm_hashes
-from tiercache.connectors.vllm_kv.kv_events import SHARED, BlockDescriptor
-from tiercache.connectors.vllm_kv.shared_blocks import decode, encode
-from tiercache.tiers.catalog import LMDBCatalog
+from tiercache.connectors.vllm_kv.kv_events import SHARED, BlockDescriptor, EventTranslator
+from tiercache.connectors.vllm_kv.shared_blocks import SharedBlocks, decode, encode
+from tiercache.tiers.catalog import Catalog, LMDBCatalog
 
 CAP = 8  # blocks the LMDB store holds (every engine's writes evict beyond it)
 
@@ -233,32 +237,149 @@ class _Gone:
         pass
 
 
+class _Empty(Catalog):
+    """A catalog nobody writes to."""
+
+    def put(self, items: Any) -> None:
+        pass
+
+    def since(self, cursor: int, limit: int = 4096) -> tuple[list, int]:
+        return [], cursor
+
+    def close(self) -> None:
+        pass
+
+
+class _Store:
+    """A store holding the keys in `keys`; lists the keys asked about."""
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+        self.asked: list[bytes] = []
+
+    def probe(self, keys: Any) -> int:
+        self.asked.extend(keys)
+        n = 0
+        for k in keys:
+            if k not in self.keys:
+                break
+            n += 1
+        return n
+
+    def close(self) -> None:
+        pass
+
+
+def _sweeper(sweep: int, store: Any) -> tuple[EventTranslator, SharedBlocks]:
+    tr = EventTranslator({"lmdb": ("STORAGE", SHARED)})
+    return tr, SharedBlocks([("lmdb", _Empty())], {"lmdb": store}, sweep_keys=sweep)
+
+
 def test_the_sweep_reaches_every_block_within_its_bound() -> None:
-    """ceil(held / sweep_keys) polls report every block the store lost, whatever the number
-    held does between polls (the round robin wraps around)."""
-    from tiercache.connectors.vllm_kv.kv_events import EventTranslator
-    from tiercache.connectors.vllm_kv.shared_blocks import SharedBlocks
-    from tiercache.tiers.catalog import Catalog
-
-    class _Empty(Catalog):
-        def put(self, items: Any) -> None:
-            pass
-
-        def since(self, cursor: int, limit: int = 4096) -> tuple[list, int]:
-            return [], cursor
-
-        def close(self) -> None:
-            pass
-
+    """ceil(held / sweep_keys) polls report every block the store lost (the round robin
+    wraps around)."""
     d = BlockDescriptor((b"h" * 32,), None, (1, 2, 3, 4), 4)
     for held, sweep in ((5, 2), (3, 4), (7, 3)):
-        tr = EventTranslator({"lmdb": ("STORAGE", SHARED)})
+        tr, sb = _sweeper(sweep, _Gone())
         keys = [bytes([i]) * 16 for i in range(held)]
         for k in keys:
             tr.record(k, d)
         tr.apply(keys, "lmdb", False)
-        sb = SharedBlocks([("lmdb", _Empty())], {"lmdb": _Gone()}, sweep_keys=sweep)
-        sb._turn["lmdb"] = 1  # test probe: start mid-way, as after earlier polls
+        tr.rotate("lmdb", 1)  # start mid-way, as after earlier polls
         for _ in range(-(-held // sweep)):
             sb.poll(tr, force=True)
         assert tr.held_in("lmdb") == [], (held, sweep)
+
+
+def test_descriptions_a_failed_catalog_write_held_back_are_written_at_the_next_poll() -> None:
+    class Flaky(_Empty):  # its first write times out
+        def __init__(self) -> None:
+            self.failed, self.got = False, []
+
+        def put(self, items: Any) -> None:
+            if not self.failed:
+                self.failed = True
+                raise OSError("timeout")
+            self.got += [k for k, _ in items]
+
+    cat = Flaky()
+    sb = SharedBlocks([("lmdb", cat)], {"lmdb": _Store()})
+    tr = EventTranslator({"lmdb": ("STORAGE", SHARED)}, on_shared=sb.on_shared)
+    tr.record(b"k" * 16, BlockDescriptor((b"h" * 32,), None, (1, 2, 3, 4), 4))
+    tr.apply([b"k" * 16], "lmdb", False)
+    sb.poll(tr, force=True)
+    sb.poll(tr, force=True)
+    assert cat.failed and cat.got == [b"k" * 16]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_bound_holds_while_blocks_come_and_go(seed: int) -> None:
+    """Between polls the engine stores blocks, stores some again, evicts some itself, and
+    the store loses others behind its back: each lost block is reported removed within
+    ceil(held / sweep_keys) polls of the moment it was lost, `held` counted then (a sweep
+    that kept a position in a list that shifted skipped blocks when the count changed)."""
+    rng = random.Random(seed)
+    sweep = rng.choice((1, 3, 7, 16))
+    store = _Store()
+    tr, sb = _sweeper(sweep, store)
+    due: dict[bytes, int] = {}  # lost block -> the poll by which it must be reported
+    fresh = iter(i.to_bytes(16, "big") for i in itertools.count())
+    for poll in range(1, 400):
+        held = tr.held_in("lmdb")
+        new = [next(fresh) for _ in range(rng.randrange(0, 2 * sweep + 2))]
+        store.keys.update(new)
+        tr.apply(new, "lmdb", False)
+        again = rng.sample(held, min(len(held), rng.randrange(0, 3)))
+        tr.apply([k for k in again if k not in due], "lmdb", False)  # stored again
+        mine = rng.sample(held, min(len(held), rng.randrange(0, sweep + 1)))
+        store.keys.difference_update(mine)
+        tr.apply(mine, "lmdb", True)  # the engine's own eviction: reported at once
+        n = len(tr.held_in("lmdb"))
+        for k in rng.sample(held, min(len(held), rng.randrange(0, sweep + 1))):
+            if k in store.keys and tr.holds(k, "lmdb"):
+                store.keys.discard(k)  # lost behind the engine's back
+                due[k] = poll - 1 + -(-n // sweep)
+        sb.poll(tr, force=True)
+        for k, last in list(due.items()):
+            if not tr.holds(k, "lmdb"):
+                del due[k]
+            else:
+                assert poll < last, (seed, sweep, poll, last)
+
+
+def test_a_sweep_step_costs_sweep_keys_among_a_million() -> None:
+    """A poll with 1,000,000 blocks held in a tier walks `sweep_keys` of them (counted: keys
+    the translator's maps hand out, keys the store is asked about), and the next poll the
+    next ones."""
+    walked = [0]
+
+    def walking(base: type) -> type:
+        class Walked(base):  # counts the keys any walk over the map hands out
+            def __iter__(self) -> Iterator[bytes]:
+                for k in super().__iter__():
+                    walked[0] += 1
+                    yield k
+
+            def keys(self) -> Any:
+                return list(iter(self))
+
+            def items(self) -> Any:
+                return [(k, self[k]) for k in self]
+
+            def values(self) -> Any:
+                return [self[k] for k in self]
+
+        return Walked
+
+    store = _Store()
+    tr, sb = _sweeper(4096, store)
+    tr._held = walking(dict)()  # test probe: the maps over all held keys count their walks
+    tr._ring = {"lmdb": walking(OrderedDict)()}
+    keys = [i.to_bytes(16, "big") for i in range(1_000_000)]
+    store.keys.update(keys)
+    tr.apply(keys, "lmdb", False)
+    for want in (keys[:4096], keys[4096:8192]):  # round robin: the next keys each poll
+        walked[0] = 0
+        store.asked.clear()
+        sb.poll(tr, force=True)
+        assert (walked[0], store.asked) == (4096, want)

@@ -1,4 +1,4 @@
-"""Issue 51 end to end: two `vllm serve` engines (multiprocess, one core each) on one LMDB
+"""Issue 51 end to end: two `vllm serve` engines (multiprocess, one core each) on one shared
 store, each publishing vLLM's KV events over ZMQ, and the test router (tests/kv_router.py)
 subscribed to both. For every request, the router's predicted hit for the engine that serves
 it (the longest prefix of the prompt's vLLM block hashes that engine reports in STORAGE,
@@ -9,12 +9,26 @@ blocks than the requests write, so both engines' writes keep evicting blocks the
 stored: predictions follow what is really there. A second router started mid-run rebuilds
 its view through the engines' replay endpoints and must agree with the live one.
 
+The store, one test each: an LMDB store of CAP blocks (tiercache's own eviction, by whichever
+engine writes), and a real redis-server with a small `maxmemory` (about CAP blocks) and
+`allkeys-lru`, so Redis itself evicts (the engines' indexes are larger than that: neither
+ever deletes a block) and the engines learn it only from their sweeps of the store.
+
+CI runs the LMDB store on vLLM 0.32 and 0.33 (conftest's EVERY_VLLM). The Redis store is
+marked `stress` (run by hand: `-m stress`): it passed its last runs on 0.32 and 0.33, but
+failed in earlier ones under a loaded host, once for a cause not yet found (a marker block
+never reported), and a flaky test in CI is a finding to chase, not a gate to flip. After each
+request both engines step first and the router is asked after (an idle engine reports
+nothing, so asking first only idled, up to a second a request); docs/events.md has the
+durations.
+
 After each request the engine that served it stores a marker block, and both engines run
 one-token requests (an engine publishes its events, and polls the shared store, only when it
 steps: an idle engine reports at its next step) until both report the marker."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import statistics
@@ -33,12 +47,14 @@ from tests.openai_server_deps import skip_if_missing  # noqa: E402
 skip_if_missing()  # vLLM 0.33's server needs orjson (tests/openai_server_deps.py)
 
 from tests.kv_router import KVRouter, vllm_block_hashes  # noqa: E402
+from tests.test_tier_redis import RedisServer, require_redis  # noqa: E402
 
 BLOCK = 32
 N_REQUESTS = 120
 N_DOCS = 12  # shared prefixes of DOC_BLOCKS blocks
 DOC_BLOCKS = 4
-CAP = 40  # blocks the LMDB store holds: the requests write several times more
+CAP = 40  # blocks the store holds: the requests write several times more
+BLOCK_BYTES = 2 * 2 * 2 * 32 * BLOCK * 4  # K and V, 2 layers, 2 KV heads of 32, fp32
 STORAGE = {"STORAGE"}
 
 
@@ -53,12 +69,16 @@ def _requests(seed: int) -> list[tuple[str, list[int]]]:
     return out
 
 
-def _kv(root: Path) -> dict[str, Any]:
-    tiers = [{"kind": "lmdb", "path": str(root / "lmdb"), "blocks": CAP}]
+def _kv(tiers: list[dict[str, Any]]) -> dict[str, Any]:
+    redis = tiers[0]["kind"] == "redis"
     return {
         "kv_connector": "TierCacheConnector",
         "kv_connector_module_path": "tiercache.connectors.vllm",
         "kv_role": "kv_both",
+        # Redis may evict a block between the lookup that found it and its load (its LRU is
+        # approximate, and the load's own replies count against maxmemory): vLLM recomputes
+        # it, where "fail" would fail the request; `_check` counts them.
+        **({"kv_load_failure_policy": "recompute"} if redis else {}),
         "kv_connector_extra_config": {
             "config": {"namespace": "router-e2e", "tiers": tiers},
             "events_poll_s": 0,  # poll the store at every step
@@ -66,9 +86,35 @@ def _kv(root: Path) -> dict[str, Any]:
     }
 
 
+def _redis(root: Path) -> RedisServer:
+    """A redis-server that evicts the least recently used keys past its `maxmemory`
+    (`_cap_memory`)."""
+    require_redis()
+    return RedisServer(root, "--maxmemory-policy", "allkeys-lru")
+
+
+def _cap_memory(srv: RedisServer) -> None:
+    """Room for about CAP blocks (more while the engines' connections buffer less) over what
+    the server uses once both engines are connected, plus the buffers of their pipelined
+    reads and writes, which Redis counts too (without them it holds a few blocks)."""
+    r = srv.client()
+    try:
+        used = int(r.info("memory")["used_memory"])
+        r.config_set("maxmemory", used + CAP * (BLOCK_BYTES + 8192) + (2 << 20))
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("store", ["lmdb", pytest.param("redis", marks=pytest.mark.stress)])
 def test_router_predicts_the_tokens_each_engine_loads(
-    server: ModuleType, tiny_llama: Path, tmp_path: Path
+    server: ModuleType, tiny_llama: Path, tmp_path: Path, store: str
 ) -> None:
+    srv = _redis(tmp_path / "redis") if store == "redis" else None
+    if srv is not None:  # an index larger than the server's memory: only Redis evicts
+        redis = {"url": srv.url, "blocks": 16 * CAP, "prefix": "router:", "timeout": 10.0}
+        tiers = [{"kind": "redis", **redis}]  # a long timeout: a test machine may be loaded
+    else:
+        tiers = [{"kind": "lmdb", "path": str(tmp_path / "lmdb"), "blocks": CAP}]
     ports = {e: (server.free_port(), server.free_port()) for e in "ab"}
     servers = {}
     for i, e in enumerate("ab"):
@@ -81,7 +127,7 @@ def test_router_predicts_the_tokens_each_engine_loads(
         servers[e] = server.Server(
             tiny_llama,
             tmp_path / f"server-{e}.log",
-            kv_transfer_config=_kv(tmp_path),
+            kv_transfer_config=_kv(tiers),
             args=["--no-enable-prefix-caching", "--kv-events-config", json.dumps(events)],
             env={"VLLM_CPU_OMP_THREADS_BIND": str(i)},
         )
@@ -91,6 +137,8 @@ def test_router_predicts_the_tokens_each_engine_loads(
     try:
         with ThreadPoolExecutor(2) as pool:  # both start at once
             list(pool.map(lambda s: s.start(), servers.values()))
+        if srv is not None:
+            _cap_memory(srv)
         with KVRouter(pub, rep) as router:
             writer: dict[Any, str] = {}  # block hash -> engine that stored it first
             marks = random.Random(7)
@@ -109,24 +157,47 @@ def test_router_predicts_the_tokens_each_engine_loads(
                         "loaded": loaded,
                         "other": other * BLOCK,
                         "stored_by_other": any(writer.get(h, e) != e for h in hashes[: pred[e]]),
+                        # leading blocks some engine stored before: those beyond the
+                        # prediction were evicted since
+                        "stored_before": sum(
+                            1 for _ in itertools.takewhile(writer.__contains__, hashes[:cap])
+                        )
+                        * BLOCK,
                     }
                 )
                 for h in hashes:
                     writer.setdefault(h, e)
-                _settle(router, servers, e, marks)
+                _settle(router, servers, e, marks, srv)
                 if loaded != pred[e] * BLOCK:  # diagnosis: what the router has now
                     rows[-1]["after"] = {
                         x: router.predicted_hit_blocks(x, hashes, STORAGE) for x in "ab"
                     }
                 if i == N_REQUESTS // 2:
                     _restarted_router_agrees(router, pub, rep)
+        evicted = _evicted(srv)
     finally:
         for s in servers.values():
             s.kill()
-    _check(rows, tmp_path)
+        if srv is not None:
+            srv.kill()
+    logs = "".join((tmp_path / f"server-{e}.log").read_text(errors="replace") for e in "ab")
+    _check(rows, tmp_path, store, evicted, logs.count("Recovered from KV load failure"))
 
 
-def _settle(router: KVRouter, servers: dict[str, Any], e: str, rng: random.Random) -> None:
+def _evicted(srv: RedisServer | None) -> tuple[int, int] | None:
+    """Keys the Redis server evicted, and keys it holds (None: not Redis)."""
+    if srv is None:
+        return None
+    r = srv.client()
+    try:
+        return int(r.info("stats")["evicted_keys"]), int(r.dbsize())
+    finally:
+        r.close()
+
+
+def _settle(
+    router: KVRouter, servers: dict[str, Any], e: str, rng: random.Random, srv: Any
+) -> None:
     """Wait until both engines' views include everything up to now: engine `e` stores a
     marker block (a one-block prompt of its own), then both step (one-token requests) until
     both report the marker. Each engine's events are in order, and the other one reports the
@@ -138,12 +209,32 @@ def _settle(router: KVRouter, servers: dict[str, Any], e: str, rng: random.Rando
     def both() -> bool:
         return all(router.predicted_hit_blocks(x, [h], STORAGE) == 1 for x in "ab")
 
-    for _ in range(60):
-        if router.wait(both, timeout=1.0):
-            return
+    for _ in range(300):  # an idle engine reports nothing: step both, then look
         for s in servers.values():
             s.complete([1], max_tokens=1)  # a step: events published, the store polled
-    raise AssertionError(("marker not reported", e, router.stats("a"), router.stats("b")))
+        if router.wait(both, timeout=0.2):
+            return
+    reported = {x: router.predicted_hit_blocks(x, [h], STORAGE) for x in "ab"}
+    stats = (router.stats("a"), router.stats("b"))
+    raise AssertionError(("marker not reported", e, reported, stats, _redis_state(srv)))
+
+
+def _redis_state(srv: RedisServer | None) -> dict[str, Any] | None:
+    """For a failure's message: what the Redis server holds and has evicted."""
+    if srv is None:
+        return None
+    r = srv.client()
+    try:
+        mem, stats = r.info("memory"), r.info("stats")
+        return {
+            "keys": r.dbsize(),
+            "evicted": stats["evicted_keys"],
+            "used_memory": mem["used_memory"],
+            "maxmemory": mem["maxmemory"],
+            "clients": mem.get("mem_clients_normal"),
+        }
+    finally:
+        r.close()
 
 
 def _restarted_router_agrees(live: KVRouter, pub: dict[str, str], rep: dict[str, str]) -> None:
@@ -157,14 +248,25 @@ def _restarted_router_agrees(live: KVRouter, pub: dict[str, str], rep: dict[str,
             assert late.wait(same, timeout=60), (e, late.stats(e))
 
 
-def _check(rows: list[dict[str, Any]], tmp_path: Path) -> None:
+def _check(
+    rows: list[dict[str, Any]],
+    tmp_path: Path,
+    store: str,
+    evicted: tuple[int, int] | None,
+    load_failures: int,
+) -> None:
     diffs = [(r["loaded"] - r["predicted"]) // BLOCK for r in rows]
     summary = {
+        "store": store,
+        "vllm": vllm.__version__,
+        "redis_evicted_and_held_keys": evicted,
+        "load_failures_recomputed": load_failures,
         "requests": len(rows),
         "diff_blocks": dict(Counter(diffs)),
         "median_loaded": statistics.median(r["loaded"] for r in rows),
         "hits": sum(r["loaded"] > 0 for r in rows),
         "hits_stored_by_other": sum(r["stored_by_other"] and r["loaded"] > 0 for r in rows),
+        "predicted_below_stored_before": sum(r["predicted"] < r["stored_before"] for r in rows),
     }
     (tmp_path / "summary.json").write_text(json.dumps({"summary": summary, "rows": rows}))
     print("router events:", json.dumps(summary))
@@ -174,6 +276,7 @@ def _check(rows: list[dict[str, Any]], tmp_path: Path) -> None:
     # The store evicted: some prefixes were predicted (and loaded) only in part, and the
     # other engine's blocks were credited and loaded.
     assert summary["hits_stored_by_other"] > 0
+    assert evicted is None or evicted[0] > 0  # Redis itself evicted
     assert any(0 < r["loaded"] < DOC_BLOCKS * BLOCK for r in rows) or any(
         r["loaded"] == 0 and r["i"] > N_DOCS for r in rows
     )

@@ -412,6 +412,16 @@ class RedisTier(KeyedTier):
             n += 1
         return n
 
+    def present(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Whether Redis holds each of `keys` (None while unreachable): pipelined EXISTS, which
+        leaves the keys' LRU/LFU as it was (a sweep that read every block would make them
+        all look just used, and `maxmemory` evict what was really used last)."""
+        try:
+            cmds = [["EXISTS", self._kprefix + k] for k in keys]
+            return [v == 1 for v in self._run(self._conn(), cmds, "sweep")] if cmds else []
+        except (OSError, RuntimeError):  # unreachable, or closed
+            return None
+
     def free(self, slots: Sequence[int]) -> None:
         """Return slots; the keys this instance stored there since it opened are deleted with
         the next write or at flush (see `KeyedTier`); others are only forgotten."""

@@ -21,11 +21,14 @@ request is in hand and reports it with that description:
   store of it). Descriptions are kept while the block is held somewhere, and at most
   `limit` more held nowhere (not stored yet, or just evicted: a demotion reports the block
   removed from one tier before stored in the next). `snapshot()`:
-  every held, described block, for a subscriber that rebuilds its view.
+  every held, described block, for a subscriber that rebuilds its view. `rotate(tier, n)`:
+  the next `n` keys held in a tier, round robin, at a cost of O(n) whatever the tier holds
+  (the shared stores' sweep).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -163,6 +166,8 @@ class EventTranslator:
         self._limit = limit
         self._desc: dict[bytes, BlockDescriptor] = {}
         self._held: dict[bytes, set[str]] = {}  # key -> tiers holding it
+        # tier -> its keys, least recently rotated first (new keys join at the back)
+        self._ring: dict[str, OrderedDict[bytes, None]] = {}
         self._unheld: OrderedDict[bytes, None] = OrderedDict()  # described, held nowhere
         self._out: list[KVCacheEvent] = []
 
@@ -205,6 +210,7 @@ class EventTranslator:
     def apply(self, keys: Iterable[bytes], tier: str, removed: bool) -> None:
         """`keys` were stored into (or removed from) tier `tier`."""
         cls = self._where(tier)
+        ring = self._ring.setdefault(tier, OrderedDict())
         gone: list[Any] = []
         for k in keys:
             tiers = self._held.get(k)
@@ -212,9 +218,11 @@ class EventTranslator:
                 if tiers is None:
                     tiers = self._held[k] = set()
                     self._unheld.pop(k, None)
-                new = cls not in self._classes(tiers)
+                new = not tiers or cls not in self._classes(tiers)
                 fresh = tier not in tiers
                 tiers.add(tier)
+                if fresh:  # a key stored again keeps its place: it never starves the rotation
+                    ring[k] = None
                 d = self._desc.get(k)
                 if new and d is not None:
                     self._out.append(d.stored(*cls))
@@ -224,6 +232,7 @@ class EventTranslator:
             if tiers is None or tier not in tiers:
                 continue
             tiers.discard(tier)
+            del ring[k]
             d = self._desc.get(k)
             if d is not None and cls not in self._classes(tiers):
                 gone.extend(d.external())
@@ -238,8 +247,22 @@ class EventTranslator:
         return tier in self._held.get(key, ())
 
     def held_in(self, tier: str) -> list[bytes]:
-        """Keys this translator has as held in `tier`."""
-        return [k for k, tiers in self._held.items() if tier in tiers]
+        """Keys this translator has as held in `tier` (all of them: O(held))."""
+        return list(self._ring.get(tier, ()))
+
+    def rotate(self, tier: str, n: int) -> list[bytes]:
+        """The next `n` keys held in `tier` (all of them when fewer), round robin: the keys
+        held longest without a turn first, each sent to the back. A key held while the tier
+        holds `held` keys is returned within the next ceil(held / n) calls, whatever is stored
+        or removed in between (new keys join behind it, removals only move it up). O(n): a
+        sweep step never walks the whole tier."""
+        ring = self._ring.get(tier)
+        if not ring:
+            return []
+        out = list(itertools.islice(ring, min(n, len(ring))))
+        for k in out:
+            ring.move_to_end(k)
+        return out
 
     def describes(self, key: bytes) -> BlockDescriptor | None:
         return self._desc.get(key)

@@ -19,10 +19,12 @@ from it, whoever stored them, and reports them removed once the store no longer 
   holds (`still_held`, asked by the worker): a block the cache merely forgot (its index is
   smaller than the store) is found again by its next lookup, so it stays reported.
 - Removals (`poll`): a sweep asks the probe about `sweep_keys` of the keys held in each
-  shared tier per poll, round robin, and reports those gone (another process's eviction,
-  Redis's maxmemory or expiry) removed. A block gone from the store is reported removed
-  within ceil(held / sweep_keys) polls; polls run at most every `interval_s`, from vLLM's
-  `take_events` (every engine step).
+  shared tier per poll, round robin (`EventTranslator.rotate`: O(sweep_keys) a poll, however
+  many are held; Redis: one pipelined EXISTS, which leaves the keys' LRU as it was, where a
+  read would make every block look just used), and reports those gone (another process's
+  eviction, Redis's maxmemory or expiry) removed. A block gone from the store is reported
+  removed within ceil(held / sweep_keys) polls, blocks stored or removed meanwhile included;
+  polls run at most every `interval_s`, from vLLM's `take_events` (every engine step).
 """
 
 from __future__ import annotations
@@ -134,7 +136,6 @@ class SharedBlocks:
         self._read_limit = read_limit
         self._next = 0.0
         self._cursor = {t: 0 for t, _ in self._catalogs}
-        self._turn = {t: 0 for t, _ in self._catalogs}  # sweep position, round robin
         self._publish: dict[str, list[tuple[bytes, BlockDescriptor]]] = {}
         # Recorded but not (yet) in the store when first asked (its writer's transaction not
         # visible yet): asked again at the next `retry_polls` polls. key -> polls left.
@@ -173,8 +174,11 @@ class SharedBlocks:
             probe = self._probes[tier]
             try:
                 mine = self._publish.pop(tier, [])
-                if mine:
+                try:
                     cat.put([(k, encode(d, ident)) for k, d in mine])
+                except CATALOG_ERRORS:  # a timeout: written at the next poll, not lost
+                    self._publish[tier] = mine[-self._read_limit :]
+                    raise
                 self._quiet = True
                 self._discover(tr, tier, cat, probe)
                 self._sweep_tier(tr, tier, probe)
@@ -219,19 +223,17 @@ class SharedBlocks:
 
     def _sweep_tier(self, tr: EventTranslator, tier: str, probe: StoreProbe) -> None:
         """Ask the store about `sweep_keys` of the blocks held in `tier` (all of them when
-        they are fewer), round robin, wrapping around; report the missing ones removed."""
-        held = tr.held_in(tier)
-        n = len(held)
-        if n == 0:
-            return
-        if n <= self._sweep:
-            part = held
-        else:
-            at = self._turn[tier] % n
-            part = held[at : at + self._sweep]
-            part += held[: self._sweep - len(part)]  # wrap around
-            self._turn[tier] = at + self._sweep
-        gone = [k for k in part if not self._has(probe, k)]
+        they are fewer), round robin; report the missing ones removed."""
+        part = tr.rotate(tier, self._sweep)
+        flags = None
+        present = getattr(probe, "present", None)  # Redis: EXISTS, which keeps LRU order
+        if present is not None and self._expand is None and part:
+            flags = present(part)
+            if flags is None:  # unreachable: nothing is known gone
+                return
+        if flags is None:
+            flags = [self._has(probe, k) for k in part]
+        gone = [k for k, held in zip(part, flags, strict=True) if not held]
         if gone:
             tr.apply(gone, tier, True)
 
@@ -302,6 +304,10 @@ class Borrowed:
     def probe(self, keys: Sequence[bytes]) -> int:
         return self.probe_of.probe(keys)
 
+    @property
+    def present(self) -> Callable[[Sequence[bytes]], list[bool] | None] | None:
+        return getattr(self.probe_of, "present", None)
+
     def close(self) -> None:
         pass
 
@@ -316,6 +322,10 @@ class TierProbe:
     def probe(self, keys: Sequence[bytes]) -> int:
         with self._lock:
             return int(self._tier.probe(keys))
+
+    @property
+    def present(self) -> Callable[[Sequence[bytes]], list[bool] | None] | None:
+        return getattr(self._tier, "present", None)  # Redis: no lock, a network call
 
     def close(self) -> None:
         pass
