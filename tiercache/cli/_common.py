@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tiercache.cli._store import StoreError
@@ -68,19 +67,6 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, bytes):
         return o.hex()
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
-
-
-def progress_bar(label: str, out: Console, *, transient: bool, disable: bool = False) -> Progress:
-    """A bar with the count done and the time taken, labelled `label` (rich markup)."""
-    return Progress(
-        TextColumn(f"[bold]{label}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=out,
-        transient=transient,
-        disable=disable,
-    )
 
 
 def human_bytes(n: int | None) -> str:

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from tiercache.benchharness.baselines import memcpy_bps
 from tiercache.cache import TierCache
-from tiercache.cli._common import progress_bar
+from tiercache.cli.progress import progress_bar
 from tiercache.workload import block_bytes_for, synthetic_requests
 
 

@@ -18,7 +18,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from tiercache.cli._common import console, echo_json, progress_bar, store_command
+from tiercache.cli._common import console, echo_json, store_command
 from tiercache.cli._store import (
     VerifyReport,
     count_blocks,
@@ -26,6 +26,7 @@ from tiercache.cli._store import (
     resolve,
     verify_store,
 )
+from tiercache.cli.progress import progress_bar
 
 
 @store_command(
