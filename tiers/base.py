@@ -13,8 +13,9 @@ A tier knows bytes, never policies or other tiers. Primitives:
   `open_columns()` the part of it the manager adopts at open, the rest left dormant
   (`find_dormant`, `wake`, `wake_oldest`, `open_keys`: see tiers/dormant.py);
 - capability flags: `persistent`, `shared` (between processes), `read_only`; shared tiers
-  also `probe`, `adopt`, `take_gone`, and `open_probe` (a read-only `StoreProbe` for another
-  process); `take_evicted`: blocks a store with its own capacity dropped (LMDB);
+  also `probe` and `present` (what the store holds; `present_unlocked`: asked without the
+  cache's lock), `adopt`, `take_gone`, and `open_probe` (a read-only `StoreProbe` for
+  another process); `take_evicted`: blocks a store with its own capacity dropped (LMDB);
 - `sort_failed(keys, failed)`: the one rule for a read's failed blocks, used by every path
   that reads a tier: gone (a plain miss) or an error;
 - `flush()` / `close()`.
@@ -93,14 +94,30 @@ def check_blocks(t: object, n: int, block_bytes: int, name: str) -> torch.Tensor
 
 
 class StoreProbe(Protocol):
-    """Read-only presence checks on a shared store (`Tier.open_probe`): `probe(keys)` is how
-    many leading `keys` the store holds with a well-formed header of the namespace (payloads
-    are verified when a tier reads them); 0 when the store cannot be reached. Bounded in
-    time by the tier's own timeouts."""
+    """Read-only presence checks on a shared store (`Tier.open_probe`), bounded in time by
+    the tier's own timeouts. A block is held when the store has it with a well-formed header
+    of the namespace (payloads are verified when a tier reads them):
+    - `probe(keys)`: how many leading `keys` are held; 0 when the store cannot be reached
+      (a lookup's question: the run it could load);
+    - `present(keys)`: one flag per key, whether it is held (the same test as `probe`, but
+      Redis's reads no header: `RedisTier.present`), every key asked, in one call where the
+      store can (one read transaction, one pipeline); None when the store cannot be
+      reached, so that nothing is taken as gone (a sweep's question: which of the blocks
+      reported held are still there). A store with nothing better asks `probe` per key
+      (`present_per_key`)."""
 
     def probe(self, keys: Sequence[bytes]) -> int: ...
 
+    def present(self, keys: Sequence[bytes]) -> list[bool] | None: ...
+
     def close(self) -> None: ...
+
+
+def present_per_key(probe: StoreProbe, keys: Sequence[bytes]) -> list[bool]:
+    """`StoreProbe.present` asked of `probe` one key at a time, for a store with nothing
+    better. Its `probe` answers 0 alike for a block it lacks and a store it cannot reach, so
+    this never answers None."""
+    return [probe.probe([k]) == 1 for k in keys]
 
 
 class Tier(ABC):
@@ -119,6 +136,10 @@ class Tier(ABC):
     OPTIONS: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
     # Whether `read_to` hands over the tier's own buffers (no staging copy): see `read_to`.
     reads_in_place: ClassVar[bool] = False
+    # True where `present` is a network round trip that keeps the tier's own state consistent
+    # itself (Redis): a caller that runs the tier's calls under one lock (the cache's) asks
+    # it without that lock, so a slow server never holds up the cache.
+    present_unlocked: ClassVar[bool] = False
 
     def __init__(self, *, name: str, block_bytes: int, capacity_blocks: int) -> None:
         check_geometry(block_bytes, capacity_blocks)
@@ -208,6 +229,12 @@ class Tier(ABC):
         """How many leading `keys` the store holds that another process stored since this one
         opened (headers checked, not payloads); 0 on any I/O error, and in a private tier."""
         return 0
+
+    def present(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Per key, whether the store holds it (`StoreProbe.present`: the test `probe` makes,
+        every key asked; None when the store cannot be reached). This version asks `probe`
+        one key at a time; a store that can answer in one call overrides it."""
+        return present_per_key(self, keys)
 
     def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
         """Index blocks `probe` found: one slot per key, as `allocate`, but no write follows

@@ -26,6 +26,7 @@ from vllm.v1.core import kv_cache_utils
 from tests.vllm.event_roles import BS, close, request, roles, serve, vllm_hashes
 from tiercache.connectors.vllm_kv.kv_events import SHARED, BlockDescriptor, EventTranslator
 from tiercache.connectors.vllm_kv.shared_blocks import SharedBlocks, decode, encode
+from tiercache.tiers.base import present_per_key
 from tiercache.tiers.catalog import Catalog, LMDBCatalog
 
 CAP = 8  # blocks the LMDB store holds (every engine's writes evict beyond it)
@@ -233,6 +234,9 @@ class _Gone:
     def probe(self, keys: Any) -> int:
         return 0
 
+    def present(self, keys: Any) -> list[bool]:
+        return present_per_key(self, keys)
+
     def close(self) -> None:
         pass
 
@@ -265,6 +269,9 @@ class _Store:
                 break
             n += 1
         return n
+
+    def present(self, keys: Any) -> list[bool]:
+        return present_per_key(self, keys)
 
     def close(self) -> None:
         pass

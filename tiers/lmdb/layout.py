@@ -7,8 +7,9 @@ write transaction every process runs alike.
   `head_seq`), `iter_prefix` (the entries under a key prefix).
 - `StoreTxn`: the bookkeeping of one write transaction (puts, deletes, order entries, each
   namespace's count, eviction beyond a capacity), shared by the tier and offline deletes.
-- `heads_prober`: how many leading keys have a well-formed header (a lookup's probe), for
-  the tier and `LMDBProbe` alike.
+- `heads_prober`: how many leading keys have a well-formed header (a lookup's probe; asked
+  one key at a time in one transaction, a sweep's `present`), for the tier and `LMDBProbe`
+  alike.
 
 Imports nothing of the package."""
 
@@ -169,13 +170,17 @@ class StoreTxn:
             self.txn.put(COUNT_PREFIX + nsb, self.counts[nsb].to_bytes(8, "big"), db=self.meta)
 
 
+# What `heads_prober` builds: (txn, keys) -> how many leading keys are held.
+Prober = Callable[[lmdb.Transaction, Sequence[bytes]], int]
+
+
 def heads_prober(
     heads: Any,
     order: Any,
     nsb: bytes,
     ours: Callable[[object, bytes], bool],
     bad: Callable[[bytes, bytes], None] | None = None,
-) -> Callable[[lmdb.Transaction, Sequence[bytes]], int]:
+) -> Prober:
     """A function of (txn, keys): how many leading `keys` have a well-formed header in
     `heads` under the namespace prefix `nsb` (`ours`: `format.header_check` of that namespace
     and block size) and an entry in `order` naming the key at the header's seq (the seq is

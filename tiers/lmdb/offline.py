@@ -3,7 +3,8 @@ that do not hold the store as a tier (vLLM's scheduler).
 
 - `open_store(path, write=False)` -> `StoreHandle`: an existing store's environment, opened
   read-only unless asked (borrowed when a tier of this process has it open).
-- `LMDBProbe`: a read-only `StoreProbe` (`LMDBTier.open_probe`): headers only.
+- `LMDBProbe`: a read-only `StoreProbe` (`LMDBTier.open_probe`): headers only, each
+  question (`probe`, `present`) in one read transaction.
 - `iter_entries`, `delete_entries`: walk or delete entries in short transactions.
 - `open_here(path)`: whether this process holds the environment open as a tier;
   `holder_pid(path)`: which process holds it open (asks `open_here` before lock.mdb).
@@ -20,9 +21,9 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -47,6 +48,7 @@ from tiercache.tiers.lmdb.layout import (
     MIN_TXN_OPS,
     NS_BYTES,
     ORDER_DB,
+    Prober,
     StoreTxn,
     heads_prober,
     iter_prefix,
@@ -55,6 +57,7 @@ from tiercache.tiers.lmdb.layout import (
 )
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
+T = TypeVar("T")
 
 
 def open_here(path: str | os.PathLike[str]) -> bool:
@@ -166,10 +169,20 @@ class LMDBProbe:
         return self._handle
 
     def probe(self, keys: Sequence[bytes]) -> int:
+        return self._ask(lambda txn, leading: leading(txn, keys)) or 0
+
+    def present(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Per key, what `probe([key])` would answer, in one read transaction; None while
+        the store cannot be opened or read."""
+        return self._ask(lambda txn, leading: [leading(txn, [k]) == 1 for k in keys])
+
+    def _ask(self, answer: Callable[[lmdb.Transaction, Prober], T]) -> T | None:
+        """`answer(txn, leading)` in one read transaction (`leading`: `heads_prober` of this
+        namespace), or None while the store cannot be opened or a transaction begun."""
         with self._lock:
             h = self._open()
-            if h is None or not keys:
-                return 0
+            if h is None:
+                return None
             try:
                 txn = h.env.begin(write=False)
             except lmdb.MapResizedError:
@@ -178,9 +191,9 @@ class LMDBProbe:
                 txn = h.env.begin(write=False)
             except lmdb.Error as exc:
                 log.debug("LMDB probe of %s: %s", self._path, exc)
-                return 0
+                return None
             try:
-                return heads_prober(h.heads, h.order, self._nsb, self._ours)(txn, keys)
+                return answer(txn, heads_prober(h.heads, h.order, self._nsb, self._ours))
             finally:
                 txn.abort()
 

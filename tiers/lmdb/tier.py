@@ -232,10 +232,8 @@ class LMDBTier(KeyedTier):
         shared = self._shared
         # An empty set is read without the lock (one atomic length read, as the lock-held
         # snapshot is one instant): a single-key lookup's probe skips the lock's cost.
-        if shared.pending.entries:
-            with shared.state_lock:
-                pending = shared.pending.snapshot()
-            keys = keys[: leading_clear(keys, pending, self._nsb)]  # stop where we delete
+        if shared.pending.entries:  # stop where we delete
+            keys = keys[: leading_clear(keys, self._deleting(), self._nsb)]
         try:  # `_begin`'s first try inline (a single-key lookup's probe runs it per key)
             txn = shared.env.begin(shared.blocks, None, False, False)
         except lmdb.Error:  # what `_begin` retries (other processes), or an error
@@ -247,6 +245,32 @@ class LMDBTier(KeyedTier):
             return self._leading(txn, keys)
         finally:
             txn.abort()
+
+    def present(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Per key, what `probe([key])` would answer, in one read transaction (a key this
+        process is deleting reads as gone, a malformed entry met is dropped as `probe`
+        drops it); None when closed or when no transaction can begin."""
+        if self._closed:
+            return None
+        if not keys:
+            return []
+        pending, nsb, leading = self._deleting(), self._nsb, self._leading
+        try:
+            txn = self._begin(False, False)
+        except OSError:
+            return None
+        try:
+            return [nsb + k not in pending and leading(txn, [k]) == 1 for k in keys]
+        finally:
+            txn.abort()
+
+    def _deleting(self) -> set[bytes]:
+        """Store keys (namespace + key) this process is deleting: a probe reads them as gone."""
+        shared = self._shared
+        if not shared.pending.entries:  # read without the lock, as `probe` does
+            return set()
+        with shared.state_lock:
+            return shared.pending.snapshot()
 
     def _drop_malformed(self, sk: bytes, head: bytes) -> None:
         """A probe found a malformed header (damage): its entries go at the next write

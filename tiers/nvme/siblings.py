@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tiercache.errors import BlockCorruptError, ConfigError
-from tiercache.tiers.base import Tier, check_blocks
+from tiercache.tiers.base import Tier, check_blocks, present_per_key
 from tiercache.tiers.format import (
     HEADER_SIZE,
     decode_payload,
@@ -161,6 +161,11 @@ class Siblings:
                 break
             n += 1
         return n
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether some instance holds it: `probe` per key (one header read each,
+        no transaction to share; a file that cannot be read is a block not held)."""
+        return present_per_key(self, keys)
 
     def close(self) -> None:
         with self._lock:

@@ -111,6 +111,7 @@ class RedisTier(KeyedTier):
     store_label: ClassVar[str] = "Redis"
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
+    present_unlocked: ClassVar[bool] = True  # a network round trip (its own lock inside)
     OPTIONS: ClassVar = {
         "url": (str, list),
         "username": str,
@@ -413,14 +414,23 @@ class RedisTier(KeyedTier):
         return n
 
     def present(self, keys: Sequence[bytes]) -> list[bool] | None:
-        """Whether Redis holds each of `keys` (None while unreachable): pipelined EXISTS, which
+        """Whether Redis holds each of `keys` (None while unreachable or closed; a key this
+        instance is deleting reads as gone, as in `probe`): one pipelined EXISTS, which
         leaves the keys' LRU/LFU as it was (a sweep that read every block would make them
-        all look just used, and `maxmemory` evict what was really used last)."""
+        all look just used, and `maxmemory` evict what was really used last). So, unlike
+        `probe`, it checks no header: a value under a block's key that is not a good block
+        of it (damage) reads as held here, and as a miss plus an error when read (Redis 7.2's
+        CLIENT NO-TOUCH would allow a header read that keeps LRU/LFU)."""
+        if not keys:
+            return []
+        with self._lock:
+            pending = self._pending.snapshot()
         try:
             cmds = [["EXISTS", self._kprefix + k] for k in keys]
-            return [v == 1 for v in self._run(self._conn(), cmds, "sweep")] if cmds else []
+            held = self._run(self._conn(), cmds, "sweep")
         except (OSError, RuntimeError):  # unreachable, or closed
             return None
+        return [v == 1 and k not in pending for k, v in zip(keys, held, strict=True)]
 
     def free(self, slots: Sequence[int]) -> None:
         """Return slots; the keys this instance stored there since it opened are deleted with

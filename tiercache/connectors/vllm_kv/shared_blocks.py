@@ -20,11 +20,14 @@ from it, whoever stored them, and reports them removed once the store no longer 
   smaller than the store) is found again by its next lookup, so it stays reported.
 - Removals (`poll`): a sweep asks the probe about `sweep_keys` of the keys held in each
   shared tier per poll, round robin (`EventTranslator.rotate`: O(sweep_keys) a poll, however
-  many are held; Redis: one pipelined EXISTS, which leaves the keys' LRU as it was, where a
-  read would make every block look just used), and reports those gone (another process's
-  eviction, Redis's maxmemory or expiry) removed. A block gone from the store is reported
-  removed within ceil(held / sweep_keys) polls, blocks stored or removed meanwhile included;
-  polls run at most every `interval_s`, from vLLM's `take_events` (every engine step).
+  many are held), in one `StoreProbe.present` call (LMDB: one read transaction; Redis: one
+  pipelined EXISTS, which leaves the keys' LRU as it was, where a read would make every
+  block look just used; head shards: every shard's key in that call, a block held when all
+  are), and reports those gone (another process's eviction, Redis's maxmemory or expiry)
+  removed; an unreachable store (None) has nothing gone. A block gone from the store is
+  reported removed within ceil(held / sweep_keys) polls, blocks stored or removed meanwhile
+  included; polls run at most every `interval_s`, from vLLM's `take_events` (every engine
+  step).
 """
 
 from __future__ import annotations
@@ -223,19 +226,33 @@ class SharedBlocks:
 
     def _sweep_tier(self, tr: EventTranslator, tier: str, probe: StoreProbe) -> None:
         """Ask the store about `sweep_keys` of the blocks held in `tier` (all of them when
-        they are fewer), round robin; report the missing ones removed."""
+        they are fewer), round robin, in one `present` call; report the missing ones
+        removed."""
         part = tr.rotate(tier, self._sweep)
-        flags = None
-        present = getattr(probe, "present", None)  # Redis: EXISTS, which keeps LRU order
-        if present is not None and self._expand is None and part:
-            flags = present(part)
-            if flags is None:  # unreachable: nothing is known gone
-                return
-        if flags is None:
-            flags = [self._has(probe, k) for k in part]
+        if not part:
+            return
+        flags = self._present(probe, part)
+        if flags is None:  # unreachable: nothing is known gone
+            return
         gone = [k for k, held in zip(part, flags, strict=True) if not held]
         if gone:
             tr.apply(gone, tier, True)
+
+    def _present(self, probe: StoreProbe, keys: Sequence[bytes]) -> list[bool] | None:
+        """Per block key, whether the store holds it under every key it is stored under
+        (`expand`), all asked in one `present` call; None when the store is unreachable."""
+        if self._expand is None:
+            return probe.present(keys)
+        each = [self._expand([k]) for k in keys]
+        flags = probe.present([x for e in each for x in e])
+        if flags is None:
+            return None
+        out: list[bool] = []
+        i = 0
+        for e in each:
+            out.append(all(flags[i : i + len(e)]))
+            i += len(e)
+        return out
 
     def _descriptor(self, tr: EventTranslator, raw: bytes) -> BlockDescriptor | None:
         rec = decode(raw)
@@ -290,8 +307,9 @@ def still_held(cache: Any, events: Sequence[Any]) -> list[bytes]:
     out: list[bytes] = []
     for e in events:
         t = lmdb.get(e.medium) if e.removed else None
-        if t is not None:
-            out.extend(k for k in e.keys if t.probe([k]))
+        held = t.present(e.keys) if t is not None else None  # None: closed, none kept
+        if held:
+            out.extend(k for k, h in zip(e.keys, held, strict=True) if h)
     return out
 
 
@@ -304,9 +322,8 @@ class Borrowed:
     def probe(self, keys: Sequence[bytes]) -> int:
         return self.probe_of.probe(keys)
 
-    @property
-    def present(self) -> Callable[[Sequence[bytes]], list[bool] | None] | None:
-        return getattr(self.probe_of, "present", None)
+    def present(self, keys: Sequence[bytes]) -> list[bool] | None:
+        return self.probe_of.present(keys)
 
     def close(self) -> None:
         pass
@@ -314,7 +331,9 @@ class Borrowed:
 
 class TierProbe:
     """A `StoreProbe` over a tier of this process's cache, under the cache's lock: what its
-    own lookups would find (a block this process is deleting reads as gone)."""
+    own lookups would find (a block this process is deleting reads as gone). `present` is
+    asked without the lock where the tier says so (`present_unlocked`, Redis: a network
+    round trip must not hold up the cache)."""
 
     def __init__(self, tier: Any, lock: Any) -> None:
         self._tier, self._lock = tier, lock
@@ -323,9 +342,11 @@ class TierProbe:
         with self._lock:
             return int(self._tier.probe(keys))
 
-    @property
-    def present(self) -> Callable[[Sequence[bytes]], list[bool] | None] | None:
-        return getattr(self._tier, "present", None)  # Redis: no lock, a network call
+    def present(self, keys: Sequence[bytes]) -> list[bool] | None:
+        if self._tier.present_unlocked:
+            return self._tier.present(keys)
+        with self._lock:
+            return self._tier.present(keys)
 
     def close(self) -> None:
         pass
