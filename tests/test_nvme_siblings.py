@@ -21,20 +21,23 @@ from tiercache.tiers.nvme.siblings import NVMeSiblingsTier, SiblingsProbe
 BB, NS = 4096, "sib"
 
 
-def _config(path: Path, instance: int, *, cpu: int = 4) -> dict:
+def _config(path: Path, instance: int, *, cpu: int = 4, namespace: str = NS) -> dict:
     """A rank's config as the KV connector resolves it under head shards: CPU, its own NVMe
     instance, and the siblings right below."""
     nvme = {"kind": "nvme", "path": str(path), "blocks": 16, "instance": instance}
     return with_nvme_siblings(
-        {"block_size": 4, "namespace": NS, "tiers": [{"kind": "cpu", "blocks": cpu}, nvme]}
+        {"block_size": 4, "namespace": namespace, "tiers": [{"kind": "cpu", "blocks": cpu}, nvme]}
     )
 
 
-def _store(path: Path, instance: int, ids: range) -> None:
-    """What another rank layout wrote: blocks `ids` in NVMe instance `instance`, closed."""
-    c = TierCache.open(_config(path, instance), block_bytes=BB)
+def _store(
+    path: Path, instance: int, ids: range, *, namespace: str = NS, payloads: range | None = None
+) -> None:
+    """What another rank layout wrote: blocks `ids` in NVMe instance `instance`, closed (the
+    bytes of `payloads`' ids, default `ids`' own)."""
+    c = TierCache.open(_config(path, instance, namespace=namespace), block_bytes=BB)
     try:
-        c.put([key(i) for i in ids], blocks(ids, BB))
+        assert c.put([key(i) for i in ids], blocks(payloads or ids, BB)) == len(ids)
     finally:
         c.close()
 
@@ -186,6 +189,62 @@ def test_the_scheduler_probe_sees_every_instance_and_checks_headers(tmp_path: Pa
         probe.close()
 
 
+# Two tenants (namespaces) of one NVMe path storing an equal key: NVMe journal entries name no
+# namespace, so the siblings' index holds both places of the key, and each tenant must find
+# its own copy whichever was written last, in two instances or in one.
+TENANTS = {NS: range(100, 104), "another tenant": range(200, 204)}  # namespace -> payload ids
+
+
+@pytest.mark.parametrize("last", list(TENANTS))
+@pytest.mark.parametrize("instances", [(0, 1), (0, 0)], ids=["two-instances", "one-instance"])
+def test_tenants_with_an_equal_key_each_find_their_own_copy(
+    tmp_path: Path, last: str, instances: tuple[int, int]
+) -> None:
+    """`last` wrote after the other tenant, into `instances[1]` (the other: `instances[0]`);
+    its entries are then the newer in the siblings' index. The other tenant last is NS's
+    unlucky order: its index kept only that tenant's place, and NS found nothing."""
+    ids = range(4)
+    keys = [key(i) for i in ids]
+    order = sorted(TENANTS, key=lambda ns: ns == last)  # the other tenant first, `last` last
+    for ns, instance in zip(order, instances, strict=True):
+        _store(tmp_path, instance, ids, namespace=ns, payloads=TENANTS[ns])
+    for ns, payloads in TENANTS.items():
+        # 1. The scheduler's probe finds every key, per key too, for either tenant.
+        probe = SiblingsProbe(str(tmp_path), BB, ns)
+        try:
+            assert probe.probe(keys) == len(keys), ns
+            assert probe.present(keys) == [True] * len(keys), ns
+        finally:
+            probe.close()
+        # 2. A rank of the tenant (its own instance 2) loads its own bytes, verified on read,
+        # never the other tenant's (whose header would fail the check: a miss).
+        c = TierCache.open(_config(tmp_path, 2, cpu=16, namespace=ns), block_bytes=BB)
+        try:
+            assert c.lookup(keys) == len(keys), ns
+            assert torch.equal(c.get(keys), blocks(payloads, BB)), ns
+            assert c.stats()["nvme-siblings"]["discovered"] == len(keys)
+            _healthy(c)
+        finally:
+            c.close()
+        # 3. The tier itself: probe, adopt, and a verified read into a tensor.
+        t = NVMeSiblingsTier(block_bytes=BB, path=str(tmp_path), namespace=ns, instance=2)
+        try:
+            assert t.probe(keys) == len(keys)
+            slots = t.adopt(keys)
+            assert slots is not None
+            out = torch.zeros((len(keys), BB), dtype=torch.uint8)
+            assert t.read(slots, out, keys) == [] and torch.equal(out, blocks(payloads, BB))
+            assert t.take_gone(keys) == set()
+        finally:
+            t.close()
+    # A third namespace holds none of them.
+    other = SiblingsProbe(str(tmp_path), BB, "a third tenant")
+    try:
+        assert other.probe(keys) == 0 and other.present(keys) == [False] * len(keys)
+    finally:
+        other.close()
+
+
 def test_a_siblings_tier_refuses_writes(tmp_path: Path) -> None:
     _store(tmp_path, 0, range(1))
     t = NVMeSiblingsTier(block_bytes=BB, path=str(tmp_path), namespace=NS)
@@ -200,11 +259,13 @@ def test_a_siblings_tier_refuses_writes(tmp_path: Path) -> None:
 
 def test_the_siblings_index_keeps_keys_ending_in_zero_bytes() -> None:
     """Numpy's fixed-width bytes drop trailing zero bytes; the index must not confuse keys
-    that differ only there, and a newer entry of a key wins."""
+    that differ only there, and a newer entry of a key wins (`get`; `places` keeps every
+    place, newest first)."""
     from tiercache.tiers.nvme.siblings import _Index
 
     a, b = b"k" + bytes(15), b"k" + bytes(14) + b"\x01"
     idx = _Index([a, b, a], [(1 << 40) | 5, 7, 9])
     assert idx.get(a) == (0, 9) and idx.get(b) == (0, 7)
+    assert idx.places(a) == [(0, 9), (1, 5)] and idx.places(b) == [(0, 7)]
     assert idx.get(b"k") is None and idx.get(bytes(16)) is None and len(idx) == 2
     assert _Index([], []).get(a) is None

@@ -158,10 +158,8 @@ class _Counting:
 
 
 class TestNVMe(PresentConformance):
-    # Not 0: the siblings' index keeps one place per key, so an equal key that another
-    # namespace's instance holds hides ours (`Siblings`: `probe` and `present` alike).
-    theirs = [7]
-
+    # Another namespace's instance (1, after ours in the siblings' index: its entries the
+    # newer) holds an equal key 0, and 7 only there.
     def open(self, tmp_path: Path) -> list[StoreProbe]:
         for ns, instance, ids in ((NS, 0, OURS), (OTHER, 1, self.theirs)):
             t = NVMeTier(

@@ -4,9 +4,10 @@ docs/tp-layout.md).
 
 Primitives:
 - `Siblings`: the instances under one path as offline readers (`NVMeStoreReader`), and one
-  index key -> (instance, slot) of what their journals named when last read; `find(key)`
-  checks the slot's header, reading the journals again (at most every `RELOAD_S`) when a
-  slot no longer holds what they said.
+  index key -> every (instance, slot) their journals named when last read (journal entries
+  name no namespace: tenants of one path hold equal keys); `find(key)` returns the newest
+  place whose header is ours, reading the journals again (at most every `RELOAD_S`) when
+  none holds what they said.
 - `NVMeSiblingsTier`: a shared, read-only tier over the siblings of this process's own
   instances: `probe` finds keys there, `adopt` indexes them under slots of its own, `read`
   verifies as every NVMe read does. A slot the owner wrote again since its journal was read
@@ -42,29 +43,37 @@ _SLOT_BITS = 40  # an index entry packs (instance, slot) as instance << 40 | slo
 
 
 class _Index:
-    """key -> (instance, slot) as two sorted numpy columns, no Python object per block (a
-    same-TP rank indexes its siblings' every block, and asks for none of them): 17 bytes
-    of key (the 16 and a 0x01, so numpy's fixed-width bytes keep trailing zero bytes) and 8
-    of place per block."""
+    """key -> every (instance, slot) named for it, as two numpy columns sorted by key, no
+    Python object per block (a same-TP rank indexes its siblings' every block, and asks for
+    none of them): 17 bytes of key (the 16 and a 0x01, so numpy's fixed-width bytes keep
+    trailing zero bytes) and 8 of place per block. A key may have several places: equal
+    keys of two namespaces (another model, another cache salt) in one instance or in two."""
 
     def __init__(self, keys: list[bytes], places: list[int]) -> None:
         k = np.array([x + b"\x01" for x in keys], dtype="S17")
-        v = np.array(places, dtype=np.int64)
-        # The last entry of a key wins (entries come oldest first): unique over the reversed
-        # columns keeps each key's first occurrence there.
-        self._keys, first = np.unique(k[::-1], return_index=True)
-        self._places = v[::-1][first]
+        # A stable sort keeps each key's entries in the order given (oldest first).
+        order = np.argsort(k, kind="stable")
+        self._keys, self._places = k[order], np.array(places, dtype=np.int64)[order]
+        self._distinct = int(np.count_nonzero(self._keys[1:] != self._keys[:-1])) + bool(len(k))
+
+    def places(self, key: bytes) -> list[tuple[int, int]]:
+        """Every (instance, slot) named for `key`, newest first; [] when none."""
+        probe = key + b"\x01"
+        lo = int(np.searchsorted(self._keys, probe))
+        if lo == len(self._keys) or self._keys[lo] != probe:
+            return []
+        hi = int(np.searchsorted(self._keys, probe, side="right"))
+        mask = (1 << _SLOT_BITS) - 1
+        return [(p >> _SLOT_BITS, p & mask) for p in self._places[lo:hi][::-1].tolist()]
 
     def get(self, key: bytes) -> tuple[int, int] | None:
-        probe = key + b"\x01"
-        i = int(np.searchsorted(self._keys, probe))
-        if i == len(self._keys) or self._keys[i] != probe:
-            return None
-        place = int(self._places[i])
-        return place >> _SLOT_BITS, place & ((1 << _SLOT_BITS) - 1)
+        """The newest (instance, slot) named for `key`, else None."""
+        at = self.places(key)
+        return at[0] if at else None
 
     def __len__(self) -> int:
-        return len(self._keys)
+        """Distinct keys."""
+        return self._distinct
 
 
 class Siblings:
@@ -88,7 +97,7 @@ class Siblings:
         self._skip, self._skip_pid = skip, skip_pid
         self._lock = threading.Lock()
         self.readers: dict[int, NVMeStoreReader] = {}  # instance -> its reader
-        self._index = _Index([], [])  # key -> (instance, slot)
+        self._index = _Index([], [])  # key -> every (instance, slot)
         self._loaded = float("-inf")
         self.reload(force=True)
 
@@ -125,26 +134,37 @@ class Siblings:
                         r.reload()
                 except (OSError, ConfigError, ValueError):
                     continue  # not (yet) a readable store: none of its blocks
-                keys += (e.key for e in r.entries)  # oldest first: a newer entry of a key wins
+                keys += (e.key for e in r.entries)  # oldest first, then the next instance's
                 places += ((k << _SLOT_BITS) | e.slot for e in r.entries)
                 r.entries = []  # indexed here: no object per block kept
             self._index = _Index(keys, places)
             return True
 
     def where(self, key: bytes) -> tuple[int, int] | None:
-        """(instance, slot) the journals last named for `key`, unchecked."""
+        """(instance, slot) the journals last named for `key`, unchecked (perhaps another
+        namespace's equal key)."""
         return self._index.get(key)
 
     def find(self, key: bytes) -> tuple[int, int] | None:
-        """(instance, slot) holding a well-formed header of `key` (namespace, length), else
-        None; a stale entry reads the journals again (rate-limited) and retries once."""
+        """The newest (instance, slot) the journals name for `key` that holds a well-formed
+        header of it (our namespace, our length), else None. When some are named but none
+        holds ours (stale entries), reads the journals again (rate-limited), retries once."""
         for attempt in (0, 1):
-            at = self._index.get(key)
-            if at is not None and self._holds(at, key):
-                return at
-            if attempt or at is None or not self.reload():
+            places = self._index.places(key)
+            for at in places:
+                if self._holds(at, key):
+                    return at
+            if attempt or not places or not self.reload():
                 return None
         return None
+
+    def place(self, key: bytes) -> tuple[int, int] | None:
+        """Where to read `key` that `find` just found: the one place the journals name,
+        unchecked (no I/O); among several (namespaces' equal keys), what `find` answers."""
+        places = self._index.places(key)
+        if len(places) == 1:
+            return places[0]
+        return self.find(key) if places else None
 
     def _holds(self, at: tuple[int, int], key: bytes) -> bool:
         r = self.readers.get(at[0])
@@ -242,7 +262,7 @@ class NVMeSiblingsTier(Tier):
         return self._siblings.probe(keys)
 
     def adopt(self, keys: Sequence[bytes]) -> list[int] | None:
-        at = [self._siblings.where(k) for k in keys]
+        at = [self._siblings.place(k) for k in keys]
         if any(a is None for a in at):  # reloaded since the probe: ask again
             return None
         slots = self.allocate(keys)
