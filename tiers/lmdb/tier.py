@@ -105,13 +105,8 @@ class LMDBTier(KeyedTier):
         codec = {"compression": compression, "level": level, "element_size": element_size}
         interval = check_settings({**codec, "sync": sync, "sync_interval": sync_interval})
         super().__init__(
-            name=name,
-            block_bytes=block_bytes,
-            capacity_blocks=capacity_blocks,
-            compression=compression,
-            level=level,
+            name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks, **codec
         )
-        self._element_size = element_size
         self._sync = sync
         self._sync_interval = interval
         self._ns = namespace_id(namespace)

@@ -145,12 +145,9 @@ class RedisTier(KeyedTier):
         namespace: str = "",
         index_at_open: bool = True,
     ) -> None:
+        codec = {"compression": compression, "level": level, "element_size": element_size}
         super().__init__(
-            name=name,
-            block_bytes=block_bytes,
-            capacity_blocks=capacity_blocks,
-            compression=compression,
-            level=level,
+            name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks, **codec
         )
         settings = {
             "url": list(url) if isinstance(url, tuple) else url,
@@ -160,9 +157,7 @@ class RedisTier(KeyedTier):
             "password_env": password_env,
             "ttl": ttl,
             "prefix": prefix,
-            "compression": compression,
-            "level": level,
-            "element_size": element_size,
+            **codec,
             "timeout": timeout,
             "backoff_max": backoff_max,
         }
@@ -172,7 +167,6 @@ class RedisTier(KeyedTier):
         self._username = secret(username, username_env, "username")
         self._password = secret(password, password_env, "password")
         self._ttl_ms = int(ttl * 1000) if ttl else None
-        self._element_size = element_size
         self._timeout = float(timeout)
         self._ns = namespace_id(namespace)
         self._kprefix = prefix.encode() + namespace.encode()
