@@ -266,13 +266,13 @@ class LMDBTier(KeyedTier):
     def write(
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> None:
+        """Store blocks by key: encoded (compressed before the txn), then put with the pending
+        deletes (`_commit`). OSError (ENOSPC when the map is full): uncommitted deletes stay."""
         keys = self._io_keys(slots, src, keys, "src")
         n = len(slots)
         if n == 0:
             return
-        if src.device.type != "cpu":
-            src = src.cpu()
-        rows = src.numpy()
+        rows = (src if src.device.type == "cpu" else src.cpu()).numpy()
         # LMDB records each slot's key before the commit (the txn may fail after; Redis
         # records after its send): the keys of ours these slots held go to the deletes.
         replaced = self._claim(slots, keys)

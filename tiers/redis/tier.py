@@ -447,6 +447,8 @@ class RedisTier(KeyedTier):
     def write(
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> None:
+        """Store blocks by key: one pipelined SET each (with the ttl) after the pending deletes.
+        OSError when Redis is unreachable or refuses: unsent deletes stay pending."""
         keys = self._io_keys(slots, src, keys, "src")
         n = len(slots)
         if n == 0:
