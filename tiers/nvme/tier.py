@@ -153,27 +153,13 @@ class NVMeTier(Tier):
 
     @classmethod
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> NVMeTier:
-        o = cfg.options
+        o = dict(cfg.options)
         if "path" not in o:
             raise ConfigError(f"{cfg.field}.path", "an 'nvme' tier needs a directory path")
-        try:
-            return cls(
-                name=cfg.name,
-                block_bytes=block_bytes,
-                capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-                path=o["path"],
-                fsync=o.get("fsync", "batch"),
-                namespace=namespace,
-                io_threads=o.get("io_threads", 4),
-                direct=o.get("direct", True),
-                instances=o.get("instances", 1),
-                instance=o.get("instance", instance_from_env(o.get("instance_env"))),
-            )
-        except ConfigError as exc:
-            fields = ("path", "fsync", "io_threads", "capacity", "block_bytes", "instances")
-            if exc.field in (*fields, "instance", "instance_env"):
-                raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
-            raise
+        from_env = instance_from_env(o.pop("instance_env", None), cfg.field)
+        o.setdefault("instance", from_env)
+        fields = ("path", "fsync", "io_threads", "capacity", "block_bytes", "instances", "instance")
+        return cls.from_options(cfg, block_bytes, fields, namespace=namespace, **o)
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any], where: str) -> None:
