@@ -30,10 +30,7 @@ import torch
 from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.telemetry import EVENTS_FILE, STATS_FILE
-from tiercache.tiers.format import (
-    FORMAT_VERSION,
-    namespace_id,
-)
+from tiercache.tiers.format import FORMAT_VERSION, namespace_id
 
 PERSISTENT_KINDS = ("nvme", "lmdb")
 _READ_BATCH_BYTES = 64 * 2**20  # rows per tier.read during a repair

@@ -20,10 +20,7 @@ import torch
 from tiercache.errors import ConfigError
 from tiercache.tiers.base import Tier, check_blocks, slot_stack
 from tiercache.tiers.dormant import DormantIndex
-from tiercache.tiers.format import (
-    HEADER_SIZE,
-    namespace_id,
-)
+from tiercache.tiers.format import HEADER_SIZE, namespace_id
 from tiercache.tiers.nvme import recovery
 from tiercache.tiers.nvme.image import encode_image
 from tiercache.tiers.nvme.index_open import read_headers, read_image

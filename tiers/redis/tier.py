@@ -21,12 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tiercache.backoff import Backoff
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.base import KEY_BYTES
-from tiercache.tiers.format import (
-    HEADER_SIZE,
-    header_of,
-    is_header_of,
-    namespace_id,
-)
+from tiercache.tiers.format import HEADER_SIZE, header_of, is_header_of, namespace_id
 from tiercache.tiers.keyed import (
     CODEC_OPTIONS,
     KeyedTier,
