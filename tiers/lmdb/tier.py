@@ -46,7 +46,7 @@ from tiercache.tiers.lmdb.layout import (
     heads_prober,
     txn_ops_for,
 )
-from tiercache.tiers.lmdb.offline import LMDBProbe
+from tiercache.tiers.lmdb.offline import LMDBOffline, LMDBProbe
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
 
@@ -254,6 +254,10 @@ class LMDBTier(KeyedTier):
     @classmethod
     def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> LMDBProbe:
         return LMDBProbe(cfg.options["path"], block_bytes, namespace=namespace)
+
+    @classmethod
+    def offline_store(cls, path: str, name: str) -> LMDBOffline:
+        return LMDBOffline(path)
 
     def _unpend(self, keys: Iterable[bytes], *, prefixed: bool = False) -> None:
         """Keys stored again (live: no pending delete may remove them any more) or deleted;

@@ -62,6 +62,7 @@ from tiercache.tiers.nvme.options import (
     check_options,
     instance_from_env,
 )
+from tiercache.tiers.nvme.reader import NVMeOffline
 from tiercache.tiers.nvme.slot_reads import Sink, SlotReads
 from tiercache.tiers.nvme.slot_writes import write_slots
 from tiercache.tiers.store_dir import warn_over_capacity
@@ -157,6 +158,10 @@ class NVMeTier(Tier):
         o.setdefault("instance", from_env)
         fields = ("path", "fsync", "io_threads", "capacity", "block_bytes", "instances", "instance")
         return cls.from_options(cfg, block_bytes, fields, namespace=namespace, **o)
+
+    @classmethod
+    def offline_store(cls, path: str, name: str) -> NVMeOffline:
+        return NVMeOffline(path, name, cls)
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any], where: str) -> None:
