@@ -5,8 +5,7 @@ that do not hold the store as a tier (vLLM's scheduler).
   read-only unless asked (borrowed when a tier of this process has it open).
 - `LMDBProbe`: a read-only `StoreProbe` (`LMDBTier.open_probe`): headers only.
 - `iter_entries`, `delete_entries`: walk or delete entries in short transactions.
-- `open_here(path)`: whether this process holds the environment open as a tier;
-  `holder_pid(path)`: which process holds it open (asks `open_here` before lock.mdb).
+- `holder_pid(path)`: which process holds the environment open (this one's, then lock.mdb).
 - `block_infos(h)`: the good blocks; `entry_problem(...)`: what is wrong with one entry.
 - `LMDBOffline`: the store as the CLI's `OfflineStore` (`LMDBTier.offline_store`)."""
 
@@ -61,12 +60,6 @@ from tiercache.tiers.lmdb.layout import (
 from tiercache.tiers.offline import BlockInfo, Problem, namespace_label, summarize
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
-
-
-def open_here(path: str | os.PathLike[str]) -> bool:
-    """Whether this process holds the LMDB environment at `path` open as a tier (then its
-    locks in lock.mdb are this process's own, and a lock probe must not close them)."""
-    return is_open(os.fspath(path))
 
 
 @dataclass(frozen=True)
@@ -253,12 +246,12 @@ _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux: type, whence,
 
 
 def holder_pid(path: str) -> int | None:
-    """The pid of another process holding the LMDB environment open, else None.
+    """The pid of a process holding the LMDB environment open, else None.
 
     LMDB keeps a shared fcntl lock on byte 0 of lock.mdb while an environment is open; this
-    asks (F_GETLK) who would block an exclusive one. Skipped (None) when this process has the
-    environment open: closing our probe descriptor would drop this process's own locks."""
-    if open_here(path):
+    asks (F_GETLK) who would block an exclusive one. This process's own pid, without asking,
+    when a tier of it holds the environment: closing our probe descriptor would drop its locks."""
+    if is_open(path):
         return os.getpid()
     try:
         fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDONLY | os.O_CLOEXEC)
