@@ -4,6 +4,7 @@ Primitives:
 - `CacheConfig.load(source)`: a `CacheConfig`, a mapping, or a path to a TOML file.
 - `CacheConfig.from_mapping(m)` / `CacheConfig.from_toml(path)`.
 - `parse_size("256MiB") -> int`: bytes from an int or a string with a unit.
+- `read_toml(path) -> dict`: a TOML file's mapping, unvalidated.
 - `TierConfig.capacity_in_blocks(block_bytes)`: the tier's capacity in blocks.
 
 Everything is validated once, here; every error is a `ConfigError` (a `ValueError`) whose
@@ -75,6 +76,19 @@ def parse_size(value: object, field_name: str = "capacity") -> int:
     if n <= 0:
         raise ConfigError(field_name, f"must be positive, got {value!r}")
     return n
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a TOML file; `ConfigError` naming ``config`` when it cannot be read."""
+    p = Path(path)
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("config", f"no such file: {p}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("config", f"cannot read {p}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{p} is not valid TOML: {exc}") from None
 
 
 def _expect(value: object, kind: type | tuple[type, ...], field_name: str, what: str) -> Any:
@@ -375,16 +389,7 @@ class CacheConfig:
     @classmethod
     def from_toml(cls, path: str | Path) -> CacheConfig:
         """Read and validate a TOML file."""
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError("config", f"no such file: {p}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError("config", f"cannot read {p}: {exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config", f"{p} is not valid TOML: {exc}") from None
-        return cls.from_mapping(data)
+        return cls.from_mapping(read_toml(path))
 
     @classmethod
     def load(cls, source: CacheConfig | Mapping[str, Any] | str | Path) -> CacheConfig:

@@ -3,6 +3,7 @@
 - `ConfigError`: an invalid configuration (a `ValueError` whose message names the field).
 - `TierUnavailableError`: a tier cannot start here (e.g. a GPU tier without CUDA).
 - `BlockCorruptError`: bytes read back failed verification; callers treat it as a miss.
+- `StoreError`: a store cannot be used for what was asked (offline tools).
 - `check_count(name, value)`: the one check of an argument that must be an int >= 1.
 - `IO_ERRORS`: what a tier raises for failed I/O (the facade's plan runner and the transfer
   handlers catch these and fail the blocks concerned; anything else is a bug and propagates).
@@ -30,6 +31,10 @@ class TierUnavailableError(TierCacheError, RuntimeError):
 
 class BlockCorruptError(TierCacheError):
     """Stored bytes failed verification; the block must be treated as a miss."""
+
+
+class StoreError(TierCacheError):
+    """A store cannot be used for what was asked (e.g. it is open in another process)."""
 
 
 def check_count(name: str, value: object) -> None:

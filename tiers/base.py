@@ -16,6 +16,7 @@ A tier knows bytes, never policies or other tiers. Primitives:
   also `probe` and `present` (what the store holds; `present_unlocked`: asked without the
   cache's lock), `adopt`, `take_gone`, and `open_probe` (a read-only `StoreProbe` for
   another process); `take_evicted`: blocks a store with its own capacity dropped (LMDB);
+  `offline_store(path, name)`: a persistent kind's store on disk for offline tools;
 - `sort_failed(keys, failed)`: the one rule for a read's failed blocks, used by every path
   that reads a tier: gone (a plain miss) or an error;
 - `flush()` / `close()`.
@@ -39,6 +40,7 @@ from tiercache.hashing import KEY_SIZE
 
 if TYPE_CHECKING:
     from tiercache.tiers.dormant import DormantIndex
+    from tiercache.tiers.offline import OfflineStore
 
 KEY_BYTES = KEY_SIZE  # a block key: one chained prefix hash
 
@@ -246,6 +248,11 @@ class Tier(ABC):
         """A read-only `StoreProbe` of the shared store a validated `TierConfig` names, for a
         process that does not hold it as a tier (vLLM's scheduler); None for a private tier."""
         return None
+
+    @classmethod
+    def offline_store(cls, path: str, name: str) -> OfflineStore:
+        """The store at `path` for offline tools (`name`: the tier's, for messages)."""
+        raise NotImplementedError(f"{cls.__name__}: no store on disk")
 
     def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
         """Of `keys` whose `read` just failed on this thread, those that were plain misses: a

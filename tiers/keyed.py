@@ -182,13 +182,20 @@ class KeyedTier(Tier):
 
     store_label: ClassVar[str] = ""  # "LMDB", "Redis": how errors name the store
     _ns: int  # this tier's namespace id (set by the subclass before it reads)
-    _element_size: int  # 2: zstd over a byte-plane shuffle (set by the subclass)
 
     def __init__(
-        self, *, name: str, block_bytes: int, capacity_blocks: int, compression: str, level: int
+        self,
+        *,
+        name: str,
+        block_bytes: int,
+        capacity_blocks: int,
+        compression: str,
+        level: int,
+        element_size: int = 2,
     ) -> None:
         super().__init__(name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks)
         self._compression, self._level = compression, level
+        self._element_size = element_size  # 2: zstd over a byte-plane shuffle
         self._tls = threading.local()  # per thread: zstd compressor and decompressor
         self._slot_key: dict[int, bytes] = {}
         self._own: set[int] = set()  # slots of blocks this instance stored (evicting deletes)

@@ -191,14 +191,6 @@ class TierIO:
     write_bytes: int = 0
     read_s: float = 0.0
     write_s: float = 0.0
-    hits: int = 0
-    misses: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Blocks served by this tier over the blocks that reached it (its hits + misses)."""
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
 
 
 @dataclass
@@ -220,6 +212,12 @@ class CacheRun:
     @property
     def blocks_per_s(self) -> float:
         return self.blocks / self.seconds if self.seconds > 0 else 0.0
+
+    def tier_hit_rate(self, medium: str) -> float:
+        """Blocks served by one tier over the blocks that reached it (its hits + misses)."""
+        counts = self.stats[medium]
+        reached = counts["hits"] + counts["misses"]
+        return counts["hits"] / reached if reached else 0.0
 
     @property
     def bytes_moved(self) -> int:
@@ -286,7 +284,4 @@ def replay_cache(
         ios = [replace(io) for io in ios]  # as of now: close() writes back more
     finally:
         cache.close()
-    for io in ios:
-        io.hits = stats[io.medium]["hits"]
-        io.misses = stats[io.medium]["misses"]
     return CacheRun(trace.name, trace.n_blocks, hits, secs, block_bytes, ios, stats)

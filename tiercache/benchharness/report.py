@@ -134,7 +134,7 @@ def markdown(report: BenchReport) -> str:
                     [
                         f"{io.medium} ({io.kind})",
                         str(io.capacity_blocks),
-                        f"{io.hit_rate:.4f}",
+                        f"{r.tier_hit_rate(io.medium):.4f}",
                         f"{io.read_bytes / 1e6:.1f}",
                         f"{io.write_bytes / 1e6:.1f}",
                         f"{io.read_bytes / io.read_s / 1e6:.0f}" if io.read_s else "-",
@@ -188,4 +188,6 @@ def to_json(report: BenchReport) -> dict[str, Any]:
     for c, row in zip(report.cache, d["cache"], strict=True):
         row["run"]["hit_rate"] = c.run.hit_rate
         row["run"]["bytes_moved"] = c.run.bytes_moved
+        for io in row["run"]["tiers"]:  # next to its IO, each tier's lookup counts
+            io.update({k: c.run.stats[io["medium"]][k] for k in ("hits", "misses")})
     return json.loads(json.dumps(d, default=str))

@@ -12,7 +12,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from tiercache.cli._store import StoreError
+from tiercache.errors import StoreError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -8,9 +8,9 @@ Primitives:
 - `verify_store(ref, advance)`: every block read and checked; `repair_store` drops bad ones.
 - `list_blocks(ref)` / `drop_blocks(ref, keys)`: what `evict` and `clear` choose from and drop.
 
-Read-only paths never take a lock a running engine needs and write nothing to the store;
-dropping blocks from an NVMe store needs it closed (its index lives in the owner's memory),
-an LMDB store may stay open elsewhere (its owner then reads dropped blocks as misses).
+Each store is its kind's `OfflineStore` (tiers/offline.py): read-only paths never take a lock
+a running engine needs; dropping blocks from an NVMe store needs it closed (its index lives in
+the owner's memory), an LMDB store may stay open elsewhere (it reads dropped blocks as misses).
 """
 
 from __future__ import annotations
@@ -18,29 +18,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import warnings
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tiercache.config import CacheConfig
-from tiercache.errors import ConfigError, TierCacheError
 from tiercache.telemetry import EVENTS_FILE, STATS_FILE
-from tiercache.tiers.format import (
-    FORMAT_VERSION,
-    namespace_id,
-)
+from tiercache.tiers import tier_class
+from tiercache.tiers.format import namespace_id
+from tiercache.tiers.offline import BlockInfo, OfflineStore, Problem
 
 PERSISTENT_KINDS = ("nvme", "lmdb")
-_READ_BATCH_BYTES = 64 * 2**20  # rows per tier.read during a repair
-
-
-class StoreError(TierCacheError):
-    """A store cannot be used for what was asked (e.g. it is open in another process)."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +41,7 @@ class StoreRef:
     path: str | None = None
     capacity_blocks: int | None = None  # from the config, once the block size is known
     capacity_bytes: int | None = None
-    instance: int = 0  # NVMe: which instance of the configured path (0: the path itself)
+    instance: int | None = None  # NVMe: which instance of the configured path (0: the path)
     # Redis: the tier options (credentials too: kept out of repr)
     options: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -151,7 +140,10 @@ def rank_dirs(directory: str) -> list[str]:
 
 def _with_instances(ref: StoreRef) -> list[StoreRef]:
     """`ref` and, for an NVMe path, a ref per instance directory found under it."""
-    if ref.kind != "nvme" or ref.path is None:
+    if ref.kind != "nvme":
+        return [ref]
+    ref = dataclasses.replace(ref, instance=0)
+    if ref.path is None:
         return [ref]
     from tiercache.tiers.nvme import instance_dirs
 
@@ -161,13 +153,6 @@ def _with_instances(ref: StoreRef) -> list[StoreRef]:
         if os.path.isfile(os.path.join(d, "meta.json"))
     ]
     return [ref, *extra]
-
-
-def has_store(ref: StoreRef) -> bool:
-    """Whether the store exists (an NVMe path that only holds instances of it has none)."""
-    if ref.path is None or not os.path.exists(ref.path):
-        return False
-    return ref.kind != "nvme" or os.path.exists(os.path.join(ref.path, "meta.json"))
 
 
 def capacity_of(ref: StoreRef, block_bytes: int) -> int | None:
@@ -194,10 +179,6 @@ def parse_namespace(value: str) -> int:
     return namespace_id(value)
 
 
-def namespace_label(ns: int, names: dict[int, str]) -> str:
-    return names.get(ns, f"id:{ns:016x}")
-
-
 def known_names(target: Target, extra: Iterable[str] = ()) -> dict[int, str]:
     """Namespace ids this run can name: the config's and those given on the command line."""
     out = {}
@@ -207,30 +188,13 @@ def known_names(target: Target, extra: Iterable[str] = ()) -> dict[int, str]:
     return out
 
 
-# -- reading blocks ------------------------------------------------------------------------------
+# -- the stores --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class BlockInfo:
-    """One stored block: its key, write sequence, namespace tag and sizes; `slot` for NVMe."""
-
-    key: bytes
-    seq: int
-    namespace: int
-    raw_len: int
-    stored_len: int
-    slot: int | None = None
-
-
-@dataclass
-class Problem:
-    """Something wrong in a store: where (a slot, a key, or the index) and what."""
-
-    where: str
-    what: str
-    key: bytes | None = None
-    slot: int | None = None
-    entry: bytes | None = None  # LMDB: the store key (namespace id + block key) to delete
+def offline(ref: StoreRef) -> OfflineStore:
+    """The persistent store `ref` names, as its tier kind reads and changes it offline."""
+    assert ref.path is not None
+    return tier_class(ref.kind).offline_store(ref.path, ref.name)
 
 
 @dataclass
@@ -241,55 +205,6 @@ class VerifyReport:
     checked: int = 0
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def bad_keys(self) -> list[bytes]:
-        return [p.key for p in self.problems if p.key is not None]
-
-    @property
-    def bad_entries(self) -> list[bytes]:
-        """LMDB store keys of the bad entries."""
-        return [p.entry for p in self.problems if p.entry is not None]
-
-
-def _nvme_reader(ref: StoreRef) -> Any:
-    from tiercache.tiers.nvme import NVMeStoreReader
-
-    assert ref.path is not None
-    return NVMeStoreReader(ref.path)
-
-
-def _nvme_headers(reader: Any) -> tuple[list[BlockInfo], int]:
-    """Good blocks the journal names (headers read, payloads not), and how many entries
-    fail their header check."""
-    good, bad = reader.headers()
-    return [
-        BlockInfo(h.key, h.seq, h.namespace_id, h.raw_len, h.stored_len, e.slot) for e, h in good
-    ], bad
-
-
-def _lmdb_blocks(h: Any) -> tuple[list[BlockInfo], int]:
-    """Good blocks of an open LMDB store (headers and payload lengths), and the number of
-    malformed or orphaned entries."""
-    from tiercache.tiers.lmdb.offline import block_headers
-
-    good, bad = block_headers(h)
-    return [BlockInfo(key, h.seq, h.namespace_id, h.raw_len, h.stored_len) for key, h in good], bad
-
-
-def _summary(blocks: list[BlockInfo], names: dict[int, str]) -> dict[str, Any]:
-    raw = sum(b.raw_len for b in blocks)
-    stored = sum(b.stored_len for b in blocks)
-    ns = Counter(namespace_label(b.namespace, names) for b in blocks)
-    return {
-        "blocks": len(blocks),
-        "raw_bytes": raw,
-        "stored_bytes": stored,
-        "compression_ratio": raw / stored if stored else 1.0,
-        "namespaces": dict(ns.most_common()),
-        "oldest_seq": min((b.seq for b in blocks), default=None),
-        "newest_seq": max((b.seq for b in blocks), default=None),
-    }
 
 
 def inspect_store(
@@ -310,259 +225,41 @@ def inspect_store(
         except (redis.RedisError, OSError) as exc:
             out["note"] = f"the server did not answer: {exc}"
         return out
-    if ref.kind == "nvme":
+    if ref.instance is not None:
         out["instance"] = ref.instance
     if not ref.persistent:
         out["capacity_bytes"] = ref.capacity_bytes
         out["capacity_blocks"] = ref.capacity_blocks
         out["note"] = "volatile: contents live in the engine (see `tiercache stats`)"
         return out
-    assert ref.path is not None
-    if not has_store(ref):
+    store = offline(ref)
+    if not store.exists():
         out["note"] = "no store yet"
         return out
-    if ref.kind == "nvme":
-        with _nvme_reader(ref) as r:
-            blocks, bad = _nvme_headers(r)
-            cap = r.capacity_blocks
-            out.update(
-                format=f"tiercache-nvme v{r.meta['version']}, block format v{FORMAT_VERSION}",
-                block_bytes=r.block_bytes,
-                capacity_blocks=cap,
-                used_blocks=len(blocks),
-                file_bytes=r.slab_size,
-                **_summary(blocks, names),
-                unreadable_entries=bad,
-                index_damaged_records=r.journal.damaged,
-                last_modified=r.last_modified(),
-                in_use=(pid := r.holder()) is not None,
-                holder_pid=pid if pid and pid > 0 else None,
-            )
-    else:
-        from tiercache.tiers.lmdb.offline import holder_pid, open_store
-
-        holder = holder_pid(ref.path)
-        with open_store(ref.path) as h:
-            blocks, bad = _lmdb_blocks(h)
-            sharing = _lmdb_sharing(h, blocks, names, own=holder == os.getpid())
-            names = {**sharing.pop("names"), **names}
-            info, st = h.env.info(), h.env.stat()
-            bb = h.meta["block_bytes"]
-            cap = capacity_of(ref, bb)
-            out.update(
-                format=f"tiercache-lmdb v{h.meta['version']}, block format v{FORMAT_VERSION}",
-                block_bytes=bb,
-                capacity_blocks=cap,
-                used_blocks=len(blocks),
-                file_bytes=(info["last_pgno"] + 1) * st["psize"],
-                map_size=info["map_size"],
-                **_summary(blocks, names),
-                unreadable_entries=bad,
-                last_modified=os.stat(os.path.join(h.path, "data.mdb")).st_mtime,
-                in_use=holder is not None,
-                holder_pid=holder,
-                **sharing,
-            )
+    out.update(store.describe(names))
+    if out["capacity_blocks"] is None:  # the store records none: the config's
+        out["capacity_blocks"] = capacity_of(ref, out["block_bytes"])
     return out
-
-
-def _lmdb_sharing(
-    h: Any, blocks: list[BlockInfo], names: dict[int, str], own: bool
-) -> dict[str, Any]:
-    """Per-namespace usage (blocks found, the store's count, the recorded capacity), the
-    attach entries and LMDB's reader table of an open store; `names` for labels, completed
-    by the names the store recorded (returned under "names"). `own`: this process holds the
-    store open through a tier (its reader slots are then shown too)."""
-    from tiercache.tiers.lmdb import attach as lmdb_attach
-
-    with h.env.begin(write=False) as txn:
-        rec = lmdb_attach.read_records(txn, h.meta_db)
-    counts = h.counts()
-    names = {**rec.names, **names}
-    found = Counter(b.namespace for b in blocks)
-    attached = [(a, a.state) for a in rec.attached]
-    live = Counter(a.namespace_id for a, st in attached if st != "stale")
-    usage = []
-    for ns in sorted(set(found) | set(counts) | set(rec.capacities) | set(live)):
-        cap = rec.capacities.get(ns)
-        usage.append(
-            {
-                "namespace": namespace_label(ns, names),
-                "id": f"{ns:016x}",
-                "blocks": found.get(ns, 0),
-                "counted": counts.get(ns),
-                "capacity_blocks": cap,
-                "used": found.get(ns, 0) / cap if cap else None,
-                "attached": live.get(ns, 0),
-            }
-        )
-    me = os.getpid()
-    return {
-        "names": rec.names,
-        "namespace_usage": usage,
-        "attached": [
-            {
-                "pid": a.pid,
-                "host": a.host,
-                "namespace": namespace_label(a.namespace_id, names),
-                "opened_at": a.opened_at,
-                "capacity_blocks": a.capacity_blocks,
-                "state": st,
-            }
-            for a, st in attached
-        ],
-        "readers": [
-            {"pid": r.pid, "thread": r.thread, "txn": r.txn}
-            for r in lmdb_attach.readers(h.env)
-            if own or r.pid != me  # not the slot of this inspection's own read
-        ],
-    }
-
-
-# -- verify and repair ---------------------------------------------------------------------------
 
 
 def count_blocks(ref: StoreRef) -> int:
     """Entries a verify of `ref` will read (for a progress bar's total)."""
-    if ref.kind == "nvme":
-        with _nvme_reader(ref) as r:
-            return len(r.entries)
-    from tiercache.tiers.lmdb import open_store
-
-    with open_store(ref.path or "") as h, h.env.begin() as txn:
-        return int(txn.stat(h.heads)["entries"])
+    return offline(ref).count()
 
 
 def verify_store(ref: StoreRef, advance: Callable[[int], None] = lambda n: None) -> VerifyReport:
     """Read every block of `ref` and check it (header, key, length, checksum, decompression)
     and the index (damaged records, entries without data); read-only."""
-    rep = VerifyReport(ref)
-    if not has_store(ref):
-        rep.notes.append("no store yet")
-        return rep
-    if ref.kind == "nvme":
-        _verify_nvme(ref, rep, advance)
-    else:
-        _verify_lmdb(ref, rep, advance)
-    return rep
-
-
-def _verify_nvme(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None]) -> None:
-    import numpy as np
-
-    with _nvme_reader(ref) as r:
-        scratch = np.empty(r.block_bytes, dtype=np.uint8)
-        want = r.capacity_blocks * r.slot_bytes  # at least: kept blocks add slots
-        if r.slab_size < want:
-            rep.problems.append(
-                Problem("slab", f"holds {r.slab_size} bytes, {want} expected for its capacity")
-            )
-        j = r.journal
-        if j.damaged:
-            rep.problems.append(Problem("index", f"{j.damaged} damaged journal records"))
-        if j.out_of_range:
-            rep.problems.append(
-                Problem("index", f"{j.out_of_range} records name slots beyond the slab")
-            )
-        bad = []
-        for e in r.entries:
-            what = r.entry_problem(e, scratch)
-            if what:
-                bad.append((e, what))
-            rep.checked += 1
-            advance(1)
-        if bad and r.in_use():
-            # The owner may have freed and rewritten a slot after we read the journal: keep
-            # only entries that are still live and still fail.
-            r.reload()
-            live = set(r.entries)
-            still = [(e, r.entry_problem(e, scratch)) for e, _ in bad if e in live]
-            bad = [(e, w) for e, w in still if w]
-            if bad:
-                rep.notes.append("the store is open in another process; rechecked once")
-        for e, what in bad:
-            rep.problems.append(Problem(f"slot {e.slot}", what, e.key, e.slot))
-
-
-def _verify_lmdb(ref: StoreRef, rep: VerifyReport, advance: Callable[[int], None]) -> None:
-    import numpy as np
-    import zstandard
-
-    from tiercache.tiers.lmdb.offline import entry_problem, iter_entries, open_store
-
-    dz = zstandard.ZstdDecompressor()
-    with open_store(ref.path or "") as h:
-        bb = h.meta["block_bytes"]
-        scratch = np.empty(bb, dtype=np.uint8)
-        for skey, head, payload in iter_entries(h):
-            key, what = entry_problem(skey, head, payload, bb, scratch, dz)
-            if head is not None:
-                rep.checked += 1
-                advance(1)
-            if what:
-                rep.problems.append(Problem(f"key {key.hex()}", what, key, entry=skey))
-
-
-def open_nvme_tier(ref: StoreRef) -> Any:
-    """The NVMe store as a tier of this process (its exclusive lock), at its own size;
-    StoreError when another process holds it."""
-    from tiercache.tiers.nvme import NVMeTier, read_meta
-
-    assert ref.path is not None
-    meta = read_meta(ref.path)
-    slots = max(
-        meta["capacity_blocks"],
-        os.stat(os.path.join(ref.path, "slab")).st_size // meta["slot_bytes"],
-    )
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # O_DIRECT is not asked for
-            return NVMeTier(
-                name=ref.name,
-                block_bytes=meta["block_bytes"],
-                capacity_blocks=slots,  # every slot, kept ones included
-                path=ref.path,
-                fsync="batch",
-                namespace=None,  # every namespace's blocks; never writes
-                direct=False,
-            )
-    except ConfigError as exc:
-        if "in use" in exc.problem:
-            raise StoreError(
-                f"{ref.path} is open in another process; stop it before changing the store"
-            ) from None
-        raise
+    store = offline(ref)
+    if not store.exists():
+        return VerifyReport(ref, notes=["no store yet"])
+    return VerifyReport(ref, *store.verify(advance))
 
 
 def repair_store(ref: StoreRef, rep: VerifyReport) -> int:
-    """Drop what `verify_store` found bad; the number of entries dropped. NVMe: reopening
-    the store drops index entries whose header disagrees and rewrites a damaged journal, then
-    blocks that fail a verified read are freed. LMDB: bad keys are deleted."""
-    if not rep.problems:
-        return 0
-    if ref.kind == "lmdb":
-        from tiercache.tiers.lmdb import delete_entries, open_store
-
-        with open_store(ref.path or "", write=True) as h:
-            return delete_entries(h, set(rep.bad_entries))
-    tier = open_nvme_tier(ref)
-    try:
-        dropped = tier.open_report.get("blocks_dropped", 0)
-        suspects = {(p.key, p.slot) for p in rep.problems if p.key is not None}
-        held = [(k, s) for k, s in tier.recover() if (k, s) in suspects]
-        step = max(1, _READ_BATCH_BYTES // tier.block_bytes)
-        for a in range(0, len(held), step):
-            part = held[a : a + step]
-            dst = torch.empty((len(part), tier.block_bytes), dtype=torch.uint8)
-            try:
-                failed = tier.read([s for _, s in part], dst, [k for k, _ in part])
-            except OSError:  # nothing of this batch could be read
-                failed = list(range(len(part)))
-            tier.free([part[i][1] for i in failed])
-            dropped += len(failed)
-        return dropped
-    finally:
-        tier.close()
+    """Drop what `verify_store` found bad; the number of entries dropped (NVMe needs the
+    store closed)."""
+    return offline(ref).repair(rep.problems) if rep.problems else 0
 
 
 # -- evict and clear -----------------------------------------------------------------------------
@@ -570,66 +267,20 @@ def repair_store(ref: StoreRef, rep: VerifyReport) -> int:
 
 def list_blocks(ref: StoreRef) -> list[BlockInfo]:
     """The good blocks of a store, oldest first."""
-    if not has_store(ref):
-        return []
-    if ref.kind == "nvme":
-        with _nvme_reader(ref) as r:
-            blocks, _ = _nvme_headers(r)
-    else:
-        from tiercache.tiers.lmdb import open_store
-
-        with open_store(ref.path) as h:
-            blocks, _ = _lmdb_blocks(h)
-    return sorted(blocks, key=lambda b: b.seq)
+    store = offline(ref)
+    return sorted(store.blocks(), key=lambda b: b.seq) if store.exists() else []
 
 
 def drop_blocks(ref: StoreRef, victims: Iterable[BlockInfo]) -> int:
     """Remove these blocks (as `list_blocks` gave them) from the store; the number removed.
     Only the given namespace's block goes where tenants hold equal keys."""
     victims = list(victims)
-    if not victims:
-        return 0
-    if ref.kind == "lmdb":
-        from tiercache.tiers.lmdb import delete_entries, open_store, store_key
-
-        with open_store(ref.path or "", write=True) as h:
-            return delete_entries(h, {store_key(b.namespace, b.key) for b in victims})
-    want = {(b.key, b.slot) for b in victims}
-    tier = open_nvme_tier(ref)
-    try:
-        slots = [s for k, s in tier.recover() if (k, s) in want]
-        tier.free(slots)
-        return len(slots)
-    finally:
-        tier.close()
+    return offline(ref).drop(victims) if victims else 0
 
 
 def check_owner_free(ref: StoreRef) -> None:
-    """StoreError early when an NVMe store is held by another process (before prompting)."""
-    if ref.kind == "nvme" and has_store(ref):
-        with _nvme_reader(ref) as r:
-            if r.in_use():
-                raise StoreError(
-                    f"{ref.path} is open in another process; stop it before changing the store"
-                )
-
-
-__all__ = [
-    "BlockInfo",
-    "Problem",
-    "StoreError",
-    "StoreRef",
-    "Target",
-    "VerifyReport",
-    "check_owner_free",
-    "count_blocks",
-    "drop_blocks",
-    "inspect_store",
-    "known_names",
-    "list_blocks",
-    "namespace_label",
-    "parse_namespace",
-    "repair_store",
-    "resolve",
-    "verify_store",
-]
+    """StoreError early when the store cannot change now (an NVMe store another process
+    holds), before prompting."""
+    store = offline(ref)
+    if store.exists():
+        store.check_free()

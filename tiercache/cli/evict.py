@@ -14,7 +14,6 @@ import click
 
 from tiercache.cli._common import confirm, console, echo_json, store_command
 from tiercache.cli._store import (
-    BlockInfo,
     StoreRef,
     check_owner_free,
     drop_blocks,
@@ -22,6 +21,7 @@ from tiercache.cli._store import (
     parse_namespace,
     resolve,
 )
+from tiercache.tiers.offline import BlockInfo
 
 NAMESPACE = click.option(
     "--namespace",

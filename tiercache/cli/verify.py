@@ -19,13 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiercache.cli._common import console, echo_json, store_command
-from tiercache.cli._store import (
-    VerifyReport,
-    count_blocks,
-    repair_store,
-    resolve,
-    verify_store,
-)
+from tiercache.cli._store import VerifyReport, count_blocks, repair_store, resolve, verify_store
 from tiercache.cli.progress import progress_bar
 
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from xxhash import xxh3_128_hexdigest
 
-from tiercache.config import CacheConfig
+from tiercache.config import CacheConfig, read_toml
 from tiercache.errors import ConfigError, check_count
 from tiercache.hashing import make_namespace
 
@@ -45,15 +44,7 @@ def read_user_config(extra_config: Mapping[str, Any] | None) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return dict(source)
     if isinstance(source, str | Path):
-        p = Path(source)
-        try:
-            return tomllib.loads(p.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(CONFIG_KEY, f"no such file: {p}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(CONFIG_KEY, f"cannot read {p}: {exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(CONFIG_KEY, f"{p} is not valid TOML: {exc}") from None
+        return read_toml(source)
     raise ConfigError(
         f"kv_connector_extra_config.{CONFIG_KEY}",
         f"expected a mapping or a TOML path, got {type(source).__name__}",

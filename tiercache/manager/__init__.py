@@ -8,6 +8,7 @@
 - `breaker`: the circuit breaker over tiers that keep failing.
 """
 
-from tiercache.manager.core import OffloadingManager, TierCounters
+from tiercache.manager.core import OffloadingManager
+from tiercache.manager.levels import TierCounters
 
 __all__ = ["OffloadingManager", "TierCounters"]

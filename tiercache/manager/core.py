@@ -44,27 +44,14 @@ from tiercache.manager.adoption import Adoption
 from tiercache.manager.breaker import CircuitBreaker
 from tiercache.manager.copies import Copies
 from tiercache.manager.leaving import LeavingBlocks, ReleasedSources
-from tiercache.manager.levels import (
-    Index,
-    Level,
-    Loads,
-    TierCounters,
-    count_lookup,
-    not_ready,
-    unpin,
-)
+from tiercache.manager.levels import Index, Level, Loads, count_lookup, not_ready, unpin
 from tiercache.manager.placement import Placement
 from tiercache.manager.through_queue import ThroughQueue
 from tiercache.policies import EvictionPolicy
-from tiercache.records import (
-    BlockMove,
-    LoadSpec,
-    OffloadingEvent,
-    PrepareStoreOutput,
-)
+from tiercache.records import BlockMove, LoadSpec, OffloadingEvent, PrepareStoreOutput
 from tiercache.tiers import Tier
 
-__all__ = ["OffloadingManager", "TierCounters"]  # TierCounters: levels, re-exported
+__all__ = ["OffloadingManager"]
 
 
 def _seq(keys: Iterable[bytes]) -> Sequence[bytes]:

@@ -6,10 +6,9 @@ that do not hold the store as a tier (vLLM's scheduler).
 - `LMDBProbe`: a read-only `StoreProbe` (`LMDBTier.open_probe`): headers only, each
   question (`probe`, `present`) in one read transaction.
 - `iter_entries`, `delete_entries`: walk or delete entries in short transactions.
-- `open_here(path)`: whether this process holds the environment open as a tier;
-  `holder_pid(path)`: which process holds it open (asks `open_here` before lock.mdb).
-- `block_headers(h)`: the good blocks' headers; `entry_problem(...)`: what is wrong with one
-  entry (the CLI's inspect and verify)."""
+- `holder_pid(path)`: which process holds the environment open (this one's, then lock.mdb).
+- `block_infos(h)`: the good blocks; `entry_problem(...)`: what is wrong with one entry.
+- `LMDBOffline`: the store as the CLI's `OfflineStore` (`LMDBTier.offline_store`)."""
 
 from __future__ import annotations
 
@@ -21,22 +20,26 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import lmdb
+import numpy as np
+import zstandard
 
 from tiercache.backoff import Backoff
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.format import (
-    BlockHeader,
+    FORMAT_VERSION,
     decode_payload,
     header_check,
     header_of,
     header_problem,
     namespace_id,
 )
+from tiercache.tiers.lmdb import attach as lmdb_attach
 from tiercache.tiers.lmdb.env import borrow, detach, is_open, open_lmdb, parse_meta
 from tiercache.tiers.lmdb.layout import (
     BLOCKS_DB,
@@ -53,17 +56,13 @@ from tiercache.tiers.lmdb.layout import (
     heads_prober,
     iter_prefix,
     split_store_key,
+    store_key,
     u64,
 )
+from tiercache.tiers.offline import BlockInfo, Problem, namespace_label, summarize
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
 T = TypeVar("T")
-
-
-def open_here(path: str | os.PathLike[str]) -> bool:
-    """Whether this process holds the LMDB environment at `path` open as a tier (then its
-    locks in lock.mdb are this process's own, and a lock probe must not close them)."""
-    return is_open(os.fspath(path))
 
 
 @dataclass(frozen=True)
@@ -260,12 +259,12 @@ _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux: type, whence,
 
 
 def holder_pid(path: str) -> int | None:
-    """The pid of another process holding the LMDB environment open, else None.
+    """The pid of a process holding the LMDB environment open, else None.
 
     LMDB keeps a shared fcntl lock on byte 0 of lock.mdb while an environment is open; this
-    asks (F_GETLK) who would block an exclusive one. Skipped (None) when this process has the
-    environment open: closing our probe descriptor would drop this process's own locks."""
-    if open_here(path):
+    asks (F_GETLK) who would block an exclusive one. This process's own pid, without asking,
+    when a tier of it holds the environment: closing our probe descriptor would drop its locks."""
+    if is_open(path):
         return os.getpid()
     try:
         fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDONLY | os.O_CLOEXEC)
@@ -281,9 +280,9 @@ def holder_pid(path: str) -> int | None:
     return None if ltype == fcntl.F_UNLCK else pid
 
 
-def block_headers(h: StoreHandle) -> tuple[list[tuple[bytes, BlockHeader]], int]:
-    """Each good block of an open store as (key, header), header and payload length checked;
-    and how many entries are malformed or orphaned."""
+def block_infos(h: StoreHandle) -> tuple[list[BlockInfo], int]:
+    """Each good block of an open store, header and payload length checked; and how many
+    entries are malformed or orphaned."""
     bb = h.meta["block_bytes"]
     good, bad = [], 0
     for skey, head, payload in iter_entries(h):
@@ -299,17 +298,12 @@ def block_headers(h: StoreHandle) -> tuple[list[tuple[bytes, BlockHeader]], int]
         if hd is None or hd.stored_len != len(payload):
             bad += 1
             continue
-        good.append((key, hd))
+        good.append(BlockInfo(key, hd.seq, hd.namespace_id, hd.raw_len, hd.stored_len))
     return good, bad
 
 
 def entry_problem(
-    skey: bytes,
-    head: bytes | None,
-    payload: memoryview | None,
-    block_bytes: int,
-    scratch: Any,
-    dz: Any,
+    skey: bytes, head: bytes | None, payload: memoryview | None, bb: int, scratch: Any, dz: Any
 ) -> tuple[bytes, str | None]:
     """The block key of an `iter_entries` item and what is wrong with it (store key, orphan
     header or payload, header, checksum, decompression), its payload decoded into `scratch`
@@ -323,9 +317,132 @@ def entry_problem(
     if payload is None:
         return key, "header without a payload"
     try:
-        hd = header_of(head, key, None, block_bytes)
+        hd = header_of(head, key, None, bb)
         decode_payload(hd, payload, scratch, decompressor=dz)
         what = header_problem(hd, key, ns, None)  # after the checksum
     except BlockCorruptError as exc:
         what = str(exc)
     return key, what
+
+
+class LMDBOffline:
+    """An LMDB store as an `OfflineStore`, opened by each call (`open_store`): read-only but
+    for `repair` and `drop`, which delete beside any process holding the store open (it then
+    reads the dropped blocks as misses)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def exists(self) -> bool:
+        return os.path.exists(self.path)
+
+    def count(self) -> int:
+        with open_store(self.path) as h, h.env.begin() as txn:
+            return int(txn.stat(h.heads)["entries"])
+
+    def blocks(self) -> list[BlockInfo]:
+        with open_store(self.path) as h:
+            return block_infos(h)[0]
+
+    def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
+        """With the store's per-namespace usage, attach entries and reader table; namespaces
+        also by the names the store recorded."""
+        holder = holder_pid(self.path)  # before our own open (see holder_pid)
+        with open_store(self.path) as h:
+            blocks, bad = block_infos(h)
+            with h.env.begin(write=False) as txn:
+                rec = lmdb_attach.read_records(txn, h.meta_db)
+            names = {**rec.names, **names}
+            info, st = h.env.info(), h.env.stat()
+            return {
+                "format": f"tiercache-lmdb v{h.meta['version']}, block format v{FORMAT_VERSION}",
+                "block_bytes": h.meta["block_bytes"],
+                "capacity_blocks": None,  # it records one per namespace (namespace_usage)
+                "used_blocks": len(blocks),
+                "file_bytes": (info["last_pgno"] + 1) * st["psize"],
+                "map_size": info["map_size"],
+                **summarize(blocks, names),
+                "unreadable_entries": bad,
+                "last_modified": os.stat(os.path.join(h.path, "data.mdb")).st_mtime,
+                "in_use": holder is not None,
+                "holder_pid": holder,
+                **_sharing(h, rec, blocks, names, own=holder == os.getpid()),
+            }
+
+    def verify(self, advance: Callable[[int], None]) -> tuple[int, list[Problem], list[str]]:
+        """Every entry of either database (`entry_problem`)."""
+        dz = zstandard.ZstdDecompressor()
+        checked, problems = 0, []
+        with open_store(self.path) as h:
+            bb = h.meta["block_bytes"]
+            scratch = np.empty(bb, dtype=np.uint8)
+            for skey, head, payload in iter_entries(h):
+                key, what = entry_problem(skey, head, payload, bb, scratch, dz)
+                if head is not None:
+                    checked += 1
+                    advance(1)
+                if what:
+                    problems.append(Problem(f"key {key.hex()}", what, key, entry=skey))
+        return checked, problems, []
+
+    def repair(self, problems: Iterable[Problem]) -> int:
+        with open_store(self.path, write=True) as h:
+            return delete_entries(h, {p.entry for p in problems if p.entry is not None})
+
+    def drop(self, blocks: Iterable[BlockInfo]) -> int:
+        """Only the given namespace's block goes where tenants hold equal keys."""
+        with open_store(self.path, write=True) as h:
+            return delete_entries(h, {store_key(b.namespace, b.key) for b in blocks})
+
+    def check_free(self) -> None:
+        """Never in the way: changes go beside the processes holding the store open."""
+
+
+def _sharing(
+    h: StoreHandle,
+    rec: lmdb_attach.StoreRecords,
+    blocks: list[BlockInfo],
+    names: Mapping[int, str],
+    own: bool,
+) -> dict[str, Any]:
+    """Per-namespace usage (blocks found, the store's count, the recorded capacity), the
+    attach entries and LMDB's reader table of an open store. `own`: this process holds the
+    store open through a tier (its reader slots are then shown too)."""
+    counts = h.counts()
+    found = Counter(b.namespace for b in blocks)
+    attached = [(a, a.state) for a in rec.attached]
+    live = Counter(a.namespace_id for a, st in attached if st != "stale")
+    usage = []
+    for ns in sorted(set(found) | set(counts) | set(rec.capacities) | set(live)):
+        cap = rec.capacities.get(ns)
+        usage.append(
+            {
+                "namespace": namespace_label(ns, names),
+                "id": f"{ns:016x}",
+                "blocks": found.get(ns, 0),
+                "counted": counts.get(ns),
+                "capacity_blocks": cap,
+                "used": found.get(ns, 0) / cap if cap else None,
+                "attached": live.get(ns, 0),
+            }
+        )
+    me = os.getpid()
+    return {
+        "namespace_usage": usage,
+        "attached": [
+            {
+                "pid": a.pid,
+                "host": a.host,
+                "namespace": namespace_label(a.namespace_id, names),
+                "opened_at": a.opened_at,
+                "capacity_blocks": a.capacity_blocks,
+                "state": st,
+            }
+            for a, st in attached
+        ],
+        "readers": [
+            {"pid": r.pid, "thread": r.thread, "txn": r.txn}
+            for r in lmdb_attach.readers(h.env)
+            if own or r.pid != me  # not the slot of this inspection's own read
+        ],
+    }

@@ -46,7 +46,7 @@ from tiercache.tiers.lmdb.layout import (
     heads_prober,
     txn_ops_for,
 )
-from tiercache.tiers.lmdb.offline import LMDBProbe
+from tiercache.tiers.lmdb.offline import LMDBOffline, LMDBProbe
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
 
@@ -105,13 +105,8 @@ class LMDBTier(KeyedTier):
         codec = {"compression": compression, "level": level, "element_size": element_size}
         interval = check_settings({**codec, "sync": sync, "sync_interval": sync_interval})
         super().__init__(
-            name=name,
-            block_bytes=block_bytes,
-            capacity_blocks=capacity_blocks,
-            compression=compression,
-            level=level,
+            name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks, **codec
         )
-        self._element_size = element_size
         self._sync = sync
         self._sync_interval = interval
         self._ns = namespace_id(namespace)
@@ -284,6 +279,10 @@ class LMDBTier(KeyedTier):
     def open_probe(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> LMDBProbe:
         return LMDBProbe(cfg.options["path"], block_bytes, namespace=namespace)
 
+    @classmethod
+    def offline_store(cls, path: str, name: str) -> LMDBOffline:
+        return LMDBOffline(path)
+
     def _unpend(self, keys: Iterable[bytes], *, prefixed: bool = False) -> None:
         """Keys stored again (live: no pending delete may remove them any more) or deleted;
         `prefixed`: store keys, else block keys of this namespace."""
@@ -295,13 +294,13 @@ class LMDBTier(KeyedTier):
     def write(
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> None:
+        """Store blocks by key: encoded (compressed before the txn), then put with the pending
+        deletes (`_commit`). OSError (ENOSPC when the map is full): uncommitted deletes stay."""
         keys = self._io_keys(slots, src, keys, "src")
         n = len(slots)
         if n == 0:
             return
-        if src.device.type != "cpu":
-            src = src.cpu()
-        rows = src.numpy()
+        rows = (src if src.device.type == "cpu" else src.cpu()).numpy()
         # LMDB records each slot's key before the commit (the txn may fail after; Redis
         # records after its send): the keys of ours these slots held go to the deletes.
         replaced = self._claim(slots, keys)

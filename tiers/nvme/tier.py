@@ -20,10 +20,7 @@ import torch
 from tiercache.errors import ConfigError
 from tiercache.tiers.base import Tier, check_blocks, slot_stack
 from tiercache.tiers.dormant import DormantIndex
-from tiercache.tiers.format import (
-    HEADER_SIZE,
-    namespace_id,
-)
+from tiercache.tiers.format import HEADER_SIZE, namespace_id
 from tiercache.tiers.nvme import recovery
 from tiercache.tiers.nvme.image import encode_image
 from tiercache.tiers.nvme.index_open import read_headers, read_image
@@ -65,6 +62,7 @@ from tiercache.tiers.nvme.options import (
     check_options,
     instance_from_env,
 )
+from tiercache.tiers.nvme.reader import NVMeOffline
 from tiercache.tiers.nvme.slot_reads import Sink, SlotReads
 from tiercache.tiers.nvme.slot_writes import write_slots
 from tiercache.tiers.store_dir import warn_over_capacity
@@ -153,27 +151,17 @@ class NVMeTier(Tier):
 
     @classmethod
     def from_config(cls, cfg: Any, block_bytes: int, *, namespace: str = "") -> NVMeTier:
-        o = cfg.options
+        o = dict(cfg.options)
         if "path" not in o:
             raise ConfigError(f"{cfg.field}.path", "an 'nvme' tier needs a directory path")
-        try:
-            return cls(
-                name=cfg.name,
-                block_bytes=block_bytes,
-                capacity_blocks=cfg.capacity_in_blocks(block_bytes),
-                path=o["path"],
-                fsync=o.get("fsync", "batch"),
-                namespace=namespace,
-                io_threads=o.get("io_threads", 4),
-                direct=o.get("direct", True),
-                instances=o.get("instances", 1),
-                instance=o.get("instance", instance_from_env(o.get("instance_env"))),
-            )
-        except ConfigError as exc:
-            fields = ("path", "fsync", "io_threads", "capacity", "block_bytes", "instances")
-            if exc.field in (*fields, "instance", "instance_env"):
-                raise ConfigError(f"{cfg.field}.{exc.field}", exc.problem) from None
-            raise
+        from_env = instance_from_env(o.pop("instance_env", None), cfg.field)
+        o.setdefault("instance", from_env)
+        fields = ("path", "fsync", "io_threads", "capacity", "block_bytes", "instances", "instance")
+        return cls.from_options(cfg, block_bytes, fields, namespace=namespace, **o)
+
+    @classmethod
+    def offline_store(cls, path: str, name: str) -> NVMeOffline:
+        return NVMeOffline(path, name, cls)
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any], where: str) -> None:

@@ -21,12 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tiercache.backoff import Backoff
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.base import KEY_BYTES
-from tiercache.tiers.format import (
-    HEADER_SIZE,
-    header_of,
-    is_header_of,
-    namespace_id,
-)
+from tiercache.tiers.format import HEADER_SIZE, header_of, is_header_of, namespace_id
 from tiercache.tiers.keyed import (
     CODEC_OPTIONS,
     KeyedTier,
@@ -146,12 +141,9 @@ class RedisTier(KeyedTier):
         namespace: str = "",
         index_at_open: bool = True,
     ) -> None:
+        codec = {"compression": compression, "level": level, "element_size": element_size}
         super().__init__(
-            name=name,
-            block_bytes=block_bytes,
-            capacity_blocks=capacity_blocks,
-            compression=compression,
-            level=level,
+            name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks, **codec
         )
         settings = {
             "url": list(url) if isinstance(url, tuple) else url,
@@ -161,9 +153,7 @@ class RedisTier(KeyedTier):
             "password_env": password_env,
             "ttl": ttl,
             "prefix": prefix,
-            "compression": compression,
-            "level": level,
-            "element_size": element_size,
+            **codec,
             "timeout": timeout,
             "backoff_max": backoff_max,
         }
@@ -173,7 +163,6 @@ class RedisTier(KeyedTier):
         self._username = secret(username, username_env, "username")
         self._password = secret(password, password_env, "password")
         self._ttl_ms = int(ttl * 1000) if ttl else None
-        self._element_size = element_size
         self._timeout = float(timeout)
         self._ns = namespace_id(namespace)
         self._kprefix = prefix.encode() + namespace.encode()
@@ -463,6 +452,8 @@ class RedisTier(KeyedTier):
     def write(
         self, slots: Sequence[int], src: torch.Tensor, keys: Sequence[bytes] | None = None
     ) -> None:
+        """Store blocks by key: one pipelined SET each (with the ttl) after the pending deletes.
+        OSError when Redis is unreachable or refuses: unsent deletes stay pending."""
         keys = self._io_keys(slots, src, keys, "src")
         n = len(slots)
         if n == 0:
