@@ -142,6 +142,7 @@ def test_router_predicts_the_tokens_each_engine_loads(
         with KVRouter(pub, rep) as router:
             writer: dict[Any, str] = {}  # block hash -> engine that stored it first
             marks = random.Random(7)
+            refused = 0  # markers Redis refused to store (`_settle`)
             for i, (e, prompt) in enumerate(_requests(seed=51)):
                 hashes = vllm_block_hashes(prompt, BLOCK)
                 cap = (len(prompt) - 1) // BLOCK  # vLLM never loads the last token's block
@@ -167,7 +168,7 @@ def test_router_predicts_the_tokens_each_engine_loads(
                 )
                 for h in hashes:
                     writer.setdefault(h, e)
-                _settle(router, servers, e, marks, srv)
+                refused += _settle(router, servers, e, marks, srv)
                 if loaded != pred[e] * BLOCK:  # diagnosis: what the router has now
                     rows[-1]["after"] = {
                         x: router.predicted_hit_blocks(x, hashes, STORAGE) for x in "ab"
@@ -181,7 +182,8 @@ def test_router_predicts_the_tokens_each_engine_loads(
         if srv is not None:
             srv.kill()
     logs = "".join((tmp_path / f"server-{e}.log").read_text(errors="replace") for e in "ab")
-    _check(rows, tmp_path, store, evicted, logs.count("Recovered from KV load failure"))
+    failures = logs.count("Recovered from KV load failure")
+    _check(rows, tmp_path, store, evicted, failures, refused)
 
 
 def _evicted(srv: RedisServer | None) -> tuple[int, int] | None:
@@ -195,28 +197,48 @@ def _evicted(srv: RedisServer | None) -> tuple[int, int] | None:
         r.close()
 
 
-def _settle(
-    router: KVRouter, servers: dict[str, Any], e: str, rng: random.Random, srv: Any
-) -> None:
+def _settle(router: KVRouter, servers: dict[str, Any], e: str, rng: random.Random, srv: Any) -> int:
     """Wait until both engines' views include everything up to now: engine `e` stores a
     marker block (a one-block prompt of its own), then both step (one-token requests) until
     both report the marker. Each engine's events are in order, and the other one reports the
-    marker from a poll of the store that also swept it, so both are up to date."""
-    marker = [rng.randrange(3, 4096) for _ in range(BLOCK + 1)]
-    servers[e].complete(marker, max_tokens=1)
-    (h,) = vllm_block_hashes(marker, BLOCK)
+    marker from a poll of the store that also swept it, so both are up to date.
 
-    def both() -> bool:
-        return all(router.predicted_hit_blocks(x, [h], STORAGE) == 1 for x in "ab")
+    A marker that Redis refused to store (an OOM reply: past `maxmemory` its clients' buffers
+    can leave nothing to evict) is never reported, by design: then, and only then, a new
+    marker is stored. Returns how many markers Redis refused."""
+    refused = 0
+    for _ in range(3):
+        oom = _ooms(srv)
+        marker = [rng.randrange(3, 4096) for _ in range(BLOCK + 1)]
+        servers[e].complete(marker, max_tokens=1)
+        (h,) = vllm_block_hashes(marker, BLOCK)
 
-    for _ in range(300):  # an idle engine reports nothing: step both, then look
-        for s in servers.values():
-            s.complete([1], max_tokens=1)  # a step: events published, the store polled
-        if router.wait(both, timeout=0.2):
-            return
-    reported = {x: router.predicted_hit_blocks(x, [h], STORAGE) for x in "ab"}
-    stats = (router.stats("a"), router.stats("b"))
-    raise AssertionError(("marker not reported", e, reported, stats, _redis_state(srv)))
+        def both(h: Any = h) -> bool:
+            return all(router.predicted_hit_blocks(x, [h], STORAGE) == 1 for x in "ab")
+
+        for _ in range(300):  # an idle engine reports nothing: step both, then look
+            for s in servers.values():
+                s.complete([1], max_tokens=1)  # a step: events published, the store polled
+            if router.wait(both, timeout=0.2):
+                return refused
+        reported = {x: router.predicted_hit_blocks(x, [h], STORAGE) for x in "ab"}
+        if reported[e] == 0 and _ooms(srv) > oom:
+            refused += 1
+            continue
+        stats = (router.stats("a"), router.stats("b"))
+        raise AssertionError(("marker not reported", e, reported, stats, _redis_state(srv)))
+    raise AssertionError(("Redis refused 3 markers in a row", e, _redis_state(srv)))
+
+
+def _ooms(srv: RedisServer | None) -> int:
+    """Commands the Redis server refused for want of memory (0: not Redis)."""
+    if srv is None:
+        return 0
+    r = srv.client()
+    try:
+        return int(r.info("errorstats").get("errorstat_OOM", {}).get("count", 0))
+    finally:
+        r.close()
 
 
 def _redis_state(srv: RedisServer | None) -> dict[str, Any] | None:
@@ -232,6 +254,7 @@ def _redis_state(srv: RedisServer | None) -> dict[str, Any] | None:
             "used_memory": mem["used_memory"],
             "maxmemory": mem["maxmemory"],
             "clients": mem.get("mem_clients_normal"),
+            "refused_oom": _ooms(srv),
         }
     finally:
         r.close()
@@ -254,6 +277,7 @@ def _check(
     store: str,
     evicted: tuple[int, int] | None,
     load_failures: int,
+    markers_refused: int,
 ) -> None:
     diffs = [(r["loaded"] - r["predicted"]) // BLOCK for r in rows]
     summary = {
@@ -261,6 +285,7 @@ def _check(
         "vllm": vllm.__version__,
         "redis_evicted_and_held_keys": evicted,
         "load_failures_recomputed": load_failures,
+        "markers_refused_oom": markers_refused,
         "requests": len(rows),
         "diff_blocks": dict(Counter(diffs)),
         "median_loaded": statistics.median(r["loaded"] for r in rows),
