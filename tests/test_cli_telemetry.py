@@ -8,13 +8,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+from tests.polling import wait_until
 from tiercache import CacheConfig, ConfigError, TierCache
 from tiercache.cli import main
 from tiercache.connectors.ranks import resolve_rank_config
@@ -56,14 +56,6 @@ def work(cache: TierCache, rounds: int, start: int = 0) -> None:
 
 # The counters the tests compare between a cache and what its telemetry shows.
 COUNTERS = ("hits", "misses", "stored", "evictions", "errors", "used_blocks", "capacity_blocks")
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Poll `condition` until it holds; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.01)
 
 
 def run(*args: str) -> object:
