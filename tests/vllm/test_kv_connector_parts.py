@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from tests.polling import wait_until
 from tiercache.config import CacheConfig
 from tiercache.connectors.deadlines import Flights
 from tiercache.connectors.namespace import resolve_config
@@ -464,11 +465,15 @@ def test_a_lookup_never_waits_for_ever_on_a_move_into_a_hung_tier(tmp_path) -> N
         w._flights.add(0, KVFlight("move", move.keys, 1, plan=0))  # due in store_timeout
         assert c._lookup_local(a + b, "r") is None  # ... and is in flight: ask again
         assert waits == [MOVE_WAIT_S]  # the scheduler waited for it only briefly
-        time.sleep(0.25)
-        w.get_finished(set())  # ... and never lands: given up at its deadline
-        assert w._flights.is_late(0) and not m.is_moving(b[0])
+
+        def step_gives_up() -> bool:  # one engine step: the worker's late scan
+            w.get_finished(set())
+            return w._flights.is_late(0)
+
+        wait_until(step_gives_up, "the hung move given up at its deadline")  # never lands
+        assert not m.is_moving(b[0])
         assert m.suspended()[1] > 0
-        time.sleep(0.3)  # the back-off ends
+        wait_until(lambda: m.suspended()[1] == 0, "the NVMe tier's back-off ended")
         answers = [c._lookup_local(a + b, "r") for _ in range(40)]
         assert 2 in answers, answers  # a hits; b is a miss, not "ask again" for ever
         t0 = time.monotonic()
