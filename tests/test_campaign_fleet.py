@@ -116,7 +116,9 @@ def fleet_crash_campaign(tmp_path: Path, kills: int, seed: int) -> dict:
         # A fresh process, while the survivors write: one consistent snapshot, exact reads.
         got = run_child(lmdb_snapshot_check, str(store), BB, CAP)
         assert got["count"] == got["heads"] == got["order"] <= CAP, (it, got)
-        assert got["wrong"] == 0 and got["failed"] == 0, (it, got)
+        # Its failed and wrong reads are counted here and bounded (0) after the report.
+        figures["failed_reads"] += got["failed"]
+        figures["wrong"] += got["wrong"]
         figures["snapshot_reads"] += got["exact"]
         figures["plain_misses"] += got["gone"]
         victim.start()  # a fresh writer in the dead one's place, opening the killed store
