@@ -15,8 +15,8 @@ engine writes), and a real redis-server with a small `maxmemory` (about CAP bloc
 ever deletes a block) and the engines learn it only from their sweeps of the store.
 
 CI runs the LMDB store on vLLM 0.32 and 0.33 (conftest's EVERY_VLLM). The Redis store is
-marked `stress` (run by hand: `-m stress`): it passed 11 of its last 12 runs on 0.32 and
-0.33 (the 12th lost a test port to another socket, since fixed in tests/ports.py; an earlier
+marked `stress` (run by hand: `-m stress`): it passed 13 of its last 14 runs on 0.32 and
+0.33 (the other lost a test port to another socket, since fixed in tests/ports.py; an earlier
 session's failure, a marker block never reported, did not recur), and CI's time does not
 allow it yet (docs/events.md). After each request both engines step first and the router is
 asked after (an idle engine reports nothing, so asking first only idled, up to a second a
