@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
-from tiercache.cli._common import JSON, TARGET
-from tiercache.cli._store import resolve
+from tiercache.cli.common import JSON, TARGET
+from tiercache.cli.stores import resolve
 from tiercache.telemetry import follow_events, read_events
 
 

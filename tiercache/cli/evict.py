@@ -12,8 +12,8 @@ from typing import Any
 
 import click
 
-from tiercache.cli._common import confirm, console, echo_json, store_command
-from tiercache.cli._store import (
+from tiercache.cli.common import confirm, console, echo_json, store_command
+from tiercache.cli.stores import (
     StoreRef,
     check_owner_free,
     drop_blocks,

@@ -13,9 +13,9 @@ from typing import Any
 import click
 from rich.table import Table
 
-from tiercache.cli._common import console, echo_json, human_bytes, kv_groups_table, store_command
-from tiercache.cli._common import when as _when
-from tiercache.cli._store import inspect_store, known_names, resolve
+from tiercache.cli.common import console, echo_json, human_bytes, kv_groups_table, store_command
+from tiercache.cli.common import when as _when
+from tiercache.cli.stores import inspect_store, known_names, resolve
 from tiercache.telemetry import read_stats
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.table import Table
 
-from tiercache.cli._common import (
+from tiercache.cli.common import (
     console,
     echo_json,
     human_bytes,
@@ -28,7 +28,7 @@ from tiercache.cli._common import (
     store_command,
     when,
 )
-from tiercache.cli._store import inspect_store, known_names, rank_dirs, resolve
+from tiercache.cli.stores import inspect_store, known_names, rank_dirs, resolve
 from tiercache.telemetry import read_stats
 
 _COUNTERS = ("hits", "misses", "stored", "evictions", "errors")  # all of them: --json

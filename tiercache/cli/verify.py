@@ -18,9 +18,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from tiercache.cli._common import console, echo_json, store_command
-from tiercache.cli._store import VerifyReport, count_blocks, repair_store, resolve, verify_store
+from tiercache.cli.common import console, echo_json, store_command
 from tiercache.cli.progress import progress_bar
+from tiercache.cli.stores import VerifyReport, count_blocks, repair_store, resolve, verify_store
 
 
 @store_command(

@@ -217,7 +217,7 @@ def inspect_store(
     if ref.kind == "redis":
         import redis
 
-        from tiercache.cli._redis import inspect_redis
+        from tiercache.cli.redis_info import inspect_redis
 
         out.update(capacity_blocks=ref.capacity_blocks, capacity_bytes=ref.capacity_bytes)
         try:
