@@ -303,7 +303,12 @@ def block_infos(h: StoreHandle) -> tuple[list[BlockInfo], int]:
 
 
 def entry_problem(
-    skey: bytes, head: bytes | None, payload: memoryview | None, bb: int, scratch: Any, dz: Any
+    skey: bytes,
+    head: bytes | None,
+    payload: memoryview | None,
+    block_bytes: int,
+    scratch: Any,
+    dz: Any,
 ) -> tuple[bytes, str | None]:
     """The block key of an `iter_entries` item and what is wrong with it (store key, orphan
     header or payload, header, checksum, decompression), its payload decoded into `scratch`
@@ -317,7 +322,7 @@ def entry_problem(
     if payload is None:
         return key, "header without a payload"
     try:
-        hd = header_of(head, key, None, bb)
+        hd = header_of(head, key, None, block_bytes)
         decode_payload(hd, payload, scratch, decompressor=dz)
         what = header_problem(hd, key, ns, None)  # after the checksum
     except BlockCorruptError as exc:
