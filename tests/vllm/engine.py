@@ -80,6 +80,7 @@ This module imports vLLM only inside `run_spec`, so importing it to write a mode
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import random
@@ -90,7 +91,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -361,19 +362,21 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["disable_log_stats"] = False
     if spec.get("hf_overrides") is not None:
         kwargs["hf_overrides"] = spec["hf_overrides"]
+    _arm_stack_dumps()
     t0 = time.perf_counter()
-    llm = LLM(
-        model=spec["model"],
-        skip_tokenizer_init=True,
-        enable_prefix_caching=spec.get("enable_prefix_caching", True),
-        max_model_len=spec.get("max_model_len", 1024),
-        block_size=spec.get("block_size", 32),
-        dtype=spec.get("dtype", DTYPE),
-        enforce_eager=True,
-        seed=0,
-        tensor_parallel_size=tp,
-        **kwargs,
-    )
+    with _stuck_watch("the engine's start"):
+        llm = LLM(
+            model=spec["model"],
+            skip_tokenizer_init=True,
+            enable_prefix_caching=spec.get("enable_prefix_caching", True),
+            max_model_len=spec.get("max_model_len", 1024),
+            block_size=spec.get("block_size", 32),
+            dtype=spec.get("dtype", DTYPE),
+            enforce_eager=True,
+            seed=0,
+            tensor_parallel_size=tp,
+            **kwargs,
+        )
     t_init = time.perf_counter() - t0
     batches = []
     for batch in spec["batches"]:
@@ -404,15 +407,16 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         t0, c0, s0 = time.perf_counter(), time.process_time(), spent[0]
         request_s: list[float] = []
         request_cpu_s: list[float] = []
-        if batch.get("one_by_one"):
-            outs = []
-            for p in prompts:
-                t1, c1 = time.perf_counter(), time.process_time()
-                outs += llm.generate([p], params, use_tqdm=False)
-                request_s.append(time.perf_counter() - t1)
-                request_cpu_s.append(time.process_time() - c1)
-        else:
-            outs = llm.generate(prompts, params, use_tqdm=False)
+        with _stuck_watch(f"batch {len(batches)}"):
+            if batch.get("one_by_one"):
+                outs = []
+                for p in prompts:
+                    t1, c1 = time.perf_counter(), time.process_time()
+                    outs += llm.generate([p], params, use_tqdm=False)
+                    request_s.append(time.perf_counter() - t1)
+                    request_cpu_s.append(time.process_time() - c1)
+            else:
+                outs = llm.generate(prompts, params, use_tqdm=False)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         th1 = thread_cpu()
         if batch.get("stop_pid"):
@@ -623,6 +627,84 @@ def _worker_snapshots(worker: Any) -> dict[str, Any]:
     return store_snapshots()
 
 
+# A batch (or an engine's start) still running after this long is stuck: a normal one takes
+# seconds, one on a loaded 2-core CI machine well under a minute. Below vLLM's own limit on
+# a step (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s) and the tests' result() waits (300 s),
+# so the stacks are taken while the stuck processes still live. TIERCACHE_TEST_STUCK_S sets
+# another (a check of the dump itself).
+STUCK_S = float(os.environ.get("TIERCACHE_TEST_STUCK_S", "240"))
+_STUCK = "STUCK:"  # the marker of the stack dumps in an engine's stderr (`_stacks_of`)
+
+
+def _arm_stack_dumps() -> None:
+    """Let every process of this engine print its Python stacks when sent SIGABRT: this one
+    and what vLLM forks from it (faulthandler's handlers are inherited), and what vLLM spawns
+    (PYTHONFAULTHANDLER)."""
+    faulthandler.enable(all_threads=True)
+    os.environ["PYTHONFAULTHANDLER"] = "1"
+
+
+@contextlib.contextmanager
+def _stuck_watch(what: str) -> Iterator[None]:
+    """If the block runs over STUCK_S, dump the stacks of this engine's processes
+    (`_dump_stuck`): a hang in CI then shows where each process waited."""
+    timer = threading.Timer(STUCK_S, _dump_stuck, args=(what,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _dump_stuck(what: str) -> None:
+    """This process's stacks, then each descendant's (SIGABRT: faulthandler prints its stacks
+    and the process dies; the engine then fails, as it would have at vLLM's step timeout)."""
+    print(f"{_STUCK} {what} ran over {STUCK_S:.0f} s; stacks follow", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(sys.stderr, all_threads=True)
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
+            if b"resource_tracker" in cmd:  # Python's, waits for nothing of the engine's
+                continue
+            line = f"{_STUCK} pid {pid}: {cmd.decode(errors='replace')}"
+            print(line, file=sys.stderr, flush=True)
+            os.kill(pid, signal.SIGABRT)
+            time.sleep(0.5)  # one dump at a time in the shared stderr
+
+
+def _descendants(root: int) -> list[int]:
+    """The pids of `root`'s children, their children, and so on (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")"
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _stacks_of(log: str) -> str:
+    """The stack dumps `_dump_stuck` left in an engine's log, shortened to each thread's
+    innermost frames (the full dumps are in the log)."""
+    if _STUCK not in log:
+        return ""
+    out, frames = [], 0
+    for line in log[log.index(_STUCK) :].splitlines():
+        if line.startswith(_STUCK) or line.startswith(("Thread 0x", "Current thread")):
+            out.append(line)
+            frames = 0
+        elif line.startswith("  File ") and frames < 8:
+            out.append(line)
+            frames += 1
+    return "\n".join(out)[:8000] + "\n"
+
+
 def _omp_bind(tp: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for `tp` workers: this process's CPUs split in `tp`
     groups ("0|1" on two cores), or "nobind" when there are fewer CPUs than workers."""
@@ -778,7 +860,7 @@ class RunningEngine:
             if (returncode != 0 and not killed) or not self._out.exists():
                 raise RuntimeError(
                     f"engine subprocess failed (status {returncode}):\n"
-                    f"{_errors_of(stdout + stderr)}\n{stderr[-4000:]}"
+                    f"{_stacks_of(stderr)}{_errors_of(stdout + stderr)}\n{stderr[-4000:]}"
                 )
             result: dict[str, Any] = json.loads(self._out.read_text())
             result["stderr"], result["stdout"] = stderr, stdout
