@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tests.campaign_support import blocks, gets, key, key_id, open_tier, payload, read_all
+from tests.ledger import LogWriter
 
 
 # -- crash -----------------------------------------------------------------------------------
@@ -130,14 +131,25 @@ def lmdb_reader(path: str, bb: int, cap: int, ids: int, seconds: float, seed: in
 
 
 def lmdb_writer(
-    path: str, bb: int, cap: int, ids: int, seconds: float, seed: int, turn_file: str | None
+    path: str,
+    bb: int,
+    cap: int,
+    ids: int,
+    seconds: float,
+    seed: int,
+    turn_file: str | None,
+    log: str,
 ) -> dict:
     """Cycle `ids` keys through a `cap`-block LMDB tier for `seconds`. With `turn_file`, take
     turns with other writers: hold an exclusive flock on it for one session (open, a few
     batches, close), then let the others have it. A store that raises OSError gives its
     slots back, as TierCache does with a failed store, and is counted in `failures`; one
-    that failed for another reason than a full map is listed in `other_failures`."""
+    that failed for another reason than a full map is listed in `other_failures`.
+
+    Every write that returned and every free goes to the ledger log `log` (`tests.ledger`),
+    inside the writer's turn: the writers' lines are in the store's order."""
     rnd = random.Random(seed)
+    ledger = LogWriter(log)
     deadline = time.monotonic() + seconds
     batches = sessions = failures = 0
     other_failures: list[str] = []
@@ -158,7 +170,9 @@ def lmdb_writer(
                     if not want:
                         continue
                     while t.free_blocks < len(want):
-                        t.free([held.pop(order.pop(0))])
+                        gone = order.pop(0)
+                        t.free([held.pop(gone)])
+                        ledger.call(events=[("lmdb", True, [gone])])
                     ks = [key(i) for i in want]
                     slots = t.allocate(ks)
                     try:
@@ -169,6 +183,7 @@ def lmdb_writer(
                         if exc.errno != errno.ENOSPC or "map full" not in str(exc):
                             other_failures.append(str(exc))
                         continue
+                    ledger.call(acked=want, events=[("lmdb", False, want)])
                     held.update(zip(want, slots, strict=True))
                     order += want
                     batches += 1
@@ -181,6 +196,7 @@ def lmdb_writer(
                 os.close(lock_fd)
         if turn_file is not None:
             time.sleep(0.001)  # let a waiting writer take the lock
+    ledger.close()
     return {
         "batches": batches,
         "sessions": sessions,

@@ -18,6 +18,7 @@ import torch
 
 from tests.campaign_children import check_store, lmdb_reader, lmdb_writer
 from tests.campaign_support import report, run_child, scale, start_child
+from tests.ledger import Ledger, summary
 from tests.test_transfer_common import make_kv, snapshot
 from tiercache.tiers.cpu import CPUTier
 from tiercache.tiers.lmdb import LMDBTier
@@ -29,22 +30,28 @@ BB, CAP, IDS = 32 * 1024, 32, 96
 
 def lmdb_campaign(tmp_path: Path, seconds: float) -> dict:
     path = str(tmp_path / "shared")
+    log = str(tmp_path / "ledger.log")  # every writer's acknowledged writes and frees
     bound = 60 + 3 * seconds
     # Phase 1: one writer, three readers, all at once (they may even create the store
     # together).
-    writer = start_child(lmdb_writer, path, BB, CAP, IDS, seconds, 1, None)
+    writer = start_child(lmdb_writer, path, BB, CAP, IDS, seconds, 1, None, log)
     readers = [start_child(lmdb_reader, path, BB, CAP, IDS, seconds, 10 + r) for r in range(3)]
     w1 = writer.result(bound)
     r1 = [r.result(bound) for r in readers]
     # Phase 2: three writers taking turns (an flock per session), two readers throughout.
     turn = str(tmp_path / "turn.lock")
     writers = [
-        start_child(lmdb_writer, path, BB, CAP, IDS, seconds, 20 + w, turn) for w in range(3)
+        start_child(lmdb_writer, path, BB, CAP, IDS, seconds, 20 + w, turn, log) for w in range(3)
     ]
     readers = [start_child(lmdb_reader, path, BB, CAP, IDS, seconds, 30 + r) for r in range(2)]
     w2 = [w.result(bound) for w in writers]
     r2 = [r.result(bound) for r in readers]
     final = run_child(check_store, "lmdb", path, BB, CAP, {"compression": "zstd"})
+    # Block by block: every acknowledged write the writers did not free since is in the
+    # store with its bytes (`tests.ledger`: present, evicted, lost, wrong by key).
+    ledger = Ledger(persistent=frozenset({"lmdb"}))
+    ledger.replay(log)
+    sets = ledger.check(final["good"], final["wrong"])
     reads = r1 + r2
     figures = dict(
         seconds_per_phase=seconds,
@@ -56,8 +63,11 @@ def lmdb_campaign(tmp_path: Path, seconds: float) -> dict:
         wrong=sum(r["wrong"] for r in reads) + len(final["wrong"]),
         final_blocks=len(final["good"]),
         final_failed=len(final["failed"]),
+        acknowledged=summary(sets),
     )
     assert figures["wrong"] == 0 and figures["final_failed"] == 0, figures
+    assert not sets["lost"] and not sets["wrong"], {k: sorted(v) for k, v in sets.items()}
+    assert sets["present"] and not sets["volatile"], figures  # one persistent tier, no kill
     # A store fails only with a full map: the map has room for the capacity plus headroom,
     # and a reader of another process that stays inside one read txn (descheduled on a
     # loaded machine) pins the pages freed meanwhile longer than a writer waits for it
