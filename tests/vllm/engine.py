@@ -55,6 +55,8 @@ scheduler index holds a medium suspended; in a multiprocess engine, checked in t
 process; ``waited_s`` says how long),
 ``"wait_writes": true`` (start it once the stores and moves the KV connector's workers
 submitted so far have ended, given-up ones included; in-process engines),
+``"wait_hung_s": S`` (with ``hang_writes``: start it once a write has hung and the newest
+hung write has been hung for S seconds: a deadline of S from its submission has passed),
 ``"wait_for": PATH`` (start it only once PATH exists: another engine finished something)
 and ``"touch": PATH`` (create PATH after it): engines started together with
 `start_in_subprocess` then run in a set order, each in its own process. Every batch records
@@ -385,6 +387,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         time.sleep(float(batch.get("wait_s", 0)))
         if batch.get("wait_writes"):
             _wait_writes()
+        if batch.get("wait_hung_s"):
+            _wait_hung(float(batch["wait_hung_s"]))
         waited_s = 0.0
         if batch.get("wait_serving"):
             if spec.get("multiprocessing") or tp > 1:  # the stores live in the workers' processes
@@ -550,6 +554,18 @@ def _wait_writes(deadline_s: float = 120) -> None:
     for settle in settles:
         if settle is not None and not settle.__self__.wait_writes(deadline_s):  # its KVWorker
             raise RuntimeError(f"the connector's stores still running after {deadline_s} s")
+
+
+def _wait_hung(seconds: float, deadline_s: float = 60) -> None:
+    """Wait until a write hung by `_hang_writes` and the newest one has been hung for
+    `seconds`; RuntimeError if none hung within `deadline_s`."""
+    end = time.monotonic() + deadline_s
+    while not _HUNG:
+        if time.monotonic() > end:
+            raise RuntimeError(f"no write hung within {deadline_s} s")
+        time.sleep(0.05)
+    while (left := max(_HUNG) + seconds - time.monotonic()) > 0:
+        time.sleep(left)
 
 
 def _suspended() -> list[list[float]]:
@@ -749,6 +765,9 @@ def _time_connector(spent: list[float]) -> None:
         setattr(TierCacheConnector, name, timed)
 
 
+_HUNG: list[float] = []  # when each write `_hang_writes` holds entered (time.monotonic)
+
+
 def _hang_writes(release: Path) -> None:
     """Make every NVMe tier's writes in this process block until `release` exists: a hung
     disk, as the transfer engine's threads see it (in-process engines only)."""
@@ -757,6 +776,7 @@ def _hang_writes(release: Path) -> None:
     write = NVMeTier.write
 
     def hung_write(self: Any, *a: Any, **kw: Any) -> Any:
+        _HUNG.append(time.monotonic())  # when it hung (`_wait_hung`)
         wait_for_file(release, timeout=300)
         return write(self, *a, **kw)
 

@@ -24,6 +24,7 @@ pytest.importorskip("vllm")
 
 PROMPT_TOKENS = 100  # 3 full 32-token blocks; with 8 new tokens, 4 blocks per request
 BACKOFF_S = 2.0
+STORE_TIMEOUT_S = 1.0  # the offloading spec case's [deadlines] store_timeout
 # _WAIT_SERVING: the batch after the disk is back waits until no tier is suspended, not for
 # BACKOFF_S. The suspension is BACKOFF_S only if the tier tripped once: a hung copy still
 # running when that period ends trips it again for twice as long (the breaker's back-off
@@ -183,14 +184,15 @@ def test_a_hung_store_gives_vllm_its_blocks_back_through_the_offloading_spec(
         # vLLM's prefix cache is reset before batch 3: vLLM's OffloadingConnector stores only
         # the blocks a request computes, so first-set blocks still cached by vLLM would not
         # be offered again (those whose stores were given up are lost, as documented).
-        # After a pause longer than store_timeout, so that a hung write-through copy, which
-        # vLLM's job never waits for, is past its deadline too when batch 2 starts.
+        # Once the newest hung write has hung longer than store_timeout: a hung write-through
+        # copy, which vLLM's job never waits for, is then past its deadline too when batch 2
+        # starts (a condition: a fixed pause fell short when the copy started late).
         {
             "prompts": second,
             "max_tokens": 8,
             "touch": str(release),
             "reset_prefix_cache": True,
-            "wait_s": 1.5,
+            "wait_hung_s": STORE_TIMEOUT_S + 0.1,
         },
         {"prompts": first, "max_tokens": 8, "reset_prefix_cache": True},
         {"prompts": first, "max_tokens": 8, "reset_prefix_cache": True},
@@ -202,7 +204,7 @@ def test_a_hung_store_gives_vllm_its_blocks_back_through_the_offloading_spec(
     config = {
         "namespace": f"hung-store-spec-{tiers}",
         "tiers": [nvme] if tiers == "nvme" else [{"kind": "cpu", "blocks": 4}, nvme],
-        "deadlines": {"store_timeout": 1.0, "backoff": BACKOFF_S},
+        "deadlines": {"store_timeout": STORE_TIMEOUT_S, "backoff": BACKOFF_S},
     }
     batches[2]["wait_serving"] = True  # once the back-off has ended (`_WAIT_SERVING`)
     got = engine.run_in_subprocess(
