@@ -366,7 +366,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["hf_overrides"] = spec["hf_overrides"]
     _arm_stack_dumps()
     t0 = time.perf_counter()
-    with _stuck_watch("the engine's start"):
+    with _stuck_watch("the engine's start", 2 * STUCK_S):
         llm = LLM(
             model=spec["model"],
             skip_tokenizer_init=True,
@@ -643,11 +643,12 @@ def _worker_snapshots(worker: Any) -> dict[str, Any]:
     return store_snapshots()
 
 
-# A batch (or an engine's start) still running after this long is stuck: a normal one takes
-# seconds, one on a loaded 2-core CI machine well under a minute. Below vLLM's own limit on
-# a step (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s) and the tests' result() waits (300 s),
-# so the stacks are taken while the stuck processes still live. TIERCACHE_TEST_STUCK_S sets
-# another (a check of the dump itself).
+# A batch still running after this long is stuck: a normal one takes seconds, one on a loaded
+# 2-core CI machine well under a minute. Below vLLM's own limit on a step
+# (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s) and the tests' result() waits (300 s), so the
+# stacks are taken while the stuck processes still live. An engine's start gets twice as
+# long: several TP=2 engines starting at once on a slow machine take minutes, and the tests
+# that start them wait up to 600 s. TIERCACHE_TEST_STUCK_S sets another (a check of the dump).
 STUCK_S = float(os.environ.get("TIERCACHE_TEST_STUCK_S", "240"))
 _STUCK = "STUCK:"  # the marker of the stack dumps in an engine's stderr (`_stacks_of`)
 
@@ -661,10 +662,10 @@ def _arm_stack_dumps() -> None:
 
 
 @contextlib.contextmanager
-def _stuck_watch(what: str) -> Iterator[None]:
-    """If the block runs over STUCK_S, dump the stacks of this engine's processes
+def _stuck_watch(what: str, limit_s: float = STUCK_S) -> Iterator[None]:
+    """If the block runs over `limit_s`, dump the stacks of this engine's processes
     (`_dump_stuck`): a hang in CI then shows where each process waited."""
-    timer = threading.Timer(STUCK_S, _dump_stuck, args=(what,))
+    timer = threading.Timer(limit_s, _dump_stuck, args=(what, limit_s))
     timer.daemon = True
     timer.start()
     try:
@@ -673,10 +674,10 @@ def _stuck_watch(what: str) -> Iterator[None]:
         timer.cancel()
 
 
-def _dump_stuck(what: str) -> None:
+def _dump_stuck(what: str, limit_s: float) -> None:
     """This process's stacks, then each descendant's (SIGABRT: faulthandler prints its stacks
     and the process dies; the engine then fails, as it would have at vLLM's step timeout)."""
-    print(f"{_STUCK} {what} ran over {STUCK_S:.0f} s; stacks follow", file=sys.stderr, flush=True)
+    print(f"{_STUCK} {what} ran over {limit_s:.0f} s; stacks follow", file=sys.stderr, flush=True)
     faulthandler.dump_traceback(sys.stderr, all_threads=True)
     for pid in _descendants(os.getpid()):
         with contextlib.suppress(OSError):
