@@ -13,8 +13,14 @@ from typing import Any
 import click
 from rich.table import Table
 
-from tiercache.cli.common import console, echo_json, human_bytes, kv_groups_table, store_command
-from tiercache.cli.common import when as _when
+from tiercache.cli.common import (
+    console,
+    echo_json,
+    human_bytes,
+    kv_groups_table,
+    store_command,
+    when,
+)
 from tiercache.cli.stores import inspect_store, known_names, resolve
 from tiercache.telemetry import read_stats
 
@@ -136,7 +142,7 @@ def _table(r: dict[str, Any]) -> Table:
         "writes (seq)",
         "-" if r["oldest_seq"] is None else f"oldest {r['oldest_seq']}, newest {r['newest_seq']}",
     )
-    t.add_row("last modified", _when(r["last_modified"]))
+    t.add_row("last modified", when(r["last_modified"]))
     held = "no"
     if r["in_use"]:
         held = "yes" + (f" (pid {r['holder_pid']})" if r.get("holder_pid") else "")
@@ -170,7 +176,7 @@ def _attach_line(a: dict[str, Any]) -> str:
     line = f"pid {a['pid']} on {a['host']}, {a['namespace']}"
     if a["capacity_blocks"] is not None:
         line += f" ({a['capacity_blocks']} blocks)"
-    line += f", since {_when(a['opened_at'])}"
+    line += f", since {when(a['opened_at'])}"
     if a["state"] == "stale":
         line += ", stale (the process is gone)"
     elif a["state"] == "unknown":
