@@ -711,14 +711,16 @@ def _stacks_of(log: str) -> str:
     innermost frames (the full dumps are in the log)."""
     if _STUCK not in log:
         return ""
-    out, frames = [], 0
+    out, frames = [], 8
     for line in log[log.index(_STUCK) :].splitlines():
-        if line.startswith(_STUCK) or line.startswith(("Thread 0x", "Current thread")):
+        if line.startswith((_STUCK, "Thread 0x", "Current thread")):
             out.append(line)
             frames = 0
         elif line.startswith("  File ") and frames < 8:
             out.append(line)
             frames += 1
+        elif not line.startswith(" "):  # a thread's dump ended (a traceback's frames are not)
+            frames = 8
     return "\n".join(out)[:8000] + "\n"
 
 
