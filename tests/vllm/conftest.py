@@ -31,6 +31,15 @@ from types import ModuleType
 import pytest
 
 _HERE = Path(__file__).resolve().parent
+# torch's inductor compiles a few of vLLM's functions (with TP > 1, the masked vocabulary
+# lookup of the embedding) and first checks each vector ISA by loading a test library in a
+# child process, given 60 s. On a loaded 2-core host that probe can time out ("VecISA dlopen
+# probe ... hung after 60s"): the process then takes a narrower ISA than the others, and a
+# kernel it loads from the inductor cache they filled computes garbage (reproduced alone:
+# masked token ids of 1.4e14; in a TP=2 engine the worker dies on "index out of range in
+# self" in its first step, likely also the first-step RPC timeout CI once saw on vLLM 0.33).
+# With this set, every process takes the ISA its CPU flags name, without the probe.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 REDIS_SERVER = shutil.which("redis-server")
 
 

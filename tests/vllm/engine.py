@@ -952,7 +952,9 @@ def _errors_of(log: str) -> str:
     """vLLM's ERROR lines (the engine core logs its failures to stdout) and the exceptions'
     lines (a worker's traceback ends with its exception's, e.g. a ConfigError's message)."""
     lines = (line for line in log.splitlines() if " ERROR " in line or _RAISED.search(line))
-    return "\n".join(lines)[-8000:]
+    # Each line cut to 400 characters: vLLM's dump of a failed step's scheduler output is one
+    # line of tens of kilobytes, which would push the worker's traceback out of the 8,000.
+    return "\n".join(line[:400] for line in lines)[-8000:]
 
 
 def main(argv: list[str]) -> int:
