@@ -167,7 +167,7 @@ class OffloadingWorker:
                 return
             self._closed = True
         end = None if timeout is None else time.monotonic() + timeout
-        for handler in self._distinct_handlers():
+        for handler in self._distinct:
             handler.close(None if end is None else max(0.0, end - time.monotonic()))
 
     def __enter__(self) -> OffloadingWorker:
@@ -175,6 +175,3 @@ class OffloadingWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _distinct_handlers(self) -> list[TransferHandler]:
-        return self._distinct
