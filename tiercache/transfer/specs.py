@@ -55,10 +55,8 @@ class TierLoadStoreSpec:
         _set_keys(self, keys)
 
 
-(_set_block_ids,) = slot_setters(GPULoadStoreSpec, "block_ids")
-_set_tier, _set_medium, _set_slots, _set_keys = slot_setters(
-    TierLoadStoreSpec, "tier", "medium", "slots", "keys"
-)
+(_set_block_ids,) = slot_setters(GPULoadStoreSpec)
+_set_tier, _set_medium, _set_slots, _set_keys = slot_setters(TierLoadStoreSpec)
 
 
 LoadStoreSpec: TypeAlias = GPULoadStoreSpec | TierLoadStoreSpec
