@@ -124,16 +124,10 @@ class PrometheusMetrics:
             registry=reg,
         )
         tier_names = [*self._labels, "tier"]
+        gauges = {g: f"Blocks: {g.replace('_', ' ')}" for g in TIER_GAUGES} | TIER_COST_GAUGES
         self.tier_gauges = {
-            g: Gauge(f"{ns}_tier_{g}", f"Blocks: {g.replace('_', ' ')}", tier_names, registry=reg)
-            for g in TIER_GAUGES
+            g: Gauge(f"{ns}_tier_{g}", doc, tier_names, registry=reg) for g, doc in gauges.items()
         }
-        self.tier_gauges.update(
-            {
-                g: Gauge(f"{ns}_tier_{g}", doc, tier_names, registry=reg)
-                for g, doc in TIER_COST_GAUGES.items()
-            }
-        )
         self.engine_gauges = {
             g: Gauge(f"{ns}_engine_{g}", doc, list(self._labels), registry=reg)
             for g, doc in ENGINE_GAUGES.items()
