@@ -64,8 +64,7 @@ class CPUCopyHandler(LaneHandler):
         if len(eng.block_ids) != len(side.slots) * self.layout.factor:
             raise ValueError(
                 f"job {job.job_id}: {len(eng.block_ids)} engine blocks for "
-                f"{len(side.slots)} slots (block_size_factor "
-                f"{self.layout.factor})"
+                f"{len(side.slots)} slots (block_size_factor {self.layout.factor})"
             )
 
     def _check_pool(self, tier: Tier, pool: torch.Tensor) -> None:

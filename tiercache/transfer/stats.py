@@ -143,13 +143,9 @@ class PrometheusMetrics:
         """Add an interval's transfer operations (a `TransferStats` or its `data`)."""
         data = stats.data if isinstance(stats, TransferStats) else stats
         base = list(self._labels.values())
+        metrics = (self.transfer_bytes, self.transfer_time, self.transfer_size)
         for key, ops in data.items():
-            values = [*base, key]
-            nbytes, secs, hist = (
-                self.transfer_bytes.labels(*values),
-                self.transfer_time.labels(*values),
-                self.transfer_size.labels(*values),
-            )
+            nbytes, secs, hist = (m.labels(*base, key) for m in metrics)
             for op in ops:
                 nbytes.inc(op.size)
                 secs.inc(op.time)
