@@ -196,24 +196,12 @@ class LMDBTier(KeyedTier):
             self._unpend(keys)
         return slots
 
-    def free(self, slots: Sequence[int]) -> None:
-        """Return slots; the blocks this tier stored since it opened are deleted at the next
-        write txn or flush (see `KeyedTier`); others are only forgotten."""
-        self._drop(slots, held=False)
-
-    def release(self, slots: Sequence[int]) -> None:
-        """`free`, but the deletes of blocks this tier stored wait for `settle`."""
-        self._drop(slots, held=True)
-
     def _drop(self, slots: Sequence[int], *, held: bool) -> None:
-        """Return slots; the keys of ours they held go to the pending deletes (`held`: to
-        those waiting for `settle`)."""
         gone = self._release(slots)
         if gone:
             pending = self._shared.pending
             with self._shared.state_lock:
                 (pending.hold if held else pending.add)(self._nsb + k for k in gone)
-        super().free(slots)
 
     def settle(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         with self._shared.state_lock:
