@@ -29,16 +29,9 @@ from tiercache.tiers.keyed import (
 from tiercache.tiers.lmdb import attach as lmdb_attach
 from tiercache.tiers.lmdb import scan
 from tiercache.tiers.lmdb import warm as lmdb_warm
-from tiercache.tiers.lmdb.env import (
-    attach,
-    damaged,
-    detach,
-    map_size_for,
-    pool,
-    pool_map,
-    prepare_dir,
-)
+from tiercache.tiers.lmdb.env import attach, damaged, detach, map_size_for, pool, pool_map
 from tiercache.tiers.lmdb.layout import (
+    DIR_RULES,
     NS_BYTES,
     SYNC_MODES,
     StoreTxn,
@@ -47,6 +40,7 @@ from tiercache.tiers.lmdb.layout import (
     txn_ops_for,
 )
 from tiercache.tiers.lmdb.offline import LMDBOffline, LMDBProbe
+from tiercache.tiers.store_dir import prepare_dir
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
 
@@ -134,7 +128,7 @@ class LMDBTier(KeyedTier):
         # Keys the store evicted by its capacity in this process's writes, not stored again
         # since: `take_evicted` (under `_counts_lock`; bounded where nobody takes them).
         self._evicted: set[bytes] = set()
-        self._path = prepare_dir(path)
+        self._path = prepare_dir(path, DIR_RULES)  # only LMDB's own two files in it
         map_size = map_size_for(capacity_blocks, block_bytes)
         self._shared = attach(self._path, block_bytes, map_size, sync)
         self._token: bytes | None = None  # our attach entry (tiers/lmdb/attach.py)
