@@ -502,11 +502,6 @@ class RedisTier(KeyedTier):
         n = len(slots)
         if n == 0:
             return []
-        try:
-            client = self._conn()
-        except OSError:
-            self._keep_keys(keys)
-            raise
         out = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
         out_np = out.numpy()
         px = self._ttl_ms
@@ -515,6 +510,7 @@ class RedisTier(KeyedTier):
         damaged: list[bytes] = []  # a block of ours whose bytes fail verification
         corrupt = 0
         try:
+            client = self._conn()
             for a, b in self._chunks(n):
                 if px:
                     pxb = b"%d" % px
@@ -533,8 +529,9 @@ class RedisTier(KeyedTier):
                             v[:HEADER_SIZE], keys[i], self._ns, self.block_bytes
                         ):
                             damaged.append(keys[i])
-        except OSError:
-            self._keep_keys(keys)
+        except OSError:  # unreachable: the cache drops these keys, but their blocks are fine
+            with self._lock:
+                self._keep.update(keys)
             raise
         if out is not dst:
             dst.copy_(out)
@@ -551,10 +548,6 @@ class RedisTier(KeyedTier):
         if corrupt:
             log.warning("%s: %d corrupt or foreign values read as misses", self.medium, corrupt)
         return failed
-
-    def _keep_keys(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            self._keep.update(keys)
 
     def _decode(self, key: bytes, v: object, row: np.ndarray) -> bool:
         """Check and copy one value into `row`; False if it is not a good block of `key`."""
