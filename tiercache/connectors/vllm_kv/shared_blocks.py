@@ -126,11 +126,13 @@ class SharedBlocks:
         read_limit: int = 4096,
         retry_polls: int = 20,
         expand: Callable[[Sequence[bytes]], list[bytes]] | None = None,
+        own_probes: bool = True,
     ) -> None:
         """`expand`: a block key -> the keys the store holds it under (head shards: every
-        shard's; default: the key itself)."""
+        shard's; default: the key itself). `own_probes` False: another owner closes them."""
         self._catalogs = [(t, c) for t, c in catalogs if t in probes]
         self._probes = probes
+        self._own_probes = own_probes
         self._algo = hash_algo
         self._identity: bytes | None = None
         self._hash_fn: Any = None
@@ -151,10 +153,6 @@ class SharedBlocks:
         """The store holds block `key` (every key it is stored under)."""
         keys = self._expand([key]) if self._expand is not None else [key]
         return probe.probe(keys) == len(keys)
-
-    @property
-    def tiers(self) -> list[str]:
-        return [t for t, _ in self._catalogs]
 
     def _ident(self) -> bytes:
         if self._identity is None:
@@ -293,7 +291,7 @@ class SharedBlocks:
     def close(self) -> None:
         for _, cat in self._catalogs:
             cat.close()
-        for p in self._probes.values():
+        for p in self._probes.values() if self._own_probes else ():
             p.close()
 
 
@@ -311,22 +309,6 @@ def still_held(cache: Any, events: Sequence[Any]) -> list[bytes]:
         if held:
             out.extend(k for k, h in zip(e.keys, held, strict=True) if h)
     return out
-
-
-class Borrowed:
-    """Another owner's `StoreProbe`, used here and closed by its owner."""
-
-    def __init__(self, probe: StoreProbe) -> None:
-        self.probe_of = probe
-
-    def probe(self, keys: Sequence[bytes]) -> int:
-        return self.probe_of.probe(keys)
-
-    def present(self, keys: Sequence[bytes]) -> list[bool] | None:
-        return self.probe_of.present(keys)
-
-    def close(self) -> None:
-        pass
 
 
 class TierProbe:
@@ -367,10 +349,8 @@ def open_shared_blocks(
     (local placement): presence is asked of those tiers; else of read-only probes, the
     scheduler's own (`borrowed`, closed by their owner: a process opens an LMDB environment
     once) or new ones."""
-    if borrowed is not None:
-        probes: dict[str, Any] = {name: Borrowed(p) for name, p in borrowed}
-    else:
-        probes = dict(open_probes(config, block_bytes))
+    own = borrowed is None
+    probes: dict[str, Any] = dict(open_probes(config, block_bytes) if own else borrowed or ())
     catalogs: list[tuple[str, Catalog]] = []
     for t in config.tiers:
         probe = probes.get(t.name)
@@ -382,15 +362,16 @@ def open_shared_blocks(
                 (t.name, LMDBCatalog(t.options["path"], cap, namespace=config.namespace))
             )
         elif t.kind == "redis":  # its probe is the tier without an index (RedisTier)
-            client, cluster = getattr(probe, "probe_of", probe).side_client()
+            client, cluster = probe.side_client()
             if cluster:
                 client.close()
                 log.warning("tiercache: tier %s is a Redis cluster: no shared block events", t.name)
                 continue
-            prefix = getattr(probe, "probe_of", probe).key_prefix
-            catalogs.append((t.name, RedisCatalog(client, prefix, cap)))
+            catalogs.append((t.name, RedisCatalog(client, probe.key_prefix, cap)))
     for name in set(probes) - {t for t, _ in catalogs}:
-        probes.pop(name).close()
+        unused = probes.pop(name)
+        if own:
+            unused.close()
     if local is not None:
         for t, tier in zip(config.tiers, local[0], strict=True):
             if t.name in probes:
@@ -398,4 +379,6 @@ def open_shared_blocks(
                 probes[t.name] = TierProbe(tier, local[1])
     if not catalogs:
         return None
-    return SharedBlocks(catalogs, probes, hash_algo, interval_s=interval_s, expand=expand)
+    return SharedBlocks(
+        catalogs, probes, hash_algo, interval_s=interval_s, expand=expand, own_probes=own
+    )

