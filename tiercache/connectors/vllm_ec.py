@@ -160,7 +160,7 @@ class TierCacheECConnector(ECConnectorBase):
             where = exc.field.replace("kv_connector_extra_config", "ec_connector_extra_config")
             raise ConfigError(where, exc.problem) from None
         bb = _extra_int(extra, "block_bytes", DEFAULT_BLOCK_BYTES, HEADER_BYTES + 1)
-        staged = _extra_int(extra, "max_staged_bytes", DEFAULT_STAGED_BYTES, 0)
+        self._max_staged = _extra_int(extra, "max_staged_bytes", DEFAULT_STAGED_BYTES, 0)
         max_item = _extra_int(extra, "max_item_bytes", DEFAULT_MAX_ITEM_BYTES, 1)
         mc = vllm_config.model_config
         if mc is None:
@@ -185,7 +185,6 @@ class TierCacheECConnector(ECConnectorBase):
         # together holds (an item is not split across requests).
         store_bytes = sum(t.capacity_blocks for t in self._cache.tiers) * bb - HEADER_BYTES
         self._max_item_bytes = max(0, min(max_item, store_bytes))
-        self._max_staged = staged
         # Scheduler side: verified items read by has_cache_item, waiting for their request to be
         # scheduled (mm_hash -> (tensor, step)), and this step's loads. Worker side: saves run
         # on one background thread.

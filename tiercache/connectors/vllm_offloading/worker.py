@@ -205,11 +205,15 @@ class TierCacheWorkerSide(OffloadingWorker):
         or a move; the job is reported done once nothing else of it runs."""
         part.gates = False
         self._bridge.detach(part.keys)  # before the job's end can reach the manager
-        vjob = self._vjobs[part.vjob]
-        vjob.parts.discard(part_id)
+        self._release(part.vjob, part_id)
+
+    def _release(self, vjob_id: int, *part_ids: int) -> None:
+        """`part_ids` no longer gate vLLM job `vjob_id`: it is done once none of its parts do."""
+        vjob = self._vjobs[vjob_id]
+        vjob.parts.difference_update(part_ids)
         if not vjob.parts:
-            del self._vjobs[part.vjob]
-            self._done.append(TransferResult(part.vjob, vjob.ok, vjob.size, vjob.time))
+            del self._vjobs[vjob_id]
+            self._done.append(TransferResult(vjob_id, vjob.ok, vjob.size, vjob.time))
 
     @_serialized
     def wait(self, job_ids: set[int]) -> None:
@@ -265,9 +269,7 @@ class TierCacheWorkerSide(OffloadingWorker):
             vjob.parts.add(part_id)
             self._parts.add(part_id, _Part(job_id, tier_side.keys, tier_side.tier, kind))
         self._vjobs[job_id] = vjob
-        if not vjob.parts:  # nothing to copy (cannot come from vLLM, but stays well-defined)
-            del self._vjobs[job_id]
-            self._done.append(TransferResult(job_id, True, 0, 0.0))
+        self._release(job_id)  # done now if nothing to copy (not from vLLM, but well-defined)
         return True
 
     def _finish_part(self, r: TierResult) -> None:
@@ -298,7 +300,6 @@ class TierCacheWorkerSide(OffloadingWorker):
             if not part.gates:  # vLLM's job ended without it
                 return
         vjob = self._vjobs[part.vjob]
-        vjob.parts.discard(r.job_id)
         vjob.size += r.transfer_size
         vjob.time += r.transfer_time
         if failed and part.is_load:
@@ -311,9 +312,7 @@ class TierCacheWorkerSide(OffloadingWorker):
                 part.tier,
                 part.vjob,
             )
-        if not vjob.parts:
-            del self._vjobs[part.vjob]
-            self._done.append(TransferResult(part.vjob, vjob.ok, vjob.size, vjob.time))
+        self._release(part.vjob, r.job_id)
 
 
 TierCacheOffloadingWorker = TierCacheWorkerSide  # its name before issue 50
