@@ -32,7 +32,6 @@ from it, whoever stored them, and reports them removed once the store no longer 
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +41,7 @@ import msgspec
 from tiercache.config import CacheConfig
 from tiercache.connectors.probes import open_probes
 from tiercache.connectors.vllm_kv.kv_events import BlockDescriptor, EventTranslator
+from tiercache.connectors.vllm_kv.settings import log
 from tiercache.tiers.base import StoreProbe
 from tiercache.tiers.catalog import CATALOG_ERRORS, Catalog, LMDBCatalog, RedisCatalog
 
@@ -54,8 +54,6 @@ __all__ = [
     "open_shared_blocks",
     "still_held",
 ]
-
-log = logging.getLogger("tiercache.connectors.vllm_kv")
 
 RECORD_VERSION = 1
 

@@ -8,7 +8,6 @@ manager half hears of the copies' ends through the bridge. See the package doc.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from vllm.v1.kv_offload.base import (
 from tiercache.connectors.deadlines import Flights, warn_late
 from tiercache.connectors.stores import SharedStore, release_store
 from tiercache.connectors.vllm_offloading.bridge import bridge_of
-from tiercache.connectors.vllm_offloading.specs import TierLoadSpec, TierStoreSpec, holding
+from tiercache.connectors.vllm_offloading.specs import TierLoadSpec, TierStoreSpec, holding, log
 from tiercache.transfer import (
     KVLayout,
     TierLoadStoreSpec,
@@ -34,8 +33,6 @@ from tiercache.transfer import (
     store_transfers,
 )
 from tiercache.transfer import TransferResult as TierResult
-
-log = logging.getLogger(__package__)  # the former module's logger name
 
 # Run a worker method under the worker's mutex (see `TierCacheWorkerSide._collect`).
 _serialized = holding(lambda self: self._mutex)
