@@ -16,8 +16,7 @@ from it, whoever stored them, and reports them removed once the store no longer 
   and its own hash of the parent block (recorded by parent key); a block whose parent it
   cannot describe is not reported.
 - Removals the cache reports from a shared tier stand only for blocks the store no longer
-  holds (`still_held`, asked by the worker): a block the cache merely forgot (its index is
-  smaller than the store) is found again by its next lookup, so it stays reported.
+  holds (`still_held`, asked by the worker: a block the cache merely forgot stays reported).
 - Removals (`poll`): a sweep asks the probe about `sweep_keys` of the keys held in each
   shared tier per poll, round robin (`EventTranslator.rotate`: O(sweep_keys) a poll, however
   many are held), in one `StoreProbe.present` call (LMDB: one read transaction; Redis: one
@@ -221,9 +220,7 @@ class SharedBlocks:
                 return
 
     def _sweep_tier(self, tr: EventTranslator, tier: str, probe: StoreProbe) -> None:
-        """Ask the store about `sweep_keys` of the blocks held in `tier` (all of them when
-        they are fewer), round robin, in one `present` call; report the missing ones
-        removed."""
+        """The sweep of `tier` (module doc, Removals)."""
         part = tr.rotate(tier, self._sweep)
         if not part:
             return
