@@ -36,11 +36,13 @@ class EvictionPolicy(ABC):
         self.capacity: int = capacity
 
     def on_miss(self, keys: Sequence[bytes]) -> None:  # noqa: B027 (a no-op hook by design)
-        """Learn from a miss before making room for it (the default ignores it): the keys the
-        manager is about to store into this tier (distinct, none resident, head first), once
-        it knows the room can be made, before evict() and insert_many(). The store may still
-        fail and the keys never arrive, so an override must not change residency (len, `in`,
-        what evict can pick). ARC adapts p here."""
+        """Learn from a miss before making room for it; the default ignores it.
+
+        Called with the keys the manager is about to store into this tier (distinct, none
+        resident, head first), once it knows the room can be made and before evict() and
+        insert_many(). The store may still fail and the keys never arrive, so an override
+        must not change residency (len, `in`, what evict can pick). ARC adapts p here.
+        """
 
     @abstractmethod
     def insert(self, key: bytes) -> None:

@@ -115,10 +115,12 @@ class PlanRunner:
         it): its moves in order, then its writes (first tier, then write-around) of the rows
         of `blocks` (one per key of `keys`), each once its slots are not busy (`wait_slots`:
         a leaving block's source slot is written once its move ended and its reads did).
+
         A failed tier write fails that write (a counted error). Anything else raised on the
         way (a bug, a device mismatch, out of memory) first completes every key of the plan
         not completed yet with success=False, then propagates: the reserved slots go back,
-        no key is left "moving", and the same keys can be stored again."""
+        no key is left "moving", and the same keys can be stored again.
+        """
         try:
             for move in plan.moves:
                 self.move(move)

@@ -27,8 +27,10 @@ class TierSlots:
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Where each key of a `prepare_load` call lives: `tiers[i]` and `slots[i]` for `keys[i]`;
-    `mediums` names every tier of the manager by index, `groups()` batches the load per tier."""
+    """Where each key of a `prepare_load` call lives: `tiers[i]` and `slots[i]` for `keys[i]`.
+
+    `mediums` names every tier of the manager by index. `groups()` batches the load per tier.
+    """
 
     keys: tuple[bytes, ...]
     tiers: tuple[int, ...]
@@ -61,9 +63,11 @@ class StoreSpec:
 
 @dataclass(frozen=True, slots=True)
 class BlockMove:
-    """Copy `keys` from `src` slots of one tier to `dst` slots of another. Demotions are listed
-    in the order they must run: a move that frees a slot which a later move (or the store
-    itself) writes into comes first."""
+    """Copy `keys` from `src` slots of one tier to `dst` slots of another.
+
+    Demotions are listed in the order they must run: a move that frees a slot which a later
+    move (or the store itself) writes into comes first.
+    """
 
     keys: tuple[bytes, ...]
     src: StoreSpec
@@ -82,11 +86,13 @@ class TierWrite:
 @dataclass(frozen=True, slots=True)
 class PrepareStoreOutput:
     """The plan for a store: write `keys_to_store` into `store_spec` after running `moves`.
+
     `evicted_keys` left the store's tier (some of them are demoted by `moves`, the rest dropped).
     `around` holds what the first tier could not take (a chain longer than it, or its room
     held by stores in flight): those keys go from the source straight into lower tiers, after
     the moves like the main store. The caller runs the moves, writes the blocks, then calls
-    `complete_store` with `stored_keys` and with each move's keys."""
+    `complete_store` with `stored_keys` and with each move's keys.
+    """
 
     keys_to_store: tuple[bytes, ...]
     store_spec: StoreSpec

@@ -279,9 +279,12 @@ class OffloadingManager:
         return 0
 
     def prepare_load(self, keys: Iterable[bytes], *, leaving: bool = False) -> LoadSpec:
-        """Pin each key in the fastest tier where it is ready and say where it lives; KeyError
-        (nothing pinned) if a key is not ready in any tier. `leaving`: a leaving block is
-        served from its source slot, which the read pins (see the module doc)."""
+        """Pin each key in the fastest tier where it is ready and say where it lives.
+        `leaving`: a leaving block is served from its source slot, which the read pins
+        (see the module doc).
+
+        Raises KeyError (and pins nothing) if a key is not ready in any tier.
+        """
         keys = tuple(keys)
         if self._single:
             return self._prepare_load_single(keys)
@@ -342,8 +345,10 @@ class OffloadingManager:
         goes straight into the next tiers with room (write-around, `plan.around`), the
         chain's head placed first, as lookups reach it first. `leaving`: the blocks its moves
         demote are leaving blocks (the caller's runner guards their slots: see the module doc).
-        Keys no tier can take are left out of the plan; None, changing nothing, when no key
-        can be placed at all. ValueError on duplicate keys."""
+
+        Keys no tier can take are left out of the plan. Returns None, changing nothing, when
+        no key can be placed at all. Raises ValueError on duplicate keys.
+        """
         keys = _seq(keys)
         present = self._present
         distinct = set(keys)
@@ -370,8 +375,11 @@ class OffloadingManager:
         self, keys: Iterable[bytes], *, leaving: bool = False
     ) -> PrepareStoreOutput | None:
         """Plan copies of keys ready only in lower tiers into the first tier (`leaving`: as
-        in `prepare_store`); None when promotion is off, nothing needs promoting, or no room.
-        The caller writes the bytes it loaded into `store_spec` and completes the store."""
+        in `prepare_store`).
+
+        The caller writes the bytes it loaded into `store_spec` and completes the store as
+        usual. Returns None when promotion is off, nothing needs promoting, or no room.
+        """
         if not self._promote or self._single:
             return None
         keys = _seq(keys)
@@ -386,8 +394,10 @@ class OffloadingManager:
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
         """Finish stores and moves: make the blocks visible, or free their slots on failure.
-        Keys with no store in flight are ignored: a connector may complete a request's keys
-        twice (e.g. after a preemption) without harm."""
+
+        Keys with no store in flight are ignored, so a connector may complete a request's keys
+        twice (e.g. after a preemption) without harm.
+        """
         keys = _seq(keys)
         if success and self._single:
             self._complete_store_single(keys)
@@ -489,15 +499,19 @@ class OffloadingManager:
 
     def plan_writeback(self) -> list[BlockMove]:
         """Moves that copy blocks held only in volatile tiers into persistent tiers' free slots,
-        most recently stored first, so a graceful restart keeps what fits (`Copies.writeback`);
-        nothing is evicted for them, nor put into a suspended tier (it hung). Complete each
-        move with `complete_store(move.keys)`."""
+        most recently stored first, so a graceful restart keeps what fits (`Copies.writeback`).
+
+        Nothing is evicted for them, and nothing goes into a suspended tier (it hung).
+        Complete each move with `complete_store(move.keys)`.
+        """
         return self._copies.writeback()
 
     # -- removal, recovery, events, stats --------------------------------------------------
     def discard(self, keys: Iterable[bytes], tier: int | None = None) -> int:
-        """Drop ready, unpinned blocks (e.g. found corrupt) from `tier` (default: every tier);
-        how many copies were dropped. A pinned copy: ValueError, nothing dropped."""
+        """Drop ready, unpinned blocks (e.g. found corrupt) from `tier` (default: every tier).
+
+        Returns how many copies were dropped. Pinned copies are kept (ValueError).
+        """
         keys = _seq(keys)
         levels = self._levels if tier is None else [self._levels[tier]]
         for lv in levels:

@@ -48,11 +48,14 @@ class Index:
 
 
 class Level:
-    """A tier with its policy, its key index and its counters. The index is plain dicts, no
-    record per block (the manager's hot paths are dict operations: fewer of them, and no
-    allocation per block, is what makes it fast): `slots` maps every key this tier holds,
-    ready or still being written, to its slot, `pins` the keys being loaded from this tier to
-    their count of outstanding loads. Whether a held key is ready: the manager's `_ready`."""
+    """A tier with its policy, its key index and its counters.
+
+    The index is plain dicts, no record per block (the manager's hot paths are dict
+    operations, so fewer of them and no allocation per block is what makes it fast):
+    `slots` maps every key this tier holds, ready or still being written, to its slot;
+    `pins` maps the keys being loaded from this tier to their count of outstanding loads.
+    Whether a held key is ready is the manager's `_ready` bitmask.
+    """
 
     __slots__ = ("bit", "cold", "counters", "index", "medium", "pins", "policy", "slots", "tier")
 
@@ -200,12 +203,14 @@ def count_lookup(
 
 
 class Loads:
-    """The outstanding loads of a manager over its levels, and the slots they pin. One tier:
-    its level's `pins` are the whole story (`release_single`). Several: `of` maps a key to
-    where each of its loads reads, a tier index (the key is pinned in that level's `pins`) or,
-    for a leaving block, its source (tier, slot), pinned in `reads` ((tier, slot) -> reads in
-    flight). A slot freed while a read pins it goes back to its tier when the last read ends
-    (`free_later`)."""
+    """The outstanding loads of a manager over its levels, and the slots they pin.
+
+    One tier: its level's `pins` are the whole story (`release_single`). Several: `of` maps a
+    key to where each of its loads reads, a tier index (the key is pinned in that level's
+    `pins`) or, for a leaving block, its source (tier, slot), pinned in `reads` ((tier, slot)
+    -> reads in flight). A slot freed while a read pins it goes back to its tier when the
+    last read ends (`free_later`).
+    """
 
     __slots__ = ("free_later", "levels", "of", "reads")
 

@@ -58,9 +58,11 @@ AUTO_STAGED_MIN_BYTES: int | None = 128 << 20
 @dataclass(frozen=True)
 class Segment:
     """One distinct allocation's share of an engine block: `chunks` x `chunk_bytes` bytes.
+
     `rows` is a view `[num_blocks, chunks, chunk_bytes]` (or `[num_blocks, chunk_bytes]` for
     one chunk) of the allocation, in the layout's element unit; `offset` is where the segment
-    starts inside an engine-block record (bytes)."""
+    starts inside an engine-block record (bytes).
+    """
 
     rows: torch.Tensor
     offset: int
@@ -115,9 +117,11 @@ def _layer_chunks(
 
 
 def _merge(chunks: list[_Chunk]) -> list[tuple[int, int, int, int, list[_Chunk]]]:
-    """Chunks of one storage -> (start, count, stride, size, chunks) strided families: chunks
-    of equal size and block stride whose starts form one arithmetic progression are one family
-    (one copy), any other chunk is a family of its own."""
+    """Chunks of one storage -> (start, count, stride, size, chunks) strided families.
+
+    Chunks of equal size and block stride whose starts form one arithmetic progression are one
+    family (one copy); otherwise each chunk is its own family.
+    """
     uniq: dict[tuple[int, int, int], _Chunk] = {}
     for c in chunks:  # layers sharing one cache (aliases) are copied once
         kept = uniq.setdefault((c.start, c.size, c.block_stride), c)

@@ -134,10 +134,12 @@ def copy_rows(
     plan: RowPlan | None = None,
 ) -> None:
     """`dst[dst_idx[i]] = src[src_idx[i]]` along dim 0, in as few calls as the devices allow.
+
     Across devices: one slice copy per run (a DMA each). On one device: slice copies for a few
     runs or large rows on CPU, else one `index_select` and/or `index_copy_`. `split`: a large
     copy by runs on CPU is shared with a helper thread (loads, which the engine waits for).
-    `plan`: the `RowPlan` of these two index lists, when several tensors are copied by them."""
+    `plan`: the `RowPlan` of these two index lists, when several tensors are copied by them.
+    """
     if plan is None:
         plan = RowPlan(dst_idx, src_idx)
     n = len(plan)
