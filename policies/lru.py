@@ -22,7 +22,6 @@ class LRUPolicy(EvictionPolicy):
         self._od: OrderedDict[bytes, None] = OrderedDict()
 
     def insert(self, key: bytes) -> None:
-        """Add `key` as most recently used (a resident key is just moved there)."""
         od = self._od
         if key in od:
             od.move_to_end(key)
@@ -64,7 +63,6 @@ class LRUPolicy(EvictionPolicy):
                 move_to_end(key)
 
     def remove(self, key: bytes) -> None:
-        """Forget `key` if resident."""
         self._od.pop(key, None)
 
     def evict(self, n: int, protected: Container[bytes] = frozenset()) -> list[bytes] | None:
@@ -83,7 +81,6 @@ class LRUPolicy(EvictionPolicy):
         return victims
 
     def clear(self) -> None:
-        """Forget every key."""
         self._od.clear()
 
     def __len__(self) -> int:

@@ -312,13 +312,9 @@ class TierCache:
         down: set[int] = set()  # tiers whose read failed as a whole (unreachable, I/O error)
         try:
             for g in spec.groups():
+                gkeys = [chain[p] for p in g.positions]
                 failed = self._runner.read_group(
-                    self._tiers[g.tier],
-                    g.slots,
-                    g.positions,
-                    [chain[p] for p in g.positions],
-                    out,
-                    down,
+                    self._tiers[g.tier], g.slots, g.positions, gkeys, out, down
                 )
                 if failed:
                     bad[g.tier] = [chain[p] for p in failed]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +35,6 @@ _UNITS = {
     "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_TELEMETRY_KEYS = {"dir", "interval", "events", "max_event_bytes", "prometheus"}
-_TOP_KEYS = {
-    "block_size",
-    "deadlines",
-    "loading",
-    "namespace",
-    "promote",
-    "telemetry",
-    "tiers",
-    "write_through_queue",
-}
-_DEADLINE_KEYS = {"load_timeout", "store_timeout", "backoff", "backoff_max"}
-_LOADING_KEYS = {"mode", "margin"}
 LOADING_MODES = ("auto", "always", "never")
 _TIER_COMMON_KEYS = {"kind", "name", "capacity", "blocks", "policy", "write_policy", "admit"}
 WRITE_POLICIES = ("write-back", "write-through")
@@ -183,8 +170,7 @@ class DeadlineConfig:
     @classmethod
     def from_mapping(cls, m: object) -> DeadlineConfig:
         """Validate a `[deadlines]` table; ConfigError naming the field."""
-        m = _table(m, "deadlines", _DEADLINE_KEYS)
-        return cls(**{k: m[k] for k in _DEADLINE_KEYS if k in m})
+        return cls(**_table(m, "deadlines", _DEADLINE_KEYS))
 
 
 @dataclass(frozen=True)
@@ -208,8 +194,7 @@ class LoadingConfig:
     @classmethod
     def from_mapping(cls, m: object) -> LoadingConfig:
         """Validate a `[loading]` table; ConfigError naming the field."""
-        m = _table(m, "loading", _LOADING_KEYS)
-        return cls(**{k: m[k] for k in _LOADING_KEYS if k in m})
+        return cls(**_table(m, "loading", _LOADING_KEYS))
 
 
 def split_addr(value: object, field: str) -> tuple[str, int]:
@@ -404,3 +389,10 @@ class CacheConfig:
             "config",
             f"expected a CacheConfig, a mapping or a TOML path, got {type(source).__name__}",
         )
+
+
+# The settings each table takes: its record's fields.
+_TELEMETRY_KEYS, _DEADLINE_KEYS, _LOADING_KEYS, _TOP_KEYS = (
+    {f.name for f in fields(c)}
+    for c in (TelemetryConfig, DeadlineConfig, LoadingConfig, CacheConfig)
+)

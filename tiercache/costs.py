@@ -201,17 +201,15 @@ class LoadCosts:
         """Per measured tier: load_latency_ms (the fixed part of a job), load_mb_per_s (the
         rate of the rest, 1e6 bytes), load_jobs (samples)."""
         with self._lock:
-            out = {}
-            for tier, fit in self._load.items():
-                line = fit.line()
-                if line is None:
-                    continue
-                out[tier] = {
+            return {
+                tier: {
                     "load_latency_ms": round(line.fixed * 1e3, 4),
                     "load_mb_per_s": round(_rate(line) / 1e6, 3),
                     "load_jobs": fit.samples,
                 }
-            return out
+                for tier, fit in self._load.items()
+                if (line := fit.line()) is not None
+            }
 
     def engine_stats(self) -> dict[str, float]:
         """The forward: prefill_tokens_per_s (marginal), step_overhead_ms, forward_steps;

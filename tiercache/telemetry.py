@@ -21,6 +21,7 @@ Imports read top-down: config <- telemetry <- cache; this module knows no facade
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -244,11 +245,9 @@ def follow_events(
     `deadline` (time.monotonic()) passes."""
     path = Path(directory) / EVENTS_FILE
     ino, pos, buf = None, 0, b""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         st = path.stat()
         ino, pos = st.st_ino, st.st_size
-    except FileNotFoundError:
-        pass
     while not (stop is not None and stop.is_set()):
         if deadline is not None and time.monotonic() >= deadline:
             return
@@ -260,13 +259,11 @@ def follow_events(
             if st.st_ino != ino:  # rotated (or created): drain the old file's tail, start over
                 if ino is not None:
                     old = Path(directory) / (EVENTS_FILE + ".1")
-                    try:
+                    with contextlib.suppress(FileNotFoundError):
                         if old.stat().st_ino == ino:
                             with old.open("rb") as f:
                                 f.seek(pos)
                                 buf += f.read()
-                    except FileNotFoundError:
-                        pass
                     yield from _parse_lines(buf[: buf.rfind(b"\n") + 1])
                     buf = b""
                 ino, pos = st.st_ino, 0

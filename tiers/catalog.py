@@ -32,17 +32,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+import lmdb
+
 __all__ = ["CATALOG_ERRORS", "Catalog", "LMDBCatalog", "RedisCatalog", "catalog_path"]
 
 
 def _errors() -> tuple[type[BaseException], ...]:
-    out: list[type[BaseException]] = [OSError, ValueError]
-    try:
-        import lmdb
-
-        out.append(lmdb.Error)
-    except ImportError:
-        pass
+    out: list[type[BaseException]] = [OSError, ValueError, lmdb.Error]
     try:
         import redis
 
@@ -87,8 +83,6 @@ class LMDBCatalog(Catalog):
     def __init__(
         self, store_path: str, capacity: int, *, namespace: str = "", record_bytes: int = 2048
     ) -> None:
-        import lmdb
-
         ns = hashlib.sha256(namespace.encode()).hexdigest()[:16]
         self._path = os.path.join(catalog_path(store_path), ns)
         self.capacity = max(1, capacity)

@@ -4,11 +4,8 @@ In such a store slots are only handles: a block lives under its key. Shared here
 - slot ownership by key: `_slot_key` (slot -> key of the blocks this instance stored or found
   at open) and `_own` (the slots of blocks it stored since it opened: the only ones its
   evictions delete; blocks found at open or adopted are only forgotten, since other
-  processes may serve them and the store's capacity decides when they go). `_claim` records
-  stored blocks and answers the keys of ours they replaced, `_release` forgets slots and
-  answers the keys of ours they held: both to delete. Where each tier claims is the one real
-  difference between them: LMDB before its commit (the txn may fail after), Redis after the
-  send succeeds;
+  processes may serve them and the store's capacity decides when they go), kept by `_claim`
+  and `_release`; `free`/`release` hand the keys to delete to the tier's `_drop`;
 - `PendingDeletes`: keys deleted from the store with the next write or at flush, not at free
   (a demotion planned with the eviction still reads them); a probe stops at a pending key
   (`leading_clear`);
@@ -64,14 +61,12 @@ def check_codec(compression: object, level: object, element_size: object, where:
         )
 
 
-def check_seconds(
-    value: object, field: str, *, minimum: float = 0.0, allow_zero: bool = False
-) -> float:
+def check_seconds(value: object, field: str, *, allow_zero: bool = False) -> float:
     """A duration option in seconds (ConfigError naming `field`): a finite number > 0 (>= 0
-    with `allow_zero`) and >= `minimum`; returned as a float."""
+    with `allow_zero`); returned as a float."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(field, f"expected a number of seconds, got {value!r}")
-    if value < minimum or (value == 0 and not allow_zero) or value < 0:
+    if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(field, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
     return float(value)
 
@@ -109,9 +104,6 @@ class PendingDeletes:
 
     def __len__(self) -> int:
         return len(self.entries)
-
-    def __bool__(self) -> bool:
-        return bool(self.entries)
 
     def __contains__(self, key: object) -> bool:
         return key in self.entries
@@ -171,10 +163,7 @@ def leading_clear(keys: Sequence[bytes], pending: Collection[bytes], prefix: byt
     stops at a key this process is deleting, whatever the store still holds under it."""
     if not pending:
         return len(keys)
-    for i, k in enumerate(keys):
-        if prefix + k in pending:
-            return i
-    return len(keys)
+    return next((i for i, k in enumerate(keys) if prefix + k in pending), len(keys))
 
 
 class KeyedTier(Tier):
@@ -219,8 +208,6 @@ class KeyedTier(Tier):
         gone.update(keys)
 
     def take_gone(self, keys: Sequence[bytes]) -> set[bytes]:
-        """Of `keys` whose read on this thread failed, those that were plain misses: the
-        store no longer held them."""
         gone = getattr(self._gone, "keys", None)
         if not gone:
             return set()
@@ -244,8 +231,6 @@ class KeyedTier(Tier):
         if held == self._recovered:  # every one still held (C loops: at open, millions)
             return list(self._recovered), list(range(len(held)))
         slots = [s for s, k in enumerate(self._recovered) if held[s] == k]
-        if len(slots) == len(self._recovered):
-            return list(self._recovered), slots
         return [self._recovered[s] for s in slots], slots
 
     def _check_open(self) -> None:
@@ -323,6 +308,22 @@ class KeyedTier(Tier):
                 if k is not None:
                     gone.append(k)
         return gone
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Return slots; the blocks this instance stored there since it opened are deleted
+        with the next write or at flush, others only forgotten (see the module docstring)."""
+        self._drop(slots, held=False)
+        super().free(slots)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """`free`, but the deletes of blocks this instance stored wait for `settle`."""
+        self._drop(slots, held=True)
+        super().free(slots)
+
+    def _drop(self, slots: Sequence[int], *, held: bool) -> None:
+        """Forget `slots` (`_release`); the keys this instance stored there go to the pending
+        deletes (`held`: to those waiting for `settle`). Each store's own."""
+        raise NotImplementedError
 
     # -- one stored value --------------------------------------------------------------------
     def _header(self, key: bytes, head: bytes | memoryview, payload_len: int) -> BlockHeader:

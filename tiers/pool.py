@@ -40,11 +40,8 @@ from tiercache.tiers.base import (
 def _run_start(slots: Sequence[int]) -> int | None:
     """The first slot when `slots` is one ascending run (s, s+1, ...), else None."""
     first = slots[0]
-    if slots[-1] - first != len(slots) - 1:
+    if slots[-1] - first != len(slots) - 1 or any(s != first + i for i, s in enumerate(slots)):
         return None
-    for i, s in enumerate(slots):
-        if s != first + i:
-            return None
     return first
 
 
@@ -54,13 +51,6 @@ MADV_POPULATE_WRITE = 23  # Linux >= 5.14: populate (prefault) page tables writa
 POPULATE_CHUNK = 64 << 20  # bytes per madvise call: a close waits for at most one
 
 
-def _page_range(t: torch.Tensor) -> tuple[int, int]:
-    """The whole pages inside `t`'s bytes (madvise wants page-aligned addresses)."""
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    return -(-start // PAGE_BYTES) * PAGE_BYTES, end // PAGE_BYTES * PAGE_BYTES
-
-
 class _Prefault:
     """Faults a CPU tensor's pages in on a daemon thread (see the module docstring)."""
 
@@ -68,7 +58,9 @@ class _Prefault:
         self.done = threading.Event()
         self._stop = threading.Event()
         self._madvise = libc_madvise()
-        start, end = _page_range(t)
+        # The whole pages inside `t`'s bytes (madvise wants page-aligned addresses).
+        start = -(-t.data_ptr() // PAGE_BYTES) * PAGE_BYTES
+        end = (t.data_ptr() + t.numel() * t.element_size()) // PAGE_BYTES * PAGE_BYTES
         first = min(start + POPULATE_CHUNK, end)
         if first > start and self._madvise(start, first - start, MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()

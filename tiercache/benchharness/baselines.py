@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -192,8 +191,9 @@ def nvme_pair(
     from tiercache.tiers.format import HEADER_SIZE
     from tiercache.tiers.nvme import ALIGN, NVMeTier
 
-    root = tempfile.mkdtemp(prefix="tiercache-bench-nvme-", dir=directory)
-    try:
+    with tempfile.TemporaryDirectory(
+        prefix="tiercache-bench-nvme-", dir=directory, ignore_cleanup_errors=True
+    ) as root:
         slot_bytes = -(-(HEADER_SIZE + block_bytes) // ALIGN) * ALIGN
         raw = _RawDirect(os.path.join(root, "raw"), slot_bytes, n_blocks)
         tier = NVMeTier(
@@ -215,8 +215,6 @@ def nvme_pair(
             Pair("NVMe tier write", rates["tier_w"], rates["raw_w"], "MB/s", base, note),
             Pair("NVMe tier read", rates["tier_r"], rates["raw_r"], "MB/s", base, note),
         ]
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def open_raw_lmdb(path: str, map_size: int) -> tuple[lmdb.Environment, Any]:
@@ -249,8 +247,9 @@ def lmdb_pair(
     transaction per batch, with the tier's environment flags (writemap, no sync)."""
     from tiercache.tiers.lmdb import LMDBTier, map_size_for
 
-    root = tempfile.mkdtemp(prefix="tiercache-bench-lmdb-", dir=directory)
-    try:
+    with tempfile.TemporaryDirectory(
+        prefix="tiercache-bench-lmdb-", dir=directory, ignore_cleanup_errors=True
+    ) as root:
         # Rewriting every value each run needs room for old and new pages at once.
         env, db = open_raw_lmdb(os.path.join(root, "raw"), 4 * map_size_for(n_blocks, block_bytes))
         tier = LMDBTier(
@@ -274,5 +273,3 @@ def lmdb_pair(
             Pair("LMDB tier write (no compression)", rates["tier_w"], rates["raw_w"], "MB/s", base),
             Pair("LMDB tier read (no compression)", rates["tier_r"], rates["raw_r"], "MB/s", base),
         ]
-    finally:
-        shutil.rmtree(root, ignore_errors=True)

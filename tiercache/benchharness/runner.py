@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
-import shutil
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -62,10 +61,8 @@ class BenchOptions:
     @classmethod
     def quick_defaults(cls, **kw: Any) -> BenchOptions:
         """The `--quick` sizes: finishes in well under two minutes on a 2-core VM."""
-        base = {"quick": True, "requests": 600, "cache_requests": 200, "runs": 3}
-        base["fractions"] = QUICK_FRACTIONS
-        base.update(kw)
-        return cls(**base)
+        quick = {"requests": 600, "cache_requests": 200, "runs": 3, "fractions": QUICK_FRACTIONS}
+        return cls(**{"quick": True, **quick, **kw})
 
 
 @dataclass(frozen=True)
@@ -284,12 +281,11 @@ def cache_config(trace: Trace, directory: Path) -> dict[str, Any]:
 
 def _cache(trace: Trace, opts: BenchOptions, root: Path) -> CacheRow:
     t = trace.head(opts.cache_requests)
-    d = Path(tempfile.mkdtemp(prefix=f"{t.name}-", dir=root))
-    try:
-        cfg = cache_config(t, d)
+    with tempfile.TemporaryDirectory(
+        prefix=f"{t.name}-", dir=root, ignore_cleanup_errors=True
+    ) as d:
+        cfg = cache_config(t, Path(d))
         run = replay_cache(t, cfg, opts.block_bytes)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
     total = sum(tc["blocks"] for tc in cfg["tiers"])
     return CacheRow(
         run,
@@ -331,8 +327,10 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
         log(f"{t.name}: manager throughput done")
         report.curves += _curve(t, opts, use_vllm)
         log(f"{t.name}: hit rate vs capacity done")
-    root = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=opts.directory))
-    try:
+    with tempfile.TemporaryDirectory(
+        prefix="tiercache-bench-", dir=opts.directory, ignore_cleanup_errors=True
+    ) as tmp:
+        root = Path(tmp)
         # Quick: the chat trace (the target's) and any user trace; full: every trace.
         quick_names = {"chat"} | ({traces[-1].name} if opts.trace_file else set())
         cache_traces = [t for t in traces if not opts.quick or t.name in quick_names]
@@ -345,6 +343,4 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
         report.pairs += baselines.nvme_pair(str(root), runs=runs)
         report.pairs += baselines.lmdb_pair(str(root), runs=runs)
         log("baselines done")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     return report

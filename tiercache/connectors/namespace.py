@@ -1,17 +1,10 @@
 """What a vLLM adapter's cache is opened with: the user's config and the keys' namespace.
 
-Primitives:
-- `read_user_config(extra_config) -> dict`: the ``config`` entry of vLLM's
-  ``kv_connector_extra_config``, a mapping or a path to a TOML file, as a plain dict;
-  `map_tiers(user, fn)`: the mapping with each of its tiers rewritten.
-- `resolve_config(user, *, block_size, namespace) -> CacheConfig`: the user's config with vLLM's
-  block size and the derived namespace filled in (a namespace the user gives is kept as a
-  prefix; a block size that disagrees with vLLM's is an error).
-- `derive_namespace(...)` / `namespace_from_vllm(vllm_config, *, layout, tp_rank)`: what makes
-  KV bytes incompatible (model, KV dtype, block size, layout, TP size and rank, and a digest
-  of every other KV-affecting setting: `kv_settings(vllm_config)`).
-- `extra_keys_for(...)`: the per-block extra keys of a request (LoRA name, cache salt,
-  multimodal inputs) in the form `tiercache.hashing.prefix_hashes` takes.
+Primitives: `read_user_config` and `map_tiers` (the user's config mapping), `resolve_config`
+(it with vLLM's block size and the derived namespace), `derive_namespace` and
+`namespace_from_vllm` (what makes KV bytes incompatible: model, KV dtype, block size, layout,
+TP size and rank, and a digest of every other KV-affecting setting, `kv_settings`), and
+`extra_keys_for` (a request's per-block extra keys: LoRA name, cache salt, multimodal inputs).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Tensor and data parallelism: each rank's config, paths and telemetry.
 
 Primitives (each maps the user's config mapping; `resolve_rank_config` applies them):
-- `per_rank_config`: TP ranks hash the same block keys (key namespace: TP size, rank 0) but
-  keep their shards in stores of their own (tier paths in a ``tp{rank}of{size}`` subdirectory,
-  Redis prefixes with that suffix).
-- `per_dp_rank_config`: DP ranks (and replicas given a rank) share the shared tiers (LMDB,
-  Redis); each NVMe tier opens instance `dp_rank` of its path, so a restarted rank finds its
-  blocks again. `with_nvme_siblings`: head shards, every rank also reads the other instances.
-- `per_rank_telemetry`: each rank's own telemetry directory and Prometheus port.
+`per_rank_config` (TP ranks hash the same block keys but keep their shards in stores of their
+own), `per_dp_rank_config` (DP ranks, and replicas given a rank, share the shared tiers; each
+NVMe tier opens an instance of its own, so a restarted rank finds its blocks again),
+`with_nvme_siblings` (head shards: every rank also reads the other instances) and
+`per_rank_telemetry`.
 """
 
 from __future__ import annotations

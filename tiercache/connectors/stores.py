@@ -1,11 +1,8 @@
-"""The process's shared stores: one `TierCache` per configuration.
-
-- `acquire_store(config, block_bytes) -> SharedStore` / `release_store(store)` / `find_store`:
-  one `TierCache` per process and configuration, shared by reference count: a process's
-  scheduler-role and worker-role adapters must use one cache (one manager; an LMDB
-  environment may be opened once per process). The last release closes the cache (flushing
-  persistent tiers); an atexit hook closes the rest.
-- `store_snapshots() -> dict`: stats and counters of every open shared store (tests, benches).
+"""The process's shared stores: `acquire_store`, `release_store` and `find_store` keep one
+`TierCache` per process and configuration, shared by reference count (a process's
+scheduler-role and worker-role adapters must use one cache: one manager, and an LMDB
+environment may be opened once per process; an atexit hook closes what is left open), and
+`store_snapshots` reports on every open one (tests, benches).
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ class TierCacheECConnector(ECConnectorBase):
             where = exc.field.replace("kv_connector_extra_config", "ec_connector_extra_config")
             raise ConfigError(where, exc.problem) from None
         bb = _extra_int(extra, "block_bytes", DEFAULT_BLOCK_BYTES, HEADER_BYTES + 1)
-        staged = _extra_int(extra, "max_staged_bytes", DEFAULT_STAGED_BYTES, 0)
+        self._max_staged = _extra_int(extra, "max_staged_bytes", DEFAULT_STAGED_BYTES, 0)
         max_item = _extra_int(extra, "max_item_bytes", DEFAULT_MAX_ITEM_BYTES, 1)
         mc = vllm_config.model_config
         if mc is None:
@@ -185,7 +185,6 @@ class TierCacheECConnector(ECConnectorBase):
         # together holds (an item is not split across requests).
         store_bytes = sum(t.capacity_blocks for t in self._cache.tiers) * bb - HEADER_BYTES
         self._max_item_bytes = max(0, min(max_item, store_bytes))
-        self._max_staged = staged
         # Scheduler side: verified items read by has_cache_item, waiting for their request to be
         # scheduled (mm_hash -> (tensor, step)), and this step's loads. Worker side: saves run
         # on one background thread.
@@ -224,7 +223,7 @@ class TierCacheECConnector(ECConnectorBase):
         mm_hash = request.mm_features[index].identifier
         entry = self._staged.pop(mm_hash, None)
         if entry is not None:
-            self._staged_bytes -= _nbytes(entry[0])
+            self._staged_bytes -= entry[0].nbytes
             self._loads[mm_hash] = entry[0]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
@@ -330,7 +329,7 @@ class TierCacheECConnector(ECConnectorBase):
 
     def _stage(self, mm_hash: str, tensor: torch.Tensor) -> None:
         self._staged[mm_hash] = (tensor, self._step)
-        self._staged_bytes += _nbytes(tensor)
+        self._staged_bytes += tensor.nbytes
         # Drop the oldest items staged in earlier steps (their requests were not scheduled
         # yet; they will be read again); this step's must stay until update_state_after_alloc.
         while self._staged_bytes > self._max_staged and self._staged:
@@ -338,7 +337,7 @@ class TierCacheECConnector(ECConnectorBase):
             if step == self._step:
                 break
             del self._staged[old]
-            self._staged_bytes -= _nbytes(t)
+            self._staged_bytes -= t.nbytes
 
     def _saver_queue(self) -> queue.Queue[tuple[str, torch.Tensor] | None]:
         if self._saves is None:
@@ -357,7 +356,7 @@ class TierCacheECConnector(ECConnectorBase):
                 if item is None:
                     return
                 mm_hash, tensor = item
-                if _nbytes(tensor) > self._max_item_bytes:  # it could never be read back
+                if tensor.nbytes > self._max_item_bytes:  # it could never be read back
                     log.debug("encoder item %s: larger than max_item_bytes, not saved", mm_hash)
                     self._store.count("ec_items_too_large")
                     continue
@@ -385,10 +384,6 @@ def _extra_int(extra: dict[str, Any], name: str, default: int, low: int) -> int:
             f"ec_connector_extra_config.{name}", f"expected an int >= {low}, got {v!r}"
         )
     return v
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _device() -> torch.device:

@@ -33,13 +33,6 @@ class Sightings:
         self._seen: dict[bytes, int] = {}
         self._max = capacity
 
-    def __len__(self) -> int:
-        return len(self._seen)
-
-    def count(self, key: bytes) -> int:
-        """How often `key` was sighted (0: never, or forgotten)."""
-        return self._seen.get(key, 0)
-
     def sight(self, keys: Iterable[bytes]) -> dict[bytes, int]:
         """Count one sighting of each key, the oldest keys forgotten; returns the counts as
         they were (for `unsight`)."""

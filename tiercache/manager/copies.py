@@ -115,8 +115,6 @@ class Copies:
                 taken.update(batch)
                 slots = dst.tier.allocate(batch)
                 assert slots is not None
-                for k, s in zip(batch, slots, strict=True):
-                    dst.slots[k] = s
-                    self.present[k] |= dst.bit
+                dst.hold(self.present, batch, slots)
                 moves.append(src.move_to(dst, batch, map(src.slots.__getitem__, batch), slots))
         return moves

@@ -75,12 +75,10 @@ class Placement:
             self.evict(first, victims, moves)
         slots = tier.allocate(new)
         assert slots is not None, "first tier ran out of slots after eviction"
-        first.slots.update(zip(new, slots, strict=True))  # with one tier: `present` too
-        if not self.single:
-            present = self.present
-            bit = first.bit
-            for k in new:
-                present[k] = present.get(k, 0) | bit
+        if self.single:
+            first.slots.update(zip(new, slots, strict=True))  # with one tier: `present` too
+        else:
+            first.hold(self.present, new, slots)
         return PrepareStoreOutput(
             keys_to_store=tuple(new),
             store_spec=StoreSpec(0, first.medium, tuple(slots)),

@@ -99,10 +99,6 @@ class ChunkTable:
             )
         return self.factor
 
-    def wide_for(self, row_base: int, row_bytes: int) -> bool:
-        """Whether a job into rows at `row_base`, `row_bytes` apart, can move 8-byte words."""
-        return self.wide and row_base % 8 == 0 and row_bytes % 8 == 0
-
 
 def entries(
     table: ChunkTable,
@@ -189,7 +185,7 @@ def launch(
         ids, rws = (*block_ids, *pad), (*rows, *(0,) * (INLINE_IDS - len(rows)))
     else:
         ids = rws = (0,) * INLINE_IDS
-    wide = table.wide_for(row_base, row_bytes)
+    wide = table.wide and row_base % 8 == 0 and row_bytes % 8 == 0  # 8-byte words: rows too
     words = table.max_bytes // 8 if wide else table.max_bytes
     ids_addr = 0 if idx is None else idx.data_ptr()
     grid = (n_eng * table.chunks, -(-words // BLOCK))

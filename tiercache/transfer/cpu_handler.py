@@ -64,8 +64,7 @@ class CPUCopyHandler(LaneHandler):
         if len(eng.block_ids) != len(side.slots) * self.layout.factor:
             raise ValueError(
                 f"job {job.job_id}: {len(eng.block_ids)} engine blocks for "
-                f"{len(side.slots)} slots (block_size_factor "
-                f"{self.layout.factor})"
+                f"{len(side.slots)} slots (block_size_factor {self.layout.factor})"
             )
 
     def _check_pool(self, tier: Tier, pool: torch.Tensor) -> None:
@@ -88,14 +87,9 @@ class CPUCopyHandler(LaneHandler):
         tier = self._tiers[side.tier]
         pool = tier.pool  # type: ignore[attr-defined]
         self._check_pool(tier, pool)  # e.g. closed since submission
-        if store:
-            self.layout.copy_to_pool(
-                eng.block_ids, pool, side.slots, non_blocking=non_blocking, stream=stream
-            )
-        else:
-            self.layout.copy_from_pool(
-                pool, side.slots, eng.block_ids, non_blocking=non_blocking, stream=stream
-            )
+        self.layout.pool_copy(
+            eng.block_ids, pool, side.slots, store=store, non_blocking=non_blocking, stream=stream
+        )
         job.size = len(side.slots) * self.layout.block_bytes
 
     def run(self, job: Job, lane: str) -> None:

@@ -1,9 +1,7 @@
 """Handlers: what the worker dispatches jobs to, one per (source medium, destination medium).
 
 Primitives:
-- `TransferHandler` (ABC): `check(job)` (ValueError if malformed), `transfer_async(job)`
-  (queue without blocking), `get_finished() -> list[Job]` (each finished job once), `close()`
-  (finish queued jobs, join every thread).
+- `TransferHandler` (ABC): `check(job)`, `transfer_async(job)`, `get_finished()`, `close()`.
 - `LaneHandler`: the shared machinery of the copy handlers. Jobs go to a named lane (e.g. one
   per direction, or per tier, so a hung tier stalls only its own lane); each lane is a FIFO
   served by its own thread(s), which wait for a job's dependencies, run it, and mark it

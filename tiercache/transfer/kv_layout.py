@@ -5,9 +5,10 @@ Primitives:
   (layer name -> tensor, blocks first `[num_blocks, ...]` or K/V first `[2, num_blocks, ...]`)
   reduced to its distinct allocations ("segments"): layers that are views of one allocation
   are copied together, once. `block_bytes` is the size of one offloaded block.
-- `KVLayout.copy_to_pool(block_ids, pool, slots)` / `copy_from_pool(pool, slots, block_ids)`:
-  engine blocks <-> rows of a pool tier's tensor; direct on one device, staged through a
-  contiguous buffer on the engine's device otherwise (one host<->device copy per slot run).
+- `KVLayout.copy_to_pool(block_ids, pool, slots)` / `copy_from_pool(pool, slots, block_ids)`
+  (`pool_copy(..., store=)`: either): engine blocks <-> rows of a pool tier's tensor; direct
+  on one device, staged through a contiguous buffer on the engine's device otherwise (one
+  host<->device copy per slot run).
 - `KVLayout.gather(block_ids, out)` / `scatter(block_ids, src)`: engine blocks <-> a
   contiguous uint8 `[n, block_bytes]` buffer (the disk handler's staging buffer).
 - `KVLayout.copy_mode`: how a CUDA engine's blocks move (`COPY_MODES`): "direct", one kernel
@@ -254,7 +255,9 @@ class KVLayout:
         mode = self._copy_mode
         if mode == "layers":
             return "layers"
-        rows_of_blocks, reachable = self._pool_kind(buf) if pool else self._buffer_kind(buf)
+        rows_of_blocks, reachable = (
+            per_pool(self._pool_kinds, buf, self._buffer_kind) if pool else self._buffer_kind(buf)
+        )
         if not rows_of_blocks:
             return "layers"
         if self.device.type == "cpu":  # the twin, where asked for, on host memory only
@@ -283,10 +286,6 @@ class KVLayout:
         )
         reachable = buf.device == self.device or (buf.device.type == "cpu" and buf.is_pinned())
         return rows_of_blocks, reachable
-
-    def _pool_kind(self, pool: torch.Tensor) -> tuple[bool, bool]:
-        """`_buffer_kind` of a pool, kept while the pool tensor lives."""
-        return per_pool(self._pool_kinds, pool, self._buffer_kind)
 
     def _batched(
         self,
@@ -379,10 +378,6 @@ class KVLayout:
             out.append(v if s.chunks == 1 else v.unflatten(1, (s.chunks, s.chunk_bytes // u)))
         return out
 
-    def _pool_records(self, pool: torch.Tensor) -> list[torch.Tensor]:
-        """`_records` of a pool, cached while the pool tensor lives (not rebuilt per job)."""
-        return per_pool(self._pool_views, pool, self._records)
-
     def _record_ids(self, slots: Sequence[int]) -> list[int]:
         f = self.factor
         if f == 1:
@@ -407,9 +402,7 @@ class KVLayout:
     ) -> None:
         """Store: engine blocks -> pool rows `slots`. `stream`: a CUDA stream to queue the
         copies on instead of the current one."""
-        self._pool_copy(
-            block_ids, pool, slots, store=True, non_blocking=non_blocking, stream=stream
-        )
+        self.pool_copy(block_ids, pool, slots, store=True, non_blocking=non_blocking, stream=stream)
 
     def copy_from_pool(
         self,
@@ -421,19 +414,19 @@ class KVLayout:
         stream: Any = None,
     ) -> None:
         """Load: pool rows `slots` -> engine blocks. `stream`: as `copy_to_pool`'s."""
-        self._pool_copy(
+        self.pool_copy(
             block_ids, pool, slots, store=False, non_blocking=non_blocking, stream=stream
         )
 
-    def _pool_copy(
+    def pool_copy(
         self,
         block_ids: Sequence[int],
         pool: torch.Tensor,
         slots: Sequence[int],
         *,
         store: bool,
-        non_blocking: bool,
-        stream: Any,
+        non_blocking: bool = False,
+        stream: Any = None,
     ) -> None:
         """Engine blocks -> pool rows `slots` (`store`) or back: by the kernel where the mode
         says so, else by layers on one device, else staged (`_one_launch`)."""
@@ -447,7 +440,7 @@ class KVLayout:
             )
             return
         with on_stream(stream):
-            views = self._pool_records(pool)
+            views = per_pool(self._pool_views, pool, self._records)  # not rebuilt per job
             self._by_layers(block_ids, views, self._record_ids(slots), store=store, split=True)
 
     def _by_layers(

@@ -60,13 +60,4 @@ class TransferResult:
     _set_transfer_type,
     _set_failed,
     _set_gone,
-) = slot_setters(
-    TransferResult,
-    "job_id",
-    "success",
-    "transfer_size",
-    "transfer_time",
-    "transfer_type",
-    "failed",
-    "gone",
-)
+) = slot_setters(TransferResult)

@@ -124,16 +124,10 @@ class PrometheusMetrics:
             registry=reg,
         )
         tier_names = [*self._labels, "tier"]
+        gauges = {g: f"Blocks: {g.replace('_', ' ')}" for g in TIER_GAUGES} | TIER_COST_GAUGES
         self.tier_gauges = {
-            g: Gauge(f"{ns}_tier_{g}", f"Blocks: {g.replace('_', ' ')}", tier_names, registry=reg)
-            for g in TIER_GAUGES
+            g: Gauge(f"{ns}_tier_{g}", doc, tier_names, registry=reg) for g, doc in gauges.items()
         }
-        self.tier_gauges.update(
-            {
-                g: Gauge(f"{ns}_tier_{g}", doc, tier_names, registry=reg)
-                for g, doc in TIER_COST_GAUGES.items()
-            }
-        )
         self.engine_gauges = {
             g: Gauge(f"{ns}_engine_{g}", doc, list(self._labels), registry=reg)
             for g, doc in ENGINE_GAUGES.items()
@@ -149,13 +143,9 @@ class PrometheusMetrics:
         """Add an interval's transfer operations (a `TransferStats` or its `data`)."""
         data = stats.data if isinstance(stats, TransferStats) else stats
         base = list(self._labels.values())
+        metrics = (self.transfer_bytes, self.transfer_time, self.transfer_size)
         for key, ops in data.items():
-            values = [*base, key]
-            nbytes, secs, hist = (
-                self.transfer_bytes.labels(*values),
-                self.transfer_time.labels(*values),
-                self.transfer_size.labels(*values),
-            )
+            nbytes, secs, hist = (m.labels(*base, key) for m in metrics)
             for op in ops:
                 nbytes.inc(op.size)
                 secs.inc(op.time)

@@ -22,9 +22,6 @@ it completes what finished: a store or move with `complete_store(arrived keys)` 
 `complete_store(failed keys, success=False)`; a load with `complete_load(keys)` always (it
 unpins), counted only if every job of the request succeeded (else its blocks are load errors,
 recomputed, and `record_error(tier)`). `close()` at shutdown joins every thread.
-
-`transfer_async` returns False (and changes nothing) when no handler serves the pair of
-mediums; it raises ValueError for a malformed spec or a job id still in flight.
 """
 
 from __future__ import annotations
@@ -72,8 +69,9 @@ class OffloadingWorker:
         self._distinct = list({id(h): h for h in self._handlers.values()}.values())
 
     def transfer_async(self, job_id: int, spec: TransferSpec, *, expedited: bool = False) -> bool:
-        """Start a transfer without blocking; False if no handler serves its mediums.
-        `expedited`: the caller will wait for it soon; it does not queue behind regular jobs."""
+        """Start a transfer without blocking; False (nothing changed) if no handler serves its
+        mediums, ValueError for a malformed spec or a job id still in flight. `expedited`: the
+        caller will wait for it soon; it does not queue behind regular jobs."""
         src, dst = spec
         if not (isinstance(src, _SPECS) and isinstance(dst, _SPECS)):
             bad = dst if isinstance(src, _SPECS) else src
@@ -167,7 +165,7 @@ class OffloadingWorker:
                 return
             self._closed = True
         end = None if timeout is None else time.monotonic() + timeout
-        for handler in self._distinct_handlers():
+        for handler in self._distinct:
             handler.close(None if end is None else max(0.0, end - time.monotonic()))
 
     def __enter__(self) -> OffloadingWorker:
@@ -175,6 +173,3 @@ class OffloadingWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _distinct_handlers(self) -> list[TransferHandler]:
-        return self._distinct

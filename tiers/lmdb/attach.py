@@ -129,15 +129,8 @@ def _parse_attach(token: bytes, raw: bytes) -> Attachment | None:
         return None
     if isinstance(at, bool) or not isinstance(at, int | float):
         return None
-    return Attachment(
-        token,
-        pid,
-        host,
-        nid,
-        float(at),
-        start if is_int(start) else None,
-        cap if is_int(cap) else None,
-    )
+    start, cap = (v if is_int(v) else None for v in (start, cap))
+    return Attachment(token, pid, host, nid, float(at), start, cap)
 
 
 def read_records(txn: Any, meta_db: Any) -> StoreRecords:

@@ -2,7 +2,6 @@
 
 - `map_size_for`: the map size (reserved on disk at open) for a capacity and block size.
 - `pool`/`pool_map`: the codec and sync thread pools, and `fn` over a range split on them.
-- `prepare_dir`: the environment directory (`store_dir.prepare_dir`, LMDB's two files).
 - `SharedEnv`: one open environment per real path per process, reference counted by
   `attach`/`detach`, borrowed by offline tools (`borrow`), asked after by `is_open`.
 - `open_lmdb`, `parse_meta`: how every process opens an environment, its metadata."""
@@ -29,7 +28,6 @@ from tiercache.tiers.lmdb import warm as lmdb_warm
 from tiercache.tiers.lmdb.layout import (
     BLOCKS_DB,
     DB_NAMES,
-    DIR_RULES,
     HEADS_DB,
     MAX_READERS,
     META_DB,
@@ -115,12 +113,6 @@ def pool_map(fn: Callable[[int], Any], n: int, parallel: bool) -> list[Any]:
 
 
 # -- the directory and the shared environment ------------------------------------------------
-
-
-def prepare_dir(path: object) -> str:
-    """Check (or create, 0700) the environment directory; its real path, or ConfigError
-    (`store_dir.prepare_dir`: only LMDB's own files may be in it)."""
-    return store_dir.prepare_dir(path, DIR_RULES)
 
 
 class SharedEnv:

@@ -60,6 +60,7 @@ from tiercache.tiers.lmdb.layout import (
     u64,
 )
 from tiercache.tiers.offline import BlockInfo, Problem, namespace_label, summarize
+from tiercache.tiers.store_dir import store_path
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
 T = TypeVar("T")
@@ -92,17 +93,14 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
     """An existing store for offline tools, opened read-only unless `write` (other processes
     may hold it open meanwhile); borrowed when a tier of this process has it open, since LMDB
     forbids a second open in one process. ConfigError when `path` is not a store."""
-    if not isinstance(path, str | os.PathLike) or not os.fspath(path):
-        raise ConfigError("path", f"expected a directory path, got {path!r}")
-    real = os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    real = os.path.realpath(store_path(path))
     if not os.path.isfile(os.path.join(real, "data.mdb")):
         raise ConfigError("path", f"{real} is not an LMDB store (no data.mdb)")
     shared = borrow(real)
     if shared is not None:
         try:
             with shared.env.begin(write=False) as txn:
-                meta_db = shared.env.open_db(META_DB, txn=txn, create=False)
-                meta = parse_meta(real, txn.get(META_KEY, b"", db=meta_db))
+                meta = parse_meta(real, txn.get(META_KEY, b"", db=shared.meta))
             yield StoreHandle(
                 real,
                 shared.env,

@@ -119,11 +119,12 @@ def scan(
         sizes = [txn.stat(db)["entries"] for db in (shared.heads, shared.blocks)]
         sizes.append(txn.stat(shared.order)["entries"])
         count = u64(txn.get(COUNT_PREFIX + nsb, db=shared.meta))
-        next_seq = u64(txn.get(SEQ_KEY, db=shared.meta))
+        with shared.state_lock:  # the next write's order seq is past every one stored
+            shared.seq = max(shared.seq, u64(txn.get(SEQ_KEY, db=shared.meta)))
         if len(set(sizes)) > 1:
             bad.update(malformed(txn, shared, scope, check))
         elif lazy:  # well formed: nothing to index (see LMDBTier.__init__)
-            return open_lazily(shared, scope, count, next_seq)
+            return open_lazily(shared, scope, count)
         fast = None if bad else scan_fast(txn, shared, scope)
         cur = txn.cursor(db=shared.order)
         if fast is not None:
@@ -173,13 +174,11 @@ def scan(
         "blocks_over_capacity": excess,
         "blocks_recovered": len(kept),
     }
-    with shared.state_lock:
-        shared.seq = max(shared.seq, next_seq)
     kept.reverse()
     return Scanned(kept, report)
 
 
-def open_lazily(shared: SharedEnv, scope: Scope, count: int, next_seq: int) -> Scanned:
+def open_lazily(shared: SharedEnv, scope: Scope, count: int) -> Scanned:
     """`scan` of a well-formed store by a lazy tier: index nothing (lookups find blocks by
     `probe`; the store evicts beyond `capacity` at its next write of this namespace)."""
     excess = over_capacity(count, scope.capacity)
@@ -194,8 +193,6 @@ def open_lazily(shared: SharedEnv, scope: Scope, count: int, next_seq: int) -> S
     }
     if count:
         shared.start_warm()
-    with shared.state_lock:
-        shared.seq = max(shared.seq, next_seq)
     return Scanned([], report)
 
 

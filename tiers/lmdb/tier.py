@@ -29,16 +29,9 @@ from tiercache.tiers.keyed import (
 from tiercache.tiers.lmdb import attach as lmdb_attach
 from tiercache.tiers.lmdb import scan
 from tiercache.tiers.lmdb import warm as lmdb_warm
-from tiercache.tiers.lmdb.env import (
-    attach,
-    damaged,
-    detach,
-    map_size_for,
-    pool,
-    pool_map,
-    prepare_dir,
-)
+from tiercache.tiers.lmdb.env import attach, damaged, detach, map_size_for, pool, pool_map
 from tiercache.tiers.lmdb.layout import (
+    DIR_RULES,
     NS_BYTES,
     SYNC_MODES,
     StoreTxn,
@@ -47,6 +40,7 @@ from tiercache.tiers.lmdb.layout import (
     txn_ops_for,
 )
 from tiercache.tiers.lmdb.offline import LMDBOffline, LMDBProbe
+from tiercache.tiers.store_dir import prepare_dir
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
 
@@ -134,7 +128,7 @@ class LMDBTier(KeyedTier):
         # Keys the store evicted by its capacity in this process's writes, not stored again
         # since: `take_evicted` (under `_counts_lock`; bounded where nobody takes them).
         self._evicted: set[bytes] = set()
-        self._path = prepare_dir(path)
+        self._path = prepare_dir(path, DIR_RULES)  # only LMDB's own two files in it
         map_size = map_size_for(capacity_blocks, block_bytes)
         self._shared = attach(self._path, block_bytes, map_size, sync)
         self._token: bytes | None = None  # our attach entry (tiers/lmdb/attach.py)
@@ -196,24 +190,12 @@ class LMDBTier(KeyedTier):
             self._unpend(keys)
         return slots
 
-    def free(self, slots: Sequence[int]) -> None:
-        """Return slots; the blocks this tier stored since it opened are deleted at the next
-        write txn or flush (see `KeyedTier`); others are only forgotten."""
-        self._drop(slots, held=False)
-
-    def release(self, slots: Sequence[int]) -> None:
-        """`free`, but the deletes of blocks this tier stored wait for `settle`."""
-        self._drop(slots, held=True)
-
     def _drop(self, slots: Sequence[int], *, held: bool) -> None:
-        """Return slots; the keys of ours they held go to the pending deletes (`held`: to
-        those waiting for `settle`)."""
         gone = self._release(slots)
         if gone:
             pending = self._shared.pending
             with self._shared.state_lock:
                 (pending.hold if held else pending.add)(self._nsb + k for k in gone)
-        super().free(slots)
 
     def settle(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         with self._shared.state_lock:

@@ -246,8 +246,7 @@ class NVMeOffline:
         """Reopening the store drops index entries whose header disagrees and rewrites a
         damaged journal; then the named blocks that fail a verified read are freed."""
         suspects = {(p.key, p.slot) for p in problems if p.key is not None}
-        tier = self._open_tier()
-        try:
+        with contextlib.closing(self._open_tier()) as tier:
             dropped: int = tier.open_report.get("blocks_dropped", 0)
             held = [(k, s) for k, s in tier.recover() if (k, s) in suspects]
             step = max(1, READ_BATCH_BYTES // tier.block_bytes)
@@ -261,18 +260,13 @@ class NVMeOffline:
                 tier.free([part[i][1] for i in failed])
                 dropped += len(failed)
             return dropped
-        finally:
-            tier.close()
 
     def drop(self, blocks: Iterable[BlockInfo]) -> int:
         want = {(b.key, b.slot) for b in blocks}
-        tier = self._open_tier()
-        try:
+        with contextlib.closing(self._open_tier()) as tier:
             slots = [s for k, s in tier.recover() if (k, s) in want]
             tier.free(slots)
             return len(slots)
-        finally:
-            tier.close()
 
     def check_free(self) -> None:
         with NVMeStoreReader(self.path) as r:

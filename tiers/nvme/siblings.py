@@ -35,7 +35,7 @@ from tiercache.tiers.format import (
     header_of,
     namespace_id,
 )
-from tiercache.tiers.nvme.layout import instance_dirs
+from tiercache.tiers.nvme.layout import META, instance_dirs
 from tiercache.tiers.nvme.reader import NVMeStoreReader
 
 RELOAD_S = 1.0  # the journals are read again at most this often (on a stale slot)
@@ -79,7 +79,7 @@ class _Index:
 class Siblings:
     """The NVMe instances under `path` whose blocks are `block_bytes` long, read-only, except
     instance `skip` (the rank's own) or, without one, those process `skip_pid` holds open;
-    `find` and `where` are safe from any thread."""
+    `find` and `place` are safe from any thread."""
 
     def __init__(
         self,
@@ -101,10 +101,6 @@ class Siblings:
         self._loaded = float("-inf")
         self.reload(force=True)
 
-    def _dirs(self) -> list[tuple[int, str]]:
-        found = [(0, self.path)] if os.path.exists(os.path.join(self.path, "meta.json")) else []
-        return found + instance_dirs(self.path)
-
     def reload(self, *, force: bool = False) -> bool:
         """Read the journals again (and look for new instances), unless done within
         `RELOAD_S`; whether it did."""
@@ -115,7 +111,8 @@ class Siblings:
             self._loaded = now
             keys: list[bytes] = []
             places: list[int] = []
-            for k, d in self._dirs():
+            found = [(0, self.path)] if os.path.exists(os.path.join(self.path, META)) else []
+            for k, d in found + instance_dirs(self.path):
                 if k == self._skip:
                     continue
                 r = self.readers.get(k)
@@ -139,11 +136,6 @@ class Siblings:
                 r.entries = []  # indexed here: no object per block kept
             self._index = _Index(keys, places)
             return True
-
-    def where(self, key: bytes) -> tuple[int, int] | None:
-        """(instance, slot) the journals last named for `key`, unchecked (perhaps another
-        namespace's equal key)."""
-        return self._index.get(key)
 
     def find(self, key: bytes) -> tuple[int, int] | None:
         """The newest (instance, slot) the journals name for `key` that holds a well-formed
@@ -175,12 +167,7 @@ class Siblings:
 
     def probe(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` some instance holds (headers checked)."""
-        n = 0
-        for k in keys:
-            if self.find(k) is None:
-                break
-            n += 1
-        return n
+        return next((i for i, k in enumerate(keys) if self.find(k) is None), len(keys))
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether some instance holds it: `probe` per key (one header read each,
@@ -201,7 +188,7 @@ class SiblingsProbe(Siblings):
     def may_hold(self, key: bytes) -> bool:
         """False when no instance's journal names `key` (from memory, no I/O): the
         scheduler's index then answers a miss without waiting for the probe thread."""
-        return self.where(key) is not None
+        return self._index.get(key) is not None
 
 
 class NVMeSiblingsTier(Tier):

@@ -203,10 +203,7 @@ class NVMeTier(Tier):
         with self._lock:
             size = os.fstat(self._jfd).st_size
             journal = os.pread(self._jfd, size, 0) if size else b""
-            current = self._load_image(journal)
-            if current is None:
-                self._load_index(journal)
-            if current:  # the image covers the whole journal and names us as its writer
+            if self._load_index(journal):  # the image covers the journal, names us its writer
                 self._jlen = len(journal)
             else:
                 self._compact()
@@ -237,28 +234,24 @@ class NVMeTier(Tier):
         no_room = f"{self._path!r} has no room for {cap} slots of {sb} bytes"
         resize_slab(self._fd, target, grow_only=grow_only, no_room=no_room)
 
-    def _load_image(self, journal: bytes) -> bool | None:
-        """Load the index from the image plus the journal records after it (lock held;
-        `index_open.read_image`). None when there is no usable image (the caller reads every
-        header); True when it covers all the journal and this tier wrote it (kept as is),
-        False when a compaction should follow."""
+    def _load_index(self, journal: bytes) -> bool:
+        """Load the index (lock held) from the image plus the journal records after it
+        (`index_open.read_image`); without a usable image, replay the journal and keep only
+        entries whose slot header agrees (`index_open.read_headers`). True when the image
+        covers all the journal and this tier wrote it (kept as is), False when a compaction
+        should follow."""
         slab_slots = os.fstat(self._fd).st_size // self._slot_bytes
         found = read_image(self._path, journal, slab_slots)
-        if found is None:
-            return None
-        img, got = found
+        if found is not None:
+            img, got = found
+            headers, current = 0, not got.tail and img.writer == self._ns and self._ns is not None
+        else:
+            got, headers = read_headers(journal, self._path, self._slab)
+            current = False
         self._settle(got)
-        self.open_report["index_image"] = 1
-        self.open_report["headers_read"] = 0
-        return not got.tail and img.writer == self._ns and self._ns is not None
-
-    def _load_index(self, journal: bytes) -> None:
-        """Replay the journal, then keep only entries whose slot header agrees (lock held;
-        `index_open.read_headers`)."""
-        got, headers = read_headers(journal, self._path, self._slab)
-        self._settle(got)
-        self.open_report["index_image"] = 0
+        self.open_report["index_image"] = int(found is not None)
         self.open_report["headers_read"] = headers
+        return current
 
     @property
     def slot_count(self) -> int:

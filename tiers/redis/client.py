@@ -17,6 +17,7 @@ both use it, so a URL, a credential or a cluster is understood one way.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -112,19 +113,12 @@ def mask(url: str) -> str:
 
 def shown(target: str | Sequence[str]) -> str:
     """One URL, or a list of cluster nodes comma-joined, masked (`mask`)."""
-    if isinstance(target, str):
-        return mask(target)
-    return ",".join(map(mask, target))
+    return mask(target) if isinstance(target, str) else ",".join(map(mask, target))
 
 
 def glob_escape(b: bytes) -> bytes:
     """`b` with the SCAN glob's special characters escaped: it matches only itself."""
-    out = bytearray()
-    for c in b:
-        if c in b"*?[]\\":
-            out.append(0x5C)
-        out.append(c)
-    return bytes(out)
+    return re.sub(rb"([*?\[\]\\])", rb"\\\1", b)
 
 
 def secret(value: str | None, env: str | None, field: str) -> str | None:

@@ -6,6 +6,7 @@ index with its pending deletes, and the pipelined reads and writes.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import threading
@@ -21,7 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tiercache.backoff import Backoff
 from tiercache.errors import BlockCorruptError, ConfigError
 from tiercache.tiers.base import KEY_BYTES
-from tiercache.tiers.format import HEADER_SIZE, header_of, is_header_of, namespace_id
+from tiercache.tiers.format import HEADER_SIZE, header_check, header_of, is_header_of, namespace_id
 from tiercache.tiers.keyed import (
     CODEC_OPTIONS,
     KeyedTier,
@@ -226,23 +227,20 @@ class RedisTier(KeyedTier):
                 self._check_meta(client)
                 self._scan(client)
         except AuthenticationError as exc:
-            raise self._auth_error(exc) from None
+            raise auth_error(exc, self._url_shown) from None
         except ResponseError as exc:
             if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-                raise self._auth_error(exc) from None
+                raise auth_error(exc, self._url_shown) from None
             raise ConfigError("url", f"Redis at {self._url_shown} refused us: {exc}") from None
         except RedisClusterException as exc:
             if "auth" in str(exc).lower() or "WRONGPASS" in str(exc):
-                raise self._auth_error(exc) from None
+                raise auth_error(exc, self._url_shown) from None
             self._mark_down(exc, "open")
             return
         except NET_ERRORS as exc:
             self._mark_down(exc, "open")
             return
         self._up = True
-
-    def _auth_error(self, exc: Exception) -> ConfigError:
-        return auth_error(exc, self._url_shown)
 
     def _check_meta(self, client: Any) -> None:
         meta = {"format": STORE_FORMAT, "version": STORE_VERSION, "block_bytes": self.block_bytes}
@@ -324,7 +322,9 @@ class RedisTier(KeyedTier):
             out = pipeline(client, cmds, self._cluster)
         except AuthenticationError as exc:
             self._mark_down(exc, what)
-            raise OSError(errno.EACCES, f"{self.medium}: {self._auth_error(exc)}") from None
+            raise OSError(
+                errno.EACCES, f"{self.medium}: {auth_error(exc, self._url_shown)}"
+            ) from None
         except (*NET_ERRORS, RedisError) as exc:
             self._mark_down(exc, what)
             raise OSError(
@@ -395,12 +395,8 @@ class RedisTier(KeyedTier):
         except OSError:
             return 0
         stop = leading_clear(keys, pending)
-        n = 0
-        for k, head in zip(keys[:stop], heads[:stop], strict=True):
-            if not is_header_of(head, k, self._ns, self.block_bytes):
-                break
-            n += 1
-        return n
+        ours = header_check(self._ns, self.block_bytes)
+        return next((i for i in range(stop) if not ours(heads[i], keys[i])), stop)
 
     def present(self, keys: Sequence[bytes]) -> list[bool] | None:
         """Whether Redis holds each of `keys` (None while unreachable or closed; a key this
@@ -421,18 +417,7 @@ class RedisTier(KeyedTier):
             return None
         return [v == 1 and k not in pending for k, v in zip(keys, held, strict=True)]
 
-    def free(self, slots: Sequence[int]) -> None:
-        """Return slots; the keys this instance stored there since it opened are deleted with
-        the next write or at flush (see `KeyedTier`); others are only forgotten."""
-        self._drop(slots, held=False)
-
-    def release(self, slots: Sequence[int]) -> None:
-        """`free`, but the deletes of blocks this instance stored wait for `settle`."""
-        self._drop(slots, held=True)
-
     def _drop(self, slots: Sequence[int], *, held: bool) -> None:
-        """Return slots; the keys this instance stored there go to the pending deletes
-        (`held`: to those waiting for `settle`)."""
         with self._lock:
             # Only keys we stored (not found, adopted, or a failed write) are to delete.
             delete = []
@@ -442,7 +427,6 @@ class RedisTier(KeyedTier):
                 else:
                     delete.append(k)
             (self._pending.hold if held else self._pending.add)(delete)
-        super().free(slots)
 
     def settle(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -462,12 +446,8 @@ class RedisTier(KeyedTier):
         rows = (src if src.device.type == "cpu" else src.cpu()).numpy()
         seq0 = self._next_seq(n)
         zc = self._compressor()
-        values: list[tuple[bytes, bytes | memoryview]] = []
-        stored = 0
-        for i in range(n):
-            header, payload = self._encode(keys[i], rows[i], seq0 + i, zc)
-            values.append((header, payload))
-            stored += len(payload)
+        values = [self._encode(keys[i], rows[i], seq0 + i, zc) for i in range(n)]
+        stored = sum(len(payload) for _, payload in values)
         with self._lock:
             self._pending.unpend(keys)
             dels = taken = list(self._pending.take())
@@ -522,11 +502,6 @@ class RedisTier(KeyedTier):
         n = len(slots)
         if n == 0:
             return []
-        try:
-            client = self._conn()
-        except OSError:
-            self._keep_keys(keys)
-            raise
         out = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
         out_np = out.numpy()
         px = self._ttl_ms
@@ -535,6 +510,7 @@ class RedisTier(KeyedTier):
         damaged: list[bytes] = []  # a block of ours whose bytes fail verification
         corrupt = 0
         try:
+            client = self._conn()
             for a, b in self._chunks(n):
                 if px:
                     pxb = b"%d" % px
@@ -553,8 +529,9 @@ class RedisTier(KeyedTier):
                             v[:HEADER_SIZE], keys[i], self._ns, self.block_bytes
                         ):
                             damaged.append(keys[i])
-        except OSError:
-            self._keep_keys(keys)
+        except OSError:  # unreachable: the cache drops these keys, but their blocks are fine
+            with self._lock:
+                self._keep.update(keys)
             raise
         if out is not dst:
             dst.copy_(out)
@@ -572,10 +549,6 @@ class RedisTier(KeyedTier):
             log.warning("%s: %d corrupt or foreign values read as misses", self.medium, corrupt)
         return failed
 
-    def _keep_keys(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            self._keep.update(keys)
-
     def _decode(self, key: bytes, v: object, row: np.ndarray) -> bool:
         """Check and copy one value into `row`; False if it is not a good block of `key`."""
         if not isinstance(v, bytes):
@@ -587,14 +560,14 @@ class RedisTier(KeyedTier):
         """Index the newest `capacity` good blocks of this namespace found in Redis."""
         pattern = glob_escape(self._kprefix) + b"?" * KEY_BYTES
         found: list[tuple[int, bytes]] = []
-        batch: list[bytes] = []
         want = len(self._kprefix) + KEY_BYTES
-
-        def headers(rkeys: list[bytes]) -> None:
+        scanned = (bytes(rk) for rk in client.scan_iter(match=pattern, count=SCAN_BATCH))
+        ours = (rk for rk in scanned if len(rk) == want and rk.startswith(self._kprefix))
+        while batch := list(itertools.islice(ours, SCAN_BATCH)):
             pipe = client.pipeline(transaction=False)
-            for rk in rkeys:
+            for rk in batch:
                 pipe.getrange(rk, 0, HEADER_SIZE - 1)
-            for rk, head in zip(rkeys, pipe.execute(raise_on_error=False), strict=True):
+            for rk, head in zip(batch, pipe.execute(raise_on_error=False), strict=True):
                 if not isinstance(head, bytes):
                     continue
                 k = rk[len(self._kprefix) :]
@@ -602,17 +575,6 @@ class RedisTier(KeyedTier):
                     found.append((header_of(head, k, self._ns, self.block_bytes).seq, k))
                 except BlockCorruptError:
                     continue  # not ours to delete: a foreign value under a look-alike key
-
-        for rk in client.scan_iter(match=pattern, count=SCAN_BATCH):
-            rk = bytes(rk)
-            if len(rk) != want or not rk.startswith(self._kprefix):
-                continue
-            batch.append(rk)
-            if len(batch) >= SCAN_BATCH:
-                headers(batch)
-                batch = []
-        if batch:
-            headers(batch)
         found.sort()
         # Over capacity at open: the newest `capacity` are indexed, silently (the server's
         # maxmemory bounds a shared store, not one instance's capacity).

@@ -67,9 +67,8 @@ if TYPE_CHECKING:
 
 
 def open_scheduler(settings: KVSettings) -> KVScheduler:
-    """The scheduler role for `settings`: sharing the store when the worker already runs in
-    this process (local; never with TP > 1), else with an index of the workers' keys and
-    (when it loads) probes of each rank's shared tiers (remote)."""
+    """The scheduler role for `settings`, in the local or the remote placement (module doc);
+    the remote one probes each rank's shared tiers when it loads."""
     shared = None
     if settings.tp_size == 1:
         local = find_store(settings.config)
@@ -89,8 +88,7 @@ def open_worker(settings: KVSettings) -> KVWorker:
 
 
 class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
-    """A `KVConnectorBase_V1` over a tiercache `TierCache`: one delegation per vLLM method, to
-    `scheduler` (scheduler role) or `worker` (worker role); the other is None."""
+    """The facade of the module doc: `scheduler` or `worker`, by role; the other is None."""
 
     def __init__(
         self,

@@ -20,10 +20,7 @@ request is in hand and reports it with that description:
   A block with no description is not reported; it is once described (a lookup hit on it, a
   store of it). Descriptions are kept while the block is held somewhere, and at most
   `limit` more held nowhere (not stored yet, or just evicted: a demotion reports the block
-  removed from one tier before stored in the next). `snapshot()`:
-  every held, described block, for a subscriber that rebuilds its view. `rotate(tier, n)`:
-  the next `n` keys held in a tier, round robin, at a cost of O(n) whatever the tier holds
-  (the shared stores' sweep).
+  removed from one tier before stored in the next). Also `snapshot` and `rotate`.
 """
 
 from __future__ import annotations
@@ -255,7 +252,7 @@ class EventTranslator:
         held longest without a turn first, each sent to the back. A key held while the tier
         holds `held` keys is returned within the next ceil(held / n) calls, whatever is stored
         or removed in between (new keys join behind it, removals only move it up). O(n): a
-        sweep step never walks the whole tier."""
+        step of the shared stores' sweep never walks the whole tier."""
         ring = self._ring.get(tier)
         if not ring:
             return []
@@ -272,7 +269,8 @@ class EventTranslator:
         return out
 
     def snapshot(self) -> list[KVCacheEvent]:
-        """A `BlockStored` for every held, described block, per medium and locality."""
+        """A `BlockStored` for every held, described block, per medium and locality (for a
+        subscriber that rebuilds its view)."""
         return [
             d.stored(medium, locality)
             for k, tiers in self._held.items()

@@ -26,8 +26,7 @@ from tiercache.transfer.head_shards import HeadShards
 
 
 class RemoteIndex:
-    """Which rank holds which key in which medium, suspended mediums, damaged keys, and the
-    probes of each rank's shared tiers (`probes[rank]`: (medium, probe), fastest first)."""
+    """The index and probes of the module doc; `probes[rank]`: (medium, probe), fastest first."""
 
     def __init__(
         self,

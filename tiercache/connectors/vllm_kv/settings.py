@@ -151,7 +151,6 @@ class KVSettings:
             tp_rank=tp_rank,
             groups=groups,
             key_namespace=rank.key_namespace,
-            # kv_role: "kv_producer" stores only, "kv_consumer" loads only, "kv_both" both.
             loads_on=bool(ktc.is_kv_consumer),
             stores_on=bool(ktc.is_kv_producer),
             rank=rank,

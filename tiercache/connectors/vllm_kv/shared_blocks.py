@@ -16,8 +16,7 @@ from it, whoever stored them, and reports them removed once the store no longer 
   and its own hash of the parent block (recorded by parent key); a block whose parent it
   cannot describe is not reported.
 - Removals the cache reports from a shared tier stand only for blocks the store no longer
-  holds (`still_held`, asked by the worker): a block the cache merely forgot (its index is
-  smaller than the store) is found again by its next lookup, so it stays reported.
+  holds (`still_held`, asked by the worker: a block the cache merely forgot stays reported).
 - Removals (`poll`): a sweep asks the probe about `sweep_keys` of the keys held in each
   shared tier per poll, round robin (`EventTranslator.rotate`: O(sweep_keys) a poll, however
   many are held), in one `StoreProbe.present` call (LMDB: one read transaction; Redis: one
@@ -32,7 +31,6 @@ from it, whoever stored them, and reports them removed once the store no longer 
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +40,7 @@ import msgspec
 from tiercache.config import CacheConfig
 from tiercache.connectors.probes import open_probes
 from tiercache.connectors.vllm_kv.kv_events import BlockDescriptor, EventTranslator
+from tiercache.connectors.vllm_kv.settings import log
 from tiercache.tiers.base import StoreProbe
 from tiercache.tiers.catalog import CATALOG_ERRORS, Catalog, LMDBCatalog, RedisCatalog
 
@@ -54,8 +53,6 @@ __all__ = [
     "open_shared_blocks",
     "still_held",
 ]
-
-log = logging.getLogger("tiercache.connectors.vllm_kv")
 
 RECORD_VERSION = 1
 
@@ -126,11 +123,13 @@ class SharedBlocks:
         read_limit: int = 4096,
         retry_polls: int = 20,
         expand: Callable[[Sequence[bytes]], list[bytes]] | None = None,
+        own_probes: bool = True,
     ) -> None:
         """`expand`: a block key -> the keys the store holds it under (head shards: every
-        shard's; default: the key itself)."""
+        shard's; default: the key itself). `own_probes` False: another owner closes them."""
         self._catalogs = [(t, c) for t, c in catalogs if t in probes]
         self._probes = probes
+        self._own_probes = own_probes
         self._algo = hash_algo
         self._identity: bytes | None = None
         self._hash_fn: Any = None
@@ -151,10 +150,6 @@ class SharedBlocks:
         """The store holds block `key` (every key it is stored under)."""
         keys = self._expand([key]) if self._expand is not None else [key]
         return probe.probe(keys) == len(keys)
-
-    @property
-    def tiers(self) -> list[str]:
-        return [t for t, _ in self._catalogs]
 
     def _ident(self) -> bytes:
         if self._identity is None:
@@ -225,9 +220,7 @@ class SharedBlocks:
                 return
 
     def _sweep_tier(self, tr: EventTranslator, tier: str, probe: StoreProbe) -> None:
-        """Ask the store about `sweep_keys` of the blocks held in `tier` (all of them when
-        they are fewer), round robin, in one `present` call; report the missing ones
-        removed."""
+        """The sweep of `tier` (module doc, Removals)."""
         part = tr.rotate(tier, self._sweep)
         if not part:
             return
@@ -293,7 +286,7 @@ class SharedBlocks:
     def close(self) -> None:
         for _, cat in self._catalogs:
             cat.close()
-        for p in self._probes.values():
+        for p in self._probes.values() if self._own_probes else ():
             p.close()
 
 
@@ -311,22 +304,6 @@ def still_held(cache: Any, events: Sequence[Any]) -> list[bytes]:
         if held:
             out.extend(k for k, h in zip(e.keys, held, strict=True) if h)
     return out
-
-
-class Borrowed:
-    """Another owner's `StoreProbe`, used here and closed by its owner."""
-
-    def __init__(self, probe: StoreProbe) -> None:
-        self.probe_of = probe
-
-    def probe(self, keys: Sequence[bytes]) -> int:
-        return self.probe_of.probe(keys)
-
-    def present(self, keys: Sequence[bytes]) -> list[bool] | None:
-        return self.probe_of.present(keys)
-
-    def close(self) -> None:
-        pass
 
 
 class TierProbe:
@@ -367,10 +344,8 @@ def open_shared_blocks(
     (local placement): presence is asked of those tiers; else of read-only probes, the
     scheduler's own (`borrowed`, closed by their owner: a process opens an LMDB environment
     once) or new ones."""
-    if borrowed is not None:
-        probes: dict[str, Any] = {name: Borrowed(p) for name, p in borrowed}
-    else:
-        probes = dict(open_probes(config, block_bytes))
+    own = borrowed is None
+    probes: dict[str, Any] = dict(open_probes(config, block_bytes) if own else borrowed or ())
     catalogs: list[tuple[str, Catalog]] = []
     for t in config.tiers:
         probe = probes.get(t.name)
@@ -382,15 +357,16 @@ def open_shared_blocks(
                 (t.name, LMDBCatalog(t.options["path"], cap, namespace=config.namespace))
             )
         elif t.kind == "redis":  # its probe is the tier without an index (RedisTier)
-            client, cluster = getattr(probe, "probe_of", probe).side_client()
+            client, cluster = probe.side_client()
             if cluster:
                 client.close()
                 log.warning("tiercache: tier %s is a Redis cluster: no shared block events", t.name)
                 continue
-            prefix = getattr(probe, "probe_of", probe).key_prefix
-            catalogs.append((t.name, RedisCatalog(client, prefix, cap)))
+            catalogs.append((t.name, RedisCatalog(client, probe.key_prefix, cap)))
     for name in set(probes) - {t for t, _ in catalogs}:
-        probes.pop(name).close()
+        unused = probes.pop(name)
+        if own:
+            unused.close()
     if local is not None:
         for t, tier in zip(config.tiers, local[0], strict=True):
             if t.name in probes:
@@ -398,4 +374,6 @@ def open_shared_blocks(
                 probes[t.name] = TierProbe(tier, local[1])
     if not catalogs:
         return None
-    return SharedBlocks(catalogs, probes, hash_algo, interval_s=interval_s, expand=expand)
+    return SharedBlocks(
+        catalogs, probes, hash_algo, interval_s=interval_s, expand=expand, own_probes=own
+    )

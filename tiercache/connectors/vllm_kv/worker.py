@@ -9,11 +9,9 @@
   by `get_block_ids_with_load_errors` (vLLM recomputes them).
 - `wait_for_save`: after the forward, plans and submits stores; `get_finished` reports the
   requests whose blocks vLLM kept for them.
-- `build_connector_worker_meta`: events, finished store plans, suspended tiers, cost samples
-  and damaged keys, back to the scheduler each step.
-- Deadlines (`Flights` of `KVFlight`s, `_give_up`): a late load is abandoned; a late store is
-  stopped reading engine blocks and its request released; a late move only suspends its
-  destination. Shutdown waits at most `store_timeout`.
+- `build_connector_worker_meta`: the step's `TierCacheWorkerMetadata`, for the scheduler.
+- Deadlines: `Flights` of `KVFlight`s; `_give_up` decides what becomes of a late one, and
+  `_finish_transfers` bounds the shutdown.
 """
 
 from __future__ import annotations

@@ -79,7 +79,4 @@ class _Bridge:
 
 def bridge_of(store: SharedStore) -> _Bridge:
     with store.lock:
-        b = store.state.get(BRIDGE_KEY)
-        if b is None:
-            b = store.state[BRIDGE_KEY] = _Bridge()
-        return b
+        return store.state.setdefault(BRIDGE_KEY, _Bridge())

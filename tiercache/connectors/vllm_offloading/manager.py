@@ -7,7 +7,6 @@ persistent tier before calling it a hit. See the package doc.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -33,12 +32,11 @@ from tiercache.connectors.vllm_offloading.specs import (
     TierStoreSpec,
     config_info,
     holding,
+    log,
     offload_key_to_key,
 )
 from tiercache.errors import BlockCorruptError
 from tiercache.records import PrepareStoreOutput as TierPlan
-
-log = logging.getLogger(__package__)  # the former module's logger name
 
 # Run a manager method under the shared store's lock (other threads may use the same cache).
 _locked = holding(lambda self: self._store.lock)

@@ -6,7 +6,6 @@ one shared `TierCache`. See the package doc.
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -29,11 +28,9 @@ from tiercache.connectors.namespace import (
 from tiercache.connectors.stores import acquire_store, find_store, release_store
 from tiercache.connectors.tp_layout import read_tp_layout
 from tiercache.connectors.vllm_offloading.manager import TierCacheSchedulerSide
-from tiercache.connectors.vllm_offloading.specs import CONFIG_INFO_KEYS, WORKER_KEY
+from tiercache.connectors.vllm_offloading.specs import CONFIG_INFO_KEYS, WORKER_KEY, log
 from tiercache.connectors.vllm_offloading.worker import TierCacheWorkerSide
 from tiercache.errors import ConfigError
-
-log = logging.getLogger(__package__)  # the former module's logger name
 
 
 class TierCacheOffloadingSpec(OffloadingSpec):

