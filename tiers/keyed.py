@@ -24,6 +24,7 @@ from collections.abc import Collection, Iterable, MutableMapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 import zstandard
 
 from tiercache.errors import BlockCorruptError, ConfigError
@@ -252,6 +253,25 @@ class KeyedTier(Tier):
             raise ValueError(f"keys: expected {n} keys, got {len(keys)}")
         self._check_open()
         return keys
+
+    def read(
+        self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
+    ) -> list[int]:
+        """Read blocks by key (slots are handles only) into `dst`, through a host copy of it
+        where it is on a device: the store's own `_read_rows`. The failed positions."""
+        keys = self._io_keys(slots, dst, keys, "dst")
+        if not keys:
+            return []
+        out = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
+        failed = self._read_rows(keys, out.numpy())
+        if out is not dst:
+            dst.copy_(out)
+        return failed
+
+    def _read_rows(self, keys: Sequence[bytes], rows: np.ndarray) -> list[int]:
+        """Read the blocks of `keys` into `rows` (one per key); the failed positions, sorted.
+        Each store's own."""
+        raise NotImplementedError
 
     def _encode(
         self, key: bytes, row: Any, seq: int, zc: zstandard.ZstdCompressor | None

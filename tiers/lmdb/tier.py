@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import lmdb
+import numpy as np
 import torch
 
 from tiercache.errors import ConfigError
@@ -447,18 +448,9 @@ class LMDBTier(KeyedTier):
             shared.last_sync = time.monotonic()
 
     # -- read ------------------------------------------------------------------------------
-    def read(
-        self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
-    ) -> list[int]:
-        """Read blocks by key; a missing key (a plain miss: `take_gone`) or a foreign or
-        corrupt block (deleted at the next write txn) is a failed position. OSError when no
-        read txn can be had."""
-        keys = self._io_keys(slots, dst, keys, "dst")
-        n = len(slots)
-        if n == 0:
-            return []
-        out = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
-        out_np = out.numpy()
+    def _read_rows(self, keys: Sequence[bytes], rows: np.ndarray) -> list[int]:
+        """A missing key (a plain miss: `take_gone`) or a foreign or corrupt block (deleted at
+        the next write txn) is a failed position. OSError when no read txn can be had."""
         heads, nsb = self._shared.heads, self._nsb
         failed: list[int] = []
         gone: list[bytes] = []
@@ -489,7 +481,7 @@ class LMDBTier(KeyedTier):
 
             def decode(j: int) -> bool:
                 i, k, h, v = found[j]
-                return self._decode_block(k, h, v, out_np[i])
+                return self._decode_block(k, h, v, rows[i])
 
             ok = pool_map(decode, len(found), parallel)
             for (i, k, h, _), good in zip(found, ok, strict=True):
@@ -498,13 +490,11 @@ class LMDBTier(KeyedTier):
                     bad[nsb + k] = head_seq(h)
         finally:
             txn.abort()  # the zero-copy views die here, after every copy above finished
-        if out is not dst:
-            dst.copy_(out)
         failed.sort()
         if bad:
             self._shared.pend(bad)
         with self._counts_lock:
-            self._counts["blocks_read"] += n - len(failed)
+            self._counts["blocks_read"] += len(keys) - len(failed)
             self._counts["read_failures"] += len(failed) - len(gone)
             self._counts["blocks_gone"] += len(gone)
         self._note_gone(gone)

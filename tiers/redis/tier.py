@@ -493,17 +493,10 @@ class RedisTier(KeyedTier):
             return first
 
     # -- read ------------------------------------------------------------------------------
-    def read(
-        self, slots: Sequence[int], dst: torch.Tensor, keys: Sequence[bytes] | None = None
-    ) -> list[int]:
-        """Read blocks by key (slots are handles only). A missing key or a corrupt or foreign
-        value is a failed position; OSError when Redis is unreachable."""
-        keys = self._io_keys(slots, dst, keys, "dst")
-        n = len(slots)
-        if n == 0:
-            return []
-        out = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
-        out_np = out.numpy()
+    def _read_rows(self, keys: Sequence[bytes], rows: np.ndarray) -> list[int]:
+        """A missing key or a corrupt or foreign value is a failed position; OSError when
+        Redis is unreachable."""
+        n = len(keys)
         px = self._ttl_ms
         failed: list[int] = []
         gone: list[bytes] = []
@@ -522,7 +515,7 @@ class RedisTier(KeyedTier):
                     if v is None:
                         gone.append(keys[i])
                         failed.append(i)
-                    elif isinstance(v, Exception) or not self._decode(keys[i], v, out_np[i]):
+                    elif isinstance(v, Exception) or not self._decode(keys[i], v, rows[i]):
                         corrupt += 1
                         failed.append(i)
                         if isinstance(v, bytes) and is_header_of(
@@ -533,8 +526,6 @@ class RedisTier(KeyedTier):
             with self._lock:
                 self._keep.update(keys)
             raise
-        if out is not dst:
-            dst.copy_(out)
         with self._lock:
             c = self._counts
             c["blocks_read"] += n - len(failed)
