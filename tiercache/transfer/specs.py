@@ -78,9 +78,12 @@ def _check_ids(block_ids: Sequence[int], n_keys: int, factor: int) -> None:
 def load_transfers(
     spec: LoadSpec, block_ids: Sequence[int], block_size_factor: int = 1
 ) -> list[TransferSpec]:
-    """One transfer per tier serving part of a `prepare_load`: tier slots -> engine blocks
-    `block_ids` (`block_size_factor` per key of `spec.keys`). The load is complete when every
-    transfer succeeded; positions in a result's `failed` index that transfer's own slots."""
+    """One transfer per tier serving part of a `prepare_load`: tier slots -> engine blocks.
+
+    `block_ids` are the engine blocks receiving `spec.keys`, `block_size_factor` per key. The
+    load is complete when every transfer succeeded; positions in a result's `failed` index
+    that transfer's own slots.
+    """
     _check_ids(block_ids, len(spec.keys), block_size_factor)
     out: list[TransferSpec] = []
     for g in spec.groups():
@@ -105,10 +108,12 @@ def store_transfers(
     block_size_factor: int = 1,
 ) -> list[TransferSpec]:
     """The plan's moves (in order), then its writes: engine -> first tier for
-    `plan.keys_to_store`, then engine -> lower tier for each write-around part. `keys` are the
-    keys given to `prepare_store`, `block_ids` their engine blocks (`block_size_factor` per
-    key); only the blocks the plan writes are copied. Submit the list in order: the worker
-    orders a store after the moves that read the slots it reuses."""
+    `plan.keys_to_store`, then engine -> lower tier for each write-around part.
+
+    `keys` are the keys given to `prepare_store` and `block_ids` their engine blocks
+    (`block_size_factor` per key); only the blocks the plan writes are copied. Submit the
+    list in order: the worker orders a store after the moves that read the slots it reuses.
+    """
     _check_ids(block_ids, len(keys), block_size_factor)
     out = [move_transfer(m) for m in plan.moves]
     pos = {k: i for i, k in enumerate(keys)}
