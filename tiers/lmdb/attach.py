@@ -102,8 +102,8 @@ def pid_alive(pid: int, start: int | None) -> bool:
         return False
     except PermissionError:
         pass  # it exists, under another user
-    now = process_start(pid)
-    return start is None or now is None or now == start
+    # /proc is read only when there is a start time to compare (`tiercache stats` has none)
+    return start is None or process_start(pid) in (None, start)
 
 
 def _under(txn: Any, db: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
