@@ -17,6 +17,11 @@ seed per run), so no run hits what an earlier one stored:
 - ``prefix_repetition``: `vllm bench serve --dataset-name prefix_repetition`, `--num-prefixes`
   prefixes of `--prefix-len` tokens, each with `--suffix-len`-token suffixes,
   `--num-requests` requests, `--output-len` tokens, ``--ignore-eos``;
+- ``prefix_repetition_warm``: the same, after a warm-up that sends each of the run's prefixes
+  once alone (1 output token, not timed): a server in its steady state, whose store has seen
+  every prefix, as LMCache's ``long_doc_qa.py`` warms before its query round. Without it
+  each prefix's first request is a full prefill in every configuration, which caps the
+  ratio to prefix caching only below requests per prefix (4 at the issue's sizes);
 - ``random``: `vllm bench serve --dataset-name random` with a `--prefix-len` prefix shared by
   every prompt and `--suffix-len` random tokens after it;
 - ``multiturn``: `--conversations` conversations of `--turns` turns, each turn the whole
@@ -55,6 +60,12 @@ random Llama of the issue's shape (6 layers, hidden 512, 4 KV heads, fp32;
 tests/vllm/engine.py's `write_tiny_llama`). A model directory without a tokenizer gets a
 word-level one (`word_tokenizer`: token i is the word ``t{i}``) so text clients work.
 
+With ``--identity N`` (configs starting with ``prefix``), after its workloads each server
+answers N more prompts at the largest concurrency and every output is compared with the
+server without a connector; each connector's server then answers them again, is SIGTERMed
+mid-run, restarts on the same store and answers them once more (bench/serve_identity.py):
+the ``identity`` list of results.json and a second table in results.md.
+
 The default run is small: prefix, cpu and nvme, prefix_repetition and multiturn, concurrency
 1, 4, 16, 8 prefixes of 256 tokens + 64-token suffixes, 32 requests (about 3 minutes per
 configuration on a loaded 2-core host, so about 9 in all, most of it server starts and
@@ -62,10 +73,12 @@ configuration on a loaded 2-core host, so about 9 in all, most of it server star
 lmcache. The issue's sizes:
   --num-prefixes 64 --prefix-len 1024 --suffix-len 64 --num-requests 256 --output-len 8
   --engine-blocks 512 --max-model-len 2048
+  (and for the done-when: --workloads prefix_repetition,prefix_repetition_warm --concurrency
+  4,16 --identity 256)
 
 Run: .venv-vllm/bin/python bench/bench_serve.py [--model DIR] [--configs prefix,cpu,nvme]
-     [--workloads prefix_repetition,random,multiturn] [--concurrency 1,4,16] [--rates 4,inf]
-     [--out DIR]
+     [--workloads prefix_repetition,prefix_repetition_warm,random,multiturn]
+     [--concurrency 1,4,16] [--rates 4,inf] [--identity N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -86,6 +99,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -118,19 +132,36 @@ m.version = _version
 # Per-request accounting (`reuse_per_request`): tag each request with an id the server logs
 # ($TIERCACHE_BENCH_IDS<i>, i its index in sending order), and write every prompt's token
 # ids to the file in $TIERCACHE_BENCH_PROMPTS.
-import json, os, vllm.benchmarks.serve as serve
+# With $TIERCACHE_BENCH_WARM (JSON: url, model, prefix_len, concurrency, path), first send each
+# distinct prefix alone (max_tokens 1) and write those prompts to `path`: a warm store.
+import json, os, urllib.request, vllm.benchmarks.serve as serve
+from concurrent.futures import ThreadPoolExecutor
 _get_samples = serve.get_samples
+def _send(url, body):
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=600).read()
 def _samples(args, tokenizer, **kw):
     out = _get_samples(args, tokenizer, **kw)
     prefix = os.environ.get("TIERCACHE_BENCH_IDS")
     path = os.environ.get("TIERCACHE_BENCH_PROMPTS")
+    warm = json.loads(os.environ.get("TIERCACHE_BENCH_WARM") or "null")
     for i, r in enumerate(out):
         if prefix:
             r.request_id = f"{prefix}{i}"
+    ids = [list(tokenizer(r.prompt).input_ids) for r in out] if path or warm else []
     if path:
-        ids = [list(tokenizer(r.prompt).input_ids) for r in out]
         with open(path, "w") as f:
             json.dump(ids, f)
+    if warm:
+        firsts = [list(p) for p in dict.fromkeys(tuple(i[:warm["prefix_len"]]) for i in ids)]
+        bodies = [{"model": warm["model"], "prompt": p, "max_tokens": 1, "temperature": 0}
+                  for p in firsts]
+        with ThreadPoolExecutor(warm["concurrency"]) as pool:
+            list(pool.map(lambda b: _send(warm["url"], b), bodies))
+        print(f"warmed the server with {len(firsts)} prefixes", flush=True)
+        with open(warm["path"], "w") as f:
+            json.dump(firsts, f)
     return out
 serve.get_samples = _samples
 sys.argv = ["vllm", *sys.argv[1:]]
@@ -175,6 +206,7 @@ def _load(name: str, path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -370,7 +402,15 @@ def run_vllm_bench(
         "--save-detailed",
     ]
     pb = _full_blocks(args.prefix_len + 1, args.block)  # prefix tokens in full blocks
-    if workload == "prefix_repetition":
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TIERCACHE_BENCH_PROMPTS": str(prompts),
+           "TIERCACHE_BENCH_IDS": f"tcb{seed}-"}  # fmt: skip
+    warmed = work / f"warm-{seed}.json"
+    if workload == "prefix_repetition_warm":  # each prefix sent once first: every one shareable
+        env["TIERCACHE_BENCH_WARM"] = json.dumps(
+            {"url": srv.url, "model": srv.model, "prefix_len": args.prefix_len,
+             "concurrency": conc, "path": str(warmed)}
+        )  # fmt: skip
+    if workload.startswith("prefix_repetition"):
         cmd += [
             *("--dataset-name", "prefix_repetition"),
             *("--prefix-repetition-prefix-len", str(args.prefix_len)),
@@ -379,7 +419,7 @@ def run_vllm_bench(
             *("--prefix-repetition-output-len", str(args.output_len)),
         ]
         per = args.num_requests // args.num_prefixes
-        shareable = args.num_prefixes * (per - 1) * pb
+        shareable = args.num_prefixes * (per - ("TIERCACHE_BENCH_WARM" not in env)) * pb
     else:
         cmd += [
             *("--dataset-name", "random", "--random-prefix-len", str(args.prefix_len)),
@@ -387,16 +427,15 @@ def run_vllm_bench(
             *("--random-output-len", str(args.output_len)),
         ]
         shareable = (args.num_requests - 1) * pb
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TIERCACHE_BENCH_PROMPTS": str(prompts),
-           "TIERCACHE_BENCH_IDS": f"tcb{seed}-"}  # fmt: skip
     log_from = srv.log.stat().st_size
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     r = json.loads(out.read_text())
     per_request = reuse_per_request(
-        json.loads(prompts.read_text()), r, admissions(srv.log, log_from, seed), args.block
-    )
+        json.loads(prompts.read_text()), r, admissions(srv.log, log_from, seed), args.block,
+        warm=json.loads(warmed.read_text()) if warmed.exists() else [],
+    )  # fmt: skip
     return {
         "command": " ".join(cmd),
         "requests": args.num_requests,
@@ -432,10 +471,11 @@ def reuse_per_request(
     result: dict[str, Any],
     admitted: dict[int, tuple[int, int, int]],
     block: int,
+    warm: Sequence[list[int]] = (),
 ) -> dict[str, Any]:
     """Reuse per request, as issue 48 defines it: request i's *reusable* tokens are those of
-    its prompt's prefix that a request finished before i was sent had in its prompt (`vllm
-    bench serve` sends no warm-up request unless asked), in full blocks and never the block
+    its prompt's prefix that a request finished before i was sent had in its prompt (or a
+    `warm` prompt: the warm-up's, sent before the run), in full blocks and never the block
     of i's last token, less those vLLM's own cache held at i's admission; *captured* is
     what tiercache gave of them (its tokens beyond them, `loaded_beyond`, came from blocks an
     unfinished request had stored already). From `vllm bench serve --save-detailed`'s send
@@ -452,6 +492,8 @@ def reuse_per_request(
     def finished(ids: list[int]) -> None:
         by_first.setdefault(tuple(ids[:block]), []).append(ids)
 
+    for ids in warm:  # warm-up prompts (`prefix_repetition_warm`) finished before the run
+        finished(ids)
     reusable = captured = beyond = missing = 0
     done = 0
     for i in sorted(range(len(prompts)), key=lambda i: starts[i]):
@@ -596,7 +638,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, help="a local model directory (default: a random one)")
     ap.add_argument("--configs", default="prefix,cpu,nvme", help="or 'all': " + ",".join(CONFIGS))
     ap.add_argument("--workloads", default="prefix_repetition,multiturn",
-                    help="of prefix_repetition,random,multiturn")  # fmt: skip
+                    help="of prefix_repetition[_warm],random,multiturn")  # fmt: skip
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rates", default="", help="request rates at the largest concurrency")
     ap.add_argument("--rates-only", action="store_true", help="only the --rates runs")
@@ -614,6 +656,10 @@ def main() -> int:
     ap.add_argument("--small-cpu", default="16MiB")
     ap.add_argument("--disk-capacity", default="4GiB")
     ap.add_argument("--kv-space-gib", type=int, default=1)
+    ap.add_argument("--identity", type=int, default=0, metavar="N",
+                    help="N prompts for the identity check (bench/serve_identity.py): "
+                    "outputs equal the first config's (prefix), under load and across a "
+                    "SIGTERM and restart; 0: not run")  # fmt: skip
     ap.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
     ap.add_argument("--out", type=Path, default=Path("bench-serve"))
     ap.add_argument("--work", type=Path, help="where stores go (default: a temporary dir)")
@@ -621,6 +667,9 @@ def main() -> int:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.configs == "all":
         args.configs = ",".join(CONFIGS)
+    if args.identity and not args.configs.startswith("prefix"):
+        ap.error("--identity compares with the server without a connector: --configs must "
+                 f"start with prefix (got {args.configs})")  # fmt: skip
     # vLLM wants room for one request of max_model_len tokens plus a block.
     min_blocks = -(-args.max_model_len // args.block) + 1
     if args.engine_blocks is None:
@@ -642,6 +691,7 @@ def sweep(args: argparse.Namespace, work: Path) -> int:
     if word_tokenizer(model):
         print(f"wrote a word-level tokenizer into {model}")
     runs: list[dict[str, Any]] = []
+    identity = Identity(model, args) if args.identity else None
     loads = [] if args.rates_only else [(c, "inf") for c in args.concurrency]
     loads += [(max(args.concurrency), r) for r in args.rates.split(",") if r]
     with redis_server(work) as redis_url:
@@ -695,20 +745,100 @@ def sweep(args: argparse.Namespace, work: Path) -> int:
                 # vLLM logs the connector's counters every 10 s, each line since the last:
                 # wait for the line that covers the last run before stopping the server.
                 time.sleep(11)
-    (args.out / "results.json").write_text(json.dumps(_doc(args, runs), indent=1))
+                if identity is not None:
+                    identity.before_restart(name, srv)
+            if identity is not None and name != "prefix":
+                with Server(model, args.out / f"server-{name}-restart.log", kv, args) as srv:
+                    identity.after_restart(name, srv)
+                (args.out / "results.json").write_text(
+                    json.dumps(_doc(args, runs, identity), indent=1)
+                )
+    (args.out / "results.json").write_text(json.dumps(_doc(args, runs, identity), indent=1))
     plot(runs, args.out / "serve.png")
-    (args.out / "results.md").write_text(table(runs))
+    (args.out / "results.md").write_text(table(runs) + (identity.table() if identity else ""))
     print(f"wrote results.json, results.md and serve.png to {args.out}")
     return 0
 
 
-def _doc(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
+def _doc(
+    args: argparse.Namespace, runs: list[dict[str, Any]], identity: Identity | None = None
+) -> dict[str, Any]:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     counters = {
         c: connector_counters(args.out / f"server-{c}.log")
         for c in dict.fromkeys(r["config"] for r in runs)
     }
-    return {"argv": sys.argv, "settings": settings, "runs": runs, "connector": counters}
+    doc = {"argv": sys.argv, "settings": settings, "runs": runs, "connector": counters}
+    if identity is not None:
+        doc["identity"] = identity.results
+    return doc
+
+
+class Identity:
+    """The identity check's steps around each configuration's server (bench/serve_identity.py
+    says what and why): the prompts, the reference (the prefix config's outputs), and per
+    connector config its passes before, during (SIGTERM) and after a restart."""
+
+    def __init__(self, model: Path, args: argparse.Namespace):
+        self.mod = _load("serve_identity", ROOT / "bench" / "serve_identity.py")
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        self.prompts = self.mod.identity_prompts(
+            args.identity, args.num_prefixes, args.prefix_len, args.suffix_len, vocab, seed=48
+        )
+        self.conc, self.max_tokens = max(args.concurrency), args.output_len
+        self.reference: list[list[int] | None] = []
+        self.phases: dict[str, dict[str, Any]] = {}
+        self.results: list[dict[str, Any]] = []
+
+    def _pass(self, srv: Server, **kw: Any) -> Any:
+        return self.mod.run_pass(srv.url, srv.model, self.prompts, self.conc, self.max_tokens, **kw)
+
+    def before_restart(self, name: str, srv: Server) -> None:
+        """The reference (prefix), or a pass and a pass cut by SIGTERM (connector configs)."""
+        first = self._pass(srv)
+        if name == "prefix":
+            self.reference = first.outputs
+            r = self.mod.summary(name, {"reference": first}, self.reference)
+            r["distinct_outputs"] = len({tuple(o) for o in first.outputs if o is not None})
+            self.results.append(r)
+            print(f"identity: reference of {len(self.prompts)} prompts, "
+                  f"{r['distinct_outputs']} distinct outputs, {len(first.failures)} failed",
+                  flush=True)  # fmt: skip
+            return
+        proc, log = srv.proc, srv.log
+
+        def stop() -> None:
+            self.mod.sigterm_mid_run(proc, lambda: log.read_text(errors="replace"))
+
+        cut = self._pass(srv, stop_after=max(1, len(self.prompts) // 10), stop=stop)
+        self.phases[name] = {"before": first, "sigterm": cut}
+
+    def after_restart(self, name: str, srv: Server) -> None:
+        """The prompts again on a new server over the same store."""
+        before = srv.counters()["external_prefix_cache_hits"]
+        self.phases[name]["restart"] = self._pass(srv)
+        loaded = srv.counters()["external_prefix_cache_hits"] - before
+        r = self.mod.summary(name, self.phases.pop(name), self.reference)
+        r["restart_loaded_tokens"] = loaded
+        self.results.append(r)
+        print(f"identity: {name}: " + ", ".join(
+            f"{k} {v['answered']} answered, {v['aborted']} aborted, {v['failed']} failed, "
+            f"{len(v['mismatched'])} mismatched" for k, v in r.items() if isinstance(v, dict)
+        ) + f"; {loaded:.0f} tokens loaded after the restart", flush=True)  # fmt: skip
+
+    def table(self) -> str:
+        """The identity figures as a markdown table."""
+        rows = [
+            "\n| config | phase | answered | aborted | failed | mismatched | after SIGTERM |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in self.results:
+            for phase, v in r.items():
+                if isinstance(v, dict):
+                    rows.append(f"| {r['config']} | {phase} | {v['answered']} | {v['aborted']} "
+                                f"| {v['failed']} "
+                                f"| {len(v['mismatched'])} | {v['after_signal']} |")  # fmt: skip
+        return "\n".join(rows) + "\n"
 
 
 def connector_counters(log: Path) -> dict[str, int]:

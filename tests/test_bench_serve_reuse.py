@@ -5,8 +5,11 @@ cache held at its admission; captured is what tiercache gave of them."""
 from __future__ import annotations
 
 import importlib.util
+from collections import Counter
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 4
@@ -74,3 +77,42 @@ def test_admission_lines_are_read_per_run_first_admission_only(tmp_path: Path) -
     )  # fmt: skip
     assert b.admissions(log, 0, 8) == {0: (1088, 32, 1024), 3: (1088, 64, 0)}
     assert b.admissions(log, 0, 9) == {}
+
+
+def test_warm_up_prompts_count_as_finished_before_every_request() -> None:
+    """prefix_repetition_warm: the warm-up sent each prefix alone before the run, so B, sent
+    at 0 s while nothing of the run has finished, has its 3 prefix blocks reusable (the
+    warm prompt PREFIX is 12 tokens: 3 full blocks), and a prompt whose prefix was not
+    warmed has none."""
+    b = _bench()
+    other = [7, 7, 7, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    admitted = {0: (15, 0, 12), 1: (15, 0, 0)}
+    result = _result([0.0, 0.0], [1.0, 1.0])
+    out = b.reuse_per_request([B, other], result, admitted, BLOCK, warm=[PREFIX])
+    assert out["reusable_exact"] == 12
+    assert out["captured_tokens"] == 12
+    cold = b.reuse_per_request([B, other], result, admitted, BLOCK)
+    assert cold["reusable_exact"] == 0
+    assert cold["loaded_beyond"] == 12
+
+
+def _identity() -> ModuleType:
+    return _bench()._load("serve_identity", ROOT / "bench" / "serve_identity.py")
+
+
+def test_identity_prompts_share_each_prefix_alike_and_mismatches_name_the_prompts() -> None:
+    """bench/serve_identity.py: 12 prompts over 3 prefixes of 5 tokens, 4 prompts each, ids
+    from 3 (the tokenizer's specials excluded), the same for the same seed; a pass's
+    mismatches are the answered prompts whose ids differ (a cut-off one is not judged, an
+    aborted one must be the reference's start)."""
+    m = _identity()
+    prompts = m.identity_prompts(12, 3, 5, 2, 50, seed=1)
+    assert prompts == m.identity_prompts(12, 3, 5, 2, 50, seed=1)
+    assert sorted(Counter(tuple(p[:5]) for p in prompts).values()) == [4, 4, 4]
+    assert all(len(p) == 7 and min(p) >= 3 for p in prompts)
+    reference = [[1, 2], [3, 4], [5, 6], [7, 8]]
+    assert m.Pass([[1, 2], None, [5, 9], [7]]).mismatched(reference) == [2, 3]
+    aborted = m.Pass([[1, 2], [3], [5, 9], []], aborted={1, 2, 3})
+    assert aborted.mismatched(reference) == [2]
+    with pytest.raises(ValueError, match="fewer prompts than --num-prefixes"):
+        m.identity_prompts(2, 3, 5, 2, 50, seed=1)

@@ -1,0 +1,165 @@
+"""Identical outputs under load and across a restart, at the serving bench's sizes (issue 48;
+LMCache #4492's scenario, where 38 of 38 requests came back corrupted after a restart with
+HTTP 200). `bench/bench_serve.py --identity N` runs it for every configuration:
+
+1. N token-id prompts, `--num-prefixes` prefixes shared alike, shuffled, sent at the bench's
+   largest concurrency, temperature 0, to the server without a connector: the reference.
+2. The same prompts to each connector's server: every output equals the reference's.
+3. The same prompts again, and SIGTERM to the API server once a tenth have answered (vLLM
+   force-kills its engine core with stores in flight): every answer equals the reference's;
+   one vLLM ended at the shutdown (HTTP 200, finish_reason "abort", the tokens so far) must
+   be the start of it; requests cut off without an answer are counted, not judged.
+4. A new server on the same store, the same prompts: every output equals the reference's,
+   and the tokens the connector gave (a CPU-only store starts empty: its hits then come from
+   siblings of the same run; a persistent one's from before the restart too).
+
+The fp32 model makes greedy outputs independent of batching (tests/vllm/engine.py's DTYPE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def identity_prompts(
+    n: int, num_prefixes: int, prefix_len: int, suffix_len: int, vocab: int, seed: int
+) -> list[list[int]]:
+    """`n` prompts of `num_prefixes` random prefixes (each shared by n / num_prefixes
+    prompts) and random suffixes, shuffled as users' requests arrive. Ids from 3 up: the
+    word-level tokenizer's 0-2 are special."""
+    if n < num_prefixes:
+        raise ValueError(f"--identity {n}: fewer prompts than --num-prefixes {num_prefixes}")
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    prompts = [
+        prefixes[i % num_prefixes] + [rng.randrange(3, vocab) for _ in range(suffix_len)]
+        for i in range(n)
+    ]
+    rng.shuffle(prompts)
+    return prompts
+
+
+@dataclass
+class Pass:
+    """One pass of the prompts: each one's output ids (None: it failed or was cut off), the
+    failures' messages, which answers came after a SIGTERM, and which were aborted."""
+
+    outputs: list[list[int] | None]
+    failures: list[str] = field(default_factory=list)
+    after_signal: set[int] = field(default_factory=set)
+    aborted: set[int] = field(default_factory=set)
+
+    def mismatched(self, reference: list[list[int] | None]) -> list[int]:
+        """Prompts answered with other ids than the reference's: a whole answer must equal
+        it, an aborted one (finish_reason "abort": vLLM ended it at a shutdown, with the
+        tokens it had) must be its start."""
+        bad = []
+        for i, (o, r) in enumerate(zip(self.outputs, reference, strict=True)):
+            if o is None:
+                continue
+            if r is None or (o != r[: len(o)] if i in self.aborted else o != r):
+                bad.append(i)
+        return bad
+
+
+def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """One greedy completion of token-id `prompt`; its output ids and finish reason."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True,
+    }  # fmt: skip
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            choice = json.load(r)["choices"][0]
+            return list(choice["token_ids"]), str(choice.get("finish_reason"))
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:500]!r}") from None
+
+
+def run_pass(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    stop_after: int | None = None,
+    stop: Any = None,
+) -> Pass:
+    """Every prompt, `concurrency` at a time. With `stop_after`, call `stop()` once that many
+    have answered (the others fail or answer after it)."""
+    out = Pass([None] * len(prompts))
+    answered = threading.Semaphore(0)
+    signalled = threading.Event()
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            ids, finish = complete(url, model, prompts[i], max_tokens)
+            with lock:
+                out.outputs[i] = ids
+                if finish == "abort":
+                    out.aborted.add(i)
+                if signalled.is_set():
+                    out.after_signal.add(i)
+        except Exception as exc:  # counted, as vllm bench serve counts them
+            with lock:
+                out.failures.append(f"{i}: {exc!r}"[:300])
+        finally:
+            answered.release()
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for i in range(len(prompts)):
+            pool.submit(one, i)
+        if stop_after is not None:
+            for _ in range(stop_after):
+                if not answered.acquire(timeout=600):
+                    raise RuntimeError(f"no answer in 600 s before the stop ({url})")
+            signalled.set()
+            stop()
+    return out
+
+
+def sigterm_mid_run(proc: Any, log_text: Any, timeout: float = 60) -> None:
+    """SIGTERM to the API server only, as a supervisor stops it; once its engine core is
+    gone (vLLM 0.32 logs "MPClient: complete"; its API server then waits for the open
+    connections), or after `timeout`, kill what is left of its process group."""
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and "MPClient: complete" not in log_text():
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+
+
+def summary(name: str, phases: dict[str, Pass], reference: list[list[int] | None]) -> dict:
+    """A configuration's identity figures: per phase, answered (whole), aborted, failed,
+    mismatched."""
+    out: dict[str, Any] = {"config": name, "requests": len(reference)}
+    for phase, p in phases.items():
+        answered = sum(o is not None for o in p.outputs) - len(p.aborted)
+        out[phase] = {
+            "answered": answered,
+            "aborted": len(p.aborted),
+            "failed": len(p.failures),
+            "mismatched": p.mismatched(reference),
+            "after_signal": len(p.after_signal),
+            "failures": p.failures[:5],
+        }
+    return out
