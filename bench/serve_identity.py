@@ -18,6 +18,7 @@ The fp32 model makes greedy outputs independent of batching (tests/vllm/engine.p
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -29,6 +30,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -163,3 +165,69 @@ def summary(name: str, phases: dict[str, Pass], reference: list[list[int] | None
             "failures": p.failures[:5],
         }
     return out
+
+
+class Identity:
+    """The check's steps around each configuration's server (the module doc says what and
+    why): the prompts, the reference (the prefix config's outputs), and per
+    connector config its passes before, during (SIGTERM) and after a restart."""
+
+    def __init__(self, model: Path, args: argparse.Namespace):
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        self.prompts = identity_prompts(
+            args.identity, args.num_prefixes, args.prefix_len, args.suffix_len, vocab, seed=48
+        )
+        self.conc, self.max_tokens = max(args.concurrency), args.output_len
+        self.reference: list[list[int] | None] = []
+        self.phases: dict[str, dict[str, Any]] = {}
+        self.results: list[dict[str, Any]] = []
+
+    def _pass(self, srv: Any, **kw: Any) -> Any:
+        return run_pass(srv.url, srv.model, self.prompts, self.conc, self.max_tokens, **kw)
+
+    def before_restart(self, name: str, srv: Any) -> None:
+        """The reference (prefix), or a pass and a pass cut by SIGTERM (connector configs)."""
+        first = self._pass(srv)
+        if name == "prefix":
+            self.reference = first.outputs
+            r = summary(name, {"reference": first}, self.reference)
+            r["distinct_outputs"] = len({tuple(o) for o in first.outputs if o is not None})
+            self.results.append(r)
+            print(f"identity: reference of {len(self.prompts)} prompts, "
+                  f"{r['distinct_outputs']} distinct outputs, {len(first.failures)} failed",
+                  flush=True)  # fmt: skip
+            return
+        proc, log = srv.proc, srv.log
+
+        def stop() -> None:
+            sigterm_mid_run(proc, lambda: log.read_text(errors="replace"))
+
+        cut = self._pass(srv, stop_after=max(1, len(self.prompts) // 10), stop=stop)
+        self.phases[name] = {"before": first, "sigterm": cut}
+
+    def after_restart(self, name: str, srv: Any) -> None:
+        """The prompts again on a new server over the same store."""
+        before = srv.counters()["external_prefix_cache_hits"]
+        self.phases[name]["restart"] = self._pass(srv)
+        loaded = srv.counters()["external_prefix_cache_hits"] - before
+        r = summary(name, self.phases.pop(name), self.reference)
+        r["restart_loaded_tokens"] = loaded
+        self.results.append(r)
+        print(f"identity: {name}: " + ", ".join(
+            f"{k} {v['answered']} answered, {v['aborted']} aborted, {v['failed']} failed, "
+            f"{len(v['mismatched'])} mismatched" for k, v in r.items() if isinstance(v, dict)
+        ) + f"; {loaded:.0f} tokens loaded after the restart", flush=True)  # fmt: skip
+
+    def table(self) -> str:
+        """The identity figures as a markdown table."""
+        rows = [
+            "\n| config | phase | answered | aborted | failed | mismatched | after SIGTERM |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in self.results:
+            for phase, v in r.items():
+                if isinstance(v, dict):
+                    rows.append(f"| {r['config']} | {phase} | {v['answered']} | {v['aborted']} "
+                                f"| {v['failed']} "
+                                f"| {len(v['mismatched'])} | {v['after_signal']} |")  # fmt: skip
+        return "\n".join(rows) + "\n"
