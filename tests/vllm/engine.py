@@ -53,8 +53,9 @@ must find in a shared tier before this one says so with ``"touch"``). A batch ma
 tier of the engine's stores is suspended, no Redis tier or probe is before its retry and no
 scheduler index holds a medium suspended; in a multiprocess engine, checked in the workers'
 process; ``waited_s`` says how long),
-``"wait_writes": true`` (start it once the stores and moves the KV connector's workers
-submitted so far have ended, given-up ones included; in-process engines),
+``"wait_writes": true`` (start it once the stores and moves the KV connector's or the
+offloading spec's workers submitted so far have ended, given-up ones included; in-process
+engines),
 ``"wait_hung_s": S`` (with ``hang_writes``: start it once a write has hung and the newest
 hung write has been hung for S seconds: a deadline of S from its submission has passed),
 ``"wait_for": PATH`` (start it only once PATH exists: another engine finished something)
@@ -544,16 +545,25 @@ def _settle_through(deadline_s: float = 120) -> None:
 
 def _wait_writes(deadline_s: float = 120) -> None:
     """Wait until the stores and moves every KV connector worker of this process submitted
-    have ended in its transfer engine, given-up ones included (`KVWorker.wait_writes`);
-    RuntimeError after `deadline_s`."""
+    have ended in its transfer engine, given-up ones included (`KVWorker.wait_writes`), and
+    every copy an offloading spec's worker (`TierCacheWorkerSide`) submitted: their ends
+    then reach the manager at its next call. RuntimeError after `deadline_s`."""
+    import gc
+
     from tiercache.connectors import stores
     from tiercache.connectors.vllm_kv import SETTLE_KEY
+    from tiercache.connectors.vllm_offloading.worker import TierCacheWorkerSide
 
     with stores._REGISTRY_LOCK:
         settles = [s.state.get(SETTLE_KEY) for s in stores._REGISTRY.values()]
     for settle in settles:
         if settle is not None and not settle.__self__.wait_writes(deadline_s):  # its KVWorker
             raise RuntimeError(f"the connector's stores still running after {deadline_s} s")
+    for w in [o for o in gc.get_objects() if isinstance(o, TierCacheWorkerSide)]:
+        with w._mutex:  # vLLM calls none of its methods between batches
+            parts = list(w._parts)
+        if w._worker.wait(parts, deadline_s):  # the parts still running
+            raise RuntimeError(f"the offloading worker's copies still running after {deadline_s} s")
 
 
 def _wait_hung(seconds: float, deadline_s: float = 60) -> None:

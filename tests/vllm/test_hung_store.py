@@ -207,6 +207,13 @@ def test_a_hung_store_gives_vllm_its_blocks_back_through_the_offloading_spec(
         "deadlines": {"store_timeout": STORE_TIMEOUT_S, "backoff": BACKOFF_S},
     }
     batches[2]["wait_serving"] = True  # once the back-off has ended (`_WAIT_SERVING`)
+    # ... and once batch 1's given-up stores have ended in the transfer engine, as the KV
+    # connector's case above waits (`wait_writes`: a given-up store's keys stay reserved
+    # until then). Without it, once under load (the vLLM stage beside a serving bench),
+    # batch 3 started while the hung backlog was still being written after the release: the
+    # 12 blocks whose given-up stores were still reserved were not stored again (those stores
+    # then ended failed: offload_store_failures 12), and batch 4 hit 2 of 6 (nvme).
+    batches[2]["wait_writes"] = True
     got = engine.run_in_subprocess(
         {
             **common,
