@@ -27,12 +27,12 @@ Two server starts and one in-process engine, of a 2-layer model."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import re
 import signal
-import threading
+import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -44,6 +44,17 @@ vllm = pytest.importorskip("vllm")
 from tests.openai_server_deps import skip_if_missing  # noqa: E402
 
 skip_if_missing()  # vLLM 0.33's server needs orjson (tests/openai_server_deps.py)
+
+ROOT = Path(__file__).resolve().parents[2]
+# The serving bench's identity client (bench/serve_identity.py: stdlib only), which this test
+# runs at CI's size.
+_spec = importlib.util.spec_from_file_location(
+    "serve_identity", ROOT / "bench" / "serve_identity.py"
+)
+assert _spec is not None and _spec.loader is not None
+IDENTITY = importlib.util.module_from_spec(_spec)
+sys.modules["serve_identity"] = IDENTITY  # its dataclasses look their module up there
+_spec.loader.exec_module(IDENTITY)
 
 BLOCK = 32
 PREFIXES = 8
@@ -83,38 +94,15 @@ def _kv(root: Path) -> dict[str, Any]:
     }
 
 
-def _serve(
-    srv: Any, prompts: list[list[int]], stop_after: int | None = None
-) -> tuple[list[list[int] | None], list[str], list[str]]:
-    """Send every prompt, `CONCURRENCY` at a time; each one's output ids (None if it failed),
-    the failures, and how each answer came (its finish reason, and "after SIGTERM" for one
-    that came after the signal: a mismatch then says which). With `stop_after`, SIGTERM the
-    server once that many have answered."""
-    outputs: list[list[int] | None] = [None] * len(prompts)
-    failures: list[str] = []
-    how = [""] * len(prompts)
-    answered = threading.Semaphore(0)
-    signalled = threading.Event()
-
-    def one(i: int) -> None:
-        try:
-            choice = srv.complete(prompts[i], max_tokens=8)["choices"][0]
-            outputs[i] = choice["token_ids"]
-            how[i] = f"{choice.get('finish_reason')}{' after SIGTERM' * signalled.is_set()}"
-        except Exception as exc:  # a failed request is counted, never raised here
-            failures.append(f"{i}: {exc!r}"[:300])
-        finally:
-            answered.release()
-
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
-        for i in range(len(prompts)):
-            pool.submit(one, i)
-        if stop_after is not None:
-            for _ in range(stop_after):
-                assert answered.acquire(timeout=120), "no answer in 120 s"
-            signalled.set()
-            _sigterm_mid_run(srv)
-    return outputs, failures, how
+def _serve(srv: Any, prompts: list[list[int]], stop_after: int | None = None) -> Any:
+    """Send every prompt, `CONCURRENCY` at a time, with the serving bench's client
+    (bench/serve_identity.py's `run_pass`: each one's output ids, None where it failed, the
+    failures, which answers came after the signal and which were aborted). With
+    `stop_after`, SIGTERM the server once that many have answered."""
+    return IDENTITY.run_pass(
+        srv.url, srv.model, prompts, CONCURRENCY, 8, stop_after=stop_after,
+        stop=lambda: _sigterm_mid_run(srv),
+    )  # fmt: skip
 
 
 def _sigterm_mid_run(srv: Any, timeout: float = 60) -> None:
@@ -157,38 +145,35 @@ def test_identical_outputs_under_load_and_across_a_restart(
             reference: list[list[int]] = ref_engine.result()["batches"][0]["outputs"]
             # A useful oracle only if different prompts give different tokens.
             assert len({tuple(o) for o in reference}) == len(prompts)
-            outputs, failures, _ = _serve(srv, prompts)
-            assert failures == []
-            assert outputs == reference
+            got = _serve(srv, prompts)
+            assert got.failures == []
+            assert got.outputs == reference
             # 3. Again, and SIGTERM mid-run: requests in flight fail, stores may be torn.
-            outputs, _, how = _serve(srv, prompts, stop_after=6)
+            got = _serve(srv, prompts, stop_after=6)
             log = srv.log_text()
     finally:
         ref_engine.kill()
     assert "force killing" in log, log[-3000:]
-    answered = [i for i, o in enumerate(outputs) if o is not None]
-    assert len(answered) >= 6
+    assert sum(o is not None for o in got.outputs) >= 6
     # A request the shutdown ended answers HTTP 200 with finish_reason "abort" and the tokens
     # it had so far (an empty list, in a run of this check by hand): it must be the start of
-    # the reference. A whole answer ("length") must equal it.
+    # the reference (`Pass.mismatched`). A whole answer ("length") must equal it.
     wrong = [
-        (i, how[i], outputs[i], reference[i])
-        for i in answered
-        if outputs[i] != reference[i][: len(outputs[i]) if how[i].startswith("abort") else None]
+        (i, i in got.aborted, i in got.after_signal, got.outputs[i], reference[i])
+        for i in got.mismatched(reference)
     ]
-    assert wrong == [], wrong  # (prompt, finish reason, output, reference)
+    assert wrong == [], wrong  # (prompt, aborted, after the signal, output, reference)
 
     # 4. A restart on the same store: the same prompts under load.
     with server.Server(
         tiny_llama, tmp_path / "restart.log", kv_transfer_config=kv, args=ARGS
     ) as srv:
         srv.start()
-        outputs, failures, _ = _serve(srv, prompts)
+        got = _serve(srv, prompts)
         hits = _external_hits(server.get(srv.url + "/metrics"))
         srv.sigterm()
-    assert failures == []
-    mismatched = [i for i, (o, r) in enumerate(zip(outputs, reference, strict=True)) if o != r]
-    assert mismatched == []
+    assert got.failures == [] and got.aborted == set()
+    assert got.mismatched(reference) == []
     # Each prefix's first request after the restart can only hit in the store.
     loadable = len(prompts) * ((PREFIX_LEN + SUFFIX_LEN - 1) // BLOCK * BLOCK)
     print(
