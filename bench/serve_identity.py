@@ -135,19 +135,21 @@ def run_pass(
     return out
 
 
-def sigterm_mid_run(proc: Any, log_text: Any, timeout: float = 60) -> None:
+def sigterm_mid_run(proc: Any, log_text: Any, timeout: float = 60) -> bool:
     """SIGTERM to the API server only, as a supervisor stops it; once its engine core is
     gone (vLLM 0.32 logs "MPClient: complete"; its API server then waits for the open
-    connections), or after `timeout`, kill what is left of its process group."""
+    connections), or after `timeout`, kill what is left of its process group. True if the
+    engine core was seen gone."""
     proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while proc.poll() is None and "MPClient: complete" not in log_text():
+    while not (gone := "MPClient: complete" in log_text()) and proc.poll() is None:
         if time.monotonic() > deadline:
             break
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
+    return gone or "MPClient: complete" in log_text()
 
 
 def summary(name: str, phases: dict[str, Pass], reference: list[list[int] | None]) -> dict:
