@@ -228,11 +228,15 @@ def lmdb_cache_writer(
     for the namespace while running.
 
     With `log_path` (for the crash campaign, which SIGKILLs writers): "W" before each put,
-    "A" once it returned with every block held ("F" when some failed), "X id" for a block
-    served with wrong bytes, "C n" for a namespace count over `cap` (one os.write per line:
-    a SIGKILL never loses a line already written)."""
+    "A id low next id low next ..." once it returned with every block held ("F" when some
+    failed; see `StoreLedger.ack`: per id the lowest order seq the version it acknowledged can
+    have, read from the store right after the put (the version held then), else right before
+    it (the version held then, which the cache may have kept), else -1; and the store's next
+    order seq before the put: every block the put stored has a higher one),
+    "X id" for a block served with wrong bytes, "C n" for a namespace count over `cap` (one
+    os.write per line: a SIGKILL never loses a line already written)."""
     from tiercache import TierCache
-    from tiercache.tiers.lmdb.layout import COUNT_PREFIX, u64
+    from tiercache.tiers.lmdb.layout import COUNT_PREFIX, SEQ_KEY, head_seq, u64
 
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if log_path else -1
 
@@ -241,17 +245,27 @@ def lmdb_cache_writer(
             os.write(fd, f"{line}\n".encode())
 
     rnd = random.Random(seed)
-    config = {"namespace": "fleet", "tiers": [{"kind": "lmdb", "blocks": cap, "path": path}]}
-    cache = TierCache.open(config, block_bytes=bb)
+    # The removal log keeps a whole campaign's removals (the ledger reads them after kills).
+    lmdb = {"kind": "lmdb", "blocks": cap, "path": path, "removals_kept": 1 << 18}
+    cache = TierCache.open({"namespace": "fleet", "tiers": [lmdb]}, block_bytes=bb)
     tier = cache.tiers[-1]
+    sh = tier._shared
     puts = own_hits = other_hits = misses = wrong = peak = 0
     deadline = time.monotonic() + seconds
     try:
         while time.monotonic() < deadline and not (stop_file and os.path.exists(stop_file)):
             mine = [proc * per + i for i in rnd.sample(range(per), 4)]
+            with sh.env.begin() as txn:
+                nxt = u64(txn.get(SEQ_KEY, db=sh.meta))
+                was = [head_seq(txn.get(tier._nsb + key(i), db=sh.heads)) for i in mine]
             log("W")
             held = cache.put([key(i) for i in mine], blocks(mine, bb))
-            log("A" if held == len(mine) else "F")
+            with sh.env.begin() as txn:
+                now = [head_seq(txn.get(tier._nsb + key(i), db=sh.heads)) for i in mine]
+            low = [-1 if a is None and b is None else a if a is not None else b
+                   for a, b in zip(now, was, strict=True)]  # fmt: skip
+            acked = " ".join(f"{i} {s} {nxt}" for i, s in zip(mine, low, strict=True))
+            log(f"A {acked}" if held == len(mine) else "F")
             puts += 1
             other = rnd.choice([p for p in range(nprocs) if p != proc])
             for i in (proc * per + rnd.randrange(per), other * per + rnd.randrange(per)):
@@ -265,8 +279,8 @@ def lmdb_cache_writer(
                     own_hits += 1
                 else:
                     other_hits += 1
-            with tier._shared.env.begin() as txn:
-                count = u64(txn.get(COUNT_PREFIX + tier._nsb, db=tier._shared.meta))
+            with sh.env.begin() as txn:
+                count = u64(txn.get(COUNT_PREFIX + tier._nsb, db=sh.meta))
             if count > cap:
                 log(f"C {count}")
             peak = max(peak, count)
@@ -289,11 +303,13 @@ def lmdb_cache_writer(
     )
 
 
-def lmdb_snapshot_check(path: str, bb: int, cap: int) -> dict:
+def lmdb_snapshot_check(path: str, bb: int, cap: int, after: int = -1) -> dict:
     """A fresh opener of a store other processes are writing: in one read txn, the namespace's
     block count the store keeps, the entries it really holds and how many there are over the
     capacity; then every block a tier recovers is read, verified: exact, a plain miss (another
-    process evicted it meanwhile), a counted failure or wrong bytes."""
+    process evicted it meanwhile), a counted failure or wrong bytes (with the ids read exact
+    and wrong); then, after those reads, the store's removal log after `after`:
+    [[id, order seq, record seq, reason]]."""
     from tiercache.tiers.lmdb.layout import COUNT_PREFIX, iter_prefix, u64
 
     t = open_tier("lmdb", path, bb, cap, namespace="fleet")
@@ -305,7 +321,8 @@ def lmdb_snapshot_check(path: str, bb: int, cap: int) -> dict:
             order = sum(1 for _ in iter_prefix(txn.cursor(db=sh.order), t._nsb, values=False))
         rec = t.recover()
         out = torch.empty((1, bb), dtype=torch.uint8)
-        exact = gone = failed = wrong = 0
+        exact, wrong = [], []
+        gone = failed = 0
         for k, s in rec:
             if t.read([s], out, [k]):
                 if t.take_gone([k]):
@@ -313,15 +330,38 @@ def lmdb_snapshot_check(path: str, bb: int, cap: int) -> dict:
                 else:
                     failed += 1
             elif np.array_equal(out[0].numpy(), payload(key_id(k), bb)):
-                exact += 1
+                exact.append(key_id(k))
             else:
-                wrong += 1
+                wrong.append(key_id(k))
+        # After the reads: every block they found gone was removed before this, logged.
+        removed = [[key_id(r.key), r.seq, r.at, r.reason] for r in t.removals(after)]
     finally:
         t.close()
     return dict(
-        count=count, heads=heads, order=order, exact=exact, gone=gone, failed=failed,
-        wrong=wrong,
+        count=count, heads=heads, order=order, exact=len(exact), gone=gone, failed=failed,
+        wrong=len(wrong), exact_ids=exact, wrong_ids=wrong, removed=removed,
     )  # fmt: skip
+
+
+def lmdb_drop_unlogged(path: str, bb: int, cap: int, ids: list[int]) -> int:
+    """Delete blocks of namespace "fleet" as a store without a removal log did (counts and
+    order kept in step, nothing logged): a test of a ledger's test, which must then find
+    them lost. How many it deleted."""
+    from tiercache.tiers.lmdb.layout import StoreTxn
+
+    t = open_tier("lmdb", path, bb, cap, namespace="fleet", lazy=True)
+    try:
+        sh = t._shared
+        with sh.write_lock, sh.env.begin(write=True) as txn:
+            store = StoreTxn(txn, sh.meta, sh.heads, sh.blocks, sh.order)  # no removal log
+            n = 0
+            for i in ids:
+                n += txn.get(t._nsb + key(i), db=sh.heads) is not None
+                store.delete(t._nsb + key(i), None)
+            store.finish()
+        return n
+    finally:
+        t.close()
 
 
 def churn(tier: dict, bb: int, namespace: str, ids: list[int]) -> dict:
@@ -443,3 +483,14 @@ def first_lookups(path: str, bb: int, capacity: int, ops: list, general: bool) -
         "discover_calls": calls[0],
         "held_after": held,
     }
+
+
+def lmdb_put_then_die(path: str, bb: int, cap: int, ids: list[int]) -> None:
+    """Store `ids` in namespace "fleet" of a shared LMDB store in one write, then die
+    (SIGKILL) the moment it returns: before anything could report what it evicted."""
+    import signal
+
+    t = open_tier("lmdb", path, bb, cap, namespace="fleet", lazy=True)  # free slots of its own
+    ks = [key(i) for i in ids]
+    t.write(t.allocate(ks), blocks(ids, bb), ks)
+    os.kill(os.getpid(), signal.SIGKILL)

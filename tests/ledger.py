@@ -111,3 +111,66 @@ class Ledger:
 def summary(sets: Mapping[str, set[int]]) -> dict[str, int]:
     """Sizes of `Ledger.check`'s sets, for a campaign's report."""
     return {name: len(ids) for name, ids in sets.items()}
+
+
+@dataclass
+class StoreLedger:
+    """Block identity on a store that logs its own removals (LMDB's removal log, committed
+    with each removal): for a store several processes write, where one process's put
+    evicts another's blocks and a SIGKILL can cut off the report of what it evicted.
+
+    Each block id is put only by its one writer, which logs with each acknowledged put of
+    it (`ack`) the lowest order seq the version it acknowledged can have, and the store's
+    next seq before the put. The store's log names each removed block with the seq it was
+    stored under and the seq of its record (`removed`). A check sorts every acknowledged
+    block into one set:
+    - `present`: read back with exactly the bytes written for its key;
+    - `evicted`: absent, and the log removed a version at least as new as the one its latest
+      acknowledged put left (by the store's capacity or a cache's delete, matched by key);
+    - `stale`: absent; the store held no version of it before or after its latest put, and
+      the log removed it before that put began: the cache acknowledged it from an index
+      another process's eviction had made stale, and stored nothing (a plain miss later);
+    - `lost`: absent otherwise. A campaign passes only with none;
+    - `wrong` (any block): served with other bytes. Never allowed.
+    A version a put stored and that went unlogged within the instant before the writer
+    read it back would be taken for `stale`; any later loss is `lost`."""
+
+    acked: dict[int, tuple[int, int]] = field(default_factory=dict)  # id -> (low, next)
+    removed_seq: dict[int, int] = field(default_factory=dict)  # id -> newest seq removed
+    first_at: dict[int, int] = field(default_factory=dict)  # id -> its first record's seq
+    reasons: dict[int, str] = field(default_factory=dict)  # id -> the newest removal's reason
+    after: int = -1  # the newest log record read
+
+    def ack(self, entries: Iterable[tuple[int, int, int]]) -> None:
+        """(id, low, next) of blocks a put acknowledged, in the order they were put: low is
+        the seq of the version the store held right after the put, else right before it
+        (which the cache may have kept), else -1 (none held: then the version is new, above
+        `next`, the store's next seq before the put, or there was none)."""
+        for i, low, nxt in entries:
+            self.acked[i] = (low, nxt)
+
+    def removed(self, entries: Iterable[tuple[int, int, int, str]]) -> None:
+        """Log entries (id, the seq it was stored under, the record's seq, reason)."""
+        for i, seq, at, reason in entries:
+            if seq >= self.removed_seq.get(i, -1):
+                self.removed_seq[i], self.reasons[i] = seq, reason
+            self.first_at[i] = min(at, self.first_at.get(i, at))
+            self.after = max(self.after, at)
+
+    def check(self, exact: Iterable[int], wrong: Iterable[int]) -> dict[str, set[int]]:
+        exact, wrong = set(exact), set(wrong)
+        absent = set(self.acked) - exact - wrong
+        evicted, stale = set(), set()
+        for i in absent:
+            low, nxt = self.acked[i]
+            if self.removed_seq.get(i, -1) >= (nxt if low < 0 else low):
+                evicted.add(i)
+            elif low < 0 and self.first_at.get(i, nxt) < nxt:
+                stale.add(i)
+        return {
+            "present": set(self.acked) & exact,
+            "evicted": evicted,
+            "stale": stale,
+            "lost": absent - evicted - stale,
+            "wrong": wrong,
+        }

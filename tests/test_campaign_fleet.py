@@ -28,13 +28,20 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from tests.campaign_children import lmdb_cache_writer, lmdb_holder, lmdb_snapshot_check
+from tests.campaign_children import (
+    lmdb_cache_writer,
+    lmdb_drop_unlogged,
+    lmdb_holder,
+    lmdb_snapshot_check,
+)
 from tests.campaign_support import lmdb_entries, report, run_child, scale, start_child
+from tests.ledger import StoreLedger
 from tiercache.cli import main
 
 BB, CAP, PER, WRITERS = 16 * 1024, 48, 64, 3
@@ -55,7 +62,24 @@ def _lines(log: Path) -> list[str]:
 
 
 def _acks(log: Path) -> int:
-    return sum(1 for line in _lines(log) if line == "A")
+    return sum(1 for line in _lines(log) if line.startswith("A "))
+
+
+def _ledger(d: Path, ledger: StoreLedger) -> None:
+    """Every writer's acknowledged puts so far (each log's complete lines), into `ledger`."""
+    for log in sorted(d.glob("w*-*.log")):
+        for line in _lines(log):
+            if line.startswith("A "):
+                nums = list(map(int, line.split()[1:]))
+                ledger.ack(zip(nums[::3], nums[1::3], nums[2::3], strict=True))
+
+
+def _check(store: Path, ledger: StoreLedger) -> tuple[dict, dict[str, set[int]]]:
+    """A fresh process's snapshot check of the store (`lmdb_snapshot_check`), the removal
+    log read into `ledger`, and the ledger's sets of the blocks acknowledged before it."""
+    got = run_child(lmdb_snapshot_check, str(store), BB, CAP, ledger.after)
+    ledger.removed(tuple(e) for e in got["removed"])
+    return got, ledger.check(got["exact_ids"], got["wrong_ids"])
 
 
 class _Writer:
@@ -84,14 +108,66 @@ def _wait(pred, what: str, bound: float = 60.0) -> None:
         time.sleep(0.001)
 
 
-def fleet_crash_campaign(tmp_path: Path, kills: int, seed: int) -> dict:
+def fleet_crash_campaign(tmp_path: Path, kills: int, seed: int, drop: bool = False) -> dict:
+    """`drop` (a test of the test): once every writer stopped, one acknowledged block the
+    store holds is deleted without the removal log, before the last check."""
     store, stop = tmp_path / "store", tmp_path / "stop"
     rnd = random.Random(seed)
     writers = [_Writer(tmp_path, store, w, stop, seed) for w in range(WRITERS)]
+    ledger, lost = StoreLedger(), set()
     figures = dict(
         writers=WRITERS, kills=0, killed_mid_write=0, acked_puts=0, snapshot_reads=0,
         plain_misses=0, failed_reads=0, failed_puts=0, wrong=0, over_capacity=0,
     )  # fmt: skip
+    try:
+        _kills(tmp_path, store, writers, rnd, kills, ledger, lost, figures)
+    finally:
+        stop.touch()  # the writers end (on a failed assert too: none is left running)
+    checked = kills
+    results = [w.child.result(120) for w in writers]
+    for w in writers:
+        lines = _lines(w.log)
+        figures["acked_puts"] += sum(1 for line in lines if line.startswith("A "))
+        figures["failed_puts"] += lines.count("F")
+    figures["wrong"] += sum(r["wrong"] for r in results)
+    figures["survivor_errors"] = sum(r["errors"] for r in results)
+    figures["survivor_read_failures"] = sum(r["read_failures"] for r in results)
+    figures["survivor_other_hits"] = sum(r["other_hits"] for r in results)
+    figures["peak"] = max(r["peak"] for r in results)
+    # Everything closed: every block ever acknowledged, held or logged removed.
+    _ledger(tmp_path, ledger)
+    if drop:
+        held = sorted(run_child(lmdb_snapshot_check, str(store), BB, CAP)["exact_ids"])
+        assert run_child(lmdb_drop_unlogged, str(store), BB, CAP, held[:1]) == 1
+        figures["dropped"] = held[:1]
+    got, sets = _check(store, ledger)
+    assert got["count"] == got["heads"] == got["order"] <= CAP, got
+    checked += 1
+    lost |= sets["lost"]
+    figures.update({k: len(v) for k, v in sets.items()}, ledger_checks=checked)
+    figures["lost_at_any_check"] = len(lost)
+    figures["lost_ids"] = sorted(lost)[:20]
+    figures["evicted_by"] = dict(Counter(ledger.reasons[i] for i in sets["evicted"]))
+    (st,) = cli("inspect", str(store))[1]["tiers"]
+    figures["final_blocks"] = st["blocks"]
+    code, v = cli("verify", str(store))
+    figures["verify_clean"] = code == 0 and v["ok"]
+    return report("fleet-crash", seed=seed, **figures)
+
+
+def _kills(
+    tmp_path: Path,
+    store: Path,
+    writers: list[_Writer],
+    rnd: random.Random,
+    kills: int,
+    ledger: StoreLedger,
+    lost: set[int],
+    figures: dict,
+) -> None:
+    """The campaign's kills: one writer at a time SIGKILLed, the survivors' progress, a
+    fresh process's check of the store and of the ledger, a fresh writer in the dead one's
+    place."""
     for it in range(kills):
         victim = writers[rnd.randrange(WRITERS)]
         # Kill after a seeded number of the victim's puts and a seeded delay (0-4 ms): kills
@@ -104,7 +180,7 @@ def fleet_crash_campaign(tmp_path: Path, kills: int, seed: int) -> dict:
         lines = _lines(victim.log)
         figures["kills"] += 1
         figures["killed_mid_write"] += bool(lines) and lines[-1] == "W"
-        figures["acked_puts"] += lines.count("A")
+        figures["acked_puts"] += sum(1 for line in lines if line.startswith("A "))
         figures["failed_puts"] += lines.count("F")
         figures["wrong"] += sum(1 for line in lines if line.startswith("X"))
         figures["over_capacity"] += sum(1 for line in lines if line.startswith("C"))
@@ -113,8 +189,11 @@ def fleet_crash_campaign(tmp_path: Path, kills: int, seed: int) -> dict:
             if w is not victim:
                 n = _acks(w.log) + 2
                 _wait(lambda w=w, n=n: _acks(w.log) >= n, f"kill {it}: writer {w.w} stalled")
-        # A fresh process, while the survivors write: one consistent snapshot, exact reads.
-        got = run_child(lmdb_snapshot_check, str(store), BB, CAP)
+        # A fresh process, while the survivors write: one consistent snapshot, exact reads,
+        # and every block acknowledged before it held or logged removed (the ledger).
+        _ledger(tmp_path, ledger)
+        got, sets = _check(store, ledger)
+        lost |= sets["lost"]
         assert got["count"] == got["heads"] == got["order"] <= CAP, (it, got)
         # Its failed and wrong reads are counted here and bounded (0) after the report.
         figures["failed_reads"] += got["failed"]
@@ -122,26 +201,11 @@ def fleet_crash_campaign(tmp_path: Path, kills: int, seed: int) -> dict:
         figures["snapshot_reads"] += got["exact"]
         figures["plain_misses"] += got["gone"]
         victim.start()  # a fresh writer in the dead one's place, opening the killed store
-    stop.touch()
-    results = [w.child.result(120) for w in writers]
-    for w in writers:
-        lines = _lines(w.log)
-        figures["acked_puts"] += lines.count("A")
-        figures["failed_puts"] += lines.count("F")
-    figures["wrong"] += sum(r["wrong"] for r in results)
-    figures["survivor_errors"] = sum(r["errors"] for r in results)
-    figures["survivor_read_failures"] = sum(r["read_failures"] for r in results)
-    figures["survivor_other_hits"] = sum(r["other_hits"] for r in results)
-    figures["peak"] = max(r["peak"] for r in results)
-    # Everything closed; nothing has reopened the store yet.
-    (st,) = cli("inspect", str(store))[1]["tiers"]
-    figures["final_blocks"] = st["blocks"]
-    code, v = cli("verify", str(store))
-    figures["verify_clean"] = code == 0 and v["ok"]
-    return report("fleet-crash", seed=seed, **figures)
 
 
 def _check_crash(f: dict) -> None:
+    assert f["lost_at_any_check"] == 0 and f["lost"] == 0, f
+    assert f["present"] > 0 and f["evicted"] > 0, f
     assert f["wrong"] == 0 and f["over_capacity"] == 0, f
     assert f["survivor_errors"] == 0 and f["failed_reads"] == 0, f
     # A store can still fail with a full map when another process stays descheduled inside
@@ -155,6 +219,15 @@ def _check_crash(f: dict) -> None:
 
 def test_fleet_crash_campaign(tmp_path: Path) -> None:
     _check_crash(fleet_crash_campaign(tmp_path, scale("fleet_kills", 6), seed=5))
+
+
+def test_the_fleet_ledger_finds_a_block_dropped_unlogged(tmp_path: Path) -> None:
+    """A test of the test: one acknowledged block deleted without the removal log (as a
+    store that lost it would) is found lost, by key, and fails the campaign's check."""
+    f = fleet_crash_campaign(tmp_path, 1, seed=11, drop=True)
+    assert f["lost_ids"] == f["dropped"] and f["lost_at_any_check"] == f["lost"] == 1, f
+    with pytest.raises(AssertionError):
+        _check_crash(f)
 
 
 @pytest.mark.stress

@@ -384,7 +384,7 @@ def test_a_store_of_format_version_1_is_refused(tmp_path) -> None:
         m["version"] = 1  # blocks keyed without their namespace
         txn.put(b"store", json.dumps(m).encode(), db=db)
     env.close()
-    with pytest.raises(ConfigError, match="format version 1; this build reads version 3"):
+    with pytest.raises(ConfigError, match="format version 1; this build reads version 4"):
         open_tier(tmp_path / "v1", capacity=4)
 
 

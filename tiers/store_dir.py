@@ -131,6 +131,7 @@ class MetaFormat:
     field: str = "path"
     advice: str = "use another directory or remove it"
     other: str = "path"  # what else a tier opened with another block size can use
+    older: tuple[int, ...] = ()  # earlier versions this build still opens (and upgrades)
 
     def check_block_bytes(self, stored: object, wanted: int, where: str) -> None:
         """ConfigError("block_bytes") unless the store (`where`) holds blocks of `wanted`
@@ -152,7 +153,7 @@ class MetaFormat:
                 self.field,
                 f"{where} does not describe a tiercache {self.kind} store ({self.advice})",
             )
-        if meta.get("version") != self.version:
+        if meta.get("version") != self.version and meta.get("version") not in self.older:
             raise ConfigError(
                 self.field,
                 f"{where} holds a tiercache {self.kind} store of format version "

@@ -12,12 +12,16 @@ Primitives (on top of the `Tier` ABC):
 - `take_gone(keys)`: the failed reads that were plain misses (the store evicted the block).
 - `take_evicted()`: the blocks this tier's own write transactions evicted by the store's
   capacity: the manager drops them from its index and reports them removed.
+- `removals(after)`: every block of its namespace any process removed (evicted or deleted),
+  from the store's removal log, which each write transaction commits with its removals.
 - `recover()`, `flush()`, `close()`, `stats()`.
 
 Layout. Databases "meta" (JSON: store format, version, block_bytes; each namespace's block
 count, capacity, name and attach entries; the next order seq), "heads" (store key -> the
 64-byte `tiers.format` header + the 8-byte order seq), "blocks" (store key -> stored
-payload) and "order" (namespace prefix + order seq -> block key, oldest first). Header and
+payload), "order" (namespace prefix + order seq -> block key, oldest first) and
+"removed" (the removal log: `removals`; store format 4, added in place to a format 3 store
+by its first write open). Header and
 payload are two values put in one write transaction, so the payload goes from the caller's
 tensor straight into the map (py-lmdb has no MDB_RESERVE) and an open reads header pages
 only; the checksum still covers both. The store key is the 8-byte namespace id followed by
@@ -52,8 +56,9 @@ environment. Every block is checksummed together with its key, so a damaged bloc
 a miss, never as wrong bytes; LMDB's own tree pages carry no checksum (damage there shows as
 LMDB errors).
 
-Modules, bottom up (each imports only those above it): `layout`, `warm`, `attach`, `env`,
-`scan`, `offline`, `tier` (`LMDBTier`; patch its tunables on `tiercache.tiers.lmdb.tier`).
+Modules, bottom up (each imports only those above it): `removals`, `layout`, `warm`,
+`attach`, `env`, `scan`, `offline`, `tier` (`LMDBTier`; patch its tunables on
+`tiercache.tiers.lmdb.tier`).
 """
 
 from tiercache.tiers.lmdb.env import map_size_for

@@ -26,7 +26,6 @@ from tiercache.tiers.base import KEY_BYTES
 from tiercache.tiers.keyed import PendingDeletes
 from tiercache.tiers.lmdb import warm as lmdb_warm
 from tiercache.tiers.lmdb.layout import (
-    BLOCKS_DB,
     DB_NAMES,
     HEADS_DB,
     MAX_READERS,
@@ -36,15 +35,22 @@ from tiercache.tiers.lmdb.layout import (
     ORDER_DB,
     STORE_FORMAT,
     STORE_VERSION,
+    UPGRADES_FROM,
     txn_ops_for,
 )
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
 
-_META_FORMAT = store_dir.MetaFormat("LMDB", STORE_FORMAT, STORE_VERSION)
+_META_FORMAT = store_dir.MetaFormat("LMDB", STORE_FORMAT, STORE_VERSION, older=UPGRADES_FROM)
 
 
-def map_size_for(capacity_blocks: int, block_bytes: int, page_size: int | None = None) -> int:
+def map_size_for(
+    capacity_blocks: int,
+    block_bytes: int,
+    page_size: int | None = None,
+    *,
+    removals_kept: int = 0,
+) -> int:
     """LMDB map size (bytes) for `capacity_blocks` blocks of `block_bytes`.
 
     A payload of V bytes stored out of line takes ceil((V + 16) / page) overflow pages (a
@@ -56,17 +62,21 @@ def map_size_for(capacity_blocks: int, block_bytes: int, page_size: int | None =
     per transaction the file peaks near C + 2K blocks; the map allows C + 3K + 16 blocks (one
     K for a snapshot a concurrent reader pins) + 8 MiB, all reserved on disk at open
     (`_reserve`: with writemap, a write into a hole of a sparse file on a full disk is a
-    SIGBUS, not an error). K is at most `MAX_TXN_OPS`.
+    SIGBUS, not an error). K is at most `MAX_TXN_OPS`. The removal log's entries (24 bytes in
+    a record) fit in `ENTRY_BYTES` up to one per block; `removals_kept` beyond the capacity
+    adds `REMOVAL_BYTES` each.
     """
     page = page_size or max(4096, os.sysconf("SC_PAGE_SIZE"))
     node = 8 + NS_BYTES + KEY_BYTES + block_bytes  # a leaf node holding the payload inline
     inline = node <= (page - 16) // 2  # LMDB's largest inline node (me_nodemax)
     payload = 2 * node if inline else math.ceil((block_bytes + 16) / page) * page
     per_block = payload + ENTRY_BYTES
-    return (capacity_blocks + 3 * txn_ops_for(capacity_blocks) + 16) * per_block + (8 << 20)
+    blocks = (capacity_blocks + 3 * txn_ops_for(capacity_blocks) + 16) * per_block
+    return blocks + max(0, removals_kept - capacity_blocks) * REMOVAL_BYTES + (8 << 20)
 
 
 ENTRY_BYTES = 512
+REMOVAL_BYTES = 64  # a removal log entry in records in half-full pages, with the freelist
 
 
 _POOLS: dict[str, ThreadPoolExecutor] = {}
@@ -122,13 +132,13 @@ class SharedEnv:
         self,
         path: str,
         env: lmdb.Environment,
-        dbs: tuple[Any, Any, Any, Any],
+        dbs: tuple[Any, Any, Any, Any, Any],
         block_bytes: int,
         map_size: int,
         durable: bool,
     ) -> None:
         self.path, self.env = path, env
-        self.meta, self.heads, self.blocks, self.order = dbs
+        self.meta, self.heads, self.blocks, self.order, self.removed = dbs
         self.block_bytes = block_bytes
         self.map_size = map_size
         self.durable = durable  # opened with sync + metasync: every commit is durable
@@ -301,8 +311,12 @@ def _reserve(path: str, map_size: int) -> None:
         os.close(fd)
 
 
-def _init_store(env: lmdb.Environment, path: str, block_bytes: int) -> tuple[Any, Any, Any, Any]:
-    """Validate (or, in an empty environment, create) our metadata; the db handles.
+def _init_store(
+    env: lmdb.Environment, path: str, block_bytes: int
+) -> tuple[Any, Any, Any, Any, Any]:
+    """Validate (or, in an empty environment, create) our metadata; the db handles. A store
+    of an older version this build upgrades (`UPGRADES_FROM`) gets what it lacks, and its
+    version, in the same transaction.
 
     In a write txn: LMDB's writer lock makes two processes creating one store at the same
     moment see each other's metadata instead of both writing it."""
@@ -324,7 +338,11 @@ def _init_store(env: lmdb.Environment, path: str, block_bytes: int) -> tuple[Any
         else:
             meta = parse_meta(path, raw)
             _META_FORMAT.check_block_bytes(meta["block_bytes"], block_bytes, path)
-        return (meta_db, *(env.open_db(n, txn=txn) for n in (HEADS_DB, BLOCKS_DB, ORDER_DB)))
+            if meta["version"] != STORE_VERSION:  # an older one: add the removal log
+                meta = {**meta, "version": STORE_VERSION}
+                txn.put(META_KEY, json.dumps(meta, sort_keys=True).encode(), db=meta_db)
+                log.info("%s: upgraded the LMDB store to format version %d", path, STORE_VERSION)
+        return (meta_db, *(env.open_db(n, txn=txn) for n in DB_NAMES[1:]))
 
 
 def parse_meta(path: str, raw: bytes) -> dict[str, Any]:

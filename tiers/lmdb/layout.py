@@ -11,7 +11,7 @@ write transaction every process runs alike.
   one key at a time in one transaction, a sweep's `present`), for the tier and `LMDBProbe`
   alike.
 
-Imports nothing of the package."""
+Imports nothing of the package but the removal log (`removals`)."""
 
 from __future__ import annotations
 
@@ -23,14 +23,19 @@ import lmdb
 
 from tiercache.tiers.base import KEY_BYTES
 from tiercache.tiers.format import HEADER_SIZE
+from tiercache.tiers.lmdb import removals
+from tiercache.tiers.lmdb.removals import DELETED, EVICTED, REMOVED_DB
 from tiercache.tiers.store_dir import DirRules
 
 STORE_FORMAT = "tiercache-lmdb"
-STORE_VERSION = 3  # bump when the environment layout (databases, metadata, keys) changes
+STORE_VERSION = 4  # bump when the environment layout (databases, metadata, keys) changes
+# Versions a write open upgrades in place (`env._init_store`) and a read-only open reads: 3
+# lacks only the removal log (`removals`), which an upgrade adds empty.
+UPGRADES_FROM = (3,)
 NS_BYTES = 8  # the namespace-id prefix of every store key
 SEQ_BYTES = 8  # the store's order sequence number, big-endian, after each header
 META_DB, HEADS_DB, BLOCKS_DB, ORDER_DB = b"meta", b"heads", b"blocks", b"order"
-DB_NAMES = (META_DB, HEADS_DB, BLOCKS_DB, ORDER_DB)
+DB_NAMES = (META_DB, HEADS_DB, BLOCKS_DB, ORDER_DB, REMOVED_DB)
 META_KEY = b"store"
 SEQ_KEY = b"seq"  # meta: the next order sequence number of the environment
 COUNT_PREFIX = b"count:"  # meta: + namespace prefix -> that namespace's block count
@@ -92,14 +97,26 @@ def iter_prefix(cursor: Any, prefix: bytes, values: bool) -> Iterator[Any]:
 class StoreTxn:
     """The bookkeeping of one write transaction, shared by every process: blocks put and
     deleted with their "order" entries (namespace prefix + order seq -> block key, oldest
-    first), each namespace's block count and the environment's next order seq in "meta"."""
+    first), each namespace's block count and the environment's next order seq in "meta",
+    and, where the store has a removal log (`removed`), a record of every block removed."""
 
-    def __init__(self, txn: lmdb.Transaction, meta: Any, heads: Any, blocks: Any, order: Any):
+    def __init__(
+        self,
+        txn: lmdb.Transaction,
+        meta: Any,
+        heads: Any,
+        blocks: Any,
+        order: Any,
+        removed: Any = None,
+    ):
         self.txn, self.meta, self.heads, self.blocks, self.order = txn, meta, heads, blocks, order
+        self.removed_db = removed
         self.seq = self.seq0 = u64(txn.get(SEQ_KEY, db=meta))
         self.counts: dict[bytes, int] = {}  # namespace prefix -> its count (read when used)
         self.dirty: set[bytes] = set()
         self.evicted: list[bytes] = []  # block keys `evict` deleted, oldest first
+        # (namespace prefix, reason) -> [(block key, its order seq)]: the removal log's records
+        self.removed: dict[tuple[bytes, bytes], list[tuple[bytes, int]]] = {}
 
     def count(self, nsb: bytes) -> int:
         c = self.counts.get(nsb)
@@ -111,11 +128,13 @@ class StoreTxn:
         self.counts[nsb] = max(0, self.count(nsb) + d)
         self.dirty.add(nsb)
 
-    def _drop(self, sk: bytes, head: bytes, order_too: bool = True) -> None:
+    def _drop(self, sk: bytes, head: bytes, reason: bytes, order_too: bool = True) -> None:
         txn = self.txn
         txn.delete(sk, db=self.heads)
         txn.delete(sk, db=self.blocks)
         seq = head_seq(head)
+        if seq is not None and self.removed_db is not None:
+            self.removed.setdefault((sk[:NS_BYTES], reason), []).append((sk[NS_BYTES:], seq))
         if order_too and seq is not None:
             ok = sk[:NS_BYTES] + seq_bytes(seq)
             if txn.get(ok, db=self.order) == sk[NS_BYTES:]:  # a copied header points elsewhere
@@ -129,7 +148,7 @@ class StoreTxn:
         if head is None:
             self.txn.delete(sk, db=self.blocks)  # an orphan payload: never counted
         elif want is None or head_seq(head) == want:
-            self._drop(sk, head)
+            self._drop(sk, head, DELETED)
 
     def put(self, sk: bytes, header: bytes, payload: Any) -> None:
         txn, nsb = self.txn, sk[:NS_BYTES]
@@ -160,10 +179,19 @@ class StoreTxn:
             cur.delete()  # the cursor moves to the next entry
             head = self.txn.get(sk, db=self.heads)
             if head is not None and head_seq(head) == int.from_bytes(ok[NS_BYTES:], "big"):
-                self._drop(sk, head, order_too=False)
+                self._drop(sk, head, EVICTED, order_too=False)
                 self.evicted.append(sk[NS_BYTES:])
 
-    def finish(self) -> None:
+    def finish(self, keep: int | None = None) -> None:
+        """Write what the transaction changed besides blocks: the removal log's records
+        (each with an order seq of its own, so the log sorts by commit; with `keep`, each
+        namespace's oldest records beyond `keep` entries go), the counts and the next seq."""
+        by_ns: dict[bytes, list[tuple[int, bytes, list[tuple[bytes, int]]]]] = {}
+        for (nsb, reason), gone in self.removed.items():
+            by_ns.setdefault(nsb, []).append((self.seq, reason, gone))
+            self.seq += 1
+        for nsb, records in by_ns.items():
+            removals.append(self.txn, self.meta, self.removed_db, nsb, records, keep)
         if self.seq != self.seq0:
             self.txn.put(SEQ_KEY, self.seq.to_bytes(8, "big"), db=self.meta)
         for nsb in self.dirty:

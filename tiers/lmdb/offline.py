@@ -78,6 +78,7 @@ class StoreHandle:
     write_lock: threading.Lock
     meta_db: Any = None
     order: Any = None
+    removed: Any = None  # the removal log (None in a store of format 3 opened read-only)
 
     def counts(self) -> dict[int, int]:
         """Namespace id -> the block count the store keeps for it (what its capacity bounds)."""
@@ -110,6 +111,7 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
                 shared.write_lock,
                 shared.meta,
                 shared.order,
+                shared.removed,
             )
         finally:
             detach(shared)
@@ -128,10 +130,11 @@ def open_store(path: str | os.PathLike[str], *, write: bool = False) -> Iterator
             if not {HEADS_DB, BLOCKS_DB, ORDER_DB} <= names:
                 raise ConfigError("path", f"{real}: the heads, blocks or order database is missing")
             # Outside that txn: a handle opened in a read txn dies with it.
-            dbs = [env.open_db(n, create=False) for n in DB_NAMES]
+            dbs = [env.open_db(n, create=False) if n in names else None for n in DB_NAMES]
         except lmdb.Error as exc:
             raise ConfigError("path", f"{real}: unreadable LMDB environment: {exc}") from None
-        yield StoreHandle(real, env, dbs[1], dbs[2], meta, threading.Lock(), dbs[0], dbs[3])
+        meta_db, heads, blocks, order, removed = dbs
+        yield StoreHandle(real, env, heads, blocks, meta, threading.Lock(), meta_db, order, removed)
     finally:
         env.close()
 
@@ -242,7 +245,7 @@ def delete_entries(h: StoreHandle, keys: Iterable[bytes]) -> int:
         for a in range(0, len(todo), MIN_TXN_OPS):
             try:
                 with h.env.begin(write=True) as txn:
-                    store = StoreTxn(txn, h.meta_db, h.heads, h.blocks, h.order)
+                    store = StoreTxn(txn, h.meta_db, h.heads, h.blocks, h.order, h.removed)
                     for k in todo[a : a + MIN_TXN_OPS]:
                         had = any(txn.get(k, db=d) is not None for d in (h.heads, h.blocks))
                         store.delete(k, None)

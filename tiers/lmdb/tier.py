@@ -28,7 +28,7 @@ from tiercache.tiers.keyed import (
     leading_clear,
 )
 from tiercache.tiers.lmdb import attach as lmdb_attach
-from tiercache.tiers.lmdb import scan
+from tiercache.tiers.lmdb import removals, scan
 from tiercache.tiers.lmdb import warm as lmdb_warm
 from tiercache.tiers.lmdb.env import attach, damaged, detach, map_size_for, pool, pool_map
 from tiercache.tiers.lmdb.layout import (
@@ -41,6 +41,7 @@ from tiercache.tiers.lmdb.layout import (
     txn_ops_for,
 )
 from tiercache.tiers.lmdb.offline import LMDBOffline, LMDBProbe
+from tiercache.tiers.lmdb.removals import Removal
 from tiercache.tiers.store_dir import prepare_dir
 
 log = logging.getLogger("tiercache.tiers.lmdb")  # the package's one logger name
@@ -62,6 +63,9 @@ def check_settings(o: Mapping[str, Any], where: str = "") -> float:
     sync = o.get("sync", "batch")
     if sync not in SYNC_MODES:
         raise ConfigError(f"{p}sync", f"expected one of {SYNC_MODES}, got {sync!r}")
+    kept = o.get("removals_kept")
+    if kept is not None and (isinstance(kept, bool) or not isinstance(kept, int) or kept < 1):
+        raise ConfigError(f"{p}removals_kept", f"expected an int >= 1, got {kept!r}")
     return check_seconds(o.get("sync_interval", SYNC_EVERY_S), f"{p}sync_interval")
 
 
@@ -78,6 +82,7 @@ class LMDBTier(KeyedTier):
         **CODEC_OPTIONS,
         "sync": str,
         "sync_interval": (int, float),
+        "removals_kept": int,
     }
 
     def __init__(
@@ -94,11 +99,15 @@ class LMDBTier(KeyedTier):
         sync_interval: float = SYNC_EVERY_S,
         namespace: str = "",
         lazy: bool = False,
+        removals_kept: int | None = None,
     ) -> None:
         """`lazy`: index nothing at open when the store is well formed (the manager finds
-        each block by `probe` on its first lookup); else index the newest `capacity`."""
+        each block by `probe` on its first lookup); else index the newest `capacity`.
+        `removals_kept`: block entries the removal log keeps for this namespace (default
+        `removals.keep_for(capacity_blocks)`), for readers that tail it (`removals`)."""
         codec = {"compression": compression, "level": level, "element_size": element_size}
-        interval = check_settings({**codec, "sync": sync, "sync_interval": sync_interval})
+        settings = {"sync": sync, "sync_interval": sync_interval, "removals_kept": removals_kept}
+        interval = check_settings({**codec, **settings})
         super().__init__(
             name=name, block_bytes=block_bytes, capacity_blocks=capacity_blocks, **codec
         )
@@ -108,6 +117,7 @@ class LMDBTier(KeyedTier):
         self._nsb = self._ns.to_bytes(NS_BYTES, "big")  # prefix of every store key of ours
         self._ours = header_check(self._ns, block_bytes)  # a probe's header check
         self._txn_ops = txn_ops_for(capacity_blocks)
+        self._keep_removed = removals_kept or removals.keep_for(capacity_blocks)
         self._lazy = lazy
         self.open_report: dict[str, int] = {}  # what _scan found: dropped, recovered blocks
         self._counts = dict.fromkeys(
@@ -130,7 +140,7 @@ class LMDBTier(KeyedTier):
         # since: `take_evicted` (under `_counts_lock`; bounded where nobody takes them).
         self._evicted: set[bytes] = set()
         self._path = prepare_dir(path, DIR_RULES)  # only LMDB's own two files in it
-        map_size = map_size_for(capacity_blocks, block_bytes)
+        map_size = map_size_for(capacity_blocks, block_bytes, removals_kept=self._keep_removed)
         self._shared = attach(self._path, block_bytes, map_size, sync)
         self._token: bytes | None = None  # our attach entry (tiers/lmdb/attach.py)
         # The probe's check of leading keys (a malformed entry met is damage the lazy open
@@ -349,7 +359,7 @@ class LMDBTier(KeyedTier):
         stored = 0
         txn = self._begin(write=True)
         try:
-            store = StoreTxn(txn, sh.meta, sh.heads, sh.blocks, sh.order)
+            store = StoreTxn(txn, sh.meta, sh.heads, sh.blocks, sh.order, sh.removed)
             with sh.state_lock:
                 pending = dict(sh.pending.entries)
             for k, i in chunk:
@@ -361,7 +371,7 @@ class LMDBTier(KeyedTier):
                     stored += len(payload)
             if any(i >= 0 for _, i in chunk):  # deletes alone never make room to trim
                 store.evict(self._nsb, self.capacity_blocks)
-            store.finish()
+            store.finish(keep=self._keep_removed)  # the removal log commits with them
             txn.commit()
         except BaseException:
             txn.abort()
@@ -385,6 +395,20 @@ class LMDBTier(KeyedTier):
                 return []
             out, self._evicted = list(self._evicted), set()
         return out
+
+    def removals(self, after: int = -1) -> list[Removal]:
+        """The blocks of this namespace that any process's write transactions removed, in
+        records committed after order seq `after`, oldest first (`removals.read`): a reader
+        that follows a shared store learns of every process's evictions, including those of
+        a process killed before it reported them. The log keeps the newest
+        `removals.keep_for(capacity)` entries; an older `after` finds the oldest kept."""
+        txn = self._begin(write=False, buffers=False)
+        try:
+            return list(removals.read(txn, self._shared.removed, self._nsb, after))
+        except lmdb.Error as exc:
+            raise self._os_error("read of the removal log", exc) from None
+        finally:
+            txn.abort()
 
     def _txn_clearing(
         self, chunk: Sequence[tuple[bytes, int]], encoded: Callable[[int], tuple[bytes, Any]]
