@@ -7,7 +7,8 @@ its worker: tiercache's exit hook never runs, so only write-through (on by defau
 a persistent tier right below the volatile CPU tier) has put blocks on disk. With
 ``--shutdown-timeout 30`` the worker exits gracefully and closes the cache. Either way a
 restarted server must hit (``usage.prompt_tokens_details.cached_tokens``) the full blocks of
-the prompts it served before, with identical outputs.
+the prompts it served before that the stores hold (after a graceful stop: all of them; after
+a force kill: exactly those the stores held, read offline by key), with identical outputs.
 
 Three server starts (~15-40 s each), one after the other on the same store."""
 
@@ -27,6 +28,10 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from tests.openai_server_deps import skip_if_missing  # noqa: E402
+from tiercache.hashing import prefix_hashes, shard_keys  # noqa: E402
+from tiercache.tiers.format import namespace_id  # noqa: E402
+from tiercache.tiers.lmdb import LMDBTier  # noqa: E402
+from tiercache.tiers.nvme import NVMeTier  # noqa: E402
 
 skip_if_missing()  # vLLM 0.33's server needs orjson (tests/openai_server_deps.py)
 
@@ -43,6 +48,35 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 def _loadable(prompts: list[list[int]]) -> int:
     """Tokens in full blocks, but never the block holding the last prompt token."""
     return sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
+
+
+def _on_disk(root: Path, namespace: str) -> set[bytes]:
+    """Keys of the good blocks of `namespace` in the NVMe and LMDB stores, read offline as
+    `tiercache inspect` reads them."""
+    ns = namespace_id(namespace)
+    held: set[bytes] = set()
+    for tier, path in ((NVMeTier, root / "nvme"), (LMDBTier, root / "lmdb")):
+        blocks = tier.offline_store(str(path), tier.kind).blocks()
+        held |= {b.key for b in blocks if b.namespace == ns}
+    return held
+
+
+def _hittable(prompts: list[list[int]], namespace: str, held: set[bytes]) -> int:
+    """Tokens a server can load for `prompts` from blocks with `held` keys: per prompt, its
+    leading loadable blocks (the connector's keys) that are held; with head shards (the
+    namespace's layout ends in "/heads:N") a block is held when each of its N shards is."""
+    m = re.search(r"/heads:(\d+)", namespace)
+    shards = range(int(m.group(1))) if m else None
+
+    def whole(k: bytes) -> bool:
+        return k in held if shards is None else held.issuperset(shard_keys([k], shards))
+
+    n = 0
+    for p in prompts:
+        limit = (len(p) - 1) // BLOCK
+        keys = prefix_hashes(p[: limit * BLOCK], BLOCK, namespace=namespace)
+        n += BLOCK * next((j for j, k in enumerate(keys) if not whole(k)), len(keys))
+    return n
 
 
 def _write_config(root: Path, prometheus_port: int) -> Path:
@@ -147,6 +181,8 @@ def test_a_restarted_server_hits_what_it_served_before_sigterm(
     assert stats["state"] in ("dead", "closed"), stats
     nvme = stats["tiers"]["nvme"]  # the last snapshot the worker wrote
     assert nvme["written_through"] > 0 and nvme["through_dropped"] == 0, nvme
+    # What the force kill left on disk, block by block: what the restart can hit, exactly.
+    on_disk = _hittable(first + second, stats["namespace"], _on_disk(tmp_path, stats["namespace"]))
 
     # 3. Restart with --shutdown-timeout 30: everything served before hits, same outputs.
     graceful = ["--shutdown-timeout", "30"]
@@ -156,6 +192,7 @@ def test_a_restarted_server_hits_what_it_served_before_sigterm(
         outputs, cached = _serve(srv, first + second)
         assert outputs == out_first + out_second
         hit["after SIGTERM, default timeout"] = (sum(cached), _loadable(first + second))
+        hit["on disk after the force kill"] = (on_disk, _loadable(first + second))
         out_third, cached = _serve(srv, third)
         assert cached == [0] * len(third)
         srv.sigterm()
@@ -179,7 +216,7 @@ def test_a_restarted_server_hits_what_it_served_before_sigterm(
     n, full = hit["after SIGTERM, --shutdown-timeout 30"]
     assert n == full, hit
     # A force kill races the write-through thread: the blocks it had not copied yet when
-    # the engine died are lost by design (volatile CPU tier), and how many depends on that
-    # race, so no exact figure exists; most of them were copied.
+    # the engine died are lost by design (volatile CPU tier). The restart hits exactly what
+    # the stores held after the kill, read block by block with the connector's keys.
     n, full = hit["after SIGTERM, default timeout"]
-    assert 0.9 * full <= n <= full, hit
+    assert n == on_disk <= full, hit
