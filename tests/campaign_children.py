@@ -250,6 +250,11 @@ def lmdb_cache_writer(
     cache = TierCache.open({"namespace": "fleet", "tiers": [lmdb]}, block_bytes=bb)
     tier = cache.tiers[-1]
     sh = tier._shared
+
+    def seqs(txn: Any, ids: list[int]) -> list[int | None]:
+        """The order seq each of `ids` is stored under in `txn`'s snapshot (None: not held)."""
+        return [head_seq(txn.get(tier._nsb + key(i), db=sh.heads)) for i in ids]
+
     puts = own_hits = other_hits = misses = wrong = peak = 0
     deadline = time.monotonic() + seconds
     try:
@@ -257,12 +262,13 @@ def lmdb_cache_writer(
             mine = [proc * per + i for i in rnd.sample(range(per), 4)]
             with sh.env.begin() as txn:
                 nxt = u64(txn.get(SEQ_KEY, db=sh.meta))
-                was = [head_seq(txn.get(tier._nsb + key(i), db=sh.heads)) for i in mine]
+                was = seqs(txn, mine)
             log("W")
             held = cache.put([key(i) for i in mine], blocks(mine, bb))
             with sh.env.begin() as txn:
-                now = [head_seq(txn.get(tier._nsb + key(i), db=sh.heads)) for i in mine]
-            low = [-1 if a is None and b is None else a if a is not None else b
+                now = seqs(txn, mine)
+            # The version held right after the put, else right before it, else none (-1).
+            low = [a if a is not None else b if b is not None else -1
                    for a, b in zip(now, was, strict=True)]  # fmt: skip
             acked = " ".join(f"{i} {s} {nxt}" for i, s in zip(mine, low, strict=True))
             log(f"A {acked}" if held == len(mine) else "F")

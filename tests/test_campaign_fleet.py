@@ -61,8 +61,13 @@ def _lines(log: Path) -> list[str]:
         return []
 
 
+def _acked(lines: list[str]) -> int:
+    """Puts acknowledged in a writer's log lines."""
+    return sum(1 for line in lines if line.startswith("A "))
+
+
 def _acks(log: Path) -> int:
-    return sum(1 for line in _lines(log) if line.startswith("A "))
+    return _acked(_lines(log))
 
 
 def _ledger(d: Path, ledger: StoreLedger) -> None:
@@ -127,7 +132,7 @@ def fleet_crash_campaign(tmp_path: Path, kills: int, seed: int, drop: bool = Fal
     results = [w.child.result(120) for w in writers]
     for w in writers:
         lines = _lines(w.log)
-        figures["acked_puts"] += sum(1 for line in lines if line.startswith("A "))
+        figures["acked_puts"] += _acked(lines)
         figures["failed_puts"] += lines.count("F")
     figures["wrong"] += sum(r["wrong"] for r in results)
     figures["survivor_errors"] = sum(r["errors"] for r in results)
@@ -180,7 +185,7 @@ def _kills(
         lines = _lines(victim.log)
         figures["kills"] += 1
         figures["killed_mid_write"] += bool(lines) and lines[-1] == "W"
-        figures["acked_puts"] += sum(1 for line in lines if line.startswith("A "))
+        figures["acked_puts"] += _acked(lines)
         figures["failed_puts"] += lines.count("F")
         figures["wrong"] += sum(1 for line in lines if line.startswith("X"))
         figures["over_capacity"] += sum(1 for line in lines if line.startswith("C"))

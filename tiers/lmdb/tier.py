@@ -400,8 +400,9 @@ class LMDBTier(KeyedTier):
         """The blocks of this namespace that any process's write transactions removed, in
         records committed after order seq `after`, oldest first (`removals.read`): a reader
         that follows a shared store learns of every process's evictions, including those of
-        a process killed before it reported them. The log keeps the newest
-        `removals.keep_for(capacity)` entries; an older `after` finds the oldest kept."""
+        a process killed before it reported them. Writers keep the newest `removals_kept`
+        entries (default `removals.keep_for(capacity)`); an older `after` finds the oldest
+        kept."""
         txn = self._begin(write=False, buffers=False)
         try:
             return list(removals.read(txn, self._shared.removed, self._nsb, after))
