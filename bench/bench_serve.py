@@ -541,6 +541,12 @@ def main() -> int:
     ap.add_argument("--small-cpu", default="16MiB")
     ap.add_argument("--disk-capacity", default="4GiB")
     ap.add_argument("--kv-space-gib", type=int, default=1)
+    ap.add_argument(
+        "--memory-loads",
+        choices=("sync", "async"),
+        default="sync",
+        help="tiercache's memory_loads: hits in memory load before the step's forward",
+    )
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="N prompts for the identity check (bench/serve_identity.py): "
                     "outputs equal the first config's (prefix), under load and across a "
@@ -660,6 +666,8 @@ def one_run(
     r.update(
         config=name, workload=workload, concurrency=conc, rate=rate, seed=seed, loaded=loaded,
         engine_hits=engine_hits, reusable=reusable, reusable_bound=bound, captured_tokens=got,
+        preemptions=d["num_preemptions"], computed_tokens=d["iteration_tokens_total_sum"],
+        steps=d["iteration_tokens_total_count"],
         loaded_per_req=loaded / r["requests"], reusable_per_req=reusable / r["requests"],
         captured=got / reusable if reusable else None,
     )  # fmt: skip
@@ -705,7 +713,8 @@ def _line(r: dict[str, Any]) -> str:
         f"e2e p50/p99 {r['e2el_50_ms']:7.0f}/{r['e2el_99_ms']:7.0f} ms  failed {r['failed']}  "
         f"loaded {r['loaded']:.0f}, captured {r['captured_tokens']:.0f} / reusable "
         f"{r['reusable']:.0f} ({cap}), "
-        f"engine hits {r['engine_hits']:.0f}"
+        f"engine hits {r['engine_hits']:.0f}, computed {r['computed_tokens']:.0f} tokens in "
+        f"{r['steps']:.0f} steps, preempted {r['preemptions']:.0f}"
     )
 
 
@@ -713,8 +722,9 @@ def table(runs: list[dict[str, Any]]) -> str:
     """Every run as a markdown table row."""
     head = (
         "| config | workload | conc. | rate | req/s | out tok/s | TTFT p50/p90/p99 ms "
-        "| e2e p50/p90/p99 ms | failed | loaded | captured / reusable tokens | engine hits |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| e2e p50/p90/p99 ms | failed | loaded | captured / reusable tokens | engine hits "
+        "| computed tokens / steps | preempted |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for r in runs:
@@ -726,7 +736,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"| {r['e2el_50_ms']:.0f} / {r['e2el_90_ms']:.0f} / {r['e2el_99_ms']:.0f} "
             f"| {r['failed']} | {r['loaded']:.0f} "
             f"| {r['captured_tokens']:.0f} / {r['reusable']:.0f} ({cap}) "
-            f"| {r['engine_hits']:.0f} |"
+            f"| {r['engine_hits']:.0f} | {r['computed_tokens']:.0f} / {r['steps']:.0f} "
+            f"| {r['preemptions']:.0f} |"
         )
     return head + "\n".join(rows) + "\n"
 

@@ -47,6 +47,9 @@ METRICS = (
     "vllm:prefix_cache_queries_total",
     "vllm:external_prefix_cache_hits_total",
     "vllm:external_prefix_cache_queries_total",
+    "vllm:num_preemptions_total",  # a preempted request computes its blocks again
+    "vllm:iteration_tokens_total_sum",  # tokens the engine computed (each step's)
+    "vllm:iteration_tokens_total_count",  # steps
 )
 
 
@@ -84,7 +87,8 @@ def kv_config(
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
-            "config": {"tiers": [{"kind": "cpu", "capacity": cpu}, *lower]}
+            "config": {"tiers": [{"kind": "cpu", "capacity": cpu}, *lower]},
+            "memory_loads": args.memory_loads,
         },
     }
 

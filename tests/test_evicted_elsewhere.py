@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.campaign_support import blocks, key, load_on_this_thread
+from tests.campaign_support import blocks, key, key_id, load_on_this_thread
 from tiercache import TierCache
 
 BB, CAP = 4096, 8
@@ -95,6 +95,34 @@ def test_the_disk_handler_reports_a_block_evicted_elsewhere_as_gone(tmp_path: Pa
         r = load_on_this_thread(b, 1, spec.slots, keys, (0, 1, 2))
         assert not r.success and r.failed == (0, 2) and r.gone == (0, 2)
         assert torch.equal(cpu.pool[1], blocks([CAP], BB)[0])  # the held one arrived
+    finally:
+        b.close()
+        a.close()
+
+
+def test_another_process_evictions_leave_the_index_and_a_put_stores_them_again(
+    tmp_path: Path,
+) -> None:
+    """B's index held 0..7 (found at open) when A's stores evicted them. B learns it from the
+    store's removal log: its next put stores them again instead of acknowledging them from
+    its stale index (a fresh process reads them back exact), and its events report all eight
+    removed, then the three it stored again: a router replaying them holds B to those three."""
+    a, b = _unlucky(tmp_path / "env")
+    try:
+        again = [key(i) for i in range(3)]
+        assert b.put(again, blocks(range(3), BB)) == 3
+        with TierCache.open(_config(tmp_path / "env"), block_bytes=BB) as c:
+            assert torch.equal(c.get(again), blocks(range(3), BB))
+        view: set[int] = set()  # what a router replaying B's events believes B holds
+        removed = set()
+        for e in b.take_events():  # the blocks found at open, then the removals, the put
+            ids = {key_id(k) for k in e.keys}
+            view = view - ids if e.removed else view | ids
+            removed |= ids if e.removed else set()
+        assert removed == set(range(CAP)) and view == {0, 1, 2}
+        assert b.lookup([key(i) for i in range(3, CAP)], count=False) == 0
+        assert b.lookup(again, count=False) == 3
+        _healthy(b)
     finally:
         b.close()
         a.close()

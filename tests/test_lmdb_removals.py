@@ -226,3 +226,56 @@ def test_each_namespace_reads_its_own_removals(tmp_path) -> None:
     finally:
         for w in (a, a2, b, b2):
             w.close()
+
+
+def test_take_evicted_tails_every_process_removals_that_are_still_gone(tmp_path) -> None:
+    """`take_evicted` reports what this tier's writes evicted and what any other process's
+    removed (the log's tail), each once, and only while the store lacks it: a key stored
+    again since is held, not reported. Records from before the tier opened are not read."""
+    path = tmp_path / "s"
+    old = _Writer(path, 4)
+    a = b = c = None
+    try:
+        old.put([90, 91, 92, 93])
+        old.put([94])  # evicts 90 before a and b open: not theirs to report
+        a, b, c = _Writer(path, 4), _Writer(path, 4), _Writer(path, 4)
+        b.put([0, 1, 2, 3])  # evicts 91..94
+        assert sorted(key_id(k) for k in a.t.take_evicted()) == [91, 92, 93, 94]
+        assert sorted(key_id(k) for k in b.t.take_evicted()) == [91, 92, 93, 94]  # its own
+        assert a.t.take_evicted() == [] and b.t.take_evicted() == []  # each once
+        b.put([4, 5])  # evicts 0, 1
+        c.put([0])  # 0 again (a new version); evicts 2
+        assert sorted(key_id(k) for k in a.t.take_evicted()) == [1, 2]
+        assert sorted(key_id(k) for k in b.t.take_evicted()) == [1, 2]  # 0 is held again
+        c.free(0)
+        c.t.flush()  # the delete is written (logged "deleted")
+        assert [key_id(k) for k in a.t.take_evicted()] == [0]
+    finally:
+        for w in (old, a, b, c):
+            if w is not None:
+                w.close()
+
+
+def test_a_tail_starts_after_its_own_namespace_newest_record(tmp_path) -> None:
+    """`Tail` starts at its namespace's newest record, whichever namespaces sort around it,
+    and takes each later record once."""
+    env = lmdb.open(str(tmp_path / "e"), max_dbs=2)
+    db = env.open_db(REMOVED_DB)
+    ns = [bytes([0] * 7 + [i]) for i in (1, 2, 3)] + [b"\xff" * 8]
+    with env.begin(write=True) as txn:
+        for i, nsb in enumerate(ns[:2] + ns[3:]):
+            for at in (10 + i, 20 + i):
+                txn.put(
+                    nsb + at.to_bytes(8, "big"), removal_log.encode(b"E", [(key(at), 1)]), db=db
+                )
+    with env.begin() as txn:
+        tails = [removal_log.Tail(txn, db, nsb) for nsb in ns]
+        assert [t.at for t in tails] == [20, 21, -1, 22]
+    with env.begin(write=True) as txn:
+        txn.put(ns[2] + (30).to_bytes(8, "big"), removal_log.encode(b"D", [(key(5), 3)]), db=db)
+        txn.put(ns[0] + (31).to_bytes(8, "big"), removal_log.encode(b"E", [(key(6), 4)]), db=db)
+    with env.begin() as txn:
+        got = [[(r.at, key_id(r.key), r.reason) for r in t.take(txn)] for t in tails]
+        assert got == [[(31, 6, "evicted")], [], [(30, 5, "deleted")], []]
+        assert [t.take(txn) for t in tails] == [[], [], [], []]
+    env.close()

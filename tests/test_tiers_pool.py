@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from tests.tier_conformance import TierConformance, rand_blocks, tier_state_machine
+from tiercache.config import CacheConfig
 from tiercache.errors import ConfigError, TierUnavailableError
 from tiercache.tiers import build_tier, tier_class
 from tiercache.tiers.cpu import CPUTier
@@ -103,8 +106,7 @@ def test_cpu_pool_is_faulted_in_behind_writes_without_touching_them() -> None:
         slots = [cap - 1, cap // 2, 7, cap - 2]  # far from the first chunk, faulted in later
         data = rand_blocks(len(slots), bb)
         t.write(slots, data)
-        t._prefault.done.wait(60)  # type: ignore[union-attr]
-        assert t.prefaulted
+        assert t.wait_prefaulted(60) and t.prefaulted
         out = torch.empty_like(data)
         t.read(slots, out)
         assert torch.equal(out, data)
@@ -145,3 +147,39 @@ def test_a_pool_past_the_hosts_memory_is_refused_before_allocating(monkeypatch) 
     t = CPUTier(block_bytes=mib, capacity_blocks=2, pin_memory=False)  # small ones still open
     assert t.capacity_blocks == 2
     t.close()
+
+
+def test_an_engine_store_waits_for_its_memory_tiers_to_be_faulted_in(monkeypatch) -> None:
+    """`SharedStore.wait_for_memory` (what both vLLM adapters' workers call before vLLM
+    serves) returns once every pool is backed, and gives up after its timeout with a warning
+    (the engine serves meanwhile)."""
+    import threading
+
+    import tiercache.tiers.pool as pool_mod
+    from tiercache.connectors.stores import acquire_store, release_store
+
+    config = CacheConfig.from_mapping(
+        {"namespace": "wait", "tiers": [{"kind": "cpu", "capacity": "64MiB", "pin_memory": False}]}
+    )
+    shared = acquire_store(config, 64 * 1024)
+    try:
+        shared.wait_for_memory(60)
+        assert shared.cache.tiers[0].prefaulted
+    finally:
+        release_store(shared)
+    gate = threading.Event()  # a prefault that does not end until the test says so
+    real = pool_mod._Prefault._run
+
+    def held(self, a: int, end: int) -> None:
+        gate.wait(30)
+        real(self, a, end)
+
+    monkeypatch.setattr(pool_mod._Prefault, "_run", held)
+    shared = acquire_store(config, 64 * 1024)
+    try:
+        t0 = time.monotonic()
+        shared.wait_for_memory(0.2)
+        assert 0.2 <= time.monotonic() - t0 < 5 and not shared.cache.tiers[0].prefaulted
+    finally:
+        gate.set()
+        release_store(shared)

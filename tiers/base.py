@@ -15,7 +15,7 @@ A tier knows bytes, never policies or other tiers. Primitives:
 - capability flags: `persistent`, `shared` (between processes), `read_only`; shared tiers
   also `probe` and `present` (what the store holds; `present_unlocked`: asked without the
   cache's lock), `adopt`, `take_gone`, and `open_probe` (a read-only `StoreProbe` for
-  another process); `take_evicted`: blocks a store with its own capacity dropped (LMDB);
+  another process); `take_evicted`: blocks a shared store removed without this instance (LMDB);
   `offline_store(path, name)`: a persistent kind's store on disk for offline tools;
 - `sort_failed(keys, failed)`: the one rule for a read's failed blocks, used by every path
   that reads a tier: gone (a plain miss) or an error;
@@ -260,9 +260,10 @@ class Tier(ABC):
         return set()
 
     def take_evicted(self) -> list[bytes]:
-        """Keys of blocks the store dropped by its own capacity (`store_capacity`), not by
-        this instance's `free`, since the last call and not stored again since: the manager
-        drops them from its index and reports them removed. Other tiers: none."""
+        """Keys of blocks a shared store removed without this instance (its own capacity,
+        `store_capacity`; another process's writes, where the store logs them) since the
+        last call, and not held now: the manager drops them from its index (before each
+        store it plans, and in `take_events`) and reports them removed. Other tiers: none."""
         return []
 
     def sort_failed(

@@ -216,6 +216,12 @@ class PoolTier(Tier):
         """True once every page of the pool is backed (tests, benchmarks)."""
         return self._prefault is None or self._prefault.done.is_set()
 
+    def wait_prefaulted(self, timeout: float) -> bool:
+        """Wait at most `timeout` seconds for the background prefault; whether it is done.
+        An engine about to serve waits: pages faulted in while it serves slow its first
+        requests (the faults and the prefault take the cores its forward needs)."""
+        return self._prefault is None or self._prefault.done.wait(timeout)
+
     def close(self) -> None:
         super().close()
         if self._prefault is not None:

@@ -41,6 +41,8 @@ from tiercache.connectors.vllm_kv import (
     TierCacheHandshake,
     TierCacheWorkerMetadata,
 )
+from tiercache.connectors.vllm_kv.settings import _memory_loads
+from tiercache.errors import ConfigError
 from tiercache.transfer.head_shards import HeadShards
 
 
@@ -531,7 +533,7 @@ def test_each_admission_is_logged_with_its_engine_and_tiercache_tokens(caplog) -
     c.update_connector_output(
         _out(TierCacheWorkerMetadata(events=[(0, tuple(keys[1:3]), "cpu", False)]))
     )
-    assert c.get_num_new_matched_tokens(request, 4) == (8, True)
+    assert c.get_num_new_matched_tokens(request, 4) == (8, False)  # in memory: synchronous
     blocks = SimpleNamespace(get_block_ids=lambda: [[10, 11, 12, 13, 14]])
     caplog.set_level(logging.DEBUG, logger="tiercache.connectors.vllm_kv.admissions")
     c.update_state_after_alloc(request, blocks, 8)
@@ -580,7 +582,7 @@ def test_a_remote_lookup_waits_for_blocks_this_engine_is_still_storing() -> None
     c.update_connector_output(
         _out(TierCacheWorkerMetadata(plans_done={"a": 1}, events=[(0, keys, "cpu", False)]))
     )
-    assert c.get_num_new_matched_tokens(b, 0) == (16, True)
+    assert c.get_num_new_matched_tokens(b, 0) == (16, False)  # held in memory: a synchronous load
 
 
 def test_a_remote_lookup_stops_waiting_for_a_plan_the_worker_never_reports() -> None:
@@ -599,3 +601,55 @@ def test_a_remote_lookup_stops_waiting_for_a_plan_the_worker_never_reports() -> 
     assert c.get_num_new_matched_tokens(b, 0) == (None, False)
     c.update_connector_output(_out(TierCacheWorkerMetadata(plans_done={"c": 1})))
     assert c.get_num_new_matched_tokens(b, 0) == (0, False)  # reported, but not held: a miss
+
+
+@pytest.mark.parametrize(
+    ("tiers", "held", "memory_loads", "sync"),
+    [
+        ([("cpu", 8)], {"cpu": 3}, "sync", True),  # every block in memory
+        ([("cpu", 8), ("nvme", 8)], {"cpu": 2, "nvme": 3}, "sync", False),  # one on disk
+        ([("cpu", 8), ("nvme", 8)], {"cpu": 3, "nvme": 3}, "sync", True),  # on both: memory
+        ([("cpu", 8)], {"cpu": 3}, "async", False),  # memory_loads "async"
+    ],
+)
+def test_a_remote_hit_held_in_memory_loads_before_the_forward(
+    tmp_path, tiers, held, memory_loads, sync
+) -> None:
+    """Remote placement: a hit every block of which the workers hold in a memory tier is a
+    synchronous load (vLLM runs the request in this step; the worker loads before the
+    forward); one that needs a disk tier stays asynchronous, as does every hit with
+    `memory_loads` "async"."""
+    config = CacheConfig.from_mapping(
+        {
+            "tiers": [
+                {"kind": k, "blocks": n, **({"path": str(tmp_path / k)} if k != "cpu" else {})}
+                for k, n in tiers
+            ]
+        }
+    )
+    c = KVScheduler(
+        KVSettings(config, block_size=4, block_bytes=64, sync_memory_loads=memory_loads == "sync")
+    )
+    request = _req("r", list(range(20)))
+    assert c.get_num_new_matched_tokens(request, 0) == (0, False)
+    keys = c._reqs["r"].keys
+    for medium, n in held.items():  # the worker's events: its tiers hold the first n blocks
+        c.update_connector_output(
+            _out(TierCacheWorkerMetadata(events=[(0, tuple(keys[:n]), medium, False)]))
+        )
+    assert c.get_num_new_matched_tokens(request, 0) == (12, not sync)
+    c.update_state_after_alloc(
+        request, SimpleNamespace(get_block_ids=lambda: [[1, 2, 3, 4, 5]]), 12
+    )
+    (job,) = c.build_connector_meta(_step("r", [1, 2, 3, 4, 5], 8)).loads
+    assert job.remote and job.sync == sync and job.keys == tuple(keys[:3])
+    assert job.block_ids == (1, 2, 3)
+    assert c.take_stats().get("sync_load_hits", 0) == int(sync)
+
+
+def test_memory_loads_takes_sync_or_async_and_names_a_bad_value() -> None:
+    assert _memory_loads(None) == "sync" and _memory_loads({}) == "sync"
+    assert _memory_loads({"memory_loads": "async"}) == "async"
+    for bad in ("SYNC", True, 1, None):
+        with pytest.raises(ConfigError, match=r"memory_loads.*'sync' or 'async'"):
+            _memory_loads({"memory_loads": bad})

@@ -350,10 +350,13 @@ class OffloadingManager:
         no key can be placed at all. Raises ValueError on duplicate keys.
         """
         keys = _seq(keys)
-        present = self._present
         distinct = set(keys)
         if len(distinct) != len(keys):
             raise ValueError("prepare_store: keys contain duplicates")
+        # A block another process's write removed from a shared store is not held: stored
+        # again, not acknowledged from a stale index.
+        self._drop_store_removed()
+        present = self._present
         new = [k for k in keys if k not in present]
         adoption = self._adoption
         if new and adoption.sleepers and adoption.wake_keys(new):  # held dormant: not stored again
@@ -567,14 +570,19 @@ class OffloadingManager:
         return self._breaker.remaining()
 
     def take_events(self) -> list[OffloadingEvent]:
-        """Events since the last call, oldest first; blocks a store dropped by its own
-        capacity (`Tier.take_evicted`) leave the index first (a pinned one: its read drops it)."""
+        """Events since the last call, oldest first; blocks a shared store removed (its own
+        capacity, another process: `Tier.take_evicted`) leave the index first."""
         for index in list(self._adoption.open_marks):
             self._adoption.send_open(self._levels[index])
+        self._drop_store_removed()
+        return self._events.take()
+
+    def _drop_store_removed(self) -> None:
+        """Drop from the index, reported removed, the blocks each tier's store removed
+        without this manager (`Tier.take_evicted`); a pinned one is left: its read drops it."""
         for lv in self._levels:
             if gone := [k for k in lv.tier.take_evicted() if k not in lv.pins]:
                 self.discard(gone, lv.index)
-        return self._events.take()
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier (by medium): capacity, usage and counters."""

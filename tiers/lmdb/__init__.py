@@ -11,7 +11,8 @@ Primitives (on top of the `Tier` ABC):
   blocks found at open or adopted are only forgotten.
 - `take_gone(keys)`: the failed reads that were plain misses (the store evicted the block).
 - `take_evicted()`: the blocks this tier's own write transactions evicted by the store's
-  capacity: the manager drops them from its index and reports them removed.
+  capacity, and those any other process's removed (the removal log's tail), that the store
+  does not hold now: the manager drops them from its index and reports them removed.
 - `removals(after)`: every block of its namespace any process removed (evicted or deleted),
   from the store's removal log, which each write transaction commits with its removals.
 - `recover()`, `flush()`, `close()`, `stats()`.
@@ -30,8 +31,9 @@ its own namespace's prefix. Slots are handles only: a read goes by key.
 
 Capacity belongs to the store: every transaction that stores evicts its namespace's oldest
 blocks beyond the capacity (`StoreTxn`), whichever process runs it; that process reports
-them (`take_evicted`), every other finds them gone. Opening deletes no good block: a tier
-indexes the newest `capacity` of its namespace from the order entries (headers only), in
+them (`take_evicted`), every other reads them from the removal log at its next
+`take_evicted` (or finds them gone at a read before that). Opening deletes no good block: a
+tier indexes the newest `capacity` of its namespace from the order entries (headers only), in
 bulk where the namespace is well formed, entry by entry (dropping only the malformed ones)
 where it is not (`scan`).
 

@@ -19,6 +19,7 @@ Imports nothing of the package but the key sizes."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -122,3 +123,25 @@ def read(txn: lmdb.Transaction, removed_db: Any, nsb: bytes, after: int = -1) ->
             yield from decode(k, v)
         except ValueError:
             continue
+
+
+class Tail:
+    """A reader's place in one namespace's removal log, from its newest record at the start:
+    `take(txn)` gives the removals committed since the last call, oldest first (hold `lock`
+    around it where several threads take)."""
+
+    def __init__(self, txn: lmdb.Transaction, removed_db: Any, nsb: bytes) -> None:
+        self._db, self._nsb = removed_db, nsb
+        self.lock = threading.Lock()
+        self.at = -1  # the newest record read (-1: none yet)
+        cur = txn.cursor(db=removed_db)
+        after = int.from_bytes(nsb, "big") + 1
+        found = cur.set_range(after.to_bytes(_NS, "big")) if after < 1 << 8 * _NS else False
+        if (cur.prev() if found else cur.last()) and bytes(cur.key()).startswith(nsb):
+            self.at = int.from_bytes(bytes(cur.key())[_NS:], "big")
+
+    def take(self, txn: lmdb.Transaction) -> list[Removal]:
+        new = list(read(txn, self._db, self._nsb, self.at))
+        if new:
+            self.at = new[-1].at
+        return new

@@ -149,6 +149,13 @@ class LMDBTier(KeyedTier):
             self._shared.heads, self._shared.order, self._nsb, self._ours, self._drop_malformed
         )
         try:
+            # Before the scan: a removal committed while it reads is tailed (at worst a key
+            # the index never held, a no-op for the manager), never skipped.
+            txn = self._begin(write=False, buffers=False)
+            try:
+                self._tail = removals.Tail(txn, self._shared.removed, self._nsb)
+            finally:
+                txn.abort()
             self._scan()
             self._register(namespace)
         except BaseException:
@@ -387,14 +394,43 @@ class LMDBTier(KeyedTier):
         return stored
 
     def take_evicted(self) -> list[bytes]:
-        """Keys of this namespace the store evicted by its capacity in this tier's write
-        transactions since the last call, and not stored again since (`Tier.take_evicted`).
-        Another process's evictions are not seen here: a read finds them gone."""
+        """Keys of this namespace the store removed since the last call and does not hold
+        now (`Tier.take_evicted`): those its capacity evicted in this tier's write
+        transactions, and every block any other process's writes removed (evicted or
+        deleted), read from the removal log's tail. So an index on a shared store drops
+        another process's evictions at its next call, instead of claiming them held (a put
+        would skip them) until a read finds them gone."""
         with self._counts_lock:
-            if not self._evicted:
-                return []
-            out, self._evicted = list(self._evicted), set()
-        return out
+            own, self._evicted = self._evicted, set()
+        return list(self._still_gone(own))
+
+    def _still_gone(self, own: set[bytes]) -> set[bytes]:
+        """`own` and the keys of the removal log's records since the last tail, those the
+        store lacks now, in one read transaction (a key stored again since is held: not
+        reported). The log is advice: a record trimmed before it was read leaves its keys to
+        be found gone by a read; without a transaction, `own` as it is."""
+        if self._closed:
+            return own
+        with self._tail.lock:
+            try:
+                txn = self._begin(write=False, buffers=False)
+            except OSError:
+                return own
+            try:
+                new = self._tail.take(txn)
+                if not new and not own:
+                    return own
+                pending, nsb, leading = self._deleting(), self._nsb, self._leading
+                return {
+                    k
+                    for k in own.union(r.key for r in new)
+                    if nsb + k in pending or leading(txn, [k]) != 1
+                }
+            except lmdb.Error as exc:
+                log.warning("%s: cannot read the removal log: %s", self._path, exc)
+                return own
+            finally:
+                txn.abort()
 
     def removals(self, after: int = -1) -> list[Removal]:
         """The blocks of this namespace that any process's write transactions removed, in

@@ -29,8 +29,10 @@ RankEvent = tuple[int, tuple[bytes, ...], str, bool]
 @dataclass(frozen=True, slots=True)
 class LoadJob:
     """Load `keys` into engine `block_ids`. Local placement: a synchronous load, `spec` the
-    plan the scheduler pinned (None: nothing left to pin). Remote: an asynchronous load the
-    worker plans itself. Blocks the worker cannot find or read become load errors."""
+    plan the scheduler pinned (None: nothing left to pin). Remote: a load the worker plans
+    itself, asynchronous unless `sync` (the scheduler found every block in a memory tier: it
+    loads before the step's forward). Blocks the worker cannot find or read become load
+    errors."""
 
     req_id: str
     keys: tuple[bytes, ...]
@@ -38,6 +40,7 @@ class LoadJob:
     spec: LoadSpec | None = None
     remote: bool = False
     asynchronous: bool = False  # hybrid models: reported by get_finished even when local
+    sync: bool = False  # remote: loaded before this step's forward (memory tiers only)
 
 
 @dataclass(frozen=True, slots=True)

@@ -187,6 +187,23 @@ class RemoteIndex:
         ms = self._index.get(key, {}).get(rank)
         return bool(ms) and not (off and ms <= off)
 
+    def held_in(self, keys: list[bytes], mediums: frozenset[str]) -> bool:
+        """The index says the rank that loads each of `keys` (every rank; head shards: the
+        shard's owner, `keys` block-major from a block's first shard) holds it in one of
+        `mediums` that no worker suspended."""
+        ok = mediums - self._suspended_mediums()
+        if not ok:
+            return False
+        index = self._index
+
+        def has(k: bytes, rank: int) -> bool:
+            return bool(index.get(k, {}).get(rank, set()) & ok)
+
+        if self._shards is not None:
+            owner = self._shards.owner
+            return all(has(k, owner(i)) for i, k in enumerate(keys))
+        return all(has(k, r) for k in keys for r in range(self._tp_size))
+
     def held_by_all(self, key: bytes, off: frozenset[str] = frozenset()) -> bool:
         """Remote placement: every rank holds `key` (in some tier of its own not in `off`)."""
         ranks = self._index.get(key, ())

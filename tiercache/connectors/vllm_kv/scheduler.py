@@ -44,6 +44,7 @@ from tiercache.connectors.vllm_kv.shared_blocks import SharedBlocks, open_shared
 from tiercache.connectors.vllm_kv.storing import StoresInFlight
 from tiercache.costs import LoadGate
 from tiercache.hashing import group_keys, prefix_hashes
+from tiercache.tiers import tier_class
 from tiercache.tiers.base import StoreProbe
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class _Req:
     hit: tuple[int, int] = (0, 0)  # (first block, number of blocks) of the last lookup
     local: int = 0  # tokens vLLM's own cache held at the last lookup (its num_computed_tokens)
     direct: bool = False  # the last hit is `LocalHit.direct`: loaded asynchronously
+    sync: bool = False  # remote: the last hit is held in memory tiers, loaded synchronously
     # Hybrid models: keys per group, what the last hit loads as (group, block position, key),
     # and positions where a hit is likely to end (`_window_keep`).
     gkeys: dict[int, list[bytes]] = field(default_factory=dict)
@@ -113,6 +115,13 @@ class KVScheduler(RoleBase):
             )
             if shared is not None
             else None
+        )
+        # Remote placement: tiers whose hits load before the step's forward (memory: a copy
+        # of milliseconds), as the local placement's do; a disk's load stays asynchronous.
+        self._sync_mediums = frozenset(
+            t.name
+            for t in self._config.tiers
+            if settings.sync_memory_loads and not tier_class(t.kind).persistent
         )
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
@@ -201,7 +210,7 @@ class KVScheduler(RoleBase):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         st = self._state(request)
-        st.hit, st.direct, st.local = (0, 0), False, num_computed_tokens
+        st.hit, st.direct, st.sync, st.local = (0, 0), False, False, num_computed_tokens
         bs = self._block_size
         # Never the block holding the last token: vLLM must compute at least one token.
         limit = (request.num_tokens - 1) // bs
@@ -237,9 +246,15 @@ class KVScheduler(RoleBase):
         st.hit = (start, n)
         self._describe(st, start, start + n)
         self._count("lookup_hit_blocks", n)
+        if self._shared is None and self._sync_mediums:
+            # Held in memory by every rank that loads it: loaded before this step's forward,
+            # so the request runs in this step, not after the step that reports a load done.
+            st.sync = self.remote.held_in(look[: n * self._per], self._sync_mediums)
+            self._count("sync_load_hits" if st.sync else "async_load_hits")
         # Asynchronous loads (remote, direct) keep the request's blocks out of vLLM's prefix
-        # cache until loaded: a block that fails is recomputed by this request alone.
-        return n * bs, self._shared is None or st.direct
+        # cache until loaded: a block that fails is recomputed by this request alone. A
+        # synchronous one that fails is recomputed by every request that shares its blocks.
+        return n * bs, (self._shared is None and not st.sync) or st.direct
 
     def _gkeys(self, st: _Req, group: KVGroup, n_blocks: int) -> list[bytes]:
         """The first `n_blocks` keys of `group` (hybrid models), extended as blocks fill."""
@@ -407,9 +422,10 @@ class KVScheduler(RoleBase):
                 m = self._shards.whole(m) if self._shards is not None else m
                 spec = manager.prepare_load(look[:m], leaving=True) if m else None
         asynchronous = self._hma or st.direct
-        job = LoadJob(request.request_id, keys, targets, spec, self._shared is None, asynchronous)
+        remote = self._shared is None
+        job = LoadJob(request.request_id, keys, targets, spec, remote, asynchronous, st.sync)
         self._loads.append(job)
-        st.hit, st.direct = (0, 0), False
+        st.hit, st.direct, st.sync = (0, 0), False, False
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheConnectorMetadata:
         meta = TierCacheConnectorMetadata(loads=self._loads, delayed=self._delayed)

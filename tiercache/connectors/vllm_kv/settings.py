@@ -65,6 +65,9 @@ class KVSettings:
     events: bool = True
     hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (shared_blocks' hashes)
     events_poll_s: float = 0.5  # extra config "events_poll_s": polls of shared stores' events
+    # extra config "memory_loads": "sync" (default) loads a remote hit held in memory tiers
+    # before the step's forward; "async" reports it done a step later, as disk hits are.
+    sync_memory_loads: bool = True
 
     @property
     def hma(self) -> bool:
@@ -161,6 +164,7 @@ class KVSettings:
             recompute_failures=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute",
             events=bool(getattr(events_config, "enable_kv_cache_events", False)),
             events_poll_s=_poll_s(ktc.kv_connector_extra_config),
+            sync_memory_loads=_memory_loads(ktc.kv_connector_extra_config) == "sync",
             hash_algo=str(
                 getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None) or "sha256"
             ),
@@ -173,6 +177,16 @@ def _poll_s(extra: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 60:
         raise ConfigError("kv_connector_extra_config.events_poll_s", f"expected 0-60 s, got {v!r}")
     return float(v)
+
+
+def _memory_loads(extra: Any) -> str:
+    """`kv_connector_extra_config["memory_loads"]`: "sync" or "async", checked (ConfigError)."""
+    v = (extra or {}).get("memory_loads", "sync")
+    if v not in ("sync", "async"):
+        raise ConfigError(
+            "kv_connector_extra_config.memory_loads", f"expected 'sync' or 'async', got {v!r}"
+        )
+    return str(v)
 
 
 class RoleBase:

