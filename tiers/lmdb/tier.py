@@ -151,7 +151,7 @@ class LMDBTier(KeyedTier):
         try:
             # Before the scan: a removal committed while it reads is tailed (at worst a key
             # the index never held, a no-op for the manager), never skipped.
-            txn = self._begin(write=False, buffers=False)
+            txn = self._begin(False, False)
             try:
                 self._tail = removals.Tail(txn, self._shared.removed, self._nsb)
             finally:
@@ -413,7 +413,7 @@ class LMDBTier(KeyedTier):
             return own
         with self._tail.lock:
             try:
-                txn = self._begin(write=False, buffers=False)
+                txn = self._begin(False, False)
             except OSError:
                 return own
             try:
