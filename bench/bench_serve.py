@@ -544,8 +544,8 @@ def main() -> int:
     ap.add_argument(
         "--memory-loads",
         choices=("sync", "async"),
-        default="sync",
-        help="tiercache's memory_loads: hits in memory load before the step's forward",
+        default="async",
+        help="tiercache's memory_loads ('sync': hits in memory load before the step's forward)",
     )
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="N prompts for the identity check (bench/serve_identity.py): "

@@ -533,7 +533,7 @@ def test_each_admission_is_logged_with_its_engine_and_tiercache_tokens(caplog) -
     c.update_connector_output(
         _out(TierCacheWorkerMetadata(events=[(0, tuple(keys[1:3]), "cpu", False)]))
     )
-    assert c.get_num_new_matched_tokens(request, 4) == (8, False)  # in memory: synchronous
+    assert c.get_num_new_matched_tokens(request, 4) == (8, True)
     blocks = SimpleNamespace(get_block_ids=lambda: [[10, 11, 12, 13, 14]])
     caplog.set_level(logging.DEBUG, logger="tiercache.connectors.vllm_kv.admissions")
     c.update_state_after_alloc(request, blocks, 8)
@@ -582,7 +582,7 @@ def test_a_remote_lookup_waits_for_blocks_this_engine_is_still_storing() -> None
     c.update_connector_output(
         _out(TierCacheWorkerMetadata(plans_done={"a": 1}, events=[(0, keys, "cpu", False)]))
     )
-    assert c.get_num_new_matched_tokens(b, 0) == (16, False)  # held in memory: a synchronous load
+    assert c.get_num_new_matched_tokens(b, 0) == (16, True)
 
 
 def test_a_remote_lookup_stops_waiting_for_a_plan_the_worker_never_reports() -> None:
@@ -615,10 +615,10 @@ def test_a_remote_lookup_stops_waiting_for_a_plan_the_worker_never_reports() -> 
 def test_a_remote_hit_held_in_memory_loads_before_the_forward(
     tmp_path, tiers, held, memory_loads, sync
 ) -> None:
-    """Remote placement: a hit every block of which the workers hold in a memory tier is a
-    synchronous load (vLLM runs the request in this step; the worker loads before the
-    forward); one that needs a disk tier stays asynchronous, as does every hit with
-    `memory_loads` "async"."""
+    """Remote placement with `memory_loads` "sync": a hit every block of which the workers
+    hold in a memory tier is a synchronous load (vLLM runs the request in this step; the
+    worker loads before the forward); one that needs a disk tier stays asynchronous, as does
+    every hit with "async" (the default)."""
     config = CacheConfig.from_mapping(
         {
             "tiers": [
@@ -648,8 +648,8 @@ def test_a_remote_hit_held_in_memory_loads_before_the_forward(
 
 
 def test_memory_loads_takes_sync_or_async_and_names_a_bad_value() -> None:
-    assert _memory_loads(None) == "sync" and _memory_loads({}) == "sync"
-    assert _memory_loads({"memory_loads": "async"}) == "async"
+    assert _memory_loads(None) == "async" and _memory_loads({}) == "async"
+    assert _memory_loads({"memory_loads": "sync"}) == "sync"
     for bad in ("SYNC", True, 1, None):
         with pytest.raises(ConfigError, match=r"memory_loads.*'sync' or 'async'"):
             _memory_loads({"memory_loads": bad})

@@ -116,8 +116,9 @@ class KVScheduler(RoleBase):
             if shared is not None
             else None
         )
-        # Remote placement: tiers whose hits load before the step's forward (memory: a copy
-        # of milliseconds), as the local placement's do; a disk's load stays asynchronous.
+        # Remote placement with memory_loads "sync": tiers whose hits load before the step's
+        # forward (memory: a copy of milliseconds), as the local placement's do; a disk's load
+        # stays asynchronous.
         self._sync_mediums = frozenset(
             t.name
             for t in self._config.tiers
