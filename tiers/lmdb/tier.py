@@ -249,15 +249,20 @@ class LMDBTier(KeyedTier):
             return None
         if not keys:
             return []
-        pending, nsb, leading = self._deleting(), self._nsb, self._leading
         try:
             txn = self._begin(False, False)
         except OSError:
             return None
         try:
-            return [nsb + k not in pending and leading(txn, [k]) == 1 for k in keys]
+            return self._held(txn, keys)
         finally:
             txn.abort()
+
+    def _held(self, txn: lmdb.Transaction, keys: Iterable[bytes]) -> list[bool]:
+        """Per key, whether `txn`'s snapshot holds a good block of it that this process is
+        not deleting (`present`'s answer; `_still_gone` asks it in the tail's transaction)."""
+        pending, nsb, leading = self._deleting(), self._nsb, self._leading
+        return [nsb + k not in pending and leading(txn, [k]) == 1 for k in keys]
 
     def _deleting(self) -> set[bytes]:
         """Store keys (namespace + key) this process is deleting: a probe reads them as gone."""
@@ -420,12 +425,9 @@ class LMDBTier(KeyedTier):
                 new = self._tail.take(txn)
                 if not new and not own:
                     return own
-                pending, nsb, leading = self._deleting(), self._nsb, self._leading
-                return {
-                    k
-                    for k in own.union(r.key for r in new)
-                    if nsb + k in pending or leading(txn, [k]) != 1
-                }
+                asked = list(own.union(r.key for r in new))
+                held = self._held(txn, asked)
+                return {k for k, h in zip(asked, held, strict=True) if not h}
             except lmdb.Error as exc:
                 log.warning("%s: cannot read the removal log: %s", self._path, exc)
                 return own

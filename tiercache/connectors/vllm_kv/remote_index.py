@@ -175,34 +175,37 @@ class RemoteIndex:
         self._off = {m: off for m, off in self._off.items() if not off.ready(now)}
         return frozenset(self._off)
 
-    def _owners_hold(self, keys: list[bytes], start: int, off: frozenset[str]) -> Iterator[bool]:
+    def _owners_hold(
+        self,
+        keys: list[bytes],
+        start: int,
+        off: frozenset[str],
+        within: frozenset[str] | None = None,
+    ) -> Iterator[bool]:
         """Head shards: for each of `keys` (block-major, the first at position `start`),
-        whether the rank owning that shard holds it in a tier not in `off`."""
+        whether the rank owning that shard holds it in a tier not in `off` (and in `within`)."""
         owner = self._shards.owner  # type: ignore[union-attr]
         for i, k in enumerate(keys, start):
-            yield self._rank_holds(k, owner(i), off)
+            yield self._rank_holds(k, owner(i), off, within)
 
-    def _rank_holds(self, key: bytes, rank: int, off: frozenset[str]) -> bool:
-        """The index says `rank` holds `key` in a tier not in `off`."""
+    def _rank_holds(
+        self, key: bytes, rank: int, off: frozenset[str], within: frozenset[str] | None = None
+    ) -> bool:
+        """The index says `rank` holds `key` in a tier not in `off` (and, given, in `within`)."""
         ms = self._index.get(key, {}).get(rank)
+        if ms and within is not None:
+            ms = ms & within
         return bool(ms) and not (off and ms <= off)
 
     def held_in(self, keys: list[bytes], mediums: frozenset[str]) -> bool:
         """The index says the rank that loads each of `keys` (every rank; head shards: the
         shard's owner, `keys` block-major from a block's first shard) holds it in one of
         `mediums` that no worker suspended."""
-        ok = mediums - self._suspended_mediums()
-        if not ok:
-            return False
-        index = self._index
-
-        def has(k: bytes, rank: int) -> bool:
-            return bool(index.get(k, {}).get(rank, set()) & ok)
-
+        off = self._suspended_mediums()
         if self._shards is not None:
-            owner = self._shards.owner
-            return all(has(k, owner(i)) for i, k in enumerate(keys))
-        return all(has(k, r) for k in keys for r in range(self._tp_size))
+            return all(self._owners_hold(keys, 0, off, mediums))
+        ranks = range(self._tp_size)
+        return all(self._rank_holds(k, r, off, mediums) for k in keys for r in ranks)
 
     def held_by_all(self, key: bytes, off: frozenset[str] = frozenset()) -> bool:
         """Remote placement: every rank holds `key` (in some tier of its own not in `off`)."""
