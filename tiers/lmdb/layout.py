@@ -24,7 +24,7 @@ import lmdb
 from tiercache.tiers.base import KEY_BYTES
 from tiercache.tiers.format import HEADER_SIZE
 from tiercache.tiers.lmdb import removals
-from tiercache.tiers.lmdb.removals import DELETED, EVICTED, REMOVED_DB
+from tiercache.tiers.lmdb.removals import DELETED, EVICTED, NS_BYTES, REMOVED_DB, SEQ_BYTES
 from tiercache.tiers.store_dir import DirRules
 
 STORE_FORMAT = "tiercache-lmdb"
@@ -32,8 +32,8 @@ STORE_VERSION = 4  # bump when the environment layout (databases, metadata, keys
 # Versions a write open upgrades in place (`env._init_store`) and a read-only open reads: 3
 # lacks only the removal log (`removals`), which an upgrade adds empty.
 UPGRADES_FROM = (3,)
-NS_BYTES = 8  # the namespace-id prefix of every store key
-SEQ_BYTES = 8  # the store's order sequence number, big-endian, after each header
+# NS_BYTES (the namespace-id prefix of every store key) and SEQ_BYTES (the store's order
+# sequence number, big-endian, after each header) are the removal log's too: defined there.
 META_DB, HEADS_DB, BLOCKS_DB, ORDER_DB = b"meta", b"heads", b"blocks", b"order"
 DB_NAMES = (META_DB, HEADS_DB, BLOCKS_DB, ORDER_DB, REMOVED_DB)
 META_KEY = b"store"

@@ -32,7 +32,9 @@ REMOVED_DB = b"removed"
 HELD_PREFIX = b"removed:"  # meta: + namespace prefix -> block entries its records hold
 EVICTED, DELETED = b"E", b"D"  # by the store's capacity; by a delete (freed, damaged, CLI)
 REASONS = {EVICTED: "evicted", DELETED: "deleted"}
-_NS, _SEQ = 8, 8  # the namespace prefix and an order seq (layout.NS_BYTES, SEQ_BYTES)
+NS_BYTES = 8  # the namespace-id prefix of every store key (layout's, and this log's keys')
+SEQ_BYTES = 8  # the store's order sequence number, big-endian (the order's and this log's)
+_NS, _SEQ = NS_BYTES, SEQ_BYTES
 _ENTRY = KEY_BYTES + _SEQ
 KEEP_MIN = 1024  # the fewest block entries a tier keeps per namespace
 
