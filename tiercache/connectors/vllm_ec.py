@@ -49,6 +49,7 @@ from tiercache.connectors.namespace import (
     resolve_config,
 )
 from tiercache.connectors.stores import acquire_store, release_store
+from tiercache.connectors.vllm_logging import follow_vllm_logging
 from tiercache.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -151,6 +152,7 @@ class TierCacheECConnector(ECConnectorBase):
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
+        follow_vllm_logging()
         ec = vllm_config.ec_transfer_config
         assert ec is not None  # the base class raised otherwise
         extra = ec.ec_connector_extra_config or {}

@@ -53,6 +53,7 @@ from tiercache.connectors.vllm_kv.messages import (
 from tiercache.connectors.vllm_kv.scheduler import KVScheduler
 from tiercache.connectors.vllm_kv.settings import SETTLE_KEY, KVSettings, log
 from tiercache.connectors.vllm_kv.worker import KVWorker
+from tiercache.connectors.vllm_logging import follow_vllm_logging
 from tiercache.tiers.base import StoreProbe
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        follow_vllm_logging()
         worker = role == KVConnectorRole.WORKER
         self.settings = settings = KVSettings.from_vllm(vllm_config, kv_cache_config, worker=worker)
         self.scheduler: KVScheduler | None = None if worker else open_scheduler(settings)

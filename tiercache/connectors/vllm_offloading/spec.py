@@ -27,6 +27,7 @@ from tiercache.connectors.namespace import (
 )
 from tiercache.connectors.stores import acquire_store, find_store, release_store
 from tiercache.connectors.tp_layout import read_tp_layout
+from tiercache.connectors.vllm_logging import follow_vllm_logging
 from tiercache.connectors.vllm_offloading.manager import TierCacheSchedulerSide
 from tiercache.connectors.vllm_offloading.specs import CONFIG_INFO_KEYS, WORKER_KEY, log
 from tiercache.connectors.vllm_offloading.worker import TierCacheWorkerSide
@@ -38,6 +39,7 @@ class TierCacheOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        follow_vllm_logging()
         if config.parallel.world_size != 1:
             raise ValueError(
                 "TierCacheOffloadingSpec: vLLM world_size must be 1 (got "
