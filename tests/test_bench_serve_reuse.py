@@ -118,6 +118,52 @@ def test_identity_prompts_share_each_prefix_alike_and_mismatches_name_the_prompt
         m.identity_prompts(2, 3, 5, 2, 50, seed=1)
 
 
+def test_a_first_difference_at_the_references_runner_up_within_the_margin_is_a_tie() -> None:
+    """`Pass.ties`: of the mismatched prompts, those whose first differing token the reference
+    ranked second within TIE_NATS (a float near-tie vLLM's own paths flip); a difference at
+    a token the reference did not rank second, or ranked far below, stays a mismatch; the
+    summary counts ties apart from mismatches."""
+    m = _identity()
+    ref = m.Pass([[5, 6, 7], [5, 6, 7], [5, 6, 7], [5, 6, 7]])
+    near = [{"a": -1.0, "b": -1.0}, {"c": -1.2000, "d": -1.2004}, {"e": -0.1, "f": -3.0}]
+    far = [{"a": -1.0, "b": -1.0}, {"c": -0.5, "d": -2.0}, {"e": -0.1, "f": -3.0}]
+    ref.tops = {0: near, 1: far, 2: near, 3: near}
+    got = m.Pass([[5, 8, 9], [5, 8, 9], [9, 6, 7], [5, 6, 7]])
+    got.tokens = {0: ["a", "d", "x"], 1: ["a", "d", "x"], 2: ["z", "c", "e"], 3: ["a", "c", "e"]}
+    ties = got.ties(ref)
+    assert list(ties) == [0] and ties[0] == pytest.approx(0.0004)
+    s = m.summary("cpu", {"before": got}, ref)["before"]
+    assert s["mismatched"] == [1, 2] and list(s["ties"]) == ["0"]
+    assert m._ties(s["ties"]) == "1 (#0: 0.0004)"
+    # without the reference's log-probabilities nothing is a tie
+    assert m.Pass([[5, 8, 9]]).ties(m.Pass([[5, 6, 7]])) == {}
+
+
+def test_allcache_holds_every_prefix_and_the_running_requests(tmp_path: Path) -> None:
+    """The `allcache` server's engine cache: every prefix's blocks and max_model_len for each
+    of the largest concurrency's requests, in KV space enough for them in fp32 (2 x layers x
+    KV heads x head_dim x block x 4 bytes a block), unless --allcache-blocks says."""
+    import argparse
+    import json
+
+    b = _bench()
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 6, "hidden_size": 512, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 64,
+    }))  # fmt: skip
+    args = argparse.Namespace(
+        allcache_blocks=None, max_model_len=2048, block=32, num_prefixes=64, prefix_len=1024,
+        concurrency=[4, 16], engine_blocks=512, kv_space_gib=1,
+    )  # fmt: skip
+    a = b.allcache_args(args, tmp_path)
+    assert a.engine_blocks == 64 * 32 + 16 * 64
+    assert a.kv_space_gib == -(-a.engine_blocks * 2 * 6 * 4 * 64 * 32 * 4 // 2**30) + 1 == 3
+    assert args.engine_blocks == 512  # the other servers' settings are left alone
+    args.allcache_blocks = 100
+    assert b.allcache_args(args, tmp_path).engine_blocks == 100
+    assert b.kv_config("allcache", tmp_path, args, "") is None  # no connector
+
+
 def test_unique_prompts_share_no_block_and_are_seeded() -> None:
     """The no-reuse workload: no two prompts alike in their first block (so in any block of
     a chain), the same prompts for the same seed, words of the model's vocabulary only."""
