@@ -552,9 +552,9 @@ def main() -> int:
     ap.add_argument(
         "--memory-loads",
         choices=("sync", "async"),
-        default="sync",
-        help="tiercache's memory_loads ('sync', its default: hits in memory load before the "
-        "step's forward; 'async': reported loaded a step later)",
+        default="async",
+        help="tiercache's memory_loads ('sync': hits in memory load before the step's "
+        "forward; 'async', its default: reported loaded a step later)",
     )
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="N prompts for the identity check (bench/serve_identity.py): "

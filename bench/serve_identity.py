@@ -19,10 +19,11 @@ attention another way than a full prefill, and the log-probabilities differ in t
 digit (measured without any connector: -1.2203363 / -1.2203706 for one token of one prompt).
 Where the reference's two likeliest tokens are closer than that, greedy decoding may pick
 either: a random model has such near-ties (one prompt of 2,048 flipped between two servers
-without a connector that differ only in engine cache size). Every completion asks for its
-top log-probabilities, and an answer that differs from the reference first at a token that
-is the reference's runner-up within `TIE_NATS` is a *tie* (`Pass.ties`), reported with its
-margin apart from the mismatches; any other difference is a mismatch.
+without a connector that differ only in engine cache size). Every completion of the bench
+asks for its top log-probabilities, and an answer that differs from the reference first at a
+token that is the reference's runner-up within `TIE_NATS` is a *tie* (`Pass.ties`), reported
+with its margin apart from the mismatches; any other difference is a mismatch. (The CI test
+at its small size asks for none: its server has no tokenizer; it demands identical outputs.)
 """
 
 from __future__ import annotations
@@ -113,14 +114,17 @@ class Pass:
 
 
 def complete(
-    url: str, model: str, prompt: list[int], max_tokens: int
+    url: str, model: str, prompt: list[int], max_tokens: int, logprobs: bool = False
 ) -> tuple[list[int], str, list[str], list[dict[str, float]]]:
-    """One greedy completion of token-id `prompt`: its output ids, finish reason, and per
-    output token its text and the two likeliest tokens' log-probabilities (for `Pass.ties`)."""
+    """One greedy completion of token-id `prompt`: its output ids, finish reason, and with
+    `logprobs` (a server with a tokenizer: vLLM names the tokens) per output token its text
+    and the two likeliest tokens' log-probabilities (for `Pass.ties`; else empty lists)."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True, "logprobs": 2,
+        "ignore_eos": True, "return_token_ids": True,
     }  # fmt: skip
+    if logprobs:
+        body["logprobs"] = 2
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -143,9 +147,10 @@ def run_pass(
     max_tokens: int,
     stop_after: int | None = None,
     stop: Any = None,
+    logprobs: bool = False,
 ) -> Pass:
     """Every prompt, `concurrency` at a time. With `stop_after`, call `stop()` once that many
-    have answered (the others fail or answer after it)."""
+    have answered (the others fail or answer after it). `logprobs`: see `complete`."""
     out = Pass([None] * len(prompts))
     answered = threading.Semaphore(0)
     signalled = threading.Event()
@@ -153,7 +158,7 @@ def run_pass(
 
     def one(i: int) -> None:
         try:
-            ids, finish, tokens, tops = complete(url, model, prompts[i], max_tokens)
+            ids, finish, tokens, tops = complete(url, model, prompts[i], max_tokens, logprobs)
             with lock:
                 out.outputs[i] = ids
                 out.tokens[i], out.tops[i] = tokens, tops
@@ -231,7 +236,10 @@ class Identity:
         self.results: list[dict[str, Any]] = []
 
     def _pass(self, srv: Any, **kw: Any) -> Any:
-        return run_pass(srv.url, srv.model, self.prompts, self.conc, self.max_tokens, **kw)
+        # the bench's models have a tokenizer (`word_tokenizer`): ties can be told
+        return run_pass(
+            srv.url, srv.model, self.prompts, self.conc, self.max_tokens, logprobs=True, **kw
+        )
 
     def before_restart(self, name: str, srv: Any) -> None:
         """The reference (prefix), or a pass and a pass cut by SIGTERM (connector configs)."""

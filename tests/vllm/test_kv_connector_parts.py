@@ -533,8 +533,7 @@ def test_each_admission_is_logged_with_its_engine_and_tiercache_tokens(caplog) -
     c.update_connector_output(
         _out(TierCacheWorkerMetadata(events=[(0, tuple(keys[1:3]), "cpu", False)]))
     )
-    # held in a memory tier on the worker: loaded before the forward (memory_loads "sync")
-    assert c.get_num_new_matched_tokens(request, 4) == (8, False)
+    assert c.get_num_new_matched_tokens(request, 4) == (8, True)
     blocks = SimpleNamespace(get_block_ids=lambda: [[10, 11, 12, 13, 14]])
     caplog.set_level(logging.DEBUG, logger="tiercache.connectors.vllm_kv.admissions")
     c.update_state_after_alloc(request, blocks, 8)
@@ -583,7 +582,7 @@ def test_a_remote_lookup_waits_for_blocks_this_engine_is_still_storing() -> None
     c.update_connector_output(
         _out(TierCacheWorkerMetadata(plans_done={"a": 1}, events=[(0, keys, "cpu", False)]))
     )
-    assert c.get_num_new_matched_tokens(b, 0) == (16, False)  # held in memory: a sync load
+    assert c.get_num_new_matched_tokens(b, 0) == (16, True)
 
 
 def test_a_remote_lookup_stops_waiting_for_a_plan_the_worker_never_reports() -> None:
@@ -649,8 +648,7 @@ def test_a_remote_hit_held_in_memory_loads_before_the_forward(
 
 
 def test_memory_loads_takes_sync_or_async_and_names_a_bad_value() -> None:
-    assert _memory_loads(None) == "sync" and _memory_loads({}) == "sync"
-    assert _memory_loads({"memory_loads": "async"}) == "async"
+    assert _memory_loads(None) == "async" and _memory_loads({}) == "async"
     assert _memory_loads({"memory_loads": "sync"}) == "sync"
     for bad in ("SYNC", True, 1, None):
         with pytest.raises(ConfigError, match=r"memory_loads.*'sync' or 'async'"):

@@ -65,9 +65,9 @@ class KVSettings:
     events: bool = True
     hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (shared_blocks' hashes)
     events_poll_s: float = 0.5  # extra config "events_poll_s": polls of shared stores' events
-    # extra config "memory_loads": "sync" (default) loads a remote hit held in memory tiers
-    # before the step's forward; "async" reports it done a step later, as disk hits are.
-    sync_memory_loads: bool = True
+    # extra config "memory_loads": "sync" loads a remote hit held in memory tiers before the
+    # step's forward; "async" (default) reports it done a step later, as disk hits are.
+    sync_memory_loads: bool = False
 
     @property
     def hma(self) -> bool:
@@ -181,7 +181,7 @@ def _poll_s(extra: Any) -> float:
 
 def _memory_loads(extra: Any) -> str:
     """`kv_connector_extra_config["memory_loads"]`: "sync" or "async", checked (ConfigError)."""
-    v = (extra or {}).get("memory_loads", "sync")
+    v = (extra or {}).get("memory_loads", "async")
     if v not in ("sync", "async"):
         raise ConfigError(
             "kv_connector_extra_config.memory_loads", f"expected 'sync' or 'async', got {v!r}"
