@@ -664,7 +664,7 @@ def config_runs(
         time.sleep(11)
         if identity is not None and name != "allcache":
             identity.before_restart(name, srv)
-    if identity is not None and name not in ("prefix", "allcache"):
+    if identity is not None and kv is not None:  # a connector's store to restart on
         with Server(model, args.out / f"server-{name}-restart.log", kv, args) as srv:
             identity.after_restart(name, srv)
         (args.out / "results.json").write_text(json.dumps(_doc(args, runs, identity), indent=1))

@@ -34,8 +34,7 @@ EVICTED, DELETED = b"E", b"D"  # by the store's capacity; by a delete (freed, da
 REASONS = {EVICTED: "evicted", DELETED: "deleted"}
 NS_BYTES = 8  # the namespace-id prefix of every store key (layout's, and this log's keys')
 SEQ_BYTES = 8  # the store's order sequence number, big-endian (the order's and this log's)
-_NS, _SEQ = NS_BYTES, SEQ_BYTES
-_ENTRY = KEY_BYTES + _SEQ
+_ENTRY = KEY_BYTES + SEQ_BYTES
 KEEP_MIN = 1024  # the fewest block entries a tier keeps per namespace
 
 
@@ -58,16 +57,16 @@ class Removal:
 
 def encode(reason: bytes, removed: Iterable[tuple[bytes, int]]) -> bytes:
     """A record's value: `reason` + each (block key, order seq)."""
-    return reason + b"".join(k + s.to_bytes(_SEQ, "big") for k, s in removed)
+    return reason + b"".join(k + s.to_bytes(SEQ_BYTES, "big") for k, s in removed)
 
 
 def decode(nsb_seq: bytes, value: bytes | memoryview) -> list[Removal]:
     """The removals a record holds; ValueError when it is malformed."""
     raw = bytes(value)
     reason = REASONS.get(raw[:1])
-    if reason is None or len(nsb_seq) != _NS + _SEQ or (len(raw) - 1) % _ENTRY:
+    if reason is None or len(nsb_seq) != NS_BYTES + SEQ_BYTES or (len(raw) - 1) % _ENTRY:
         raise ValueError(f"malformed removal record {nsb_seq.hex()}")
-    at = int.from_bytes(nsb_seq[_NS:], "big")
+    at = int.from_bytes(nsb_seq[NS_BYTES:], "big")
     out = []
     for o in range(1, len(raw), _ENTRY):
         key, seq = raw[o : o + KEY_BYTES], int.from_bytes(raw[o + KEY_BYTES : o + _ENTRY], "big")
@@ -94,10 +93,10 @@ def append(
     (never the ones just put)."""
     n = held(txn, meta, nsb)
     for at, reason, removed in records:
-        txn.put(nsb + at.to_bytes(_SEQ, "big"), encode(reason, removed), db=removed_db)
+        txn.put(nsb + at.to_bytes(SEQ_BYTES, "big"), encode(reason, removed), db=removed_db)
         n += len(removed)
     if keep is not None and n > keep:
-        first_new = nsb + records[0][0].to_bytes(_SEQ, "big")
+        first_new = nsb + records[0][0].to_bytes(SEQ_BYTES, "big")
         cur = txn.cursor(db=removed_db)
         if cur.set_range(nsb):
             while n > keep:
@@ -114,7 +113,7 @@ def read(txn: lmdb.Transaction, removed_db: Any, nsb: bytes, after: int = -1) ->
     (a reader that tails the log passes the last `Removal.at` it saw). A malformed record
     (damage) is skipped: the log is advice, the blocks themselves are checked on read."""
     cur = txn.cursor(db=removed_db)
-    start = nsb + max(0, after + 1).to_bytes(_SEQ, "big")
+    start = nsb + max(0, after + 1).to_bytes(SEQ_BYTES, "big")
     if not cur.set_range(start):
         return
     for k, v in cur.iternext(values=True):
@@ -138,9 +137,9 @@ class Tail:
         self.at = -1  # the newest record read (-1: none yet)
         cur = txn.cursor(db=removed_db)
         after = int.from_bytes(nsb, "big") + 1
-        found = cur.set_range(after.to_bytes(_NS, "big")) if after < 1 << 8 * _NS else False
+        found = after < 1 << 8 * NS_BYTES and cur.set_range(after.to_bytes(NS_BYTES, "big"))
         if (cur.prev() if found else cur.last()) and bytes(cur.key()).startswith(nsb):
-            self.at = int.from_bytes(bytes(cur.key())[_NS:], "big")
+            self.at = int.from_bytes(bytes(cur.key())[NS_BYTES:], "big")
 
     def take(self, txn: lmdb.Transaction) -> list[Removal]:
         new = list(read(txn, self._db, self._nsb, self.at))
